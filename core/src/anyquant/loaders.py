@@ -1,0 +1,134 @@
+"""A base class for loaders of transformers-architecture checkpoints.
+
+A format plugin subclasses :class:`TransformersLoader` and supplies ``make_linear`` (its
+quantized linear for each ``nn.Linear`` of the model); the base class does the rest: device and
+dtype, the meta skeleton, tensor filling, tying, the tokenizer, and core's generator. Importing
+this module does not import torch; :meth:`TransformersLoader.load` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .errors import UnsupportedBackendError
+from .probe import Probe, thaw
+from .protocols import BackendInfo, Detection, LoadOptions
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from .runtime.loaded import LoadedModel
+    from .runtime.tensors import TensorSource
+
+__all__ = ["LoadContext", "TransformersLoader"]
+
+log = logging.getLogger(__name__)
+
+
+class LoadContext:
+    """What ``make_linear`` needs: the probe, detection, tensor source, chosen backend, dtype, device."""
+
+    def __init__(
+        self,
+        probe: Probe,
+        detection: Detection,
+        source: TensorSource,
+        backend: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        options: LoadOptions,
+    ) -> None:
+        self.probe, self.detection, self.source = probe, detection, source
+        self.backend, self.dtype, self.device, self.options = backend, dtype, device, options
+
+
+class TransformersLoader:
+    """Loads a checkpoint whose ``config.json`` names a transformers causal-LM architecture."""
+
+    format: str = "dense"
+    #: backends in order of preference for ``backend="auto"``.
+    backend_order: tuple[str, ...] = ("reference",)
+
+    def backends(self) -> list[BackendInfo]:
+        return [BackendInfo("reference", True, description="pure torch, runs anywhere")]
+
+    def validate(self, probe: Probe, detection: Detection) -> None:
+        """Second line of defence: re-check the tensor signature before any weights are read."""
+
+    def choose_backend(self, requested: str, device: torch.device) -> str:
+        available = {b.name: b for b in self.backends()}
+        if requested == "auto":
+            for name in self.backend_order:
+                info = available.get(name)
+                if info is not None and info.available:
+                    return name
+            raise UnsupportedBackendError(
+                f"no {self.format} backend can run here: "
+                + "; ".join(f"{b.name}: {b.reason}" for b in available.values())
+            )
+        info = available.get(requested)
+        if info is None:
+            raise UnsupportedBackendError(
+                f"backend {requested!r} is not a {self.format} backend; choose one of {sorted(available)}"
+            )
+        if not info.available:
+            raise UnsupportedBackendError(f"{self.format} backend {requested!r} cannot run here: {info.reason}")
+        return requested
+
+    def model_config(self, probe: Probe) -> Mapping[str, Any]:
+        if probe.config is None:
+            from .errors import CheckpointError
+
+            raise CheckpointError(f"{probe.root} has no config.json: the architecture is unknown")
+        return thaw(probe.config)
+
+    def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None] | None:
+        """The factory for quantized linears; ``None`` keeps every linear dense."""
+        return None
+
+    def tensor_source(self, probe: Probe, options: LoadOptions) -> TensorSource:
+        from .runtime.tensors import SafetensorsSource
+
+        return SafetensorsSource(probe)
+
+    def tokenizer(self, probe: Probe, options: LoadOptions) -> Any:
+        from .runtime.tokenizer import load_tokenizer
+
+        return load_tokenizer(probe, trust_remote_code=options.trust_remote_code)
+
+    def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel:
+        from .runtime.build import build_model, resolve_device, resolve_dtype
+        from .runtime.generate import TorchGenerator
+        from .runtime.loaded import LoadedModel
+
+        device = resolve_device(options.device)
+        dtype = resolve_dtype(options.dtype, device)
+        backend = self.choose_backend(options.backend, device)
+        source = self.tensor_source(probe, options)
+        ctx = LoadContext(probe, detection, source, backend, dtype, device, options)
+        module = build_model(
+            self.model_config(probe),
+            source,
+            make_linear=self.make_linear(ctx),
+            dtype=dtype,
+            device=device,
+            trust_remote_code=options.trust_remote_code,
+        )
+        unused = getattr(source, "unused", lambda: [])()
+        if unused:
+            log.warning("%d checkpoint tensors were not used (e.g. %s)", len(unused), unused[:3])
+        tokenizer = self.tokenizer(probe, options)
+        return LoadedModel(
+            module=module,
+            tokenizer=tokenizer,
+            format=detection.format,
+            backend=backend,
+            detection=detection,
+            generator=TorchGenerator(module, tokenizer, device=device),
+            device=str(device),
+            dtype=str(dtype).replace("torch.", ""),
+            info={"unused_tensors": unused},
+        )

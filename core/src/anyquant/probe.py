@@ -1,0 +1,291 @@
+"""The probe: everything detection may look at, read from a checkpoint without touching tensor data.
+
+:meth:`Probe.open` reads ``config.json``, ``quantization_config.json``, ``quantize_config.json``,
+the tokenizer file names, every ``*.safetensors`` header (found by globbing, not from the index),
+the shard index, and GGUF headers. The result is immutable. Standard library only: never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from types import MappingProxyType
+from typing import Any
+
+from .errors import ConfigError, HeaderError, ProbeError, UnsafePathError
+from .headers import (
+    MAX_JSON_BYTES,
+    GGUFHeader,
+    SafetensorsHeader,
+    TensorInfo,
+    loads_json,
+    read_gguf_header,
+    read_safetensors_header,
+)
+
+__all__ = ["Probe"]
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILES = ("config.json", "quantization_config.json", "quantize_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+INDEX_NAMES = ("model.safetensors.index.json",)
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """A mutable deep copy of a frozen probe value (dicts and lists again)."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [thaw(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a checkpoint says about itself, from its config files and headers only."""
+
+    path: Path  # what the caller passed (directory or file)
+    root: Path  # the checkpoint directory
+    config: Mapping[str, Any] | None
+    quantization_config_file: Mapping[str, Any] | None
+    quantize_config_file: Mapping[str, Any] | None
+    tokenizer_files: tuple[str, ...]
+    safetensors: tuple[SafetensorsHeader, ...]
+    tensors: Mapping[str, TensorInfo]
+    index: Mapping[str, Any] | None
+    gguf: tuple[GGUFHeader, ...]
+    pickle_files: tuple[str, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def open(cls, path: str | Path) -> Probe:
+        """Read a checkpoint directory, a single ``.safetensors`` file, or a ``.gguf`` file."""
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise ProbeError(f"{p}: no such file or directory")
+        notes: list[str] = []
+        if p.is_file():
+            root = p.parent.resolve()
+            files = [p.resolve()]  # a single file was asked for: only that file's tensors
+            if p.suffix not in (".safetensors", ".gguf"):
+                raise ProbeError(f"{p}: expected a directory, a .safetensors file or a .gguf file")
+        else:
+            root = p.resolve()
+            files = []
+        configs = [_read_json(root, name) for name in CONFIG_FILES]
+        tokenizer_files = tuple(n for n in TOKENIZER_FILES if (root / n).is_file())
+        if p.is_dir():
+            st_files = _glob(root, "*.safetensors")
+            gguf_files = _glob(root, "*.gguf")
+            pickle_files = tuple(
+                f.name for f in sorted(root.iterdir()) if f.suffix in PICKLE_SUFFIXES and f.is_file()
+            )
+        else:
+            st_files = files if p.suffix == ".safetensors" else []
+            gguf_files = files if p.suffix == ".gguf" else []
+            pickle_files = ()
+        for f in [*st_files, *gguf_files]:
+            _check_inside(root, f)
+        headers = tuple(read_safetensors_header(f, f.name) for f in st_files)
+        tensors = _merge_tensors(headers)
+        index = _read_index(root, set(h.file for h in headers), tensors, notes) if p.is_dir() else None
+        ggufs = tuple(read_gguf_header(f, f.name) for f in gguf_files)
+        return cls(
+            path=p,
+            root=root,
+            config=_freeze(configs[0]) if configs[0] is not None else None,
+            quantization_config_file=_freeze(configs[1]) if configs[1] is not None else None,
+            quantize_config_file=_freeze(configs[2]) if configs[2] is not None else None,
+            tokenizer_files=tokenizer_files,
+            safetensors=headers,
+            tensors=MappingProxyType(tensors),
+            index=_freeze(index) if index is not None else None,
+            gguf=ggufs,
+            pickle_files=pickle_files,
+            notes=tuple(notes),
+        )
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def quantization_config(self) -> Mapping[str, Any] | None:
+        """``config.json``'s ``quantization_config`` (or ``compression_config``), if any."""
+        if self.config is None:
+            return None
+        for key in ("quantization_config", "compression_config"):
+            qc = self.config.get(key)
+            if isinstance(qc, Mapping) and qc:
+                return qc
+        return None
+
+    @property
+    def quant_method(self) -> str | None:
+        """The declared quantization method, lowercased (``None`` when nothing declares one).
+
+        ``config.json``'s ``quant_method`` (or GPTQModel's ``method``) wins; a lone
+        ``quantize_config.json`` with GPTQ keys (old AutoGPTQ) declares ``gptq``.
+        """
+        for qc in (self.quantization_config, self.quantization_config_file):
+            if qc is not None:
+                for key in ("quant_method", "method"):
+                    value = qc.get(key)
+                    if isinstance(value, str) and value:
+                        return value.strip().lower()
+        qf = self.quantize_config_file
+        if qf is not None:
+            value = qf.get("quant_method") or qf.get("method")
+            if isinstance(value, str) and value:
+                return value.strip().lower()
+            if "bits" in qf and ("group_size" in qf or "desc_act" in qf):
+                return "gptq"
+        if self.quantization_config is not None and (
+            self.quantization_config.get("load_in_4bit") or self.quantization_config.get("load_in_8bit")
+        ):
+            return "bitsandbytes"
+        return None
+
+    @property
+    def is_gguf(self) -> bool:
+        return bool(self.gguf) and not self.safetensors
+
+    def suffixes(self) -> dict[str, int]:
+        """How many tensors end in each last dotted component (``qweight``, ``trellis`` ...)."""
+        counts: dict[str, int] = {}
+        for name in self.tensors:
+            suffix = name.rsplit(".", 1)[-1]
+            counts[suffix] = counts.get(suffix, 0) + 1
+        return counts
+
+    def modules_with(self, suffix: str) -> Iterator[str]:
+        """Prefixes ``P`` such that tensor ``P.<suffix>`` exists."""
+        tail = "." + suffix
+        for name in self.tensors:
+            if name.endswith(tail):
+                yield name[: -len(tail)]
+
+    def tensor(self, name: str) -> TensorInfo | None:
+        return self.tensors.get(name)
+
+    @property
+    def total_tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def describe(self) -> str:
+        """One line saying what was seen, for error messages."""
+        parts = []
+        if self.config is None:
+            parts.append("no config.json")
+        else:
+            qm = self.quant_method
+            parts.append(f"quant_method={qm!r}" if qm else "no quantization_config")
+        if self.safetensors:
+            suffixes = self.suffixes()
+            top = ", ".join(f"{k}x{v}" for k, v in sorted(suffixes.items(), key=lambda kv: -kv[1])[:6])
+            parts.append(f"{len(self.tensors)} tensors in {len(self.safetensors)} safetensors file(s) ({top})")
+        if self.gguf:
+            parts.append(f"{len(self.gguf)} GGUF file(s)")
+        if self.pickle_files:
+            parts.append(f"pickle files {list(self.pickle_files)[:3]}")
+        if not (self.safetensors or self.gguf or self.pickle_files):
+            parts.append("no weight files")
+        return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _glob(root: Path, pattern: str) -> list[Path]:
+    return sorted(f for f in root.glob(pattern) if f.is_file())
+
+
+def _check_inside(root: Path, f: Path) -> None:
+    real = f.resolve()
+    if real != root and root not in real.parents:
+        raise UnsafePathError(f"{f.name}: is a link to {real}, outside the model directory {root}")
+
+
+def _read_json(root: Path, name: str) -> dict[str, Any] | None:
+    f = root / name
+    if not f.is_file():
+        return None
+    _check_inside(root, f)
+    size = f.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ConfigError(f"{name}: {size} bytes is too large for a config file")
+    try:
+        data = f.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot read ({exc.strerror})") from None
+    value = loads_json(data, name, error=ConfigError)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: expected a JSON object, got a {type(value).__name__}")
+    qc = value.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ConfigError(f"{name}: quantization_config must be an object, got {type(qc).__name__}")
+    return value
+
+
+def _merge_tensors(headers: tuple[SafetensorsHeader, ...]) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    for h in headers:
+        for t in h.tensors:
+            other = tensors.get(t.name)
+            if other is not None:
+                raise HeaderError(f"tensor {t.name!r} is in both {other.file} and {t.file}")
+            tensors[t.name] = t
+    return tensors
+
+
+def _read_index(
+    root: Path, shard_names: set[str], tensors: dict[str, TensorInfo], notes: list[str]
+) -> dict[str, Any] | None:
+    for name in INDEX_NAMES:
+        index = _read_json(root, name)
+        if index is None:
+            continue
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{name}: weight_map must be an object")
+        missing: set[str] = set()
+        for tensor, shard in weight_map.items():
+            if not isinstance(shard, str):
+                raise ConfigError(f"{name}: weight_map[{tensor!r}] is not a file name")
+            pp = PurePosixPath(shard)
+            if pp.is_absolute() or ".." in pp.parts or "\\" in shard or (len(shard) > 1 and shard[1] == ":"):
+                raise UnsafePathError(f"{name}: weight_map[{tensor!r}] = {shard!r} leaves the model directory")
+            if shard not in shard_names:
+                missing.add(shard)
+        if missing:
+            notes.append(
+                f"{name} names {len(missing)} shard(s) that do not exist ({sorted(missing)[:3]}); "
+                "the index is stale and was ignored: the shard files themselves were read"
+            )
+            log.info("stale index in %s: missing %s", root, sorted(missing))
+        unlisted = [t for t in tensors if t not in weight_map]
+        if unlisted:
+            notes.append(f"{name} does not list {len(unlisted)} tensor(s) found in the shards (e.g. {unlisted[0]!r})")
+        return index
+    return None

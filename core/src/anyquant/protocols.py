@@ -1,0 +1,172 @@
+"""The plugin contract: frozen option dataclasses and ``typing.Protocol`` classes.
+
+Methods take one frozen dataclass (:class:`LoadOptions`, :class:`QuantizeSpec`,
+:class:`GenerationParams`), so adding a field never breaks a plugin's signature. Third parties
+need not inherit from anything: the protocols are structural.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from .probe import Probe
+    from .runtime.loaded import LoadedModel
+
+__all__ = [
+    "BackendInfo",
+    "Claim",
+    "Detection",
+    "FormatSpec",
+    "GenerationParams",
+    "Generator",
+    "LoadOptions",
+    "Loader",
+    "ModuleInfo",
+    "Prompt",
+    "QuantizeSpec",
+    "Quantizer",
+]
+
+#: a plain prompt, or chat messages (``[{"role": "user", "content": "..."}]``).
+Prompt = str | Sequence[Mapping[str, str]]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A plugin's answer to ``anyquant_detect``: "this checkpoint is in my format"."""
+
+    format: str
+    confidence: float = 1.0
+    evidence: tuple[str, ...] = ()
+    variant: str | None = None
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Detection:
+    """The resolved answer of detection: one format, and why."""
+
+    format: str
+    variant: str | None
+    evidence: tuple[str, ...]
+    details: Mapping[str, Any]
+    plugin: str  # who claimed it
+    path: Path
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "variant": self.variant,
+            "evidence": list(self.evidence),
+            "details": dict(self.details),
+            "plugin": self.plugin,
+            "path": str(self.path),
+        }
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """What a plugin registers for a format id. Loader and quantizer are lazy ``"module:Class"``
+    strings, imported only when used; ``requires`` are distribution requirements
+    (``"torch>=2.4"``) checked before anything is imported. ``loader=None`` means the format is
+    recognised but cannot be loaded (a clear error, never a dense fallback)."""
+
+    name: str
+    loader: str | None = None
+    quantizer: str | None = None
+    requires: tuple[str, ...] = ()
+    description: str = ""
+    install_hint: str = ""  # what to do when ``loader`` is None or requirements are missing
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str | None = None  # "float32", "float16", "bfloat16" or None (auto)
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    chat: bool | None = None  # None: apply the chat template to message lists only
+
+
+@dataclass(frozen=True)
+class QuantizeSpec:
+    method: str
+    bits: float = 4
+    group_size: int = 128
+    sym: bool = True
+    desc_act: bool = False
+    calibration: str | None = None
+    calibration_samples: int = 128
+    calibration_seq_len: int = 512
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    available: bool
+    reason: str = ""  # why not, when unavailable
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """One row of ``anyquant inspect``."""
+
+    name: str
+    format: str
+    shape: tuple[int, ...]  # logical (out_features, in_features) for linears
+    bits: float | None
+    group_size: int | None
+    nbytes: int
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Loader(Protocol):
+    format: str
+
+    def backends(self) -> list[BackendInfo]: ...
+
+    def validate(self, probe: Probe, detection: Detection) -> None: ...
+
+    def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel: ...
+
+
+@runtime_checkable
+class Quantizer(Protocol):
+    method: str
+
+    def quantize(
+        self,
+        src: Path,
+        dst: Path,
+        spec: QuantizeSpec,
+        progress: Callable[[str, float], None] | None = None,
+    ) -> Path: ...
+
+
+@runtime_checkable
+class Generator(Protocol):
+    def generate(self, prompt: Prompt, params: GenerationParams) -> str: ...
+
+    def stream(self, prompt: Prompt, params: GenerationParams) -> Iterator[str]: ...
+
+    def generate_batch(self, prompts: Sequence[Prompt], params: GenerationParams) -> list[str]: ...

@@ -1,0 +1,393 @@
+"""The plugin registry: entry-point discovery, format specs, detection and its resolution.
+
+``Registry()`` is isolated: tests and host applications build their own. Nothing is discovered
+until first use, and nothing at all happens at ``import anyquant``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .errors import (
+    AmbiguousFormatError,
+    FormatConflictError,
+    FormatMismatchError,
+    MissingDependencyError,
+    PluginError,
+    UnknownFormatError,
+    UnsupportedFormatError,
+)
+from .probe import Probe
+from .protocols import Claim, Detection, FormatSpec
+
+__all__ = ["ENTRY_POINT_GROUP", "PluginInfo", "Registry", "check_requirements", "import_object"]
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "anyquant"
+CORE_PLUGIN = "anyquant"
+
+#: config ``quant_method`` spellings -> anyquant format ids.
+QUANT_METHOD_ALIASES: dict[str, str] = {
+    "gptq": "gptq",
+    "awq": "awq",
+    "exl3": "exl3",
+    "exl2": "exl2",
+    "gguf": "gguf",
+    "compressed-tensors": "compressed-tensors",
+    "compressed_tensors": "compressed-tensors",
+    "bitsandbytes": "bnb",
+    "bnb": "bnb",
+    "fp8": "fp8",
+    "fbgemm_fp8": "fp8",
+    "hqq": "hqq",
+}
+
+#: which distribution to install for a format nobody installed claims.
+PLUGIN_FOR_FORMAT: dict[str, str] = {
+    "gptq": "anyquant-gptq",
+    "awq": "anyquant-awq",
+    "exl3": "anyquant-exl3",
+    "exl2": "anyquant-exl3",
+    "gguf": "anyquant-gguf",
+}
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    version: str | None
+    formats: list[str] = field(default_factory=list)
+    error: str | None = None
+    module: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": self.version,
+            "formats": list(self.formats),
+            "error": self.error,
+            "module": self.module,
+        }
+
+
+def _strict() -> bool:
+    return os.environ.get("ANYQUANT_STRICT_PLUGINS", "") not in ("", "0", "false", "no")
+
+
+def _disabled() -> set[str]:
+    raw = os.environ.get("ANYQUANT_DISABLE_PLUGINS", "")
+    return {x.strip() for x in raw.split(",") if x.strip()}
+
+
+def import_object(ref: str) -> Any:
+    """Import ``"package.module:attr"``."""
+    module_name, _, attr = ref.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attr) if attr else module
+
+
+_REQ = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*(?:(>=|==|<=|>|<|!=|~=)\s*([^\s;]+))?\s*$")
+
+
+def check_requirements(requires: Iterable[str], *, what: str) -> None:
+    """Raise :class:`MissingDependencyError` unless every ``"dist>=version"`` is installed."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    problems: list[str] = []
+    for req in requires:
+        m = _REQ.match(req)
+        if not m:
+            raise PluginError(f"{what}: requirement {req!r} is not of the form 'name>=version'")
+        name, op, ver = m.groups()
+        try:
+            installed = md.version(name)
+        except md.PackageNotFoundError:
+            problems.append(f"{name} is not installed")
+            continue
+        if op and Version(installed) not in SpecifierSet(f"{op}{ver}"):
+            problems.append(f"{name} {installed} is installed, {op}{ver} is needed")
+    if problems:
+        pip = " ".join(f"'{r.strip()}'" for r in requires)
+        raise MissingDependencyError(f"{what} needs: {'; '.join(problems)}. Run: pip install {pip}")
+
+
+class Registry:
+    """An isolated set of plugins.
+
+    ``Registry()`` discovers the ``anyquant`` entry points on first use;
+    ``Registry(entry_points=False, plugins=[...])`` holds exactly the given plugin modules (plus
+    core's built-in one unless ``builtin=False``).
+    """
+
+    def __init__(
+        self,
+        *,
+        entry_points: bool = True,
+        plugins: Iterable[tuple[str, object] | object] = (),
+        builtin: bool = True,
+        disable: Iterable[str] | None = None,
+    ) -> None:
+        self._entry_points = entry_points
+        self._initial = list(plugins)
+        self._builtin = builtin
+        self._disable = set(disable) if disable is not None else None
+        self._pm: pluggy.PluginManager | None = None
+        self._infos: dict[str, PluginInfo] = {}
+        self._formats: dict[str, tuple[FormatSpec, str]] = {}
+
+    # ------------------------------------------------------------------ plugins
+    @property
+    def pm(self) -> pluggy.PluginManager:
+        if self._pm is None:
+            self._pm = pluggy.PluginManager("anyquant")
+            self._pm.add_hookspecs(hookspecs)
+            if self._builtin:
+                from . import builtin
+
+                self._add(CORE_PLUGIN, builtin, version=_dist_version("anyquant"))
+            for item in self._initial:
+                name, obj = item if isinstance(item, tuple) else (_plugin_name(item), item)
+                self._add(name, obj, version=None)
+            if self._entry_points:
+                self._load_entry_points()
+        return self._pm
+
+    def register(self, plugin: object, name: str | None = None) -> None:
+        """Add a plugin object or module (tests and host applications)."""
+        self._add(name or _plugin_name(plugin), plugin, version=None)
+
+    def unregister(self, name: str) -> None:
+        plugin = self.pm.get_plugin(name)
+        if plugin is not None:
+            self.pm.unregister(plugin)
+        self._infos.pop(name, None)
+        self._formats = {k: v for k, v in self._formats.items() if v[1] != name}
+
+    def _blocked(self, name: str) -> bool:
+        disabled = self._disable if self._disable is not None else _disabled()
+        return name in disabled
+
+    def _add(self, name: str, plugin: object, *, version: str | None) -> None:
+        pm = self._pm if self._pm is not None else self.pm
+        if self._blocked(name):
+            log.info("plugin %s disabled by ANYQUANT_DISABLE_PLUGINS", name)
+            self._infos[name] = PluginInfo(name, version, error="disabled")
+            return
+        info = PluginInfo(name, version, module=getattr(plugin, "__name__", type(plugin).__name__))
+        self._infos[name] = info
+        try:
+            pm.register(plugin, name=name)
+            self._collect_formats(name, plugin, info)
+        except Exception as exc:  # a broken plugin is logged and skipped
+            if pm.get_plugin(name) is not None:
+                pm.unregister(name=name)
+            info.error = f"{type(exc).__name__}: {exc}"
+            if _strict():
+                raise
+            log.warning("anyquant plugin %s is broken and was skipped: %s", name, info.error)
+
+    def _load_entry_points(self) -> None:
+        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            if ep.name in self._infos:
+                continue
+            if self._blocked(ep.name):
+                self._infos[ep.name] = PluginInfo(ep.name, _dist_version(ep.name), error="disabled")
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:
+                info = PluginInfo(ep.name, _dist_version(ep.name), error=f"{type(exc).__name__}: {exc}")
+                self._infos[ep.name] = info
+                if _strict():
+                    raise
+                log.warning("anyquant plugin %s failed to import and was skipped: %s", ep.name, info.error)
+                continue
+            self._add(ep.name, module, version=_dist_version(ep.name))
+
+    def _collect_formats(self, name: str, plugin: object, info: PluginInfo) -> None:
+        impl = getattr(plugin, "anyquant_register_formats", None)
+        if impl is None:
+            return
+        specs: list[FormatSpec] = []
+        impl(register=specs.append)
+        for spec in specs:
+            if not isinstance(spec, FormatSpec):
+                raise PluginError(f"plugin {name} registered {spec!r}, not a FormatSpec")
+            if spec.name in self._formats:
+                owner = self._formats[spec.name][1]
+                raise PluginError(f"plugin {name} registers format {spec.name!r}, already registered by {owner}")
+        for spec in specs:
+            self._formats[spec.name] = (spec, name)
+            info.formats.append(spec.name)
+
+    def plugins(self) -> list[PluginInfo]:
+        self.pm  # noqa: B018 - discover
+        return list(self._infos.values())
+
+    def formats(self) -> dict[str, FormatSpec]:
+        self.pm  # noqa: B018
+        return {k: v[0] for k, v in self._formats.items()}
+
+    def format(self, name: str) -> FormatSpec:
+        formats = self.formats()
+        if name not in formats:
+            raise UnsupportedFormatError(
+                f"format {name!r} is not registered by any installed plugin "
+                f"(registered: {sorted(formats)}). {_install_hint(name)}"
+            )
+        return formats[name]
+
+    def format_owner(self, name: str) -> str:
+        self.pm  # noqa: B018
+        return self._formats[name][1]
+
+    # ------------------------------------------------------------------ detection
+    def claims(self, probe: Probe) -> list[tuple[str, Claim]]:
+        """Ask every plugin; return ``(plugin name, claim)`` for each that claimed."""
+        out: list[tuple[str, Claim]] = []
+        for impl in self.pm.hook.anyquant_detect.get_hookimpls():
+            try:
+                claim = impl.function(probe=probe)
+            except Exception as exc:
+                if _strict() or impl.plugin_name == CORE_PLUGIN:
+                    raise
+                log.warning("anyquant plugin %s failed in anyquant_detect and was skipped: %s", impl.plugin_name, exc)
+                self._infos.setdefault(impl.plugin_name, PluginInfo(impl.plugin_name, None)).error = (
+                    f"anyquant_detect raised {type(exc).__name__}: {exc}"
+                )
+                continue
+            if claim is None:
+                continue
+            if not isinstance(claim, Claim):
+                log.warning("plugin %s returned %r from anyquant_detect, not a Claim; ignored", impl.plugin_name, claim)
+                continue
+            out.append((impl.plugin_name, claim))
+        return out
+
+    def detect(self, probe: Probe, *, format: str | None = None) -> Detection:
+        """Resolve detection to exactly one format, or raise a typed error (see ARCHITECTURE.md)."""
+        claims = self.claims(probe)
+        declared = probe.quant_method
+        declared_id = QUANT_METHOD_ALIASES.get(declared, declared) if declared else None
+        if format is not None:
+            format = format.lower()
+            matching = [c for c in claims if c[1].format == format]
+            if not matching:
+                seen = [c[1].format for c in claims] or ["nothing claimed it"]
+                raise FormatMismatchError(
+                    f"format={format!r} was asked for, but the checkpoint's tensors say {seen}. "
+                    f"Seen: {probe.describe()}. Drop format= or pass the right one."
+                )
+            claims = matching
+        if not claims:
+            from .builtin import looks_dense
+
+            if declared_id is not None and looks_dense(probe):
+                raise FormatConflictError(
+                    f"config declares quant_method={declared!r}, but every tensor is dense (float "
+                    f"weights, no quantization tensors). Seen: {probe.describe()}. anyquant never "
+                    "loads a checkpoint that says it is quantized as dense: remove the "
+                    "quantization_config if the weights really are unquantized."
+                )
+            raise UnknownFormatError(self._unknown_message(probe, declared_id))
+        if len(claims) > 1:
+            who = ", ".join(f"{plugin} -> {c.format}" for plugin, c in claims)
+            raise AmbiguousFormatError(
+                f"{len(claims)} plugins claim {probe.path}: {who}. "
+                f"Pass format=<one of {sorted({c.format for _, c in claims})}> or disable a plugin "
+                "with ANYQUANT_DISABLE_PLUGINS."
+            )
+        plugin, claim = claims[0]
+        if declared_id is not None and claim.format != declared_id:
+            raise FormatConflictError(
+                f"config declares quant_method={declared!r}, but the tensors are {claim.format}"
+                f"{f' ({claim.variant})' if claim.variant else ''}: {'; '.join(claim.evidence[:3])}. "
+                "The tensors decide what a checkpoint is; fix or remove the quantization_config."
+            )
+        return Detection(
+            format=claim.format,
+            variant=claim.variant,
+            evidence=tuple(claim.evidence),
+            details=dict(claim.details),
+            plugin=plugin,
+            path=probe.path,
+        )
+
+    def _unknown_message(self, probe: Probe, declared_id: str | None) -> str:
+        installed = sorted(self.formats())
+        lines = [f"no installed plugin recognises {probe.path}.", f"Seen: {probe.describe()}."]
+        guess = declared_id or _guess_format(probe)
+        if guess and guess not in installed:
+            dist = PLUGIN_FOR_FORMAT.get(guess)
+            hint = f"pip install {dist}" if dist else "no anyquant plugin for it is known"
+            lines.append(f"It looks like {guess!r}, which no installed plugin loads: {hint}.")
+        elif guess:
+            lines.append(f"It looks like {guess!r}, but its tensors do not match that format's signature.")
+        lines.append(f"Installed formats: {installed}.")
+        for note in probe.notes:
+            lines.append(f"Note: {note}")
+        return " ".join(lines)
+
+    def plugin_modules(self) -> dict[str, ModuleType | object]:
+        return {name: plugin for name, plugin in self.pm.list_name_plugin() if plugin is not None}
+
+
+def _guess_format(probe: Probe) -> str | None:
+    suffixes = probe.suffixes()
+    if "trellis" in suffixes:
+        return "exl3"
+    if "q_weight" in suffixes and "q_invperm" in suffixes:
+        return "exl2"
+    if "qweight" in suffixes:
+        return "gptq" if "g_idx" in suffixes else "awq"
+    if "weight_packed" in suffixes:
+        return "compressed-tensors"
+    if probe.gguf:
+        return "gguf"
+    return None
+
+
+def _install_hint(fmt: str) -> str:
+    dist = PLUGIN_FOR_FORMAT.get(fmt)
+    return f"Install it: pip install {dist}" if dist else ""
+
+
+def _plugin_name(plugin: object) -> str:
+    return str(getattr(plugin, "__name__", None) or type(plugin).__name__)
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def load_spec_object(spec: FormatSpec, attr: str, *, factory: Callable[[Any], Any] | None = None) -> Any:
+    """Check ``spec.requires``, then import ``spec.<attr>`` ("module:Class") and instantiate it."""
+    ref = getattr(spec, attr)
+    if ref is None:
+        raise UnsupportedFormatError(
+            f"format {spec.name!r} is recognised but has no {attr}. {spec.install_hint}".strip()
+        )
+    check_requirements(spec.requires, what=f"format {spec.name!r}")
+    try:
+        cls = import_object(ref)
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"format {spec.name!r}: importing {ref} failed ({exc}). {spec.install_hint}".strip()
+        ) from exc
+    return factory(cls) if factory else cls()

@@ -1,0 +1,1 @@
+"""Shared PyTorch runtime for plugins (imports torch: import these modules only when loading)."""

@@ -1,0 +1,174 @@
+"""Build a transformers model from ``config.json`` on the meta device, swap in quantized linears,
+and fill every remaining tensor from a :class:`~anyquant.runtime.tensors.TensorSource`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, MissingTensorError
+from .tensors import TensorSource
+
+__all__ = ["LinearFactory", "build_model", "meta_parameters", "resolve_device", "resolve_dtype", "skeleton"]
+
+log = logging.getLogger(__name__)
+
+#: ``factory(name, meta_linear) -> module or None``; None keeps a dense ``nn.Linear``.
+LinearFactory = Callable[[str, nn.Linear], nn.Module | None]
+
+_DROP_KEYS = ("quantization_config", "compression_config", "auto_map")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None``/"auto": float32 on CPU (bf16/fp16 matmul is 5-50x slower there), float16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip
+    if dtype not in names:
+        raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(names)}")
+    return names[dtype]
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Create parameters on the meta device (no memory); buffers stay real (rotary tables)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None:
+            p = module._parameters[name]
+            assert p is not None
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def skeleton(config: Mapping[str, Any], *, trust_remote_code: bool = False) -> nn.Module:
+    """The transformers causal-LM class for ``config``, with parameters on the meta device."""
+    import transformers
+
+    cfg = {k: v for k, v in config.items() if k not in _DROP_KEYS}
+    model_type = cfg.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise CheckpointError("config.json has no model_type; cannot build the model")
+    if config.get("auto_map") and not trust_remote_code:
+        log.info("config.json has auto_map (remote code); ignored, using transformers' own %s", model_type)
+    try:
+        hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"transformers {transformers.__version__} does not know model_type {model_type!r} ({exc}). "
+            "Upgrade transformers; remote code is never run unless trust_remote_code=True."
+        ) from None
+    with meta_parameters():
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    return model
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, module)
+
+
+def _tied_head(model: nn.Module) -> tuple[str, str] | None:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if out is None or inp is None:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    return names.get(id(out), "lm_head") + ".weight", names.get(id(inp), "") + ".weight"
+
+
+def build_model(
+    config: Mapping[str, Any],
+    source: TensorSource,
+    *,
+    make_linear: LinearFactory | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+    name_map: Callable[[str], str] | None = None,
+) -> nn.Module:
+    """Assemble a model: skeleton -> quantized linears -> tensors -> tie -> dtype/device.
+
+    ``make_linear(name, linear)`` returns the replacement for each ``nn.Linear`` (already holding
+    its tensors), or ``None`` to keep it dense. The output head is tied to the input embeddings
+    only when the source has no head tensor of its own (whatever ``tie_word_embeddings`` says).
+    ``name_map`` maps a model parameter name to the source's tensor name.
+    """
+    model = skeleton(config, trust_remote_code=trust_remote_code)
+    device = torch.device(device)
+    src = name_map or (lambda n: n)
+    if make_linear is not None:
+        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        for name, lin in linears:
+            replacement = make_linear(name, lin)
+            if replacement is not None:
+                _set_module(model, name, replacement.to(device))
+    tie = _tied_head(model)
+    head_missing = tie is not None and src(tie[0]) not in source
+    if head_missing:
+        log.info("no %s tensor in the checkpoint: tying it to %s", tie[0] if tie else "", tie[1] if tie else "")
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if not param.is_meta:
+            continue
+        if head_missing and tie is not None and name == tie[0]:
+            continue
+        _fill(model, name, source.get(src(name)), dtype, device, is_param=True)
+    for name, buf in list(model.named_buffers()):
+        if buf.is_meta:
+            key = src(name)
+            if key not in source:
+                raise MissingTensorError(f"buffer {name!r} ({key!r}) is not in the checkpoint")
+            _fill(model, name, source.get(key), dtype, device, is_param=False)
+    if head_missing and tie is not None:
+        head = model.get_output_embeddings()
+        head.weight = model.get_input_embeddings().weight
+    if hasattr(model.config, "tie_word_embeddings"):
+        model.config.tie_word_embeddings = bool(head_missing)
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _fill(
+    model: nn.Module, name: str, value: torch.Tensor, dtype: torch.dtype, device: torch.device, *, is_param: bool
+) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(mod_name) if mod_name else model
+    current = getattr(module, attr)
+    if tuple(current.shape) != tuple(value.shape):
+        raise CheckpointError(
+            f"tensor {name!r} has shape {tuple(value.shape)} in the checkpoint, the model expects "
+            f"{tuple(current.shape)} (config.json and the weights disagree)"
+        )
+    if value.is_floating_point():
+        value = value.to(device=device, dtype=dtype)
+    else:
+        value = value.to(device=device)
+    if is_param:
+        module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[attr] = value

@@ -1,0 +1,234 @@
+"""Core's default :class:`~anyquant.protocols.Generator`: runs over any module whose
+``forward(input_ids, attention_mask, position_ids, cache, use_cache)`` returns ``.logits`` and
+``.cache`` (``past_key_values`` in older transformers): every transformers causal LM, and the
+modules anyquant builds from them.
+
+Greedy and sampled decoding with a KV cache, streaming with stop strings held back until they
+are decided, chat templates, and left-padded batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import AnyquantError
+from ..protocols import GenerationParams, Prompt
+
+__all__ = ["TorchGenerator", "sample_next"]
+
+log = logging.getLogger(__name__)
+
+
+def _eos_ids(module: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for cfg in (getattr(module, "generation_config", None), getattr(module, "config", None)):
+        value = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    return ids
+
+
+def sample_next(
+    logits: torch.Tensor, params: GenerationParams, history: torch.Tensor, rng: torch.Generator | None
+) -> torch.Tensor:
+    """Pick the next token per row from ``logits`` [B, V] (fp32). ``history`` [B, T] for the penalty."""
+    logits = logits.float()
+    if params.repetition_penalty != 1.0 and history.numel():
+        seen = torch.gather(logits, 1, history)
+        seen = torch.where(seen > 0, seen / params.repetition_penalty, seen * params.repetition_penalty)
+        logits = logits.scatter(1, history, seen)
+    if params.temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        k = min(params.top_k, logits.shape[-1])
+        kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters might still become a stop string (or a split UTF-8 char)."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:n]):
+                hold = max(hold, n)
+                break
+    if text.endswith("\ufffd"):
+        hold = max(hold, 1)
+    return hold
+
+
+class TorchGenerator:
+    """Token-by-token generation over a causal-LM module with a KV cache."""
+
+    def __init__(self, module: Any, tokenizer: Any, *, device: torch.device | str = "cpu") -> None:
+        self.module = module
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.eos_ids = _eos_ids(module, tokenizer)
+        self.cache_kw = _cache_keyword(module)
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, prompt: Prompt, params: GenerationParams) -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise AnyquantError("this model has no tokenizer; pass token ids to .module directly")
+        chat = params.chat if params.chat is not None else not isinstance(prompt, str)
+        if chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            if not getattr(tok, "chat_template", None):
+                raise AnyquantError("this model's tokenizer has no chat template; pass a plain string prompt")
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        if not isinstance(prompt, str):
+            raise AnyquantError("chat=False needs a string prompt")
+        return list(tok(prompt)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    # ------------------------------------------------------------------ core loop
+    @torch.inference_mode()
+    def token_steps(self, batch: Sequence[Sequence[int]], params: GenerationParams) -> Iterator[list[int | None]]:
+        """Yield, per step, the new token of every row (``None`` for rows already finished)."""
+        if params.max_new_tokens <= 0:
+            return
+        rows = len(batch)
+        width = max(len(ids) for ids in batch)
+        if min(len(ids) for ids in batch) == 0:
+            raise AnyquantError("empty prompt: nothing to condition on")
+        pad = next(iter(self.eos_ids), 0)
+        input_ids = torch.full((rows, width), pad, dtype=torch.long)
+        mask = torch.zeros((rows, width), dtype=torch.long)
+        for i, ids in enumerate(batch):
+            input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            mask[i, width - len(ids) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        rng = None
+        if params.temperature > 0:
+            rng = torch.Generator(device=self.device)
+            rng.manual_seed(params.seed if params.seed is not None else torch.seed() % (2**63))
+        history = input_ids
+        done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        out = self.module(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        for _step in range(params.max_new_tokens):
+            nxt = sample_next(out.logits[:, -1, :], params, history, rng)
+            tokens: list[int | None] = [None if d else int(t) for t, d in zip(nxt.tolist(), done.tolist())]
+            yield tokens
+            if self.eos_ids:
+                done |= torch.isin(nxt, torch.tensor(sorted(self.eos_ids), device=self.device))
+            if bool(done.all()):
+                return
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            history = torch.cat([history, nxt[:, None]], dim=1)
+            mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
+            positions = positions[:, -1:] + 1
+            cache = getattr(out, self.cache_kw)
+            out = self.module(
+                input_ids=nxt[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self.cache_kw: cache},
+            )
+
+    # ------------------------------------------------------------------ protocol
+    def stream(self, prompt: Prompt, params: GenerationParams) -> Iterator[str]:
+        ids = self.encode(prompt, params)
+        generated: list[int] = []
+        emitted = 0
+        for (token,) in self.token_steps([ids], params):
+            if token is None:
+                break
+            if token in self.eos_ids:
+                break
+            generated.append(token)
+            text = self.decode(generated)
+            cut = _find_stop(text, params.stop)
+            if cut is not None:
+                if cut > emitted:
+                    yield text[emitted:cut]
+                return
+            safe = len(text) - _held_back(text, params.stop)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+        text = self.decode(generated)
+        cut = _find_stop(text, params.stop)
+        end = cut if cut is not None else len(text)
+        if end > emitted:
+            yield text[emitted:end]
+
+    def generate(self, prompt: Prompt, params: GenerationParams) -> str:
+        return "".join(self.stream(prompt, params))
+
+    def generate_batch(self, prompts: Sequence[Prompt], params: GenerationParams) -> list[str]:
+        if not prompts:
+            return []
+        encoded = [self.encode(p, params) for p in prompts]
+        generated: list[list[int]] = [[] for _ in prompts]
+        finished = [False] * len(prompts)
+        for tokens in self.token_steps(encoded, params):
+            for i, token in enumerate(tokens):
+                if token is None or finished[i]:
+                    continue
+                if token in self.eos_ids:
+                    finished[i] = True
+                    continue
+                generated[i].append(token)
+                if params.stop and _find_stop(self.decode(generated[i]), params.stop) is not None:
+                    finished[i] = True
+            if all(finished):
+                break
+        results = []
+        for ids in generated:
+            text = self.decode(ids)
+            cut = _find_stop(text, params.stop)
+            results.append(text if cut is None else text[:cut])
+        return results
+
+    def generate_ids(self, prompt_ids: Sequence[int], params: GenerationParams) -> list[int]:
+        """New token ids (eos included when produced) for one tokenised prompt."""
+        out: list[int] = []
+        for (token,) in self.token_steps([list(prompt_ids)], params):
+            if token is None:
+                break
+            out.append(token)
+            if token in self.eos_ids:
+                break
+        return out
+
+
+def _cache_keyword(module: Any) -> str:
+    """Recent transformers call the KV cache argument ``cache``; older ones ``past_key_values``."""
+    import inspect
+
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
