@@ -1,0 +1,182 @@
+"""Detection resolution: exactly one claim, typed errors for every disagreement."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+import anyquant
+from anyquant import Claim, FormatSpec, Probe, Registry, hookimpl
+from anyquant.errors import (
+    AmbiguousFormatError,
+    FormatConflictError,
+    FormatMismatchError,
+    PickleRefusedError,
+    UnknownFormatError,
+    UnsupportedFormatError,
+)
+from anyquant.testing.fixtures import FIXTURES
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_every_fixture_resolves_to_its_format(name: str, tmp_path: Path) -> None:
+    fx = FIXTURES[name]
+    d = anyquant.detect(fx.build(tmp_path / name))
+    assert d.format == fx.format
+    assert d.evidence
+
+
+@pytest.mark.parametrize("name", ["compressed_tensors", "bnb_4bit", "fp8", "hqq"])
+def test_recognised_formats_are_refused_not_loaded_dense(name: str, tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedFormatError, match="recognised"):
+        anyquant.load(FIXTURES[name].build(tmp_path / name))
+
+
+def _set_qc(root: Path, qc: dict | None) -> None:
+    cfg = json.loads((root / "config.json").read_text())
+    if qc is None:
+        cfg.pop("quantization_config", None)
+    else:
+        cfg["quantization_config"] = qc
+    (root / "config.json").write_text(json.dumps(cfg))
+
+
+def test_quant_method_disagreeing_with_tensors_is_a_conflict(tmp_path: Path) -> None:
+    root = FIXTURES["exl3_mul1"].build(tmp_path / "m")
+    _set_qc(root, {"quant_method": "gptq", "bits": 4})
+    with pytest.raises(FormatConflictError, match="exl3"):
+        anyquant.detect(root)
+
+
+def test_awq_label_on_gptq_tensors_is_a_conflict(tmp_path: Path) -> None:
+    root = FIXTURES["gptq_v2"].build(tmp_path / "m")
+    _set_qc(root, {"quant_method": "awq", "bits": 4, "group_size": 32})
+    with pytest.raises(FormatConflictError, match="gptq"):
+        anyquant.detect(root)
+
+
+def test_quant_label_on_dense_tensors_is_never_loaded_dense(tmp_path: Path) -> None:
+    root = FIXTURES["dense"].build(tmp_path / "m")
+    _set_qc(root, {"quant_method": "gptq", "bits": 4})
+    with pytest.raises(FormatConflictError, match="never"):
+        anyquant.load(root)
+
+
+def test_unknown_quant_method_on_gptq_tensors_conflicts(tmp_path: Path) -> None:
+    root = FIXTURES["gptq_v2"].build(tmp_path / "m")
+    _set_qc(root, {"quant_method": "mystery"})
+    with pytest.raises(FormatConflictError, match="mystery"):
+        anyquant.detect(root)
+
+
+def test_unknown_quant_method_on_unknown_tensors_is_unknown(tmp_path: Path) -> None:
+    root = FIXTURES["hqq"].build(tmp_path / "m")
+    _set_qc(root, {"quant_method": "mystery"})
+    (root / "model.safetensors").unlink()
+    from anyquant.testing.fixtures import write_safetensors
+
+    write_safetensors(root / "model.safetensors", {"a.codes": ("U8", [16]), "a.weight": ("U8", [4])})
+    with pytest.raises(UnknownFormatError, match="mystery"):
+        anyquant.load(root)
+
+
+def test_nested_original_quantization_config_is_not_the_format(tmp_path: Path) -> None:
+    root = FIXTURES["exl3_mul1"].build(tmp_path / "m")
+    _set_qc(root, {"quant_method": "exl3", "bits": 4.0, "original_quantization_config": {"quant_method": "fp8"}})
+    d = anyquant.detect(root)
+    assert d.format == "exl3"
+    assert any("original_quantization_config" in e for e in d.evidence)
+
+
+def test_format_argument_mismatch(tmp_path: Path) -> None:
+    root = FIXTURES["awq_gemm"].build(tmp_path / "m")
+    with pytest.raises(FormatMismatchError, match="awq"):
+        anyquant.detect(root, format="gptq")
+    assert anyquant.detect(root, format="awq").format == "awq"
+
+
+def test_no_plugin_installed_says_what_to_install(tmp_path: Path) -> None:
+    root = FIXTURES["exl3_mul1"].build(tmp_path / "m")
+    reg = Registry(disable={"anyquant-exl3"})
+    with pytest.raises(UnknownFormatError, match="pip install anyquant-exl3"):
+        reg.detect(Probe.open(root))
+
+
+def _claimer(fmt: str) -> types.SimpleNamespace:
+    @hookimpl
+    def anyquant_detect(probe: Probe) -> Claim:
+        return Claim(fmt, evidence=("greedy third-party plugin",))
+
+    return types.SimpleNamespace(anyquant_detect=anyquant_detect)
+
+
+def test_two_claims_are_ambiguous_and_format_chooses(tmp_path: Path) -> None:
+    root = FIXTURES["gptq_v2"].build(tmp_path / "m")
+    reg = Registry()
+    reg.register(_claimer("exl3"), name="greedy")
+    with pytest.raises(AmbiguousFormatError, match="greedy"):
+        reg.detect(Probe.open(root))
+    assert reg.detect(Probe.open(root), format="gptq").format == "gptq"
+
+
+def test_broken_plugin_is_skipped_and_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    @hookimpl
+    def anyquant_detect(probe: Probe) -> Claim:
+        raise RuntimeError("boom")
+
+    broken = types.SimpleNamespace(anyquant_detect=anyquant_detect)
+    root = FIXTURES["gptq_v2"].build(tmp_path / "m")
+    reg = Registry()
+    reg.register(broken, name="broken")
+    assert reg.detect(Probe.open(root)).format == "gptq"
+    assert "boom" in (next(p for p in reg.plugins() if p.name == "broken").error or "")
+    monkeypatch.setenv("ANYQUANT_STRICT_PLUGINS", "1")
+    with pytest.raises(RuntimeError, match="boom"):
+        reg.detect(Probe.open(root))
+
+
+def test_plugin_registering_a_taken_format_is_skipped() -> None:
+    @hookimpl
+    def anyquant_register_formats(register):  # type: ignore[no-untyped-def]
+        register(FormatSpec(name="gptq", loader="x:Y"))
+
+    reg = Registry()
+    reg.register(types.SimpleNamespace(anyquant_register_formats=anyquant_register_formats), name="thief")
+    info = next(p for p in reg.plugins() if p.name == "thief")
+    assert info.error and "already registered" in info.error
+    assert reg.format_owner("gptq") == "anyquant-gptq"
+
+
+def test_disable_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANYQUANT_DISABLE_PLUGINS", "anyquant-awq, anyquant-gguf")
+    reg = Registry()
+    assert "awq" not in reg.formats() and "gguf" not in reg.formats()
+    assert {p.name: p.error for p in reg.plugins()}["anyquant-awq"] == "disabled"
+
+
+def test_pickle_only_is_refused_by_default(tmp_path: Path) -> None:
+    import torch
+
+    from anyquant.testing.tiny import make_tiny_dense
+
+    root = make_tiny_dense(tmp_path / "m")
+    from safetensors.torch import load_file
+
+    state = load_file(root / "model.safetensors")
+    torch.save(state, root / "pytorch_model.bin")
+    (root / "model.safetensors").unlink()
+    assert anyquant.detect(root).variant == "pickle"
+    with pytest.raises(PickleRefusedError, match="allow_pickle"):
+        anyquant.load(root)
+    model = anyquant.load(root, allow_pickle=True)
+    assert model.format == "dense"
+
+
+def test_isolated_registry_sees_only_given_plugins(tmp_path: Path) -> None:
+    reg = Registry(entry_points=False)
+    assert set(reg.formats()) == {"dense", "compressed-tensors", "bnb", "fp8", "hqq"}
+    with pytest.raises(UnknownFormatError, match="anyquant-gptq"):
+        reg.detect(Probe.open(FIXTURES["gptq_v2"].build(tmp_path / "m")))

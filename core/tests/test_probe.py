@@ -1,0 +1,198 @@
+"""Probe and header parsing: real headers, and every kind of bad input as a typed error."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from anyquant import Probe
+from anyquant.errors import ConfigError, HeaderError, ProbeError, UnsafePathError
+from anyquant.headers import read_gguf_header, read_safetensors_header
+from anyquant.testing.fixtures import FIXTURES, write_gguf, write_safetensors
+
+
+def _raw_st(path: Path, header: bytes, data: bytes = b"", length: int | None = None) -> Path:
+    path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + data)
+    return path
+
+
+def test_header_matches_safetensors_library(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.zeros(3, 4, dtype=torch.float16), "b": torch.ones(7, dtype=torch.int32)}
+    save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt"})
+    h = read_safetensors_header(tmp_path / "x.safetensors", "x.safetensors")
+    got = {t.name: (t.dtype, t.shape, t.nbytes) for t in h.tensors}
+    assert got == {"a": ("F16", (3, 4), 24), "b": ("I32", (7,), 28)}
+    assert h.metadata == {"format": "pt"}
+
+
+def test_probe_reads_configs_and_tokenizer_names(tmp_path: Path) -> None:
+    root = FIXTURES["gptq_v2"].build(tmp_path / "m")
+    (root / "tokenizer.json").write_text("{}")
+    probe = Probe.open(root)
+    assert probe.quant_method == "gptq"
+    assert probe.quantization_config is not None and probe.quantization_config["checkpoint_format"] == "gptq_v2"
+    assert "tokenizer.json" in probe.tokenizer_files
+    assert probe.suffixes()["qweight"] == 2
+    with pytest.raises(TypeError):
+        probe.config["x"] = 1  # type: ignore[index]  # immutable
+
+
+def test_lone_quantize_config_declares_gptq(tmp_path: Path) -> None:
+    probe = Probe.open(FIXTURES["gptq_autogptq"].build(tmp_path / "m"))
+    assert probe.quant_method == "gptq"
+
+
+@pytest.mark.parametrize(
+    ("header", "length", "message"),
+    [
+        (b"{", None, "not valid JSON"),
+        (b"\xff\xfe", None, "not UTF-8"),
+        (b"[]", None, "expected an object"),
+        (b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}', 2**40, "exceeds"),
+        (b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}', 10_000, "only"),
+        (b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 400]}}', None, "past the end"),
+        (b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 2]}}', None, "needs 4 bytes"),
+        (b'{"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 4]}}', None, "unknown dtype"),
+        (b'{"a": {"dtype": "F16", "shape": [-2], "data_offsets": [0, 4]}}', None, "non-negative"),
+        (b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [4, 0]}}', None, "begin <= end"),
+        (
+            b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},'
+            b' "a": {"dtype": "F16", "shape": [2], "data_offsets": [4, 8]}}',
+            None,
+            "duplicate",
+        ),
+        (
+            b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},'
+            b' "b": {"dtype": "F16", "shape": [2], "data_offsets": [2, 6]}}',
+            None,
+            "overlap",
+        ),
+        (b'{"__metadata__": {"k": 1}}', None, "__metadata__"),
+        (b"[" * 100_000 + b"]" * 100_000, None, "nested too deeply"),
+        (b'{"a": NaN}', None, "JSON"),
+    ],
+)
+def test_bad_safetensors_headers_are_typed_errors(tmp_path: Path, header: bytes, length: int | None, message: str) -> None:
+    path = _raw_st(tmp_path / "bad.safetensors", header, b"\0" * 8, length)
+    with pytest.raises(HeaderError, match=message):
+        read_safetensors_header(path, "bad.safetensors")
+
+
+def test_truncated_file(tmp_path: Path) -> None:
+    (tmp_path / "t.safetensors").write_bytes(b"\x01\x02")
+    with pytest.raises(HeaderError, match="too short"):
+        Probe.open(tmp_path)
+
+
+def test_duplicate_tensor_across_shards(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "a.safetensors", {"w": ("F16", [2])})
+    write_safetensors(tmp_path / "b.safetensors", {"w": ("F16", [2])})
+    with pytest.raises(HeaderError, match="both"):
+        Probe.open(tmp_path)
+
+
+def test_stale_index_is_a_note(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "output.safetensors", {"w": ("F16", [2])})
+    index = {"weight_map": {"w": "model-00001-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    probe = Probe.open(tmp_path)
+    assert "w" in probe.tensors
+    assert any("do not exist" in n for n in probe.notes)
+
+
+@pytest.mark.parametrize("entry", ["../evil.safetensors", "/etc/passwd", "C:\\x.safetensors"])
+def test_index_escaping_paths_are_refused(tmp_path: Path, entry: str) -> None:
+    write_safetensors(tmp_path / "model.safetensors", {"w": ("F16", [2])})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": entry}}))
+    with pytest.raises(UnsafePathError):
+        Probe.open(tmp_path)
+
+
+def test_symlink_leaving_directory_is_refused(tmp_path: Path) -> None:
+    outside = write_safetensors(tmp_path / "outside.safetensors", {"w": ("F16", [2])})
+    model = tmp_path / "model"
+    model.mkdir()
+    os.symlink(outside, model / "model.safetensors")
+    with pytest.raises(UnsafePathError, match="outside"):
+        Probe.open(model)
+
+
+def test_bad_config_json(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "model.safetensors", {"w": ("F16", [2])})
+    (tmp_path / "config.json").write_text('{"quantization_config": 3}')
+    with pytest.raises(ConfigError, match="quantization_config"):
+        Probe.open(tmp_path)
+    (tmp_path / "config.json").write_text('{"a": 1, "a": 2}')
+    with pytest.raises(ConfigError, match="duplicate"):
+        Probe.open(tmp_path)
+
+
+def test_missing_path() -> None:
+    with pytest.raises(ProbeError, match="no such file"):
+        Probe.open("/nonexistent/model")
+
+
+def test_gguf_header_roundtrip(tmp_path: Path) -> None:
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        {"general.architecture": "llama", "llama.block_count": 2, "x.f": 0.5},
+        {"a.weight": (0, [4, 2]), "b.weight": (1, [64])},
+    )
+    h = read_gguf_header(path, "m.gguf")
+    assert h.version == 3 and h.architecture == "llama"
+    assert h.metadata["llama.block_count"] == 2
+    assert [(t.name, t.shape, t.type_name) for t in h.tensors] == [("a.weight", (4, 2), "F32"), ("b.weight", (64,), "F16")]
+
+
+def test_gguf_header_matches_gguf_library(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "llama")
+    w.add_uint32("llama.block_count", 3)
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(100)])
+    w.add_tensor("tok.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = read_gguf_header(tmp_path / "g.gguf", "g.gguf")
+    theirs = gguf.GGUFReader(str(tmp_path / "g.gguf"))
+    assert ours.metadata["llama.block_count"] == 3
+    assert ours.array_lengths["tokenizer.ggml.tokens"] == 100
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    assert ours.data_offset == theirs.data_offset
+    assert ours.tensors[0].shape == tuple(int(x) for x in theirs.tensors[0].shape)
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"GGUF" + struct.pack("<I", 7),  # bad version
+        b"GGUF" + struct.pack("<IQQ", 3, 2**60, 0),  # tensor count beyond file
+        b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**40),  # key length beyond file
+        b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 99),  # bad type
+        b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 4, 2**50),
+        b"GGJT",
+        b"GG",
+    ],
+)
+def test_bad_gguf_headers_are_typed_errors(tmp_path: Path, blob: bytes) -> None:
+    (tmp_path / "bad.gguf").write_bytes(blob + b"\0" * 64)
+    with pytest.raises(HeaderError):
+        read_gguf_header(tmp_path / "bad.gguf", "bad.gguf")
+
+
+def test_gguf_tensor_past_end(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "m.gguf", {"general.architecture": "llama"}, {"a": (0, [1024])})
+    with path.open("r+b") as fh:
+        fh.truncate(path.stat().st_size - 100)
+    with pytest.raises(HeaderError, match="past the end"):
+        read_gguf_header(path, "m.gguf")

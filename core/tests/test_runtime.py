@@ -1,0 +1,115 @@
+"""Core's runtime on dense checkpoints: transformers is the judge."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import anyquant
+from anyquant.testing.tiny import make_tiny_dense
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_dense(tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny: Path):  # type: ignore[no-untyped-def]
+    return anyquant.load(tiny)
+
+
+def test_logits_equal_transformers(loaded, reference) -> None:  # type: ignore[no-untyped-def]
+    model, tok = reference
+    ids = tok("The quick brown fox", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(loaded.module(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("prompt", ["Hello, my name is", "1 2 3", "a"])
+def test_greedy_tokens_equal_transformers(loaded, reference, prompt: str) -> None:  # type: ignore[no-untyped-def]
+    model, tok = reference
+    ids = tok(prompt, return_tensors="pt").input_ids
+    want = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :].tolist()
+    got = loaded.generator.generate_ids(ids[0].tolist(), loaded.params(max_new_tokens=24))
+    assert got == want[: len(got)] and len(got) == len(want)
+
+
+def test_untied_head_is_not_tied(loaded) -> None:  # type: ignore[no-untyped-def]
+    m = loaded.module
+    assert m.lm_head.weight.data_ptr() != m.model.embed_tokens.weight.data_ptr()
+
+
+def test_missing_head_is_tied(tmp_path: Path) -> None:
+    root = make_tiny_dense(tmp_path / "m", tie_word_embeddings=True)
+    model = anyquant.load(root).module
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_stream_concatenates_to_generate(loaded) -> None:  # type: ignore[no-untyped-def]
+    full = loaded.generate("Once upon", max_new_tokens=20)
+    pieces = list(loaded.stream("Once upon", max_new_tokens=20))
+    assert "".join(pieces) == full and len(pieces) > 1
+
+
+def test_stop_strings_cut_and_are_never_streamed(loaded) -> None:  # type: ignore[no-untyped-def]
+    full = loaded.generate("Once upon", max_new_tokens=30)
+    stop = full[5:8]
+    assert len(stop) == 3
+    cut = loaded.generate("Once upon", max_new_tokens=30, stop=[stop])
+    assert cut == full[: full.find(stop)]
+    assert "".join(loaded.stream("Once upon", max_new_tokens=30, stop=[stop])) == cut
+
+
+def test_batch_equals_one_by_one(loaded) -> None:  # type: ignore[no-untyped-def]
+    prompts = ["Hi", "A much longer prompt than the first one", "xyz"]
+    batch = loaded.generate_batch(prompts, max_new_tokens=12)
+    single = [loaded.generate(p, max_new_tokens=12) for p in prompts]
+    assert batch == single
+
+
+def test_sampling_is_seeded(loaded) -> None:  # type: ignore[no-untyped-def]
+    kw = dict(max_new_tokens=16, temperature=0.9, top_k=50, top_p=0.9, seed=7)
+    assert loaded.generate("Hello", **kw) == loaded.generate("Hello", **kw)
+    assert loaded.generate("Hello", **kw) != loaded.generate("Hello", **{**kw, "seed": 8})
+
+
+def test_chat_template_applies(loaded) -> None:  # type: ignore[no-untyped-def]
+    params = loaded.params()
+    ids = loaded.generator.encode([{"role": "user", "content": "Hi"}], params)
+    text = loaded.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>user\nHi<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_sample_next_filters() -> None:
+    from anyquant.protocols import GenerationParams
+    from anyquant.runtime.generate import sample_next
+
+    logits = torch.tensor([[0.0, 5.0, 4.9, -1.0]])
+    hist = torch.tensor([[1]])
+    assert sample_next(logits, GenerationParams(), hist, None).item() == 1
+    assert sample_next(logits, GenerationParams(repetition_penalty=2.0), hist, None).item() == 2
+    rng = torch.Generator().manual_seed(0)
+    picks = {sample_next(logits, GenerationParams(temperature=1.0, top_k=1), hist, rng).item() for _ in range(20)}
+    assert picks == {1}
+
+
+def test_shape_mismatch_is_a_typed_error(tmp_path: Path) -> None:
+    import json
+
+    root = make_tiny_dense(tmp_path / "m")
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["intermediate_size"] = 512
+    (root / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(anyquant.CheckpointError, match="shape"):
+        anyquant.load(root)

@@ -1,0 +1,11 @@
+"""The anyquant conformance kit, run on anyquant-gguf."""
+
+from anyquant.testing import PluginConformance
+
+
+class TestConformance(PluginConformance):
+    entry_point = "anyquant-gguf"
+    package = "anyquant_gguf"
+    formats = ("gguf",)
+    own_fixtures = ("gguf",)
+    recognised_only = ("gguf",)  # loaders land with the plugin's loading work
