@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from .errors import HeaderError
 
@@ -46,9 +47,8 @@ SAFETENSORS_DTYPE_BITS: dict[str, int] = {
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor as a safetensors header describes it."""
+class TensorInfo(NamedTuple):
+    """One tensor as a safetensors header describes it (immutable)."""
 
     name: str
     dtype: str
@@ -151,14 +151,12 @@ def read_safetensors_header(path: Path, rel_name: str) -> SafetensorsHeader:
         loads_json(blob, f"{rel_name} header")
     data_size = size - 8 - header_len
     metadata: dict[str, str] = {}
-    tensors: list[TensorInfo] = []
-    for name, entry in parsed.items():
-        if name == "__metadata__":
-            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
-                raise HeaderError(f"{rel_name}: __metadata__ must map strings to strings")
-            metadata = dict(entry)
-            continue
-        tensors.append(_tensor_info(name, entry, rel_name, data_size))
+    raw_meta = parsed.pop("__metadata__", None)
+    if raw_meta is not None:
+        if not isinstance(raw_meta, dict) or not all(isinstance(v, str) for v in raw_meta.values()):
+            raise HeaderError(f"{rel_name}: __metadata__ must map strings to strings")
+        metadata = dict(raw_meta)
+    tensors = _tensor_infos(parsed, rel_name, data_size)
     _check_overlaps(tensors, rel_name)
     return SafetensorsHeader(rel_name, size, header_len, metadata, tuple(tensors))
 
@@ -193,10 +191,48 @@ def _tensor_info(name: str, entry: Any, rel_name: str, data_size: int) -> Tensor
     return TensorInfo(name, dtype, tuple(shape), rel_name, begin, end)
 
 
+def _tensor_infos(parsed: dict[str, Any], rel_name: str, data_size: int) -> list[TensorInfo]:
+    """Validate every entry. A lean fast path; any entry it cannot vouch for goes through
+    :func:`_tensor_info`, which raises the precise error."""
+    bits_of = SAFETENSORS_DTYPE_BITS
+    prod = math.prod
+    out: list[TensorInfo] = []
+    append = out.append
+    for name, entry in parsed.items():
+        try:
+            dtype = entry["dtype"]
+            shape = entry["shape"]
+            begin, end = entry["data_offsets"]
+            n = prod(shape)
+            ok = (
+                type(begin) is int
+                and type(end) is int
+                and 0 <= begin <= end <= data_size
+                and type(n) is int
+                and (not shape or min(shape) >= 0)
+                and (bits_of[dtype] * n + 7) // 8 == end - begin
+                and type(shape) is list
+                and all(type(d) is int for d in shape)
+            )
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if ok:
+            append(TensorInfo(name, dtype, tuple(shape), rel_name, begin, end))
+        else:
+            append(_tensor_info(name, entry, rel_name, data_size))
+    return out
+
+
 def _check_overlaps(tensors: list[TensorInfo], rel_name: str) -> None:
-    spans = sorted((t.begin, t.end, t.name) for t in tensors if t.end > t.begin)
-    for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+    spans = sorted((t.begin, t.end) for t in tensors if t.end > t.begin)
+    ends = [e for _, e in spans[:-1]]
+    begins = [b for b, _ in spans[1:]]
+    if all(map(operator.le, ends, begins)):
+        return
+    for (b0, e0), (b1, _e1) in zip(spans, spans[1:]):
         if b1 < e0:
+            n0 = next(t.name for t in tensors if t.begin == b0 and t.end == e0)
+            n1 = next(t.name for t in tensors if t.begin == b1 and t.name != n0)
             raise HeaderError(f"{rel_name}: tensors {n0!r} and {n1!r} overlap")
 
 

@@ -79,6 +79,7 @@ class Probe:
     gguf: tuple[GGUFHeader, ...]
     pickle_files: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
+    by_suffix: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -127,6 +128,7 @@ class Probe:
             gguf=ggufs,
             pickle_files=pickle_files,
             notes=tuple(notes),
+            by_suffix=_suffix_index(tensors),
         )
 
     # ------------------------------------------------------------------ queries
@@ -173,18 +175,11 @@ class Probe:
 
     def suffixes(self) -> dict[str, int]:
         """How many tensors end in each last dotted component (``qweight``, ``trellis`` ...)."""
-        counts: dict[str, int] = {}
-        for name in self.tensors:
-            suffix = name.rsplit(".", 1)[-1]
-            counts[suffix] = counts.get(suffix, 0) + 1
-        return counts
+        return {suffix: len(prefixes) for suffix, prefixes in self.by_suffix.items()}
 
     def modules_with(self, suffix: str) -> Iterator[str]:
         """Prefixes ``P`` such that tensor ``P.<suffix>`` exists."""
-        tail = "." + suffix
-        for name in self.tensors:
-            if name.endswith(tail):
-                yield name[: -len(tail)]
+        return iter(self.by_suffix.get(suffix, ()))
 
     def tensor(self, name: str) -> TensorInfo | None:
         return self.tensors.get(name)
@@ -215,6 +210,14 @@ class Probe:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _suffix_index(tensors: Mapping[str, TensorInfo]) -> Mapping[str, tuple[str, ...]]:
+    index: dict[str, list[str]] = {}
+    for name in tensors:
+        prefix, _, suffix = name.rpartition(".")
+        index.setdefault(suffix, []).append(prefix)
+    return MappingProxyType({k: tuple(v) for k, v in index.items()})
 
 
 def _glob(root: Path, pattern: str) -> list[Path]:
