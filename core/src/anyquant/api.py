@@ -14,7 +14,7 @@ from .protocols import Detection, LoadOptions, Loader
 from .registry import PluginInfo, Registry, load_spec_object
 
 if TYPE_CHECKING:
-    from .inspect import Report
+    from .report import Report
     from .runtime.loaded import LoadedModel
 
 __all__ = ["default_model", "default_registry", "detect", "inspect", "list_plugins", "load"]
@@ -86,7 +86,7 @@ def load(
 
 def inspect(path: str | Path, *, registry: Registry | None = None) -> Report:
     """Per-module table and totals, from headers only."""
-    from .inspect import build_report
+    from .report import build_report
 
     reg = registry or default_registry()
     probe = Probe.open(path)

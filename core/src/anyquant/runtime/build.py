@@ -127,7 +127,14 @@ def build_model(
             if replacement is not None:
                 _set_module(model, name, replacement.to(device))
     tie = _tied_head(model)
-    head_missing = tie is not None and src(tie[0]) not in source
+    head = model.get_output_embeddings() if tie is not None else None
+    head_weight = getattr(head, "weight", None)
+    head_missing = (
+        tie is not None
+        and isinstance(head_weight, torch.Tensor)
+        and head_weight.is_meta  # not replaced by a quantized module
+        and src(tie[0]) not in source
+    )
     if head_missing:
         log.info("no %s tensor in the checkpoint: tying it to %s", tie[0] if tie else "", tie[1] if tie else "")
     for name, param in list(model.named_parameters(remove_duplicate=False)):

@@ -102,9 +102,7 @@ def _unpack_last_stream(words: torch.Tensor, bits: int) -> torch.Tensor:
     return fields.reshape(*words.shape[:-1], blocks * _CODES_PER_BLOCK).to(torch.int32)
 
 
-def unpack_bits(
-    words: torch.Tensor, bits: int, *, dim: int = -1, count: int | None = None
-) -> torch.Tensor:
+def unpack_bits(words: torch.Tensor, bits: int, *, dim: int = -1, count: int | None = None) -> torch.Tensor:
     """Unpack ``bits``-wide codes stored LSB first along ``dim`` of a word tensor.
 
     Returns int32 codes; along ``dim`` there are ``words.shape[dim]*32/bits`` codes

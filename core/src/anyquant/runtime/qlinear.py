@@ -1,0 +1,71 @@
+"""A base class for quantized linear modules.
+
+A subclass holds its packed tensors as buffers and implements :meth:`dequantize` (the exact
+weight, ``[out_features, in_features]``). The base gives two execution modes:
+
+- ``"reference"``: dequantize on every forward (memory stays at the packed size; slow);
+- ``"dequantized"``: dequantize once at load, keep the weight in the compute dtype (dense speed
+  and dense memory).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["QuantLinearBase"]
+
+MODES = ("reference", "dequantized")
+
+
+class QuantLinearBase(nn.Module):
+    in_features: int
+    out_features: int
+
+    def __init__(self, in_features: int, out_features: int, *, mode: str = "reference",
+                 compute_dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        self.in_features, self.out_features = in_features, out_features
+        self.mode = mode
+        self.compute_dtype = compute_dtype
+        self.register_buffer("bias", None, persistent=False)
+        self._weight: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def set_bias(self, bias: torch.Tensor | None) -> None:
+        self.register_buffer("bias", None if bias is None else bias.to(self.compute_dtype), persistent=False)
+
+    def finalize(self) -> QuantLinearBase:
+        """Call once the packed buffers are set: caches the weight in ``dequantized`` mode and
+        drops the packed buffers there (the weight is all that forward needs)."""
+        if self.mode == "dequantized":
+            self._weight = self.dequantize().to(self.compute_dtype).contiguous()
+            self.drop_packed()
+        return self
+
+    def drop_packed(self) -> None:
+        """Free the packed buffers (subclasses list them in ``packed_names``)."""
+        for name in getattr(self, "packed_names", ()):
+            if name in self._buffers:
+                self._buffers[name] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._weight if self._weight is not None else self.dequantize().to(x.dtype)
+        if weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, weight, bias)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        out = super()._apply(fn, recurse)
+        if self._weight is not None:
+            self._weight = fn(self._weight)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"

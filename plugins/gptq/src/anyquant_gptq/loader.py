@@ -1,0 +1,157 @@
+"""The GPTQ loader: validation, backends, and the per-linear factory."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from anyquant.errors import CheckpointError, UnsupportedBackendError
+from anyquant.report import dense_rows
+from anyquant.loaders import LoadContext, TransformersLoader
+from anyquant.probe import Probe
+from anyquant.protocols import BackendInfo, Detection, ModuleInfo
+
+from .signature import read_signature
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["GPTQLoader"]
+
+log = logging.getLogger(__name__)
+
+#: auto picks "dequantized" when the dense weights take less than this share of RAM.
+DEQUANT_RAM_SHARE = 0.5
+
+
+def _ram_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        return 8 << 30
+
+
+def _cuda_backend() -> BackendInfo:
+    import importlib.util
+
+    if importlib.util.find_spec("gptqmodel") is None:
+        return BackendInfo("gptqmodel", False, "gptqmodel is not installed (pip install gptqmodel)")
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return BackendInfo("gptqmodel", False, "needs a CUDA GPU; none is visible")
+    except ImportError:  # pragma: no cover
+        return BackendInfo("gptqmodel", False, "torch is not installed")
+    return BackendInfo("gptqmodel", False, "the gptqmodel CUDA backend is not wired in yet (GPU-only work)")
+
+
+class GPTQLoader(TransformersLoader):
+    format = "gptq"
+    backend_order = ("gptqmodel", "dequantized", "reference")
+
+    def backends(self) -> list[BackendInfo]:
+        return [
+            _cuda_backend(),
+            BackendInfo("dequantized", True, description="dequantize once at load; dense speed and memory"),
+            BackendInfo("reference", True, description="pure torch, dequantize on every forward; packed memory"),
+        ]
+
+    def validate(self, probe: Probe, detection: Detection) -> None:
+        d = detection.details
+        fmt = d.get("checkpoint_format", "gptq")
+        if detection.variant in ("marlin", "bitblas"):
+            raise UnsupportedBackendError(
+                f"{probe.root}: GPTQ in the {detection.variant} layout is packed for CUDA kernels only; "
+                "anyquant's CPU backends need the plain GPTQ layout (checkpoint_format gptq or gptq_v2). "
+                "Re-export it with GPTQModel in format 'gptq', or load it with gptqmodel on a GPU."
+            )
+        if fmt not in ("gptq", "gptq_v2"):
+            raise UnsupportedBackendError(f"{probe.root}: GPTQ checkpoint_format {fmt!r} is not supported on CPU")
+        problems = d.get("problems") or []
+        if problems:
+            raise CheckpointError(f"{probe.root}: the GPTQ tensors are inconsistent: {'; '.join(problems[:3])}")
+        if fmt == "gptq" and d.get("sym") is False:
+            quantizers = [q.split(":")[0].lower() for q in d.get("quantizer", [])]
+            if "gptqmodel" not in quantizers:
+                raise CheckpointError(
+                    f"{probe.root}: asymmetric GPTQ in the v1 format (zero-1 stored) decodes differently "
+                    "depending on the tool that wrote it, and meta.quantizer does not name gptqmodel "
+                    f"(it says {d.get('quantizer')!r}). anyquant refuses to guess; re-save it as gptq_v2."
+                )
+
+    def choose_backend(self, requested: str, device: Any) -> str:
+        if requested != "auto":
+            return super().choose_backend(requested, device)
+        return "dequantized" if self._dense_bytes_ok() else "reference"
+
+    def _dense_bytes_ok(self) -> bool:
+        budget = getattr(self, "_dense_bytes", 0)
+        return budget < DEQUANT_RAM_SHARE * _ram_bytes()
+
+    def load(self, probe: Probe, detection: Detection, options: Any) -> Any:
+        sig = read_signature(probe)
+        self._dense_bytes = sum(m.in_features * m.out_features * 4 for m in sig.modules)
+        return super().load(probe, detection, options)
+
+    def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
+        from .dequant import gptq_zero_label_check
+        from .qlinear import GPTQLinear
+
+        sig = {m.name: m for m in read_signature(ctx.probe).modules}
+        d = ctx.detection.details
+        declared = d.get("checkpoint_format", "gptq")
+        checked: dict[str, str] = {}
+
+        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
+            m = sig.get(name)
+            if m is None:
+                return None  # dense (lm_head, skipped modules): filled from the checkpoint's .weight
+            if (m.in_features, m.out_features) != (linear.in_features, linear.out_features):
+                raise CheckpointError(
+                    f"{name}: GPTQ tensors are {m.in_features}x{m.out_features}, the model expects "
+                    f"{linear.in_features}x{linear.out_features}"
+                )
+            src = ctx.source
+            qzeros = src.get(f"{name}.qzeros")
+            fmt = declared
+            if d.get("sym", True) is not False and "label" not in checked:
+                shown = gptq_zero_label_check(qzeros, m.bits, declared, out_features=m.out_features)
+                checked["label"] = shown or declared
+                if shown is not None:
+                    log.warning(
+                        "%s: checkpoint_format says %r but the qzeros show %r; the tensors decide",
+                        ctx.probe.root, declared, shown,
+                    )
+            fmt = checked.get("label", declared)
+            bias = src.get(f"{name}.bias") if m.has_bias else None
+            return GPTQLinear(
+                src.get(f"{name}.qweight"),
+                qzeros,
+                src.get(f"{name}.scales"),
+                src.get(f"{name}.g_idx"),
+                bias,
+                bits=m.bits,
+                in_features=m.in_features,
+                out_features=m.out_features,
+                checkpoint_format=fmt,
+                sym=d.get("sym"),
+                mode="dequantized" if ctx.backend == "dequantized" else "reference",
+                compute_dtype=ctx.dtype,
+            )
+
+        return factory
+
+    def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
+        sig = read_signature(probe)
+        rows = []
+        covered = set()
+        for m in sig.modules:
+            names = [f"{m.name}.{s}" for s in ("qweight", "qzeros", "scales", "g_idx", "bias")]
+            nbytes = sum(probe.tensors[n].nbytes for n in names if n in probe.tensors)
+            covered.add(m.name)
+            rows.append(ModuleInfo(m.name, "gptq", (m.out_features, m.in_features), float(m.bits),
+                                   m.group_size, nbytes))  # fmt: skip
+        return rows + dense_rows(probe, skip=covered)

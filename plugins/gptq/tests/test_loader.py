@@ -1,0 +1,108 @@
+"""anyquant.load on checkpoints GPTQModel made (tiny Llama, 16 variants): GPTQModel is the judge."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import anyquant
+from tests.peers.catalog import GPTQ_QUANT_VARIANTS, gptqmodel_gptq_quantized_dir
+
+pytestmark = pytest.mark.peer
+
+VARIANTS = [v["name"] for v in GPTQ_QUANT_VARIANTS]
+
+
+@pytest.fixture(scope="module")
+def root() -> Path:
+    return gptqmodel_gptq_quantized_dir()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_detect(root: Path, variant: str) -> None:
+    spec = next(v for v in GPTQ_QUANT_VARIANTS if v["name"] == variant)
+    d = anyquant.detect(root / "quantized" / variant)
+    assert d.format == "gptq"
+    assert d.variant == {"gptq": "v1", "gptq_v2": "v2"}[spec["format"]]
+    assert d.details["bits_from_shapes"] == [spec["bits"]]
+
+
+@pytest.mark.parametrize("backend", ["reference", "dequantized"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_weights_and_logits_match_gptqmodel(root: Path, variant: str, backend: str) -> None:
+    """Weights bit-exact; fp32 logits within 1e-3 of GPTQModel's fp16 CPU forward."""
+    path = root / "quantized" / variant
+    model = anyquant.load(path, backend=backend)
+    assert model.backend == backend and model.dtype == "float32"
+    theirs = load_file(root / "judges" / variant / "gptqmodel_dequant.safetensors")
+    modules = dict(model.module.named_modules())
+    for key, weight_in_out in theirs.items():
+        ours = modules[key.removesuffix(".weight")]
+        if backend == "reference":
+            assert torch.equal(ours.dequantize(), weight_in_out.t().contiguous()), key
+        else:  # cached in fp32: the fp16 values, exactly
+            assert torch.equal(ours._weight, weight_in_out.t().float()), key
+    ref = load_file(root / "judges" / variant / "gptqmodel_logits.safetensors")
+    with torch.no_grad():
+        logits = model.module(ref["input_ids"]).logits
+    rel = (logits - ref["logits"].float()).abs().max() / ref["logits"].float().abs().max()
+    assert rel < 1e-3, f"max relative logit difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fp16_logits_identical_and_greedy_tokens_identical(root: Path, variant: str) -> None:
+    """In GPTQModel's own dtype (fp16) the logits are bit-identical, so greedy decoding is too.
+    (In fp32 a near-tie can flip: b2_g32_asym_desc's top-2 gap is 0.005.)"""
+    model = anyquant.load(root / "quantized" / variant, backend="dequantized", dtype="float16")
+    ref = load_file(root / "judges" / variant / "gptqmodel_logits.safetensors")
+    with torch.no_grad():
+        assert torch.equal(model.module(ref["input_ids"]).logits, ref["logits"].to(torch.float16))
+    tokens = ref["greedy_tokens"][0].tolist()
+    prompt, want = tokens[:8], tokens[8:]
+    assert model.generator.generate_ids(prompt, model.params(max_new_tokens=len(want))) == want
+
+
+def test_mislabelled_checkpoint_trusts_the_tensors(root: Path, tmp_path: Path) -> None:
+    import shutil
+
+    src = root / "quantized" / "b4_g128_sym_nodesc_gptq"
+    dst = tmp_path / "mislabelled"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["checkpoint_format"] = "gptq_v2"
+    cfg["quantization_config"]["format"] = "gptq_v2"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    if (dst / "quantize_config.json").exists():
+        (dst / "quantize_config.json").unlink()
+    model = anyquant.load(dst, backend="reference")
+    theirs = load_file(root / "judges" / src.name / "gptqmodel_dequant.safetensors")
+    key = next(iter(theirs))
+    ours = dict(model.module.named_modules())[key.removesuffix(".weight")]
+    assert ours.checkpoint_format == "gptq"
+    assert torch.equal(ours.dequantize(), theirs[key].t().contiguous())
+
+
+def test_asymmetric_v1_of_unknown_producer_is_refused(root: Path, tmp_path: Path) -> None:
+    import shutil
+
+    src = root / "quantized" / "b4_g32_asym_desc_gptq"
+    dst = tmp_path / "unknown"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"].pop("meta", None)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    if (dst / "quantize_config.json").exists():
+        (dst / "quantize_config.json").unlink()
+    with pytest.raises(anyquant.CheckpointError, match="refuses to guess"):
+        anyquant.load(dst)
+
+
+def test_inspect_reports_bits_and_groups(root: Path) -> None:
+    report = anyquant.inspect(root / "quantized" / "b4_g32_asym_desc_gptq")
+    q = [m for m in report.modules if m.format == "gptq"]
+    assert len(q) == 14 and {m.bits for m in q} == {4.0} and {m.group_size for m in q} == {32}
+    assert 4.0 < report.totals["avg_bits_quantized"] < 6.0

@@ -1,0 +1,94 @@
+"""Shared peer-fixture specs: tiny Llama checkpoints quantized by GPTQModel.
+
+Tests that need the same real checkpoints (dequant today; logits and greedy
+tokens later) call these functions with the same params, so they share one
+cached build (see :mod:`tests.peers.fixtures`).
+
+Layout of a quantized fixture directory::
+
+    manifest.json                          variants, per-module info, timings, library versions
+    base/                                  the fp16 source model + byte-level tokenizer
+    quantized/<variant>/                   the checkpoint exactly as GPTQModel saved it
+    judges/<variant>/                      GPTQModel's outputs for it (kept out of the checkpoint):
+        gptqmodel_dequant.safetensors      GPTQModel's dequantized weights, "<module>.weight", [in, out]
+        gptqmodel_logits.safetensors       input_ids [1, 32], fp32 logits, greedy_tokens (8 prompt + 8 new)
+        gptqmodel_dequant_bf16.safetensors only for the bf16 variant: reloaded with dtype=bfloat16
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.peers.fixtures import peer_fixture_or_skip
+
+__all__ = [
+    "GPTQMODEL_AWQ_VARIANTS",
+    "GPTQ_BF16_VARIANT",
+    "GPTQ_QUANT_VARIANTS",
+    "TINY_LLAMA",
+    "gptq_case_name",
+    "gptqmodel_awq_quantized_dir",
+    "gptqmodel_gptq_quantized_dir",
+]
+
+TINY_LLAMA: dict[str, int] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+_COMMON: dict[str, Any] = {
+    "mode": "quantized",
+    "seed": 0,
+    "model": TINY_LLAMA,
+    "calibration_samples": 16,
+    "calibration_chars": 400,
+    "prompt_len": 32,
+    "greedy_prompt_len": 8,
+    "new_tokens": 8,
+}
+_PACKAGES = ("gptqmodel", "torch", "transformers")
+
+
+def gptq_case_name(bits: int, group_size: int, sym: bool, desc_act: bool, fmt: str) -> str:
+    """E.g. ``b4_g128_sym_nodesc_gptq``."""
+    return f"b{bits}_g{group_size}_{'sym' if sym else 'asym'}_{'desc' if desc_act else 'nodesc'}_{fmt}"
+
+
+def _gptq_variant(bits: int, group_size: int, sym: bool, desc_act: bool, fmt: str) -> dict[str, Any]:
+    name = gptq_case_name(bits, group_size, sym, desc_act, fmt)
+    return {"name": name, "bits": bits, "group_size": group_size, "sym": sym, "desc_act": desc_act, "format": fmt}
+
+
+# Every bit width gets sym/asym, desc_act on/off, v1/v2 and four group sizes between its four variants.
+GPTQ_QUANT_VARIANTS: list[dict[str, Any]] = [
+    _gptq_variant(bits, group, sym, desc, fmt)
+    for bits in (2, 3, 4, 8)
+    for (group, sym, desc, fmt) in (
+        (128, True, False, "gptq"),
+        (32, False, True, "gptq"),
+        (64, True, True, "gptq_v2"),
+        (-1, False, False, "gptq_v2"),
+    )
+]
+GPTQ_BF16_VARIANT = "b4_g128_sym_nodesc_gptq"
+
+GPTQMODEL_AWQ_VARIANTS: list[dict[str, Any]] = [
+    {"name": "awq_gemm_g32_zp", "bits": 4, "group_size": 32, "sym": False, "desc_act": False, "format": "gemm"},
+    {"name": "awq_gemm_g64_sym", "bits": 4, "group_size": 64, "sym": True, "desc_act": False, "format": "gemm"},
+]
+
+
+def gptqmodel_gptq_quantized_dir() -> Path:
+    """16 GPTQ checkpoints of the tiny Llama made by ``GPTQModel.quantize`` (skips if unavailable)."""
+    params = {**_COMMON, "method": "gptq", "bf16_variant": GPTQ_BF16_VARIANT, "variants": GPTQ_QUANT_VARIANTS}
+    return peer_fixture_or_skip("gptqmodel_worker", params, packages=_PACKAGES)
+
+
+def gptqmodel_awq_quantized_dir() -> Path:
+    """AWQ GEMM checkpoints of the tiny Llama made by GPTQModel (``AWQConfig``, ``BACKEND.AWQ_TORCH``)."""
+    params = {**_COMMON, "method": "awq", "variants": GPTQMODEL_AWQ_VARIANTS}
+    return peer_fixture_or_skip("gptqmodel_worker", params, packages=_PACKAGES)
