@@ -8,4 +8,3 @@ class TestConformance(PluginConformance):
     package = "anyquant_awq"
     formats = ("awq",)
     own_fixtures = ("awq_gemm", "awq_gemv")
-    recognised_only = ("awq",)  # loaders land with the plugin's loading work

@@ -8,4 +8,3 @@ class TestConformance(PluginConformance):
     package = "anyquant_exl3"
     formats = ("exl3", "exl2")
     own_fixtures = ("exl3_mul1", "exl3_3inst", "exl2")
-    recognised_only = ("exl3", "exl2")  # loaders land with the plugin's loading work

@@ -8,4 +8,3 @@ class TestConformance(PluginConformance):
     package = "anyquant_gguf"
     formats = ("gguf",)
     own_fixtures = ("gguf",)
-    recognised_only = ("gguf",)  # loaders land with the plugin's loading work

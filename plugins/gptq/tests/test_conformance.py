@@ -8,4 +8,3 @@ class TestConformance(PluginConformance):
     package = "anyquant_gptq"
     formats = ("gptq",)
     own_fixtures = ("gptq_v1", "gptq_v2", "gptq_autogptq")
-    recognised_only = ("gptq",)  # loaders land with the plugin's loading work

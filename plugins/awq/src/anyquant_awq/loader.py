@@ -1,0 +1,143 @@
+"""The AWQ loader: GEMM and GEMV layouts on CPU, scaled activations applied."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from anyquant.errors import CheckpointError, UnsupportedBackendError
+from anyquant.loaders import LoadContext, TransformersLoader
+from anyquant.probe import Probe
+from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
+from anyquant.report import dense_rows
+
+from .plugin import _layout
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from anyquant.runtime.loaded import LoadedModel
+
+__all__ = ["AWQLoader"]
+
+
+def _modules(probe: Probe, bits: int) -> dict[str, dict[str, Any]]:
+    t = probe.tensors
+    out: dict[str, dict[str, Any]] = {}
+    for prefix in probe.modules_with("qweight"):
+        layout = _layout(probe, prefix, bits)
+        if layout is None:
+            continue
+        qw, sc = t[f"{prefix}.qweight"], t[f"{prefix}.scales"]
+        if layout == "gemm":
+            k, n, groups = qw.shape[0], sc.shape[1], sc.shape[0]
+        elif layout == "gemv":
+            n, k = qw.shape[0], qw.shape[1] * 32 // bits
+            groups = None
+        else:
+            k = n = groups = None
+        names = [f"{prefix}.{s}" for s in ("qweight", "qzeros", "scales", "bias")]
+        out[prefix] = {"layout": layout, "in": k, "out": n, "groups": groups, "bias": f"{prefix}.bias" in t,
+                       "nbytes": sum(t[x].nbytes for x in names if x in t)}  # fmt: skip
+    return out
+
+
+class AWQLoader(TransformersLoader):
+    format = "awq"
+    backend_order = ("dequantized", "reference")
+
+    def backends(self) -> list[BackendInfo]:
+        return [
+            BackendInfo("dequantized", True, description="dequantize once at load; dense speed and memory"),
+            BackendInfo("reference", True, description="pure torch, dequantize on every forward; packed memory"),
+            BackendInfo("gptqmodel", False, "the gptqmodel CUDA backend is not wired in yet (GPU-only work)"),
+        ]
+
+    def _bits_group(self, detection: Detection) -> tuple[int, int]:
+        d = detection.details
+        return int(d.get("bits", 4)), int(d.get("group_size", 128))
+
+    def validate(self, probe: Probe, detection: Detection) -> None:
+        problems = detection.details.get("problems") or []
+        if problems:
+            raise CheckpointError(f"{probe.root}: the AWQ tensors are inconsistent: {'; '.join(problems[:3])}")
+        if detection.variant not in ("gemm", "gemv"):
+            raise UnsupportedBackendError(
+                f"{probe.root}: AWQ layout {detection.variant!r} is not loadable on CPU by anyquant "
+                "(GEMM and GEMV are); re-export it as GEMM"
+            )
+        bits, group = self._bits_group(detection)
+        if bits != 4:
+            raise CheckpointError(f"{probe.root}: AWQ with bits={bits}: only 4-bit AWQ layouts exist")
+        for name, m in _modules(probe, bits).items():
+            if m["layout"] == "gemm" and group > 0 and m["in"] // group != m["groups"]:
+                raise CheckpointError(f"{name}: {m['groups']} scale groups do not match group_size={group}")
+
+    def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
+        from .qlinear import AWQLinear
+
+        bits, group = self._bits_group(ctx.detection)
+        modules = _modules(ctx.probe, bits)
+        src = ctx.source
+
+        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
+            m = modules.get(name)
+            if m is None:
+                return None
+            if (m["in"], m["out"]) != (linear.in_features, linear.out_features):
+                raise CheckpointError(
+                    f"{name}: AWQ tensors are {m['in']}x{m['out']}, the model expects "
+                    f"{linear.in_features}x{linear.out_features}"
+                )
+            return AWQLinear(
+                src.get(f"{name}.qweight"),
+                src.get(f"{name}.qzeros") if f"{name}.qzeros" in src else None,
+                src.get(f"{name}.scales"),
+                src.get(f"{name}.bias") if m["bias"] else None,
+                layout=m["layout"],
+                bits=bits,
+                group_size=group,
+                in_features=m["in"],
+                out_features=m["out"],
+                mode="dequantized" if ctx.backend == "dequantized" else "reference",
+                compute_dtype=ctx.dtype,
+            )
+
+        return factory
+
+    def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel:
+        loaded = super().load(probe, detection, options)
+        _apply_act_scales(loaded.module, probe)
+        return loaded
+
+    def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
+        bits, group = self._bits_group(detection)
+        modules = _modules(probe, bits)
+        rows = [
+            ModuleInfo(name, "awq", (m["out"], m["in"]), float(bits), group, m["nbytes"], extra={"layout": m["layout"]})
+            for name, m in modules.items()
+        ]
+        return rows + dense_rows(probe, skip=set(modules))
+
+
+def _apply_act_scales(model: Any, probe: Probe) -> None:
+    """AutoAWQ's ScaledActivation: ``act(x) / scales`` for ``P.act.scales`` tensors (GELU models)."""
+    prefixes = [p for p in probe.modules_with("scales") if p.endswith(".act")]
+    if not prefixes:
+        return
+    from safetensors import safe_open
+
+    from .qlinear import ScaledActivation
+
+    modules = dict(model.named_modules())
+    for prefix in prefixes:
+        act = modules.get(prefix)
+        if act is None:
+            raise CheckpointError(
+                f"{prefix}.scales scales an activation module the transformers model does not have ({prefix})"
+            )
+        info = probe.tensors[f"{prefix}.scales"]
+        with safe_open(str(probe.root / info.file), framework="pt") as fh:
+            scales = fh.get_tensor(f"{prefix}.scales").float()
+        parent, _, child = prefix.rpartition(".")
+        setattr(modules[parent] if parent else model, child, ScaledActivation(act, scales))

@@ -1,0 +1,147 @@
+"""The EXL3 loader (pure-torch reference decoder on any device) and the EXL2 loader stub."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from anyquant.errors import CheckpointError, UnsupportedFormatError
+from anyquant.report import dense_rows
+from anyquant.loaders import LoadContext, TransformersLoader
+from anyquant.probe import Probe
+from anyquant.protocols import BackendInfo, Detection, ModuleInfo
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["EXL2Loader", "EXL3Loader"]
+
+log = logging.getLogger(__name__)
+
+#: the locked codebook multipliers (uint32 viewed as int32 in the marker tensors).
+LOCKED_MARKERS = {"mcg": -877912083, "mul1": -2082680531}
+
+
+def _exllamav3_backend() -> BackendInfo:
+    import importlib.util
+
+    if importlib.util.find_spec("exllamav3") is None:
+        return BackendInfo("exllamav3", False, "exllamav3 is not installed")
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return BackendInfo("exllamav3", False, "exllamav3 needs an Ampere+ NVIDIA GPU; none is visible")
+    except ImportError:  # pragma: no cover
+        return BackendInfo("exllamav3", False, "torch is not installed")
+    return BackendInfo("exllamav3", False, "the exllamav3 CUDA backend is not wired in yet (GPU-only work)")
+
+
+def _modules(probe: Probe) -> dict[str, dict[str, Any]]:
+    t = probe.tensors
+    out = {}
+    for prefix in probe.modules_with("trellis"):
+        tr = t[f"{prefix}.trellis"]
+        if len(tr.shape) != 3:
+            continue
+        codebook = next((c for c in ("mcg", "mul1") if f"{prefix}.{c}" in t), "3inst")
+        out[prefix] = {
+            "k": tr.shape[2] / 16,
+            "in_pad": tr.shape[0] * 16,
+            "out_pad": tr.shape[1] * 16,
+            "codebook": codebook,
+            "legacy": f"{prefix}.suh" not in t,
+            "bias": f"{prefix}.bias" in t,
+            "nbytes": sum(
+                t[f"{prefix}.{s}"].nbytes for s in ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
+                if f"{prefix}.{s}" in t
+            ),
+        }
+    return out
+
+
+class EXL3Loader(TransformersLoader):
+    format = "exl3"
+    backend_order = ("exllamav3", "dequantized", "reference")
+
+    def backends(self) -> list[BackendInfo]:
+        return [
+            _exllamav3_backend(),
+            BackendInfo("dequantized", True, description="decode once at load (pure torch); dense speed and memory"),
+            BackendInfo("reference", True, description="pure torch, decode on every forward; packed memory"),
+        ]
+
+    def validate(self, probe: Probe, detection: Detection) -> None:
+        problems = detection.details.get("problems") or []
+        if problems:
+            raise CheckpointError(f"{probe.root}: the EXL3 tensors are inconsistent: {'; '.join(problems[:3])}")
+        tables = detection.details.get("tables") or []
+        if tables:
+            raise UnsupportedFormatError(
+                f"{probe.root}: {len(tables)} 2-D trellis tables (exllamav3 1.6 quantized embeddings / n-gram "
+                f"tables, e.g. {tables[0]!r}) are recognised but not decoded by anyquant yet"
+            )
+
+    def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
+        from .qlinear import EXL3Linear
+
+        modules = _modules(ctx.probe)
+        src = ctx.source
+
+        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
+            m = modules.get(name)
+            if m is None:
+                return None
+            if m["in_pad"] < linear.in_features or m["out_pad"] < linear.out_features:
+                raise CheckpointError(
+                    f"{name}: trellis covers {m['in_pad']}x{m['out_pad']}, smaller than the model's "
+                    f"{linear.in_features}x{linear.out_features}"
+                )
+            multiplier = None
+            marker = m["codebook"]
+            if marker in LOCKED_MARKERS:
+                value = int(src.get(f"{name}.{marker}").item())
+                if value != LOCKED_MARKERS[marker]:
+                    log.warning("%s: non-default %s multiplier %#x (exllamav3 v0.0.4-0.0.8); using it",
+                                name, marker, value & 0xFFFFFFFF)  # fmt: skip
+                    multiplier = value & 0xFFFFFFFF
+            get = lambda s: src.get(f"{name}.{s}") if f"{name}.{s}" in src else None  # noqa: E731
+            return EXL3Linear(
+                src.get(f"{name}.trellis"),
+                get("suh"),
+                get("svh"),
+                get("bias"),
+                su=get("su") if m["legacy"] else None,
+                sv=get("sv") if m["legacy"] else None,
+                codebook=m["codebook"],
+                in_features=linear.in_features,
+                out_features=linear.out_features,
+                multiplier=multiplier,
+                mode="dequantized" if ctx.backend == "dequantized" else "reference",
+                compute_dtype=ctx.dtype,
+            )
+
+        return factory
+
+    def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
+        modules = _modules(probe)
+        rows = [
+            ModuleInfo(name, "exl3", (m["out_pad"], m["in_pad"]), m["k"], None, m["nbytes"],
+                       extra={"codebook": m["codebook"], "padded": True})  # fmt: skip
+            for name, m in modules.items()
+        ]
+        return rows + dense_rows(probe, skip=set(modules))
+
+
+class EXL2Loader(TransformersLoader):
+    format = "exl2"
+
+    def backends(self) -> list[BackendInfo]:
+        return [BackendInfo("reference", False, "the EXL2 reference decoder is not implemented yet")]
+
+    def validate(self, probe: Probe, detection: Detection) -> None:
+        raise UnsupportedFormatError(
+            f"{probe.root}: EXL2 is recognised (never sent to the EXL3 loader), but anyquant cannot load it yet. "
+            "exllamav2 on a CUDA GPU loads it."
+        )

@@ -1,0 +1,60 @@
+"""``EXL3Linear``: an EXL3 trellis-coded linear layer over the pure-torch decoder."""
+
+from __future__ import annotations
+
+import torch
+
+from anyquant.runtime.qlinear import QuantLinearBase
+
+from .decode import decode_exl3
+
+__all__ = ["EXL3Linear"]
+
+
+class EXL3Linear(QuantLinearBase):
+    packed_names = ("trellis", "suh", "svh", "su", "sv")
+
+    def __init__(
+        self,
+        trellis: torch.Tensor,
+        suh: torch.Tensor | None,
+        svh: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        *,
+        codebook: str,
+        in_features: int,
+        out_features: int,
+        su: torch.Tensor | None = None,
+        sv: torch.Tensor | None = None,
+        multiplier: int | None = None,
+        mode: str = "reference",
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(in_features, out_features, mode=mode, compute_dtype=compute_dtype)
+        self.codebook = codebook
+        self.multiplier = multiplier
+        self.k_bits = trellis.shape[-1] / 16
+        for name, value in (("trellis", trellis), ("suh", suh), ("svh", svh), ("su", su), ("sv", sv)):
+            self.register_buffer(name, value)
+        self.set_bias(bias)
+        self.finalize()
+
+    def dequantize(self) -> torch.Tensor:
+        """W as the CUDA kernels reconstruct it (fp16), ``[out, in]``, padding trimmed."""
+        if self.trellis is None:
+            assert self._weight is not None
+            return self._weight
+        return decode_exl3(
+            self.trellis,
+            self.suh,
+            self.svh,
+            su=self.su,
+            sv=self.sv,
+            codebook=self.codebook,
+            in_features=self.in_features,
+            out_features=self.out_features,
+            multiplier=self.multiplier,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, K={self.k_bits:g}, codebook={self.codebook}"
