@@ -22,6 +22,8 @@ _EXPORTS: dict[str, str] = {
     "list_plugins": "api",
     "default_model": "api",
     "default_registry": "api",
+    "quantize": "quantization",
+    "export_dense": "export",
     # registry and hooks
     "Registry": "registry",
     "PluginInfo": "registry",
@@ -80,6 +82,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .api import default_model, default_registry, detect, inspect, list_plugins, load
+    from .export import export_dense
+    from .quantization import quantize
     from .errors import (
         AmbiguousFormatError,
         AnyquantError,

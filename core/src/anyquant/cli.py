@@ -129,6 +129,60 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_bar() -> Any:
+    """A stage progress bar on stderr (tqdm when installed)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return lambda stage, frac: print(f"[{frac:4.0%}] {stage}", file=sys.stderr)
+    bar = tqdm(total=100, unit="%", file=sys.stderr, bar_format="{l_bar}{bar}| {elapsed}")
+
+    def update(stage: str, frac: float) -> None:
+        bar.set_description(stage[:40])
+        bar.update(max(0, round(100 * frac) - bar.n))
+        if frac >= 1.0:
+            bar.close()
+
+    return update
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from .quantization import quantize
+
+    options: dict[str, Any] = {}
+    if args.format:
+        options["format"] = args.format
+    if args.zero_point is not None:
+        options["zero_point"] = args.zero_point
+    out = quantize(
+        args.src,
+        args.dst,
+        method=args.method,
+        bits=args.bits,
+        group_size=args.group_size,
+        sym=not args.asym,
+        desc_act=args.desc_act,
+        calibration=args.calibration,
+        calibration_samples=args.samples,
+        calibration_seq_len=args.seq_len,
+        overwrite=args.overwrite,
+        max_ppl_ratio=args.max_ppl_ratio,
+        quality=not args.no_quality_check,
+        progress=None if args.json else _progress_bar(),
+        **options,
+    )
+    _emit(args, {"dst": str(out), "method": args.method}, f"wrote {out}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_dense
+
+    out = export_dense(args.path, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    _emit(args, {"out": str(out), "to": args.to, "dtype": args.dtype}, f"wrote {out} ({args.to}, {args.dtype})")
+    return 0
+
+
 def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="anyquant", description="Load any quantized LLM checkpoint.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
@@ -165,6 +219,35 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_generate)
 
+    p = sub.add_parser("quantize", help="quantize a dense checkpoint (gptq, awq, exl3)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--method", required=True, choices=["gptq", "awq", "exl3"])
+    p.add_argument("--bits", type=float, default=4)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--asym", action="store_true", help="asymmetric (zero points)")
+    p.add_argument("--zero-point", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
+                   help="AWQ: zero points on/off")  # fmt: skip
+    p.add_argument("--desc-act", action="store_true", help="GPTQ act-order")
+    p.add_argument("--format", default=None, help="checkpoint format, e.g. gptq (v1) or gptq_v2")
+    p.add_argument("--calibration", default=None, help="named source, mix (c4:0.5,code:0.5) or a file")
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--max-ppl-ratio", type=float, default=3.0)
+    p.add_argument("--no-quality-check", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_quantize)
+
+    p = sub.add_parser("export", help="write any loadable checkpoint as a dense HF folder")
+    p.add_argument("path")
+    p.add_argument("out")
+    p.add_argument("--to", default="dense", choices=["dense"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_export)
+
     if with_plugins:
         from .api import default_registry
 
@@ -173,10 +256,13 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+BUILTIN_COMMANDS = ("-h", "--help", "detect", "inspect", "plugins", "generate", "quantize", "export")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # plugins may add commands; --help and no-argument runs stay fast (no plugin import)
-    wants_plugins = bool(argv) and argv[0] not in ("-h", "--help", "detect", "inspect", "plugins", "generate")
+    wants_plugins = bool(argv) and argv[0] not in BUILTIN_COMMANDS
     parser = build_parser(with_plugins=wants_plugins)
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -9,8 +9,10 @@ imports torch.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any
@@ -214,8 +216,7 @@ class Probe:
 
 def _suffix_index(tensors: Mapping[str, TensorInfo]) -> Mapping[str, tuple[str, ...]]:
     index: dict[str, list[str]] = {}
-    for name in tensors:
-        prefix, _, suffix = name.rpartition(".")
+    for prefix, _, suffix in map(str.rpartition, tensors, repeat(".")):
         index.setdefault(suffix, []).append(prefix)
     return MappingProxyType({k: tuple(v) for k, v in index.items()})
 
@@ -254,12 +255,19 @@ def _read_json(root: Path, name: str) -> dict[str, Any] | None:
 def _merge_tensors(headers: tuple[SafetensorsHeader, ...]) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     for h in headers:
-        for t in h.tensors:
-            other = tensors.get(t.name)
-            if other is not None:
-                raise HeaderError(f"tensor {t.name!r} is in both {other.file} and {t.file}")
-            tensors[t.name] = t
+        before = len(tensors)
+        tensors.update(zip(map(_name, h.tensors), h.tensors))
+        if len(tensors) != before + len(h.tensors):
+            seen: dict[str, str] = {}
+            for prev in headers:
+                for t in prev.tensors:
+                    if t.name in seen:
+                        raise HeaderError(f"tensor {t.name!r} is in both {seen[t.name]} and {t.file}")
+                    seen[t.name] = t.file
     return tensors
+
+
+_name = operator.attrgetter("name")
 
 
 def _read_index(

@@ -1,0 +1,67 @@
+"""``anyquant export PATH --to dense OUT``: any loadable checkpoint -> a normal HF folder.
+
+The result (safetensors + config.json + tokenizer) is what quantizers take as input.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import AnyquantError
+
+__all__ = ["export_dense"]
+
+log = logging.getLogger(__name__)
+
+
+def export_dense(path: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwrite: bool = False,
+                 **load_kwargs: Any) -> Path:  # fmt: skip
+    """Dequantize every weight of ``path`` and save a dense transformers folder at ``out``."""
+    import torch
+    from torch import nn
+
+    from .api import load
+    from .runtime.build import resolve_dtype
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise AnyquantError(f"{out} exists and is not empty; pass overwrite=True")
+    model = load(path, backend=load_kwargs.pop("backend", "auto"), dtype="float32", **load_kwargs)
+    target = resolve_dtype(dtype, torch.device("cpu"))
+    module = model.module
+    for name, child in list(module.named_modules()):
+        dequantize = getattr(child, "dequantize", None)
+        if isinstance(child, nn.Linear) or not callable(dequantize) or not hasattr(child, "in_features"):
+            continue  # quantized linears only (transformers' PreTrainedModel also has a dequantize())
+        weight = dequantize().to(torch.float32)
+        bias = getattr(child, "bias", None)
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="cpu")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.to(torch.float32), requires_grad=False)
+        parent, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, attr, linear)
+    module.to(target)
+    config = module.config
+    for attr in ("quantization_config", "compression_config"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.anyquant-", dir=out.parent))
+    try:
+        module.save_pretrained(tmp)
+        if model.tokenizer is not None:
+            model.tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("exported %s (%s) to %s as dense %s", path, model.format, out, dtype)
+    return out

@@ -1,0 +1,281 @@
+"""One ``quantize`` for every method: early validation, atomic output, a quality gate.
+
+The method's plugin supplies a :class:`~anyquant.protocols.Quantizer` (lazy ``FormatSpec.quantizer``).
+This module owns what every method shares:
+
+1. validate before any work (source exists and is dense, destination is not inside the source, an
+   existing non-empty destination needs ``overwrite=True``, the quantizer's own parameter checks);
+2. write into a temporary directory beside ``dst``;
+3. re-detect the result (it must be the method's format) and compare its perplexity on a short
+   held-out text with the source's: a result far worse is a :class:`QuantizeError`, not an output;
+4. rename into place. A failure or Ctrl-C removes the temporary directory: ``dst`` is either the
+   finished, checked model or untouched.
+
+Upstream quantizers (GPTQModel, AutoAWQ, exllamav3) patch transformers globally on import, so they
+run in a worker subprocess (:func:`run_worker`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import AnyquantError, QuantizeError
+from .probe import Probe
+from .protocols import QuantizeSpec
+from .registry import Registry, load_spec_object
+
+__all__ = ["QualityReport", "WorkerError", "quantize", "run_worker"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, float], None]
+PROGRESS_PREFIX = "ANYQUANT-PROGRESS "
+
+#: environment for upstream quantizers on small CPU machines (see shared/ENVIRONMENT.md).
+WORKER_ENV = {
+    "TORCH_COMPILE_DISABLE": "1",
+    "GPTQMODEL_CPU_WORKERS": str(max(1, min(os.cpu_count() or 2, 2))),
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+#: a short English text of our own for the quality gate when no corpus file is installed.
+FALLBACK_EVAL_TEXT = (
+    "The river runs through the middle of the old town, and most of the houses on its banks are "
+    "more than two hundred years old. In the spring the water rises and the lower streets are often "
+    "closed for a few days. The town council has argued for years about building a wall, but the "
+    "merchants fear that a wall would hide the river, which is the reason visitors come at all. "
+    "Every morning the baker on the bridge opens his shop before sunrise. He sells bread, small "
+    "cakes and coffee to the fishermen, who leave before the light and come back at noon with "
+    "whatever the river has given them. Children walk to the school on the hill, and in the "
+    "afternoon they return along the water, throwing stones and counting the boats. "
+) * 3
+
+
+class WorkerError(QuantizeError):
+    """The quantizer's worker process failed; the message carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    source_ppl: float
+    result_ppl: float
+    tokens: int
+    max_ratio: float
+
+    @property
+    def ratio(self) -> float:
+        return self.result_ppl / self.source_ppl
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
+    if not src.exists():
+        raise QuantizeError(f"source {src} does not exist")
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents:
+        raise QuantizeError(f"destination {dst} is inside the source {src}; choose a directory elsewhere")
+    if d.exists() and (not d.is_dir() or any(d.iterdir())) and not overwrite:
+        raise QuantizeError(f"destination {dst} exists and is not empty; pass overwrite=True to replace it")
+
+
+def _eval_text() -> str:
+    """A held-out slice of the exllamav3 wiki corpus when installed (read as a file), else our own text."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("exllamav3")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        f = Path(location) / "conversion" / "standard_cal_data" / "wiki.utf8"
+        if f.is_file():
+            text = f.read_text(encoding="utf-8", errors="replace")
+            return text[-6000:]  # the tail: calibration mixes draw from the head
+    return FALLBACK_EVAL_TEXT
+
+
+def quality_check(src: Path, result: Path, *, max_ratio: float, max_tokens: int = 1024,
+                  registry: Registry | None = None) -> QualityReport:  # fmt: skip
+    """Perplexity of ``result`` vs ``src`` on a short held-out text; raises when the ratio is too high."""
+    from .api import load
+    from .evaluate import perplexity
+
+    text = _eval_text()
+    ppls = []
+    tokens = 0
+    for path in (src, result):
+        model = load(path, registry=registry)
+        ids = model.tokenizer(text)["input_ids"][:max_tokens]
+        out = perplexity(model, ids, window=min(512, len(ids)))
+        ppls.append(float(out["perplexity"]))
+        tokens = int(out["tokens"])
+        del model
+    report = QualityReport(ppls[0], ppls[1], tokens, max_ratio)
+    if not report.ratio <= max_ratio:  # also catches NaN
+        raise QuantizeError(
+            f"the quantized model is far worse than its source: perplexity {report.result_ppl:.4g} vs "
+            f"{report.source_ppl:.4g} ({report.ratio:.2f}x, limit {max_ratio}x) on {tokens} held-out tokens. "
+            "Nothing was written. Try more calibration data, more bits or a smaller group size, or raise "
+            "max_ppl_ratio if this loss is acceptable."
+        )
+    return report
+
+
+def quantize(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    method: str,
+    bits: float = 4,
+    group_size: int = 128,
+    sym: bool = True,
+    desc_act: bool = False,
+    calibration: str | Sequence[str] | None = None,
+    calibration_samples: int = 128,
+    calibration_seq_len: int = 512,
+    overwrite: bool = False,
+    max_ppl_ratio: float = 3.0,
+    quality: bool = True,
+    progress: Progress | None = None,
+    registry: Registry | None = None,
+    **options: Any,
+) -> Path:
+    """Quantize the dense checkpoint ``src`` into ``dst`` with ``method`` (``gptq``, ``awq``, ``exl3``).
+
+    Returns ``dst``. Raises :class:`QuantizeError` (nothing written) on bad parameters, a failed
+    quantizer, a result that does not detect as ``method``, or a quality gate failure.
+    """
+    from .api import default_registry
+
+    reg = registry or default_registry()
+    src, dst = Path(src), Path(dst)
+    _check_paths(src, dst, overwrite)
+    detection = reg.detect(Probe.open(src))
+    if detection.format != "dense":
+        hint = " Export it first: anyquant export PATH --to dense OUT." if detection.format == "gguf" else ""
+        raise QuantizeError(f"{src} is {detection.format}, not a dense checkpoint; quantize needs dense weights.{hint}")
+    fmt = reg.format(method.lower())
+    if fmt.quantizer is None:
+        raise QuantizeError(f"format {method!r} has no quantizer registered")
+    quantizer = load_spec_object(fmt, "quantizer")
+    spec = QuantizeSpec(
+        method=method.lower(),
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+        desc_act=desc_act,
+        calibration=calibration if isinstance(calibration, str) or calibration is None else "<texts>",
+        calibration_samples=calibration_samples,
+        calibration_seq_len=calibration_seq_len,
+        options={**options, **({"texts": list(calibration)} if calibration is not None
+                               and not isinstance(calibration, str) else {})},  # fmt: skip
+    )
+    check = getattr(quantizer, "validate", None)
+    if callable(check):
+        check(Probe.open(src), spec)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.anyquant-", dir=dst.parent))
+    report_progress = progress or (lambda stage, frac: log.info("quantize: %s (%.0f%%)", stage, 100 * frac))
+    try:
+        started = time.monotonic()
+        out = Path(quantizer.quantize(src, tmp, spec, report_progress))
+        report_progress("checking the result", 0.92)
+        got = reg.detect(Probe.open(out))
+        if got.format != spec.method:
+            raise QuantizeError(f"the quantizer wrote a {got.format} checkpoint, not {spec.method}")
+        if quality:
+            qr = quality_check(src, out, max_ratio=max_ppl_ratio, registry=reg)
+            log.info("quality: perplexity %.4g -> %.4g (%.2fx)", qr.source_ppl, qr.result_ppl, qr.ratio)
+            (out / "anyquant_quality.json").write_text(json.dumps(qr.to_dict(), indent=1))
+        if dst.exists():
+            shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
+        os.replace(out, dst)
+        report_progress("done", 1.0)
+        log.info("quantized %s -> %s (%s) in %.1fs", src, dst, spec.method, time.monotonic() - started)
+        return dst
+    except AnyquantError:
+        raise
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        raise QuantizeError(f"quantizing {src} with {spec.method} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_worker(
+    module: str,
+    job: Mapping[str, Any],
+    *,
+    scratch: Path,
+    progress: Progress | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """Run ``python -m module job.json`` in a subprocess (cwd ``scratch``) and relay its progress.
+
+    The worker prints ``ANYQUANT-PROGRESS {"stage": ..., "fraction": ...}`` lines on stdout and a
+    final ``ANYQUANT-PROGRESS {"result": {...}}``; everything else goes to ``scratch/worker.log``.
+    A non-zero exit raises :class:`WorkerError` with the log's tail; Ctrl-C terminates the worker.
+    """
+    scratch.mkdir(parents=True, exist_ok=True)
+    job_file = scratch / "job.json"
+    job_file.write_text(json.dumps(job))
+    env = {**os.environ, **{k: v for k, v in WORKER_ENV.items() if k not in os.environ}}
+    log_path = scratch / "worker.log"
+    result: dict[str, Any] = {}
+    with log_path.open("w") as log_fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, str(job_file)],
+            cwd=scratch,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log_fh,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            deadline = time.monotonic() + timeout if timeout else None
+            for line in proc.stdout:
+                if line.startswith(PROGRESS_PREFIX):
+                    msg = json.loads(line[len(PROGRESS_PREFIX) :])
+                    if "result" in msg:
+                        result = msg["result"]
+                    elif progress is not None:
+                        progress(str(msg.get("stage", "")), float(msg.get("fraction", 0.0)))
+                else:
+                    log_fh.write(line)
+                if deadline and time.monotonic() > deadline:
+                    proc.kill()
+                    raise WorkerError(f"{module} ran past its {timeout}s limit")
+            code = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    if code != 0:
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise WorkerError(f"{module} exited with code {code}. Last lines of its log:\n{tail}")
+    return result
+
+
+def emit_progress(stage: str, fraction: float) -> None:
+    """For worker scripts: report a stage to the parent."""
+    print(PROGRESS_PREFIX + json.dumps({"stage": stage, "fraction": fraction}), flush=True)
+
+
+def emit_result(result: Mapping[str, Any]) -> None:
+    print(PROGRESS_PREFIX + json.dumps({"result": dict(result)}), flush=True)

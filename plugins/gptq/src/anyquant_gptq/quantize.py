@@ -1,0 +1,105 @@
+"""GPTQ quantization through GPTQModel, run in a worker subprocess."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from anyquant.errors import QuantizeError
+from anyquant.probe import Probe
+from anyquant.protocols import QuantizeSpec
+
+__all__ = ["GPTQModelQuantizer", "GPTQQuantizer", "calibration_texts", "linear_in_features"]
+
+
+def linear_in_features(probe: Probe) -> dict[str, int]:
+    """``{module: in_features}`` for every 2-D ``*.weight`` of the decoder layers (dense source)."""
+    out = {}
+    for name, t in probe.tensors.items():
+        if name.endswith(".weight") and len(t.shape) == 2 and ".layers." in name:
+            out[name.removesuffix(".weight")] = t.shape[1]
+    return out
+
+
+def calibration_texts(spec: QuantizeSpec) -> list[str]:
+    """The calibration samples: explicit texts, or a named source / mix / file via anyquant.calibration."""
+    texts = spec.options.get("texts")
+    if texts:
+        return [str(t) for t in texts]
+    from anyquant.calibration import load_calibration
+
+    return load_calibration(spec.calibration or "c4:0.5,code:0.25,wiki:0.25", n_samples=spec.calibration_samples,
+                            seq_len=spec.calibration_seq_len, seed=int(spec.options.get("seed", 0)))  # fmt: skip
+
+
+class GPTQModelQuantizer:
+    """Shared by GPTQ and AWQ: GPTQModel in ``anyquant_gptq.gptqmodel_worker``."""
+
+    method = "gptq"
+    formats: tuple[str, ...] = ("gptq", "gptq_v2")
+    bits_allowed: tuple[int, ...] = (2, 3, 4, 8)
+
+    def validate(self, probe: Probe, spec: QuantizeSpec) -> None:
+        bits = spec.bits
+        if bits not in self.bits_allowed or int(bits) != bits:
+            raise QuantizeError(
+                f"{self.method} bits={bits} is not supported; choose one of {self.bits_allowed}"
+                + (" (5/6/7-bit GPTQ exists only in GPTQModel's planar gptq_p format)" if self.method == "gptq" else "")
+            )
+        fmt = spec.options.get("format", self.formats[0])
+        if fmt not in self.formats:
+            raise QuantizeError(f"{self.method} format {fmt!r} is not one of {self.formats}")
+        gs = spec.group_size
+        if gs != -1 and gs <= 0:
+            raise QuantizeError(f"group_size must be -1 (per channel) or positive, got {gs}")
+        if gs > 0:
+            bad = {n: k for n, k in linear_in_features(probe).items() if k % gs}
+            if bad:
+                name, k = next(iter(bad.items()))
+                raise QuantizeError(
+                    f"group_size={gs} does not divide in_features={k} of {name} ({len(bad)} module(s)); "
+                    f"try {math.gcd(k, gs)} or another divisor of {k}"
+                )
+
+    def job(self, src: Path, dst: Path, spec: QuantizeSpec, calibration_file: Path) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "src": str(src.resolve()),
+            "dst": str(dst.resolve()),
+            "bits": int(spec.bits),
+            "group_size": spec.group_size,
+            "sym": spec.sym,
+            "desc_act": spec.desc_act,
+            "format": spec.options.get("format", self.formats[0]),
+            "dynamic": spec.options.get("dynamic"),
+            "dtype": spec.options.get("dtype", "float16"),
+            "batch_size": spec.options.get("batch_size", 4),
+            "seed": spec.options.get("seed", 0),
+            "calibration_file": str(calibration_file),
+        }
+
+    def quantize(
+        self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None] | None = None
+    ) -> Path:
+        from anyquant.quantization import run_worker
+
+        scratch = dst / ".scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        texts = calibration_texts(spec)
+        if not texts:
+            raise QuantizeError("no calibration samples")
+        cal = scratch / "calibration.json"
+        cal.write_text(json.dumps(texts))
+        out = dst / "model"
+        run_worker("anyquant_gptq.gptqmodel_worker", self.job(src, out, spec, cal), scratch=scratch,
+                   progress=progress)  # fmt: skip
+        return out
+
+
+class GPTQQuantizer(GPTQModelQuantizer):
+    method = "gptq"
+    formats = ("gptq", "gptq_v2")
+    bits_allowed = (2, 3, 4, 8)
