@@ -101,16 +101,20 @@ def main() -> int:
             root.mkdir(parents=True)
             size = write_checkpoint(root, scale, args.shards)
             n_tensors = len(Probe.open(root).tensors)
-            t_bare = timed(lambda: bare(root), args.repeat)
-            t_probe = timed(lambda: Probe.open(root), args.repeat)
-            t_detect = timed(lambda: reg.detect(Probe.open(root)), args.repeat)
+            t_bare = timed(lambda root=root: bare(root), args.repeat)
+            t_probe = timed(lambda root=root: Probe.open(root), args.repeat)
+            t_detect = timed(lambda root=root: reg.detect(Probe.open(root)), args.repeat)
             assert reg.detect(Probe.open(root)).format == "gptq"
             rows.append((label, size, n_tensors, t_bare, t_probe, t_detect))
-    print(f"{'checkpoint':<22} {'bytes':>16} {'tensors':>8} {'bare ms':>9} {'probe ms':>9} {'detect ms':>10} {'detect/bare':>12}")
+    print(
+        f"{'checkpoint':<22} {'bytes':>16} {'tensors':>8} {'bare ms':>9} {'probe ms':>9} {'detect ms':>10} {'detect/bare':>12}"
+    )
     for label, size, n, tb, tp, td in rows:
         print(f"{label:<22} {size:>16,} {n:>8} {tb * 1e3:>9.2f} {tp * 1e3:>9.2f} {td * 1e3:>10.2f} {td / tb:>11.2f}x")
     big, tiny = rows[0][5], rows[1][5]
-    print(f"detect time, 70B-shaped vs tiny files: {big / tiny:.2f}x (weight bytes ratio {rows[0][1] / rows[1][1]:,.0f}x)")
+    print(
+        f"detect time, 70B-shaped vs tiny files: {big / tiny:.2f}x (weight bytes ratio {rows[0][1] / rows[1][1]:,.0f}x)"
+    )
     return 0
 
 

@@ -77,7 +77,9 @@ def test_structured_headers_and_configs(tensors: dict, config: object, index: bo
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         (root / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 5000)
-        (root / "config.json").write_text(json.dumps(config if not isinstance(config, dict) else {"quantization_config": config}))
+        (root / "config.json").write_text(
+            json.dumps(config if not isinstance(config, dict) else {"quantization_config": config})
+        )
         if index:
             (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": config}))
         _check(root)
@@ -99,7 +101,14 @@ def test_random_gguf_bytes(tail: bytes) -> None:
     st.binary(max_size=64),
 )
 def test_gguf_counts(n_tensors: int, n_kv: int, vtype: int, rest: bytes) -> None:
-    blob = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + struct.pack("<Q", 3) + b"key" + struct.pack("<I", vtype) + rest
+    blob = (
+        b"GGUF"
+        + struct.pack("<IQQ", 3, n_tensors, n_kv)
+        + struct.pack("<Q", 3)
+        + b"key"
+        + struct.pack("<I", vtype)
+        + rest
+    )
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "m.gguf").write_bytes(blob)
         _check(Path(d))

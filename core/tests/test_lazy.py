@@ -35,5 +35,7 @@ def test_detect_does_not_import_torch(tmp_path) -> None:  # type: ignore[no-unty
 
 
 def test_cli_help_is_fast_and_light() -> None:
-    r = _run("import sys; from anyquant.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules")
+    r = _run(
+        "import sys; from anyquant.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules"
+    )
     assert r.returncode == 0, r.stderr

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from anyquant.runtime.packing import (
     pack_bits,
     pack_cols,
@@ -15,8 +18,6 @@ from anyquant.runtime.packing import (
     unpack_rows,
     wrapping_add_int32,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 BITS = (2, 3, 4, 8)
 

@@ -79,7 +79,9 @@ def test_lone_quantize_config_declares_gptq(tmp_path: Path) -> None:
         (b'{"a": NaN}', None, "JSON"),
     ],
 )
-def test_bad_safetensors_headers_are_typed_errors(tmp_path: Path, header: bytes, length: int | None, message: str) -> None:
+def test_bad_safetensors_headers_are_typed_errors(
+    tmp_path: Path, header: bytes, length: int | None, message: str
+) -> None:
     path = _raw_st(tmp_path / "bad.safetensors", header, b"\0" * 8, length)
     with pytest.raises(HeaderError, match=message):
         read_safetensors_header(path, "bad.safetensors")
@@ -148,7 +150,10 @@ def test_gguf_header_roundtrip(tmp_path: Path) -> None:
     h = read_gguf_header(path, "m.gguf")
     assert h.version == 3 and h.architecture == "llama"
     assert h.metadata["llama.block_count"] == 2
-    assert [(t.name, t.shape, t.type_name) for t in h.tensors] == [("a.weight", (4, 2), "F32"), ("b.weight", (64,), "F16")]
+    assert [(t.name, t.shape, t.type_name) for t in h.tensors] == [
+        ("a.weight", (4, 2), "F32"),
+        ("b.weight", (64,), "F16"),
+    ]
 
 
 def test_gguf_header_matches_gguf_library(tmp_path: Path) -> None:

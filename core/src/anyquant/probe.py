@@ -104,9 +104,7 @@ class Probe:
         if p.is_dir():
             st_files = _glob(root, "*.safetensors")
             gguf_files = _glob(root, "*.gguf")
-            pickle_files = tuple(
-                f.name for f in sorted(root.iterdir()) if f.suffix in PICKLE_SUFFIXES and f.is_file()
-            )
+            pickle_files = tuple(f.name for f in sorted(root.iterdir()) if f.suffix in PICKLE_SUFFIXES and f.is_file())
         else:
             st_files = files if p.suffix == ".safetensors" else []
             gguf_files = files if p.suffix == ".gguf" else []
@@ -256,7 +254,7 @@ def _merge_tensors(headers: tuple[SafetensorsHeader, ...]) -> dict[str, TensorIn
     tensors: dict[str, TensorInfo] = {}
     for h in headers:
         before = len(tensors)
-        tensors.update(zip(map(_name, h.tensors), h.tensors))
+        tensors.update(zip(map(_name, h.tensors), h.tensors, strict=False))
         if len(tensors) != before + len(h.tensors):
             seen: dict[str, str] = {}
             for prev in headers:

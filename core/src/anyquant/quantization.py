@@ -180,8 +180,10 @@ def quantize(
         calibration=calibration if isinstance(calibration, str) or calibration is None else "<texts>",
         calibration_samples=calibration_samples,
         calibration_seq_len=calibration_seq_len,
-        options={**options, **({"texts": list(calibration)} if calibration is not None
-                               and not isinstance(calibration, str) else {})},  # fmt: skip
+        options={
+            **options,
+            **({"texts": list(calibration)} if calibration is not None and not isinstance(calibration, str) else {}),
+        },
     )
     check = getattr(quantizer, "validate", None)
     if callable(check):

@@ -265,9 +265,9 @@ class Registry:
                 if _strict() or impl.plugin_name == CORE_PLUGIN:
                     raise
                 log.warning("anyquant plugin %s failed in anyquant_detect and was skipped: %s", impl.plugin_name, exc)
-                self._infos.setdefault(impl.plugin_name, PluginInfo(impl.plugin_name, None)).error = (
-                    f"anyquant_detect raised {type(exc).__name__}: {exc}"
-                )
+                self._infos.setdefault(
+                    impl.plugin_name, PluginInfo(impl.plugin_name, None)
+                ).error = f"anyquant_detect raised {type(exc).__name__}: {exc}"
                 continue
             if claim is None:
                 continue

@@ -19,6 +19,10 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
 from anyquant.runtime.packing import pack_cols, pack_rows
 from anyquant_gptq.dequant import (
     dequantize_gptq,
@@ -26,10 +30,6 @@ from anyquant_gptq.dequant import (
     gptq_zero_label_check,
     gptq_zero_points,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from safetensors.torch import load_file
-
 from tests.peers.catalog import GPTQ_BF16_VARIANT, GPTQ_QUANT_VARIANTS, gptq_case_name, gptqmodel_gptq_quantized_dir
 from tests.peers.fixtures import peer_fixture_or_skip
 

@@ -49,8 +49,13 @@ def test_result_detects_and_passed_the_quality_gate(quantized: Path) -> None:
 def test_transformers_loads_it_with_the_same_greedy_tokens(quantized: Path) -> None:
     worker = Path(__file__).resolve().parents[3] / "tests" / "peers" / "hf_generate_worker.py"
     env_cmd = [sys.executable, str(worker), str(quantized), json.dumps(PROMPT), "8", "float16"]
-    r = subprocess.run(env_cmd, capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "TORCH_COMPILE_DISABLE": "1", "GPTQMODEL_CPU_WORKERS": "2"})
+    r = subprocess.run(
+        env_cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "TORCH_COMPILE_DISABLE": "1", "GPTQMODEL_CPU_WORKERS": "2"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     theirs = json.loads(r.stdout.strip().splitlines()[-1])
     model = anyquant.load(quantized, dtype="float16", backend="dequantized")

@@ -132,7 +132,9 @@ class TorchGenerator:
         out = self.module(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
         for _step in range(params.max_new_tokens):
             nxt = sample_next(out.logits[:, -1, :], params, history, rng)
-            tokens: list[int | None] = [None if d else int(t) for t, d in zip(nxt.tolist(), done.tolist())]
+            tokens: list[int | None] = [
+                None if d else int(t) for t, d in zip(nxt.tolist(), done.tolist(), strict=False)
+            ]
             yield tokens
             if self.eos_ids:
                 done |= torch.isin(nxt, torch.tensor(sorted(self.eos_ids), device=self.device))

@@ -27,6 +27,7 @@ filled with ``2**(b-1)`` (8).  Passing ``qzeros=None`` applies that implicit 8.
 from __future__ import annotations
 
 import torch
+
 from anyquant.runtime.packing import pack_cols, unpack_cols
 
 __all__ = [

@@ -36,10 +36,10 @@ def _layout(probe: Probe, prefix: str, bits: int) -> str | None:
         return "gemv_fast"
     if qw.dtype != "I32":
         return None
-    k, packed_n = qw.shape
+    _k, packed_n = qw.shape
     if sc.shape[1] == packed_n * pf and qz.shape[1] * pf == sc.shape[1]:
         return "gemm"  # qweight [K, N/8], scales [G, N], qzeros [G, N/8]
-    n, packed_k = qw.shape
+    n, _packed_k = qw.shape
     if sc.shape[0] == n:
         return "gemv"  # qweight [N, K/8], scales [N, padded groups]
     return None
@@ -83,7 +83,10 @@ def anyquant_detect(probe: Probe) -> Claim | None:
     if not layouts:
         return None
     act_scales = sum(1 for _ in probe.modules_with("scales") if _.endswith(".act"))
-    evidence = [f"{n} modules in the AWQ {lay.upper()} layout (qweight + qzeros + scales, no g_idx)" for lay, n in layouts.items()]
+    evidence = [
+        f"{n} modules in the AWQ {lay.upper()} layout (qweight + qzeros + scales, no g_idx)"
+        for lay, n in layouts.items()
+    ]
     if act_scales:
         evidence.append(f"{act_scales} *.act.scales tensors (scaled activations)")
     if probe.quant_method:

@@ -47,6 +47,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+
 from anyquant.runtime.packing import (
     check_bits,
     packed_length,

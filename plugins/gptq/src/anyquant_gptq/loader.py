@@ -8,10 +8,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from anyquant.errors import CheckpointError, UnsupportedBackendError
-from anyquant.report import dense_rows
 from anyquant.loaders import LoadContext, TransformersLoader
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, ModuleInfo
+from anyquant.report import dense_rows
 
 from .signature import read_signature
 
@@ -123,7 +123,9 @@ class GPTQLoader(TransformersLoader):
                 if shown is not None:
                     log.warning(
                         "%s: checkpoint_format says %r but the qzeros show %r; the tensors decide",
-                        ctx.probe.root, declared, shown,
+                        ctx.probe.root,
+                        declared,
+                        shown,
                     )
             fmt = checked.get("label", declared)
             bias = src.get(f"{name}.bias") if m.has_bias else None
