@@ -1,0 +1,328 @@
+"""A linear layer that keeps GGUF-quantized weights packed, with pure-torch dequant.
+
+:func:`dequantize_blocks_torch` reproduces ``gguf.quants.dequantize`` bit for bit: it
+performs the same float32 operations in the same order (no fused multiply-add), so
+``torch.equal`` holds against the numpy reference.
+
+Block layouts (bytes, little endian; ``d``/``m``/``dmin`` are float16):
+
+* Q4_0 (32 w, 18 B): d, 16 B nibbles (low nibbles = weights 0-15, high = 16-31); w = d*(q-8)
+* Q4_1 (32 w, 20 B): d, m, 16 B nibbles; w = d*q + m
+* Q5_0 (32 w, 22 B): d, 4 B high bits (bit i -> weight i), 16 B nibbles; w = d*(q-16)
+* Q5_1 (32 w, 24 B): d, m, 4 B high bits, 16 B nibbles; w = d*q + m
+* Q8_0 (32 w, 34 B): d, 32 int8; w = q*d
+* Q2_K .. Q6_K (256 w super-blocks): see the per-type functions below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from torch import nn
+
+from .reader import UnsupportedGGUFType, load_raw, load_tensor
+
+__all__ = [
+    "GGUFLinear",
+    "PACKED_TYPES",
+    "dequantize_blocks_torch",
+    "gguf_linear_from_reader",
+]
+
+Q = GGMLQuantizationType
+Mode = Literal["on-the-fly", "dequant-at-load"]
+MODES: tuple[str, ...] = ("on-the-fly", "dequant-at-load")
+_QK_K = 256
+
+
+_NIBBLE = (0, 4)
+_CRUMB = (0, 2, 4, 6)
+_BITS = (0, 1, 2, 3, 4, 5, 6, 7)
+
+
+def _f16(cols: torch.Tensor) -> torch.Tensor:
+    """``[n, 2]`` uint8 -> ``[n, 1]`` float32 (the exact float16 value)."""
+    return cols.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _unpack(x: torch.Tensor, chunk: int, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
+    """Split each ``chunk``-byte group into ``len(shifts)`` bit fields, field-major.
+
+    ``[n, k*chunk]`` uint8 -> ``[n, k, len(shifts), chunk]`` uint8 (numpy's reference
+    order). One contiguous op per field: much faster than a broadcast shift.
+    """
+    groups = x.reshape(x.shape[0], -1, chunk)
+    fields = []
+    for shift in shifts:
+        field = groups >> shift if shift else groups
+        fields.append(field if shift + mask.bit_length() >= 8 else field & mask)
+    return torch.stack(fields, dim=2)
+
+
+def _float(q: torch.Tensor, *shape: int) -> torch.Tensor:
+    return q.reshape(*shape).to(torch.float32)
+
+
+# The float ops below run in place on a fresh float32 tensor (fewer large
+# allocations); ``q.mul_(d)`` is the same IEEE product as numpy's ``d * q``.
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    q = _unpack(b[:, 2:], 16, _NIBBLE, 0x0F).reshape(b.shape[0], -1)
+    return _float(q.view(torch.int8) - 8, b.shape[0], -1).mul_(_f16(b[:, :2]))
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    q = _float(_unpack(b[:, 4:], 16, _NIBBLE, 0x0F), b.shape[0], -1)
+    return q.mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+
+
+def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """4 bytes of a little-endian uint32 (bit i -> weight i) + 16 nibble bytes."""
+    low = _unpack(qs, 16, _NIBBLE, 0x0F).reshape(qs.shape[0], -1)
+    high = _unpack(qh, 1, _BITS, 1).reshape(qh.shape[0], -1)
+    return low | (high << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = _five_bit(b[:, 2:6], b[:, 6:]).view(torch.int8) - 16
+    return _float(q, b.shape[0], -1).mul_(_f16(b[:, :2]))
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    q = _float(_five_bit(b[:, 4:8], b[:, 8:]), b.shape[0], -1)
+    return q.mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:].view(torch.int8).to(torch.float32).mul_(_f16(b[:, :2]))
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    """scales[16] (low nibble scale, high nibble min), qs[64] 2-bit, d, dmin."""
+    n = b.shape[0]
+    scales = b[:, :16]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
+    ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
+    q = _float(_unpack(b[:, 16:80], 32, _CRUMB, 3), n, 16, 16)
+    return q.mul_(dl).sub_(ml).reshape(n, _QK_K)
+
+
+def _q3_k_scales(scales: torch.Tensor) -> torch.Tensor:
+    """12 bytes -> 16 signed 6-bit scales, as float32."""
+    n = scales.shape[0]
+    low = _unpack(scales[:, :8], 8, _NIBBLE, 0x0F).reshape(n, 16)
+    high = _unpack(scales[:, 8:], 4, _CRUMB, 3).reshape(n, 16)
+    return _float((low | (high << 4)).view(torch.int8) - 32, n, 16)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    """hmask[32], qs[64] 2-bit, scales[12] 6-bit, d."""
+    n = b.shape[0]
+    dl = (_f16(b[:, 108:110]) * _q3_k_scales(b[:, 96:108])).reshape(n, 16, 1)
+    low = _unpack(b[:, 32:96], 32, _CRUMB, 3).reshape(n, 16, 16)
+    high = _unpack(b[:, :32], 32, _BITS, 1).reshape(n, 16, 16) ^ 1  # clear bit -> minus 4
+    q = low.view(torch.int8) - (high << 2).view(torch.int8)
+    return _float(q, n, 16, 16).mul_(dl).reshape(n, _QK_K)
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins."""
+    s = scales.reshape(scales.shape[0], 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """d, dmin, scales[12] -> per-32-weight scale and min, ``[n, 8, 1]`` each."""
+    n = b.shape[0]
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    scale = (d * sc.to(torch.float32)).reshape(n, -1, 1)
+    offset = (dmin * mn.to(torch.float32)).reshape(n, -1, 1)
+    return scale, offset
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    """d, dmin, scales[12], qs[128] nibbles (per 32 bytes: 32 low, then 32 high)."""
+    n = b.shape[0]
+    scale, offset = _k_scales(b)
+    q = _float(_unpack(b[:, 16:], 32, _NIBBLE, 0x0F), n, -1, 32)
+    return q.mul_(scale).sub_(offset).reshape(n, _QK_K)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    """d, dmin, scales[12], qh[32] (bit j of byte i -> weight 32*j + i), qs[128]."""
+    n = b.shape[0]
+    scale, offset = _k_scales(b)
+    low = _unpack(b[:, 48:], 32, _NIBBLE, 0x0F).reshape(n, -1, 32)
+    high = _unpack(b[:, 16:48], 32, _BITS, 1).reshape(n, -1, 32)
+    q = _float(low | (high << 4), n, -1, 32)
+    return q.mul_(scale).sub_(offset).reshape(n, _QK_K)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    """ql[128] low nibbles, qh[64] 2-bit highs, scales[16] int8, d; w = d*s*(q-32)."""
+    n = b.shape[0]
+    scales = b[:, 192:208].view(torch.int8).to(torch.float32)
+    dl = (_f16(b[:, 208:210]) * scales).reshape(n, 16, 1)
+    low = _unpack(b[:, :128], 64, _NIBBLE, 0x0F).reshape(n, -1, 32)
+    high = _unpack(b[:, 128:192], 32, _CRUMB, 3).reshape(n, -1, 32)
+    q = (low | (high << 4)).view(torch.int8) - 32
+    return _float(q, n, 16, 16).mul_(dl).reshape(n, _QK_K)
+
+
+_BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    Q.Q4_0: _q4_0,
+    Q.Q4_1: _q4_1,
+    Q.Q5_0: _q5_0,
+    Q.Q5_1: _q5_1,
+    Q.Q8_0: _q8_0,
+    Q.Q2_K: _q2_k,
+    Q.Q3_K: _q3_k,
+    Q.Q4_K: _q4_k,
+    Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
+}
+_DENSE: dict[GGMLQuantizationType, torch.dtype] = {
+    Q.F32: torch.float32,
+    Q.F16: torch.float16,
+    Q.BF16: torch.bfloat16,
+}
+#: Block-quantized types :class:`GGUFLinear` keeps packed.
+PACKED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_BLOCK_DEQUANT)
+
+
+def _unsupported(qtype: GGMLQuantizationType) -> UnsupportedGGUFType:
+    names = ", ".join(sorted(t.name for t in (*_BLOCK_DEQUANT, *_DENSE)))
+    return UnsupportedGGUFType(f"GGML type {qtype.name} is not supported by the torch dequantizer (supported: {names})")
+
+
+def packed_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of logical ``shape`` occupies in GGML type ``qtype``."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if shape and shape[-1] % block_size:
+        raise ValueError(f"row size {shape[-1]} is not a multiple of the {qtype.name} block size {block_size}")
+    return numel // block_size * type_size
+
+
+def dequantize_blocks_torch(
+    raw: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, ...] | torch.Size
+) -> torch.Tensor:
+    """Dequantize raw GGUF bytes (``uint8``, any shape) to a float32 tensor of ``shape``."""
+    qtype = GGMLQuantizationType(qtype)
+    shape = tuple(shape)
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"raw GGUF data must be uint8, got {raw.dtype}")
+    if qtype not in _BLOCK_DEQUANT and qtype not in _DENSE:
+        raise _unsupported(qtype)
+    expected = packed_nbytes(qtype, shape)
+    if raw.numel() != expected:
+        raise ValueError(f"{qtype.name} {list(shape)} needs {expected} bytes, got {raw.numel()}")
+    flat = raw.reshape(-1)
+    if qtype in _DENSE:
+        return flat.view(_DENSE[qtype]).to(torch.float32).reshape(shape)
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    return _BLOCK_DEQUANT[qtype](flat.reshape(-1, type_size)).reshape(shape)
+
+
+class GGUFLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` kept as packed GGUF blocks (``qweight``, uint8).
+
+    Modes: ``"on-the-fly"`` dequantizes the whole weight in every forward (memory: the
+    packed bytes only, which stay file-backed when they come from the mmap);
+    ``"dequant-at-load"`` dequantizes once and caches the float32 weight
+    (non-persistent buffer; faster, 4 bytes per weight of anonymous memory).
+    """
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        qtype: GGMLQuantizationType | int,
+        shape_out_in: tuple[int, int],
+        bias: torch.Tensor | None = None,
+        mode: Mode = "on-the-fly",
+    ) -> None:
+        super().__init__()
+        qtype = GGMLQuantizationType(qtype)
+        if qtype not in PACKED_TYPES:
+            raise _unsupported(qtype)
+        out_features, in_features = (int(d) for d in shape_out_in)
+        if qweight.dtype != torch.uint8 or qweight.numel() != packed_nbytes(qtype, (out_features, in_features)):
+            shape = f"[{out_features}, {in_features}]"
+            raise ValueError(f"qweight must hold the uint8 {qtype.name} bytes of a {shape} weight")
+        self.qtype = qtype
+        self.out_features = out_features
+        self.in_features = in_features
+        self.qweight: torch.Tensor
+        self.weight_cache: torch.Tensor | None
+        self.register_buffer("qweight", qweight.reshape(out_features, -1))
+        self.bias = None if bias is None else nn.Parameter(bias.reshape(out_features), requires_grad=False)
+        self.register_buffer("weight_cache", None, persistent=False)
+        self.mode: Mode = "on-the-fly"
+        self.set_mode(mode)
+
+    @classmethod
+    def from_raw(
+        cls,
+        raw_uint8: torch.Tensor,
+        qtype: GGMLQuantizationType | int,
+        shape_out_in: tuple[int, int],
+        bias: torch.Tensor | None = None,
+        *,
+        mode: Mode = "on-the-fly",
+    ) -> GGUFLinear:
+        """Wrap raw GGUF bytes (rows in HF order) without copying them."""
+        return cls(raw_uint8, qtype, shape_out_in, bias=bias, mode=mode)
+
+    def set_mode(self, mode: Mode) -> None:
+        """Switch between ``"on-the-fly"`` and ``"dequant-at-load"`` (builds/drops the cache)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.weight_cache = self.dequantize() if mode == "dequant-at-load" else None
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as float32 ``[out_features, in_features]``."""
+        return dequantize_blocks_torch(self.qweight, self.qtype, (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight_cache if self.weight_cache is not None else self.dequantize()
+        bias: torch.Tensor | None = self.bias
+        if weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+            bias = None if bias is None else bias.to(x.dtype)
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"qtype={self.qtype.name}, bias={self.bias is not None}, mode={self.mode}"
+        )
+
+
+def gguf_linear_from_reader(
+    reader: GGUFReader,
+    gguf_name: str,
+    *,
+    bias_name: str | None = None,
+    mode: Mode = "on-the-fly",
+) -> GGUFLinear:
+    """A :class:`GGUFLinear` for a packed 2-D tensor of a GGUF reader (HF row order)."""
+    raw = load_raw(reader, gguf_name)
+    if raw.qtype not in PACKED_TYPES:
+        raise _unsupported(raw.qtype)
+    if len(raw.shape) != 2:
+        raise ValueError(f"{gguf_name} is not a 2-D weight: {list(raw.shape)}")
+    bias = None if bias_name is None else load_tensor(reader, bias_name)
+    return GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode=mode)

@@ -1,0 +1,432 @@
+"""GGUF -> torch loading: config, tensor names, (de)quantized tensors, tokenizer.
+
+Everything here reads a ``.gguf`` file through ``gguf.GGUFReader`` (memory-mapped) and
+returns what a transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` expects: a
+``config.json``-style dict, HF parameter names, and tensors in HF orientation
+(``[out_features, in_features]``).
+
+llama.cpp's converter permutes the rows of the Q and K projections of "llama"
+architecture models (it uses interleaved-pair RoPE where HF uses rotate-half). Within
+each head of ``head_dim`` rows, GGUF row ``2*i + p`` holds HF row ``p*head_dim/2 + i``
+(``p`` in {0, 1}, ``i`` < ``head_dim/2``); Q uses ``num_attention_heads`` heads and K
+``num_key_value_heads``. :func:`unpermute_qk_rows` undoes it along dim 0, which works
+on dequantized weights, biases and raw quantized rows alike (GGUF blocks never cross a
+row). qwen2 files are not permuted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize as gguf_dequantize
+
+__all__ = [
+    "DEQUANTIZABLE_TYPES",
+    "GGUFRawTensor",
+    "SUPPORTED_ARCHITECTURES",
+    "UnsupportedGGUFArchitecture",
+    "UnsupportedGGUFType",
+    "field_value",
+    "get_tensor",
+    "gguf_architecture",
+    "hf_config_from_gguf",
+    "hf_state_dict",
+    "hf_tensor_names",
+    "load_raw",
+    "load_tensor",
+    "open_gguf",
+    "qk_permutation_heads",
+    "tensor_type_name",
+    "tokenizer_from_gguf",
+    "unpermute_qk_rows",
+]
+
+
+class UnsupportedGGUFArchitecture(ValueError):
+    """The GGUF file's ``general.architecture`` (or one of its features) is not supported."""
+
+
+class UnsupportedGGUFType(ValueError):
+    """A tensor uses a GGML storage type this package cannot dequantize."""
+
+
+Q = GGMLQuantizationType
+
+#: Storage types :func:`load_tensor` dequantizes (via ``gguf.quants.dequantize``).
+DEQUANTIZABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {
+        Q.F32,
+        Q.F16,
+        Q.BF16,
+        Q.Q8_0,
+        Q.Q4_0,
+        Q.Q4_1,
+        Q.Q5_0,
+        Q.Q5_1,
+        Q.Q2_K,
+        Q.Q3_K,
+        Q.Q4_K,
+        Q.Q5_K,
+        Q.Q6_K,
+    }
+)
+
+_HF_CLASSES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_HF_CLASSES)
+
+_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors with no HF parameter: llama3-style RoPE factors (folded into the config instead).
+_IGNORED_TENSORS: frozenset[str] = frozenset({"rope_freqs.weight"})
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+_QK_RE = re.compile(r"^blk\.\d+\.attn_([qk])\.(weight|bias)$")
+
+_TENSOR_INDEX: weakref.WeakKeyDictionary[GGUFReader, dict[str, ReaderTensor]] = weakref.WeakKeyDictionary()
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+    """Memory-map a GGUF file copy-on-write (mode ``"c"``).
+
+    Copy-on-write keeps the numpy views writable, so :func:`load_raw` can hand them to
+    torch without a copy or a read-only warning; nothing is ever written back to disk.
+    """
+    return GGUFReader(os.fspath(path), "c")
+
+
+def field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """The python value of a metadata key (str, int, float, bool or list), or ``default``."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    """``general.architecture``; raises :class:`UnsupportedGGUFArchitecture` if unsupported."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in _HF_CLASSES:
+        raise UnsupportedGGUFArchitecture(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    return arch
+
+
+def get_tensor(reader: GGUFReader, gguf_name: str) -> ReaderTensor:
+    """The reader's tensor record named ``gguf_name`` (``KeyError`` if absent)."""
+    index = _TENSOR_INDEX.get(reader)
+    if index is None:
+        index = {t.name: t for t in reader.tensors}
+        _TENSOR_INDEX[reader] = index
+    try:
+        return index[gguf_name]
+    except KeyError:
+        raise KeyError(f"no tensor {gguf_name!r} in the GGUF file") from None
+
+
+def tensor_type_name(reader: GGUFReader, gguf_name: str) -> str:
+    """The GGML storage type of a tensor, e.g. ``"Q4_1"``."""
+    return get_tensor(reader, gguf_name).tensor_type.name
+
+
+def _has_tensor(reader: GGUFReader, gguf_name: str) -> bool:
+    try:
+        get_tensor(reader, gguf_name)
+    except KeyError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _arch_value(reader: GGUFReader, arch: str, key: str, default: Any = None) -> Any:
+    return field_value(reader, f"{arch}.{key}", default)
+
+
+def _required(reader: GGUFReader, arch: str, key: str) -> Any:
+    value = _arch_value(reader, arch, key)
+    if value is None:
+        raise ValueError(f"GGUF metadata key {arch}.{key!s} is missing")
+    if isinstance(value, list):
+        raise UnsupportedGGUFArchitecture(f"per-layer {arch}.{key} values are not supported")
+    return value
+
+
+def _vocab_size(reader: GGUFReader, arch: str) -> int:
+    value = _arch_value(reader, arch, "vocab_size")
+    if value is not None:
+        return int(value)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    return int(get_tensor(reader, "token_embd.weight").shape[-1])
+
+
+def _head_dim(reader: GGUFReader, arch: str) -> int | None:
+    key_length = _arch_value(reader, arch, "attention.key_length")
+    if key_length is not None:
+        return int(key_length)
+    if arch == "llama":  # transformers maps rope.dimension_count -> head_dim for llama
+        rope_dims = _arch_value(reader, arch, "rope.dimension_count")
+        return None if rope_dims is None else int(rope_dims)
+    return None
+
+
+def _token_ids(reader: GGUFReader) -> dict[str, int]:
+    keys = {
+        "bos_token_id": "tokenizer.ggml.bos_token_id",
+        "eos_token_id": "tokenizer.ggml.eos_token_id",
+        "pad_token_id": "tokenizer.ggml.padding_token_id",
+        "unk_token_id": "tokenizer.ggml.unknown_token_id",
+    }
+    out = {}
+    for hf_key, gguf_key in keys.items():
+        value = field_value(reader, gguf_key)
+        if value is not None:
+            out[hf_key] = int(value)
+    return out
+
+
+def _llama3_rope_parameters(freqs: np.ndarray, rope_theta: float, head_dim: int) -> dict[str, Any]:
+    """Recover HF ``rope_type="llama3"`` parameters from a ``rope_freqs`` tensor.
+
+    llama.cpp stores the per-frequency divisors, not the parameters; Llama 3.1/3.2
+    use low_freq_factor=1, high_freq_factor=4, original context 8192, and the factor is
+    the largest divisor. The guess is verified against the stored divisors.
+    """
+    params = {
+        "rope_type": "llama3",
+        "factor": float(freqs.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    expected = _llama3_divisors(params, rope_theta, head_dim)
+    if expected.shape != freqs.shape or not np.allclose(expected, freqs, rtol=1e-5, atol=1e-6):
+        raise UnsupportedGGUFArchitecture(
+            "rope_freqs.weight does not match Llama-3 RoPE scaling (factor "
+            f"{params['factor']}, low 1, high 4, original context 8192)"
+        )
+    return params
+
+
+def _llama3_divisors(params: dict[str, Any], rope_theta: float, head_dim: int) -> np.ndarray:
+    base = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * math.pi / base
+    old_ctx = params["original_max_position_embeddings"]
+    low, high, factor = params["low_freq_factor"], params["high_freq_factor"], params["factor"]
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, mid))
+    return out.astype(np.float32)
+
+
+def _rope_parameters(reader: GGUFReader, arch: str, rope_theta: float, head_dim: int) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_type": "default"}
+    scaling = _arch_value(reader, arch, "rope.scaling.type")
+    if _has_tensor(reader, "rope_freqs.weight"):
+        freqs = load_tensor(reader, "rope_freqs.weight").numpy()
+        params = _llama3_rope_parameters(freqs, rope_theta, head_dim)
+    elif scaling in ("linear", "yarn"):
+        params = {"rope_type": scaling, "factor": float(_arch_value(reader, arch, "rope.scaling.factor", 1.0))}
+        orig = _arch_value(reader, arch, "rope.scaling.original_context_length")
+        if orig is not None:
+            params["original_max_position_embeddings"] = int(orig)
+        for key in ("beta_fast", "beta_slow"):
+            value = _arch_value(reader, arch, f"rope.scaling.yarn_{key}")
+            if value is not None and scaling == "yarn":
+                params[key] = float(value)
+    elif scaling not in (None, "none"):
+        raise UnsupportedGGUFArchitecture(f"RoPE scaling type {scaling!r} is not supported")
+    params["rope_theta"] = rope_theta
+    return params
+
+
+def hf_config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
+    """A transformers ``config.json``-style dict for a llama/qwen2 GGUF file."""
+    arch = gguf_architecture(reader)
+    model_type, hf_class = _HF_CLASSES[arch]
+    n_heads = int(_required(reader, arch, "attention.head_count"))
+    hidden = int(_required(reader, arch, "embedding_length"))
+    rope_theta = float(_arch_value(reader, arch, "rope.freq_base", 10000.0))
+    head_dim = _head_dim(reader, arch)
+    config: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [hf_class],
+        "vocab_size": _vocab_size(reader, arch),
+        "hidden_size": hidden,
+        "intermediate_size": int(_required(reader, arch, "feed_forward_length")),
+        "num_hidden_layers": int(_required(reader, arch, "block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(_arch_value(reader, arch, "attention.head_count_kv", n_heads)),
+        "rms_norm_eps": float(_required(reader, arch, "attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": int(_required(reader, arch, "context_length")),
+        "hidden_act": "silu",
+        "attention_bias": arch == "qwen2",
+        "tie_word_embeddings": not _has_tensor(reader, "output.weight"),
+    }
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    config["rope_parameters"] = _rope_parameters(reader, arch, rope_theta, head_dim or hidden // n_heads)
+    config.update(_token_ids(reader))
+    return config
+
+
+# --------------------------------------------------------------------------- names
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    match = _BLOCK_RE.match(gguf_name)
+    if match:
+        layer, part, kind = match.groups()
+        hf_part = _BLOCK_NAMES.get(part)
+        return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{kind}"
+    match = _GLOBAL_RE.match(gguf_name)
+    if match and match.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"
+    return None
+
+
+def hf_tensor_names(reader: GGUFReader) -> dict[str, str]:
+    """Map every GGUF tensor name to its transformers parameter name.
+
+    ``rope_freqs.weight`` (no HF parameter) is left out; any other unknown tensor raises
+    :class:`UnsupportedGGUFArchitecture`.
+    """
+    gguf_architecture(reader)
+    names: dict[str, str] = {}
+    for tensor in reader.tensors:
+        if tensor.name in _IGNORED_TENSORS:
+            continue
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None:
+            raise UnsupportedGGUFArchitecture(f"unexpected GGUF tensor {tensor.name!r}")
+        names[tensor.name] = hf_name
+    return names
+
+
+def qk_permutation_heads(reader: GGUFReader, gguf_name: str) -> int | None:
+    """Number of heads whose rows must be un-permuted for this tensor, or ``None``."""
+    match = _QK_RE.match(gguf_name)
+    if match is None or gguf_architecture(reader) != "llama":
+        return None
+    n_heads = int(_required(reader, "llama", "attention.head_count"))
+    if match.group(1) == "q":
+        return n_heads
+    return int(_arch_value(reader, "llama", "attention.head_count_kv", n_heads))
+
+
+def unpermute_qk_rows(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaved-pair Q/K row order along dim 0 (returns a copy)."""
+    rows = tensor.shape[0]
+    if rows % (2 * n_heads) != 0:
+        raise ValueError(f"{rows} rows cannot be split into {n_heads} heads of even size")
+    grouped = tensor.reshape(n_heads, rows // n_heads // 2, 2, *tensor.shape[1:])
+    return grouped.transpose(1, 2).reshape(tensor.shape)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+@dataclass(frozen=True)
+class GGUFRawTensor:
+    """A tensor's raw GGUF bytes, rows in HF order.
+
+    ``data`` is ``uint8`` ``[out, bytes_per_row]`` for 2-D tensors (``[bytes]`` for
+    1-D), zero-copy from the mmap except for un-permuted Q/K rows; ``shape`` is the
+    logical HF shape (``[out, in]`` or ``[n]``).
+    """
+
+    data: torch.Tensor
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+
+
+def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _check_type(tensor: ReaderTensor) -> None:
+    if tensor.tensor_type not in DEQUANTIZABLE_TYPES:
+        supported = ", ".join(sorted(t.name for t in DEQUANTIZABLE_TYPES))
+        raise UnsupportedGGUFType(
+            f"tensor {tensor.name!r} has GGML type {tensor.tensor_type.name}, "
+            f"which is not supported (supported: {supported})"
+        )
+
+
+def _as_torch(array: np.ndarray) -> torch.Tensor:
+    if not array.flags.writeable:  # read-only mmap ("r" mode reader): copy, never alias
+        array = np.array(array)
+    return torch.from_numpy(array)
+
+
+def load_raw(reader: GGUFReader, gguf_name: str) -> GGUFRawTensor:
+    """The tensor's stored bytes as a ``uint8`` torch tensor, rows in HF order."""
+    tensor = get_tensor(reader, gguf_name)
+    _check_type(tensor)
+    shape = _hf_shape(tensor)
+    data = _as_torch(tensor.data.view(np.uint8))  # F32/F16 rows become their bytes
+    heads = qk_permutation_heads(reader, gguf_name)
+    if heads is not None:
+        data = unpermute_qk_rows(data, heads)
+    return GGUFRawTensor(data=data, qtype=tensor.tensor_type, shape=shape)
+
+
+def load_tensor(reader: GGUFReader, gguf_name: str, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantize a tensor with ``gguf.quants.dequantize`` into HF orientation and order."""
+    tensor = get_tensor(reader, gguf_name)
+    _check_type(tensor)
+    values = gguf_dequantize(tensor.data, tensor.tensor_type)
+    out = _as_torch(np.ascontiguousarray(values)).reshape(_hf_shape(tensor))
+    heads = qk_permutation_heads(reader, gguf_name)
+    if heads is not None:
+        out = unpermute_qk_rows(out, heads)
+    return out.to(dtype)
+
+
+def hf_state_dict(reader: GGUFReader, *, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor, dequantized, under its HF name (no ``lm_head.weight`` when tied)."""
+    return {hf: load_tensor(reader, name, dtype=dtype) for name, hf in hf_tensor_names(reader).items()}
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Any:
+    """A transformers tokenizer (with chat template) built offline from GGUF metadata."""
+    from transformers import AutoTokenizer
+
+    path = os.path.abspath(os.fspath(path))
+    folder, filename = os.path.split(path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=filename, local_files_only=True)

@@ -1,0 +1,71 @@
+"""A LlamaForCausalLM built from anyquant_gguf's config + tensors vs transformers' GGUF load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import anyquant
+from anyquant_gguf.qlinear import GGUFLinear
+from anyquant_gguf.reader import tokenizer_from_gguf
+
+pytestmark = pytest.mark.model
+
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(gguf_path: Path) -> torch.Tensor:
+    tok = tokenizer_from_gguf(gguf_path)
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, return_tensors="pt")["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_gguf_model: Any, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        logits = hf_gguf_model(prompt_ids).logits
+    return logits, _greedy(hf_gguf_model, prompt_ids)
+
+
+def _greedy(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=2,
+        )
+    return out[0, ids.shape[1] :]
+
+
+@pytest.mark.parametrize("backend", ["dequantized", "packed"])
+def test_anyquant_load_matches_transformers(gguf_path: Path, prompt_ids: torch.Tensor, reference: tuple,
+                                            backend: str) -> None:  # fmt: skip
+    """anyquant.load's logits equal transformers' gguf load within 1e-5; greedy tokens identical."""
+    ref_logits, ref_tokens = reference
+    model = anyquant.load(gguf_path, backend=backend)
+    assert (model.format, model.backend, model.detection.variant) == ("gguf", backend, "Q4_1")
+    packed = [m for m in model.module.modules() if isinstance(m, GGUFLinear)]
+    assert len(packed) == 210 and all(m.qtype.name == "Q4_1" for m in packed)
+    assert all(m.mode == ("on-the-fly" if backend == "packed" else "dequant-at-load") for m in packed)
+    with torch.no_grad():
+        logits = model.module(prompt_ids).logits
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    tokens = model.generator.generate_ids(prompt_ids[0].tolist(), model.params(max_new_tokens=NEW_TOKENS))
+    if tokens[-1] in model.generator.eos_ids:  # the reference suppresses eos (min_new_tokens) and goes on
+        tokens = tokens[:-1]
+    assert len(tokens) >= 6 and tokens == ref_tokens.tolist()[: len(tokens)]
+
+
+def test_chat_through_the_default_model_api() -> None:
+    path = anyquant.default_model()
+    model = anyquant.load(path)
+    text = model.generate([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=12)
+    assert "Paris" in text
