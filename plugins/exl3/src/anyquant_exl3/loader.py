@@ -7,10 +7,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from anyquant.errors import CheckpointError, UnsupportedFormatError
-from anyquant.report import dense_rows
 from anyquant.loaders import LoadContext, TransformersLoader
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, ModuleInfo
+from anyquant.report import dense_rows
 
 if TYPE_CHECKING:
     from torch import nn
@@ -54,7 +54,8 @@ def _modules(probe: Probe) -> dict[str, dict[str, Any]]:
             "legacy": f"{prefix}.suh" not in t,
             "bias": f"{prefix}.bias" in t,
             "nbytes": sum(
-                t[f"{prefix}.{s}"].nbytes for s in ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
+                t[f"{prefix}.{s}"].nbytes
+                for s in ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
                 if f"{prefix}.{s}" in t
             ),
         }
@@ -103,8 +104,12 @@ class EXL3Loader(TransformersLoader):
             if marker in LOCKED_MARKERS:
                 value = int(src.get(f"{name}.{marker}").item())
                 if value != LOCKED_MARKERS[marker]:
-                    log.warning("%s: non-default %s multiplier %#x (exllamav3 v0.0.4-0.0.8); using it",
-                                name, marker, value & 0xFFFFFFFF)  # fmt: skip
+                    log.warning(
+                        "%s: non-default %s multiplier %#x (exllamav3 v0.0.4-0.0.8); using it",
+                        name,
+                        marker,
+                        value & 0xFFFFFFFF,
+                    )
                     multiplier = value & 0xFFFFFFFF
             get = lambda s: src.get(f"{name}.{s}") if f"{name}.{s}" in src else None  # noqa: E731
             return EXL3Linear(
@@ -127,21 +132,50 @@ class EXL3Loader(TransformersLoader):
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
         modules = _modules(probe)
         rows = [
-            ModuleInfo(name, "exl3", (m["out_pad"], m["in_pad"]), m["k"], None, m["nbytes"],
-                       extra={"codebook": m["codebook"], "padded": True})  # fmt: skip
+            ModuleInfo(
+                name,
+                "exl3",
+                (m["out_pad"], m["in_pad"]),
+                m["k"],
+                None,
+                m["nbytes"],
+                extra={"codebook": m["codebook"], "padded": True},
+            )
             for name, m in modules.items()
         ]
         return rows + dense_rows(probe, skip=set(modules))
 
 
 class EXL2Loader(TransformersLoader):
+    """EXL2 on CPU: exllamav2 is archived and CUDA-only; this is a maintained way to read it."""
+
     format = "exl2"
+    backend_order = ("dequantized", "reference")
+    SUFFIXES = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm")
 
     def backends(self) -> list[BackendInfo]:
-        return [BackendInfo("reference", False, "the EXL2 reference decoder is not implemented yet")]
+        return [
+            BackendInfo("dequantized", True, description="decode once at load (pure torch); dense speed and memory"),
+            BackendInfo("reference", True, description="pure torch, decode on every forward; packed memory"),
+        ]
 
-    def validate(self, probe: Probe, detection: Detection) -> None:
-        raise UnsupportedFormatError(
-            f"{probe.root}: EXL2 is recognised (never sent to the EXL3 loader), but anyquant cannot load it yet. "
-            "exllamav2 on a CUDA GPU loads it."
-        )
+    def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
+        from .qlinear import EXL2Linear
+
+        src = ctx.source
+
+        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
+            if f"{name}.q_weight" not in src:
+                return None
+            tensors = {s: src.get(f"{name}.{s}") for s in self.SUFFIXES if f"{name}.{s}" in src}
+            bias = src.get(f"{name}.bias") if f"{name}.bias" in src else None
+            return EXL2Linear(
+                tensors,
+                bias,
+                in_features=linear.in_features,
+                out_features=linear.out_features,
+                mode="dequantized" if ctx.backend == "dequantized" else "reference",
+                compute_dtype=ctx.dtype,
+            )
+
+        return factory

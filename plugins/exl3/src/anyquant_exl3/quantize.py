@@ -1,0 +1,134 @@
+"""EXL3 quantization on any machine: anyquant's own CPU encoder (no Hessian yet).
+
+Every decoder linear is encoded with :func:`anyquant_exl3.encode.encode_exl3` (random signs +
+Hadamard regularisation, tail-biting Viterbi over the 16-bit trellis per 16x16 tile). Fractional
+``bits`` give mixed K per tensor: every tensor starts at floor(bits) and tensors are raised one
+bit at a time, from the first layer on, until the budget ``bits x weights`` is spent (exllamav3
+allocates whole groups by priority; this is the simple version of it). The head stays 16-bit
+(``head_bits=16``). The encoder runs about 5-12k weights/s per core: tiny and small models only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from anyquant.errors import QuantizeError
+from anyquant.probe import Probe
+from anyquant.protocols import QuantizeSpec
+
+__all__ = ["EXL3Quantizer", "allocate_bits"]
+
+log = logging.getLogger(__name__)
+
+VALID_K = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
+CODEBOOKS = ("3inst", "mcg", "mul1")
+
+
+def allocate_bits(sizes: list[int], bits: float) -> list[float]:
+    """K per tensor so that the weighted mean is as close to ``bits`` as possible from below."""
+    if bits in VALID_K:
+        return [float(bits)] * len(sizes)
+    base = math.floor(bits)
+    ks = [float(base)] * len(sizes)
+    budget = bits * sum(sizes) - base * sum(sizes)
+    for i, n in enumerate(sizes):
+        if n <= budget:
+            ks[i] += 1
+            budget -= n
+    return ks
+
+
+def _linear_weights(probe: Probe) -> list[str]:
+    return [
+        name.removesuffix(".weight")
+        for name, t in probe.tensors.items()
+        if name.endswith(".weight") and len(t.shape) == 2 and ".layers." in name
+    ]
+
+
+class EXL3Quantizer:
+    method = "exl3"
+
+    def validate(self, probe: Probe, spec: QuantizeSpec) -> None:
+        if not 1 <= spec.bits <= 8:
+            raise QuantizeError(f"EXL3 bits must be within 1..8, got {spec.bits}")
+        codebook = str(spec.options.get("codebook", "mul1")).lower()
+        if codebook not in CODEBOOKS:
+            raise QuantizeError(f"EXL3 codebook {codebook!r} is not one of {CODEBOOKS}")
+        head_bits = spec.options.get("head_bits", 16)
+        if head_bits != 16:
+            raise QuantizeError("anyquant's CPU encoder keeps the head unquantized: head_bits=16 only for now")
+        if not _linear_weights(probe):
+            raise QuantizeError("no decoder-layer linear weights found to quantize")
+
+    def quantize(
+        self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None] | None = None
+    ) -> Path:
+        import torch
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        from .encode import encode_exl3
+
+        report = progress or (lambda stage, frac: None)
+        probe = Probe.open(src)
+        names = _linear_weights(probe)
+        sizes = [probe.tensors[f"{n}.weight"].numel for n in names]
+        ks = allocate_bits(sizes, float(spec.bits))
+        codebook = str(spec.options.get("codebook", "mul1")).lower()
+        seed = int(spec.options.get("seed", 0))
+        out = dst / "model"
+        out.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, torch.Tensor] = {}
+        quantized = set(names)
+        handles = {h.file: safe_open(str(probe.root / h.file), framework="pt") for h in probe.safetensors}
+        done, total = 0, sum(sizes)
+        for i, (name, k) in enumerate(zip(names, ks, strict=True)):
+            info = probe.tensors[f"{name}.weight"]
+            weight = handles[info.file].get_tensor(info.name).float()
+            report(f"encoding {name} (K={k:g})", 0.05 + 0.8 * done / total)
+            enc = encode_exl3(weight, k, codebook=codebook, seed=seed + i)
+            tensors.update({f"{name}.{key}": value.contiguous() for key, value in enc.items()})
+            done += sizes[i]
+        for tname, info in probe.tensors.items():
+            if tname.removesuffix(".weight") in quantized and tname.endswith(".weight"):
+                continue
+            tensors[tname] = handles[info.file].get_tensor(tname).contiguous()
+            bias_of = tname.removesuffix(".bias")
+            if tname.endswith(".bias") and bias_of in quantized:
+                tensors[tname] = tensors[tname].half()
+        report("writing", 0.88)
+        save_file(tensors, str(out / "model.safetensors"))
+        self._write_config(probe, out, spec, ks, sizes, codebook)
+        return out
+
+    def _write_config(
+        self, probe: Probe, out: Path, spec: QuantizeSpec, ks: list[float], sizes: list[int], codebook: str
+    ) -> None:
+        from anyquant import __version__
+        from anyquant.probe import thaw
+
+        cfg: dict[str, Any] = thaw(probe.config) if probe.config is not None else {}
+        avg = sum(k * n for k, n in zip(ks, sizes, strict=True)) / sum(sizes)
+        qc = {
+            "quant_method": "exl3",
+            "version": f"anyquant-{__version__}",
+            "bits": round(avg, 2),
+            "head_bits": 16,
+            "codebook": codebook,
+            "out_scales": "always",
+            "quantizer": "anyquant CPU encoder (no Hessian)",
+        }
+        if cfg.get("quantization_config"):
+            qc["original_quantization_config"] = cfg["quantization_config"]
+        cfg["quantization_config"] = qc
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        (out / "quantization_config.json").write_text(json.dumps(qc, indent=2))
+        for name in probe.tokenizer_files:
+            shutil.copy2(probe.root / name, out / name)

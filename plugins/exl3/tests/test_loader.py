@@ -1,0 +1,135 @@
+"""EXL3 and EXL2 through anyquant.load: checkpoints written by anyquant's CPU encoder / packer,
+decoded by the loader exactly as the standalone decoders do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import anyquant
+from anyquant.testing.tiny import make_tiny_dense
+from anyquant_exl3.decode import decode_exl3
+from anyquant_exl3.exl2 import decode_exl2, pack_exl2
+from anyquant_exl3.quantize import allocate_bits
+
+pytestmark = pytest.mark.slow
+
+IDS = torch.tensor([[72, 101, 108, 108, 111, 44, 32, 109, 121, 32]])
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_dense(tmp_path_factory.mktemp("d") / "tiny", num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def exl3(dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return anyquant.quantize(
+        dense, tmp_path_factory.mktemp("q") / "exl3", method="exl3", bits=4.5, codebook="mul1", quality=False
+    )
+
+
+def test_detects_mixed_k(exl3: Path) -> None:
+    d = anyquant.detect(exl3)
+    assert (d.format, d.variant) == ("exl3", "mul1")
+    assert set(d.details["k_histogram"]) == {"4.0", "5.0"}
+    cfg = json.loads((exl3 / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "exl3" and 4.0 < cfg["bits"] <= 4.5
+
+
+def test_loaded_weights_equal_the_decoder_and_approximate_the_source(exl3: Path, dense: Path) -> None:
+    model = anyquant.load(exl3, backend="reference")
+    src = anyquant.load(dense)
+    tensors = load_file(exl3 / "model.safetensors")
+    checked = 0
+    for name, module in model.module.named_modules():
+        if not hasattr(module, "trellis"):
+            continue
+        want = decode_exl3(
+            tensors[f"{name}.trellis"],
+            tensors[f"{name}.suh"],
+            tensors[f"{name}.svh"],
+            codebook="mul1",
+            in_features=module.in_features,
+            out_features=module.out_features,
+        )
+        assert torch.equal(module.dequantize(), want), name
+        w = dict(src.module.named_modules())[name].weight
+        rel_mse = ((want.float() - w).pow(2).mean() / w.pow(2).mean()).item()
+        assert rel_mse < 0.01, f"{name}: relative MSE {rel_mse:.4f} (the format doc's K=4 level is ~0.005)"
+        checked += 1
+    assert checked == 7
+
+
+def test_backends_agree_and_track_the_dense_model(exl3: Path, dense: Path) -> None:
+    ref = anyquant.load(exl3, backend="reference")
+    fast = anyquant.load(exl3, backend="dequantized")
+    src = anyquant.load(dense)
+    with torch.no_grad():
+        a, b, c = ref.module(IDS).logits, fast.module(IDS).logits, src.module(IDS).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert ((a - c).abs().max() / c.abs().max()).item() < 0.15
+    assert isinstance(ref.generate("Hello", max_new_tokens=4), str)
+
+
+def test_allocate_bits() -> None:
+    assert allocate_bits([100, 100], 4.0) == [4.0, 4.0]
+    assert allocate_bits([100, 100], 3.5) == [3.5, 3.5]
+    assert allocate_bits([100, 100, 200], 4.25) == [5.0, 4.0, 4.0]
+    ks = allocate_bits([64, 128, 256, 512], 2.7)
+    assert sum(k * n for k, n in zip(ks, [64, 128, 256, 512], strict=True)) <= 2.7 * 960
+
+
+def _exl2_from_dense(dense: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Pack every decoder linear of ``dense`` as EXL2 4-bit (groups of 32 rows, a random act-order)."""
+    import shutil
+
+    shutil.copytree(dense, out)
+    state = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    expected = {}
+    for name in [n for n in state if ".layers." in n and n.endswith("proj.weight")]:
+        w = state.pop(name)  # [out, in]
+        n_out, k = w.shape
+        n_pad = -(-n_out // 32) * 32
+        perm = torch.randperm(k, generator=gen)
+        wp = torch.zeros(k, n_pad)
+        wp[:, :n_out] = w.t()[perm]
+        groups = k // 32
+        q_scale_max = wp.abs().reshape(groups, 32, n_pad).amax(dim=(1, 2)) / 8 + 1e-3
+        codes = torch.full((groups, n_pad), 15, dtype=torch.int64)  # qscale 16: scale = q_scale_max
+        scale = (q_scale_max.half().float() / 256 * 256)[:, None].repeat_interleave(32, 0)
+        q = torch.clamp(torch.round(wp / scale) + 8, 0, 15).to(torch.int64)
+        packed = pack_exl2(q, [4] * groups, [32] * groups, codes, q_scale_max, torch.argsort(perm))
+        prefix = name.removesuffix(".weight")
+        state.update({f"{prefix}.{key}": value for key, value in packed.items()})
+        expected[prefix] = decode_exl2(
+            **{k2: packed[k2] for k2 in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")},
+            out_features=n_out,
+        )
+    (out / "model.safetensors").unlink()
+    save_file(state, out / "output.safetensors")
+    return expected
+
+
+def test_exl2_loads_with_the_decoder_and_never_as_exl3(dense: Path, tmp_path: Path) -> None:
+    expected = _exl2_from_dense(dense, tmp_path / "exl2")
+    d = anyquant.detect(tmp_path / "exl2")
+    assert d.format == "exl2"
+    with pytest.raises(anyquant.FormatMismatchError):
+        anyquant.load(tmp_path / "exl2", format="exl3")
+    model = anyquant.load(tmp_path / "exl2", backend="reference")
+    src = anyquant.load(dense)
+    for prefix, want in expected.items():
+        module = model.module.get_submodule(prefix)
+        assert torch.equal(module.dequantize(), want)
+        w = src.module.get_submodule(prefix).weight
+        # round-to-nearest 4-bit with a per-group absmax/8 step: ~1.6% relative MSE on Gaussian weights
+        assert ((want.float() - w).pow(2).mean() / w.pow(2).mean()).item() < 0.03
+    with torch.no_grad():
+        a, c = model.module(IDS).logits, src.module(IDS).logits
+    assert ((a - c).abs().max() / c.abs().max()).item() < 0.2
