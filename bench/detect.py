@@ -63,9 +63,15 @@ def write_checkpoint(root: Path, scale: int, shards: int) -> int:
         "model_type": "llama",
         "hidden_size": HIDDEN,
         "num_hidden_layers": LAYERS,
-        "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
-                                "desc_act": False, "checkpoint_format": "gptq"},
-    }  # fmt: skip
+        "quantization_config": {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": 128,
+            "sym": True,
+            "desc_act": False,
+            "checkpoint_format": "gptq",
+        },
+    }
     (root / "config.json").write_text(json.dumps(cfg))
     return sum(f.stat().st_size for f in root.glob("*.safetensors"))
 

@@ -15,12 +15,36 @@ from .protocols import Claim, FormatSpec
 #: tensor name suffixes that mark some quantization scheme (never seen in a dense checkpoint).
 QUANT_SUFFIXES = frozenset(
     {
-        "qweight", "qzeros", "scales", "g_idx", "trellis", "suh", "svh", "su", "sv", "mcg", "mul1",
-        "q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm",
-        "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_global_scale",
-        "weight_scale_inv", "absmax", "quant_map", "SCB", "weight_format", "W_q",
+        "qweight",
+        "qzeros",
+        "scales",
+        "g_idx",
+        "trellis",
+        "suh",
+        "svh",
+        "su",
+        "sv",
+        "mcg",
+        "mul1",
+        "q_weight",
+        "q_scale",
+        "q_scale_max",
+        "q_groups",
+        "q_invperm",
+        "q_perm",
+        "weight_packed",
+        "weight_scale",
+        "weight_zero_point",
+        "weight_shape",
+        "weight_global_scale",
+        "weight_scale_inv",
+        "absmax",
+        "quant_map",
+        "SCB",
+        "weight_format",
+        "W_q",
     }
-)  # fmt: skip
+)
 
 UNLOADABLE = {
     "compressed-tensors": (

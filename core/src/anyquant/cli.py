@@ -226,8 +226,9 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--bits", type=float, default=4)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--asym", action="store_true", help="asymmetric (zero points)")
-    p.add_argument("--zero-point", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
-                   help="AWQ: zero points on/off")  # fmt: skip
+    p.add_argument(
+        "--zero-point", type=lambda v: v.lower() in ("1", "true", "yes"), default=None, help="AWQ: zero points on/off"
+    )
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order")
     p.add_argument("--format", default=None, help="checkpoint format, e.g. gptq (v1) or gptq_v2")
     p.add_argument("--calibration", default=None, help="named source, mix (c4:0.5,code:0.5) or a file")

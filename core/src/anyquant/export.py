@@ -19,8 +19,9 @@ __all__ = ["export_dense"]
 log = logging.getLogger(__name__)
 
 
-def export_dense(path: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwrite: bool = False,
-                 **load_kwargs: Any) -> Path:  # fmt: skip
+def export_dense(
+    path: str | Path, out: str | Path, *, dtype: str = "bfloat16", overwrite: bool = False, **load_kwargs: Any
+) -> Path:
     """Dequantize every weight of ``path`` and save a dense transformers folder at ``out``."""
     import torch
     from torch import nn

@@ -117,7 +117,7 @@ class TransformersLoader:
             device=device,
             trust_remote_code=options.trust_remote_code,
         )
-        unused = getattr(source, "unused", lambda: [])()
+        unused: list[str] = getattr(source, "unused", list)()
         if unused:
             log.warning("%d checkpoint tensors were not used (e.g. %s)", len(unused), unused[:3])
         tokenizer = self.tokenizer(probe, options)

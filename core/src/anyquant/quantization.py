@@ -107,8 +107,9 @@ def _eval_text() -> str:
     return FALLBACK_EVAL_TEXT
 
 
-def quality_check(src: Path, result: Path, *, max_ratio: float, max_tokens: int = 1024,
-                  registry: Registry | None = None) -> QualityReport:  # fmt: skip
+def quality_check(
+    src: Path, result: Path, *, max_ratio: float, max_tokens: int = 1024, registry: Registry | None = None
+) -> QualityReport:
     """Perplexity of ``result`` vs ``src`` on a short held-out text; raises when the ratio is too high."""
     from .api import load
     from .evaluate import perplexity

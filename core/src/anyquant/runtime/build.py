@@ -37,8 +37,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return dtype
     if dtype in (None, "auto"):
         return torch.float16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}  # fmt: skip
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+    }
     if dtype not in names:
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(names)}")
     return names[dtype]
@@ -56,7 +63,7 @@ def meta_parameters() -> Iterator[None]:
             assert p is not None
             module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
@@ -91,7 +98,7 @@ def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-def _tied_head(model: nn.Module) -> tuple[str, str] | None:
+def _tied_head(model: Any) -> tuple[str, str] | None:
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if out is None or inp is None:
@@ -117,7 +124,7 @@ def build_model(
     only when the source has no head tensor of its own (whatever ``tie_word_embeddings`` says).
     ``name_map`` maps a model parameter name to the source's tensor name.
     """
-    model = skeleton(config, trust_remote_code=trust_remote_code)
+    model: Any = skeleton(config, trust_remote_code=trust_remote_code)
     device = torch.device(device)
     src = name_map or (lambda n: n)
     if make_linear is not None:

@@ -23,8 +23,14 @@ class QuantLinearBase(nn.Module):
     in_features: int
     out_features: int
 
-    def __init__(self, in_features: int, out_features: int, *, mode: str = "reference",
-                 compute_dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        mode: str = "reference",
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -58,7 +64,8 @@ class QuantLinearBase(nn.Module):
         weight = self._weight if self._weight is not None else self.dequantize().to(x.dtype)
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        stored: torch.Tensor | None = self._buffers.get("bias")
+        bias = stored.to(x.dtype) if stored is not None else None
         return F.linear(x, weight, bias)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]

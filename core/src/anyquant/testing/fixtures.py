@@ -99,14 +99,26 @@ def _gptq_tensors(bits: int = 4, group: int = 32) -> dict[str, tuple[str, list[i
 
 
 def gptq_v1(root: Path) -> Path:
-    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
-          "checkpoint_format": "gptq"}  # fmt: skip
+    qc = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "sym": True,
+        "desc_act": False,
+        "checkpoint_format": "gptq",
+    }
     return _write_dir(root, _gptq_tensors(), _config(qc))
 
 
 def gptq_v2(root: Path) -> Path:
-    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
-          "checkpoint_format": "gptq_v2"}  # fmt: skip
+    qc = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "sym": True,
+        "desc_act": False,
+        "checkpoint_format": "gptq_v2",
+    }
     return _write_dir(root, _gptq_tensors(), _config(qc))
 
 
