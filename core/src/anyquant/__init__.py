@@ -24,6 +24,17 @@ _EXPORTS: dict[str, str] = {
     "default_registry": "api",
     "quantize": "quantization",
     "export_dense": "export",
+    "perplexity": "evaluate",
+    "compare": "evaluate",
+    "EvalResult": "evaluate",
+    "EvaluationError": "evaluate",
+    "estimate": "sizing",
+    "advise": "sizing",
+    "Estimate": "sizing",
+    "Advice": "sizing",
+    "SizingError": "sizing",
+    "CalibrationError": "calibration",
+    "CalibrationOverlapError": "calibration",
     # registry and hooks
     "Registry": "registry",
     "PluginInfo": "registry",
@@ -82,6 +93,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .api import default_model, default_registry, detect, inspect, list_plugins, load
+    from .calibration import CalibrationError, CalibrationOverlapError
     from .errors import (
         AmbiguousFormatError,
         AnyquantError,
@@ -101,6 +113,7 @@ if TYPE_CHECKING:
         UnsupportedBackendError,
         UnsupportedFormatError,
     )
+    from .evaluate import EvalResult, EvaluationError, compare, perplexity
     from .export import export_dense
     from .hookspecs import hookimpl, hookspec
     from .loaders import TransformersLoader
@@ -121,3 +134,4 @@ if TYPE_CHECKING:
     from .quantization import quantize
     from .registry import PluginInfo, Registry
     from .runtime.loaded import LoadedModel
+    from .sizing import Advice, Estimate, SizingError, advise, estimate

@@ -249,6 +249,12 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_export)
 
+    from . import calibration, evaluate, sizing
+
+    evaluate.register_cli(sub)  # eval, compare
+    sizing.register_cli(sub)  # estimate, advise
+    calibration.register_cli(sub)  # calibration list|sample|check
+
     if with_plugins:
         from .api import default_registry
 
@@ -257,7 +263,21 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-BUILTIN_COMMANDS = ("-h", "--help", "detect", "inspect", "plugins", "generate", "quantize", "export")
+BUILTIN_COMMANDS = (
+    "-h",
+    "--help",
+    "detect",
+    "inspect",
+    "plugins",
+    "generate",
+    "quantize",
+    "export",
+    "eval",
+    "compare",
+    "estimate",
+    "advise",
+    "calibration",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

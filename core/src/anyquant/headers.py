@@ -208,9 +208,9 @@ def _tensor_infos(parsed: dict[str, Any], rel_name: str, data_size: int) -> list
     names = list(parsed)
     entries = list(parsed.values())
     try:
-        dtypes = [e["dtype"] for e in entries]
-        shapes = [e["shape"] for e in entries]
-        offsets = [e["data_offsets"] for e in entries]
+        dtypes = list(map(_get_dtype, entries))
+        shapes = list(map(_get_shape, entries))
+        offsets = list(map(_get_offsets, entries))
         dims = list(chain.from_iterable(shapes))
         if (
             set(map(type, shapes)) <= {list}
@@ -227,7 +227,12 @@ def _tensor_infos(parsed: dict[str, Any], rel_name: str, data_size: int) -> list
                 set(map(type, begins)) | set(map(type, ends)) <= {int}
                 and min(begins, default=0) >= 0
                 and max(ends, default=0) <= data_size
-                and list(map(operator.sub, ends, begins)) == list(map(_ceil_bytes, bits))
+                and list(map(operator.sub, ends, begins))
+                == list(
+                    map(operator.floordiv, bits, repeat(8))
+                    if _WHOLE_BYTES.issuperset(dtypes)
+                    else map(_ceil_bytes, bits)
+                )
             ):
                 rows = zip(names, dtypes, map(tuple, shapes), repeat(rel_name), begins, ends)
                 return list(map(_new_info, repeat(TensorInfo), rows))
@@ -237,6 +242,10 @@ def _tensor_infos(parsed: dict[str, Any], rel_name: str, data_size: int) -> list
 
 
 _KNOWN_DTYPES = frozenset(SAFETENSORS_DTYPE_BITS)
+_WHOLE_BYTES = frozenset(k for k, v in SAFETENSORS_DTYPE_BITS.items() if v % 8 == 0)
+_get_dtype = operator.itemgetter("dtype")
+_get_shape = operator.itemgetter("shape")
+_get_offsets = operator.itemgetter("data_offsets")
 _new_info = tuple.__new__  # TensorInfo from a row tuple, without NamedTuple._make's Python frame
 _first = operator.itemgetter(0)
 _second = operator.itemgetter(1)

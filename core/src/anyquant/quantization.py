@@ -94,17 +94,15 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
         raise QuantizeError(f"destination {dst} exists and is not empty; pass overwrite=True to replace it")
 
 
-def _eval_text() -> str:
-    """A held-out slice of the exllamav3 wiki corpus when installed (read as a file), else our own text."""
-    import importlib.util
+def eval_text() -> str:
+    """The quality gate's text: the held-out part of the bundled wiki corpus (never drawn for
+    calibration), or a short text of our own when the corpus files are not installed."""
+    from .calibration import CalibrationError, evaluation_text
 
-    spec = importlib.util.find_spec("exllamav3")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        f = Path(location) / "conversion" / "standard_cal_data" / "wiki.utf8"
-        if f.is_file():
-            text = f.read_text(encoding="utf-8", errors="replace")
-            return text[-6000:]  # the tail: calibration mixes draw from the head
-    return FALLBACK_EVAL_TEXT
+    try:
+        return evaluation_text("wiki")[:12000]
+    except CalibrationError:
+        return FALLBACK_EVAL_TEXT
 
 
 def quality_check(
@@ -114,7 +112,7 @@ def quality_check(
     from .api import load
     from .evaluate import perplexity
 
-    text = _eval_text()
+    text = eval_text()
     ppls = []
     tokens = 0
     for path in (src, result):

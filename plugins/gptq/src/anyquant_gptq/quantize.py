@@ -25,14 +25,29 @@ def linear_in_features(probe: Probe) -> dict[str, int]:
 
 
 def calibration_texts(spec: QuantizeSpec) -> list[str]:
-    """The calibration samples: explicit texts, or a named source / mix / file via anyquant.calibration."""
+    """The calibration samples: explicit texts, or a named source / mix / file via anyquant.calibration.
+
+    Either way they are checked against the quality gate's held-out evaluation text (n-gram overlap).
+    """
+    from anyquant.calibration import check_overlap, sample
+    from anyquant.quantization import eval_text
+
     texts = spec.options.get("texts")
     if texts:
-        return [str(t) for t in texts]
-    from anyquant.calibration import load_calibration
+        texts = [str(t) for t in texts]
+        check_overlap(texts, eval_text())
+        return texts
+    return sample(
+        spec.calibration or DEFAULT_CALIBRATION,
+        n_samples=spec.calibration_samples,
+        seq_len=spec.calibration_seq_len,
+        seed=int(spec.options.get("seed", 0)),
+        evaluation=eval_text(),
+    )
 
-    return load_calibration(spec.calibration or "c4:0.5,code:0.25,wiki:0.25", n_samples=spec.calibration_samples,
-                            seq_len=spec.calibration_seq_len, seed=int(spec.options.get("seed", 0)))  # fmt: skip
+
+#: the seeds' advice: general web text plus code against domain shift.
+DEFAULT_CALIBRATION = "c4:0.5,code:0.25,wiki:0.25"
 
 
 class GPTQModelQuantizer:
@@ -94,8 +109,7 @@ class GPTQModelQuantizer:
         cal = scratch / "calibration.json"
         cal.write_text(json.dumps(texts))
         out = dst / "model"
-        run_worker("anyquant_gptq.gptqmodel_worker", self.job(src, out, spec, cal), scratch=scratch,
-                   progress=progress)  # fmt: skip
+        run_worker("anyquant_gptq.gptqmodel_worker", self.job(src, out, spec, cal), scratch=scratch, progress=progress)
         return out
 
 

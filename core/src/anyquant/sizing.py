@@ -1,0 +1,1249 @@
+"""``anyquant estimate`` and ``anyquant advise``: memory for weights + KV cache, and what to run where.
+
+Weights: exact bytes from a checkpoint's headers (safetensors or GGUF); for a model not yet
+quantized, from ``config.json`` shapes and a target ``bits`` (average bits per weight of the
+decoder linears, overheads such as scales included; embeddings at 16 bits, the head at
+``head_bits``). KV cache: ``2 (K and V) x layers x kv_heads x head_dim x bits/8`` bytes per token
+(MLA: ``layers x (kv_lora_rank + qk_rope_head_dim)``), times context and batch. Quantized caches
+store a 16-bit scale per 32 values (exllamav3's ``CacheLayer_quant``, llama.cpp ``q8_0``/``q4_0``):
+``q4`` is 4.5 bits a value. A margin covers the CUDA context and activations.
+
+:func:`advise` is the seeds' decision tree as code (see its docstring). Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import AnyquantError
+
+__all__ = [
+    "GPUS",
+    "Advice",
+    "Estimate",
+    "GpuSpec",
+    "ModelShape",
+    "SizingError",
+    "advise",
+    "estimate",
+    "find_gpu",
+    "model_shape",
+    "register_cli",
+]
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+GB = 1000**3
+
+#: bits per stored KV value: quantized caches carry a 16-bit scale per 32 values
+KV_BITS: dict[str, float] = {
+    "fp32": 32,
+    "fp16": 16,
+    "bf16": 16,
+    "fp8": 8,
+    "q8": 8.5,
+    "q6": 6.5,
+    "q5": 5.5,
+    "q4": 4.5,
+    "q3": 3.5,
+    "q2": 2.5,
+}
+KV_ALIASES = {
+    "float16": "fp16",
+    "f16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32",
+    "fp8_e4m3": "fp8",
+    "fp8_e5m2": "fp8",
+    "q8_0": "q8",
+    "q4_0": "q4",
+    "q5_0": "q5",
+}
+#: fixed per-device overhead (CUDA context, allocator slack, activations of a prefill chunk)
+OVERHEAD_BYTES = GiB // 2
+#: proportional margin on weights + KV
+MARGIN_FRACTION = 0.05
+#: model types whose MLP has two matrices (no gate)
+NON_GATED = frozenset({"gpt2", "opt", "gpt_neox", "gptj", "bloom", "falcon", "phi", "starcoder", "gpt_bigcode", "mpt"})
+
+
+class SizingError(AnyquantError):
+    """The model's shape or the hardware could not be worked out from what was given."""
+
+
+# ---------------------------------------------------------------------- model shapes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts and attention geometry of a decoder-only model."""
+
+    name: str
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    tied: bool
+    experts: int
+    linear_params: int  # decoder linears: what a quantizer's ``bits`` applies to
+    embed_params: int
+    head_params: int  # 0 when tied to the embeddings
+    other_params: int  # norms, routers
+    kv_values_per_token: int  # K and V values per token over all layers
+    notes: tuple[str, ...] = ()
+
+    @property
+    def parameters(self) -> int:
+        return self.linear_params + self.embed_params + self.head_params + self.other_params
+
+
+def _first(cfg: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        v = cfg.get(k)
+        if v is not None:
+            return v
+    return default
+
+
+def _int(cfg: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
+    v = _first(cfg, *keys, default=default)
+    if isinstance(v, list):  # per-layer values (some GGUF kv-head counts): the largest
+        v = max(v)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+        raise SizingError(f"config has no usable {'/'.join(keys)} (got {v!r}): cannot size the model")
+    return int(v)
+
+
+def model_shape(config: Mapping[str, Any], name: str = "model") -> ModelShape:
+    """A :class:`ModelShape` from a transformers ``config.json`` dict (``text_config`` is used when present)."""
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    assert isinstance(cfg, Mapping)
+    layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
+    heads = _int(cfg, "num_attention_heads", "n_head")
+    kv_heads = _int(cfg, "num_key_value_heads", "num_kv_heads", default=heads)
+    head_dim = _int(cfg, "head_dim", default=hidden // max(heads, 1))
+    vocab = _int(cfg, "vocab_size")
+    intermediate = _int(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
+    model_type = str(cfg.get("model_type") or config.get("model_type") or "")
+    tied = bool(_first(cfg, "tie_word_embeddings", default=config.get("tie_word_embeddings", False)))
+    experts = _int(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0)
+    notes: list[str] = []
+
+    mlp_mats = 2 if model_type in NON_GATED else 3
+    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    if experts:
+        expert_inter = _int(cfg, "moe_intermediate_size", default=intermediate)
+        shared_inter = _int(cfg, "shared_expert_intermediate_size", default=0)
+        shared_inter += _int(cfg, "n_shared_experts", default=0) * expert_inter
+        mlp = experts * mlp_mats * hidden * expert_inter + mlp_mats * hidden * shared_inter
+        router = hidden * experts
+        notes.append(f"MoE: {experts} experts per layer, all counted (all must be in memory)")
+    else:
+        mlp, router = mlp_mats * hidden * intermediate, 0
+
+    kv_per_layer = 2 * kv_heads * head_dim
+    if cfg.get("kv_lora_rank"):
+        kv_per_layer = _int(cfg, "kv_lora_rank") + _int(cfg, "qk_rope_head_dim", default=0)
+        notes.append("MLA: the cache holds one compressed latent per token and layer; attention params approximate")
+    return ModelShape(
+        name=name,
+        model_type=model_type,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=vocab,
+        intermediate=intermediate,
+        tied=tied,
+        experts=experts,
+        linear_params=layers * (attn + mlp),
+        embed_params=vocab * hidden,
+        head_params=0 if tied else vocab * hidden,
+        other_params=layers * (2 * hidden + router) + hidden,
+        kv_values_per_token=layers * kv_per_layer,
+        notes=tuple(notes),
+    )
+
+
+def _gguf_config(header: Any) -> dict[str, Any]:
+    """A transformers-style config dict from GGUF metadata (``<arch>.block_count`` ...)."""
+    md = header.metadata
+    arch = header.architecture or "llama"
+
+    def key(k: str) -> Any:
+        return md.get(f"{arch}.{k}")
+
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    cfg: dict[str, Any] = {
+        "model_type": arch,
+        "num_hidden_layers": key("block_count"),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv") or heads,
+        "head_dim": key("attention.key_length"),
+        "intermediate_size": key("feed_forward_length"),
+        "vocab_size": key("vocab_size") or header.array_lengths.get("tokenizer.ggml.tokens"),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in header.tensors),
+    }
+    if key("expert_count"):
+        cfg["num_local_experts"] = key("expert_count")
+        cfg["moe_intermediate_size"] = key("expert_feed_forward_length")
+    if key("attention.kv_lora_rank"):
+        cfg["kv_lora_rank"] = key("attention.kv_lora_rank")
+        cfg["qk_rope_head_dim"] = key("rope.dimension_count")
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def _gguf_tensor_bytes(header: Any) -> int:
+    from .headers import GGUF_TYPE_SIZES
+
+    total = 0
+    for t in header.tensors:
+        _, block, size = GGUF_TYPE_SIZES.get(t.type_id, ("?", 0, 0))
+        if not block:
+            raise SizingError(f"{header.file}: tensor {t.name} has GGUF type {t.type_id}, of unknown size")
+        total += math.prod(t.shape) // block * size
+    return total
+
+
+# ---------------------------------------------------------------------- estimate
+
+
+@dataclass
+class Estimate:
+    """Memory for weights + KV cache + margin. Bytes are exact integers; ``to_dict`` adds GB/GiB."""
+
+    model: str
+    source: str  # "headers", "headers+bits", "config+bits"
+    format: str | None
+    bits: float | None
+    parameters: int
+    weight_bytes: int
+    embedding_bytes: int  # part of weight_bytes (exllamav3 and llama.cpp keep it in system RAM)
+    kv_dtype: str
+    kv_bits: float
+    kv_bytes_per_token: int
+    context: int
+    batch: int
+    kv_bytes: int
+    margin_bytes: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.margin_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        for k in ("weight_bytes", "kv_bytes", "margin_bytes", "total_bytes"):
+            d[k.replace("_bytes", "_gb")] = round(d[k] / GB, 3)
+            d[k.replace("_bytes", "_gib")] = round(d[k] / GiB, 3)
+        return d
+
+    def summary(self) -> str:
+        bits = f", {self.bits:g} bits/weight" if self.bits is not None else ""
+        lines = [
+            f"{self.model}: {self.parameters / 1e9:.2f}B parameters ({self.format or 'unknown format'}{bits})",
+            f"  weights   {_gb(self.weight_bytes)}  [{self.source}]",
+            f"  KV cache  {_gb(self.kv_bytes)}  ({self.kv_bytes_per_token / 1024:.1f} KiB/token: {self.layers} layers x "
+            f"{self.kv_heads} kv heads x {self.head_dim} head dim, {self.kv_dtype}; {self.context} tokens x batch {self.batch})",
+            f"  margin    {_gb(self.margin_bytes)}  ({OVERHEAD_BYTES / GiB:g} GiB + {MARGIN_FRACTION:.0%})",
+            f"  total     {_gb(self.total_bytes)}",
+        ]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:7.2f} GB ({n / GiB:.2f} GiB)"
+
+
+def kv_bits(kv_dtype: str) -> tuple[str, float]:
+    name = KV_ALIASES.get(kv_dtype.lower(), kv_dtype.lower())
+    if name not in KV_BITS:
+        raise SizingError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_BITS)}")
+    return name, KV_BITS[name]
+
+
+def margin_bytes(payload: int, devices: int = 1) -> int:
+    return int(devices * OVERHEAD_BYTES + MARGIN_FRACTION * payload)
+
+
+@dataclass(frozen=True)
+class _Weights:
+    shape: ModelShape
+    source: str
+    format: str | None
+    bits: float | None
+    weight_bytes: int
+    embedding_bytes: int
+    notes: tuple[str, ...] = ()
+
+
+def _from_config(shape: ModelShape, bits: float | None, head_bits: float, fmt: str | None = None) -> _Weights:
+    if bits is None:
+        raise SizingError(f"{shape.name}: no weights to measure (config only): pass bits= (e.g. 4.0)")
+    if not 0 < bits <= 32:
+        raise SizingError(f"bits must be in (0, 32], got {bits}")
+    embed = shape.embed_params * 2
+    total = shape.linear_params * bits / 8 + embed + shape.head_params * head_bits / 8 + shape.other_params * 2
+    return _Weights(
+        shape,
+        "config+bits",
+        fmt,
+        bits,
+        int(total),
+        embed,
+        (f"decoder linears at {bits:g} bits/weight, embeddings and norms at 16, head at {head_bits:g}",),
+    )
+
+
+def _is_decoder_linear(name: str, ndim: int) -> bool:
+    return ndim == 2 and name.endswith(".weight") and bool(re.search(r"\.(layers|h|blocks|block)\.\d+\.", name))
+
+
+def _from_dense_headers(probe: Any, shape: ModelShape, bits: float, head_bits: float) -> _Weights:
+    linear = embed = head = other = 0
+    for t in probe.tensors.values():
+        n = math.prod(t.shape)
+        if _is_decoder_linear(t.name, len(t.shape)):
+            linear += n
+        elif re.search(r"embed_tokens|wte|word_embeddings|tok_embeddings", t.name):
+            embed += n
+        elif re.search(r"lm_head|(^|\.)output\.weight", t.name):
+            head += n
+        else:
+            other += n
+    total = linear * bits / 8 + (embed + other) * 2 + head * head_bits / 8
+    note = (
+        f"parameter counts from the dense checkpoint's headers; decoder linears at {bits:g} bits/weight, "
+        f"embeddings and norms at 16, head at {head_bits:g}"
+    )
+    return _Weights(replace(shape, linear_params=linear), "headers+bits", "dense", bits, int(total), embed * 2, (note,))
+
+
+def _embedding_bytes(probe: Any) -> int:
+    for t in probe.tensors.values():
+        if re.search(r"embed_tokens|wte|word_embeddings|tok_embeddings", t.name):
+            return int(t.nbytes)
+    return 0
+
+
+def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _Weights:
+    from .probe import Probe
+
+    probe = Probe.open(path)
+    if probe.gguf and not probe.safetensors:
+        g = probe.gguf[0]
+        shape = model_shape(_gguf_config(g), name=path.name)
+        size = _gguf_tensor_bytes(g)
+        embd = next((t for t in g.tensors if t.name == "token_embd.weight"), None)
+        embed_bytes = _gguf_tensor_bytes(replace(g, tensors=(embd,))) if embd is not None else 0
+        notes = ("bits ignored: the GGUF file is already quantized",) if bits is not None else ()
+        return _Weights(shape, "headers", "gguf", round(8 * size / shape.parameters, 3), size, embed_bytes, notes)
+    if probe.config is None:
+        raise SizingError(f"{path}: no config.json and no GGUF metadata: cannot tell layers and KV heads")
+    from .probe import thaw
+
+    shape = model_shape(thaw(probe.config), name=path.name)
+    fmt = probe.quant_method
+    if not probe.tensors:
+        return _from_config(shape, bits, head_bits, fmt)
+    if fmt is None and bits is not None:
+        return _from_dense_headers(probe, shape, bits, head_bits)
+    size = probe.total_tensor_bytes
+    notes = (f"bits ignored: the checkpoint is already {fmt}",) if bits is not None and fmt else ()
+    measured = round(8 * size / shape.parameters, 3) if shape.parameters else None
+    return _Weights(shape, "headers", fmt or "dense", measured, size, _embedding_bytes(probe), notes)
+
+
+def _weights(path_or_config: str | Path | Mapping[str, Any], bits: float | None, head_bits: float) -> _Weights:
+    if isinstance(path_or_config, Mapping):
+        return _from_config(
+            model_shape(path_or_config, str(path_or_config.get("_name_or_path", "config"))), bits, head_bits
+        )
+    path = Path(path_or_config).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SizingError(f"{path}: not a readable JSON config ({exc})") from None
+        if not isinstance(cfg, dict):
+            raise SizingError(f"{path}: expected a JSON object")
+        return _from_config(model_shape(cfg, name=path.parent.name or path.name), bits, head_bits)
+    if not path.exists():
+        raise SizingError(f"{path}: no such checkpoint or config file")
+    return _checkpoint_weights(path, bits, head_bits)
+
+
+def estimate(
+    path_or_config: str | Path | Mapping[str, Any],
+    *,
+    bits: float | None = None,
+    context: int = 8192,
+    batch: int = 1,
+    kv_dtype: str = "fp16",
+    head_bits: float = 16.0,
+) -> Estimate:
+    """Memory to run a model: weights + KV cache for ``context`` tokens x ``batch`` + a margin.
+
+    ``path_or_config``: a checkpoint directory or ``.gguf``/``.safetensors`` file (exact bytes from
+    the headers), a ``config.json`` path or dict (needs ``bits``). ``bits`` on a dense checkpoint
+    estimates it quantized. ``kv_dtype``: ``fp16``/``bf16``/``fp32``/``fp8`` or ``q2``..``q8``.
+    ``head_bits``: the LM head's bits for config estimates (16 for GPTQ/AWQ; exllamav3 defaults to 6).
+    """
+    if context < 1 or batch < 1:
+        raise SizingError(f"context and batch must be positive (got {context}, {batch})")
+    w = _weights(path_or_config, bits, head_bits)
+    kv_name, kvb = kv_bits(kv_dtype)
+    per_token = math.ceil(w.shape.kv_values_per_token * kvb / 8)
+    kv = per_token * context * batch
+    return Estimate(
+        model=w.shape.name,
+        source=w.source,
+        format=w.format,
+        bits=w.bits,
+        parameters=w.shape.parameters,
+        weight_bytes=w.weight_bytes,
+        embedding_bytes=w.embedding_bytes,
+        kv_dtype=kv_name,
+        kv_bits=kvb,
+        kv_bytes_per_token=per_token,
+        context=context,
+        batch=batch,
+        kv_bytes=kv,
+        margin_bytes=margin_bytes(w.weight_bytes + kv),
+        layers=w.shape.layers,
+        kv_heads=w.shape.kv_heads,
+        head_dim=w.shape.head_dim,
+        notes=[*w.notes, *w.shape.notes],
+    )
+
+
+# ---------------------------------------------------------------------- hardware
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One accelerator: memory (GiB, as sold), architecture, compute capability, memory bandwidth."""
+
+    name: str
+    vram_gb: float | None
+    arch: str
+    compute_capability: tuple[int, int] | None
+    bandwidth_gbs: float
+    kind: str = "cuda"  # "cuda", "apple" or "cpu"
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def ampere_or_newer(self) -> bool:
+        return self.kind == "cuda" and self.compute_capability is not None and self.compute_capability >= (8, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("aliases")
+        return d
+
+
+GPUS: tuple[GpuSpec, ...] = (
+    GpuSpec("RTX 3090", 24, "Ampere", (8, 6), 936, aliases=("rtx3090", "3090")),
+    GpuSpec("RTX 4090", 24, "Ada Lovelace", (8, 9), 1008, aliases=("rtx4090", "4090")),
+    GpuSpec("RTX 5090", 32, "Blackwell", (12, 0), 1792, aliases=("rtx5090", "5090")),
+    GpuSpec("A100 80GB", 80, "Ampere", (8, 0), 2039, aliases=("a100", "a10080gb", "a10080")),
+    GpuSpec("A100 40GB", 40, "Ampere", (8, 0), 1555, aliases=("a100", "a10040gb", "a10040")),
+    GpuSpec("H100", 80, "Hopper", (9, 0), 3350, aliases=("h100", "h10080gb", "h100sxm")),
+    GpuSpec("H200", 141, "Hopper", (9, 0), 4800, aliases=("h200", "h200141gb")),
+    GpuSpec("L4", 24, "Ada Lovelace", (8, 9), 300, aliases=("l4",)),
+    GpuSpec("T4", 16, "Turing", (7, 5), 320, aliases=("t4",)),
+    GpuSpec("V100 16GB", 16, "Volta", (7, 0), 900, aliases=("v100", "v10016gb", "v10016")),
+    GpuSpec("V100 32GB", 32, "Volta", (7, 0), 900, aliases=("v100", "v10032gb", "v10032")),
+    GpuSpec("RTX 2080 Ti", 11, "Turing", (7, 5), 616, aliases=("rtx2080ti", "2080ti")),
+    GpuSpec("Apple M-series", None, "Apple silicon", None, 200, "apple", ("apple", "applemseries", "mseries", "mac")),
+    GpuSpec("CPU", None, "CPU", None, 60, "cpu", ("cpu", "none", "ram")),
+)
+#: unified-memory bandwidth (GB/s) of Apple chips by tier (base/Pro/Max/Ultra, M1..M4)
+APPLE_BANDWIDTH = {"": 100, "pro": 200, "max": 400, "ultra": 800}
+
+
+def _norm(name: str) -> str:
+    s = name.lower()
+    for word in ("nvidia", "geforce", "tesla", "pcie", "sxm5", "sxm4"):
+        s = s.replace(word, "")
+    return re.sub(r"[^a-z0-9]", "", s)
+
+
+def find_gpu(name: str, vram_gb: float | None = None) -> GpuSpec:
+    """Look ``name`` up in :data:`GPUS` ("RTX 4090", "nvidia a100 40gb", "Apple M3 Max", "cpu").
+
+    Where a name has several memory sizes (A100, V100), ``vram_gb`` picks the closest.
+    """
+    key = _norm(name)
+    apple = re.fullmatch(r"(apple)?m([1-9])(pro|max|ultra)?", key)
+    if apple:
+        base = next(g for g in GPUS if g.kind == "apple")
+        tier = apple.group(3) or ""
+        return replace(
+            base,
+            name=f"Apple M{apple.group(2)}{' ' + tier.title() if tier else ''}",
+            bandwidth_gbs=APPLE_BANDWIDTH[tier],
+        )
+    matches = [g for g in GPUS if key in g.aliases or key == _norm(g.name)]
+    if not matches:
+        known = ", ".join(g.name for g in GPUS)
+        raise SizingError(f"unknown GPU {name!r}; known: {known} (Apple: 'Apple M3 Max' etc.)")
+    if vram_gb is not None and len(matches) > 1:
+        matches.sort(key=lambda g: abs((g.vram_gb or 0) - vram_gb))
+    return matches[0]
+
+
+# ---------------------------------------------------------------------- advice
+
+
+@dataclass
+class Advice:
+    """What to run: format, bits, engine, KV cache type, parallelism; with reasons and commands."""
+
+    gpu: GpuSpec
+    vram_gb: float
+    gpus: int
+    users: int
+    context: int
+    format: str
+    engine: str
+    bits: float | None
+    quant_type: str | None
+    kv_dtype: str
+    tensor_parallel: int
+    fits: bool
+    estimate: Estimate
+    expected_decode_tok_s: float | None
+    device_bytes: int | None = None  # what must sit in GPU / unified memory (None: estimate.total_bytes)
+    reasons: list[str] = field(default_factory=list)
+    commands: list[str] = field(default_factory=list)
+    alternatives: list[str] = field(default_factory=list)
+    offload: dict[str, Any] | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.device_bytes if self.device_bytes is not None else self.estimate.total_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["memory_bytes"] = self.memory_bytes
+        d["gpu"] = self.gpu.to_dict()
+        d["estimate"] = self.estimate.to_dict()
+        return d
+
+    def summary(self) -> str:
+        what = f"{self.format.upper()}" + (f" {self.quant_type}" if self.quant_type else "")
+        what += f" at {self.bits:g} bpw" if self.bits is not None else ""
+        head = f"{'RECOMMEND' if self.fits else 'DOES NOT FIT'}: {what} on {self.engine}, KV cache {self.kv_dtype}" + (
+            f", tensor parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        )
+        lines = [
+            head,
+            f"  hardware: {self.gpus} x {self.gpu.name} ({self.vram_gb:g} GB), {self.users} user(s), context {self.context}",
+        ]
+        lines.append(f"  memory: {_gb(self.memory_bytes).strip()} on the device(s), estimated")
+        if self.expected_decode_tok_s:
+            rate = self.expected_decode_tok_s
+            lines.append(f"  decode: about {rate:.{0 if rate >= 10 else 1}f} tokens/s per user at best (memory-bound)")
+        lines += ["why:"] + [f"  - {r}" for r in self.reasons]
+        lines += ["commands:"] + [f"  $ {c}" for c in self.commands]
+        if self.alternatives:
+            lines += ["alternatives:"] + [f"  - {a}" for a in self.alternatives]
+        return "\n".join(lines)
+
+
+#: EXL3 bits per weight to try, best first
+EXL3_BPW = (8.0, 6.0, 5.0, 4.5, 4.0, 3.5, 3.0, 2.5, 2.25, 2.0)
+EXL3_HEAD_BITS = 6.0
+#: KL divergence to bf16 of EXL3 on Llama-3.1-8B-Instruct (exllamav3 doc/exl3.md plot labels)
+EXL3_KLD = {2.0: 0.312, 2.25: 0.215, 2.5: 0.151, 3.0: 0.053, 3.5: 0.030, 4.0: 0.013, 5.0: 0.003, 6.0: 0.001, 8.0: 0.0}
+#: GGUF quant types, best first, with approximate average bits per weight of llama.cpp's mixes
+GGUF_TYPES = (
+    ("Q8_0", 8.5),
+    ("Q6_K", 6.56),
+    ("Q5_K_M", 5.69),
+    ("Q4_K_M", 4.89),
+    ("IQ4_XS", 4.25),
+    ("Q3_K_M", 3.91),
+    ("IQ3_XXS", 3.06),
+    ("IQ2_M", 2.7),
+    ("IQ2_XS", 2.31),
+)
+#: GPTQ/AWQ 4-bit, group 128: 4 bits + a 16-bit scale and a 4-bit zero per 128 weights
+W4_G128_BPW = 4.16
+#: concurrent users from which vLLM (continuous batching, paged KV) is the better server
+MANY_USERS = 4
+VLLM_GPU_UTIL = 0.90
+APPLE_USABLE = 0.75  # macOS lets the GPU wire about 2/3-3/4 of unified memory by default
+CPU_RESERVED_BYTES = 2 * GiB
+RAM_BANDWIDTH_GBS = 60.0  # dual-channel DDR5, for offload estimates
+CALIBRATION_MIX = "c4:0.5,code:0.25,wiki:0.25"
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """Everything the branches of the decision tree need."""
+
+    gpu: GpuSpec
+    vram_bytes: int  # per device
+    vram_gb: float
+    gpus: int
+    users: int
+    context: int
+    shape: ModelShape
+    model: str | Path | Mapping[str, Any]
+    model_label: str
+    checkpoint_format: str | None
+    ram_bytes: int | None
+
+
+def _est(ctx: _Ctx, bits: float, kv: str, head_bits: float, batch: int) -> Estimate:
+    """A config-based estimate for this model at ``bits`` (the checkpoint's own bytes are not what we'd run)."""
+    cfg_estimate = _from_config(ctx.shape, bits, head_bits)
+    kv_name, kvb = kv_bits(kv)
+    per_token = math.ceil(ctx.shape.kv_values_per_token * kvb / 8)
+    kv_bytes = per_token * ctx.context * batch
+    return Estimate(
+        model=ctx.model_label,
+        source="config+bits",
+        format=None,
+        bits=bits,
+        parameters=ctx.shape.parameters,
+        weight_bytes=cfg_estimate.weight_bytes,
+        embedding_bytes=cfg_estimate.embedding_bytes,
+        kv_dtype=kv_name,
+        kv_bits=kvb,
+        kv_bytes_per_token=per_token,
+        context=ctx.context,
+        batch=batch,
+        kv_bytes=kv_bytes,
+        margin_bytes=margin_bytes(cfg_estimate.weight_bytes + kv_bytes, ctx.gpus),
+        layers=ctx.shape.layers,
+        kv_heads=ctx.shape.kv_heads,
+        head_dim=ctx.shape.head_dim,
+        notes=list(cfg_estimate.notes),
+    )
+
+
+def _gguf_est(ctx: _Ctx, bpw: float, kv: str, devices: int = 1) -> Estimate:
+    """GGUF quantizes every tensor (embeddings included): weights = parameters x bpw / 8."""
+    e = _est(ctx, bpw, kv, bpw, 1)
+    e.weight_bytes = int(ctx.shape.parameters * bpw / 8)
+    e.embedding_bytes = int(ctx.shape.embed_params * bpw / 8)
+    e.margin_bytes = margin_bytes(e.weight_bytes + e.kv_bytes, devices)
+    e.notes = [f"all {ctx.shape.parameters / 1e9:.2f}B parameters at ~{bpw:g} bits/weight (llama.cpp mix)"]
+    return e
+
+
+def _resident(e: Estimate, exclude_embeddings: bool) -> int:
+    return e.total_bytes - (e.embedding_bytes if exclude_embeddings else 0)
+
+
+def _tok_s(weight_bytes: float, bandwidth_gbs: float, devices: int = 1) -> float:
+    return bandwidth_gbs * GB * devices / max(weight_bytes, 1)
+
+
+def _model_args(ctx: _Ctx) -> str:
+    """The model directory to put in commands (a config.json's folder; MODEL_DIR for a dict)."""
+    if isinstance(ctx.model, Mapping):
+        return "MODEL_DIR"
+    path = Path(ctx.model)
+    return str(path.parent) if path.suffix == ".json" else str(path)
+
+
+def _kld_note(bpw: float) -> str:
+    if bpw >= 4.0:
+        return ""
+    k = EXL3_KLD.get(bpw)
+    return (
+        f"; quality cost below 4.0 bpw: KL divergence to bf16 {k:.3f} at {bpw:g} bpw vs 0.013 at 4.0 "
+        "(exllamav3's Llama-3.1-8B measurements)"
+        if k is not None
+        else ""
+    )
+
+
+def _advise_exl3(ctx: _Ctx) -> Advice | None:
+    """Ampere or newer, few users: EXL3 at the largest bpw that fits (fp16 KV first, then q8, q4)."""
+    usable = ctx.vram_bytes * ctx.gpus
+    best: tuple[float, str, Estimate] | None = None
+    for kv in ("fp16", "q8", "q4"):
+        for bpw in EXL3_BPW:
+            e = _est(ctx, bpw, kv, EXL3_HEAD_BITS, ctx.users)
+            if _resident(e, True) <= usable:
+                if best is None or bpw > best[0]:
+                    best = (bpw, kv, e)
+                break
+    if best is None:
+        return None
+    bpw, kv, e = best
+    out = f"{_model_args(ctx)}-exl3-{bpw:g}bpw"
+    reasons = [
+        f"{ctx.gpu.name} is {ctx.gpu.arch} (sm_{''.join(map(str, ctx.gpu.compute_capability or ()))}): exllamav3's EXL3 "
+        "kernels run (they need Ampere, sm_80, or newer)",
+        f"{ctx.users} user(s): a single-user engine is right; EXL3 has the best quality per bit "
+        "(Llama-3.1-70B perplexity 3.85 at 4.0 bpw vs AWQ 4-bit 4.19)",
+        f"{bpw:g} bpw is the largest that fits: {_gb(_resident(e, True)).strip()} of "
+        f"{ctx.gpus} x {ctx.vram_gb:g} GB (weights {_gb(e.weight_bytes - e.embedding_bytes).strip()} with a 6-bit head; "
+        f"embeddings stay in system RAM; KV {_gb(e.kv_bytes).strip()} for {ctx.context} tokens x {ctx.users})"
+        + _kld_note(bpw),
+    ]
+    if kv != "fp16":
+        reasons.append(
+            f"a {kv} KV cache (exllamav3 CacheLayer_quant) buys the higher bpw; fp16 cache would force lower"
+        )
+    commands = [
+        _quantize_command(_model_args(ctx), out, "exl3", bpw) + "   # needs an Ampere+ GPU",
+        f"python convert.py -i {_model_args(ctx)} -o {out} -w /tmp/exl3-work -b {bpw:g} -hb 6   # or exllamav3's own",
+    ]
+    if kv != "fp16":
+        bits = kv[1:]
+        commands.append(
+            f"# cache: Cache(model, max_num_tokens={_pages(ctx.context * ctx.users)}, layer_type=CacheLayer_quant, k_bits={bits}, v_bits={bits})"
+        )
+    if ctx.gpus > 1:
+        reasons.append(f"{ctx.gpus} GPUs: exllamav3 tensor parallel splits weights and cache across them")
+        commands.append("# load: model.load(tensor_p=True)   # exllamav3 tensor parallel")
+    commands.append(f'anyquant generate {out} --prompt "Hello"')
+    alternatives = []
+    if bpw < 3.0:
+        off = _offload_plan(ctx)
+        if off is not None:
+            alternatives.append(
+                f"GGUF {off.quant_type} with CPU offload keeps quality but decodes at ~{off.expected_decode_tok_s:.1f} tok/s"
+            )
+    if ctx.users > 1:
+        alternatives.append(f"from {MANY_USERS} concurrent users on, serve AWQ/GPTQ with vLLM instead")
+    return Advice(
+        gpu=ctx.gpu,
+        vram_gb=ctx.vram_gb,
+        gpus=ctx.gpus,
+        users=ctx.users,
+        context=ctx.context,
+        format="exl3",
+        engine="exllamav3",
+        bits=bpw,
+        quant_type=None,
+        kv_dtype=kv,
+        tensor_parallel=ctx.gpus,
+        fits=True,
+        estimate=e,
+        expected_decode_tok_s=_tok_s(e.weight_bytes - e.embedding_bytes, ctx.gpu.bandwidth_gbs, ctx.gpus),
+        device_bytes=_resident(e, True),
+        reasons=reasons,
+        commands=commands,
+        alternatives=alternatives,
+    )
+
+
+def _quantize_command(src: str, dst: str, method: str, bits: float) -> str:
+    group = " --group-size 128" if method in ("gptq", "awq") else ""
+    return f'anyquant quantize {src} {dst} --method {method} --bits {bits:g}{group} --calibration "{CALIBRATION_MIX}"'
+
+
+def _pages(tokens: int) -> int:
+    return int(math.ceil(tokens / 256) * 256)
+
+
+def _vllm_quantization(ctx: _Ctx, method: str) -> str:
+    marlin = ctx.gpu.ampere_or_newer
+    return f"{method}_marlin" if marlin else method
+
+
+def _advise_vllm(ctx: _Ctx) -> Advice:
+    """Many concurrent users: 4-bit AWQ/GPTQ served by vLLM, tensor parallel as needed."""
+    cc = ctx.gpu.compute_capability or (0, 0)
+    existing = ctx.checkpoint_format if ctx.checkpoint_format in ("gptq", "awq") else None
+    method = existing or ("awq" if ctx.gpu.ampere_or_newer else "gptq")
+    if method == "awq" and cc < (7, 5):
+        method = "gptq"
+    per_seq_fp16 = _est(ctx, W4_G128_BPW, "fp16", 16, 1).kv_bytes
+    choice: tuple[int, str, int, Estimate] | None = None
+    for tp in (t for t in (1, 2, 4, 8) if t <= ctx.gpus and ctx.shape.heads % t == 0):
+        for kv in ("fp16", "fp8"):
+            e = _est(ctx, W4_G128_BPW, kv, 16, 1)
+            space = tp * ctx.vram_bytes * VLLM_GPU_UTIL - e.weight_bytes * (1 + MARGIN_FRACTION) - tp * OVERHEAD_BYTES
+            seqs = int(space // e.kv_bytes) if e.kv_bytes else 0
+            if seqs >= 1 and (choice is None or (choice[2] < ctx.users and seqs > choice[2])):
+                choice = (tp, kv, seqs, e)
+            if seqs >= ctx.users:
+                break
+        if choice is not None and choice[2] >= ctx.users:
+            break
+    q = _vllm_quantization(ctx, method)
+    if choice is None:
+        e = _est(ctx, W4_G128_BPW, "fp16", 16, 1)
+        return Advice(
+            gpu=ctx.gpu,
+            vram_gb=ctx.vram_gb,
+            gpus=ctx.gpus,
+            users=ctx.users,
+            context=ctx.context,
+            format=method,
+            engine="vllm",
+            bits=W4_G128_BPW,
+            quant_type="4-bit g128",
+            kv_dtype="fp16",
+            tensor_parallel=ctx.gpus,
+            fits=False,
+            estimate=e,
+            expected_decode_tok_s=None,
+            reasons=[
+                f"4-bit weights ({_gb(e.weight_bytes).strip()}) plus one {ctx.context}-token sequence do not fit in "
+                f"{ctx.gpus} x {ctx.vram_gb:g} GB at {VLLM_GPU_UTIL:.0%} utilisation"
+            ],
+            alternatives=["more GPUs (tensor parallel)", "a shorter --max-model-len", "a smaller model"],
+        )
+    tp, kv, seqs, e = choice
+    reasons = [
+        f"{ctx.users} concurrent users: vLLM's continuous batching and paged KV cache serve them; "
+        "single-user engines (exllamav3, llama.cpp) would queue them",
+        f"vLLM loads {method.upper()} 4-bit (symmetric, group 128) directly"
+        + (" — the checkpoint already is" if existing else "")
+        + f"; --quantization {q}"
+        + (
+            " (Marlin kernels, Ampere+)"
+            if q.endswith("_marlin")
+            else f" (Marlin needs sm_80+; {ctx.gpu.name} is sm_{cc[0]}{cc[1]})"
+        ),
+        f"weights {_gb(e.weight_bytes).strip()}; each {ctx.context}-token sequence needs {_gb(e.kv_bytes).strip()} of "
+        f"{kv} KV: room for {seqs} full-length sequences at once with tensor parallel {tp}",
+    ]
+    if seqs < ctx.users:
+        reasons.append(
+            f"fewer than {ctx.users} full-length sequences fit: vLLM queues the rest (shorter chats fit more)"
+        )
+    if kv == "fp8":
+        reasons.append(
+            f"an fp8 KV cache halves its size ({per_seq_fp16 / GB:.2f} -> {e.kv_bytes / GB:.2f} GB a sequence)"
+        )
+    if not ctx.gpu.ampere_or_newer:
+        reasons.append(f"{ctx.gpu.arch} has no bf16: run in float16")
+    commands = []
+    served = _model_args(ctx)
+    if not existing:
+        served = f"{_model_args(ctx)}-{method}-4bit"
+        commands.append(_quantize_command(_model_args(ctx), served, method, 4))
+    cmd = (
+        f"vllm serve {served} --quantization {q} --dtype float16 --max-model-len {ctx.context} "
+        f"--max-num-seqs {ctx.users} --gpu-memory-utilization {VLLM_GPU_UTIL:.2f}"
+    )
+    if tp > 1:
+        cmd += f" --tensor-parallel-size {tp}"
+    if kv == "fp8":
+        cmd += " --kv-cache-dtype fp8"
+    commands.append(cmd)
+    return Advice(
+        gpu=ctx.gpu,
+        vram_gb=ctx.vram_gb,
+        gpus=ctx.gpus,
+        users=ctx.users,
+        context=ctx.context,
+        format=method,
+        engine="vllm",
+        bits=W4_G128_BPW,
+        quant_type="4-bit g128 sym",
+        kv_dtype=kv,
+        tensor_parallel=tp,
+        fits=True,
+        estimate=e,
+        expected_decode_tok_s=_tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs, tp),
+        reasons=reasons,
+        commands=commands,
+        alternatives=[f"{'GPTQ' if method == 'awq' else 'AWQ'} 4-bit works the same way"],
+    )
+
+
+def _largest_gguf(ctx: _Ctx, usable: int, kv: str = "fp16") -> tuple[str, float, Estimate] | None:
+    for name, bpw in GGUF_TYPES:
+        e = _gguf_est(ctx, bpw, kv)
+        if e.total_bytes <= usable:
+            return name, bpw, e
+    return None
+
+
+def _gguf_commands(ctx: _Ctx, qtype: str, ngl: int | None) -> list[str]:
+    m = _model_args(ctx)
+    offload = f" -ngl {ngl}" if ngl is not None else ""
+    return [
+        f"python convert_hf_to_gguf.py {m} --outtype f16 --outfile model-f16.gguf   # llama.cpp",
+        f"llama-quantize model-f16.gguf model-{qtype}.gguf {qtype}",
+        f"llama-server -m model-{qtype}.gguf -c {ctx.context}{offload}",
+        f'anyquant generate model-{qtype}.gguf --prompt "Hello"',
+    ]
+
+
+def _advise_local(ctx: _Ctx) -> Advice:
+    """Apple silicon or CPU: GGUF (llama.cpp: Metal or CPU), the largest type that fits."""
+    if ctx.gpu.kind == "apple":
+        usable = int(ctx.vram_bytes * APPLE_USABLE)
+        where = f"{APPLE_USABLE:.0%} of {ctx.vram_gb:g} GB unified memory (macOS's default GPU limit)"
+    else:
+        usable = ctx.vram_bytes - CPU_RESERVED_BYTES
+        where = f"{ctx.vram_gb:g} GB RAM less {CPU_RESERVED_BYTES / GiB:g} GiB for the system"
+    engine = "llama.cpp (Metal)" if ctx.gpu.kind == "apple" else "llama.cpp (CPU)"
+    if ctx.checkpoint_format == "gguf" and not isinstance(ctx.model, Mapping):
+        as_is = _gguf_as_is(ctx, usable, where, engine)
+        if as_is is not None:
+            return as_is
+    found = _largest_gguf(ctx, usable)
+    if found is None:
+        name, bpw = GGUF_TYPES[-1]
+        e = _gguf_est(ctx, bpw, "fp16")
+        return Advice(
+            gpu=ctx.gpu,
+            vram_gb=ctx.vram_gb,
+            gpus=1,
+            users=ctx.users,
+            context=ctx.context,
+            format="gguf",
+            engine=engine,
+            bits=bpw,
+            quant_type=name,
+            kv_dtype="fp16",
+            tensor_parallel=1,
+            fits=False,
+            estimate=e,
+            expected_decode_tok_s=None,
+            reasons=[f"even GGUF {name} needs {_gb(e.total_bytes).strip()}, more than {where}"],
+            alternatives=["a smaller model", "a machine with more memory", "a shorter context"],
+        )
+    name, bpw, e = found
+    reasons = [
+        f"{ctx.gpu.name}: no CUDA, so no EXL3/GPTQ/AWQ kernels; GGUF runs on llama.cpp "
+        + ("with Metal" if ctx.gpu.kind == "apple" else "on the CPU"),
+        f"{name} (~{bpw:g} bits/weight) is the largest type that fits: {_gb(e.total_bytes).strip()} of {where}",
+        f"decode is memory-bound: about {_tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs):.1f} tokens/s at "
+        f"~{ctx.gpu.bandwidth_gbs:g} GB/s",
+    ]
+    return Advice(
+        gpu=ctx.gpu,
+        vram_gb=ctx.vram_gb,
+        gpus=1,
+        users=ctx.users,
+        context=ctx.context,
+        format="gguf",
+        engine=engine,
+        bits=bpw,
+        quant_type=name,
+        kv_dtype="fp16",
+        tensor_parallel=1,
+        fits=True,
+        estimate=e,
+        expected_decode_tok_s=_tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs),
+        reasons=reasons,
+        commands=_gguf_commands(ctx, name, 99 if ctx.gpu.kind == "apple" else None),
+    )
+
+
+def _gguf_as_is(ctx: _Ctx, usable: int, where: str, engine: str) -> Advice | None:
+    """The checkpoint is a GGUF file already: run it as it is when it fits."""
+    assert not isinstance(ctx.model, Mapping)
+    e = estimate(ctx.model, context=ctx.context, batch=ctx.users)
+    if e.total_bytes > usable:
+        return None
+    reasons = [
+        f"{ctx.gpu.name}: no CUDA, so no EXL3/GPTQ/AWQ kernels; GGUF runs on llama.cpp "
+        + ("with Metal" if ctx.gpu.kind == "apple" else "on the CPU"),
+        f"the checkpoint is GGUF already ({e.bits:g} bits/weight) and fits: {_gb(e.total_bytes).strip()} of {where}",
+    ]
+    return Advice(
+        gpu=ctx.gpu,
+        vram_gb=ctx.vram_gb,
+        gpus=1,
+        users=ctx.users,
+        context=ctx.context,
+        format="gguf",
+        engine=engine,
+        bits=e.bits,
+        quant_type=None,
+        kv_dtype="fp16",
+        tensor_parallel=1,
+        fits=True,
+        estimate=e,
+        expected_decode_tok_s=_tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs),
+        reasons=reasons,
+        commands=[f"llama-server -m {ctx.model} -c {ctx.context}", f'anyquant generate {ctx.model} --prompt "Hello"'],
+    )
+
+
+def _offload_plan(ctx: _Ctx, qtype: str = "Q4_K_M") -> Advice | None:
+    """GGUF with some layers on the CPU: what fits on the GPU, and what it costs in speed."""
+    bpw = dict(GGUF_TYPES)[qtype]
+    e = _gguf_est(ctx, bpw, "fp16", ctx.gpus)
+    layer_bytes = ctx.shape.linear_params * bpw / 8 / ctx.shape.layers
+    head_bytes = (ctx.shape.head_params or ctx.shape.embed_params) * bpw / 8
+    room = (ctx.vram_bytes * ctx.gpus - ctx.gpus * OVERHEAD_BYTES) / (1 + MARGIN_FRACTION) - e.kv_bytes - head_bytes
+    gpu_layers = max(0, min(ctx.shape.layers, int(room // layer_bytes)))
+    cpu_bytes = (ctx.shape.layers - gpu_layers) * layer_bytes
+    gpu_bytes = gpu_layers * layer_bytes + head_bytes
+    ram_needed = cpu_bytes + e.embedding_bytes + CPU_RESERVED_BYTES
+    if ctx.ram_bytes is not None and ram_needed > ctx.ram_bytes:
+        return None
+    tok_s = 1 / (gpu_bytes / (ctx.gpu.bandwidth_gbs * GB * ctx.gpus) + cpu_bytes / (RAM_BANDWIDTH_GBS * GB))
+    full = _tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs, ctx.gpus)
+    reasons = [
+        f"{gpu_layers} of {ctx.shape.layers} layers fit on the GPU; {ctx.shape.layers - gpu_layers} layers "
+        f"({_gb(cpu_bytes).strip()}) run from system RAM (needs {_gb(ram_needed).strip()} of RAM)",
+        f"expected cost: decode about {tok_s:.1f} tokens/s (memory-bound: {ctx.gpu.bandwidth_gbs:g} GB/s GPU, "
+        f"~{RAM_BANDWIDTH_GBS:g} GB/s RAM assumed) instead of ~{full:.0f} tokens/s if it all fit in VRAM",
+    ]
+    return Advice(
+        gpu=ctx.gpu,
+        vram_gb=ctx.vram_gb,
+        gpus=ctx.gpus,
+        users=ctx.users,
+        context=ctx.context,
+        format="gguf",
+        engine="llama.cpp (CUDA + CPU offload)",
+        bits=bpw,
+        quant_type=qtype,
+        kv_dtype="fp16",
+        tensor_parallel=1,
+        fits=True,
+        estimate=e,
+        expected_decode_tok_s=tok_s,
+        reasons=reasons,
+        device_bytes=int(gpu_bytes + e.kv_bytes + margin_bytes(e.kv_bytes + int(gpu_bytes), ctx.gpus)),
+        commands=_gguf_commands(ctx, qtype, gpu_layers),
+        offload={
+            "gpu_layers": gpu_layers,
+            "cpu_layers": ctx.shape.layers - gpu_layers,
+            "cpu_bytes": int(cpu_bytes),
+            "ram_needed_bytes": int(ram_needed),
+            "ram_bandwidth_gbs": RAM_BANDWIDTH_GBS,
+        },
+    )
+
+
+def _too_big(ctx: _Ctx, why: str) -> Advice:
+    off = _offload_plan(ctx)
+    if off is None:
+        e = _gguf_est(ctx, dict(GGUF_TYPES)["Q4_K_M"], "fp16")
+        return Advice(
+            gpu=ctx.gpu,
+            vram_gb=ctx.vram_gb,
+            gpus=ctx.gpus,
+            users=ctx.users,
+            context=ctx.context,
+            format="gguf",
+            engine="llama.cpp",
+            bits=None,
+            quant_type="Q4_K_M",
+            kv_dtype="fp16",
+            tensor_parallel=1,
+            fits=False,
+            estimate=e,
+            expected_decode_tok_s=None,
+            reasons=[why, "and the part that would be offloaded does not fit in the given RAM either"],
+            alternatives=["more GPUs", "more RAM", "a smaller model"],
+        )
+    off.reasons.insert(0, why)
+    off.alternatives.append("a second GPU: more layers (or all) on GPU; with Ampere+, EXL3 tensor parallel")
+    return off
+
+
+def _advise_pre_ampere(ctx: _Ctx) -> Advice:
+    """Turing/Volta: no EXL3 kernels; GPTQ 4-bit if it fits, else GGUF (fully on GPU, or offloaded)."""
+    cc = ctx.gpu.compute_capability or (0, 0)
+    why_not_exl3 = (
+        f"{ctx.gpu.name} is {ctx.gpu.arch} (sm_{cc[0]}{cc[1]}): exllamav3's EXL3 kernels need Ampere (sm_80)+ "
+        "(exllamav3#44), so GPTQ or GGUF"
+    )
+    e = _est(ctx, W4_G128_BPW, "fp16", 16, ctx.users)
+    usable = ctx.vram_bytes * ctx.gpus
+    gguf = _largest_gguf(ctx, usable)
+    if e.total_bytes <= usable:
+        m = _model_args(ctx)
+        commands = [
+            _quantize_command(m, f"{m}-gptq-4bit", "gptq", 4),
+            f'anyquant generate {m}-gptq-4bit --prompt "Hello"',
+        ]
+        alternatives = (
+            [f"GGUF {gguf[0]} on llama.cpp (CUDA) also fits ({_gb(gguf[2].total_bytes).strip()})"] if gguf else []
+        )
+        return Advice(
+            gpu=ctx.gpu,
+            vram_gb=ctx.vram_gb,
+            gpus=ctx.gpus,
+            users=ctx.users,
+            context=ctx.context,
+            format="gptq",
+            engine="gptqmodel / vLLM (--quantization gptq)",
+            bits=W4_G128_BPW,
+            quant_type="4-bit g128 sym",
+            kv_dtype="fp16",
+            tensor_parallel=ctx.gpus,
+            fits=True,
+            estimate=e,
+            expected_decode_tok_s=_tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs, ctx.gpus),
+            reasons=[
+                why_not_exl3,
+                f"GPTQ 4-bit g128 fits: {_gb(e.total_bytes).strip()} of {ctx.gpus} x {ctx.vram_gb:g} GB; "
+                "symmetric 4-bit g128 without act-order is the most portable GPTQ (vLLM, transformers, gptqmodel)",
+                f"{ctx.gpu.arch} has no bf16: run in float16",
+            ],
+            commands=commands,
+            alternatives=alternatives,
+        )
+    if gguf is not None:
+        name, bpw, ge = gguf
+        return Advice(
+            gpu=ctx.gpu,
+            vram_gb=ctx.vram_gb,
+            gpus=ctx.gpus,
+            users=ctx.users,
+            context=ctx.context,
+            format="gguf",
+            engine="llama.cpp (CUDA)",
+            bits=bpw,
+            quant_type=name,
+            kv_dtype="fp16",
+            tensor_parallel=1,
+            fits=True,
+            estimate=ge,
+            expected_decode_tok_s=_tok_s(ge.weight_bytes, ctx.gpu.bandwidth_gbs, ctx.gpus),
+            reasons=[
+                why_not_exl3,
+                f"GPTQ 4-bit needs {_gb(e.total_bytes).strip()}: too big; GGUF {name} "
+                f"(~{bpw:g} bits/weight) fits fully on the GPU ({_gb(ge.total_bytes).strip()})",
+            ],
+            commands=_gguf_commands(ctx, name, 99),
+        )
+    return _too_big(ctx, why_not_exl3 + f"; even GGUF {GGUF_TYPES[-1][0]} does not fit in VRAM")
+
+
+def _resolve_model(model: str | Path | Mapping[str, Any]) -> tuple[ModelShape, str, str | None]:
+    w = _weights(model, 4.0, 16.0) if not isinstance(model, Mapping) else None
+    if w is not None:
+        fmt = w.format if w.source == "headers" else None
+        return w.shape, w.shape.name, fmt
+    assert isinstance(model, Mapping)
+    shape = model_shape(model, str(model.get("_name_or_path", "model")))
+    return shape, shape.name, None
+
+
+def advise(
+    gpu: str,
+    vram_gb: float | None = None,
+    users: int = 1,
+    model: str | Path | Mapping[str, Any] | None = None,
+    gpus: int = 1,
+    *,
+    context: int = 8192,
+    ram_gb: float | None = None,
+) -> Advice:
+    """The seeds' decision tree:
+
+    1. Apple silicon or CPU -> GGUF (llama.cpp), the largest type that fits.
+    2. Many concurrent users (>= 4) -> AWQ/GPTQ 4-bit served by vLLM, with the right
+       ``--quantization`` and tensor parallel size.
+    3. Pre-Ampere CUDA (Turing, Volta) -> GPTQ 4-bit if it fits, else GGUF.
+    4. Ampere or newer, few users -> EXL3 at the largest bpw that fits (quantized KV if it helps).
+    5. Too big for VRAM -> a lower bpw (with its quality cost), or GGUF with CPU offload (with its
+       speed cost).
+
+    ``vram_gb`` is per GPU (default: the table's); for Apple/CPU it is unified memory / RAM.
+    """
+    if model is None:
+        raise SizingError("advise needs a model: a checkpoint path, a config.json path or a config dict")
+    if users < 1 or gpus < 1 or context < 1:
+        raise SizingError(f"users, gpus and context must be positive (got {users}, {gpus}, {context})")
+    spec = find_gpu(gpu, vram_gb)
+    vram = vram_gb if vram_gb is not None else spec.vram_gb
+    if vram is None:
+        raise SizingError(f"{spec.name}: pass --vram (the {'unified memory' if spec.kind == 'apple' else 'RAM'} in GB)")
+    shape, label, fmt = _resolve_model(model)
+    ctx = _Ctx(
+        gpu=spec,
+        vram_bytes=int(vram * GiB),
+        vram_gb=vram,
+        gpus=gpus if spec.kind == "cuda" else 1,
+        users=users,
+        context=context,
+        shape=shape,
+        model=model,
+        model_label=label,
+        checkpoint_format=fmt,
+        ram_bytes=int(ram_gb * GiB) if ram_gb is not None else None,
+    )
+    if spec.kind in ("apple", "cpu"):
+        return _advise_local(ctx)
+    if users >= MANY_USERS:
+        return _advise_vllm(ctx)
+    if not spec.ampere_or_newer:
+        return _advise_pre_ampere(ctx)
+    found = _advise_exl3(ctx)
+    if found is not None:
+        return found
+    return _too_big(ctx, f"even EXL3 at {EXL3_BPW[-1]:g} bpw with a q4 cache does not fit in {gpus} x {vram:g} GB")
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    e = estimate(
+        args.model,
+        bits=args.bits,
+        context=args.context,
+        batch=args.batch,
+        kv_dtype=args.kv_dtype,
+        head_bits=args.head_bits,
+    )
+    print(json.dumps(e.to_dict()) if args.json else e.summary())
+    return 0
+
+
+def _cmd_advise(args: argparse.Namespace) -> int:
+    a = advise(args.gpu, args.vram, args.users, args.model, args.gpus, context=args.context, ram_gb=args.ram)
+    print(json.dumps(a.to_dict()) if args.json else a.summary())
+    return 0
+
+
+def register_cli(subparsers: Any) -> None:
+    """Add ``anyquant estimate`` and ``anyquant advise``."""
+    p = subparsers.add_parser("estimate", help="memory for weights + KV cache at a context length")
+    p.add_argument("model", metavar="PATH_OR_CONFIG", help="checkpoint dir/.gguf (exact) or config.json (needs --bits)")
+    p.add_argument("--bits", type=float, default=None, help="bits per weight of the decoder linears")
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--kv-dtype", default="fp16", help=f"one of {', '.join(KV_BITS)}")
+    p.add_argument("--head-bits", type=float, default=16.0, help="LM head bits for config estimates (EXL3: 6)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_estimate)
+
+    p = subparsers.add_parser("advise", help="format, bits and engine for a GPU, memory and number of users")
+    p.add_argument("--gpu", required=True, help='e.g. "RTX 4090", "A100 80GB", "T4", "Apple M3 Max", "CPU"')
+    p.add_argument("--vram", type=float, default=None, help="GB per GPU (unified memory / RAM for Apple / CPU)")
+    p.add_argument("--users", type=int, default=1, help="concurrent users")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--ram", type=float, default=None, help="system RAM in GB (for offload plans)")
+    p.add_argument("--model", required=True, metavar="PATH_OR_CONFIG")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_advise)

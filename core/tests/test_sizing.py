@@ -1,0 +1,270 @@
+"""estimate / advise: hand-computed bytes, the seeds' sizing table, and the decision tree."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from anyquant import sizing
+from anyquant.sizing import GB, GiB, SizingError, advise, estimate, find_gpu
+
+LLAMA_8B: dict[str, Any] = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "intermediate_size": 14336,
+    "tie_word_embeddings": False,
+}
+LLAMA_70B: dict[str, Any] = {
+    **LLAMA_8B,
+    "num_hidden_layers": 80,
+    "hidden_size": 8192,
+    "num_attention_heads": 64,
+    "intermediate_size": 28672,
+}
+
+
+def _hand_weights(cfg: dict[str, Any], bits: float) -> tuple[int, int]:
+    """(parameters, bytes) of a Llama config: decoder linears at ``bits``, the rest at 16 bits."""
+    h, inter, layers, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    q = h * cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = h * cfg["num_key_value_heads"] * cfg["head_dim"]
+    linear = layers * (2 * q + 2 * kv + 3 * h * inter)
+    rest = 2 * vocab * h + layers * 2 * h + h
+    return linear + rest, int(linear * bits / 8 + rest * 2)
+
+
+# ---------------------------------------------------------------------- estimate
+
+
+@pytest.mark.parametrize("cfg,params", [(LLAMA_8B, 8_030_261_248), (LLAMA_70B, 70_553_706_496)])
+def test_parameter_counts_match_llama_31(cfg: dict[str, Any], params: int) -> None:
+    assert estimate(cfg, bits=4.0).parameters == params == _hand_weights(cfg, 4.0)[0]
+
+
+@pytest.mark.parametrize("cfg", [LLAMA_8B, LLAMA_70B])
+def test_weight_bytes_from_config_are_hand_computed(cfg: dict[str, Any]) -> None:
+    assert estimate(cfg, bits=4.0).weight_bytes == _hand_weights(cfg, 4.0)[1]
+    assert estimate(cfg, bits=3.0).weight_bytes == _hand_weights(cfg, 3.0)[1]
+
+
+@pytest.mark.parametrize(
+    "cfg,context,per_token",
+    [
+        (LLAMA_8B, 8192, 2 * 32 * 8 * 128 * 2),
+        (LLAMA_8B, 32768, 2 * 32 * 8 * 128 * 2),
+        (LLAMA_70B, 8192, 2 * 80 * 8 * 128 * 2),
+        (LLAMA_70B, 32768, 2 * 80 * 8 * 128 * 2),
+    ],
+)
+def test_kv_bytes_hand_computed(cfg: dict[str, Any], context: int, per_token: int) -> None:
+    e = estimate(cfg, bits=4.0, context=context)
+    assert e.kv_bytes_per_token == per_token
+    assert e.kv_bytes == per_token * context
+    assert estimate(cfg, bits=4.0, context=context, batch=3).kv_bytes == 3 * per_token * context
+    assert e.total_bytes == e.weight_bytes + e.kv_bytes + e.margin_bytes
+
+
+def test_kv_cache_options() -> None:
+    values = 2 * 32 * 8 * 128  # K and V values per token, Llama-3.1-8B
+    for kv, bits in [("fp16", 16), ("bf16", 16), ("fp32", 32), ("fp8", 8), ("q8", 8.5), ("q4", 4.5), ("q8_0", 8.5)]:
+        assert estimate(LLAMA_8B, bits=4.0, kv_dtype=kv).kv_bytes_per_token == math.ceil(values * bits / 8), kv
+    with pytest.raises(SizingError, match="kv_dtype"):
+        estimate(LLAMA_8B, bits=4.0, kv_dtype="int3")
+
+
+def test_seed_sizing_table() -> None:
+    """Seed table: 8B at 4.0 bpw ~5.5 GB, 70B at 4.0 ~42 GB (weights, within 10%); KV +2-4 GB at 8-32k."""
+    w8 = estimate(LLAMA_8B, bits=4.0).weight_bytes / GB
+    w70 = estimate(LLAMA_70B, bits=4.0).weight_bytes / GB
+    assert abs(w8 - 5.5) / 5.5 < 0.10, w8  # 5.59 GB
+    assert abs(w70 - 42) / 42 < 0.10, w70  # 38.43 GB (embeddings and head at 16 bits)
+    assert 2.0 <= estimate(LLAMA_70B, bits=4.0, context=8192).kv_bytes / GB <= 4.5  # 2.68 GB
+    assert 2.0 <= estimate(LLAMA_8B, bits=4.0, context=32768).kv_bytes / GB <= 4.5  # 4.29 GB (4 GiB)
+    assert estimate(LLAMA_8B, bits=4.0, context=8192).kv_bytes == GiB  # 1 GiB: the low end is below the band
+
+
+def test_config_without_bits_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SizingError, match="bits"):
+        estimate(LLAMA_8B)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    assert estimate(cfg, bits=4.0).weight_bytes == _hand_weights(LLAMA_8B, 4.0)[1]
+    assert estimate(tmp_path, bits=4.0).weight_bytes == _hand_weights(LLAMA_8B, 4.0)[1]  # dir with only a config
+    with pytest.raises(SizingError, match="num_hidden_layers"):
+        estimate({"hidden_size": 8}, bits=4)
+
+
+def test_head_bits_and_tied_embeddings() -> None:
+    e16 = estimate(LLAMA_8B, bits=4.0).weight_bytes
+    e6 = estimate(LLAMA_8B, bits=4.0, head_bits=6).weight_bytes
+    assert e16 - e6 == 128256 * 4096 * 10 // 8
+    tied = estimate({**LLAMA_8B, "tie_word_embeddings": True}, bits=4.0)
+    assert tied.parameters == 8_030_261_248 - 128256 * 4096
+
+
+def test_dense_checkpoint_headers_are_exact(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from anyquant.testing.tiny import make_tiny_dense
+
+    root = make_tiny_dense(tmp_path / "m")
+    want = 0
+    with safe_open(root / "model.safetensors", "np") as f:
+        for k in f.keys():
+            want += f.get_tensor(k).nbytes
+    e = estimate(root, context=100)
+    assert (e.source, e.format, e.weight_bytes) == ("headers", "dense", want)
+    assert e.kv_bytes == 100 * 2 * 2 * 2 * 32 * 2  # 2 layers, 2 kv heads, head_dim 32, fp16
+    q = estimate(root, bits=4.0, context=100)  # "what if I quantize it": linears at 4 bits, the rest at 16
+    linear = 2 * (128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 256)
+    rest = 2 * 259 * 128 + 2 * 2 * 128 + 128
+    assert (q.source, q.weight_bytes) == ("headers+bits", linear // 2 + rest * 2)
+
+
+@pytest.mark.model
+def test_gguf_bytes_equal_gguf_readers() -> None:
+    pytest.importorskip("gguf")
+    import gguf
+
+    import anyquant
+
+    path = anyquant.default_model()
+    reader = gguf.GGUFReader(str(path))
+    e = estimate(path, context=1000)
+    assert e.weight_bytes == sum(int(t.n_bytes) for t in reader.tensors)
+    assert e.parameters == sum(int(t.n_elements) for t in reader.tensors)
+    assert e.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2  # SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64
+    assert e.format == "gguf"
+
+
+# ---------------------------------------------------------------------- hardware table
+
+
+def test_find_gpu() -> None:
+    assert find_gpu("NVIDIA GeForce RTX 4090").name == "RTX 4090"
+    assert find_gpu("A100", 40).name == "A100 40GB"
+    assert find_gpu("a100-80gb").vram_gb == 80
+    assert find_gpu("T4").compute_capability == (7, 5)
+    m = find_gpu("Apple M3 Max")
+    assert m.kind == "apple" and m.vram_gb is None and m.bandwidth_gbs == 400
+    with pytest.raises(SizingError, match="known"):
+        find_gpu("Voodoo 5")
+
+
+# ---------------------------------------------------------------------- advise
+
+
+def test_ampere_single_user_exl3_largest_fitting_bpw() -> None:
+    a = advise("RTX 4090", None, 1, LLAMA_8B)
+    assert (a.format, a.engine, a.bits, a.fits) == ("exl3", "exllamav3", 8.0, True)
+    big = advise("RTX 4090", None, 1, LLAMA_70B)
+    assert big.format == "exl3" and big.bits is not None and 2.0 <= big.bits < 4.0
+    assert big.memory_bytes <= 24 * GiB
+    assert any("KL divergence" in r for r in big.reasons)  # the cost of the lower bpw is stated
+    # the next bpw step up does not fit: "largest that fits"
+    step = sizing.EXL3_BPW[sizing.EXL3_BPW.index(big.bits) - 1]
+    over = sizing.estimate(LLAMA_70B, bits=step, head_bits=6, kv_dtype="q4")
+    assert over.total_bytes - over.embedding_bytes > 24 * GiB
+    two = advise("RTX 4090", None, 1, LLAMA_70B, gpus=2)
+    assert two.bits is not None and two.bits > big.bits and two.tensor_parallel == 2
+
+
+def test_many_users_vllm_command() -> None:
+    a = advise("A100 80GB", None, 32, LLAMA_70B)
+    assert a.engine == "vllm" and a.format in ("awq", "gptq")
+    serve = next(c for c in a.commands if c.startswith("vllm serve"))
+    assert f"--quantization {a.format}_marlin" in serve and "--max-num-seqs 32" in serve
+    assert "--tensor-parallel-size" not in serve
+    h = advise("H100", None, 64, LLAMA_70B, gpus=4)
+    serve = next(c for c in h.commands if c.startswith("vllm serve"))
+    assert h.tensor_parallel in (2, 4) and f"--tensor-parallel-size {h.tensor_parallel}" in serve
+    v = advise("V100", None, 8, LLAMA_8B, gpus=2)
+    serve = next(c for c in v.commands if c.startswith("vllm serve"))
+    assert "--quantization gptq " in serve and "--dtype float16" in serve  # no Marlin, no bf16 before Ampere
+
+
+def test_pre_ampere_gptq_or_gguf() -> None:
+    a = advise("T4", None, 1, LLAMA_8B)
+    assert a.format == "gptq" and any("Ampere" in r for r in a.reasons)
+    b = advise("RTX 2080 Ti", None, 1, LLAMA_70B)
+    assert b.format == "gguf" and b.offload is not None and 0 < b.offload["gpu_layers"] < 80
+    assert b.expected_decode_tok_s is not None and b.expected_decode_tok_s < 10
+    assert any("expected cost" in r for r in b.reasons)
+
+
+def test_apple_and_cpu_gguf() -> None:
+    a = advise("Apple M3 Max", 64, 1, LLAMA_70B)
+    assert a.format == "gguf" and a.quant_type == "Q4_K_M" and a.memory_bytes <= 0.75 * 64 * GiB
+    c = advise("CPU", 32, 1, LLAMA_8B)
+    assert c.format == "gguf" and c.quant_type == "Q8_0"
+    with pytest.raises(SizingError, match="--vram"):
+        advise("Apple M2", None, 1, LLAMA_8B)
+
+
+def test_too_big_offloads_with_cost() -> None:
+    huge = {**LLAMA_70B, "num_hidden_layers": 160}
+    a = advise("RTX 3090", None, 1, huge)
+    assert a.format == "gguf" and a.offload is not None
+    assert a.memory_bytes <= 24 * GiB
+    assert any("does not fit" in r for r in a.reasons) and any("tokens/s" in r for r in a.reasons)
+    assert any("-ngl" in c for c in a.commands)
+    none = advise("RTX 3090", None, 1, huge, ram_gb=16)
+    assert not none.fits
+
+
+@pytest.mark.parametrize(
+    "gpu,vram,users,model,gpus",
+    [
+        ("RTX 3090", None, 1, LLAMA_8B, 1),
+        ("RTX 5090", None, 2, LLAMA_70B, 1),
+        ("L4", None, 1, LLAMA_8B, 1),
+        ("H200", None, 100, LLAMA_70B, 1),
+        ("V100 32GB", None, 1, LLAMA_8B, 1),
+        ("CPU", 16, 1, LLAMA_70B, 1),
+    ],
+)
+def test_every_advice_says_why(gpu: str, vram: float | None, users: int, model: dict[str, Any], gpus: int) -> None:
+    a = advise(gpu, vram, users, model, gpus)
+    assert a.reasons and all(isinstance(r, str) and r for r in a.reasons)
+    if a.fits:
+        assert a.commands
+    json.dumps(a.to_dict())
+
+
+# ---------------------------------------------------------------------- CLI and imports
+
+
+def _run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    sizing.register_cli(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    out = _run_cli(["estimate", str(cfg), "--bits", "4.0", "--context", "32768", "--batch", "1", "--json"], capsys)
+    assert out["kv_bytes"] == 4 * GiB and out["weight_bytes"] == _hand_weights(LLAMA_8B, 4.0)[1]
+    out = _run_cli(
+        ["advise", "--gpu", "RTX 4090", "--vram", "24", "--users", "1", "--model", str(cfg), "--json"], capsys
+    )
+    assert out["format"] == "exl3" and out["reasons"] and out["commands"]
+
+
+def test_import_does_not_pull_torch() -> None:
+    code = "import sys, anyquant.sizing, anyquant.calibration; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
