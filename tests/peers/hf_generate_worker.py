@@ -22,12 +22,16 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu", dtype=getattr(torch, dtype))
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                             min_new_tokens=new)  # fmt: skip
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, min_new_tokens=new
+        )
         logits = model(ids).logits
     kinds = sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__})
-    print(json.dumps({"tokens": out[0, len(prompt):].tolist(), "modules": kinds,
-                      "logits": logits[0, -1].float().tolist()}))  # fmt: skip
+    print(
+        json.dumps(
+            {"tokens": out[0, len(prompt) :].tolist(), "modules": kinds, "logits": logits[0, -1].float().tolist()}
+        )
+    )
     return 0
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from anyquant.probe import Probe
 
@@ -12,8 +12,7 @@ __all__ = ["GPTQModule", "GPTQSignature", "read_signature"]
 PACKED_BITS = (2, 3, 4, 8)
 
 
-@dataclass(frozen=True)
-class GPTQModule:
+class GPTQModule(NamedTuple):
     name: str
     in_features: int
     out_features: int
@@ -52,8 +51,13 @@ def read_signature(probe: Probe) -> GPTQSignature:
     sig = GPTQSignature()
     t = probe.tensors
     for prefix in probe.modules_with("qweight"):
-        qw, qz, sc, gi = (t.get(f"{prefix}.{s}") for s in ("qweight", "qzeros", "scales", "g_idx"))
-        if gi is None or qz is None or sc is None:
+        qw, qz, sc, gi = (
+            t.get(prefix + ".qweight"),
+            t.get(prefix + ".qzeros"),
+            t.get(prefix + ".scales"),
+            t.get(prefix + ".g_idx"),
+        )
+        if qw is None or gi is None or qz is None or sc is None:
             continue
         if len(qw.shape) != 2 or len(gi.shape) != 1 or len(sc.shape) != 2 or len(qz.shape) != 2:
             sig.problems.append(f"{prefix}: qweight/qzeros/scales/g_idx have unexpected ranks")
