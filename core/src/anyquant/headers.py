@@ -256,16 +256,21 @@ def _ceil_bytes(bits: int) -> int:
 
 
 def _check_overlaps(tensors: list[TensorInfo], rel_name: str) -> None:
-    spans = sorted((t.begin, t.end) for t in tensors if t.end > t.begin)
-    ends = [e for _, e in spans[:-1]]
-    begins = [b for b, _ in spans[1:]]
-    if all(map(operator.le, ends, begins)):
+    begins = list(map(_begin, tensors))
+    ends = list(map(_end, tensors))
+    if all(map(operator.le, begins, begins[1:])) and all(map(operator.le, ends, begins[1:])):
+        return  # the usual layout: data in header order, no gaps needed
+    spans = sorted(zip(begins, ends, strict=True))
+    if all(map(operator.le, [e for _, e in spans[:-1]], [b for b, _ in spans[1:]])):
         return
-    for (b0, e0), (b1, _e1) in pairwise(spans):
+    nonempty = sorted((t.begin, t.end, t.name) for t in tensors if t.end > t.begin)
+    for (_b0, e0, n0), (b1, _e1, n1) in pairwise(nonempty):
         if b1 < e0:
-            n0 = next(t.name for t in tensors if t.begin == b0 and t.end == e0)
-            n1 = next(t.name for t in tensors if t.begin == b1 and t.name != n0)
             raise HeaderError(f"{rel_name}: tensors {n0!r} and {n1!r} overlap")
+
+
+_begin = operator.attrgetter("begin")
+_end = operator.attrgetter("end")
 
 
 # --------------------------------------------------------------------------------------- GGUF
