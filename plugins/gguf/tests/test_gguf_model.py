@@ -46,8 +46,9 @@ def _greedy(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("backend", ["dequantized", "packed"])
-def test_anyquant_load_matches_transformers(gguf_path: Path, prompt_ids: torch.Tensor, reference: tuple,
-                                            backend: str) -> None:  # fmt: skip
+def test_anyquant_load_matches_transformers(
+    gguf_path: Path, prompt_ids: torch.Tensor, reference: tuple, backend: str
+) -> None:
     """anyquant.load's logits equal transformers' gguf load within 1e-5; greedy tokens identical."""
     ref_logits, ref_tokens = reference
     model = anyquant.load(gguf_path, backend=backend)

@@ -10,6 +10,7 @@ from anyquant.loaders import LoadContext, TransformersLoader
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 from anyquant.report import dense_rows
+from anyquant_gptq.loader import cpu_fast_backend
 
 from .plugin import _layout
 
@@ -29,6 +30,9 @@ def _modules(probe: Probe, bits: int) -> dict[str, dict[str, Any]]:
         if layout is None:
             continue
         qw, sc = t[f"{prefix}.qweight"], t[f"{prefix}.scales"]
+        k: int | None
+        n: int | None
+        groups: int | None
         if layout == "gemm":
             k, n, groups = qw.shape[0], sc.shape[1], sc.shape[0]
         elif layout == "gemv":
@@ -37,17 +41,24 @@ def _modules(probe: Probe, bits: int) -> dict[str, dict[str, Any]]:
         else:
             k = n = groups = None
         names = [f"{prefix}.{s}" for s in ("qweight", "qzeros", "scales", "bias")]
-        out[prefix] = {"layout": layout, "in": k, "out": n, "groups": groups, "bias": f"{prefix}.bias" in t,
-                       "nbytes": sum(t[x].nbytes for x in names if x in t)}  # fmt: skip
+        out[prefix] = {
+            "layout": layout,
+            "in": k,
+            "out": n,
+            "groups": groups,
+            "bias": f"{prefix}.bias" in t,
+            "nbytes": sum(t[x].nbytes for x in names if x in t),
+        }
     return out
 
 
 class AWQLoader(TransformersLoader):
     format = "awq"
-    backend_order = ("dequantized", "reference")
+    backend_order = ("cpu-fast", "dequantized", "reference")
 
     def backends(self) -> list[BackendInfo]:
         return [
+            cpu_fast_backend(),
             BackendInfo("dequantized", True, description="dequantize once at load; dense speed and memory"),
             BackendInfo("reference", True, description="pure torch, dequantize on every forward; packed memory"),
             BackendInfo("gptqmodel", False, "the gptqmodel CUDA backend is not wired in yet (GPU-only work)"),
@@ -73,12 +84,23 @@ class AWQLoader(TransformersLoader):
             if m["layout"] == "gemm" and group > 0 and m["in"] // group != m["groups"]:
                 raise CheckpointError(f"{name}: {m['groups']} scale groups do not match group_size={group}")
 
+    def choose_backend(self, requested: str, device: Any) -> str:
+        if requested == "cpu-fast" and getattr(device, "type", "cpu") != "cpu":
+            raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
+        if requested == "auto" and getattr(device, "type", "cpu") != "cpu":
+            requested = "dequantized"
+        return super().choose_backend(requested, device)
+
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
+        from anyquant.runtime.fastcpu import FastCPUPlan
+
         from .qlinear import AWQLinear
 
         bits, group = self._bits_group(ctx.detection)
         modules = _modules(ctx.probe, bits)
         src = ctx.source
+        plan = FastCPUPlan.from_options(ctx.options.extra) if ctx.backend == "cpu-fast" else None
+        self._fast_plan = plan
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             m = modules.get(name)
@@ -89,7 +111,7 @@ class AWQLoader(TransformersLoader):
                     f"{name}: AWQ tensors are {m['in']}x{m['out']}, the model expects "
                     f"{linear.in_features}x{linear.out_features}"
                 )
-            return AWQLinear(
+            layer = AWQLinear(
                 src.get(f"{name}.qweight"),
                 src.get(f"{name}.qzeros") if f"{name}.qzeros" in src else None,
                 src.get(f"{name}.scales"),
@@ -102,12 +124,16 @@ class AWQLoader(TransformersLoader):
                 mode="dequantized" if ctx.backend == "dequantized" else "reference",
                 compute_dtype=ctx.dtype,
             )
+            return layer if plan is None else plan.convert(name, layer)
 
         return factory
 
     def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel:
         loaded = super().load(probe, detection, options)
         _apply_act_scales(loaded.module, probe)
+        plan = getattr(self, "_fast_plan", None)
+        if loaded.backend == "cpu-fast" and plan is not None:
+            loaded.info = {**loaded.info, "cpu_fast": plan.summary()}
         return loaded
 
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:

@@ -16,8 +16,9 @@ Block layouts (bytes, little endian; ``d``/``m``/``dmin`` are float16):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +28,14 @@ from torch import nn
 from .reader import UnsupportedGGUFType, load_raw, load_tensor
 
 __all__ = [
+    "CHUNK_WEIGHTS",
+    "GGUFEmbedding",
     "GGUFLinear",
+    "GGUFTiedHead",
+    "INT4_TYPES",
     "PACKED_TYPES",
+    "gguf_int4_linear",
+    "int4_codes_scales_offsets",
     "dequantize_blocks_torch",
     "gguf_linear_from_reader",
 ]
@@ -37,6 +44,13 @@ Q = GGMLQuantizationType
 Mode = Literal["on-the-fly", "dequant-at-load"]
 MODES: tuple[str, ...] = ("on-the-fly", "dequant-at-load")
 _QK_K = 256
+#: An on-the-fly weight larger than ``CHUNK_ABOVE`` values is dequantized and multiplied in slices
+#: of about ``CHUNK_WEIGHTS`` values (1 MiB of float32): a tied 49152 x 576 LM head would otherwise
+#: add 113 MiB to every forward's peak, and slices that stay in cache are faster. Smaller weights
+#: are not sliced: a GEMM split by output rows sums in another order for some shapes (measured on
+#: SmolLM2's linears: prompt logits off by up to 7e-5, outside the 1e-5 the tests hold to).
+CHUNK_WEIGHTS = 1 << 18
+CHUNK_ABOVE = 1 << 22
 
 
 _NIBBLE = (0, 4)
@@ -44,9 +58,28 @@ _CRUMB = (0, 2, 4, 6)
 _BITS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 
-def _f16(cols: torch.Tensor) -> torch.Tensor:
-    """``[n, 2]`` uint8 -> ``[n, 1]`` float32 (the exact float16 value)."""
-    return cols.contiguous().view(torch.float16).to(torch.float32)
+def _f16(b: torch.Tensor, start: int) -> torch.Tensor:
+    """Bytes ``start:start+2`` of each block (``[n, type_size]`` uint8) -> ``[n, 1]`` float32.
+
+    Read through a float16 view of the whole block matrix (no gather copy) when its layout
+    allows one; the float16 -> float32 conversion is exact.
+    """
+    try:
+        halves = b.view(torch.float16)
+    except RuntimeError:  # odd storage offset or strided rows
+        return b[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
+    return halves[:, start // 2 : start // 2 + 1].to(torch.float32)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """``[n, 16]`` uint8 -> ``[n, 32]`` float32: low nibbles (weights 0-15), then high ones.
+
+    Each half is converted straight into its columns of the output (no stacked uint8 copy).
+    """
+    out = torch.empty(qs.shape[0], 2 * qs.shape[1], dtype=torch.float32)
+    out[:, : qs.shape[1]].copy_(qs & 0x0F)
+    out[:, qs.shape[1] :].copy_(qs >> 4)
+    return out
 
 
 def _unpack(x: torch.Tensor, chunk: int, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
@@ -72,13 +105,11 @@ def _float(q: torch.Tensor, *shape: int) -> torch.Tensor:
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    q = _unpack(b[:, 2:], 16, _NIBBLE, 0x0F).reshape(b.shape[0], -1)
-    return _float(q.view(torch.int8) - 8, b.shape[0], -1).mul_(_f16(b[:, :2]))
+    return _nibbles(b[:, 2:]).sub_(8).mul_(_f16(b, 0))  # q - 8 is exact in float32
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    q = _float(_unpack(b[:, 4:], 16, _NIBBLE, 0x0F), b.shape[0], -1)
-    return q.mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+    return _nibbles(b[:, 4:]).mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
 def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
@@ -90,23 +121,23 @@ def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
     q = _five_bit(b[:, 2:6], b[:, 6:]).view(torch.int8) - 16
-    return _float(q, b.shape[0], -1).mul_(_f16(b[:, :2]))
+    return _float(q, b.shape[0], -1).mul_(_f16(b, 0))
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
     q = _float(_five_bit(b[:, 4:8], b[:, 8:]), b.shape[0], -1)
-    return q.mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+    return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].view(torch.int8).to(torch.float32).mul_(_f16(b[:, :2]))
+    return b[:, 2:].view(torch.int8).to(torch.float32).mul_(_f16(b, 0))
 
 
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
     """scales[16] (low nibble scale, high nibble min), qs[64] 2-bit, d, dmin."""
     n = b.shape[0]
     scales = b[:, :16]
-    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    d, dmin = _f16(b, 80), _f16(b, 82)
     dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
     q = _float(_unpack(b[:, 16:80], 32, _CRUMB, 3), n, 16, 16)
@@ -124,7 +155,7 @@ def _q3_k_scales(scales: torch.Tensor) -> torch.Tensor:
 def _q3_k(b: torch.Tensor) -> torch.Tensor:
     """hmask[32], qs[64] 2-bit, scales[12] 6-bit, d."""
     n = b.shape[0]
-    dl = (_f16(b[:, 108:110]) * _q3_k_scales(b[:, 96:108])).reshape(n, 16, 1)
+    dl = (_f16(b, 108) * _q3_k_scales(b[:, 96:108])).reshape(n, 16, 1)
     low = _unpack(b[:, 32:96], 32, _CRUMB, 3).reshape(n, 16, 16)
     high = _unpack(b[:, :32], 32, _BITS, 1).reshape(n, 16, 16) ^ 1  # clear bit -> minus 4
     q = low.view(torch.int8) - (high << 2).view(torch.int8)
@@ -143,7 +174,7 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """d, dmin, scales[12] -> per-32-weight scale and min, ``[n, 8, 1]`` each."""
     n = b.shape[0]
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scale_min(b[:, 4:16])
     scale = (d * sc.to(torch.float32)).reshape(n, -1, 1)
     offset = (dmin * mn.to(torch.float32)).reshape(n, -1, 1)
@@ -172,7 +203,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     """ql[128] low nibbles, qh[64] 2-bit highs, scales[16] int8, d; w = d*s*(q-32)."""
     n = b.shape[0]
     scales = b[:, 192:208].view(torch.int8).to(torch.float32)
-    dl = (_f16(b[:, 208:210]) * scales).reshape(n, 16, 1)
+    dl = (_f16(b, 208) * scales).reshape(n, 16, 1)
     low = _unpack(b[:, :128], 64, _NIBBLE, 0x0F).reshape(n, -1, 32)
     high = _unpack(b[:, 128:192], 32, _CRUMB, 3).reshape(n, -1, 32)
     q = (low | (high << 4)).view(torch.int8) - 32
@@ -236,6 +267,34 @@ def dequantize_blocks_torch(
     return _BLOCK_DEQUANT[qtype](flat.reshape(-1, type_size)).reshape(shape)
 
 
+def chunked_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    shape_out_in: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + b`` for packed ``W``, dequantized about ``CHUNK_WEIGHTS`` values at a time.
+
+    Each slice of output rows is dequantized and multiplied straight into its columns of a
+    preallocated output (a strided GEMM destination: no concatenation copy), so the transient
+    float32 weight is one slice, not the whole matrix.
+    """
+    out_features, in_features = shape_out_in
+    x2d = x.reshape(-1, in_features)
+    out = x2d.new_empty(x2d.shape[0], out_features)
+    step = max(1, CHUNK_WEIGHTS // in_features)
+    for start in range(0, out_features, step):
+        stop = min(start + step, out_features)
+        weight = dequantize_blocks_torch(qweight[start:stop], qtype, (stop - start, in_features))
+        if weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        torch.mm(x2d, weight.t(), out=out[:, start:stop])
+    if bias is not None:
+        out.add_(bias.to(out.dtype))
+    return out.reshape(*x.shape[:-1], out_features)
+
+
 class GGUFLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` kept as packed GGUF blocks (``qweight``, uint8).
 
@@ -297,6 +356,8 @@ class GGUFLinear(nn.Module):
         return dequantize_blocks_torch(self.qweight, self.qtype, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_cache is None and self.out_features * self.in_features > CHUNK_ABOVE:
+            return self._forward_chunked(x)
         weight = self.weight_cache if self.weight_cache is not None else self.dequantize()
         bias: torch.Tensor | None = self.bias
         if weight.dtype != x.dtype:
@@ -304,11 +365,192 @@ class GGUFLinear(nn.Module):
             bias = None if bias is None else bias.to(x.dtype)
         return F.linear(x, weight, bias)
 
+    def _forward_chunked(self, x: torch.Tensor) -> torch.Tensor:
+        return chunked_linear(x, self.qweight, self.qtype, (self.out_features, self.in_features), self.bias)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"qtype={self.qtype.name}, bias={self.bias is not None}, mode={self.mode}"
         )
+
+
+class GGUFEmbedding(nn.Module):
+    """``nn.Embedding`` over packed GGUF rows: only the looked-up rows are dequantized.
+
+    ``qweight`` is ``uint8`` ``[num_embeddings, bytes_per_row]`` (file-backed when it comes
+    from the mmap); the output is float32 rows, bit-identical to indexing the fully
+    dequantized table, cast to ``dtype``.
+    """
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        qtype: GGMLQuantizationType | int,
+        shape: tuple[int, int],
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        qtype = GGMLQuantizationType(qtype)
+        if qtype not in PACKED_TYPES and qtype not in _DENSE:
+            raise _unsupported(qtype)
+        num, dim = (int(d) for d in shape)
+        if qweight.dtype != torch.uint8 or qweight.numel() != packed_nbytes(qtype, (num, dim)):
+            raise ValueError(f"qweight must hold the uint8 {qtype.name} bytes of a [{num}, {dim}] table")
+        self.qtype = qtype
+        self.num_embeddings = num
+        self.embedding_dim = dim
+        self.dtype = dtype
+        self.qweight: torch.Tensor
+        self.register_buffer("qweight", qweight.reshape(num, -1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.qweight.index_select(0, flat)
+        values = dequantize_blocks_torch(rows, self.qtype, (flat.numel(), self.embedding_dim))
+        return values.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole table as float32 ``[num_embeddings, embedding_dim]``."""
+        return dequantize_blocks_torch(self.qweight, self.qtype, (self.num_embeddings, self.embedding_dim))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}, dtype={self.dtype}"
+
+
+class GGUFTiedHead(nn.Module):
+    """An LM head tied to a packed token embedding: ``logits = x @ E.T`` over ``E``'s GGUF bytes.
+
+    ``qweight`` is the same ``uint8`` table as the :class:`GGUFEmbedding`'s (one copy, file
+    backed); every forward dequantizes it slice by slice (:func:`chunked_linear`, ~1 MiB of
+    float32 at a time) instead of keeping a dense ``[vocab, hidden]`` copy.
+    """
+
+    def __init__(self, qweight: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, int]) -> None:
+        super().__init__()
+        qtype = GGMLQuantizationType(qtype)
+        if qtype not in PACKED_TYPES:
+            raise _unsupported(qtype)
+        out_features, in_features = (int(d) for d in shape)
+        if qweight.dtype != torch.uint8 or qweight.numel() != packed_nbytes(qtype, (out_features, in_features)):
+            raise ValueError(
+                f"qweight must hold the uint8 {qtype.name} bytes of a [{out_features}, {in_features}] table"
+            )
+        self.qtype = qtype
+        self.out_features = out_features
+        self.in_features = in_features
+        self.qweight: torch.Tensor
+        self.register_buffer("qweight", qweight.reshape(out_features, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return chunked_linear(x, self.qweight, self.qtype, (self.out_features, self.in_features))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, tied"
+
+
+# --------------------------------------------------------------------------- int4 CPU kernel
+
+#: Types whose weights are ``scale * q + offset`` with 4-bit codes ``q`` and one scale/offset per
+#: 32 consecutive weights of a row: what torch's int4 CPU kernel computes (group size 32).
+INT4_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+
+
+def int4_codes_scales_offsets(
+    qweight: torch.Tensor, qtype: GGMLQuantizationType, shape_out_in: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes [out, in] uint8, scales [out, in/32] f32, offsets [out, in/32] f32)`` with
+    ``W = scales * codes + offsets`` evaluated in float32 (multiply, then add) equal, bit for
+    bit, to :func:`dequantize_blocks_torch`:
+
+    * Q4_0: ``d * (q - 8)`` = ``d * q + (-8 d)`` exactly (``d`` is a float16 value, so ``8 d``
+      and the sum are exact in float32);
+    * Q4_1: ``d * q + m``;
+    * Q4_K: ``(d * sc) * q - dmin * mn`` per 32-weight sub-block (subtracting is adding the
+      negation).
+    """
+    out_features, in_features = shape_out_in
+    b = qweight.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    groups = in_features // 32
+    if qtype == Q.Q4_K:
+        scale, offset = _k_scales(b)  # [n, 8, 1]: per 32-weight sub-block
+        codes = _unpack(b[:, 16:], 32, _NIBBLE, 0x0F).reshape(-1, _QK_K)
+        scales, offsets = scale.reshape(out_features, groups), offset.neg().reshape(out_features, groups)
+    elif qtype == Q.Q4_1:
+        codes = torch.cat([b[:, 4:] & 0x0F, b[:, 4:] >> 4], dim=1)
+        scales, offsets = _f16(b, 0).reshape(out_features, groups), _f16(b, 2).reshape(out_features, groups)
+    elif qtype == Q.Q4_0:
+        codes = torch.cat([b[:, 2:] & 0x0F, b[:, 2:] >> 4], dim=1)
+        scales = _f16(b, 0).reshape(out_features, groups)
+        offsets = scales * -8.0
+    else:
+        raise _unsupported(qtype)
+    return codes.reshape(out_features, in_features), scales.contiguous(), offsets.contiguous()
+
+
+@functools.cache
+def _int4_class() -> type[nn.Module]:
+    """:class:`anyquant.runtime.fastcpu.FastInt4Linear` with a float offset per group.
+
+    The base class takes integer zero points (``W = (q - z) * s``); GGUF's Q4_1/Q4_K offsets are
+    arbitrary floats. The int4 kernel computes ``(q - 8) * s + m`` with any ``m``, so only its
+    ``scales_and_zeros`` (``m = offset + 8 s``, bfloat16 like the base's) and the exact dense
+    weight of the many-rows path (``s * q + offset`` in float32) differ.
+    """
+    from anyquant.runtime.fastcpu import FastInt4Linear
+
+    class GGUFInt4Linear(FastInt4Linear):
+        """A Q4_0/Q4_1/Q4_K linear repacked for torch's int4 CPU kernel (decode: bfloat16
+        activations; prompts: exact float32 weight, dequantized per forward, and GEMM)."""
+
+        offsets: torch.Tensor
+
+        def __init__(
+            self,
+            qweight: torch.Tensor,
+            qtype: GGMLQuantizationType,
+            shape_out_in: tuple[int, int],
+            bias: torch.Tensor | None = None,
+            **kwargs: Any,
+        ) -> None:
+            codes, scales, offsets = int4_codes_scales_offsets(qweight, qtype, shape_out_in)
+            zeros = torch.zeros(scales.shape[::-1], dtype=torch.uint8)
+            super().__init__(codes.t(), zeros, scales.t(), bias=bias, **kwargs)
+            del codes
+            self.qtype = qtype
+            self.register_buffer("offsets", offsets.t().contiguous())
+            sz = torch.stack([self.scales, self.offsets + 8.0 * self.scales], -1)
+            pad = self.padded_out - self.out_features
+            if pad:
+                sz = F.pad(sz, (0, 0, 0, pad))
+            self.scales_and_zeros = sz.to(torch.bfloat16).contiguous()
+
+        def weight_kn(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+            k, n = self.in_features, self.out_features
+            w = self._codes_kn().reshape(k // 32, 32, n).to(torch.float32)
+            w.mul_(self.scales.unsqueeze(1)).add_(self.offsets.unsqueeze(1))
+            return w.view(k, n).to(dtype or torch.float32)
+
+        def extra_repr(self) -> str:
+            return f"{super().extra_repr()}, qtype={self.qtype.name}"
+
+    return GGUFInt4Linear
+
+
+def gguf_int4_linear(
+    qweight: torch.Tensor,
+    qtype: GGMLQuantizationType | int,
+    shape_out_in: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> nn.Module:
+    """A Q4_0/Q4_1/Q4_K weight as a ``FastInt4Linear`` (``kwargs``: ``small_rows``,
+    ``prefill_dtype``, ``compute_dtype``); ``ImportError``/``ValueError`` when it cannot run."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in INT4_TYPES:
+        raise _unsupported(qtype)
+    return _int4_class()(qweight, qtype, shape_out_in, bias, **kwargs)
 
 
 def gguf_linear_from_reader(

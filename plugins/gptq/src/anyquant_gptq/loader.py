@@ -33,6 +33,20 @@ def _ram_bytes() -> int:
         return 8 << 30
 
 
+def cpu_fast_backend() -> BackendInfo:
+    """The ``cpu-fast`` backend (torch's int4 CPU kernel; see :mod:`anyquant.runtime.fastcpu`)."""
+    from anyquant.runtime.fastcpu import fast_cpu_capable
+
+    ok, reason = fast_cpu_capable()
+    return BackendInfo(
+        "cpu-fast",
+        ok,
+        reason,
+        description="4-bit layers repacked for torch's int4 CPU kernel (bf16 decode) + on-the-fly "
+        "dequantized GEMM for prompts; packed memory; other layers dequantized",
+    )
+
+
 def _cuda_backend() -> BackendInfo:
     import importlib.util
 
@@ -50,11 +64,12 @@ def _cuda_backend() -> BackendInfo:
 
 class GPTQLoader(TransformersLoader):
     format = "gptq"
-    backend_order = ("gptqmodel", "dequantized", "reference")
+    backend_order = ("gptqmodel", "cpu-fast", "dequantized", "reference")
 
     def backends(self) -> list[BackendInfo]:
         return [
             _cuda_backend(),
+            cpu_fast_backend(),
             BackendInfo("dequantized", True, description="dequantize once at load; dense speed and memory"),
             BackendInfo("reference", True, description="pure torch, dequantize on every forward; packed memory"),
         ]
@@ -83,8 +98,15 @@ class GPTQLoader(TransformersLoader):
                 )
 
     def choose_backend(self, requested: str, device: Any) -> str:
+        if requested == "cpu-fast" and getattr(device, "type", "cpu") != "cpu":
+            raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
         if requested != "auto":
             return super().choose_backend(requested, device)
+        # measured (docs/benchmarks.md): cpu-fast decodes faster than dense float32 at a quarter of
+        # its memory wherever torch's int4 kernel is vectorized (AVX2, AVX512)
+        if getattr(device, "type", "cpu") == "cpu" and getattr(self, "_fast_layers", 0) > 0:
+            if cpu_fast_backend().available:
+                return "cpu-fast"
         return "dequantized" if self._dense_bytes_ok() else "reference"
 
     def _dense_bytes_ok(self) -> bool:
@@ -92,13 +114,30 @@ class GPTQLoader(TransformersLoader):
         return budget < DEQUANT_RAM_SHARE * _ram_bytes()
 
     def load(self, probe: Probe, detection: Detection, options: Any) -> Any:
+        from anyquant.runtime.fastcpu import unsupported_reason
+
         sig = read_signature(probe)
         self._dense_bytes = sum(m.in_features * m.out_features * 4 for m in sig.modules)
-        return super().load(probe, detection, options)
+        self._fast_layers = sum(
+            1
+            for m in sig.modules
+            if m.bits == 4
+            and unsupported_reason(m.bits, m.in_features, m.out_features, m.in_features // m.groups) is None
+        )
+        loaded = super().load(probe, detection, options)
+        plan = getattr(self, "_fast_plan", None)
+        if loaded.backend == "cpu-fast" and plan is not None:
+            loaded.info = {**loaded.info, "cpu_fast": plan.summary()}
+        return loaded
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
+        from anyquant.runtime.fastcpu import FastCPUPlan
+
         from .dequant import gptq_zero_label_check
         from .qlinear import GPTQLinear
+
+        plan = FastCPUPlan.from_options(ctx.options.extra) if ctx.backend == "cpu-fast" else None
+        self._fast_plan = plan
 
         sig = {m.name: m for m in read_signature(ctx.probe).modules}
         d = ctx.detection.details
@@ -129,7 +168,7 @@ class GPTQLoader(TransformersLoader):
                     )
             fmt = checked.get("label", declared)
             bias = src.get(f"{name}.bias") if m.has_bias else None
-            return GPTQLinear(
+            layer = GPTQLinear(
                 src.get(f"{name}.qweight"),
                 qzeros,
                 src.get(f"{name}.scales"),
@@ -143,6 +182,7 @@ class GPTQLoader(TransformersLoader):
                 mode="dequantized" if ctx.backend == "dequantized" else "reference",
                 compute_dtype=ctx.dtype,
             )
+            return layer if plan is None else plan.convert(name, layer)
 
         return factory
 
@@ -154,6 +194,7 @@ class GPTQLoader(TransformersLoader):
             names = [f"{m.name}.{s}" for s in ("qweight", "qzeros", "scales", "g_idx", "bias")]
             nbytes = sum(probe.tensors[n].nbytes for n in names if n in probe.tensors)
             covered.add(m.name)
-            rows.append(ModuleInfo(m.name, "gptq", (m.out_features, m.in_features), float(m.bits),
-                                   m.group_size, nbytes))  # fmt: skip
+            rows.append(
+                ModuleInfo(m.name, "gptq", (m.out_features, m.in_features), float(m.bits), m.group_size, nbytes)
+            )
         return rows + dense_rows(probe, skip=covered)

@@ -1,0 +1,73 @@
+"""AWQ on CPU: the same table as ``bench/gptq.py`` for AWQ 4-bit g64 (GEMM), plus AWQ vs GPTQ perplexity.
+
+SmolLM2-135M-Instruct quantized by ``anyquant.quantize(method="awq")`` (GPTQModel's AWQ in a worker,
+fp16) with the same bits, group size and calibration texts as the GPTQ bench (cached under
+``.cache/bench/``). Rows: anyquant's backends, GPTQModel's AWQ CPU backends, transformers
+``from_pretrained`` of the checkpoint, dense fp32; then the GPTQ checkpoint's perplexity through
+anyquant (auto backend) on the same held-out text.
+
+    python bench/awq.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from _measure import checkpoint_bytes, dense_model, machine, markdown_table, quantize_seconds, quantized_model, run_rows
+from gptq import again_rows, goals, rows
+
+AWQ_BACKENDS = (
+    ("AWQ_TORCH", "float16"),
+    ("AWQ_TORCH_FUSED", "float32"),
+    ("AWQ_TORCH_ATEN", "bfloat16"),
+    ("AWQ_TORCH_INT8", "float32"),
+)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated row-name prefixes to run")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    path = quantized_model("awq", bits=4, group_size=64)
+    gptq_path = quantized_model("gptq", bits=4, group_size=64)
+    dense = dense_model()
+    ckpt = checkpoint_bytes(path)
+    print(f"# AWQ 4-bit g64 (GEMM) SmolLM2-135M: {path}")
+    print(
+        f"# checkpoint {ckpt / 2**20:.0f} MiB; quantized once in {quantize_seconds(path) or 0:.0f} s (cached); "
+        f"threads {args.threads}"
+    )
+    print(f"# machine: {machine()}")
+    todo = rows("awq", str(path), str(dense), args.threads, AWQ_BACKENDS)
+    gptq_row = (
+        "GPTQ 4-bit g64, same calibration (anyquant auto)",
+        {**dict(todo)["anyquant auto"], "path": str(gptq_path), "decode_tokens": 16},
+    )
+    todo.append(gptq_row)
+    if args.only:
+        prefixes = tuple(p.strip() for p in args.only.split(","))
+        todo = [(n, c) for n, c in todo if n.startswith(prefixes)]
+    results = run_rows(todo, again=again_rows(todo))
+    print()
+    print(markdown_table(results, ckpt, baseline="dense fp32 (transformers)"))
+    print()
+    for line in goals(results, ckpt):
+        print(f"- {line}")
+    r = dict(results)
+    awq, gptq = r.get("anyquant auto", {}), r.get(gptq_row[0], {})
+    if "ppl" in awq and "ppl" in gptq:
+        print(
+            f"- AWQ vs GPTQ (4-bit, g64, same 32x256 calibration): ppl {awq['ppl']:.4f} vs {gptq['ppl']:.4f} "
+            f"({(awq['ppl'] - gptq['ppl']) / gptq['ppl']:+.2%}); dense fp32 "
+            f"{r.get('dense fp32 (transformers)', {}).get('ppl', float('nan')):.4f}"
+        )
+    print(f"\n# wall {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

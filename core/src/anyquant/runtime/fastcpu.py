@@ -1,0 +1,426 @@
+"""A fast CPU linear for 4-bit group-quantized weights (GPTQ, AWQ): ``W = (q - z) * s`` per group.
+
+Two execution paths share one packed copy of the weight (about 0.6 bytes per weight in all, against
+4 for a dense float32 cache):
+
+- **few rows** (decode and short prompts; ``rows <= small_rows``, default 64): torch's own int4
+  CPU kernel, ``aten._weight_int4pack_mm_for_cpu``, on the weight repacked at load time into the
+  layout ``aten._convert_weight_to_int4pack_for_cpu`` writes. The kernel computes
+  ``x @ ((q - 8) * s + m)`` with ``m = (8 - z) * s``; it is fast only with bfloat16 activations
+  (float32 ones take a generic path ~30x slower, float16 ~50x), so the activations, ``s`` and ``m``
+  are rounded to bfloat16 and the result is cast back to the caller's dtype.
+- **many rows** (prefill; ``rows > small_rows``): the kernel's cost grows linearly with the rows
+  (~21 us per row for 576x1536 against ~10.5 us for a float32 GEMM), so the weight is unpacked
+  from the same buffer into a transient dense block, ``round_to(scale dtype, (q - z) * s)``
+  (bit-identical to the reference dequantizers; ~1.2 ms for 576x1536), and multiplied by a dense
+  GEMM: in float32 by default (the reference's arithmetic up to GEMM summation order), or in
+  bfloat16 with ``prefill_dtype=torch.bfloat16`` (about 2x faster on CPUs with AMX/AVX512-BF16;
+  5-50x slower without them). Only one layer's block exists at a time: memory stays packed.
+
+Tolerance against the exact reference (max |y - y_ref| / max |y_ref|): few rows, bfloat16 class:
+~4e-3 per layer, up to ~6e-3 on a tiny Llama's logits (tests allow 2e-2); many rows in float32:
+~1e-6 (tests allow 1e-5). :meth:`FastInt4Linear.dequantize` is exact.
+
+Groups must be contiguous along ``in_features`` and a multiple of 32 (the kernel takes groups of 32,
+64, 128 and 256; larger groups, per-channel included, repeat their scales). A GPTQ ``g_idx`` that
+scatters columns (``desc_act``) becomes an input permutation: the columns are sorted by group once
+at load and every input is gathered the same way (``x[:, perm]``).
+
+The kernel's packed layout depends on the CPU's vector ISA (blocks of 64 output columns with
+AVX512, 32 with AVX2, something else without SIMD); :func:`int4pack_status` finds it with a
+self-test once per process, and the fast path is unavailable when no known layout matches.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "DEFAULT_SMALL_ROWS",
+    "FastCPUPlan",
+    "FastInt4Linear",
+    "Int4PackStatus",
+    "bf16_gemm_is_fast",
+    "contiguous_group_size",
+    "fast_cpu_capable",
+    "group_permutation",
+    "int4_codes_from_cols",
+    "int4_codes_from_rows",
+    "int4pack_status",
+    "kernel_group_size",
+    "pack_int4_blocked",
+    "unsupported_reason",
+]
+
+log = logging.getLogger(__name__)
+
+#: group sizes ``_weight_int4pack_mm_for_cpu`` accepts, largest first.
+KERNEL_GROUPS = (256, 128, 64, 32)
+#: ``rows <= DEFAULT_SMALL_ROWS`` use the int4 kernel, more rows the dequantize + GEMM path. Measured
+#: on SmolLM2's shapes (1 thread, AVX512 + AMX): the int4 kernel costs ~8 us (576x576) to ~21 us
+#: (576x1536) per row, a float32 GEMM ~4 to ~10.5 us per row plus ~0.45 to ~1.2 ms to dequantize
+#: the weight, so the paths cross near 100 rows; 64 keeps prompts of a chat turn on the kernel.
+DEFAULT_SMALL_ROWS = 64
+_LAYOUT_BLOCKS = (64, 32, 16)
+_INNER_K_TILES = 2
+
+
+@dataclass(frozen=True)
+class Int4PackStatus:
+    """Whether torch's int4 CPU kernel can be used here, and the packed layout it writes."""
+
+    available: bool
+    reason: str = ""
+    block_n: int = 0  # output rows per packed block: byte (b, k, j) = q[b*B + j, k] | q[b*B + B/2 + j, k] << 4
+
+
+def pack_int4_blocked(codes: torch.Tensor, block: int) -> torch.Tensor:
+    """``[K, N]`` codes (0..15, ``N % block == 0``) -> the int4 kernel's ``[N, K/2]`` uint8 layout with
+    ``block`` output columns per block: byte ``(b, k, j)`` = ``q[k, b*B + j] | q[k, b*B + B/2 + j] << 4``."""
+    k, n = codes.shape
+    halves = codes.to(torch.uint8).reshape(k, n // block, 2, block // 2)
+    packed = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [K, N/B, B/2]
+    return packed.permute(1, 0, 2).contiguous().view(n, k // 2)
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., C]`` -> uint8 ``[..., C, 8]``: the 8 nibbles of each word, least significant first."""
+    if sys.byteorder != "little":  # pragma: no cover - every CPU torch supports is little endian
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+        return ((words.unsqueeze(-1) >> shifts) & 15).to(torch.uint8)
+    data = words.contiguous().view(torch.uint8).reshape(*words.shape, 4)
+    return torch.stack((data & 15, data >> 4), dim=-1).reshape(*words.shape, 8)
+
+
+def int4_codes_from_rows(words: torch.Tensor) -> torch.Tensor:
+    """GPTQ ``qweight`` ``[K/8, N]`` (packed along dim 0, LSB first) -> uint8 codes ``[K, N]``."""
+    rows, cols = words.shape
+    return _nibbles(words).permute(0, 2, 1).reshape(rows * 8, cols)
+
+
+def int4_codes_from_cols(words: torch.Tensor) -> torch.Tensor:
+    """Words ``[R, C]`` packed along the last dim (LSB first) -> uint8 codes ``[R, 8C]``."""
+    rows, cols = words.shape
+    return _nibbles(words).reshape(rows, cols * 8)
+
+
+@functools.cache
+def int4pack_status() -> Int4PackStatus:
+    """Self-test the int4 kernel once per process: it exists, its layout is one we can unpack,
+    and it computes ``x @ ((q - 8) * s + m)`` as documented."""
+    aten = torch.ops.aten
+    if not (hasattr(aten, "_convert_weight_to_int4pack_for_cpu") and hasattr(aten, "_weight_int4pack_mm_for_cpu")):
+        return Int4PackStatus(False, f"torch {torch.__version__} has no int4 CPU kernel")
+    try:
+        gen = torch.Generator().manual_seed(0)
+        n, k, group = 128, 64, 32
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+        packed = aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES)
+        block = next((b for b in _LAYOUT_BLOCKS if torch.equal(packed, pack_int4_blocked(codes.t(), b))), 0)
+        if not block:
+            return Int4PackStatus(False, "the int4 kernel packs in a layout anyquant cannot unpack on this CPU")
+        scales = torch.full((k // group, n), 0.5)
+        zeros = torch.randint(0, 16, (k // group, n), generator=gen).float()
+        sz = torch.stack([scales, (8 - zeros) * scales], -1).to(torch.bfloat16)
+        x = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+        got = aten._weight_int4pack_mm_for_cpu(x, packed, group, sz).float()
+        weight = (codes.t().float() - zeros.repeat_interleave(group, 0)) * 0.5
+        want = x.float() @ weight
+        if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+            return Int4PackStatus(False, "the int4 kernel's self-test gave wrong results on this CPU")
+    except (RuntimeError, NotImplementedError) as exc:
+        return Int4PackStatus(False, f"the int4 kernel does not run here: {str(exc).splitlines()[0]}")
+    return Int4PackStatus(True, block_n=block)
+
+
+@functools.cache
+def bf16_gemm_is_fast() -> bool:
+    """bfloat16 GEMMs beat float32 only with AMX or AVX512-BF16 (5-50x slower without)."""
+    cpu = torch.cpu
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+#: CPU capabilities where the int4 kernel is vectorized and measured faster than a dense float32
+#: weight for one row (AVX512 here; AVX2 with ATEN_CPU_CAPABILITY=avx2). "DEFAULT" (no SIMD) runs a
+#: scalar loop ~80x slower.
+FAST_CAPABILITIES = ("AVX2", "AVX512")
+
+
+def fast_cpu_capable() -> tuple[bool, str]:
+    """(usable, reason): the int4 kernel passes its self-test and is vectorized on this CPU."""
+    status = int4pack_status()
+    if not status.available:
+        return False, status.reason
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in FAST_CAPABILITIES:
+        return False, f"torch's int4 kernel is not vectorized for CPU capability {capability}"
+    return True, ""
+
+
+def kernel_group_size(group_size: int) -> int | None:
+    """The int4 kernel's group size for contiguous groups of ``group_size`` columns (largest divisor)."""
+    return next((g for g in KERNEL_GROUPS if group_size % g == 0), None)
+
+
+def contiguous_group_size(g_idx: torch.Tensor | None, in_features: int, num_groups: int) -> int | None:
+    """Size of every group once the columns are sorted by group, or ``None`` when they differ."""
+    if g_idx is None:
+        return in_features // num_groups if in_features % num_groups == 0 else None
+    counts = torch.bincount(g_idx.to(torch.int64), minlength=num_groups)
+    size = int(counts[0]) if counts.numel() else 0
+    return size if size > 0 and bool((counts == size).all()) and size * num_groups == in_features else None
+
+
+def group_permutation(g_idx: torch.Tensor | None, group_size: int) -> torch.Tensor | None:
+    """The column order that makes groups contiguous (``None`` when ``g_idx`` is already ``k // g``)."""
+    if g_idx is None:
+        return None
+    index = g_idx.to(torch.int64)
+    if torch.equal(index, torch.arange(index.numel()) // group_size):
+        return None
+    return torch.sort(index, stable=True).indices
+
+
+def unsupported_reason(
+    bits: int, in_features: int, out_features: int, group_size: int | None, *, status: Int4PackStatus | None = None
+) -> str | None:
+    """Why a layer cannot use :class:`FastInt4Linear` (``None`` when it can)."""
+    status = status or int4pack_status()
+    if not status.available:
+        return status.reason
+    if bits != 4:
+        return f"{bits}-bit weights (the int4 kernel is 4-bit only)"
+    if group_size is None:
+        return "groups of unequal sizes"
+    if kernel_group_size(group_size) is None:
+        return f"group size {group_size} is not a multiple of 32"
+    if in_features % 32:
+        return f"in_features={in_features} is not a multiple of 32"
+    return None
+
+
+class FastInt4Linear(nn.Module):
+    """``y = x @ W.T + b`` for ``W[n, k] = round_to(scales.dtype, (q[n, k] - z[g(k), n]) * s[g(k), n])``.
+
+    Built from integer codes ``q`` ``[in, out]`` (0..15, any integer dtype), zero points ``z`` ``[G, out]``,
+    scales ``s`` ``[G, out]`` and ``g_idx`` ``[in]`` (``None``: ``k // (in / G)``). See the module
+    docstring for the two paths and their tolerances.
+    """
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    perm: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        zeros: torch.Tensor,
+        scales: torch.Tensor,
+        g_idx: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        *,
+        compute_dtype: torch.dtype = torch.float32,
+        small_rows: int = DEFAULT_SMALL_ROWS,
+        prefill_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        status = int4pack_status()
+        in_features, out_features = codes.shape
+        num_groups = scales.shape[0]
+        if scales.shape != (num_groups, out_features) or zeros.shape != (num_groups, out_features):
+            raise ValueError(f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not match {out_features}")
+        group_size = contiguous_group_size(g_idx, in_features, num_groups)
+        reason = unsupported_reason(4, in_features, out_features, group_size, status=status)
+        if reason is not None:
+            raise ValueError(f"FastInt4Linear cannot run this layer: {reason}")
+        assert group_size is not None
+        kernel_group = kernel_group_size(group_size)
+        assert kernel_group is not None
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size, self.kernel_group = group_size, kernel_group
+        self.compute_dtype, self.scale_dtype = compute_dtype, scales.dtype
+        self.small_rows = small_rows
+        self.prefill_dtype = prefill_dtype
+        self.block_n = status.block_n
+        self.padded_out = -(-out_features // self.block_n) * self.block_n
+
+        perm = group_permutation(g_idx, group_size)
+        codes = codes.to(torch.uint8)
+        if perm is not None:
+            codes = codes.index_select(0, perm)
+        pad = self.padded_out - out_features
+        if pad:
+            codes = F.pad(codes, (0, pad))
+        # the layout _convert_weight_to_int4pack_for_cpu writes on this CPU (int4pack_status checked it),
+        # built from uint8 codes: the op itself wants an int32 [N, K] copy (4 bytes per weight)
+        self.register_buffer("packed", pack_int4_blocked(codes, self.block_n))
+        del codes
+        # the kernel's m = (8 - z) * s, per kernel group (larger groups repeat their values)
+        s32, z32 = scales.to(torch.float32), zeros.to(torch.float32)
+        sz = torch.stack([s32, (8.0 - z32) * s32], -1)
+        if pad:
+            sz = F.pad(sz, (0, 0, 0, pad))
+        repeat = group_size // kernel_group
+        if repeat > 1:
+            sz = sz.repeat_interleave(repeat, dim=0)
+        self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16).contiguous())
+        # the exact scales and zeros for the dense path
+        self.register_buffer("scales", scales.clone())
+        if bool(((zeros < 0) | (zeros > 255)).any()):
+            raise ValueError("zero points must lie in [0, 255]")
+        self.register_buffer("zeros", zeros.to(torch.uint8).contiguous())
+        self.register_buffer("perm", perm)
+        self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
+
+    # ------------------------------------------------------------------ weights
+
+    def _codes_kn(self) -> torch.Tensor:
+        """The codes unpacked from the kernel's layout, ``[in, out]`` (columns in sorted order)."""
+        k, block = self.in_features, self.block_n
+        blocks = self.packed.view(self.padded_out // block, k, block // 2)
+        codes = torch.stack((blocks & 15, blocks >> 4), dim=2)  # [nb, K, 2, B/2]
+        codes = codes.permute(1, 0, 2, 3).reshape(k, self.padded_out)
+        return codes if self.padded_out == self.out_features else codes[:, : self.out_features]
+
+    def weight_kn(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The exact weight, ``[in, out]`` with the input columns in sorted order, cast to ``dtype``."""
+        k, n, g = self.in_features, self.out_features, self.group_size
+        w = self._codes_kn().reshape(k // g, g, n).to(torch.float32)
+        w.sub_(self.zeros.to(torch.float32).unsqueeze(1)).mul_(self.scales.to(torch.float32).unsqueeze(1))
+        w = w.view(k, n)
+        target = dtype or self.scale_dtype
+        if target == torch.bfloat16 and self.scale_dtype == torch.float16:
+            return w.to(target)  # one rounding instead of two (bfloat16 tolerance either way)
+        if self.scale_dtype != torch.float32:
+            w = w.to(self.scale_dtype)  # the reference's single rounding (exact product in fp32)
+        return w.to(target)
+
+    def dequantize(self) -> torch.Tensor:
+        """The exact weight, ``[out, in]`` in the scales' dtype and the original column order."""
+        w = self.weight_kn()
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(0, self.perm, w)
+        return w.t().contiguous()
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        if x2.shape[0] <= self.small_rows:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16), self.packed, self.kernel_group, self.scales_and_zeros
+            )
+            if self.padded_out != self.out_features:
+                y = y[:, : self.out_features]
+            y = y.to(x.dtype)
+        else:
+            dtype = self.prefill_dtype or x.dtype
+            y = torch.mm(x2.to(dtype), self.weight_kn(dtype)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Device moves follow ``fn``; dtype casts (``module.half()``) leave the packed data alone."""
+        for name, buf in self._buffers.items():
+            if buf is None:
+                continue
+            moved = fn(buf)
+            if moved.dtype != buf.dtype and name != "bias":
+                moved = buf.to(moved.device)
+            self._buffers[name] = moved
+        return self
+
+    def packed_bytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values() if b is not None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+            f"small_rows={self.small_rows}, prefill_dtype={self.prefill_dtype}, permuted={self.perm is not None}"
+        )
+
+
+class _Convertible(Protocol):
+    mode: str
+
+    def fast_cpu_unsupported(self) -> str | None: ...
+
+    def to_fast_cpu(self, *, small_rows: int | None = ..., prefill_dtype: torch.dtype | None = ...) -> nn.Module: ...
+
+    def finalize(self) -> Any: ...
+
+
+_PREFILL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class FastCPUPlan:
+    """What a loader's ``cpu-fast`` backend does with each quantized layer, and the record of it.
+
+    Load options (``anyquant.load(..., cpu_fast_prefill="bfloat16", cpu_fast_small_rows=8)``):
+    ``cpu_fast_prefill`` is the GEMM dtype of the many-rows path (default: the compute dtype;
+    ``"auto"``: bfloat16 where :func:`bf16_gemm_is_fast`), ``cpu_fast_small_rows`` the row count up
+    to which the int4 kernel runs.
+    """
+
+    small_rows: int = DEFAULT_SMALL_ROWS
+    prefill_dtype: torch.dtype | None = None
+    converted: int = 0
+    fallback: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_options(cls, extra: Mapping[str, Any]) -> FastCPUPlan:
+        prefill = extra.get("cpu_fast_prefill")
+        if prefill == "auto":
+            prefill = "bfloat16" if bf16_gemm_is_fast() else None
+        if prefill is not None and prefill not in _PREFILL_DTYPES:
+            raise ValueError(f"cpu_fast_prefill={prefill!r} is not one of {sorted(_PREFILL_DTYPES)} or 'auto'")
+        rows = int(extra.get("cpu_fast_small_rows", DEFAULT_SMALL_ROWS))
+        return cls(small_rows=rows, prefill_dtype=None if prefill is None else _PREFILL_DTYPES[prefill])
+
+    def convert(self, name: str, layer: _Convertible) -> nn.Module:
+        """``layer`` (built in ``reference`` mode) as a :class:`FastInt4Linear`, or dequantized with the
+        reason recorded when the fast path cannot run it."""
+        reason = layer.fast_cpu_unsupported()
+        if reason is None:
+            self.converted += 1
+            return layer.to_fast_cpu(small_rows=self.small_rows, prefill_dtype=self.prefill_dtype)
+        self.fallback[name] = reason
+        layer.mode = "dequantized"
+        out: nn.Module = layer.finalize()
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """For ``LoadedModel.info["cpu_fast"]``; logs the fallbacks once."""
+        if self.fallback:
+            reasons = sorted(set(self.fallback.values()))
+            log.warning(
+                "cpu-fast: %d of %d quantized layers run dequantized instead (%s)",
+                len(self.fallback),
+                len(self.fallback) + self.converted,
+                "; ".join(reasons),
+            )
+        return {
+            "fast_layers": self.converted,
+            "dequantized_layers": dict(self.fallback),
+            "small_rows": self.small_rows,
+            "prefill_dtype": str(self.prefill_dtype).replace("torch.", "") if self.prefill_dtype else "compute dtype",
+            "int4_layout_block": int4pack_status().block_n,
+        }

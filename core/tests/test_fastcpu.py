@@ -1,0 +1,150 @@
+"""anyquant.runtime.fastcpu: packing matches torch's int4 kernel, weights are exact, forward within tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anyquant.runtime import fastcpu
+from anyquant.runtime.fastcpu import (
+    FastCPUPlan,
+    FastInt4Linear,
+    contiguous_group_size,
+    int4_codes_from_cols,
+    int4_codes_from_rows,
+    int4pack_status,
+    kernel_group_size,
+    pack_int4_blocked,
+    unsupported_reason,
+)
+from anyquant.runtime.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
+
+needs_kernel = pytest.mark.skipif(not int4pack_status().available, reason=int4pack_status().reason)
+
+#: the two paths' tolerances (max |y - y_ref| / max |y_ref|): bfloat16 kernel, float32 GEMM
+FEW_ROWS_TOL = 2e-2
+MANY_ROWS_TOL = 1e-5
+
+
+def _case(
+    k: int, n: int, group: int, *, seed: int = 0, scale_dtype: torch.dtype = torch.float16, shuffle: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """codes [K, N], zeros [G, N], scales [G, N], g_idx, and the reference weight [N, K] (the GPTQ rule)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = k // group
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    zeros = torch.randint(0, 16, (groups, n), generator=gen)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 1e-3).to(scale_dtype)
+    g_idx = torch.arange(k) // group
+    if shuffle:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    diff = (codes - zeros[g_idx]).to(torch.float32)
+    ref = (diff * scales[g_idx].to(torch.float32)).to(scale_dtype).t().contiguous()
+    return codes, zeros, scales, (g_idx.to(torch.int32) if shuffle else None), ref
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def test_codes_from_words_match_the_bit_unpackers() -> None:
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (64, 24), generator=gen, dtype=torch.int32)
+    assert torch.equal(int4_codes_from_rows(pack_rows(codes, 4)).int(), unpack_rows(pack_rows(codes, 4), 4))
+    assert torch.equal(int4_codes_from_cols(pack_cols(codes, 4)).int(), unpack_cols(pack_cols(codes, 4), 4))
+    assert int4_codes_from_rows(pack_rows(codes, 4)).dtype == torch.uint8
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [64, 128, 192])
+def test_our_packing_is_the_kernels_layout(n: int) -> None:
+    codes = torch.randint(0, 16, (n, 96), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    assert torch.equal(pack_int4_blocked(codes.t(), int4pack_status().block_n), packed)
+
+
+def test_group_helpers() -> None:
+    assert kernel_group_size(64) == 64 and kernel_group_size(576) == 64 and kernel_group_size(512) == 256
+    assert kernel_group_size(16) is None
+    assert contiguous_group_size(None, 256, 4) == 64
+    assert contiguous_group_size(torch.tensor([0, 1, 1, 0]), 4, 2) == 2
+    assert contiguous_group_size(torch.tensor([0, 1, 1, 1]), 4, 2) is None
+    status = fastcpu.Int4PackStatus(True, block_n=64)
+    assert unsupported_reason(4, 256, 64, 64, status=status) is None
+    assert "4-bit" in str(unsupported_reason(3, 256, 64, 64, status=status))
+    assert "32" in str(unsupported_reason(4, 256, 64, 16, status=status))
+    assert "unequal" in str(unsupported_reason(4, 256, 64, None, status=status))
+    assert "cannot" in str(unsupported_reason(4, 256, 64, 64, status=fastcpu.Int4PackStatus(False, "cannot")))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("k", "n", "group", "shuffle", "scale_dtype"),
+    [
+        (256, 192, 64, False, torch.float16),
+        (256, 192, 32, True, torch.float16),  # desc_act: permuted groups
+        (128, 48, 128, False, torch.float16),  # N padded to the kernel's block
+        (576, 64, 576, False, torch.float16),  # per-channel: the kernel repeats 64-wide groups
+        (512, 64, 512, True, torch.bfloat16),
+        (256, 64, 64, False, torch.float32),
+    ],
+)
+def test_weights_exact_and_both_paths_within_tolerance(
+    k: int, n: int, group: int, shuffle: bool, scale_dtype: torch.dtype
+) -> None:
+    codes, zeros, scales, g_idx, ref = _case(k, n, group, shuffle=shuffle, scale_dtype=scale_dtype)
+    bias = torch.randn(n)
+    layer = FastInt4Linear(codes, zeros, scales, g_idx, bias, small_rows=4)
+    assert layer.dequantize().dtype == scale_dtype
+    assert torch.equal(layer.dequantize(), ref)
+    assert (layer.perm is not None) == (shuffle and group < k)  # one group needs no permutation
+    x = torch.randn(2, 20, k)
+    want = x @ ref.float().t() + bias
+    assert _rel(layer(x), want) < MANY_ROWS_TOL  # 40 rows: dequantized float32 GEMM
+    few = layer(x[:1, :3])
+    assert few.shape == (1, 3, n) and few.dtype == torch.float32
+    assert _rel(few, want[:1, :3]) < FEW_ROWS_TOL  # int4 kernel, bfloat16
+    layer.prefill_dtype = torch.bfloat16
+    assert _rel(layer(x), want) < FEW_ROWS_TOL
+
+
+@needs_kernel
+def test_other_compute_dtypes_and_casts_leave_packed_data_alone() -> None:
+    codes, zeros, scales, _, ref = _case(128, 64, 32)
+    layer = FastInt4Linear(codes, zeros, scales, compute_dtype=torch.bfloat16)
+    x = torch.randn(5, 128)
+    for rows in (1, 5):
+        y = layer(x[:rows].to(torch.bfloat16))
+        assert y.dtype == torch.bfloat16
+        assert _rel(y, x[:rows] @ ref.float().t()) < FEW_ROWS_TOL
+    before = {name: (b.dtype, b.clone()) for name, b in layer.named_buffers()}
+    layer.half().to("cpu")
+    for name, b in layer.named_buffers():
+        assert b.dtype == before[name][0] and torch.equal(b, before[name][1]), name
+    assert torch.equal(layer.dequantize(), ref)
+
+
+@needs_kernel
+def test_packed_memory_is_about_half_a_byte_per_weight() -> None:
+    codes, zeros, scales, _, _ = _case(1536, 576, 64)
+    layer = FastInt4Linear(codes, zeros, scales)
+    assert layer.packed_bytes() / (1536 * 576) < 0.65
+
+
+@needs_kernel
+def test_rejects_what_it_cannot_run() -> None:
+    codes, zeros, scales, _, _ = _case(128, 64, 32)
+    with pytest.raises(ValueError, match="unequal"):
+        FastInt4Linear(codes, zeros, scales, torch.zeros(128, dtype=torch.int32))
+    with pytest.raises(ValueError, match="do not match"):
+        FastInt4Linear(codes, zeros[:, :32], scales)
+
+
+def test_plan_options() -> None:
+    assert FastCPUPlan.from_options({}).prefill_dtype is None
+    assert FastCPUPlan.from_options({"cpu_fast_prefill": "bfloat16"}).prefill_dtype == torch.bfloat16
+    assert FastCPUPlan.from_options({"cpu_fast_small_rows": "8"}).small_rows == 8
+    auto = FastCPUPlan.from_options({"cpu_fast_prefill": "auto"}).prefill_dtype
+    assert auto == (torch.bfloat16 if fastcpu.bf16_gemm_is_fast() else None)
+    with pytest.raises(ValueError, match="cpu_fast_prefill"):
+        FastCPUPlan.from_options({"cpu_fast_prefill": "int8"})

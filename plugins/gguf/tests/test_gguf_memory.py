@@ -1,0 +1,333 @@
+"""Memory-saving pieces of anyquant-gguf: packed embedding and tied head, chunked on-the-fly
+linears, released file pages, the int4 (``cpu-fast``) path, and the load's peak RSS."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+
+import anyquant
+from anyquant_gguf import qlinear
+from anyquant_gguf.qlinear import (
+    GGUFEmbedding,
+    GGUFLinear,
+    GGUFTiedHead,
+    chunked_linear,
+    dequantize_blocks_torch,
+    int4_codes_scales_offsets,
+)
+from anyquant_gguf.reader import UnsupportedGGUFType, open_gguf, release_pages
+
+
+def _raw(qtype: Q, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    if qtype == Q.Q4_K:  # gguf has no Q4_K quantizer: random bytes with finite float16 d / dmin
+        n = shape[0] * shape[1] // 256
+        data = rng.integers(0, 256, (n, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+        for offset in (0, 2):
+            data[:, offset : offset + 2] = (
+                (rng.standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            )
+        return torch.from_numpy(data).reshape(-1)
+    values = rng.standard_normal(shape).astype(np.float32) * 0.05
+    return torch.from_numpy(quantize(values, qtype)).reshape(-1)
+
+
+# --------------------------------------------------------------------------- modules
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_embedding_equals_dequantized_rows(qtype: Q) -> None:
+    shape = (40, 256)
+    raw = _raw(qtype, shape, 1)
+    table = dequantize_blocks_torch(raw, qtype, shape)
+    emb = GGUFEmbedding(raw, qtype, shape)
+    ids = torch.tensor([[0, 5, 39, 5], [1, 2, 3, 0]])
+    out = emb(ids)
+    assert out.shape == (2, 4, 256) and out.dtype == torch.float32
+    assert torch.equal(out, table[ids])
+    assert torch.equal(emb.dequantize(), table)
+    assert GGUFEmbedding(raw, qtype, shape, dtype=torch.bfloat16)(ids).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="bytes"):
+        GGUFEmbedding(raw[:-1], qtype, shape)
+
+
+def test_chunked_forward_equals_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    shape = (300, 128)
+    raw = _raw(Q.Q8_0, shape, 3)
+    weight = dequantize_blocks_torch(raw, Q.Q8_0, shape)
+    bias = torch.randn(300)
+    monkeypatch.setattr(qlinear, "CHUNK_ABOVE", 1000)
+    monkeypatch.setattr(qlinear, "CHUNK_WEIGHTS", 64 * 128)  # 5 slices, the last one short
+    x = torch.randn(2, 7, 128)
+    head = GGUFTiedHead(raw, Q.Q8_0, shape)
+    torch.testing.assert_close(head(x), F.linear(x, weight), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(head(x[:, :1]), F.linear(x[:, :1], weight), rtol=1e-6, atol=1e-6)
+    lin = GGUFLinear(raw, Q.Q8_0, shape, bias=bias)
+    torch.testing.assert_close(lin(x), F.linear(x, weight, bias), rtol=1e-6, atol=1e-6)
+    assert lin(x).shape == (2, 7, 300)
+    torch.testing.assert_close(chunked_linear(x, raw.view(300, -1), Q.Q8_0, shape, bias), F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_int4_codes_scales_offsets_are_exact(qtype: Q) -> None:
+    shape = (64, 512)
+    raw = _raw(qtype, shape, 4)
+    codes, scales, offsets = int4_codes_scales_offsets(raw, qtype, shape)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and scales.shape == offsets.shape == (64, 16)
+    w = codes.reshape(64, 16, 32).to(torch.float32).mul_(scales.unsqueeze(-1)).add_(offsets.unsqueeze(-1))
+    assert torch.equal(w.reshape(shape), dequantize_blocks_torch(raw, qtype, shape))
+
+
+def _fast_or_skip() -> Any:
+    fastcpu = pytest.importorskip("anyquant.runtime.fastcpu")
+    ok, reason = fastcpu.fast_cpu_capable()
+    if not ok:
+        pytest.skip(reason)
+    return fastcpu
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_int4_linear(qtype: Q) -> None:
+    _fast_or_skip()
+    shape = (192, 512)
+    raw = _raw(qtype, shape, 5)
+    weight = dequantize_blocks_torch(raw, qtype, shape)
+    lin = qlinear.gguf_int4_linear(raw, qtype, shape, bias=torch.ones(192), small_rows=4)
+    assert torch.equal(lin.dequantize(), weight)  # the exact weight of the many-rows path
+    x = torch.randn(32, 512)
+    torch.testing.assert_close(lin(x), F.linear(x, weight) + 1, rtol=1e-5, atol=1e-5)
+    few, ref = lin(x[:2]), F.linear(x[:2], weight) + 1  # the int4 kernel: bfloat16 activations
+    assert float((few - ref).abs().max()) < 2e-2 * float(ref.abs().max())
+    with pytest.raises(UnsupportedGGUFType):
+        qlinear.gguf_int4_linear(_raw(Q.Q8_0, (32, 64), 6), Q.Q8_0, (32, 64))
+
+
+def test_release_pages_keeps_values(tmp_path: Path) -> None:
+    values = np.random.default_rng(7).standard_normal((512, 1024)).astype(np.float32)
+    writer = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tensor("a.weight", quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
+    writer.add_tensor("b.weight", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = open_gguf(tmp_path / "t.gguf")
+    tensors = {t.name: torch.from_numpy(t.data.reshape(-1).view(np.uint8)) for t in reader.tensors}
+    before = {name: t.clone() for name, t in tensors.items()}
+    release_pages(reader, tensors["a.weight"])
+    release_pages(reader, torch.zeros(3))  # not in the map: ignored
+    release_pages(reader)
+    for name, t in tensors.items():
+        assert torch.equal(t, before[name])  # read back from the file
+
+
+# --------------------------------------------------------------------------- a tiny tied model
+
+
+@pytest.fixture()
+def tiny_tied(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    """A random llama with a tied head, Q8_0 embedding and Q4_0/Q4_1/Q8_0 linears."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    names = {
+        "embed_tokens": ("token_embd", Q.Q8_0),
+        "norm": ("output_norm", Q.F32),
+        "input_layernorm": ("attn_norm", Q.F32),
+        "post_attention_layernorm": ("ffn_norm", Q.F32),
+        "q_proj": ("attn_q", Q.Q4_1),
+        "k_proj": ("attn_k", Q.Q4_1),
+        "v_proj": ("attn_v", Q.Q4_0),
+        "o_proj": ("attn_output", Q.Q4_1),
+        "gate_proj": ("ffn_gate", Q.Q4_1),
+        "up_proj": ("ffn_up", Q.Q4_0),
+        "down_proj": ("ffn_down", Q.Q8_0),
+    }
+    writer = GGUFWriter(str(tmp_path / "tied.gguf"), "llama")
+    writer.add_block_count(2)
+    writer.add_context_length(128)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(4)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(128)
+    for hf_name, value in model.state_dict().items():
+        if hf_name == "lm_head.weight":
+            continue
+        parts = hf_name.split(".")
+        gguf, qtype = names[parts[-2]]
+        name = f"{gguf}.weight" if parts[1] in ("embed_tokens", "norm") else f"blk.{parts[2]}.{gguf}.weight"
+        array = value.float().numpy()
+        if parts[-2] in ("q_proj", "k_proj"):  # llama.cpp's interleaved-pair rows
+            array = array.reshape(4, 2, 8, 64).swapaxes(1, 2).reshape(64, 64)
+        if qtype == Q.F32:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+        else:
+            writer.add_tensor(name, quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tmp_path / "tied.gguf", model
+
+
+def _load(path: Path, backend: str, **extra: Any) -> Any:
+    from anyquant_gguf.loader import GGUFLoader
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GGUFLoader, "tokenizer", lambda self, probe, options: None)  # no vocabulary in the file
+        return anyquant.load(path, backend=backend, device="cpu", **extra)
+
+
+def test_packed_backend_keeps_embedding_and_head_packed(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
+    path, _ = tiny_tied
+    dense = _load(path, "dequantized")
+    packed = _load(path, "packed")
+    assert packed.info["embedding"] == "packed" and dense.info["embedding"] == "dense"
+    emb, head = packed.module.get_input_embeddings(), packed.module.get_output_embeddings()
+    assert isinstance(emb, GGUFEmbedding) and isinstance(head, GGUFTiedHead)
+    assert emb.qweight.data_ptr() == head.qweight.data_ptr()  # one copy of the tied table
+    assert not any(p.numel() >= 128 * 64 for p in packed.module.parameters())  # nothing dense that size
+    assert packed.module.config.tie_word_embeddings is False
+    ids = torch.tensor([[1, 5, 9, 100, 127, 3, 4, 8]])
+    with torch.no_grad():
+        ref = dense.module(ids).logits
+        torch.testing.assert_close(packed.module(ids).logits, ref, rtol=1e-5, atol=1e-5)
+        dense_emb = _load(path, "packed", embedding="dense")
+        assert dense_emb.info["embedding"] == "dense"
+        assert isinstance(dense_emb.module.get_input_embeddings(), torch.nn.Embedding)
+        torch.testing.assert_close(dense_emb.module(ids).logits, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="embedding="):
+        _load(path, "packed", embedding="int3")
+
+
+def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
+    _fast_or_skip()
+    path, _ = tiny_tied
+    dense = _load(path, "dequantized")
+    fast = _load(path, "cpu-fast", cpu_fast_small_rows=4)
+    info = fast.info["cpu_fast"]
+    assert info["converted"] == 12 and set(info["dequantized"]) == {
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.down_proj",
+    }
+    assert "Q8_0" in info["dequantized"]["model.layers.0.mlp.down_proj"]
+    ids = torch.tensor([[1, 5, 9, 100, 127, 3, 4, 8]])  # 8 rows > small_rows: the exact path
+    with torch.no_grad():
+        ref = dense.module(ids).logits
+        torch.testing.assert_close(fast.module(ids).logits, ref, rtol=1e-5, atol=1e-5)
+        few = fast.module(ids[:, :2]).logits  # the int4 kernel (bfloat16)
+        assert float((few - ref[:, :2]).abs().max()) < 5e-2 * float(ref.abs().max())
+    assert _load(path, "cpu-fast", embedding="packed").info["embedding"] == "packed"
+
+
+# --------------------------------------------------------------------------- the real model
+
+
+def _mapping_rss_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isdigit() or line[:1] in "abcdef":
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
+def test_file_pages_released_by_dequantized_backend(gguf_path: Path) -> None:
+    model = anyquant.load(gguf_path, backend="dequantized")
+    assert _mapping_rss_kib(gguf_path) < 0.05 * gguf_path.stat().st_size / 1024
+    with torch.no_grad():
+        model.module(torch.tensor([[1, 2, 3]]))
+    assert _mapping_rss_kib(gguf_path) < 0.05 * gguf_path.stat().st_size / 1024  # dense weights only
+    packed = anyquant.load(gguf_path, backend="packed")
+    with torch.no_grad():
+        packed.module(torch.tensor([[1, 2, 3]]))
+    assert _mapping_rss_kib(gguf_path) > 0.9 * gguf_path.stat().st_size / 1024  # the packed weights
+
+
+@pytest.mark.model
+def test_real_model_packed_embedding_and_cpu_fast(gguf_path: Path) -> None:
+    packed = anyquant.load(gguf_path, backend="packed")
+    assert isinstance(packed.module.get_input_embeddings(), GGUFEmbedding)
+    assert isinstance(packed.module.get_output_embeddings(), GGUFTiedHead)
+    assert packed.module.get_input_embeddings().qtype == Q.Q8_0
+    dense = anyquant.load(gguf_path, backend="dequantized")
+    ids = packed.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ref = dense.module(ids).logits
+        torch.testing.assert_close(packed.module(ids).logits, ref, rtol=1e-5, atol=1e-5)
+    try:
+        _fast_or_skip()
+    except pytest.skip.Exception:
+        return
+    fast = anyquant.load(gguf_path, backend="cpu-fast")
+    assert fast.info["cpu_fast"]["converted"] == 210 and not fast.info["cpu_fast"]["dequantized"]
+    text = fast.generate([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=12)
+    assert "Paris" in text
+
+
+_PEAK_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    def hwm():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) / 1024
+    import torch, transformers
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    import anyquant, anyquant_gguf.loader, anyquant_gguf.qlinear, anyquant_gguf.tokenizer
+    anyquant.detect(sys.argv[1])
+    base = hwm()
+    model = anyquant.load(sys.argv[1], backend=sys.argv[2])
+    print(json.dumps({"delta": hwm() - base}))
+    """
+)
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc/self/status")
+def test_load_peak_rss(gguf_path: Path) -> None:
+    """Peak RSS of a load above the imported runtime, in a fresh process (measured: packed ~85 MiB,
+    dequantized ~590 MiB for 540 MiB of float32 weights, cpu-fast ~270 MiB)."""
+
+    def delta(backend: str) -> float:
+        out = subprocess.run(
+            [sys.executable, "-c", _PEAK_SCRIPT, str(gguf_path), backend], capture_output=True, text=True, check=True
+        )
+        return float(json.loads(out.stdout.strip().splitlines()[-1])["delta"])
+
+    packed, dense = delta("packed"), delta("dequantized")
+    assert packed < 160 and dense < 700
+    assert packed < 0.3 * dense

@@ -1,0 +1,298 @@
+"""anyquant_gguf.tokenizer (built from GGUF metadata) and the fast reader vs their references.
+
+The reference is transformers' own GGUF tokenizer, ``AutoTokenizer.from_pretrained(folder,
+gguf_file=...)``, and the stock ``gguf.GGUFReader``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFWriter
+
+from anyquant_gguf.reader import open_gguf, tokenizer_from_gguf
+from anyquant_gguf.tokenizer import PRE_TOKENIZER_SPLITS, byte_alphabet, tokenizer_from_reader
+
+TEXTS = [
+    "Hello, GGUF world!",
+    "",
+    " ",
+    "   leading spaces and trailing   ",
+    "tabs\tand\nnewlines\n\n\r\n  mixed \t\t runs      of whitespace",
+    "Ünïcödé: naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 中文, 한국어 🤖🚀👍🏽",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "special tokens glued<|endoftext|>to text<|im_end|><|im_start|>",
+    "def f(x):\n    return x ** 2  # code\n\n\nclass A:\n\tpass",
+    "numbers 1234567890 3.14159 -42 1e-5 0x1F",
+    "I'm you're they'll we've she'd IT'S DON'T",
+    "<repo_name>anyquant<file_sep>main.py<filename>x",
+    "zero\u200bwidth\u00a0nbsp and combining e\u0301",
+]
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2 + 2?  Answer with   spaces."},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "Ünïcödé? 日本語 🤖"},
+]
+
+
+def _reference(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+
+
+def _assert_same_tokenizer(ours: Any, ref: Any, texts: list[str]) -> None:
+    assert json.loads(ours.backend_tokenizer.to_str()) == json.loads(ref.backend_tokenizer.to_str())
+    assert type(ours) is type(ref)
+    assert ours.special_tokens_map == ref.special_tokens_map
+    assert ours.all_special_ids == ref.all_special_ids
+    assert ours.added_tokens_decoder == ref.added_tokens_decoder
+    assert ours.chat_template == ref.chat_template
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.unk_token_id) == (
+        ref.bos_token_id,
+        ref.eos_token_id,
+        ref.pad_token_id,
+        ref.unk_token_id,
+    )
+    assert getattr(ours, "add_bos_token", None) == getattr(ref, "add_bos_token", None)
+    assert getattr(ours, "add_eos_token", None) == getattr(ref, "add_eos_token", None)
+    assert len(ours) == len(ref)
+    for text in texts:
+        ids = ours(text)["input_ids"]
+        assert ids == ref(text)["input_ids"], text
+        assert ours(text, add_special_tokens=False)["input_ids"] == ref(text, add_special_tokens=False)["input_ids"]
+        assert ours.decode(ids) == ref.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+        assert ours.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+    batch = ours(texts[:3], padding=True)["input_ids"] if ours.pad_token_id is not None else None
+    if batch is not None:
+        assert batch == ref(texts[:3], padding=True)["input_ids"]
+
+
+# --------------------------------------------------------------------------- real model
+
+
+@pytest.mark.model
+def test_tokenizer_matches_transformers(gguf_path: Path) -> None:
+    ours = tokenizer_from_gguf(gguf_path)
+    ref = _reference(gguf_path)
+    _assert_same_tokenizer(ours, ref, TEXTS)
+    assert ours.decode(ours("Hello, GGUF world! 日本語")["input_ids"]) == "Hello, GGUF world! 日本語"
+    for generation_prompt in (False, True):
+        text = ours.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=generation_prompt)
+        assert text == ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=generation_prompt)
+        assert ours(text)["input_ids"] == ref(text)["input_ids"]
+    # the default system prompt comes from the template in the GGUF metadata
+    chat = ours.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert chat.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+@pytest.mark.model
+def test_fast_reader_equals_gguf_reader(gguf_path: Path) -> None:
+    _assert_same_reader(gguf_path)
+
+
+@pytest.mark.model
+def test_tokenizer_from_an_open_reader(gguf_path: Path) -> None:
+    reader = open_gguf(gguf_path)
+    tok = tokenizer_from_gguf(reader)
+    assert tok.name_or_path == str(gguf_path.parent)
+    assert tok("<|im_start|>hi")["input_ids"][0] == 1
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def test_byte_alphabet_is_gpt2s() -> None:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    assert dict(enumerate(byte_alphabet())) == bytes_to_unicode()
+
+
+def test_split_regexes_match_transformers() -> None:
+    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    theirs = mapping.GGUF_PRE_TOKENIZER_SPLITS
+    for pre, regex in PRE_TOKENIZER_SPLITS.items():
+        assert theirs.get(pre) == regex, pre
+
+
+# --------------------------------------------------------------------------- synthetic files
+
+
+def _byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
+    """A small byte-level BPE: 4 control tokens (one mis-spelled), the 256 byte characters,
+    merged tokens, a user-defined ``<think>`` and a token spelled outside the byte alphabet."""
+    alphabet = byte_alphabet()
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<\uff5cbegin\u2581of\u2581sentence\uff5c>"]
+    types = [3, 3, 3, 3]
+    tokens += list(alphabet)
+    types += [1] * 256
+    merges = ["Ġ t", "h e", "Ġt he", "l l", "e ll", "h ell", "o r", "Ġ w", "Ġw or", "Ġwor l", "Ġworl d", "Ã ©"]
+    for merge in merges:
+        tokens.append(merge.replace(" ", ""))
+        types.append(1)
+    tokens += ["<think>", "€!"]  # "€" is no byte-alphabet character: the token gets re-spelled
+    types += [4, 1]
+    return tokens, types, merges
+
+
+def _write_tokenizer_gguf(
+    path: Path, *, model: str, pre: str | None, tokens: list[str], types: list[int], **extra: Any
+) -> Path:
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model(model)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    if "merges" in extra:
+        writer.add_token_merges(extra["merges"])
+    if "scores" in extra:
+        writer.add_token_scores(extra["scores"])
+    writer.add_bos_token_id(extra.get("bos", 1))
+    writer.add_eos_token_id(extra.get("eos", 2))
+    if "unk" in extra:
+        writer.add_unk_token_id(extra["unk"])
+    if "pad" in extra:
+        writer.add_pad_token_id(extra["pad"])
+    if "add_bos" in extra:
+        writer.add_add_bos_token(extra["add_bos"])
+    if "template" in extra:
+        writer.add_chat_template(extra["template"])
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _assert_same_reader(path: Path) -> None:
+    ours, stock = open_gguf(path), GGUFReader(str(path), "c")
+    assert isinstance(ours, GGUFReader)
+    assert list(ours.fields) == list(stock.fields)
+    for key, theirs in stock.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.name, mine.data, mine.types) == (
+            theirs.offset,
+            theirs.name,
+            theirs.data,
+            theirs.types,
+        )
+        assert len(mine.parts) == len(theirs.parts)
+        for a, b in zip(mine.parts, theirs.parts, strict=True):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        assert mine.contents() == theirs.contents()
+    assert ours.data_offset == stock.data_offset and ours.alignment == stock.alignment
+    assert len(ours.tensors) == len(stock.tensors)
+    for a, b in zip(ours.tensors, stock.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == (
+            b.name,
+            b.tensor_type,
+            b.n_elements,
+            b.n_bytes,
+            b.data_offset,
+        )
+        assert a.shape.tolist() == b.shape.tolist() and a.data.shape == b.data.shape
+        assert np.array_equal(a.data, b.data)
+
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SYNTH_TEXTS = [
+    "the world",
+    " the  hello world",
+    "hello<think>the<|im_end|>€!",
+    "é! é é!! €! €",
+    "<|im_start|>user\nthe<|im_end|>\n",
+    "<\uff5cbegin\u2581of\u2581sentence\uff5c> world",
+    "",
+    "  \n\n  the\t\tworld  ",
+]
+
+
+@pytest.mark.parametrize("pre", [None, "smollm", "llama-bpe", "qwen2"])
+def test_byte_level_tokenizer_matches_transformers(tmp_path: Path, pre: str | None) -> None:
+    tokens, types, merges = _byte_level_vocab()
+    path = _write_tokenizer_gguf(
+        tmp_path / "bpe.gguf",
+        model="gpt2",
+        pre=pre,
+        tokens=tokens,
+        types=types,
+        merges=merges,
+        pad=0,
+        template=TEMPLATE,
+    )
+    _assert_same_reader(path)
+    ours = tokenizer_from_reader(open_gguf(path))
+    ref = _reference(path)
+    _assert_same_tokenizer(ours, ref, SYNTH_TEXTS)
+    respelled = "".join(byte_alphabet()[b] for b in "€!".encode())  # outside the byte alphabet
+    assert ours.convert_tokens_to_ids(respelled) == tokens.index("€!")
+    assert ours.convert_ids_to_tokens(ours("é", add_special_tokens=False)["input_ids"]) == ["Ã©"]
+    text = ours.apply_chat_template(
+        [{"role": "user", "content": "the world"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == ref.apply_chat_template(
+        [{"role": "user", "content": "the world"}], tokenize=False, add_generation_prompt=True
+    )
+    assert ours(text)["input_ids"] == ref(text)["input_ids"]
+
+
+def test_byte_level_with_bos(tmp_path: Path) -> None:
+    tokens, types, merges = _byte_level_vocab()
+    path = _write_tokenizer_gguf(
+        tmp_path / "bos.gguf", model="gpt2", pre="llama-bpe", tokens=tokens, types=types, merges=merges, add_bos=True
+    )
+    ours, ref = tokenizer_from_gguf(path), _reference(path)
+    _assert_same_tokenizer(ours, ref, SYNTH_TEXTS)
+    assert ours("the")["input_ids"][0] == 1
+
+
+def test_unknown_pre_tokenizer_goes_to_transformers_converter(tmp_path: Path) -> None:
+    tokens, types, merges = _byte_level_vocab()
+    path = _write_tokenizer_gguf(
+        tmp_path / "other.gguf", model="gpt2", pre="gpt-4o", tokens=tokens, types=types, merges=merges
+    )
+    _assert_same_tokenizer(tokenizer_from_gguf(path), _reference(path), SYNTH_TEXTS)
+
+
+def test_sentencepiece_vocab_goes_to_transformers_converter(tmp_path: Path) -> None:
+    pieces = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)]]
+    words = ["▁", "t", "h", "e", "▁t", "he", "▁the", "w", "o", "r", "l", "d", "▁w", "or", "▁wor", "ld", "▁world"]
+    tokens = pieces + words
+    types = [2, 3, 3] + [6] * 256 + [1] * len(words)
+    scores = [0.0] * len(pieces) + [-float(i) for i in range(len(words))]
+    path = _write_tokenizer_gguf(
+        tmp_path / "spm.gguf", model="llama", pre="default", tokens=tokens, types=types, scores=scores, unk=0
+    )
+    texts = ["the world", " the  world", "xyz the", "", "world\nthe"]
+    _assert_same_tokenizer(tokenizer_from_gguf(path), _reference(path), texts)
+
+
+def test_missing_vocabulary(tmp_path: Path) -> None:
+    writer = GGUFWriter(str(tmp_path / "novocab.gguf"), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="no tokenizer"):
+        tokenizer_from_gguf(tmp_path / "novocab.gguf")
