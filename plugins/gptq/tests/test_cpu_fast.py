@@ -133,15 +133,17 @@ def test_options_bf16_prefill_and_small_rows(root: Path) -> None:
         assert _rel(fast.module(ids).logits, want) < DECODE_TOL  # bfloat16 GEMM
 
 
-def test_bf16_checkpoint_scales(root: Path) -> None:
-    """GPTQModel reloaded with dtype=bfloat16 casts the scales first; dtype=bfloat16 here does the same."""
-    from tests.peers.catalog import GPTQ_BF16_VARIANT
-
-    judge = root / "judges" / GPTQ_BF16_VARIANT / "gptqmodel_dequant_bf16.safetensors"
-    if not judge.exists():
-        pytest.skip("no bf16 judge")
-    fast = anyquant.load(root / "quantized" / GPTQ_BF16_VARIANT, backend="cpu-fast", dtype="bfloat16")
-    ids = load_file(root / "judges" / GPTQ_BF16_VARIANT / "gptqmodel_logits.safetensors")["input_ids"]
+def test_bfloat16_compute_dtype(root: Path) -> None:
+    """dtype=bfloat16: the int4 kernel runs without casts, prompts use a bfloat16 GEMM; both within
+    bfloat16 tolerance of the reference backend in bfloat16."""
+    variant = "b4_g128_sym_nodesc_gptq"
+    path = root / "quantized" / variant
+    ids = load_file(root / "judges" / variant / "gptqmodel_logits.safetensors")["input_ids"]
+    reference = anyquant.load(path, backend="reference", dtype="bfloat16")
     with torch.no_grad():
-        logits = fast.module(ids).logits
-    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+        want = reference.module(ids).logits.float()
+        for rows in (64, 16):  # 32-token prompt: int4 kernel, then the dequantize + GEMM path
+            fast = anyquant.load(path, backend="cpu-fast", dtype="bfloat16", cpu_fast_small_rows=rows)
+            logits = fast.module(ids).logits
+            assert logits.dtype == torch.bfloat16
+            assert _rel(logits.float(), want) < DECODE_TOL
