@@ -3,7 +3,7 @@
 Each row runs in a fresh process: load time, RSS right after loading (above the runtime's RSS
 once torch/transformers/the plugin are imported) and peak RSS over the whole run, prefill
 tokens/s (512 held-out wiki tokens, best of 2), decode tokens/s (64 greedy tokens after a 32-token
-prompt), perplexity on 2,048 held-out wiki tokens (512-token windows).
+prompt, best of 2), perplexity on 2,048 held-out wiki tokens (512-token windows).
 
 Rows: transformers' ``from_pretrained(gguf_file=)`` (dequantizes every tensor to dense fp32),
 anyquant ``dequantized`` (auto: the same dense fp32 weights, file pages released after load),
@@ -41,7 +41,7 @@ def rows(path: str, threads: int) -> list[tuple[str, dict[str, Any]]]:
         "ppl_tokens": 2048,
         "decode_tokens": 64,
         "repeat": 2,
-        "decode_repeat": 1,
+        "decode_repeat": 2,
     }
     return [
         (BASELINE, {"kind": "transformers-gguf", **common}),
