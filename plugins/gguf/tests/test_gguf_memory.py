@@ -265,13 +265,12 @@ def _mapping_rss_kib(path: Path) -> int:
 
 @pytest.mark.model
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
-@pytest.mark.xfail(
-    reason="environment-dependent: on a fresh clone ~28 MB of the file stayed resident after load "
-    "(passes in the developer's tree); under investigation, see the session note",
-    strict=False,
-)
 def test_file_pages_released_by_dequantized_backend(gguf_path: Path) -> None:
-    """In a fresh process: other tests' models in this one keep their own mappings of the file."""
+    """In a fresh process: other tests' models in this one keep their own mappings of the file.
+
+    The forward matters: a float tensor left as a view of the map (the norms) faults in on first
+    use, and the kernel's fault-around then maps the cached file pages around it as well (this
+    kept ~17-28 MB resident when the file was hot in the page cache)."""
     import subprocess
     import sys
     import textwrap

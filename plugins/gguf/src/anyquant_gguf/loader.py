@@ -70,7 +70,7 @@ class GGUFSource:
         self.gguf_names = {hf: g for g, hf in hf_tensor_names(self.reader).items()}
         self.used: set[str] = set()
         self.placeholders: dict[str, torch.dtype] = {}
-        #: drop a dequantized tensor's file pages from RSS once its copy exists (dequantized backend)
+        #: copy every tensor out of the map and drop its file pages from RSS (dequantized backend)
         self.release_after_copy = False
 
     def keys(self) -> Iterator[str]:
@@ -91,7 +91,12 @@ class GGUFSource:
             shape = self.shape(name)
             return torch.zeros(1, dtype=self.placeholders[name]).expand(shape)
         value = load_tensor(self.reader, self.gguf_names[name])
-        if self.release_after_copy and not self._in_map(value):
+        if self.release_after_copy:
+            if self._in_map(value):
+                # a float tensor stored as-is (norms): a view would keep the mapping live, and
+                # the page fault of its first forward maps the file pages around it too
+                # (the kernel's fault-around, 64 KiB per fault): copy it out
+                value = value.clone()
             self.release(name)
         return value
 
