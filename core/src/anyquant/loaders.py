@@ -109,14 +109,19 @@ class TransformersLoader:
         backend = self.choose_backend(options.backend, device)
         source = self.tensor_source(probe, options)
         ctx = LoadContext(probe, detection, source, backend, dtype, device, options)
-        module = build_model(
-            self.model_config(probe),
-            source,
-            make_linear=self.make_linear(ctx),
-            dtype=dtype,
-            device=device,
-            trust_remote_code=options.trust_remote_code,
-        )
+        try:
+            module = build_model(
+                self.model_config(probe),
+                source,
+                make_linear=self.make_linear(ctx),
+                dtype=dtype,
+                device=device,
+                trust_remote_code=options.trust_remote_code,
+            )
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
         unused: list[str] = getattr(source, "unused", list)()
         if unused:
             log.warning("%d checkpoint tensors were not used (e.g. %s)", len(unused), unused[:3])
