@@ -316,7 +316,7 @@ def sample_tiles(matrix: torch.Tensor, count: int) -> torch.Tensor:
     """Up to ``count`` stream-order tiles along a wrapped diagonal (every tile row and column hit if possible)."""
     tiles = matrix_to_stream_tiles(matrix)
     tk, tn = tiles.shape[0], tiles.shape[1]
-    idx = torch.arange(min(count, tk * tn))
+    idx = torch.arange(min(count, tk * tn), device=tiles.device)
     return tiles[idx % tk, (idx + idx // max(tk, 1)) % tn]
 
 

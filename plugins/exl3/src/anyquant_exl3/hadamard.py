@@ -28,14 +28,14 @@ def sylvester(n: int) -> torch.Tensor:
     return (1 - 2 * parity).to(torch.float32)
 
 
-@lru_cache(maxsize=8)
-def _normalized(n: int, dtype: torch.dtype) -> torch.Tensor:
-    return (sylvester(n) * (1.0 / math.sqrt(n))).to(dtype)
+@lru_cache(maxsize=16)
+def _normalized(n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return (sylvester(n) * (1.0 / math.sqrt(n))).to(device=device, dtype=dtype)
 
 
-def hadamard(n: int = HAD_DIM, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Normalized Sylvester Hadamard ``H_n / sqrt(n)`` (cached; treat as read-only)."""
-    return _normalized(n, dtype)
+def hadamard(n: int = HAD_DIM, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Normalized Sylvester Hadamard ``H_n / sqrt(n)`` on ``device`` (cached per device; treat as read-only)."""
+    return _normalized(n, dtype, str(torch.device(device)))
 
 
 def had_left(x: torch.Tensor, n: int = HAD_DIM) -> torch.Tensor:
@@ -43,7 +43,7 @@ def had_left(x: torch.Tensor, n: int = HAD_DIM) -> torch.Tensor:
     rows, cols = x.shape
     if rows % n:
         raise ValueError(f"row count {rows} is not a multiple of the Hadamard size {n}")
-    h = hadamard(n, x.dtype)
+    h = hadamard(n, x.dtype, x.device)
     return torch.matmul(h, x.reshape(rows // n, n, cols)).reshape(rows, cols)
 
 
@@ -52,5 +52,5 @@ def had_right(x: torch.Tensor, n: int = HAD_DIM) -> torch.Tensor:
     rows, cols = x.shape
     if cols % n:
         raise ValueError(f"column count {cols} is not a multiple of the Hadamard size {n}")
-    h = hadamard(n, x.dtype)
+    h = hadamard(n, x.dtype, x.device)
     return torch.matmul(x.reshape(rows * (cols // n), n), h).reshape(rows, cols)

@@ -6,14 +6,16 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from anyquant.errors import CheckpointError, UnsupportedFormatError
+from anyquant.errors import CheckpointError, UnsupportedBackendError, UnsupportedFormatError
 from anyquant.loaders import LoadContext, TransformersLoader
 from anyquant.probe import Probe
-from anyquant.protocols import BackendInfo, Detection, ModuleInfo
+from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 from anyquant.report import dense_rows
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from anyquant.runtime.loaded import LoadedModel
 
 __all__ = ["EXL2Loader", "EXL3Loader"]
 
@@ -24,18 +26,10 @@ LOCKED_MARKERS = {"mcg": -877912083, "mul1": -2082680531}
 
 
 def _exllamav3_backend() -> BackendInfo:
-    import importlib.util
+    """Cheap availability check (never imports exllamav3: its import JIT-compiles a CUDA extension)."""
+    from .cuda_backend import backend_info
 
-    if importlib.util.find_spec("exllamav3") is None:
-        return BackendInfo("exllamav3", False, "exllamav3 is not installed")
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return BackendInfo("exllamav3", False, "exllamav3 needs an Ampere+ NVIDIA GPU; none is visible")
-    except ImportError:  # pragma: no cover
-        return BackendInfo("exllamav3", False, "torch is not installed")
-    return BackendInfo("exllamav3", False, "the exllamav3 CUDA backend is not wired in yet (GPU-only work)")
+    return backend_info()
 
 
 def _modules(probe: Probe) -> dict[str, dict[str, Any]]:
@@ -72,6 +66,36 @@ class EXL3Loader(TransformersLoader):
             BackendInfo("dequantized", True, description="decode once at load (pure torch); dense speed and memory"),
             BackendInfo("reference", True, description="pure torch, decode on every forward; packed memory"),
         ]
+
+    def choose_backend(self, requested: str, device: Any) -> str:
+        on_cuda = getattr(device, "type", "cpu") == "cuda"
+        if requested == "auto" and not on_cuda:
+            # exllamav3 runs on CUDA only: any other device picks among the pure-torch backends
+            available = {b.name for b in self.backends() if b.available}
+            for name in self.backend_order:
+                if name != "exllamav3" and name in available:
+                    return name
+        if requested == "exllamav3" and not on_cuda and _exllamav3_backend().available:
+            raise UnsupportedBackendError(f"backend 'exllamav3' runs on CUDA GPUs only, not on device {str(device)!r}")
+        return super().choose_backend(requested, device)
+
+    def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel:
+        """``backend="exllamav3"`` (the ``auto`` choice on a CUDA device when exllamav3 can run) hands the
+        checkpoint to exllamav3's kernels and generator (:mod:`anyquant_exl3.cuda_backend`);
+        ``tensor_parallel=True`` loads it tensor-parallel over 2+ GPUs there. The other backends build the
+        transformers model with :class:`~anyquant_exl3.qlinear.EXL3Linear` layers."""
+        from .cuda_backend import check_tensor_parallel
+
+        tensor_parallel = check_tensor_parallel(options)  # typed error before anything heavy
+        requested = "exllamav3" if tensor_parallel else options.backend
+        if requested in ("auto", "exllamav3"):
+            from anyquant.runtime.build import resolve_device
+
+            if self.choose_backend(requested, resolve_device(options.device)) == "exllamav3":
+                from .cuda_backend import load_exllamav3
+
+                return load_exllamav3(probe, detection, options, tensor_parallel=tensor_parallel)
+        return super().load(probe, detection, options)
 
     def validate(self, probe: Probe, detection: Detection) -> None:
         problems = detection.details.get("problems") or []

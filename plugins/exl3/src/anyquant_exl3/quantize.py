@@ -6,6 +6,8 @@ Hadamard regularisation, tail-biting Viterbi over the 16-bit trellis per 16x16 t
 bit at a time, from the first layer on, until the budget ``bits x weights`` is spent (exllamav3
 allocates whole groups by priority; this is the simple version of it). The head stays 16-bit
 (``head_bits=16``). The encoder runs about 5-12k weights/s per core: tiny and small models only.
+Option ``encode_device="cuda"`` runs the same torch code on a GPU in batches of ``batch_tiles`` tiles
+(default: up to 256 within 2 GiB, :func:`gpu_batch_tiles`; prepared, not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anyquant.errors import QuantizeError
 from anyquant.probe import Probe
 from anyquant.protocols import QuantizeSpec
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["EXL3Quantizer", "allocate_bits"]
 
@@ -28,6 +33,18 @@ log = logging.getLogger(__name__)
 
 VALID_K = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
 CODEBOOKS = ("3inst", "mcg", "mul1")
+#: Viterbi tiles per batch on a GPU: few, large kernel launches, within GPU_VITERBI_BYTES of step priors and
+#: costs (4 MiB per tile at K=4, 32 MiB at K=1).
+GPU_BATCH_TILES = 256
+GPU_VITERBI_BYTES = 2 << 30
+
+
+def gpu_batch_tiles(k_bits: float) -> int:
+    """Default Viterbi batch on a GPU for bitrate ``k_bits``."""
+    from .trellis import step_bits
+
+    per_tile = 4 * sum((1 << 16) >> d for d in step_bits(k_bits)) + 8 * (1 << 16)
+    return max(1, min(GPU_BATCH_TILES, GPU_VITERBI_BYTES // per_tile))
 
 
 def allocate_bits(sizes: list[int], bits: float) -> list[float]:
@@ -42,6 +59,20 @@ def allocate_bits(sizes: list[int], bits: float) -> list[float]:
             ks[i] += 1
             budget -= n
     return ks
+
+
+def _encode_device(spec: QuantizeSpec) -> torch.device:
+    """Where the encoder runs: option ``encode_device`` (default ``"cpu"``; ``"cuda"`` is far faster)."""
+    import torch
+
+    name = str(spec.options.get("encode_device", "cpu"))
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise QuantizeError(f"encode_device {name!r} is not a torch device: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise QuantizeError(f"encode_device {name!r}: no CUDA GPU is visible here")
+    return device
 
 
 def _linear_weights(probe: Probe) -> list[str]:
@@ -66,11 +97,11 @@ class EXL3Quantizer:
             raise QuantizeError("anyquant's CPU encoder keeps the head unquantized: head_bits=16 only for now")
         if not _linear_weights(probe):
             raise QuantizeError("no decoder-layer linear weights found to quantize")
+        _encode_device(spec)
 
     def quantize(
         self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None] | None = None
     ) -> Path:
-        import torch
         from safetensors import safe_open
         from safetensors.torch import save_file
 
@@ -83,6 +114,8 @@ class EXL3Quantizer:
         ks = allocate_bits(sizes, float(spec.bits))
         codebook = str(spec.options.get("codebook", "mul1")).lower()
         seed = int(spec.options.get("seed", 0))
+        device = _encode_device(spec)
+        batch_tiles = spec.options.get("batch_tiles")
         out = dst / "model"
         out.mkdir(parents=True, exist_ok=True)
         tensors: dict[str, torch.Tensor] = {}
@@ -91,10 +124,11 @@ class EXL3Quantizer:
         done, total = 0, sum(sizes)
         for i, (name, k) in enumerate(zip(names, ks, strict=True)):
             info = probe.tensors[f"{name}.weight"]
-            weight = handles[info.file].get_tensor(info.name).float()
+            weight = handles[info.file].get_tensor(info.name).float().to(device)
             report(f"encoding {name} (K={k:g})", 0.05 + 0.8 * done / total)
-            enc = encode_exl3(weight, k, codebook=codebook, seed=seed + i)
-            tensors.update({f"{name}.{key}": value.contiguous() for key, value in enc.items()})
+            batch = batch_tiles if batch_tiles is not None or device.type == "cpu" else gpu_batch_tiles(k)
+            enc = encode_exl3(weight, k, codebook=codebook, seed=seed + i, batch_tiles=batch)
+            tensors.update({f"{name}.{key}": value.cpu().contiguous() for key, value in enc.items()})
             done += sizes[i]
         for tname, info in probe.tensors.items():
             if tname.removesuffix(".weight") in quantized and tname.endswith(".weight"):

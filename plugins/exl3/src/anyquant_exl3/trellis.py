@@ -140,7 +140,7 @@ def _window_tables(k_bits: float, order: str) -> tuple[torch.Tensor, torch.Tenso
 
 def states_from_words(words: torch.Tensor, k_bits: float, order: StateOrder = "stream") -> torch.Tensor:
     """16-bit states ``[..., 256]`` (int32) from uint32 words ``[..., 8K]`` (int64)."""
-    i0, i1, shift = _window_tables(float(k_bits), order)
+    i0, i1, shift = (t.to(words.device) for t in _window_tables(float(k_bits), order))
     lo_word = words[..., i1]
     hi_word = words[..., i0]
     state = (lo_word >> shift) | (hi_word << (32 - shift))
@@ -210,10 +210,10 @@ def pack_states(states: torch.Tensor, k_bits: float, chunk_tiles: int = 4096) ->
         raise ValueError(f"states last dim must be {TILE_NUMEL}, got {states.shape[-1]}")
     lead = states.shape[:-1]
     flat = states.reshape(-1, TILE_NUMEL).to(torch.int64)
-    js, bs = _bit_sources(float(k_bits))
-    weights = torch.tensor([1 << (31 - i) for i in range(32)], dtype=torch.int64)
+    js, bs = (t.to(flat.device) for t in _bit_sources(float(k_bits)))
+    weights = torch.tensor([1 << (31 - i) for i in range(32)], dtype=torch.int64, device=flat.device)
     nw = words_per_tile(k_bits) // 2
-    out = torch.empty((flat.shape[0], nw), dtype=torch.int64)
+    out = torch.empty((flat.shape[0], nw), dtype=torch.int64, device=flat.device)
     for start in range(0, flat.shape[0], chunk_tiles):
         block = flat[start : start + chunk_tiles]
         bits = (block[:, js] >> bs) & 1

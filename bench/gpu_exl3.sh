@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# GPU checks of anyquant's EXL3 plugin against exllamav3 (prepared, not yet run on a GPU).
+#
+#   bench/gpu_exl3.sh [--quick] [--deadline SECONDS] [other bench/gpu_exl3.py options]
+#   bench/gpu_exl3.sh --fetch-wheels     (on a machine with a package index: wheels for a GPU box without one)
+#
+# Runs from the repository root, offline. Python: .venv/bin/python when it sees a CUDA GPU, else python3 (a
+# GPU image's own torch). anyquant and the EXL3 plugin come from the source tree (PYTHONPATH); exllamav3 and
+# its missing dependencies are installed from .cache/gpu-wheels into a scratch folder when the interpreter
+# lacks them. exllamav3 JIT-compiles its CUDA extension on first import: the build goes to
+# .cache/torch_extensions (TORCH_EXTENSIONS_DIR) and resumes there when a run is cut short.
+#
+# Exit status: 0 all checks passed, 1 a check failed, 2 the extension build did not finish in time (run again:
+# it resumes), 3 no CUDA GPU ("no CUDA GPU: skipped"). Five minutes or less once the extension is built.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+WHEELS="$REPO/.cache/gpu-wheels"
+
+if [[ "${1:-}" == "--fetch-wheels" ]]; then
+    # exllamav3's wheel (pure Python: the CUDA extension is built on the GPU machine) and the dependencies a
+    # CUDA PyTorch image usually lacks, for CPython 3.12 on x86-64 Linux (PY_VERSION to change)
+    mkdir -p "$WHEELS"
+    exec "${PYTHON:-.venv/bin/python}" -m pip download --no-deps --only-binary=:all: \
+        --python-version "${PY_VERSION:-3.12}" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$WHEELS" \
+        exllamav3==1.6.5 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+        typing-inspection==0.4.5 typing-extensions==4.16.0 marisa-trie==1.4.1
+fi
+
+has_cuda() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
+PY=""
+for cand in "${PYTHON:-}" .venv/bin/python python3; do
+    if [[ -n "$cand" ]] && command -v "$cand" >/dev/null 2>&1 && has_cuda "$cand"; then PY="$cand"; break; fi
+done
+if [[ -z "$PY" ]]; then
+    echo "no CUDA GPU: skipped"
+    exit 3
+fi
+
+# exllamav3 (and pydantic, marisa-trie, ...) from the carried wheels when this interpreter lacks them
+SITE="${ANYQUANT_GPU_SITE:-/tmp/anyquant-gpu-site}"
+if [[ -d "$SITE" ]]; then export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"; fi # installed by an earlier run
+missing=$("$PY" - <<'EOF'
+import importlib.util
+print(" ".join(m for m in ("exllamav3", "pydantic", "marisa_trie") if importlib.util.find_spec(m) is None))
+EOF
+)
+if [[ -n "$missing" ]]; then
+    if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
+        echo "missing Python packages: $missing; no wheels in $WHEELS (bench/gpu_exl3.sh --fetch-wheels)"
+        exit 1
+    fi
+    echo "installing $(ls "$WHEELS" | wc -l) wheels from $WHEELS into $SITE (missing: $missing)"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$WHEELS"/*.whl || exit 1
+    [[ ":${PYTHONPATH:-}:" == *":$SITE:"* ]] || export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$REPO/core/src:$REPO/plugins/exl3/src${PYTHONPATH:+:$PYTHONPATH}"
+
+# the extension build: cached in the repo's ignored .cache, for this GPU's architecture only, all cores
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$REPO/.cache/torch_extensions}"
+mkdir -p "$TORCH_EXTENSIONS_DIR"
+rm -f "$TORCH_EXTENSIONS_DIR"/exllamav3_ext/lock # a run killed mid-build leaves it; torch would wait forever
+if [[ -z "${TORCH_CUDA_ARCH_LIST:-}" ]]; then
+    TORCH_CUDA_ARCH_LIST=$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(f"{m}.{n}")')
+    export TORCH_CUDA_ARCH_LIST
+fi
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+export EXLLAMA_EXT_COMPRESS="${EXLLAMA_EXT_COMPRESS:-0}" # packed kernel images only save disk; skip the step
+# torch's JIT build runs `ninja` and nvcc: the ninja of the interpreter's package, CUDA_HOME from nvcc
+ninja_bin=$("$PY" -c 'import ninja; print(ninja.BIN_DIR)' 2>/dev/null) && export PATH="$ninja_bin:$PATH"
+# CUDA_HOME: a folder with bin/nvcc and include/cuda_runtime.h (an nvcc on PATH may be a wrapper script,
+# which would make torch's own guess, dirname(dirname(nvcc)), wrong)
+find_cuda_home() {
+    local nv top c
+    nv=$(command -v nvcc 2>/dev/null)
+    top=""
+    [[ -n "$nv" ]] && top=$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)
+    [[ -n "$top" ]] && top=$(cd "$top" 2>/dev/null && pwd -P)
+    for c in "${CUDA_HOME:-}" "${CUDA_PATH:-}" "$top" "${nv:+$(dirname "$(dirname "$(readlink -f "$nv")")")}" \
+        /usr/local/cuda /usr/local/cuda-[0-9]* /opt/cuda; do
+        if [[ -n "$c" && -x "$c/bin/nvcc" && -f "$c/include/cuda_runtime.h" ]]; then
+            echo "$c"
+            return 0
+        fi
+    done
+    return 1
+}
+if cuda_home=$(find_cuda_home); then
+    export CUDA_HOME="$cuda_home" PATH="$cuda_home/bin:$PATH"
+else
+    echo "warning: no CUDA toolkit (nvcc + headers) found: exllamav3's JIT build will fail unless it is prebuilt"
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONDONTWRITEBYTECODE=1
+
+echo "python: $PY ($("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'))"
+echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS CUDA_HOME=${CUDA_HOME:-} TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR"
+json=()
+if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then json=(--json "$OUT/gpu_exl3.json"); fi
+"$PY" bench/gpu_exl3.py ${json[@]+"${json[@]}"} "$@"
