@@ -1,0 +1,386 @@
+"""EXL3 on CPU: the pure-torch reference decoder, the CPU encoder, and EXL3 vs GPTQ at about 4 bpw.
+
+Three tables, all measured in this process, best of N (the machine's cores are shared):
+
+1. **Decode**: weights/s of the reference decoder on a 4096x4096 K=4 layer (random trellis, mul1
+   codebook), with one torch thread and with the default thread count. Rows: ``decode_exl3``
+   alone (trellis -> fp16 ``[out, in]``); ``EXL3Linear(mode="dequantized")`` construction (the
+   ``dequantized`` backend's load: decode + fp32 cache); one-token forwards of
+   ``EXL3Linear(mode="reference")`` (the ``reference`` backend: decode + GEMV on every call) and of
+   the dequantized layer (a dense GEMV, for comparison).
+2. **Encode**: weights/s of ``encode_exl3`` (K=4, mul1, default global scale, no Hessian) on a
+   random ``--enc-size`` square layer, on one thread (``--enc-threads 1,2`` adds two: intra-op
+   threads barely help the Viterbi loop and collapse on a busy machine).
+3. **Quality**: SmolLM2-135M-Instruct (the packaged GGUF exported to a dense HF folder, cached
+   under ``.cache/bench/``). The encoder runs a few thousand weights/s per core, so only a subset of
+   the decoder's linear layers is replaced (``--layers`` x ``--proj``; the rest stays dense):
+   - EXL3 K=4 (4.0 bpw before padding and ``suh``/``svh``), encoded here by ``encode_exl3`` and
+     decoded by ``EXL3Linear``;
+   - GPTQ 4-bit g64 sym, the same layers taken from the GPTQModel checkpoint of ``bench/gptq.py``
+     (32 x 256 calibration tokens; built and cached on first use, about 4 minutes), dequantized
+     by the gptq plugin's ``GPTQLinear``;
+   - round-to-nearest 4-bit g64 sym (GPTQ's format and grid, no calibration), since the EXL3
+     encoder has no Hessian either.
+   Perplexity on ``--ppl-tokens`` held-out wiki tokens (512-token windows, fp32, ``--threads``), the relative
+   weight error ``||W - W_hat|| / ||W||`` of each encoded layer, and the exact stored bits per
+   weight of the subset (every stored tensor's bytes over the unpadded weight count).
+
+SmolLM2 is 576 wide: EXL3 pads every dim to a multiple of 128 (576 -> 640, 192 -> 256) and
+encodes, stores and decodes the padding, and GPTQ cannot use group 128 (576 = 4.5 x 128).
+
+    python bench/exl3.py [--layers 15] [--proj all] [--ppl-tokens 4096] [--repeat 3]
+                         [--enc-size 256] [--enc-threads 1] [--threads 1] [--parts decode,encode,quality]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from _measure import corpus_text, dense_model, machine, quantize_seconds, quantized_model
+
+if TYPE_CHECKING:
+    import torch
+
+PROJECTIONS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+K_BITS = 4
+CODEBOOK = "mul1"
+GPTQ_BITS, GPTQ_GROUP = 4, 64
+WINDOW = 512
+
+
+def _best_s(fn: Callable[[], Any], repeat: int, warmup: bool = True) -> float:
+    """Best wall time of ``repeat`` calls (after one untimed call when ``warmup``)."""
+    if warmup:
+        fn()
+    best = math.inf
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _thread_counts() -> list[int]:
+    """One thread, then torch's default count when that is more."""
+    import torch
+
+    default = torch.get_num_threads()
+    return [1] if default == 1 else [1, default]
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+
+def decode_table(size: int, repeat: int) -> str:
+    """Weights/s of the reference decoder on a random ``size`` x ``size`` K=4 layer."""
+    import torch
+
+    from anyquant_exl3.decode import decode_exl3
+    from anyquant_exl3.qlinear import EXL3Linear
+
+    gen = torch.Generator().manual_seed(0)
+    trellis = torch.randint(-(2**15), 2**15, (size // 16, size // 16, 16 * K_BITS), dtype=torch.int16, generator=gen)
+    suh = (torch.randn(size, generator=gen) * 0.02).half()
+    svh = torch.randn(size, generator=gen).abs().half()
+    x = torch.randn(1, size, generator=gen)
+    numel = size * size
+
+    def layer(mode: str) -> EXL3Linear:
+        return EXL3Linear(trellis, suh, svh, None, codebook=CODEBOOK, in_features=size, out_features=size, mode=mode)
+
+    reference, dequantized = layer("reference"), layer("dequantized")
+    cases: list[tuple[str, Callable[[], Any]]] = [
+        ("`decode_exl3` -> fp16 [out, in]", lambda: decode_exl3(trellis, suh, svh, codebook=CODEBOOK)),
+        ('`EXL3Linear(mode="dequantized")` build (load: decode + fp32 cache)', lambda: layer("dequantized")),
+        ('`EXL3Linear(mode="reference")` forward, 1 token (decode + GEMV)', lambda: reference(x)),
+        ('`EXL3Linear(mode="dequantized")` forward, 1 token (dense fp32 GEMV)', lambda: dequantized(x)),
+    ]
+    lines = [
+        f"Decode: {size}x{size} K={K_BITS} ({CODEBOOK}, random trellis), best of {repeat}",
+        "",
+        "| path | threads | best ms | weights/s |",
+        "|---|---|---|---|",
+    ]
+    saved = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for name, fn in cases:
+                for threads in _thread_counts():
+                    torch.set_num_threads(threads)
+                    n = repeat * 10 if "dense fp32 GEMV" in name else repeat
+                    s = _best_s(fn, n)
+                    lines.append(f"| {name} | {threads} | {s * 1e3:.2f} | {numel / s / 1e6:.1f} M |")
+    finally:
+        torch.set_num_threads(saved)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- encode
+
+
+def encode_table(size: int, repeat: int, thread_counts: list[int]) -> str:
+    """Weights/s of ``encode_exl3`` on a random ``size`` x ``size`` layer (K=4)."""
+    import torch
+
+    from anyquant_exl3.encode import encode_exl3
+
+    weight = torch.randn(size, size, generator=torch.Generator().manual_seed(1)) * 0.02
+    lines = [
+        f"Encode: `encode_exl3` K={K_BITS} ({CODEBOOK}, default global scale, no Hessian), random {size}x{size} "
+        f"layer ({size * size // 256} tiles), best of {repeat}",
+        "",
+        "| threads | best s | weights/s | tiles/s |",
+        "|---|---|---|---|",
+    ]
+    for threads in thread_counts:
+        s = _best_s(partial(encode_exl3, weight, K_BITS, codebook=CODEBOOK, num_threads=threads), repeat, False)
+        lines.append(f"| {threads} | {s:.2f} | {size * size / s:,.0f} | {size * size / 256 / s:.1f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- quality
+
+
+@dataclass
+class Variant:
+    """One way of replacing the subset: its weights, stored bytes and how long it took."""
+
+    name: str
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    stored_bytes: int = 0
+    #: the bytes without EXL3's padding to multiples of 128 (what a 128-aligned model pays)
+    unpadded_bytes: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def rtn_gptq_grid(weight: torch.Tensor, bits: int = GPTQ_BITS, group: int = GPTQ_GROUP) -> torch.Tensor:
+    """Round-to-nearest on GPTQ's symmetric grid (GPTQModel ``Quantizer`` with ``sym=True``, no MSE
+    search): per group of ``group`` input columns, scale ``2·max|w| / (2**bits - 1)`` stored in fp16,
+    zero point ``2**(bits - 1)``. ``weight`` is ``[out, in]``; returns the dequantized fp32 weight."""
+    import torch
+
+    out_f, in_f = weight.shape
+    w = weight.float().reshape(out_f, in_f // group, group)
+    maxq = 2**bits - 1
+    zero = (maxq + 1) / 2
+    scale = (2 * w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / maxq).half().float()
+    q = torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+    return ((q - zero) * scale).reshape(out_f, in_f)
+
+
+def rtn_bytes(shape: tuple[int, int], bits: int = GPTQ_BITS, group: int = GPTQ_GROUP) -> int:
+    """Bytes of the same layer stored as GPTQ would store it (qweight, qzeros, fp16 scales, g_idx)."""
+    out_f, in_f = shape
+    groups = in_f // group
+    return in_f * out_f * bits // 8 + groups * out_f * bits // 8 + groups * out_f * 2 + in_f * 4
+
+
+def subset_names(layers: list[int], projs: list[str]) -> list[str]:
+    return [f"model.layers.{i}.{PROJECTIONS[p]}" for i in layers for p in projs]
+
+
+def encode_subset(dense: dict[str, torch.Tensor], seed: int) -> Variant:
+    """EXL3 K=4 through the plugin: ``encode_exl3`` then ``EXL3Linear.dequantize`` (one thread)."""
+    from anyquant_exl3.encode import encode_exl3
+    from anyquant_exl3.qlinear import EXL3Linear
+
+    var = Variant(f"EXL3 K={K_BITS} {CODEBOOK}, anyquant CPU encoder (no Hessian)")
+    for i, (name, w) in enumerate(dense.items()):
+        t0 = time.perf_counter()
+        enc = encode_exl3(w, K_BITS, codebook=CODEBOOK, seed=seed + i, num_threads=1)
+        var.seconds[name] = time.perf_counter() - t0
+        var.stored_bytes += sum(t.numel() * t.element_size() for t in enc.values())
+        var.unpadded_bytes += w.numel() * K_BITS // 8 + 2 * sum(w.shape) + 4  # trellis, suh + svh, marker
+        layer = EXL3Linear(
+            enc["trellis"],
+            enc["suh"],
+            enc["svh"],
+            None,
+            codebook=CODEBOOK,
+            in_features=w.shape[1],
+            out_features=w.shape[0],
+        )
+        var.weights[name] = layer.dequantize().float()
+        pad = enc["trellis"].shape[0] * enc["trellis"].shape[1] * 256
+        print(
+            f"# encoded {name} {tuple(w.shape)} (padded {pad:,} weights) in {var.seconds[name]:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    return var
+
+
+def gptq_subset(path: Path, names: list[str]) -> Variant:
+    """The subset's weights from the GPTQModel checkpoint, dequantized by the gptq plugin."""
+    import anyquant
+
+    model = anyquant.load(path, backend="reference", dtype="float32")
+    probe = anyquant.Probe.open(path)
+    var = Variant(f"GPTQ {GPTQ_BITS}-bit g{GPTQ_GROUP} sym (GPTQModel, 32 x 256 calibration tokens)")
+    for name in names:
+        var.weights[name] = model.module.get_submodule(name).dequantize().float()
+        var.stored_bytes += sum(
+            t.nbytes for key, t in probe.tensors.items() if key.rsplit(".", 1)[0] == name and "bias" not in key
+        )
+    var.unpadded_bytes = var.stored_bytes
+    return var
+
+
+def rtn_subset(dense: dict[str, torch.Tensor]) -> Variant:
+    var = Variant(f"RTN {GPTQ_BITS}-bit g{GPTQ_GROUP} sym (GPTQ's grid, no calibration)")
+    for name, w in dense.items():
+        var.weights[name] = rtn_gptq_grid(w)
+        var.stored_bytes += rtn_bytes((w.shape[0], w.shape[1]))
+    var.unpadded_bytes = var.stored_bytes
+    return var
+
+
+def relative_error(dense: dict[str, torch.Tensor], approx: dict[str, torch.Tensor], names: list[str]) -> float:
+    """``||W - W_hat|| / ||W||`` over the named layers together (Frobenius)."""
+    num = sum(float((dense[n] - approx[n]).square().sum()) for n in names)
+    den = sum(float(dense[n].square().sum()) for n in names)
+    return math.sqrt(num / den)
+
+
+def perplexity_with(model: Any, ids: list[int], weights: dict[str, torch.Tensor] | None) -> float:
+    """Perplexity with the subset's weights swapped in (restored afterwards)."""
+    import anyquant
+
+    saved: dict[str, torch.Tensor] = {}
+    try:
+        for name, w in (weights or {}).items():
+            linear = model.module.get_submodule(name)
+            saved[name] = linear.weight.data
+            linear.weight.data = w.to(linear.weight.dtype).contiguous()
+        return float(anyquant.perplexity(model, ids, window=WINDOW)["perplexity"])
+    finally:
+        for name, w in saved.items():
+            model.module.get_submodule(name).weight.data = w
+
+
+def quality_tables(layers: list[int], projs: list[str], ppl_tokens: int, seed: int, threads: int) -> str:
+    import torch
+
+    import anyquant
+
+    names = subset_names(layers, projs)
+    dense_path, gptq_path = dense_model(), quantized_model("gptq", bits=GPTQ_BITS, group_size=GPTQ_GROUP)
+    model = anyquant.load(dense_path, dtype="float32")
+    dense = {n: model.module.get_submodule(n).weight.detach().float().clone() for n in names}
+    total_linear = sum(
+        m.weight.numel() for n, m in model.module.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n
+    )
+    subset = sum(w.numel() for w in dense.values())
+
+    t0 = time.perf_counter()
+    exl3 = encode_subset(dense, seed)  # one thread: encode_exl3(num_threads=1)
+    encode_s = time.perf_counter() - t0
+    variants = [exl3, gptq_subset(gptq_path, names), rtn_subset(dense)]
+
+    torch.set_num_threads(threads)
+    text = corpus_text("wiki", "evaluation")
+    ids = model.tokenizer(text[: 8 * ppl_tokens], add_special_tokens=False)["input_ids"][:ppl_tokens]
+    ppl_dense = perplexity_with(model, ids, None)
+    ppls = [perplexity_with(model, ids, v.weights) for v in variants]
+
+    padded = sum(-(-w.shape[0] // 128) * 128 * -(-w.shape[1] // 128) * 128 for w in dense.values())
+    lines = [
+        f"Quality: SmolLM2-135M-Instruct, layers {','.join(map(str, layers))} x {','.join(projs)}: "
+        f"{len(names)} linears, {subset:,} weights ({subset / total_linear:.1%} of the decoder's "
+        f"{total_linear:,} linear weights; {padded:,} after EXL3's padding), encoded in {encode_s:.0f} s "
+        f"on one thread ({padded / encode_s:,.0f} padded weights/s); the rest dense. Perplexity on "
+        f"{len(ids):,} held-out wiki tokens ({WINDOW}-token windows, fp32, {threads} thread(s)).",
+        "",
+        "| subset as | stored bpw | bpw without padding | rel. weight error | ppl | vs dense |",
+        "|---|---|---|---|---|---|",
+        f"| dense (bf16 source, fp32 compute) | 16 | 16 | 0 | {ppl_dense:.4f} | |",
+    ]
+    for var, ppl in zip(variants, ppls, strict=True):
+        err = relative_error(dense, var.weights, names)
+        bpw, unpadded = 8 * var.stored_bytes / subset, 8 * var.unpadded_bytes / subset
+        lines.append(
+            f"| {var.name} | {bpw:.3f} | {unpadded:.3f} | {err:.4f} | {ppl:.4f} | {(ppl - ppl_dense) / ppl_dense:+.2%} |"
+        )
+    lines += [
+        "",
+        "Per layer: relative weight error ||W - W_hat|| / ||W|| and EXL3 encode seconds",
+        "",
+        "| layer | [out, in] | EXL3 | GPTQ | RTN | EXL3 encode s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        errs = " | ".join(f"{relative_error(dense, v.weights, [name]):.4f}" for v in variants)
+        short = name.removeprefix("model.layers.")
+        lines.append(f"| {short} | {list(dense[name].shape)} | {errs} | {exl3.seconds[name]:.0f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def _csv(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", default="15", help="decoder layers to quantize (comma-separated)")
+    ap.add_argument("--proj", default="all", help=f"projections: {','.join(PROJECTIONS)} or 'all'")
+    ap.add_argument("--ppl-tokens", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=3, help="best of N for the decode and encode timings")
+    ap.add_argument("--decode-size", type=int, default=4096)
+    ap.add_argument("--enc-size", type=int, default=256)
+    ap.add_argument(
+        "--enc-threads",
+        default="1",
+        help="thread counts for the encode table (e.g. 1,2; more threads collapse on a busy machine)",
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the perplexity forwards")
+    ap.add_argument("--seed", type=int, default=0, help="EXL3 sign seed (layer i uses seed + i)")
+    ap.add_argument("--parts", default="decode,encode,quality")
+    args = ap.parse_args()
+    projs = list(PROJECTIONS) if args.proj == "all" else _csv(args.proj)
+    unknown = [p for p in projs if p not in PROJECTIONS]
+    if unknown:
+        ap.error(f"unknown projections {unknown}; choose from {list(PROJECTIONS)}")
+    parts = _csv(args.parts)
+
+    t0 = time.perf_counter()
+    gptq = quantized_model("gptq", bits=GPTQ_BITS, group_size=GPTQ_GROUP) if "quality" in parts else None
+    import torch
+
+    print(f"# machine: {machine()}; torch threads by default: {torch.get_num_threads()}")
+    if gptq is not None:
+        print(f"# GPTQ checkpoint {gptq} (quantized once in {quantize_seconds(gptq) or 0:.0f} s, cached)")
+    if "decode" in parts:
+        print()
+        print(decode_table(args.decode_size, args.repeat))
+    if "encode" in parts:
+        print()
+        print(encode_table(args.enc_size, args.repeat, [int(t) for t in _csv(args.enc_threads)]))
+    if "quality" in parts:
+        print()
+        layers = [int(x) for x in _csv(args.layers)]
+        print(quality_tables(layers, projs, args.ppl_tokens, args.seed, args.threads))
+    print(f"\n# wall {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
