@@ -18,6 +18,8 @@ Modes (``params["mode"]``):
   the variants use ``AWQConfig`` and ``BACKEND.AWQ_TORCH`` (quantize and reload);
   the recorded weight is GPTQModel's ``dequantize_gemm`` on each loaded
   ``AwqTorchLinear``, exactly as its forward computes it.
+* ``reload``: load an existing checkpoint (``params["checkpoint"]``, written by anyquant) with
+  GPTQModel's torch kernel and record the same dequantized weights, logits and greedy tokens.
 
 Exit code 77 (with a JSON line ``{"unavailable": reason}``) when gptqmodel cannot
 be imported.
@@ -369,6 +371,25 @@ def run_quantized(params: dict[str, Any], out: Path) -> dict[str, Any]:
     return {"mode": "quantized", "method": params.get("method", "gptq"), "base": "base", "variants": variants}
 
 
+def run_reload(params: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Load a checkpoint someone else wrote (``params["checkpoint"]``, e.g. anyquant's own AWQ
+    quantizer) with GPTQModel and record what it computes: every module's dequantized weight, the
+    logits on a fixed prompt and greedy tokens. ``params["digest"]`` (the weights' hash) keys the cache."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    method = params.get("method", "awq")
+    ckpt = Path(params["checkpoint"])
+    jdir = out / "judges" / "reload"
+    jdir.mkdir(parents=True, exist_ok=True)
+    model, weights, info = _reload_dequant(ckpt, method, torch.float16)
+    save_file(weights, str(jdir / "gptqmodel_dequant.safetensors"))
+    vocab = len(AutoTokenizer.from_pretrained(str(ckpt)).get_vocab())
+    save_file(_logits_and_greedy(model, vocab, params), str(jdir / "gptqmodel_logits.safetensors"))
+    return {"mode": "reload", "method": method, "digest": params["digest"], "modules": info}
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -403,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         return UNAVAILABLE_EXIT
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    runner = {"packer": run_packer, "quantized": run_quantized}[params["mode"]]
+    runner = {"packer": run_packer, "quantized": run_quantized, "reload": run_reload}[params["mode"]]
     manifest = runner(params, args.out)
     manifest["versions"] = _versions()
     manifest["seconds"] = round(time.monotonic() - started, 2)

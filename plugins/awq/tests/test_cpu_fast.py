@@ -73,7 +73,8 @@ def test_exact_weights_logits_in_tolerance_and_greedy_tokens(root: Path, variant
 
 def test_backend_order_and_listing() -> None:
     loader = AWQLoader()
-    assert loader.backend_order[0] == "cpu-fast"
+    # gptqmodel first: GPTQModel's kernels, CUDA only (auto on the CPU starts at cpu-fast)
+    assert loader.backend_order == ("gptqmodel", "cpu-fast", "dequantized", "reference")
     assert {b.name: b.available for b in loader.backends()}["cpu-fast"]
 
 

@@ -1,5 +1,6 @@
-"""anyquant.quantize(method="awq"): GPTQModel's AWQ (GEMM, fp16) in the shared worker; the result
-loads in anyquant and in transformers (+ gptqmodel on CPU) with the same greedy tokens."""
+"""anyquant.quantize(method="awq") with both quantizers, GPTQModel's AWQ (GEMM, fp16) in the shared
+worker and anyquant's own: the result loads in anyquant and in transformers (+ gptqmodel on CPU)
+with the same greedy tokens."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_dense(tmp_path_factory.mktemp("src") / "tiny", dtype="float16")
 
 
-@pytest.fixture(scope="module")
-def quantized(src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("gptqmodel")
+@pytest.fixture(scope="module", params=["gptqmodel", "anyquant"])
+def quantized(request: pytest.FixtureRequest, src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if request.param == "gptqmodel":
+        pytest.importorskip("gptqmodel")
     return anyquant.quantize(
         src,
         tmp_path_factory.mktemp("q") / "awq",
@@ -37,6 +39,7 @@ def quantized(src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         group_size=32,
         zero_point=True,
         calibration=TEXTS,
+        quantizer_backend=request.param,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from anyquant.errors import CheckpointError, UnsupportedBackendError
@@ -10,7 +10,7 @@ from anyquant.loaders import LoadContext, TransformersLoader
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 from anyquant.report import dense_rows
-from anyquant_gptq.loader import cpu_fast_backend
+from anyquant_gptq.loader import cpu_fast_backend, gptqmodel_backend
 
 from .plugin import _layout
 
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from anyquant.runtime.loaded import LoadedModel
+    from anyquant_gptq.gptqmodel_kernels import KernelPlan
 
 __all__ = ["AWQLoader"]
 
@@ -54,14 +55,17 @@ def _modules(probe: Probe, bits: int) -> dict[str, dict[str, Any]]:
 
 class AWQLoader(TransformersLoader):
     format = "awq"
-    backend_order = ("cpu-fast", "dequantized", "reference")
+    backend_order = ("gptqmodel", "cpu-fast", "dequantized", "reference")
+    #: the GPTQModel kernels of the last load with backend "gptqmodel"
+    _kernel_plan: KernelPlan | None = None
+    _extra: Mapping[str, Any] = {}
 
     def backends(self) -> list[BackendInfo]:
         return [
+            gptqmodel_backend(),
             cpu_fast_backend(),
             BackendInfo("dequantized", True, description="dequantize once at load; dense speed and memory"),
             BackendInfo("reference", True, description="pure torch, dequantize on every forward; packed memory"),
-            BackendInfo("gptqmodel", False, "the gptqmodel CUDA backend is not wired in yet (GPU-only work)"),
         ]
 
     def _bits_group(self, detection: Detection) -> tuple[int, int]:
@@ -87,8 +91,25 @@ class AWQLoader(TransformersLoader):
     def choose_backend(self, requested: str, device: Any) -> str:
         if requested == "cpu-fast" and getattr(device, "type", "cpu") != "cpu":
             raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
-        if requested == "auto" and getattr(device, "type", "cpu") != "cpu":
+        if requested == "gptqmodel":
+            from anyquant_gptq.gptqmodel_kernels import check_gptqmodel_request
+
+            check_gptqmodel_request(self.format, device, getattr(self, "_extra", {}))
+            if getattr(self, "_variant", "gemm") != "gemm":
+                raise UnsupportedBackendError(
+                    f"awq backend 'gptqmodel' runs the GEMM layout; this checkpoint is {self._variant}: "
+                    "use backend='dequantized' (or re-export it as GEMM)"
+                )
+            return requested
+        kind = getattr(device, "type", "cpu")
+        if requested == "auto" and kind == "cuda":
+            if getattr(self, "_variant", "gemm") == "gemm" and gptqmodel_backend().available:
+                return "gptqmodel"
+        if requested == "auto" and kind != "cpu":
             requested = "dequantized"
+        if requested == "auto":  # on the CPU: never GPTQModel's CUDA kernels, even where a GPU is visible
+            available = {b.name: b.available for b in self.backends()}
+            requested = next(n for n in self.backend_order if n != "gptqmodel" and available.get(n))
         return super().choose_backend(requested, device)
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
@@ -101,6 +122,12 @@ class AWQLoader(TransformersLoader):
         src = ctx.source
         plan = FastCPUPlan.from_options(ctx.options.extra) if ctx.backend == "cpu-fast" else None
         self._fast_plan = plan
+        kernels = None
+        if ctx.backend == "gptqmodel":
+            from anyquant_gptq.gptqmodel_kernels import KernelPlan
+
+            kernels = KernelPlan.create("awq", ctx.device, ctx.dtype, ctx.options.extra)
+        self._kernel_plan = kernels
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             m = modules.get(name)
@@ -111,6 +138,8 @@ class AWQLoader(TransformersLoader):
                     f"{name}: AWQ tensors are {m['in']}x{m['out']}, the model expects "
                     f"{linear.in_features}x{linear.out_features}"
                 )
+            if kernels is not None:
+                return _gptqmodel_layer(kernels, name, m, src, bits, group)
             layer = AWQLinear(
                 src.get(f"{name}.qweight"),
                 src.get(f"{name}.qzeros") if f"{name}.qzeros" in src else None,
@@ -129,11 +158,17 @@ class AWQLoader(TransformersLoader):
         return factory
 
     def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel:
+        self._extra = options.extra
+        self._variant = detection.variant
+        self._kernel_plan = None
         loaded = super().load(probe, detection, options)
         _apply_act_scales(loaded.module, probe)
         plan = getattr(self, "_fast_plan", None)
         if loaded.backend == "cpu-fast" and plan is not None:
             loaded.info = {**loaded.info, "cpu_fast": plan.summary()}
+        kernels = self._kernel_plan
+        if loaded.backend == "gptqmodel" and kernels is not None:
+            loaded.info = {**loaded.info, "gptqmodel": kernels.summary()}
         return loaded
 
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
@@ -144,6 +179,30 @@ class AWQLoader(TransformersLoader):
             for name, m in modules.items()
         ]
         return rows + dense_rows(probe, skip=set(modules))
+
+
+def _gptqmodel_layer(kernels: Any, name: str, m: dict[str, Any], src: Any, bits: int, group: int) -> nn.Module:
+    """One AWQ GEMM layer on a GPTQModel kernel: GPTQModel's AWQ kernels take the GEMM tensors as
+    stored (interleaved nibbles, true zero points); ``sym`` says whether every zero is ``2**(b-1)``."""
+    from .dequant import unpack_awq_gemm_cols
+
+    if m["layout"] != "gemm":
+        raise UnsupportedBackendError(f"{name}: the gptqmodel backend runs AWQ GEMM layers, this one is {m['layout']}")
+    k, n = m["in"], m["out"]
+    qzeros = src.get(f"{name}.qzeros")
+    tensors = {"qweight": src.get(f"{name}.qweight"), "qzeros": qzeros, "scales": src.get(f"{name}.scales")}
+    layer: nn.Module = kernels.build(
+        name,
+        tensors,
+        src.get(f"{name}.bias") if m["bias"] else None,
+        bits=bits,
+        group_size=-1 if group in (-1, 0) or group >= k else group,
+        sym=bool((unpack_awq_gemm_cols(qzeros) == 1 << (bits - 1)).all()),
+        desc_act=False,
+        in_features=k,
+        out_features=n,
+    )
+    return layer
 
 
 def _apply_act_scales(model: Any, probe: Probe) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from anyquant.errors import CheckpointError, UnsupportedBackendError
@@ -17,6 +17,8 @@ from .signature import read_signature
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from .gptqmodel_kernels import KernelPlan
 
 __all__ = ["GPTQLoader"]
 
@@ -47,28 +49,25 @@ def cpu_fast_backend() -> BackendInfo:
     )
 
 
-def _cuda_backend() -> BackendInfo:
-    import importlib.util
-
-    if importlib.util.find_spec("gptqmodel") is None:
-        return BackendInfo("gptqmodel", False, "gptqmodel is not installed (pip install gptqmodel)")
+def gptqmodel_backend() -> BackendInfo:
+    """The ``gptqmodel`` backend (GPTQModel's CUDA kernels; see :mod:`anyquant_gptq.gptqmodel_kernels`)."""
     try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return BackendInfo("gptqmodel", False, "needs a CUDA GPU; none is visible")
-    except ImportError:  # pragma: no cover
+        from .gptqmodel_kernels import gptqmodel_backend_info
+    except ImportError:  # pragma: no cover - torch missing
         return BackendInfo("gptqmodel", False, "torch is not installed")
-    return BackendInfo("gptqmodel", False, "the gptqmodel CUDA backend is not wired in yet (GPU-only work)")
+    return gptqmodel_backend_info()
 
 
 class GPTQLoader(TransformersLoader):
     format = "gptq"
     backend_order = ("gptqmodel", "cpu-fast", "dequantized", "reference")
+    #: the GPTQModel kernels of the last load with backend "gptqmodel"
+    _kernel_plan: KernelPlan | None = None
+    _extra: Mapping[str, Any] = {}
 
     def backends(self) -> list[BackendInfo]:
         return [
-            _cuda_backend(),
+            gptqmodel_backend(),
             cpu_fast_backend(),
             BackendInfo("dequantized", True, description="dequantize once at load; dense speed and memory"),
             BackendInfo("reference", True, description="pure torch, dequantize on every forward; packed memory"),
@@ -100,8 +99,15 @@ class GPTQLoader(TransformersLoader):
     def choose_backend(self, requested: str, device: Any) -> str:
         if requested == "cpu-fast" and getattr(device, "type", "cpu") != "cpu":
             raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
+        if requested == "gptqmodel":
+            from .gptqmodel_kernels import check_gptqmodel_request
+
+            check_gptqmodel_request(self.format, device, getattr(self, "_extra", {}))
+            return requested
         if requested != "auto":
             return super().choose_backend(requested, device)
+        if getattr(device, "type", "cpu") == "cuda" and gptqmodel_backend().available:
+            return "gptqmodel"
         # measured (docs/benchmarks.md): cpu-fast decodes faster than dense float32 at a quarter of
         # its memory wherever torch's int4 kernel is vectorized (AVX2, AVX512)
         if getattr(device, "type", "cpu") == "cpu" and getattr(self, "_fast_layers", 0) > 0:
@@ -116,6 +122,8 @@ class GPTQLoader(TransformersLoader):
     def load(self, probe: Probe, detection: Detection, options: Any) -> Any:
         from anyquant.runtime.fastcpu import unsupported_reason
 
+        self._extra = options.extra
+        self._kernel_plan = None
         sig = read_signature(probe)
         self._dense_bytes = sum(m.in_features * m.out_features * 4 for m in sig.modules)
         self._fast_layers = sum(
@@ -128,6 +136,9 @@ class GPTQLoader(TransformersLoader):
         plan = getattr(self, "_fast_plan", None)
         if loaded.backend == "cpu-fast" and plan is not None:
             loaded.info = {**loaded.info, "cpu_fast": plan.summary()}
+        kernels = self._kernel_plan
+        if loaded.backend == "gptqmodel" and kernels is not None:
+            loaded.info = {**loaded.info, "gptqmodel": kernels.summary()}
         return loaded
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
@@ -138,6 +149,12 @@ class GPTQLoader(TransformersLoader):
 
         plan = FastCPUPlan.from_options(ctx.options.extra) if ctx.backend == "cpu-fast" else None
         self._fast_plan = plan
+        kernels = None
+        if ctx.backend == "gptqmodel":
+            from .gptqmodel_kernels import KernelPlan
+
+            kernels = KernelPlan.create("gptq", ctx.device, ctx.dtype, ctx.options.extra)
+        self._kernel_plan = kernels
 
         sig = {m.name: m for m in read_signature(ctx.probe).modules}
         d = ctx.detection.details
@@ -168,6 +185,8 @@ class GPTQLoader(TransformersLoader):
                     )
             fmt = checked.get("label", declared)
             bias = src.get(f"{name}.bias") if m.has_bias else None
+            if kernels is not None:
+                return _gptqmodel_layer(kernels, name, m, src, qzeros, bias, fmt, d)
             layer = GPTQLinear(
                 src.get(f"{name}.qweight"),
                 qzeros,
@@ -198,3 +217,42 @@ class GPTQLoader(TransformersLoader):
                 ModuleInfo(m.name, "gptq", (m.out_features, m.in_features), float(m.bits), m.group_size, nbytes)
             )
         return rows + dense_rows(probe, skip=covered)
+
+
+def _gptqmodel_layer(
+    kernels: Any, name: str, m: Any, src: Any, qzeros: Any, bias: Any, fmt: str, details: Mapping[str, Any]
+) -> nn.Module:
+    """One GPTQ layer on a GPTQModel kernel (zeros, sym and desc_act decided by the tensors)."""
+    from .gptqmodel_kernels import gptq_kernel_tensors
+
+    gs = details.get("group_size")
+    t = gptq_kernel_tensors(
+        qzeros,
+        src.get(f"{name}.g_idx"),
+        bits=m.bits,
+        in_features=m.in_features,
+        out_features=m.out_features,
+        groups=m.groups,
+        checkpoint_format=fmt,
+        sym=details.get("sym"),
+        group_size=gs if isinstance(gs, int) else None,
+    )
+    tensors = {
+        "qweight": src.get(f"{name}.qweight"),
+        "scales": src.get(f"{name}.scales"),
+        "g_idx": t["g_idx"],
+        "qzeros_v2": t["qzeros_v2"],
+        "qzeros_v1": t["qzeros_v1"],
+    }
+    layer: nn.Module = kernels.build(
+        name,
+        tensors,
+        bias,
+        bits=m.bits,
+        group_size=t["group_size"],
+        sym=t["sym"],
+        desc_act=t["desc_act"],
+        in_features=m.in_features,
+        out_features=m.out_features,
+    )
+    return layer
