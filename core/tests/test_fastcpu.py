@@ -148,3 +148,96 @@ def test_plan_options() -> None:
     assert auto == (torch.bfloat16 if fastcpu.bf16_gemm_is_fast() else None)
     with pytest.raises(ValueError, match="cpu_fast_prefill"):
         FastCPUPlan.from_options({"cpu_fast_prefill": "int8"})
+    assert FastCPUPlan.from_options({}).head is True
+    assert FastCPUPlan.from_options({"cpu_fast_head": "dense"}).head is False
+    with pytest.raises(ValueError, match="cpu_fast_head"):
+        FastCPUPlan.from_options({"cpu_fast_head": "int8"})
+
+
+# --------------------------------------------------------------------------- the LM head
+
+needs_bf16_head = pytest.mark.skipif(not fastcpu.bf16_head_status()[0], reason=fastcpu.bf16_head_status()[1])
+
+
+def test_compact_keeps_every_value() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=gen)
+    assert fastcpu._compact(w) is w  # float32 values: no narrower dtype holds them
+    h = w.half().float()
+    assert fastcpu._compact(h).dtype == torch.float16 and torch.equal(fastcpu._compact(h).float(), h)
+    b = w.bfloat16().float()
+    b[0, 0] = 2.0**100  # out of float16's range, exact in bfloat16
+    assert fastcpu._compact(b).dtype == torch.bfloat16 and torch.equal(fastcpu._compact(b).float(), b)
+    assert fastcpu._compact(w.half()).dtype == torch.float16
+
+
+@needs_bf16_head
+def test_fast_head_paths() -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(20000, 96, generator=gen) * 0.05).half().float()  # 3 slices of CHUNK_ROWS
+    bias = torch.randn(20000, generator=gen)
+    head = fastcpu.FastHead(fastcpu._compact(w), bias, small_rows=4)
+    assert head.exact.dtype == torch.float16 and torch.equal(head.weight, w)
+    x = torch.randn(2, 5, 96, generator=gen)  # 10 rows: the exact path
+    ref = torch.nn.functional.linear(x, w, bias)
+    assert head(x).shape == (2, 5, 20000) and _rel(head(x), ref) < MANY_ROWS_TOL
+    few = head(x[:, :2])  # 4 rows: bfloat16
+    assert _rel(few, ref[:, :2]) < FEW_ROWS_TOL and not torch.equal(few, ref[:, :2])
+    assert head.half() is head and head.exact.dtype == torch.float16  # casts leave it alone
+    with pytest.raises(RuntimeError, match="CPU only"):
+        head.to("meta")
+
+
+def _tiny_llama(tied: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())  # a float16 checkpoint, loaded in float32
+    return model
+
+
+@needs_bf16_head
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_install_fast_head(tied: bool) -> None:
+    model = _tiny_llama(tied)
+    ids = torch.randint(0, 300, (1, 70), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(ids).logits
+        info = fastcpu.install_fast_head(model, small_rows=64)
+        assert info == {
+            "head": "bfloat16 prepacked",
+            "exact_dtype": "float16",
+            "embedding_dtype": "float16",
+            "tied": tied,
+        }
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        assert isinstance(emb, fastcpu.CompactEmbedding) and isinstance(head, fastcpu.FastHead)
+        assert (emb.table.data_ptr() == head.exact.data_ptr()) is tied  # one table when tied
+        got = model(ids).logits  # 70 rows: exact embedding, exact head
+        assert _rel(got, ref) < MANY_ROWS_TOL
+        few = model(ids[:, :8]).logits  # the bfloat16 head
+        assert _rel(few, ref[:, :8]) < FEW_ROWS_TOL
+
+
+def test_install_fast_head_leaves_other_heads_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _tiny_llama(True)
+    monkeypatch.setattr(fastcpu, "bf16_head_status", lambda: (False, "no AMX"))
+    assert fastcpu.install_fast_head(model) == {"head": "dense", "reason": "no AMX"}
+    monkeypatch.undo()
+    if not fastcpu.bf16_head_status()[0]:
+        return
+    model.lm_head = torch.nn.Identity()
+    assert fastcpu.install_fast_head(model)["head"] == "dense"
+    assert isinstance(model.get_input_embeddings(), torch.nn.Embedding)
