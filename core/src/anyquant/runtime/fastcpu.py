@@ -583,8 +583,13 @@ class FastCPUPlan:
         )
 
     def finish(self, module: nn.Module) -> None:
-        """After the build: the LM head (and a tied embedding) as in :func:`install_fast_head`."""
-        if self.head:
+        """After the build: the LM head (and a tied embedding) as in :func:`install_fast_head`.
+
+        Only when some layer runs the int4 kernel: a model whose layers all fell back to exact
+        dequantized weights keeps its exact head too."""
+        if self.head and self.converted == 0:
+            self.head_info = {"head": "dense", "reason": "no layer runs the int4 kernel: the model stays exact"}
+        elif self.head:
             self.head_info = install_fast_head(module, small_rows=self.small_rows)
         else:
             self.head_info = {"head": "dense", "reason": "cpu_fast_head='dense'"}

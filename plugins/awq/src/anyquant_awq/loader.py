@@ -165,6 +165,7 @@ class AWQLoader(TransformersLoader):
         _apply_act_scales(loaded.module, probe)
         plan = getattr(self, "_fast_plan", None)
         if loaded.backend == "cpu-fast" and plan is not None:
+            plan.finish(loaded.module)
             loaded.info = {**loaded.info, "cpu_fast": plan.summary()}
         kernels = self._kernel_plan
         if loaded.backend == "gptqmodel" and kernels is not None:
