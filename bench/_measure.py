@@ -79,11 +79,13 @@ def dense_model() -> Path:
 
 
 def quantized_model(method: str, bits: int = 4, group_size: int = 64, **options: Any) -> Path:
-    """``dense_model()`` quantized by ``anyquant.quantize`` (GPTQModel in a worker), cached by its settings."""
+    """``dense_model()`` quantized by ``anyquant.quantize``, cached by its settings (and by
+    ``quantizer_backend`` when one is named)."""
     _unshadow()
     import anyquant
 
-    out = CACHE / f"smollm2-135m-{method}-b{bits}-g{group_size}-n{CALIBRATION['calibration_samples']}"
+    by = f"-{options['quantizer_backend']}" if "quantizer_backend" in options else ""
+    out = CACHE / f"smollm2-135m-{method}-b{bits}-g{group_size}-n{CALIBRATION['calibration_samples']}{by}"
     if not (out / "config.json").is_file():
         os.environ.update({k: v for k, v in ENV.items() if k not in os.environ})
         t0 = time.perf_counter()

@@ -1,8 +1,9 @@
 """AWQ on CPU: the same table as ``bench/gptq.py`` for AWQ 4-bit g64 (GEMM), plus AWQ vs GPTQ perplexity.
 
-SmolLM2-135M-Instruct quantized by ``anyquant.quantize(method="awq")`` (GPTQModel's AWQ in a worker,
-fp16) with the same bits, group size and calibration texts as the GPTQ bench (cached under
-``.cache/bench/``). Rows: anyquant's backends, GPTQModel's AWQ CPU backends, transformers
+SmolLM2-135M-Instruct quantized by ``anyquant.quantize(method="awq", quantizer_backend="gptqmodel")``
+(GPTQModel's AWQ in a worker, fp16) with the same bits, group size and calibration texts as the GPTQ
+bench (cached under ``.cache/bench/``); a second AWQ checkpoint made by anyquant's own quantizer
+(zero point) adds a perplexity row. Rows: anyquant's backends, GPTQModel's AWQ CPU backends, transformers
 ``from_pretrained`` of the checkpoint, dense fp32; then the GPTQ checkpoint's perplexity through
 anyquant (auto backend) on the same held-out text.
 
@@ -32,7 +33,8 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated row-name prefixes to run")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    path = quantized_model("awq", bits=4, group_size=64)
+    path = quantized_model("awq", bits=4, group_size=64, quantizer_backend="gptqmodel")
+    native_path = quantized_model("awq", bits=4, group_size=64, quantizer_backend="anyquant", zero_point=True)
     gptq_path = quantized_model("gptq", bits=4, group_size=64)
     dense = dense_model()
     ckpt = checkpoint_bytes(path)
@@ -47,7 +49,11 @@ def main() -> int:
         "GPTQ 4-bit g64, same calibration (anyquant auto)",
         {**dict(todo)["anyquant auto"], "path": str(gptq_path), "decode_tokens": 16},
     )
-    todo.append(gptq_row)
+    native_row = (
+        "AWQ 4-bit g64 zero-point by anyquant's own quantizer (anyquant auto)",
+        {**dict(todo)["anyquant auto"], "path": str(native_path), "decode_tokens": 16},
+    )
+    todo += [gptq_row, native_row]
     if args.only:
         prefixes = tuple(p.strip() for p in args.only.split(","))
         todo = [(n, c) for n, c in todo if n.startswith(prefixes)]
@@ -64,6 +70,12 @@ def main() -> int:
             f"- AWQ vs GPTQ (4-bit, g64, same 32x256 calibration): ppl {awq['ppl']:.4f} vs {gptq['ppl']:.4f} "
             f"({(awq['ppl'] - gptq['ppl']) / gptq['ppl']:+.2%}); dense fp32 "
             f"{r.get('dense fp32 (transformers)', {}).get('ppl', float('nan')):.4f}"
+        )
+    native = r.get(native_row[0], {})
+    if "ppl" in native and "ppl" in awq:
+        print(
+            f"- AWQ by anyquant's quantizer (zero point, quantized in {quantize_seconds(native_path) or 0:.0f} s) vs "
+            f"GPTQModel's AWQ (symmetric, {quantize_seconds(path) or 0:.0f} s): ppl {native['ppl']:.4f} vs {awq['ppl']:.4f}"
         )
     print(f"\n# wall {time.perf_counter() - t0:.0f} s")
     return 0

@@ -127,7 +127,7 @@ def quantize_and_compare(gguf: Path, out: Path, samples: int, seq_len: int) -> i
                     progress=_progress_bar(),
                 )
             except sdk.AnyquantError as exc:  # e.g. the quality gate refused a broken result
-                print(f"{method}: not made ({type(exc).__name__}: {str(exc)[:300]})")
+                print(f"{method}: not made ({type(exc).__name__}: {str(exc)[-2000:]})")
                 continue
             print(f"{method}: {time.perf_counter() - t0:.0f}s")
         made[method] = dst

@@ -160,7 +160,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         method=args.method,
         bits=args.bits,
         group_size=args.group_size,
-        sym=not args.asym,
+        sym=False if args.asym else None,
         desc_act=args.desc_act,
         calibration=args.calibration,
         calibration_samples=args.samples,

@@ -110,7 +110,7 @@ class QuantizeSpec:
     method: str
     bits: float = 4
     group_size: int = 128
-    sym: bool = True
+    sym: bool | None = None  # None: the method's own default (GPTQ symmetric, AWQ zero points)
     desc_act: bool = False
     calibration: str | None = None
     calibration_samples: int = 128

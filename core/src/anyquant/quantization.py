@@ -140,7 +140,7 @@ def quantize(
     method: str,
     bits: float = 4,
     group_size: int = 128,
-    sym: bool = True,
+    sym: bool | None = None,
     desc_act: bool = False,
     calibration: str | Sequence[str] | None = None,
     calibration_samples: int = 128,
@@ -232,6 +232,7 @@ def run_worker(
     final ``ANYQUANT-PROGRESS {"result": {...}}``; everything else goes to ``scratch/worker.log``.
     A non-zero exit raises :class:`WorkerError` with the log's tail; Ctrl-C terminates the worker.
     """
+    scratch = scratch.resolve()  # the worker runs with cwd=scratch: every path it gets is absolute
     scratch.mkdir(parents=True, exist_ok=True)
     job_file = scratch / "job.json"
     job_file.write_text(json.dumps(job))

@@ -163,3 +163,18 @@ def test_gptqmodel_reads_it_bit_exactly(native: Path) -> None:
     with torch.no_grad():
         logits = ours.module(judge["input_ids"]).logits.float()
     torch.testing.assert_close(logits, judge["logits"], rtol=2e-2, atol=2e-2)
+
+
+def test_zero_point_defaults_to_autoawqs() -> None:
+    from anyquant.protocols import QuantizeSpec
+    from anyquant_awq.quantize import AWQQuantizer
+    from anyquant_gptq.quantize import GPTQQuantizer
+
+    zero_point = AWQQuantizer.zero_point
+    assert zero_point(QuantizeSpec("awq")) is True  # AutoAWQ's default
+    assert zero_point(QuantizeSpec("awq", sym=True)) is False
+    assert zero_point(QuantizeSpec("awq", sym=False)) is True
+    assert zero_point(QuantizeSpec("awq", sym=True, options={"zero_point": True})) is True
+    job = AWQQuantizer().job(Path("s"), Path("d"), QuantizeSpec("awq"), Path("c"))
+    assert job["sym"] is False
+    assert GPTQQuantizer().job(Path("s"), Path("d"), QuantizeSpec("gptq"), Path("c"))["sym"] is True  # GPTQ's default

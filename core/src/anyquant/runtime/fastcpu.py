@@ -499,7 +499,7 @@ class FastHead(nn.Module):
         )
 
 
-def install_fast_head(module: nn.Module, *, small_rows: int = DEFAULT_SMALL_ROWS) -> dict[str, Any]:
+def install_fast_head(module: Any, *, small_rows: int = DEFAULT_SMALL_ROWS) -> dict[str, Any]:
     """Swap a built model's dense LM head for a :class:`FastHead` (and, when the head is tied to
     the input embedding, the embedding for a :class:`CompactEmbedding` sharing its exact table).
 

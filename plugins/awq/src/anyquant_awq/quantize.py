@@ -52,9 +52,15 @@ class AWQQuantizer(GPTQModelQuantizer):
 
     def job(self, src, dst, spec, calibration_file):  # type: ignore[no-untyped-def]
         job = super().job(src, dst, spec, calibration_file)
-        if "zero_point" in spec.options:  # AWQ's name for asymmetric quantization
-            job["sym"] = not bool(spec.options["zero_point"])
+        job["sym"] = not self.zero_point(spec)
         return job
+
+    @staticmethod
+    def zero_point(spec: QuantizeSpec) -> bool:
+        """``zero_point`` (AWQ's name for asymmetric), else ``not sym``; by default True, as in AutoAWQ."""
+        if "zero_point" in spec.options:
+            return bool(spec.options["zero_point"])
+        return True if spec.sym is None else not spec.sym
 
     def quantize(
         self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None] | None = None
@@ -66,7 +72,7 @@ class AWQQuantizer(GPTQModelQuantizer):
         texts = calibration_texts(spec)
         if not texts:
             raise QuantizeError("no calibration samples")
-        zero_point = bool(spec.options.get("zero_point", not spec.sym))
+        zero_point = self.zero_point(spec)
         opts = AWQOptions(
             bits=int(spec.bits),
             group_size=spec.group_size,

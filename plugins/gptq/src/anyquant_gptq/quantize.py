@@ -86,14 +86,14 @@ class GPTQModelQuantizer:
             "dst": str(dst.resolve()),
             "bits": int(spec.bits),
             "group_size": spec.group_size,
-            "sym": spec.sym,
+            "sym": True if spec.sym is None else spec.sym,
             "desc_act": spec.desc_act,
             "format": spec.options.get("format", self.formats[0]),
             "dynamic": spec.options.get("dynamic"),
             "dtype": spec.options.get("dtype", "float16"),
             "batch_size": spec.options.get("batch_size", 4),
             "seed": spec.options.get("seed", 0),
-            "calibration_file": str(calibration_file),
+            "calibration_file": str(calibration_file.resolve()),
         }
 
     def quantize(
