@@ -18,7 +18,7 @@ export GPTQMODEL_CPU_WORKERS ?= 2
 export TORCH_COMPILE_DISABLE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-full test test-fast lint bench clean
+.PHONY: install demo demo-quick test test-fast lint bench clean
 
 $(STAMP): Makefile core/pyproject.toml plugins/*/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,12 +30,11 @@ $(STAMP): Makefile core/pyproject.toml plugins/*/pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo.py --quick
-
-# export -> GPTQ + AWQ 4-bit -> compare (table + PNG in out/demo). GPTQModel's AWQ quantize alone took
-# ~24 min on a busy 2-core machine (docs/benchmarks.md): not yet the 10 minutes issue #7 asks for.
-demo-full: $(STAMP)
 	$(PY) examples/demo.py --out out/demo
+
+# the tour without the quantize-and-compare part (under a minute)
+demo-quick: $(STAMP)
+	$(PY) examples/demo.py --quick
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -1,4 +1,4 @@
-"""`make demo`: detection, inspection, loading and streamed generation, offline.
+"""`make demo`: detection, inspection, loading, streamed generation, quantization and a comparison, offline.
 
 1. Builds small checkpoints itself: a tiny random Llama (dense, real weights) and header-only
    fixtures of every format anyquant knows; detects each one.
