@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from anyquant.errors import QuantizeError
+from anyquant.probe import TOKENIZER_FILES
 
 from .dequant import pack_awq_gemm_cols
 
@@ -56,18 +57,6 @@ _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_at
 _MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 _NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
-#: files copied from the source checkpoint as they are
-_SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 
 
 @dataclass(frozen=True)
@@ -474,7 +463,7 @@ def quantize_checkpoint(
         "quantizer": "anyquant",
     }
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    for name in _SIDE_FILES:
+    for name in TOKENIZER_FILES:  # tokenizer, chat template, generation config: as they are
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
     return dst

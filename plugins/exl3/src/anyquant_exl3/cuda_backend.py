@@ -395,8 +395,7 @@ class ExllamaGenerator(TorchGenerator):
         finally:
             results.close()
 
-    def generate(self, prompt: Prompt, params: GenerationParams) -> str:
-        return "".join(self.stream(prompt, params))
+    # generate() is TorchGenerator's: the joined stream
 
     def generate_batch(self, prompts: Sequence[Prompt], params: GenerationParams) -> list[str]:
         if not prompts:
