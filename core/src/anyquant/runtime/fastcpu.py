@@ -392,12 +392,16 @@ def bf16_head_status() -> tuple[bool, str]:
 def _compact(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` in the narrowest float dtype that holds every value exactly (float16, bfloat16,
     else unchanged): a float32 copy of a checkpoint's float16 table takes half the memory again."""
+    rows = max(1, (1 << 22) // max(1, weight[0].numel())) if weight.dim() > 1 else weight.numel()
     for dtype in (torch.float16, torch.bfloat16):
         if weight.dtype.itemsize <= dtype.itemsize:
             break
-        narrow = weight.to(dtype)
-        if torch.equal(narrow.to(weight.dtype), weight):
-            return narrow
+        # checked a slice at a time: a whole round-trip copy would add its size to the load's peak
+        if all(
+            torch.equal(weight[i : i + rows].to(dtype).to(weight.dtype), weight[i : i + rows])
+            for i in range(0, weight.shape[0], rows)
+        ):
+            return weight.to(dtype)
     return weight
 
 
@@ -518,12 +522,15 @@ def install_fast_head(module: Any, *, small_rows: int = DEFAULT_SMALL_ROWS) -> d
     tied = type(emb) is nn.Embedding and emb.weight is head.weight
     exact = _compact(head.weight.detach())
     bias = None if head.bias is None else head.bias.detach()
-    module.set_output_embeddings(FastHead(exact, bias, compute_dtype=compute, small_rows=small_rows))
     table = exact if tied else None
     if type(emb) is nn.Embedding and emb.weight.dtype == compute:
         table = exact if tied else _compact(emb.weight.detach())
         if tied or table.dtype != compute:
             module.set_input_embeddings(CompactEmbedding(table, compute))
+    # drop the float head (and a tied table) before the prepacked copy exists: a lower peak
+    module.set_output_embeddings(nn.Identity())
+    del head, emb
+    module.set_output_embeddings(FastHead(exact, bias, compute_dtype=compute, small_rows=small_rows))
     if tied:
         module.config.tie_word_embeddings = False  # nothing to tie any more: both share ``exact``
     return {
