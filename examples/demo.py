@@ -135,7 +135,7 @@ def quantize_and_compare(gguf: Path, out: Path, samples: int, seq_len: int) -> i
     section("compare on held-out wiki text")
     paths = [gguf, dense, *made.values()]
     labels = ["GGUF Q4_1 (original)", "dense bf16 export", *(f"{m.upper()} 4-bit g64" for m in made)]
-    results = compare(paths, labels=labels, text="wiki", max_tokens=2048, rounds=1)
+    results = compare(paths, labels=labels, text="wiki", max_tokens=2048, rounds=1, progress=_progress_bar())
     table = to_markdown(results)
     print(table)
     (out / "compare.md").write_text(table)

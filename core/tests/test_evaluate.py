@@ -114,10 +114,25 @@ def test_compare_alternates_and_reports(
         return real_open(path, load_kwargs)
 
     monkeypatch.setattr(ev, "_open", recording_open)
+    seen: list[tuple[str, float]] = []
     results = ev.compare(
-        [tiny, tiny_b], text=str(text_file), window=64, max_tokens=384, prefill_tokens=64, decode_tokens=3, rounds=2
+        [tiny, tiny_b],
+        text=str(text_file),
+        window=64,
+        max_tokens=384,
+        prefill_tokens=64,
+        decode_tokens=3,
+        rounds=2,
+        progress=lambda stage, frac: seen.append((stage, frac)),
     )
     assert order == ["a", "b", "b", "a"]  # same text and windows, alternating order for the timings
+    assert seen == [
+        ("a (round 1)", 0.0),
+        ("b (round 1)", 0.25),
+        ("b (round 2)", 0.5),
+        ("a (round 2)", 0.75),
+        ("done", 1.0),
+    ]
     assert [r.label for r in results] == ["a", "b"] and all(r.rounds == 2 for r in results)
     assert {(r.window, r.windows, r.tokens) for r in results} == {(64, 6, 384)}
     assert results[0].perplexity != results[1].perplexity  # two different random models

@@ -26,7 +26,7 @@ import math
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -379,13 +379,21 @@ def _evaluate_rounds(
     labels: Sequence[str] | None,
     registry: Registry | None,
     load_kwargs: dict[str, Any],
+    progress: Callable[[str, float], None] | None = None,
 ) -> list[EvalResult]:
     body, text_name = _text_and_name(text)
     partial: dict[int, dict[str, Any]] = {}
+    visits, done = max(1, rounds) * len(paths), 0
     for r in range(max(1, rounds)):
         order = range(len(paths)) if r % 2 == 0 else reversed(range(len(paths)))
         for i in order:
+            if progress is not None:
+                name = labels[i] if labels else Path(paths[i]).name
+                progress(f"{name} (round {r + 1})", done / visits)
             _one_visit(i, r, paths[i], body, partial, window, max_tokens, prefill_tokens, decode_tokens, load_kwargs)
+            done += 1
+    if progress is not None:
+        progress("done", 1.0)
     results = []
     for i, path in enumerate(paths):
         p = partial[i]
@@ -510,12 +518,14 @@ def compare(
     rounds: int = 2,
     labels: Sequence[str] | None = None,
     registry: Registry | None = None,
+    progress: Callable[[str, float], None] | None = None,
     **load_kwargs: Any,
 ) -> list[EvalResult]:
     """Evaluate several checkpoints on the same text and windows.
 
     Timings are taken over ``rounds`` rounds in alternating order (A B C, then C B A, ...), one
     checkpoint loaded at a time, and averaged; perplexity is computed once per checkpoint.
+    ``progress(stage, fraction)`` is called before each checkpoint's visit and once at the end.
     """
     if not paths:
         raise EvaluationError("compare needs at least one checkpoint")
@@ -534,6 +544,7 @@ def compare(
         labels=labels,
         registry=registry,
         load_kwargs=load_kwargs,
+        progress=progress,
     )
 
 
@@ -692,7 +703,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    results = compare(args.paths, rounds=args.rounds, **_common_kwargs(args))
+    from .cli import _progress_bar
+
+    results = compare(args.paths, rounds=args.rounds, progress=_progress_bar(), **_common_kwargs(args))
     png = plot(results, args.png) if args.png else None
     if args.json:
         print(json.dumps({"results": [r.to_dict() for r in results], "png": str(png) if png else None}))
