@@ -177,6 +177,30 @@ def test_gguf_header_matches_gguf_library(tmp_path: Path) -> None:
     assert ours.tensors[0].shape == tuple(int(x) for x in theirs.tensors[0].shape)
 
 
+def _string_array(key: bytes, items: list[bytes]) -> bytes:
+    """One GGUF key/value: an array (type 9) of strings (type 8)."""
+    body = b"".join(struct.pack("<Q", len(i)) + i for i in items)
+    return struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 8, len(items)) + body
+
+
+def test_long_string_arrays_are_skipped_but_bounded(tmp_path: Path) -> None:
+    """Vocabularies are summarised (length only), not decoded; a string running past the file still is an error."""
+    items = [b"\xff\xfe not utf-8"] * 100  # never decoded: more than GGUF_KEEP_ARRAY items
+    blob = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _string_array(b"tokenizer.ggml.tokens", items)
+    (tmp_path / "v.gguf").write_bytes(blob + b"\0" * 64)
+    h = read_gguf_header(tmp_path / "v.gguf", "v.gguf")
+    assert h.array_lengths["tokenizer.ggml.tokens"] == 100 and h.metadata["tokenizer.ggml.tokens"] is None
+    cut = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _string_array(b"t", [*items[:99], b""])
+    cut = cut[:-8] + struct.pack("<Q", 10**6)  # the last (empty) string now claims a megabyte the file lacks
+    (tmp_path / "cut.gguf").write_bytes(cut)
+    with pytest.raises(HeaderError, match="past the end"):
+        read_gguf_header(tmp_path / "cut.gguf", "cut.gguf")
+    short = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _string_array(b"t", [b"\xff"] * 3)
+    (tmp_path / "short.gguf").write_bytes(short + b"\0" * 64)
+    with pytest.raises(HeaderError, match="not UTF-8"):  # short arrays are kept, so decoded
+        read_gguf_header(tmp_path / "short.gguf", "short.gguf")
+
+
 @pytest.mark.parametrize(
     "blob",
     [

@@ -396,6 +396,15 @@ class _Reader:
         except UnicodeDecodeError:
             raise HeaderError(f"{self.name}: GGUF string at byte {self.pos - length} is not UTF-8") from None
 
+    def skip_string(self) -> None:
+        """Move past a string (bounds checked, not decoded: its bytes are never looked at)."""
+        length = self.unpack("<Q", 8)
+        if length > MAX_GGUF_STRING:
+            raise HeaderError(f"{self.name}: GGUF string of {length} bytes at byte {self.pos}")
+        if self.pos + length > self.size:
+            raise HeaderError(f"{self.name}: GGUF header runs past the end of the file at byte {self.pos}")
+        self.pos += length
+
     def value(self, vtype: int, key: str, lengths: dict[str, int]) -> Any:
         if vtype in _GGUF_SCALARS:
             fmt, n = _GGUF_SCALARS[vtype]
@@ -417,8 +426,11 @@ class _Reader:
                 if count > GGUF_KEEP_ARRAY:
                     return None
                 return list(struct.unpack("<" + fmt[1] * count, raw))
-            items = [self.string() for _ in range(count)]
-            return items if count <= GGUF_KEEP_ARRAY else None
+            if count <= GGUF_KEEP_ARRAY:
+                return [self.string() for _ in range(count)]
+            for _ in range(count):  # a vocabulary or merges list: only summarised, so not decoded
+                self.skip_string()
+            return None
         raise HeaderError(f"{self.name}: GGUF key {key!r} has unknown value type {vtype}")
 
 
