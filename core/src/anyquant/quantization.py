@@ -162,7 +162,8 @@ def quantize(
     reg = registry or default_registry()
     src, dst = Path(src), Path(dst)
     _check_paths(src, dst, overwrite)
-    detection = reg.detect(Probe.open(src))
+    source_probe = Probe.open(src)
+    detection = reg.detect(source_probe)
     if detection.format != "dense":
         hint = " Export it first: anyquant export PATH --to dense OUT." if detection.format == "gguf" else ""
         raise QuantizeError(f"{src} is {detection.format}, not a dense checkpoint; quantize needs dense weights.{hint}")
@@ -186,7 +187,7 @@ def quantize(
     )
     check = getattr(quantizer, "validate", None)
     if callable(check):
-        check(Probe.open(src), spec)
+        check(source_probe, spec)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.anyquant-", dir=dst.parent))
     report_progress = progress or (lambda stage, frac: log.info("quantize: %s (%.0f%%)", stage, 100 * frac))
