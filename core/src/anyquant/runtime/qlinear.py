@@ -43,6 +43,17 @@ class QuantLinearBase(nn.Module):
     def dequantize(self) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def set_packed(self, bias: torch.Tensor | None = None, **tensors: torch.Tensor | None) -> QuantLinearBase:
+        """Register the packed tensors (named as in ``packed_names``; ``None`` allowed) and the bias,
+        then :meth:`finalize`: what every subclass constructor ends with."""
+        unknown = set(tensors) - set(getattr(self, "packed_names", ()))
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no packed tensor {sorted(unknown)}")
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+        self.set_bias(bias)
+        return self.finalize()
+
     def set_bias(self, bias: torch.Tensor | None) -> None:
         self.register_buffer("bias", None if bias is None else bias.to(self.compute_dtype), persistent=False)
 

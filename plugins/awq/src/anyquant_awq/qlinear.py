@@ -38,11 +38,7 @@ class AWQLinear(QuantLinearBase):
         if layout not in ("gemm", "gemv"):
             raise ValueError(f"AWQ layout {layout!r} has no CPU dequantizer")
         self.layout, self.bits, self.group_size = layout, bits, group_size
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("qzeros", qzeros)
-        self.register_buffer("scales", scales)
-        self.set_bias(bias)
-        self.finalize()
+        self.set_packed(bias, qweight=qweight, qzeros=qzeros, scales=scales)
 
     def dequantize(self) -> torch.Tensor:
         """The exact weight, ``[out, in]``, in the scales' dtype (as AutoAWQ's ``dequantize_gemm``)."""

@@ -40,10 +40,7 @@ class EXL3Linear(QuantLinearBase):
         self.codebook = codebook
         self.multiplier = multiplier
         self.k_bits = trellis.shape[-1] / 16
-        for name, value in (("trellis", trellis), ("suh", suh), ("svh", svh), ("su", su), ("sv", sv)):
-            self.register_buffer(name, value)
-        self.set_bias(bias)
-        self.finalize()
+        self.set_packed(bias, trellis=trellis, suh=suh, svh=svh, su=su, sv=sv)
 
     def dequantize(self) -> torch.Tensor:
         """W as the CUDA kernels reconstruct it (fp16), ``[out, in]``, padding trimmed."""
@@ -90,11 +87,9 @@ class EXL2Linear(QuantLinearBase):
         invperm = tensors.get("q_invperm")
         if invperm is None and "q_perm" in tensors:
             invperm = torch.argsort(tensors["q_perm"].long()).to(torch.int32)
-        for name in ("q_weight", "q_scale", "q_scale_max", "q_groups"):
-            self.register_buffer(name, tensors[name])
-        self.register_buffer("q_invperm", invperm)
-        self.set_bias(bias)
-        self.finalize()
+        self.set_packed(
+            bias, **{n: tensors[n] for n in ("q_weight", "q_scale", "q_scale_max", "q_groups")}, q_invperm=invperm
+        )
 
     def dequantize(self) -> torch.Tensor:
         if self.q_weight is None:

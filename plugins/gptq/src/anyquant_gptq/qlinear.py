@@ -39,12 +39,7 @@ class GPTQLinear(QuantLinearBase):
         self.bits = bits
         self.checkpoint_format = checkpoint_format
         self.sym = sym
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("qzeros", qzeros)
-        self.register_buffer("scales", scales)
-        self.register_buffer("g_idx", g_idx)
-        self.set_bias(bias)
-        self.finalize()
+        self.set_packed(bias, qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx)
 
     def dequantize(self) -> torch.Tensor:
         """The exact weight, ``[out, in]``, in the scales' dtype (as GPTQModel's torch kernel)."""
