@@ -687,6 +687,13 @@ def _kld_note(bpw: float) -> str:
     )
 
 
+def _advice(ctx: _Ctx, **fields: Any) -> Advice:
+    """An :class:`Advice` for the situation ``ctx`` describes (GPU, VRAM, GPUs, users, context);
+    ``fields`` give the rest and may override those (a single device for GGUF)."""
+    situation = {"gpu": ctx.gpu, "vram_gb": ctx.vram_gb, "gpus": ctx.gpus, "users": ctx.users, "context": ctx.context}
+    return Advice(**{**situation, **fields})
+
+
 def _advise_exl3(ctx: _Ctx) -> Advice | None:
     """Ampere or newer, few users: EXL3 at the largest bpw that fits (fp16 KV first, then q8, q4)."""
     usable = ctx.vram_bytes * ctx.gpus
@@ -738,12 +745,8 @@ def _advise_exl3(ctx: _Ctx) -> Advice | None:
             )
     if ctx.users > 1:
         alternatives.append(f"from {MANY_USERS} concurrent users on, serve AWQ/GPTQ with vLLM instead")
-    return Advice(
-        gpu=ctx.gpu,
-        vram_gb=ctx.vram_gb,
-        gpus=ctx.gpus,
-        users=ctx.users,
-        context=ctx.context,
+    return _advice(
+        ctx,
         format="exl3",
         engine="exllamav3",
         bits=bpw,
@@ -797,12 +800,8 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
     q = _vllm_quantization(ctx, method)
     if choice is None:
         e = _est(ctx, W4_G128_BPW, "fp16", 16, 1)
-        return Advice(
-            gpu=ctx.gpu,
-            vram_gb=ctx.vram_gb,
-            gpus=ctx.gpus,
-            users=ctx.users,
-            context=ctx.context,
+        return _advice(
+            ctx,
             format=method,
             engine="vllm",
             bits=W4_G128_BPW,
@@ -857,12 +856,8 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
     if kv == "fp8":
         cmd += " --kv-cache-dtype fp8"
     commands.append(cmd)
-    return Advice(
-        gpu=ctx.gpu,
-        vram_gb=ctx.vram_gb,
-        gpus=ctx.gpus,
-        users=ctx.users,
-        context=ctx.context,
+    return _advice(
+        ctx,
         format=method,
         engine="vllm",
         bits=W4_G128_BPW,
@@ -914,12 +909,9 @@ def _advise_local(ctx: _Ctx) -> Advice:
     if found is None:
         name, bpw = GGUF_TYPES[-1]
         e = _gguf_est(ctx, bpw, "fp16")
-        return Advice(
-            gpu=ctx.gpu,
-            vram_gb=ctx.vram_gb,
+        return _advice(
+            ctx,
             gpus=1,
-            users=ctx.users,
-            context=ctx.context,
             format="gguf",
             engine=engine,
             bits=bpw,
@@ -940,12 +932,9 @@ def _advise_local(ctx: _Ctx) -> Advice:
         f"decode is memory-bound: about {_tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs):.1f} tokens/s at "
         f"~{ctx.gpu.bandwidth_gbs:g} GB/s",
     ]
-    return Advice(
-        gpu=ctx.gpu,
-        vram_gb=ctx.vram_gb,
+    return _advice(
+        ctx,
         gpus=1,
-        users=ctx.users,
-        context=ctx.context,
         format="gguf",
         engine=engine,
         bits=bpw,
@@ -971,12 +960,9 @@ def _gguf_as_is(ctx: _Ctx, usable: int, where: str, engine: str) -> Advice | Non
         + ("with Metal" if ctx.gpu.kind == "apple" else "on the CPU"),
         f"the checkpoint is GGUF already ({e.bits:g} bits/weight) and fits: {_gb(e.total_bytes).strip()} of {where}",
     ]
-    return Advice(
-        gpu=ctx.gpu,
-        vram_gb=ctx.vram_gb,
+    return _advice(
+        ctx,
         gpus=1,
-        users=ctx.users,
-        context=ctx.context,
         format="gguf",
         engine=engine,
         bits=e.bits,
@@ -1012,12 +998,8 @@ def _offload_plan(ctx: _Ctx, qtype: str = "Q4_K_M") -> Advice | None:
         f"expected cost: decode about {tok_s:.1f} tokens/s (memory-bound: {ctx.gpu.bandwidth_gbs:g} GB/s GPU, "
         f"~{RAM_BANDWIDTH_GBS:g} GB/s RAM assumed) instead of ~{full:.0f} tokens/s if it all fit in VRAM",
     ]
-    return Advice(
-        gpu=ctx.gpu,
-        vram_gb=ctx.vram_gb,
-        gpus=ctx.gpus,
-        users=ctx.users,
-        context=ctx.context,
+    return _advice(
+        ctx,
         format="gguf",
         engine="llama.cpp (CUDA + CPU offload)",
         bits=bpw,
@@ -1044,12 +1026,8 @@ def _too_big(ctx: _Ctx, why: str) -> Advice:
     off = _offload_plan(ctx)
     if off is None:
         e = _gguf_est(ctx, dict(GGUF_TYPES)["Q4_K_M"], "fp16")
-        return Advice(
-            gpu=ctx.gpu,
-            vram_gb=ctx.vram_gb,
-            gpus=ctx.gpus,
-            users=ctx.users,
-            context=ctx.context,
+        return _advice(
+            ctx,
             format="gguf",
             engine="llama.cpp",
             bits=None,
@@ -1086,12 +1064,8 @@ def _advise_pre_ampere(ctx: _Ctx) -> Advice:
         alternatives = (
             [f"GGUF {gguf[0]} on llama.cpp (CUDA) also fits ({_gb(gguf[2].total_bytes).strip()})"] if gguf else []
         )
-        return Advice(
-            gpu=ctx.gpu,
-            vram_gb=ctx.vram_gb,
-            gpus=ctx.gpus,
-            users=ctx.users,
-            context=ctx.context,
+        return _advice(
+            ctx,
             format="gptq",
             engine="gptqmodel / vLLM (--quantization gptq)",
             bits=W4_G128_BPW,
@@ -1112,12 +1086,8 @@ def _advise_pre_ampere(ctx: _Ctx) -> Advice:
         )
     if gguf is not None:
         name, bpw, ge = gguf
-        return Advice(
-            gpu=ctx.gpu,
-            vram_gb=ctx.vram_gb,
-            gpus=ctx.gpus,
-            users=ctx.users,
-            context=ctx.context,
+        return _advice(
+            ctx,
             format="gguf",
             engine="llama.cpp (CUDA)",
             bits=bpw,
