@@ -113,6 +113,15 @@ def checkpoint_bytes(path: str | Path) -> int:
 
 
 def peak_rss_mib() -> float:
+    """This process's peak RSS: ``VmHWM`` (per address space, so it starts afresh at exec), else
+    ``ru_maxrss`` (which Linux carries over from the parent: a bench that quantized in process
+    would lend its children its own peak)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -75,7 +75,7 @@ def main() -> int:
     if "ppl" in native and "ppl" in awq:
         print(
             f"- AWQ by anyquant's quantizer (zero point, quantized in {quantize_seconds(native_path) or 0:.0f} s) vs "
-            f"GPTQModel's AWQ (symmetric, {quantize_seconds(path) or 0:.0f} s): ppl {native['ppl']:.4f} vs {awq['ppl']:.4f}"
+            f"GPTQModel's AWQ (same settings, {quantize_seconds(path) or 0:.0f} s): ppl {native['ppl']:.4f} vs {awq['ppl']:.4f}"
         )
     print(f"\n# wall {time.perf_counter() - t0:.0f} s")
     return 0
