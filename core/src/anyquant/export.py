@@ -37,16 +37,24 @@ def export_dense(
     module = model.module
     for name, child in list(module.named_modules()):
         dequantize = getattr(child, "dequantize", None)
-        if isinstance(child, nn.Linear) or not callable(dequantize) or not hasattr(child, "in_features"):
-            continue  # quantized linears only (transformers' PreTrainedModel also has a dequantize())
-        weight = dequantize().to(torch.float32)
-        bias = getattr(child, "bias", None)
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="cpu")
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        if bias is not None:
-            linear.bias = nn.Parameter(bias.to(torch.float32), requires_grad=False)
+        if isinstance(child, (nn.Linear, nn.Embedding)) or not callable(dequantize):
+            continue  # transformers' PreTrainedModel also has a dequantize(): it has neither attribute below
+        dense: nn.Module
+        if hasattr(child, "in_features"):  # a quantized linear, or a backend's own LM head
+            weight = dequantize().to(torch.float32)
+            bias = getattr(child, "bias", None)
+            dense = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="cpu")
+            dense.weight = nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                dense.bias = nn.Parameter(bias.to(torch.float32), requires_grad=False)
+        elif hasattr(child, "num_embeddings"):  # a backend's own input embedding
+            dense = nn.Embedding.from_pretrained(dequantize().to(torch.float32), freeze=True)
+        else:
+            continue
         parent, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(parent) if parent else module, attr, linear)
+        setattr(module.get_submodule(parent) if parent else module, attr, dense)
+    if getattr(module.config, "tie_word_embeddings", False):
+        module.tie_weights()  # rebuilt modules hold their own copies: one table again, as the config says
     module.to(target)
     config = module.config
     for attr in ("quantization_config", "compression_config"):

@@ -178,3 +178,28 @@ def test_zero_point_defaults_to_autoawqs() -> None:
     job = AWQQuantizer().job(Path("s"), Path("d"), QuantizeSpec("awq"), Path("c"))
     assert job["sym"] is False
     assert GPTQQuantizer().job(Path("s"), Path("d"), QuantizeSpec("gptq"), Path("c"))["sym"] is True  # GPTQ's default
+
+
+def test_dense_export_from_cpu_fast_equals_reference(tmp_path: Path) -> None:
+    """cpu-fast swaps the LM head and a tied embedding for its own modules; a dense export of that
+    model must still write what the reference backend writes: the same names, the same values, tied."""
+    src = make_tiny_dense(tmp_path / "src", dtype="float16", tie_word_embeddings=True)
+    awq = anyquant.quantize(
+        src,
+        tmp_path / "awq",
+        method="awq",
+        group_size=32,
+        calibration=TEXTS,
+        calibration_seq_len=64,
+        quantizer_backend="anyquant",
+        quality=False,
+    )
+    fast = anyquant.load(awq, backend="cpu-fast")
+    if fast.info["cpu_fast"]["fast_layers"] == 0:
+        pytest.skip("torch's int4 CPU kernel does not run here")
+    a = load_file(anyquant.export_dense(awq, tmp_path / "a", dtype="float32", backend="cpu-fast") / "model.safetensors")
+    b = load_file(
+        anyquant.export_dense(awq, tmp_path / "b", dtype="float32", backend="reference") / "model.safetensors"
+    )
+    assert set(a) == set(b) and "lm_head.weight" not in a and "model.embed_tokens.weight" in a
+    assert all(torch.equal(a[k], b[k]) for k in b)

@@ -419,10 +419,13 @@ class CompactEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.table).to(self.compute_dtype)
 
+    def dequantize(self) -> torch.Tensor:
+        """The table in the compute dtype (exact; a copy: for export and inspection, not the forward)."""
+        return self.table.to(self.compute_dtype)
+
     @property
     def weight(self) -> torch.Tensor:
-        """The table in the compute dtype (a copy: for inspection, not for the forward)."""
-        return self.table.to(self.compute_dtype)
+        return self.dequantize()
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table.dtype}"
@@ -479,10 +482,13 @@ class FastHead(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
+    def dequantize(self) -> torch.Tensor:
+        """The exact weight in the compute dtype (a copy: for export and inspection, not the forward)."""
+        return self.exact.to(self.compute_dtype)
+
     @property
     def weight(self) -> torch.Tensor:
-        """The exact weight in the compute dtype (a copy: for inspection, not for the forward)."""
-        return self.exact.to(self.compute_dtype)
+        return self.dequantize()
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """The head lives on the CPU in its own dtypes: casts and moves are refused, not half-done."""
@@ -531,8 +537,8 @@ def install_fast_head(module: Any, *, small_rows: int = DEFAULT_SMALL_ROWS) -> d
     module.set_output_embeddings(nn.Identity())
     del head, emb
     module.set_output_embeddings(FastHead(exact, bias, compute_dtype=compute, small_rows=small_rows))
-    if tied:
-        module.config.tie_word_embeddings = False  # nothing to tie any more: both share ``exact``
+    # the config keeps tie_word_embeddings: both modules share ``exact``, and a dense export
+    # (export_dense turns them back into an nn.Embedding and an nn.Linear) stays tied as it was
     return {
         "head": "bfloat16 prepacked",
         "exact_dtype": str(exact.dtype).replace("torch.", ""),
