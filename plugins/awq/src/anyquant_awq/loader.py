@@ -10,7 +10,7 @@ from anyquant.loaders import LoadContext, TransformersLoader
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 from anyquant.report import dense_rows
-from anyquant_gptq.loader import cpu_fast_backend, gptqmodel_backend
+from anyquant_gptq.loader import cpu_fast_backend, finish_layer_plans, gptqmodel_backend, start_layer_plans
 
 from .plugin import _layout
 
@@ -113,21 +113,12 @@ class AWQLoader(TransformersLoader):
         return super().choose_backend(requested, device)
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
-        from anyquant.runtime.fastcpu import FastCPUPlan
-
         from .qlinear import AWQLinear
 
         bits, group = self._bits_group(ctx.detection)
         modules = _modules(ctx.probe, bits)
         src = ctx.source
-        plan = FastCPUPlan.from_options(ctx.options.extra) if ctx.backend == "cpu-fast" else None
-        self._fast_plan = plan
-        kernels = None
-        if ctx.backend == "gptqmodel":
-            from anyquant_gptq.gptqmodel_kernels import KernelPlan
-
-            kernels = KernelPlan.create("awq", ctx.device, ctx.dtype, ctx.options.extra)
-        self._kernel_plan = kernels
+        plan, kernels = start_layer_plans(self, ctx, "awq")
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             m = modules.get(name)
@@ -163,13 +154,7 @@ class AWQLoader(TransformersLoader):
         self._kernel_plan = None
         loaded = super().load(probe, detection, options)
         _apply_act_scales(loaded.module, probe)
-        plan = getattr(self, "_fast_plan", None)
-        if loaded.backend == "cpu-fast" and plan is not None:
-            plan.finish(loaded.module)
-            loaded.info = {**loaded.info, "cpu_fast": plan.summary()}
-        kernels = self._kernel_plan
-        if loaded.backend == "gptqmodel" and kernels is not None:
-            loaded.info = {**loaded.info, "gptqmodel": kernels.summary()}
+        finish_layer_plans(self, loaded)
         return loaded
 
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:

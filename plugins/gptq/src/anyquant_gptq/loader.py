@@ -18,6 +18,8 @@ from .signature import read_signature
 if TYPE_CHECKING:
     from torch import nn
 
+    from anyquant.runtime.loaded import LoadedModel
+
     from .gptqmodel_kernels import KernelPlan
 
 __all__ = ["GPTQLoader"]
@@ -56,6 +58,31 @@ def gptqmodel_backend() -> BackendInfo:
     except ImportError:  # pragma: no cover - torch missing
         return BackendInfo("gptqmodel", False, "torch is not installed")
     return gptqmodel_backend_info()
+
+
+def start_layer_plans(loader: Any, ctx: LoadContext, method: str) -> tuple[Any, KernelPlan | None]:
+    """The per-layer plan of the chosen backend (``cpu-fast``: a FastCPUPlan; ``gptqmodel``: a
+    KernelPlan), kept on ``loader`` for :func:`finish_layer_plans`. Shared by GPTQ and AWQ."""
+    from anyquant.runtime.fastcpu import FastCPUPlan
+
+    loader._fast_plan = FastCPUPlan.from_options(ctx.options.extra) if ctx.backend == "cpu-fast" else None
+    loader._kernel_plan = None
+    if ctx.backend == "gptqmodel":
+        from .gptqmodel_kernels import KernelPlan
+
+        loader._kernel_plan = KernelPlan.create(method, ctx.device, ctx.dtype, ctx.options.extra)
+    return loader._fast_plan, loader._kernel_plan
+
+
+def finish_layer_plans(loader: Any, loaded: LoadedModel) -> None:
+    """After the build: cpu-fast's LM head, and each plan's record in ``loaded.info``."""
+    plan = getattr(loader, "_fast_plan", None)
+    if loaded.backend == "cpu-fast" and plan is not None:
+        plan.finish(loaded.module)
+        loaded.info = {**loaded.info, "cpu_fast": plan.summary()}
+    kernels = getattr(loader, "_kernel_plan", None)
+    if loaded.backend == "gptqmodel" and kernels is not None:
+        loaded.info = {**loaded.info, "gptqmodel": kernels.summary()}
 
 
 class GPTQLoader(TransformersLoader):
@@ -133,29 +160,14 @@ class GPTQLoader(TransformersLoader):
             and unsupported_reason(m.bits, m.in_features, m.out_features, m.in_features // m.groups) is None
         )
         loaded = super().load(probe, detection, options)
-        plan = getattr(self, "_fast_plan", None)
-        if loaded.backend == "cpu-fast" and plan is not None:
-            plan.finish(loaded.module)
-            loaded.info = {**loaded.info, "cpu_fast": plan.summary()}
-        kernels = self._kernel_plan
-        if loaded.backend == "gptqmodel" and kernels is not None:
-            loaded.info = {**loaded.info, "gptqmodel": kernels.summary()}
+        finish_layer_plans(self, loaded)
         return loaded
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
-        from anyquant.runtime.fastcpu import FastCPUPlan
-
         from .dequant import gptq_zero_label_check
         from .qlinear import GPTQLinear
 
-        plan = FastCPUPlan.from_options(ctx.options.extra) if ctx.backend == "cpu-fast" else None
-        self._fast_plan = plan
-        kernels = None
-        if ctx.backend == "gptqmodel":
-            from .gptqmodel_kernels import KernelPlan
-
-            kernels = KernelPlan.create("gptq", ctx.device, ctx.dtype, ctx.options.extra)
-        self._kernel_plan = kernels
+        plan, kernels = start_layer_plans(self, ctx, "gptq")
 
         sig = {m.name: m for m in read_signature(ctx.probe).modules}
         d = ctx.detection.details
