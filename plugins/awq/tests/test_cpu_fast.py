@@ -15,6 +15,7 @@ from anyquant.runtime.packing import pack_cols
 from anyquant_awq.dequant import awq_gemv_zeros_width, pack_awq_gemm_cols
 from anyquant_awq.loader import AWQLoader
 from anyquant_awq.qlinear import AWQLinear
+from tests.decoding import rel_error, stepwise_logits
 from tests.peers.catalog import GPTQMODEL_AWQ_VARIANTS, gptqmodel_awq_quantized_dir
 
 pytestmark = pytest.mark.skipif(not fast_cpu_capable()[0], reason=fast_cpu_capable()[1])
@@ -27,22 +28,6 @@ PREFILL_TOL = 1e-5  # exact weights, float32 GEMM
 @pytest.fixture(scope="module")
 def root() -> Path:
     return gptqmodel_awq_quantized_dir()
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
-
-
-def _stepwise_logits(module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    from anyquant.runtime.generate import _cache_keyword
-
-    kw = _cache_keyword(module)
-    out = module(ids[:, :1], use_cache=True)
-    steps = [out.logits]
-    for i in range(1, ids.shape[1]):
-        out = module(ids[:, i : i + 1], use_cache=True, **{kw: getattr(out, kw)})
-        steps.append(out.logits)
-    return torch.cat(steps, dim=1)
 
 
 @pytest.mark.peer
@@ -62,9 +47,9 @@ def test_exact_weights_logits_in_tolerance_and_greedy_tokens(root: Path, variant
     reference = anyquant.load(path, backend="reference")
     with torch.no_grad():
         want = reference.module(ref["input_ids"]).logits
-        assert _rel(fast.module(ref["input_ids"]).logits, want) < PREFILL_TOL
-        assert _rel(_stepwise_logits(fast.module, ref["input_ids"]), want) < DECODE_TOL
-        assert _rel(anyquant.load(path).module(ref["input_ids"]).logits, want) < DECODE_TOL  # default: int4 kernel
+        assert rel_error(fast.module(ref["input_ids"]).logits, want) < PREFILL_TOL
+        assert rel_error(stepwise_logits(fast.module, ref["input_ids"]), want) < DECODE_TOL
+        assert rel_error(anyquant.load(path).module(ref["input_ids"]).logits, want) < DECODE_TOL  # default: int4 kernel
     tokens = ref["greedy_tokens"][0].tolist()
     got_tokens = fast.generator.generate_ids(tokens[:8], fast.params(max_new_tokens=8))
     assert got_tokens == tokens[8:]
@@ -116,8 +101,8 @@ def test_layouts_convert_exactly(layout: str, zero_point: bool) -> None:
     x = torch.randn(6, 256)
     with torch.no_grad():
         want = awq(x)
-        assert _rel(fast(x), want) < PREFILL_TOL
-        assert _rel(fast(x[:2]), want[:2]) < DECODE_TOL
+        assert rel_error(fast(x), want) < PREFILL_TOL
+        assert rel_error(fast(x[:2]), want[:2]) < DECODE_TOL
 
 
 def test_unsupported_group_is_reported() -> None:

@@ -14,6 +14,7 @@ from anyquant.errors import UnsupportedBackendError
 from anyquant.runtime.fastcpu import FastInt4Linear, fast_cpu_capable
 from anyquant_gptq.loader import GPTQLoader
 from anyquant_gptq.qlinear import GPTQLinear
+from tests.decoding import rel_error, stepwise_logits
 from tests.peers.catalog import GPTQ_QUANT_VARIANTS, gptqmodel_gptq_quantized_dir
 
 pytestmark = [pytest.mark.peer, pytest.mark.skipif(not fast_cpu_capable()[0], reason=fast_cpu_capable()[1])]
@@ -30,23 +31,6 @@ PREFILL_TOL = 1e-5
 @pytest.fixture(scope="module")
 def root() -> Path:
     return gptqmodel_gptq_quantized_dir()
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max())
-
-
-def _stepwise_logits(module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Logits computed one token at a time through the KV cache (the decode path, 1 row per linear)."""
-    from anyquant.runtime.generate import _cache_keyword
-
-    kw = _cache_keyword(module)
-    out = module(ids[:, :1], use_cache=True)
-    steps = [out.logits]
-    for i in range(1, ids.shape[1]):
-        out = module(ids[:, i : i + 1], use_cache=True, **{kw: getattr(out, kw)})
-        steps.append(out.logits)
-    return torch.cat(steps, dim=1)
 
 
 @pytest.mark.parametrize("variant", FOUR_BIT)
@@ -67,11 +51,11 @@ def test_four_bit_layers_run_fast_with_exact_weights_and_logits_in_tolerance(roo
     with torch.no_grad():
         want = ref_model.module(ids).logits
         assert ids.shape[1] > fast.info["cpu_fast"]["small_rows"]
-        assert _rel(fast.module(ids).logits, want) < PREFILL_TOL
-        assert _rel(_stepwise_logits(fast.module, ids), want) < DECODE_TOL
+        assert rel_error(fast.module(ids).logits, want) < PREFILL_TOL
+        assert rel_error(stepwise_logits(fast.module, ids), want) < DECODE_TOL
         default = anyquant.load(path, backend="cpu-fast")  # 32 rows <= 64: the int4 kernel
         assert default.info["cpu_fast"]["small_rows"] == 64
-        assert _rel(default.module(ids).logits, want) < DECODE_TOL
+        assert rel_error(default.module(ids).logits, want) < DECODE_TOL
 
 
 @pytest.mark.parametrize("variant", FOUR_BIT)
@@ -126,11 +110,11 @@ def test_options_bf16_prefill_and_small_rows(root: Path) -> None:
     reference = anyquant.load(path, backend="reference")
     with torch.no_grad():
         want = reference.module(ids).logits
-        assert _rel(fast.module(ids).logits, want) < DECODE_TOL  # 32 rows <= 40: the int4 kernel
+        assert rel_error(fast.module(ids).logits, want) < DECODE_TOL  # 32 rows <= 40: the int4 kernel
         for layer in fast.module.modules():
             if isinstance(layer, FastInt4Linear):
                 layer.small_rows = 0
-        assert _rel(fast.module(ids).logits, want) < DECODE_TOL  # bfloat16 GEMM
+        assert rel_error(fast.module(ids).logits, want) < DECODE_TOL  # bfloat16 GEMM
 
 
 def test_bfloat16_compute_dtype(root: Path) -> None:
@@ -146,4 +130,4 @@ def test_bfloat16_compute_dtype(root: Path) -> None:
             fast = anyquant.load(path, backend="cpu-fast", dtype="bfloat16", cpu_fast_small_rows=rows)
             logits = fast.module(ids).logits
             assert logits.dtype == torch.bfloat16
-            assert _rel(logits.float(), want) < DECODE_TOL
+            assert rel_error(logits.float(), want) < DECODE_TOL
