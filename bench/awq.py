@@ -16,8 +16,8 @@ import argparse
 import sys
 import time
 
-from _measure import checkpoint_bytes, dense_model, machine, markdown_table, quantize_seconds, quantized_model, run_rows
-from gptq import again_rows, goals, rows
+from _measure import checkpoint_bytes, dense_model, machine, quantize_seconds, quantized_model
+from gptq import rows, run_and_report
 
 AWQ_BACKENDS = (
     ("AWQ_TORCH", "float16"),
@@ -54,15 +54,7 @@ def main() -> int:
         {**dict(todo)["anyquant auto"], "path": str(native_path), "decode_tokens": 16},
     )
     todo += [gptq_row, native_row]
-    if args.only:
-        prefixes = tuple(p.strip() for p in args.only.split(","))
-        todo = [(n, c) for n, c in todo if n.startswith(prefixes)]
-    results = run_rows(todo, again=again_rows(todo))
-    print()
-    print(markdown_table(results, ckpt, baseline="dense fp32 (transformers)"))
-    print()
-    for line in goals(results, ckpt):
-        print(f"- {line}")
+    results = run_and_report(todo, ckpt, args.only)
     r = dict(results)
     awq, gptq = r.get("anyquant auto", {}), r.get(gptq_row[0], {})
     if "ppl" in awq and "ppl" in gptq:

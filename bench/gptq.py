@@ -186,6 +186,20 @@ def layer_timings(threads: int) -> str:
     return "\n".join(lines)
 
 
+def run_and_report(todo: list[tuple[str, dict[str, Any]]], ckpt: int, only: str) -> list[tuple[str, dict[str, Any]]]:
+    """Measure the rows (``only``: comma-separated name prefixes), print the table and the goals."""
+    if only:
+        prefixes = tuple(p.strip() for p in only.split(","))
+        todo = [(n, c) for n, c in todo if n.startswith(prefixes)]
+    results = run_rows(todo, again=again_rows(todo))
+    print()
+    print(markdown_table(results, ckpt, baseline="dense fp32 (transformers)"))
+    print()
+    for line in goals(results, ckpt):
+        print(f"- {line}")
+    return results
+
+
 def main(method: str = "gptq", gptqmodel_backends: Any = GPTQMODEL_BACKENDS) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -203,15 +217,7 @@ def main(method: str = "gptq", gptqmodel_backends: Any = GPTQMODEL_BACKENDS) -> 
     )
     print(f"# machine: {machine()}")
     todo = rows(method, str(path), str(dense), args.threads, gptqmodel_backends)
-    if args.only:
-        prefixes = tuple(p.strip() for p in args.only.split(","))
-        todo = [(n, c) for n, c in todo if n.startswith(prefixes)]
-    results = run_rows(todo, again=again_rows(todo))
-    print()
-    print(markdown_table(results, ckpt, baseline="dense fp32 (transformers)"))
-    print()
-    for line in goals(results, ckpt):
-        print(f"- {line}")
+    run_and_report(todo, ckpt, args.only)
     if args.layers:
         print()
         print(layer_timings(args.threads))
