@@ -35,7 +35,15 @@ from .probe import Probe
 from .protocols import QuantizeSpec
 from .registry import Registry, load_spec_object
 
-__all__ = ["QualityReport", "WorkerError", "quantize", "run_worker"]
+__all__ = [
+    "DEFAULT_CALIBRATION",
+    "QualityReport",
+    "WorkerError",
+    "calibration_batch",
+    "calibration_texts",
+    "quantize",
+    "run_worker",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +111,45 @@ def eval_text() -> str:
         return evaluation_text("wiki")[:12000]
     except CalibrationError:
         return FALLBACK_EVAL_TEXT
+
+
+#: the seeds' advice: general web text plus code against domain shift.
+DEFAULT_CALIBRATION = "c4:0.5,code:0.25,wiki:0.25"
+
+
+def calibration_texts(spec: QuantizeSpec) -> list[str]:
+    """A quantizer's calibration samples: explicit texts (``options["texts"]``), or a named source / mix / file
+    via :mod:`anyquant.calibration` (default :data:`DEFAULT_CALIBRATION`).
+
+    Either way they are checked against the quality gate's held-out evaluation text (n-gram overlap).
+    """
+    from .calibration import check_overlap, sample
+
+    texts = spec.options.get("texts")
+    if texts:
+        texts = [str(t) for t in texts]
+        check_overlap(texts, eval_text())
+        return texts
+    return sample(
+        spec.calibration or DEFAULT_CALIBRATION,
+        n_samples=spec.calibration_samples,
+        seq_len=spec.calibration_seq_len,
+        seed=int(spec.options.get("seed", 0)),
+        evaluation=eval_text(),
+    )
+
+
+def calibration_batch(tokenizer: Any, texts: Sequence[str], seq_len: int, min_tokens: int = 32) -> Any:
+    """Token ids ``[rows, length]`` (a torch tensor) for in-process quantizers: each text tokenized and cut to
+    ``seq_len``; texts shorter than ``min(seq_len, min_tokens)`` tokens are dropped and the rest cut to the
+    shortest one, so every row has the same length. :class:`QuantizeError` when nothing is left."""
+    import torch
+
+    rows = [ids[:seq_len] for ids in tokenizer(list(texts))["input_ids"] if len(ids) >= min(seq_len, min_tokens)]
+    if not rows:
+        raise QuantizeError("no calibration sample is long enough to use")
+    length = min(len(r) for r in rows)
+    return torch.tensor([r[:length] for r in rows])
 
 
 def quality_check(

@@ -44,6 +44,7 @@ from torch import nn
 
 from anyquant.errors import QuantizeError
 from anyquant.probe import TOKENIZER_FILES
+from anyquant.quantization import calibration_batch
 
 from .dequant import pack_awq_gemm_cols
 
@@ -414,12 +415,7 @@ def quantize_checkpoint(
         )
     if progress is not None:
         progress("loading the dense model", 0.0)
-    tok = AutoTokenizer.from_pretrained(src)
-    rows = [ids[:seq_len] for ids in tok(list(texts))["input_ids"] if len(ids) >= min(seq_len, 32)]
-    if not rows:
-        raise QuantizeError("no calibration sample is long enough to use")
-    length = min(len(r) for r in rows)
-    samples = torch.tensor([r[:length] for r in rows])
+    samples = calibration_batch(AutoTokenizer.from_pretrained(src), texts, seq_len)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa").eval()
     k_ok = all(
         lin.in_features % opts.group_size == 0

@@ -14,7 +14,8 @@ from pathlib import Path
 from anyquant.errors import QuantizeError
 from anyquant.probe import Probe
 from anyquant.protocols import QuantizeSpec
-from anyquant_gptq.quantize import GPTQModelQuantizer, calibration_texts
+from anyquant.quantization import calibration_texts
+from anyquant_gptq.quantize import GPTQModelQuantizer
 
 __all__ = ["QUANTIZER_BACKENDS", "AWQQuantizer"]
 

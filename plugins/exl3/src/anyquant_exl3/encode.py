@@ -1,8 +1,9 @@
 """CPU EXL3 encoder: regularization, tail-biting Viterbi per 16x16 tile, trellis packing (format doc §3.6).
 
-This follows exllamav3's ``regularize`` and ``quantize_tiles`` without a Hessian (no LDLQ): the weight is turned
+This follows exllamav3's ``regularize``, ``quantize_tiles`` and (given a Hessian) ``ldlq``: the weight is turned
 into a Gaussian-like matrix by random signs, channel scales and block Hadamards, then every tile is encoded by
-an exact Viterbi search over all 65536 trellis states, vectorized over tiles. It is a reference and test tool:
+an exact Viterbi search over all 65536 trellis states, vectorized over tiles; with the layer's input Hessian the
+16-row strips are encoded last to first with LDLQ error feedback. It is a reference and test tool:
 on CPU it encodes a few thousand weights per second, fine for small layers, far too slow for whole models.
 
 Tail-biting is handled as in ``quantize_tiles_kernel.cuh``: a first unconstrained pass over the ring rolled by
@@ -204,6 +205,50 @@ def _viterbi_batch(x: torch.Tensor, steps: list[int], tables: _Tables, buffers: 
     return _backtrack(final, x, priors, steps, tables.lut, stop=0)
 
 
+class TileEncoder:
+    """Reusable Viterbi set-up (codebook tables and batch storage) for many :meth:`encode` calls at one K.
+
+    LDLQ encodes a weight one 16-row strip at a time, so it builds the tables and buffers once here.
+    """
+
+    def __init__(
+        self,
+        k_bits: float,
+        codebook: str,
+        device: torch.device | str = "cpu",
+        *,
+        multiplier: int | None = None,
+        batch_tiles: int | None = None,
+    ) -> None:
+        self.k_bits = k_bits
+        self.steps = step_bits(k_bits)
+        self.lut = codebook_lut(normalize_codebook(codebook), multiplier=multiplier).to(device, torch.float32)
+        self.tables = _Tables(self.lut, self.steps)
+        self.batch = _batch_tiles(k_bits, batch_tiles)
+        self._buffers: _Buffers | None = None
+
+    def encode(self, tiles: torch.Tensor, num_threads: int | None = 1) -> torch.Tensor:
+        """int32 states ``[T, 256]`` for float tiles ``[T, 256]`` in stream order (see :func:`viterbi_encode`)."""
+        if tiles.dim() != 2 or tiles.shape[1] != TILE_NUMEL:
+            raise ValueError(f"tiles must be [T, {TILE_NUMEL}], got {tuple(tiles.shape)}")
+        x = tiles.to(torch.float32)
+        out = torch.empty(x.shape, dtype=torch.int32, device=x.device)
+        batch = min(self.batch, max(1, x.shape[0]))
+        if self._buffers is None or self._buffers.cost.shape[1] < batch:
+            # both passes: rolling by 128 keeps the period-16 step pattern
+            self._buffers = _Buffers(batch, self.steps, x.device)
+        with torch_threads(num_threads):
+            for start in range(0, x.shape[0], batch):
+                chunk = x[start : start + batch]
+                states = _viterbi_batch(chunk, self.steps, self.tables, self._buffers.narrow(chunk.shape[0]))
+                out[start : start + batch] = states.to(torch.int32)
+        return out
+
+    def values(self, states: torch.Tensor) -> torch.Tensor:
+        """The fp32 values (fp16 codebook values) the decoder gives for ``states``."""
+        return self.lut[states.long()]
+
+
 def viterbi_encode(
     tiles: torch.Tensor,
     k_bits: float,
@@ -221,19 +266,8 @@ def viterbi_encode(
     """
     if tiles.dim() != 2 or tiles.shape[1] != TILE_NUMEL:
         raise ValueError(f"tiles must be [T, {TILE_NUMEL}], got {tuple(tiles.shape)}")
-    steps = step_bits(k_bits)
-    lut = codebook_lut(normalize_codebook(codebook), multiplier=multiplier).to(tiles.device, torch.float32)
-    tables = _Tables(lut, steps)
-    x = tiles.to(torch.float32)
-    out = torch.empty(x.shape, dtype=torch.int32, device=x.device)
-    batch = min(_batch_tiles(k_bits, batch_tiles), max(1, x.shape[0]))
-    buffers = _Buffers(batch, steps, x.device)  # both passes: rolling by 128 keeps the period-16 step pattern
-    with torch_threads(num_threads):
-        for start in range(0, x.shape[0], batch):
-            chunk = x[start : start + batch]
-            states = _viterbi_batch(chunk, steps, tables, buffers.narrow(chunk.shape[0]))
-            out[start : start + batch] = states.to(torch.int32)
-    return out
+    encoder = TileEncoder(k_bits, codebook, tiles.device, multiplier=multiplier, batch_tiles=batch_tiles)
+    return encoder.encode(tiles, num_threads)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -353,6 +387,103 @@ def default_global_scale(codebook: str) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Hessian-aware encoding (LDLQ)
+
+#: Diagonal damping of the Hessian, as a fraction of its mean diagonal (exllamav3's ``sigma_reg`` default).
+SIGMA_REG = 0.025
+
+
+class HessianError(ValueError):
+    """A Hessian that cannot be used: wrong shape, not finite, or not positive definite even after damping."""
+
+
+def damp_hessian(hessian: torch.Tensor, size: int, sigma_reg: float = SIGMA_REG) -> torch.Tensor:
+    """``[in, in]`` Hessian ``E[x xᵀ]`` -> float64 ``[size, size]`` (zero-padded) with ``sigma_reg · mean diag`` added.
+
+    The padded inputs are always zero, so their rows and columns carry only the damping.
+    """
+    n = hessian.shape[0]
+    if hessian.dim() != 2 or hessian.shape[1] != n or n > size:
+        raise HessianError(f"Hessian must be square [in, in] with in <= {size}, got {tuple(hessian.shape)}")
+    if not bool(torch.isfinite(hessian).all()):
+        raise HessianError("Hessian has non-finite entries")
+    h = torch.zeros((size, size), dtype=torch.float64, device=hessian.device)
+    h[:n, :n] = hessian.to(torch.float64)
+    mean = float(h.diagonal()[:n].mean())
+    if not mean > 0:
+        raise HessianError("Hessian has no positive diagonal: no calibration input reached this layer")
+    h.diagonal().add_(sigma_reg * mean)
+    return h
+
+
+def block_ldl(hessian: torch.Tensor, block: int = 16, retries: int = 10, sigma_reg: float = SIGMA_REG) -> torch.Tensor:
+    """Block LDLᵀ of a symmetric positive definite matrix: ``H = (I + L) D (I + L)ᵀ``; returns ``L``.
+
+    ``L`` is strictly block-lower-triangular (its ``block x block`` diagonal blocks are zero) and ``D`` is
+    block-diagonal. From the Cholesky factor ``C``: ``I + L = C · blockdiag(C_ii)⁻¹``. A failed Cholesky adds
+    ``2 · sigma_reg · mean diag`` and retries, as exllamav3 does.
+    """
+    n = hessian.shape[0]
+    if n % block:
+        raise HessianError(f"Hessian size {n} is not a multiple of {block}")
+    m = n // block
+    h = hessian.clone()
+    for _ in range(retries + 1):
+        chol, info = torch.linalg.cholesky_ex(h)
+        if int(info) == 0:
+            break
+        h.diagonal().add_(2.0 * sigma_reg * float(h.diagonal().mean()))
+    else:
+        raise HessianError(f"Hessian is not positive definite after {retries} damping steps")
+    diag = chol.view(m, block, m, block).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [m, b, b]
+    unit = torch.einsum("rib,ibc->ric", chol.view(n, m, block), torch.linalg.inv(diag)).reshape(n, n)
+    unit.view(m, block, m, block).diagonal(dim1=0, dim2=2).zero_()
+    return unit
+
+
+def rotate_hessian(hessian: torch.Tensor, su: torch.Tensor) -> torch.Tensor:
+    """The Hessian of the regularized weight's inputs: ``Hl · diag(su) · H · diag(su) · Hl``.
+
+    The decoder computes ``x W = (x diag(su) Hl) Ŵ (Hr diag(sv))``, so ``Ŵ`` sees the inputs ``x diag(su) Hl``.
+    (exllamav3 rotates with the signs of su only; with the channel scales the LDLQ error weights match the
+    weight that is actually encoded.)
+    """
+    s = su.to(hessian.dtype)
+    return had_right(had_left(hessian * s[:, None] * s[None, :]))
+
+
+def ldlq(
+    target: torch.Tensor,
+    unit_lower: torch.Tensor,
+    encoder: TileEncoder,
+    *,
+    num_threads: int | None = 1,
+) -> torch.Tensor:
+    """LDLQ over 16-row strips of the regularized weight ``[k, n]`` -> states ``[k/16, n/16, 256]``.
+
+    Strips are encoded from the last to the first; strip ``r`` is encoded from
+    ``target_r + Σ_{s>r} L[s, r]ᵀ (target_s - quantized_s)``, which makes the proxy loss
+    ``tr(Eᵀ H E)`` the sum of each strip's own (D-weighted) Viterbi error (QuIP#/QTIP's LDLQ as exllamav3 runs
+    it). ``unit_lower`` is :func:`block_ldl` of the rotated Hessian.
+    """
+    k, n = target.shape
+    tk, tn = k // 16, n // 16
+    lower = unit_lower.to(target.device, torch.float32)
+    err = torch.zeros_like(target, dtype=torch.float32)
+    states = torch.empty((tk, tn, TILE_NUMEL), dtype=torch.int32, device=target.device)
+    for r in range(tk - 1, -1, -1):
+        r0, r1 = 16 * r, 16 * r + 16
+        strip = target[r0:r1].to(torch.float32)
+        if r1 < k:
+            strip = strip + lower[r1:, r0:r1].t() @ err[r1:]
+        tiles = matrix_to_stream_tiles(strip).reshape(tn, TILE_NUMEL)
+        found = encoder.encode(tiles, num_threads)
+        states[r] = found
+        err[r0:r1] = target[r0:r1] - stream_tiles_to_matrix(encoder.values(found).view(1, tn, TILE_NUMEL))
+    return states
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # layer
 
 
@@ -381,19 +512,25 @@ def encode_exl3(
     seed: int = 0,
     apply_out_scales: bool = True,
     g_scale: float | str | None = None,
+    hessian: torch.Tensor | None = None,
+    sigma_reg: float = SIGMA_REG,
     batch_tiles: int | None = None,
     num_threads: int | None = 1,
 ) -> dict[str, torch.Tensor]:
-    """Quantize an ``nn.Linear`` weight ``[out, in]`` to EXL3 tensors (no Hessian).
+    """Quantize an ``nn.Linear`` weight ``[out, in]`` to EXL3 tensors.
 
     Returns ``{"trellis", "suh", "svh"}`` plus the codebook marker (``"mcg"``/``"mul1"``) as exllamav3 stores them;
     dims are padded to multiples of 128 (decode with ``in_features``/``out_features`` to trim). ``g_scale``: a
     float, ``"search"`` (sampled grid search like exllamav3's), or ``None`` for :func:`default_global_scale`.
-    ``num_threads``: torch intra-op threads during the Viterbi search (``None`` keeps the current setting).
+    ``hessian``: ``E[x xᵀ]`` of the layer's inputs ``[in, in]``; given, the tiles are encoded with LDLQ
+    (:func:`ldlq`, damping ``sigma_reg``), which minimizes the output error ``tr(E H Eᵀ)`` instead of the
+    weight error. ``num_threads``: torch intra-op threads during the Viterbi search (``None`` keeps the current
+    setting).
     """
     cb = normalize_codebook(codebook)
     step_bits(k_bits)  # validates K
     w = _padded(weight)
+    damped = None if hessian is None else damp_hessian(hessian.to(w.device), w.shape[0], sigma_reg)
     gen = torch.Generator().manual_seed(int(seed))
     su_signs = random_signs(w.shape[0], gen).to(w.device)
     sv_signs = random_signs(w.shape[1], gen).to(w.device)
@@ -406,7 +543,13 @@ def encode_exl3(
         g = float(g_scale)
     target *= g
     su /= g
-    tiles = matrix_to_stream_tiles(target)
-    states = viterbi_encode(tiles.reshape(-1, TILE_NUMEL), k_bits, cb, batch_tiles=batch_tiles, num_threads=num_threads)
-    trellis = pack_states(states.view(tiles.shape), k_bits)
+    encoder = TileEncoder(k_bits, cb, w.device, batch_tiles=batch_tiles)
+    if damped is None:
+        tiles = matrix_to_stream_tiles(target)
+        states = encoder.encode(tiles.reshape(-1, TILE_NUMEL), num_threads).view(tiles.shape)
+    else:
+        states = ldlq(
+            target, block_ldl(rotate_hessian(damped, su), sigma_reg=sigma_reg), encoder, num_threads=num_threads
+        )
+    trellis = pack_states(states, k_bits)
     return {"trellis": trellis, "suh": su.half(), "svh": sv.half(), **_marker(cb)}

@@ -1,10 +1,14 @@
-"""EXL3 quantization on any machine: anyquant's own CPU encoder (no Hessian yet).
+"""EXL3 quantization on any machine: anyquant's own CPU encoder, Hessian-aware by default.
 
 Every decoder linear is encoded with :func:`anyquant_exl3.encode.encode_exl3` (random signs +
-Hadamard regularisation, tail-biting Viterbi over the 16-bit trellis per 16x16 tile). Fractional
-``bits`` give mixed K per tensor: every tensor starts at floor(bits) and tensors are raised one
-bit at a time, from the first layer on, until the budget ``bits x weights`` is spent (exllamav3
-allocates whole groups by priority; this is the simple version of it). The head stays 16-bit
+Hadamard regularisation, tail-biting Viterbi over the 16-bit trellis per 16x16 tile). With
+``ldlq=True`` (the default) the calibration texts run once through the dense model, every
+linear's input Hessian ``E[x xᵀ]`` is collected (:mod:`anyquant_exl3.hessian`) and the tiles are
+encoded with LDLQ error feedback, which minimises the layer's output error rather than its weight
+error; ``ldlq=False`` skips the calibration (no transformers model is built). Fractional ``bits``
+give mixed K per tensor: every tensor starts at floor(bits) and tensors are raised one bit at a
+time, from the first layer on, until the budget ``bits x weights`` is spent (exllamav3 allocates
+whole groups by priority; this is the simple version of it). The head stays 16-bit
 (``head_bits=16``). The encoder runs about 5-12k weights/s per core: tiny and small models only.
 Option ``encode_device="cuda"`` runs the same torch code on a GPU in batches of ``batch_tiles`` tiles
 (default: up to 256 within 2 GiB, :func:`gpu_batch_tiles`; prepared, not yet run on a GPU).
@@ -83,6 +87,27 @@ def _linear_weights(probe: Probe) -> list[str]:
     ]
 
 
+def _hessians(
+    src: Path, names: list[str], spec: QuantizeSpec, progress: Callable[[float], None]
+) -> dict[str, torch.Tensor] | None:
+    """Input Hessians of ``names`` from the calibration texts run through the dense model (``None``: ldlq off)."""
+    if not spec.options.get("ldlq", True):
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from anyquant.quantization import calibration_batch, calibration_texts
+
+    from .hessian import capture_hessians
+
+    samples = calibration_batch(AutoTokenizer.from_pretrained(src), calibration_texts(spec), spec.calibration_seq_len)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, trust_remote_code=False).eval()
+    try:
+        return capture_hessians(model, samples, names, progress=progress)
+    finally:
+        del model
+
+
 class EXL3Quantizer:
     method = "exl3"
 
@@ -105,7 +130,7 @@ class EXL3Quantizer:
         from safetensors import safe_open
         from safetensors.torch import save_file
 
-        from .encode import encode_exl3
+        from .encode import HessianError, encode_exl3
 
         report = progress or (lambda stage, frac: None)
         probe = Probe.open(src)
@@ -118,16 +143,24 @@ class EXL3Quantizer:
         batch_tiles = spec.options.get("batch_tiles")
         out = dst / "model"
         out.mkdir(parents=True, exist_ok=True)
+        hessians = _hessians(src, names, spec, lambda f: report("collecting input Hessians", 0.05 * f))
         tensors: dict[str, torch.Tensor] = {}
         quantized = set(names)
         handles = {h.file: safe_open(str(probe.root / h.file), framework="pt") for h in probe.safetensors}
         done, total = 0, sum(sizes)
+        fallbacks = []
         for i, (name, k) in enumerate(zip(names, ks, strict=True)):
             info = probe.tensors[f"{name}.weight"]
             weight = handles[info.file].get_tensor(info.name).float().to(device)
             report(f"encoding {name} (K={k:g})", 0.05 + 0.8 * done / total)
             batch = batch_tiles if batch_tiles is not None or device.type == "cpu" else gpu_batch_tiles(k)
-            enc = encode_exl3(weight, k, codebook=codebook, seed=seed + i, batch_tiles=batch)
+            hessian = None if hessians is None else hessians.pop(name, None)
+            try:
+                enc = encode_exl3(weight, k, codebook=codebook, seed=seed + i, batch_tiles=batch, hessian=hessian)
+            except HessianError as exc:
+                log.warning("%s: %s; encoded without the Hessian", name, exc)
+                fallbacks.append(name)
+                enc = encode_exl3(weight, k, codebook=codebook, seed=seed + i, batch_tiles=batch)
             tensors.update({f"{name}.{key}": value.cpu().contiguous() for key, value in enc.items()})
             done += sizes[i]
         for tname, info in probe.tensors.items():
@@ -139,11 +172,17 @@ class EXL3Quantizer:
                 tensors[tname] = tensors[tname].half()
         report("writing", 0.88)
         save_file(tensors, str(out / "model.safetensors"))
-        self._write_config(probe, out, spec, ks, sizes, codebook)
+        if hessians is None:
+            method = "anyquant CPU encoder (no Hessian)"
+        else:
+            method = f"anyquant CPU encoder (LDLQ, {spec.calibration_samples} x {spec.calibration_seq_len} tokens)"
+            if fallbacks:
+                method += f"; {len(fallbacks)} linears without a Hessian"
+        self._write_config(probe, out, ks, sizes, codebook, method)
         return out
 
     def _write_config(
-        self, probe: Probe, out: Path, spec: QuantizeSpec, ks: list[float], sizes: list[int], codebook: str
+        self, probe: Probe, out: Path, ks: list[float], sizes: list[int], codebook: str, method: str
     ) -> None:
         from anyquant import __version__
         from anyquant.probe import thaw
@@ -157,7 +196,7 @@ class EXL3Quantizer:
             "head_bits": 16,
             "codebook": codebook,
             "out_scales": "always",
-            "quantizer": "anyquant CPU encoder (no Hessian)",
+            "quantizer": method,
         }
         if cfg.get("quantization_config"):
             qc["original_quantization_config"] = cfg["quantization_config"]

@@ -11,6 +11,7 @@ from typing import Any
 from anyquant.errors import QuantizeError
 from anyquant.probe import Probe
 from anyquant.protocols import QuantizeSpec
+from anyquant.quantization import calibration_texts
 
 __all__ = ["GPTQModelQuantizer", "GPTQQuantizer", "calibration_texts", "linear_in_features"]
 
@@ -22,32 +23,6 @@ def linear_in_features(probe: Probe) -> dict[str, int]:
         if name.endswith(".weight") and len(t.shape) == 2 and ".layers." in name:
             out[name.removesuffix(".weight")] = t.shape[1]
     return out
-
-
-def calibration_texts(spec: QuantizeSpec) -> list[str]:
-    """The calibration samples: explicit texts, or a named source / mix / file via anyquant.calibration.
-
-    Either way they are checked against the quality gate's held-out evaluation text (n-gram overlap).
-    """
-    from anyquant.calibration import check_overlap, sample
-    from anyquant.quantization import eval_text
-
-    texts = spec.options.get("texts")
-    if texts:
-        texts = [str(t) for t in texts]
-        check_overlap(texts, eval_text())
-        return texts
-    return sample(
-        spec.calibration or DEFAULT_CALIBRATION,
-        n_samples=spec.calibration_samples,
-        seq_len=spec.calibration_seq_len,
-        seed=int(spec.options.get("seed", 0)),
-        evaluation=eval_text(),
-    )
-
-
-#: the seeds' advice: general web text plus code against domain shift.
-DEFAULT_CALIBRATION = "c4:0.5,code:0.25,wiki:0.25"
 
 
 class GPTQModelQuantizer:
