@@ -19,6 +19,8 @@ directory). Steps, each a row of the summary table:
    anyquant's reference;
 6. API: the exllamav3 backend's generate / stream / stop strings / generate_batch / seeds, greedy tokens equal
    to a bare exllamav3 job, ``tensor_parallel`` (typed error on 1 GPU, logits on 2+);
+   (3b: the converter once more through ``anyquant.quantize(..., quantizer_backend="exllamav3")``, on
+   anyquant's calibration texts, and its output decoded like the others)
 7. speed: decode tokens/s through ``LoadedModel.generate`` vs exllamav3's own ``Generator.generate`` on the same
    loaded model (the goal: anyquant's overhead under 3%).
 
@@ -656,6 +658,19 @@ def main(argv: list[str] | None = None) -> int:
             print(tail(log, 30))
             why = "timed out" if rc is None else f"exit {rc}: {tail(log, 1)[:200]}"
             rep.add(f"convert {label}", "FAIL", why, time.perf_counter() - t_conv)
+
+    # 4b. the same converter behind anyquant.quantize (quantizer_backend="exllamav3", anyquant's calibration)
+    if tiny is not None:
+        with rep.step("anyquant.quantize(quantizer_backend='exllamav3') tiny", need=60) as emit:
+            via = work / "tiny-quantize-exllamav3"
+            if via.exists():
+                shutil.rmtree(via)
+            encode(tiny, via, reg, quantizer_backend="exllamav3", calibration_samples=16, calibration_seq_len=256)
+            d = anyquant.detect(via, registry=reg)
+            qc = json.loads((via / "config.json").read_text()).get("quantization_config", {})
+            ok = d.format == "exl3" and str(qc.get("quant_method")) == "exl3"
+            emit("PASS" if ok else "FAIL", f"{d.format}/{d.variant}, K {d.details.get('k_histogram')}")
+            converted["tiny-via-quantize"] = via
 
     # 5. reconstruction: anyquant's CPU decode vs exllamav3's
     for label, out in converted.items():

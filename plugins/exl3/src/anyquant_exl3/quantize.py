@@ -1,17 +1,23 @@
-"""EXL3 quantization on any machine: anyquant's own CPU encoder, Hessian-aware by default.
+"""EXL3 quantization: exllamav3's converter on CUDA, anyquant's own Hessian-aware encoder anywhere.
 
-Every decoder linear is encoded with :func:`anyquant_exl3.encode.encode_exl3` (random signs +
-Hadamard regularisation, tail-biting Viterbi over the 16-bit trellis per 16x16 tile). With
-``ldlq=True`` (the default) the calibration texts run once through the dense model, every
+``quantizer_backend``: ``"exllamav3"`` runs exllamav3's own converter in a worker subprocess on
+anyquant's calibration texts (:mod:`anyquant_exl3.exllamav3_convert`; needs exllamav3 and an Ampere+
+GPU, a :class:`QuantizeError` otherwise); ``"anyquant"`` runs anyquant's encoder; ``"auto"`` (the
+default) picks exllamav3's converter where its CUDA backend can run and anyquant's elsewhere.
+
+anyquant's encoder: every decoder linear is encoded with :func:`anyquant_exl3.encode.encode_exl3`
+(random signs + Hadamard regularisation, tail-biting Viterbi over the 16-bit trellis per 16x16 tile).
+With ``ldlq=True`` (the default) the calibration texts run once through the dense model, every
 linear's input Hessian ``E[x xᵀ]`` is collected (:mod:`anyquant_exl3.hessian`) and the tiles are
 encoded with LDLQ error feedback, which minimises the layer's output error rather than its weight
 error; ``ldlq=False`` skips the calibration (no transformers model is built). Fractional ``bits``
 give mixed K per tensor: every tensor starts at floor(bits) and tensors are raised one bit at a
 time, from the first layer on, until the budget ``bits x weights`` is spent (exllamav3 allocates
 whole groups by priority; this is the simple version of it). The head stays 16-bit
-(``head_bits=16``). The encoder runs about 5-12k weights/s per core: tiny and small models only.
-Option ``encode_device="cuda"`` runs the same torch code on a GPU in batches of ``batch_tiles`` tiles
-(default: up to 256 within 2 GiB, :func:`gpu_batch_tiles`; prepared, not yet run on a GPU).
+(``head_bits=16``; exllamav3's converter quantizes it, 6 bits by default). The encoder runs about
+5-12k weights/s per core: tiny and small models only. Option ``encode_device="cuda"`` runs the same
+torch code on a GPU in batches of ``batch_tiles`` tiles (default: up to 256 within 2 GiB,
+:func:`gpu_batch_tiles`; prepared, not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ from anyquant.protocols import QuantizeSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EXL3Quantizer", "allocate_bits"]
+__all__ = ["QUANTIZER_BACKENDS", "EXL3Quantizer", "allocate_bits", "quantizer_backend"]
 
 log = logging.getLogger(__name__)
 
 VALID_K = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
+QUANTIZER_BACKENDS = ("auto", "anyquant", "exllamav3")
 CODEBOOKS = ("3inst", "mcg", "mul1")
 #: Viterbi tiles per batch on a GPU: few, large kernel launches, within GPU_VITERBI_BYTES of step priors and
 #: costs (4 MiB per tile at K=4, 32 MiB at K=1).
@@ -108,6 +115,22 @@ def _hessians(
         del model
 
 
+def quantizer_backend(spec: QuantizeSpec) -> str:
+    """``quantizer_backend`` resolved: ``"auto"`` is exllamav3's converter where its CUDA backend can run, else
+    anyquant's own encoder. Never imports exllamav3 (that JIT-builds its extension)."""
+    chosen = str(spec.options.get("quantizer_backend", "auto"))
+    if chosen not in QUANTIZER_BACKENDS:
+        raise QuantizeError(f"quantizer_backend={chosen!r} is not one of {QUANTIZER_BACKENDS}")
+    if chosen == "anyquant":
+        return chosen
+    from .cuda_backend import backend_info
+
+    info = backend_info()
+    if chosen == "exllamav3" and not info.available:
+        raise QuantizeError(f"quantizer_backend='exllamav3' cannot run here: {info.reason}")
+    return "exllamav3" if info.available else "anyquant"
+
+
 class EXL3Quantizer:
     method = "exl3"
 
@@ -117,16 +140,26 @@ class EXL3Quantizer:
         codebook = str(spec.options.get("codebook", "mul1")).lower()
         if codebook not in CODEBOOKS:
             raise QuantizeError(f"EXL3 codebook {codebook!r} is not one of {CODEBOOKS}")
-        head_bits = spec.options.get("head_bits", 16)
-        if head_bits != 16:
-            raise QuantizeError("anyquant's CPU encoder keeps the head unquantized: head_bits=16 only for now")
         if not _linear_weights(probe):
             raise QuantizeError("no decoder-layer linear weights found to quantize")
+        if quantizer_backend(spec) == "exllamav3":
+            head_bits = float(spec.options.get("head_bits", 6))
+            if not (head_bits == 16 or 1 <= head_bits <= 8):
+                raise QuantizeError(f"head_bits must be within 1..8 or 16, got {head_bits:g}")
+            return
+        head_bits = spec.options.get("head_bits", 16)
+        if head_bits != 16:
+            raise QuantizeError(
+                "anyquant's CPU encoder keeps the head unquantized: head_bits=16 only for now "
+                "(exllamav3's converter, quantizer_backend='exllamav3' on CUDA, quantizes it)"
+            )
         _encode_device(spec)
 
     def quantize(
         self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None] | None = None
     ) -> Path:
+        if quantizer_backend(spec) == "exllamav3":
+            return self._convert(src, dst, spec, progress)
         from safetensors import safe_open
         from safetensors.torch import save_file
 
@@ -179,6 +212,28 @@ class EXL3Quantizer:
             if fallbacks:
                 method += f"; {len(fallbacks)} linears without a Hessian"
         self._write_config(probe, out, ks, sizes, codebook, method)
+        return out
+
+    def _convert(self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None] | None) -> Path:
+        """exllamav3's converter in a worker subprocess, on anyquant's calibration texts."""
+        from transformers import AutoTokenizer
+
+        from anyquant.quantization import calibration_texts, run_worker
+
+        from . import exllamav3_convert as conv
+
+        scratch = dst / ".scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        calibration = scratch / "calibration.safetensors"
+        rows = conv.write_calibration(
+            AutoTokenizer.from_pretrained(src), calibration_texts(spec), spec.calibration_seq_len, calibration
+        )
+        probe = Probe.open(src)
+        layers = int((probe.config or {}).get("num_hidden_layers", 0))
+        out = dst / "model"
+        job = conv.job(src, out, spec, calibration, layers)
+        job["cal_rows"] = min(job["cal_rows"], rows)
+        run_worker("anyquant_exl3.exllamav3_convert", job, scratch=scratch, progress=progress)
         return out
 
     def _write_config(
