@@ -20,8 +20,9 @@ order; ``scales`` ``[N, 8*Wz]``.  ``Wz`` pads the group count (AutoAWQ
 are real.
 
 ``zero_point=False`` files: AutoAWQ's GEMM/GEMV packers require zeros, so
-AutoAWQ never writes them; GPTQModel writes ``sym=True`` AWQ with ``qzeros``
-filled with ``2**(b-1)`` (8).  Passing ``qzeros=None`` applies that implicit 8.
+AutoAWQ 0.2.9 alone never writes them; GPTQModel (``sym=True``) and anyquant's
+``quantizer_backend="autoawq"`` worker write ``qzeros`` filled with ``2**(b-1)``
+(8).  Passing ``qzeros=None`` applies that implicit 8.
 """
 
 from __future__ import annotations
