@@ -36,7 +36,9 @@ def exl3(dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_detects_mixed_k(exl3: Path) -> None:
     d = anyquant.detect(exl3)
     assert (d.format, d.variant) == ("exl3", "mul1")
-    assert set(d.details["k_histogram"]) == {"4.0", "5.0"}
+    # exllamav3's allocation on this layer: q/k/v 5, o 6 (raised in two passes), the MLP 4
+    assert "4.0" in d.details["k_histogram"] and set(d.details["k_histogram"]) <= {"4.0", "5.0", "6.0"}
+    assert len(d.details["k_histogram"]) > 1
     cfg = json.loads((exl3 / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "exl3" and 4.0 < cfg["bits"] <= 4.5
 
@@ -76,12 +78,59 @@ def test_backends_agree_and_track_the_dense_model(exl3: Path, dense: Path) -> No
     assert isinstance(ref.generate("Hello", max_new_tokens=4), str)
 
 
-def test_allocate_bits() -> None:
-    assert allocate_bits([100, 100], 4.0) == [4.0, 4.0]
-    assert allocate_bits([100, 100], 3.5) == [3.5, 3.5]
-    assert allocate_bits([100, 100, 200], 4.25) == [5.0, 4.0, 4.0]
-    ks = allocate_bits([64, 128, 256, 512], 2.7)
-    assert sum(k * n for k, n in zip(ks, [64, 128, 256, 512], strict=True)) <= 2.7 * 960
+def _layout(layers: int) -> tuple[list[str], list[int]]:
+    shapes = {
+        "q": 64 * 64,
+        "k": 32 * 64,
+        "v": 32 * 64,
+        "o": 64 * 64,
+        "gate": 128 * 64,
+        "up": 128 * 64,
+        "down": 128 * 64,
+    }
+    names, sizes = [], []
+    for i in range(layers):
+        for short, n in shapes.items():
+            names.append(f"model.layers.{i}.{'self_attn' if short in 'qkvo' else 'mlp'}.{short}_proj")
+            sizes.append(n)
+    return names, sizes
+
+
+def _ks(names: list[str], ks: list[float]) -> dict[str, float]:
+    return {n.removeprefix("model.layers."): k for n, k in zip(names, ks, strict=True)}
+
+
+def test_allocate_bits_as_exllamav3() -> None:
+    # expected values worked out by hand from exllamav3's create_q_strategy (conversion/allocation.py)
+    names, sizes = _layout(4)  # 36,864 weights per layer
+    assert allocate_bits(names, sizes, 4.0) == [4.0] * 28
+    # 4.25: one layer's worth of bits; attention groups first, the stack's ends (layers 0 and 3) first,
+    # whole groups only: q/k/v and o of layers 0, 3, 1 go to 5; layer 2's q/k/v (8,192) no longer fits
+    ks = _ks(names, allocate_bits(names, sizes, 4.25))
+    assert {n for n, k in ks.items() if k == 5.0} == {
+        f"{i}.self_attn.{p}_proj" for i in (0, 3, 1) for p in ("q", "k", "v", "o")
+    }
+    assert set(ks.values()) == {4.0, 5.0}
+    # 2.7 with mul1: half steps from 2.5; every attention group to 3.0, then layer 0's down (gate/up: too big)
+    ks = _ks(names, allocate_bits(names, sizes, 2.7, "mul1"))
+    assert {n for n, k in ks.items() if k == 3.0} == {
+        f"{i}.self_attn.{p}_proj" for i in range(4) for p in ("q", "k", "v", "o")
+    } | {"0.mlp.down_proj"}
+    assert set(ks.values()) == {2.5, 3.0}
+    # 2.7 with mcg: whole bits from 2; attention to 3, the MLPs of layers 0 and 3 to 3, then layer 0's o to 4
+    ks = _ks(names, allocate_bits(names, sizes, 2.7, "mcg"))
+    assert ks["0.self_attn.o_proj"] == 4.0
+    assert {n for n, k in ks.items() if k == 2.0} == {
+        f"{i}.mlp.{p}_proj" for i in (1, 2) for p in ("gate", "up", "down")
+    }
+    for mix in (2.7, 3.3, 4.25, 6.6):
+        for cb in ("mul1", "mcg"):
+            ks = allocate_bits(names, sizes, mix, cb)
+            assert sum(k * n for k, n in zip(ks, sizes, strict=True)) <= int(mix * sum(sizes))
+            by_group = {}
+            for n, k in zip(names, ks, strict=True):  # q/k/v share K, gate/up share K
+                key = n.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+                assert by_group.setdefault(key, k) == k
 
 
 def _exl2_from_dense(dense: Path, out: Path) -> dict[str, torch.Tensor]:

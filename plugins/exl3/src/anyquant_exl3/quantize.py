@@ -11,9 +11,8 @@ With ``ldlq=True`` (the default) the calibration texts run once through the dens
 linear's input Hessian ``E[x xᵀ]`` is collected (:mod:`anyquant_exl3.hessian`) and the tiles are
 encoded with LDLQ error feedback, which minimises the layer's output error rather than its weight
 error; ``ldlq=False`` skips the calibration (no transformers model is built). Fractional ``bits``
-give mixed K per tensor: every tensor starts at floor(bits) and tensors are raised one bit at a
-time, from the first layer on, until the budget ``bits x weights`` is spent (exllamav3 allocates
-whole groups by priority; this is the simple version of it). The head stays 16-bit
+give mixed K per tensor, allocated as exllamav3's converter does (:func:`allocate_bits`: whole
+groups raised by priority within the budget ``bits x weights``). The head stays 16-bit
 (``head_bits=16``; exllamav3's converter quantizes it, 6 bits by default). The encoder runs about
 5-12k weights/s per core: tiny and small models only. Option ``encode_device="cuda"`` runs the same
 torch code on a GPU in batches of ``batch_tiles`` tiles (default: up to 256 within 2 GiB,
@@ -25,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -58,17 +58,78 @@ def gpu_batch_tiles(k_bits: float) -> int:
     return max(1, min(GPU_BATCH_TILES, GPU_VITERBI_BYTES // per_tile))
 
 
-def allocate_bits(sizes: list[int], bits: float) -> list[float]:
-    """K per tensor so that the weighted mean is as close to ``bits`` as possible from below."""
-    if bits in VALID_K:
-        return [float(bits)] * len(sizes)
-    base = math.floor(bits)
-    ks = [float(base)] * len(sizes)
-    budget = bits * sum(sizes) - base * sum(sizes)
-    for i, n in enumerate(sizes):
-        if n <= budget:
-            ks[i] += 1
-            budget -= n
+#: exllamav3's quantization groups of a Llama-style layer (``modules/attn.py``, ``modules/mlp.py``): linears of
+#: one group always share K; attention groups rank before MLP groups (``q_priority`` 2 vs 1).
+_QGROUPS = {
+    "self_attn.q_proj": ("self_attn.qkv", 2),
+    "self_attn.k_proj": ("self_attn.qkv", 2),
+    "self_attn.v_proj": ("self_attn.qkv", 2),
+    "self_attn.o_proj": ("self_attn.o", 2),
+    "mlp.gate_proj": ("mlp.gu", 1),
+    "mlp.up_proj": ("mlp.gu", 1),
+    "mlp.down_proj": ("mlp.d", 1),
+}
+_LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
+
+
+def _rate_floor(bits: float, half_steps: bool) -> float:
+    r = math.floor(bits * 2) / 2 if half_steps and bits < 4 else math.floor(bits)
+    return float(max(1, min(8, r)))
+
+
+def _rate_next(k: float, half_steps: bool) -> float:
+    return float(min(8, k + (0.5 if half_steps and k < 4 else 1)))
+
+
+def allocate_bits(names: list[str], sizes: list[int], bits: float, codebook: str = "mul1") -> list[float]:
+    """K per tensor for an average of at most ``bits``, the way exllamav3's converter allocates
+    (``conversion/allocation.py``, ``create_q_strategy`` without ``--hq``).
+
+    Every tensor starts at ``bits`` rounded down to a rate the kernels have (half steps 1.5/2.5/3.5 with the
+    mul1 codebook only); then, pass after pass, whole quantization groups (a layer's q/k/v, its o, its
+    gate/up, its down) are raised one rate step while the budget ``int(bits x weights)`` allows: attention
+    groups first, then MLP groups; within a priority the layers nearest either end of the stack first
+    (they weigh most in the end-to-end error), then the lower layer. Tensors outside a Llama-style layer
+    form their own group with the lowest priority.
+    """
+    half = codebook == "mul1"
+    base = _rate_floor(bits, half)
+    ks = [base] * len(names)
+    budget = int(bits * sum(sizes))
+    used = base * sum(sizes)
+    groups: dict[str, list[int]] = {}
+    meta: dict[str, tuple[int, str | None, int, int]] = {}
+    for i, name in enumerate(names):
+        match = _LAYER.match(name)
+        stack, layer, local = (match.group(1), int(match.group(2)), match.group(3)) if match else (None, -1, name)
+        group, priority = _QGROUPS.get(local, (local, 0))
+        key = f"{stack}.{layer}.{group}" if match else name
+        if key not in groups:
+            groups[key] = []
+            meta[key] = (priority, stack, layer, len(meta))
+        groups[key].append(i)
+    last: dict[str | None, int] = {}
+    for _, stack, layer, _ in meta.values():
+        last[stack] = max(last.get(stack, -1), layer)
+
+    def order(key: str) -> tuple[int, int, int, int]:
+        priority, stack, layer, idx = meta[key]
+        dist = 0 if stack is None else min(layer, last[stack] - layer)
+        return (-priority, dist, layer, idx)
+
+    ranked = sorted(groups, key=order)
+    while used < budget:
+        raised = False
+        for key in ranked:
+            members = groups[key]
+            cost = sum((_rate_next(ks[i], half) - ks[i]) * sizes[i] for i in members)
+            if cost > 0 and used + cost <= budget:
+                for i in members:
+                    ks[i] = _rate_next(ks[i], half)
+                used += cost
+                raised = True
+        if not raised:
+            break
     return ks
 
 
@@ -169,8 +230,8 @@ class EXL3Quantizer:
         probe = Probe.open(src)
         names = _linear_weights(probe)
         sizes = [probe.tensors[f"{n}.weight"].numel for n in names]
-        ks = allocate_bits(sizes, float(spec.bits))
         codebook = str(spec.options.get("codebook", "mul1")).lower()
+        ks = allocate_bits(names, sizes, float(spec.bits), codebook)
         seed = int(spec.options.get("seed", 0))
         device = _encode_device(spec)
         batch_tiles = spec.options.get("batch_tiles")
