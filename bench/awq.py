@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct quantized by ``anyquant.quantize(method="awq", quantizer_backend="gptqmodel")``
 (GPTQModel's AWQ in a worker, fp16) with the same bits, group size and calibration texts as the GPTQ
 bench (cached under ``.cache/bench/``); a second AWQ checkpoint made by anyquant's own quantizer
-(zero point) adds a perplexity row. Rows: anyquant's backends, GPTQModel's AWQ CPU backends, transformers
+(zero point) adds a perplexity row, and ``--autoawq`` one made by AutoAWQ 0.2.9's own quantizer. Rows: anyquant's backends, GPTQModel's AWQ CPU backends, transformers
 ``from_pretrained`` of the checkpoint, dense fp32; then the GPTQ checkpoint's perplexity through
 anyquant (auto backend) on the same held-out text.
 
@@ -31,10 +31,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated row-name prefixes to run")
+    ap.add_argument("--autoawq", action="store_true", help="add AutoAWQ 0.2.9's own quantizer (slow on CPU: fp16)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     path = quantized_model("awq", bits=4, group_size=64, quantizer_backend="gptqmodel")
     native_path = quantized_model("awq", bits=4, group_size=64, quantizer_backend="anyquant", zero_point=True)
+    autoawq_path = quantized_model("awq", bits=4, group_size=64, quantizer_backend="autoawq") if args.autoawq else None
     gptq_path = quantized_model("gptq", bits=4, group_size=64)
     dense = dense_model()
     ckpt = checkpoint_bytes(path)
@@ -54,6 +56,12 @@ def main() -> int:
         {**dict(todo)["anyquant auto"], "path": str(native_path), "decode_tokens": 16},
     )
     todo += [gptq_row, native_row]
+    autoawq_row = (
+        "AWQ 4-bit g64 zero-point by AutoAWQ 0.2.9 (anyquant auto)",
+        {**dict(todo)["anyquant auto"], "path": str(autoawq_path), "decode_tokens": 16},
+    )
+    if autoawq_path is not None:
+        todo.append(autoawq_row)
     results = run_and_report(todo, ckpt, args.only)
     r = dict(results)
     awq, gptq = r.get("anyquant auto", {}), r.get(gptq_row[0], {})
@@ -68,6 +76,13 @@ def main() -> int:
         print(
             f"- AWQ by anyquant's quantizer (zero point, quantized in {quantize_seconds(native_path) or 0:.0f} s) vs "
             f"GPTQModel's AWQ (same settings, {quantize_seconds(path) or 0:.0f} s): ppl {native['ppl']:.4f} vs {awq['ppl']:.4f}"
+        )
+    auto = r.get(autoawq_row[0], {})
+    if "ppl" in auto and "ppl" in native:
+        print(
+            f"- AWQ by anyquant's quantizer vs AutoAWQ 0.2.9's own (same calibration, quantized in "
+            f"{quantize_seconds(native_path) or 0:.0f} s vs {quantize_seconds(autoawq_path) or 0:.0f} s): "
+            f"ppl {native['ppl']:.4f} vs {auto['ppl']:.4f}"
         )
     print(f"\n# wall {time.perf_counter() - t0:.0f} s")
     return 0

@@ -15,12 +15,14 @@ Three tables, all measured in this process, best of N (the machine's cores are s
    under ``.cache/bench/``). The encoder runs a few thousand weights/s per core, so only a subset of
    the decoder's linear layers is replaced (``--layers`` x ``--proj``; the rest stays dense):
    - EXL3 K=4 (4.0 bpw before padding and ``suh``/``svh``), encoded here by ``encode_exl3`` and
-     decoded by ``EXL3Linear``;
+     decoded by ``EXL3Linear`` (``--exl3 plain``);
    - GPTQ 4-bit g64 sym, the same layers taken from the GPTQModel checkpoint of ``bench/gptq.py``
      (32 x 256 calibration tokens; built and cached on first use, about 4 minutes), dequantized
      by the gptq plugin's ``GPTQLinear``;
-   - round-to-nearest 4-bit g64 sym (GPTQ's format and grid, no calibration), since the EXL3
-     encoder has no Hessian either.
+   - the same EXL3 K=4 encoded with LDLQ (``--exl3 ldlq``), the input Hessians collected from the
+     calibration GPTQ used (the same mix, 32 x 256 tokens) on the dense model;
+   - round-to-nearest 4-bit g64 sym (GPTQ's format and grid, no calibration), the uncalibrated
+     baseline of the plain EXL3 row.
    Perplexity on ``--ppl-tokens`` held-out wiki tokens (512-token windows, fp32, ``--threads``), the relative
    weight error ``||W - W_hat|| / ||W||`` of each encoded layer, and the exact stored bits per
    weight of the subset (every stored tensor's bytes over the unpadded weight count).
@@ -44,7 +46,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from _measure import corpus_text, dense_model, machine, quantize_seconds, quantized_model
+from _measure import CALIBRATION, corpus_text, dense_model, machine, quantize_seconds, quantized_model
 
 if TYPE_CHECKING:
     import torch
@@ -167,6 +169,9 @@ class Variant:
     #: the bytes without EXL3's padding to multiples of 128 (what a 128-aligned model pays)
     unpadded_bytes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    total_s: float = 0.0
+    #: column title in the per-layer table
+    short: str = ""
 
 
 def rtn_gptq_grid(weight: torch.Tensor, bits: int = GPTQ_BITS, group: int = GPTQ_GROUP) -> torch.Tensor:
@@ -195,15 +200,36 @@ def subset_names(layers: list[int], projs: list[str]) -> list[str]:
     return [f"model.layers.{i}.{PROJECTIONS[p]}" for i in layers for p in projs]
 
 
-def encode_subset(dense: dict[str, torch.Tensor], seed: int) -> Variant:
-    """EXL3 K=4 through the plugin: ``encode_exl3`` then ``EXL3Linear.dequantize`` (one thread)."""
+def subset_hessians(model: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """The subset's input Hessians from the calibration GPTQ used (``CALIBRATION``), as ``quantize`` collects them."""
+    from anyquant.protocols import QuantizeSpec
+    from anyquant.quantization import calibration_batch, calibration_texts
+    from anyquant_exl3.hessian import capture_hessians
+
+    spec = QuantizeSpec(
+        method="exl3",
+        calibration=CALIBRATION["calibration"],
+        calibration_samples=CALIBRATION["calibration_samples"],
+        calibration_seq_len=CALIBRATION["calibration_seq_len"],
+    )
+    ids = calibration_batch(model.tokenizer, calibration_texts(spec), spec.calibration_seq_len)
+    return capture_hessians(model.module, ids, names)
+
+
+def encode_subset(dense: dict[str, torch.Tensor], seed: int, hessians: dict[str, torch.Tensor] | None) -> Variant:
+    """EXL3 K=4 through the plugin: ``encode_exl3`` (LDLQ when given Hessians) then ``EXL3Linear.dequantize``
+    (one thread)."""
     from anyquant_exl3.encode import encode_exl3
     from anyquant_exl3.qlinear import EXL3Linear
 
-    var = Variant(f"EXL3 K={K_BITS} {CODEBOOK}, anyquant CPU encoder (no Hessian)")
+    how = "no Hessian" if hessians is None else f"LDLQ, {CALIBRATION['calibration_samples']} x 256 calibration tokens"
+    var = Variant(
+        f"EXL3 K={K_BITS} {CODEBOOK}, anyquant CPU encoder ({how})", short="EXL3" + (" LDLQ" if hessians else "")
+    )
     for i, (name, w) in enumerate(dense.items()):
         t0 = time.perf_counter()
-        enc = encode_exl3(w, K_BITS, codebook=CODEBOOK, seed=seed + i, num_threads=1)
+        hessian = None if hessians is None else hessians[name]
+        enc = encode_exl3(w, K_BITS, codebook=CODEBOOK, seed=seed + i, num_threads=1, hessian=hessian)
         var.seconds[name] = time.perf_counter() - t0
         var.stored_bytes += sum(t.numel() * t.element_size() for t in enc.values())
         var.unpadded_bytes += w.numel() * K_BITS // 8 + 2 * sum(w.shape) + 4  # trellis, suh + svh, marker
@@ -232,7 +258,7 @@ def gptq_subset(path: Path, names: list[str]) -> Variant:
 
     model = anyquant.load(path, backend="reference", dtype="float32")
     probe = anyquant.Probe.open(path)
-    var = Variant(f"GPTQ {GPTQ_BITS}-bit g{GPTQ_GROUP} sym (GPTQModel, 32 x 256 calibration tokens)")
+    var = Variant(f"GPTQ {GPTQ_BITS}-bit g{GPTQ_GROUP} sym (GPTQModel, 32 x 256 calibration tokens)", short="GPTQ")
     for name in names:
         var.weights[name] = model.module.get_submodule(name).dequantize().float()
         var.stored_bytes += sum(
@@ -243,7 +269,7 @@ def gptq_subset(path: Path, names: list[str]) -> Variant:
 
 
 def rtn_subset(dense: dict[str, torch.Tensor]) -> Variant:
-    var = Variant(f"RTN {GPTQ_BITS}-bit g{GPTQ_GROUP} sym (GPTQ's grid, no calibration)")
+    var = Variant(f"RTN {GPTQ_BITS}-bit g{GPTQ_GROUP} sym (GPTQ's grid, no calibration)", short="RTN")
     for name, w in dense.items():
         var.weights[name] = rtn_gptq_grid(w)
         var.stored_bytes += rtn_bytes((w.shape[0], w.shape[1]))
@@ -274,7 +300,9 @@ def perplexity_with(model: Any, ids: list[int], weights: dict[str, torch.Tensor]
             model.module.get_submodule(name).weight.data = w
 
 
-def quality_tables(layers: list[int], projs: list[str], ppl_tokens: int, seed: int, threads: int) -> str:
+def quality_tables(
+    layers: list[int], projs: list[str], ppl_tokens: int, seed: int, threads: int, exl3_modes: list[str]
+) -> str:
     import torch
 
     import anyquant
@@ -288,10 +316,14 @@ def quality_tables(layers: list[int], projs: list[str], ppl_tokens: int, seed: i
     )
     subset = sum(w.numel() for w in dense.values())
 
-    t0 = time.perf_counter()
-    exl3 = encode_subset(dense, seed)  # one thread: encode_exl3(num_threads=1)
-    encode_s = time.perf_counter() - t0
-    variants = [exl3, gptq_subset(gptq_path, names), rtn_subset(dense)]
+    exl3 = []
+    for hessians in ([None] if "plain" in exl3_modes else []) + (
+        [subset_hessians(model, names)] if "ldlq" in exl3_modes else []
+    ):
+        t0 = time.perf_counter()
+        exl3.append(encode_subset(dense, seed, hessians))  # one thread: encode_exl3(num_threads=1)
+        exl3[-1].total_s = time.perf_counter() - t0
+    variants = [*exl3, gptq_subset(gptq_path, names), rtn_subset(dense)]
 
     torch.set_num_threads(threads)
     text = corpus_text("wiki", "evaluation")
@@ -303,8 +335,11 @@ def quality_tables(layers: list[int], projs: list[str], ppl_tokens: int, seed: i
     lines = [
         f"Quality: SmolLM2-135M-Instruct, layers {','.join(map(str, layers))} x {','.join(projs)}: "
         f"{len(names)} linears, {subset:,} weights ({subset / total_linear:.1%} of the decoder's "
-        f"{total_linear:,} linear weights; {padded:,} after EXL3's padding), encoded in {encode_s:.0f} s "
-        f"on one thread ({padded / encode_s:,.0f} padded weights/s); the rest dense. Perplexity on "
+        f"{total_linear:,} linear weights; {padded:,} after EXL3's padding), encoded on one thread in "
+        + "; ".join(
+            f"{v.total_s:.0f} s ({padded / v.total_s:,.0f} padded weights/s) {v.name.split('(')[-1][:-1]}" for v in exl3
+        )
+        + "; the rest dense. Perplexity on "
         f"{len(ids):,} held-out wiki tokens ({WINDOW}-token windows, fp32, {threads} thread(s)).",
         "",
         "| subset as | stored bpw | bpw without padding | rel. weight error | ppl | vs dense |",
@@ -321,13 +356,14 @@ def quality_tables(layers: list[int], projs: list[str], ppl_tokens: int, seed: i
         "",
         "Per layer: relative weight error ||W - W_hat|| / ||W|| and EXL3 encode seconds",
         "",
-        "| layer | [out, in] | EXL3 | GPTQ | RTN | EXL3 encode s |",
-        "|---|---|---|---|---|---|",
+        "| layer | [out, in] | " + " | ".join(v.short for v in variants) + " | EXL3 encode s |",
+        "|---|---|" + "---|" * (len(variants) + 1),
     ]
     for name in names:
         errs = " | ".join(f"{relative_error(dense, v.weights, [name]):.4f}" for v in variants)
         short = name.removeprefix("model.layers.")
-        lines.append(f"| {short} | {list(dense[name].shape)} | {errs} | {exl3.seconds[name]:.0f} |")
+        secs = " / ".join(f"{v.seconds[name]:.0f}" for v in exl3)
+        lines.append(f"| {short} | {list(dense[name].shape)} | {errs} | {secs} |")
     return "\n".join(lines)
 
 
@@ -354,6 +390,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the perplexity forwards")
     ap.add_argument("--seed", type=int, default=0, help="EXL3 sign seed (layer i uses seed + i)")
     ap.add_argument("--parts", default="decode,encode,quality")
+    ap.add_argument("--exl3", default="plain,ldlq", help="EXL3 rows of the quality table: plain (no Hessian), ldlq")
     args = ap.parse_args()
     projs = list(PROJECTIONS) if args.proj == "all" else _csv(args.proj)
     unknown = [p for p in projs if p not in PROJECTIONS]
@@ -377,7 +414,7 @@ def main() -> int:
     if "quality" in parts:
         print()
         layers = [int(x) for x in _csv(args.layers)]
-        print(quality_tables(layers, projs, args.ppl_tokens, args.seed, args.threads))
+        print(quality_tables(layers, projs, args.ppl_tokens, args.seed, args.threads, _csv(args.exl3)))
     print(f"\n# wall {time.perf_counter() - t0:.0f} s")
     return 0
 
