@@ -61,6 +61,7 @@ def rows(method: str, path: str, dense: str, threads: int, gptqmodel_backends: A
 
     out = [
         ("anyquant auto", aq("auto")),
+        ("anyquant auto, transformers runtime", aq("auto", options={"runtime": "transformers"})),
         ("anyquant cpu-fast, bf16 prefill", aq("cpu-fast", options={"cpu_fast_prefill": "bfloat16"})),
         ("anyquant dequantized", aq("dequantized")),
         ("anyquant reference", aq("reference", **slow)),

@@ -32,6 +32,7 @@ def export_dense(
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise AnyquantError(f"{out} exists and is not empty; pass overwrite=True")
+    load_kwargs.setdefault("runtime", "transformers")  # save_pretrained is transformers' (the native runtime has none)
     model = load(path, backend=load_kwargs.pop("backend", "auto"), dtype="float32", **load_kwargs)
     target = resolve_dtype(dtype, torch.device("cpu"))
     module = model.module

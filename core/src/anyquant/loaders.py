@@ -89,6 +89,12 @@ class TransformersLoader:
         """The factory for quantized linears; ``None`` keeps every linear dense."""
         return None
 
+    def runtime(self, ctx: LoadContext) -> str:
+        """The module class to build: ``load(..., runtime=...)``: ``"auto"`` (the default: anyquant's native
+        decoder for the Llama-family configs it supports, transformers' class otherwise), ``"native"`` or
+        ``"transformers"``; see :func:`anyquant.runtime.build.choose_runtime`."""
+        return str(ctx.options.extra.get("runtime", "auto"))
+
     def tensor_source(self, probe: Probe, options: LoadOptions) -> TensorSource:
         from .runtime.tensors import SafetensorsSource
 
@@ -117,6 +123,7 @@ class TransformersLoader:
                 dtype=dtype,
                 device=device,
                 trust_remote_code=options.trust_remote_code,
+                runtime=self.runtime(ctx),
             )
         finally:
             close = getattr(source, "close", None)
@@ -135,5 +142,5 @@ class TransformersLoader:
             generator=TorchGenerator(module, tokenizer, device=device),
             device=str(device),
             dtype=str(dtype).replace("torch.", ""),
-            info={"unused_tensors": unused},
+            info={"unused_tensors": unused, "runtime": getattr(module, "runtime_name", "transformers")},
         )

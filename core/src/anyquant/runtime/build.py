@@ -15,7 +15,16 @@ from torch import nn
 from ..errors import CheckpointError, MissingTensorError
 from .tensors import TensorSource
 
-__all__ = ["LinearFactory", "build_model", "meta_parameters", "resolve_device", "resolve_dtype", "skeleton"]
+__all__ = [
+    "RUNTIMES",
+    "LinearFactory",
+    "build_model",
+    "choose_runtime",
+    "meta_parameters",
+    "resolve_device",
+    "resolve_dtype",
+    "skeleton",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +79,47 @@ def meta_parameters() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def skeleton(config: Mapping[str, Any], *, trust_remote_code: bool = False) -> nn.Module:
-    """The transformers causal-LM class for ``config``, with parameters on the meta device."""
+RUNTIMES = ("transformers", "native", "auto")
+
+
+def choose_runtime(config: Mapping[str, Any], runtime: str) -> str:
+    """``"transformers"`` or ``"native"`` (:mod:`anyquant.runtime.native`) for ``config``: ``"auto"`` picks native
+    where it supports the architecture; ``"native"`` where it does not is a :class:`CheckpointError`."""
+    if runtime not in RUNTIMES:
+        raise CheckpointError(f"runtime {runtime!r} is not one of {RUNTIMES}")
+    if runtime == "transformers":
+        return runtime
+    from .native import native_runtime_reason
+
+    reason = native_runtime_reason(config)
+    if reason is None:
+        return "native"
+    if runtime == "native":
+        raise CheckpointError(f"runtime='native' cannot build this model: {reason}; use runtime='transformers'")
+    return "transformers"
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """Skip ``nn.Linear`` / ``nn.Embedding`` random initialisation (the loader fills every tensor): on meta
+    tensors ``normal_`` would import ``torch._dynamo`` (1.4 s), on real ones fill 100s of MB with noise."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
+
+
+def skeleton(config: Mapping[str, Any], *, trust_remote_code: bool = False, runtime: str = "transformers") -> nn.Module:
+    """The causal-LM module for ``config`` (transformers' class, or anyquant's native decoder when ``runtime``
+    says so: :func:`choose_runtime`), with parameters on the meta device."""
+    if choose_runtime(config, runtime) == "native":
+        from .native import NativeCausalLM
+
+        cfg = {k: v for k, v in config.items() if k not in _DROP_KEYS}
+        with meta_parameters(), _no_init(), torch.device("meta"):
+            return NativeCausalLM(cfg)
     import transformers
 
     cfg = {k: v for k, v in config.items() if k not in _DROP_KEYS}
@@ -116,15 +164,16 @@ def build_model(
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
     name_map: Callable[[str], str] | None = None,
+    runtime: str = "transformers",
 ) -> nn.Module:
     """Assemble a model: skeleton -> quantized linears -> tensors -> tie -> dtype/device.
 
     ``make_linear(name, linear)`` returns the replacement for each ``nn.Linear`` (already holding
     its tensors), or ``None`` to keep it dense. The output head is tied to the input embeddings
     only when the source has no head tensor of its own (whatever ``tie_word_embeddings`` says).
-    ``name_map`` maps a model parameter name to the source's tensor name.
+    ``name_map`` maps a model parameter name to the source's tensor name. ``runtime``: see :func:`choose_runtime`.
     """
-    model: Any = skeleton(config, trust_remote_code=trust_remote_code)
+    model: Any = skeleton(config, trust_remote_code=trust_remote_code, runtime=runtime)
     device = torch.device(device)
     src = name_map or (lambda n: n)
     if make_linear is not None:

@@ -18,6 +18,34 @@ def load_tokenizer(probe: Probe, *, trust_remote_code: bool = False) -> Any:
     if not any(n.startswith(("tokenizer", "vocab")) for n in probe.tokenizer_files):
         log.warning("%s has no tokenizer files: text generation needs one", probe.root)
         return None
+    if not trust_remote_code and _generic_fast(probe):
+        # what AutoTokenizer would build, without its AutoConfig round trip (which imports the model's
+        # configuration module and, through it, torch.distributed.tensor: ~1 s of a ~2 s load)
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(probe.root), local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(probe.root), trust_remote_code=trust_remote_code, local_files_only=True)
+
+
+#: ``tokenizer_class`` values AutoTokenizer (transformers 5) resolves to the generic ``TokenizersBackend``.
+GENERIC_FAST = frozenset({"TokenizersBackend", "TokenizersBackendFast", "PreTrainedTokenizerFast"})
+
+
+def _generic_fast(probe: Probe) -> bool:
+    """The checkpoint's tokenizer is the generic fast one: a ``tokenizer.json`` and a ``tokenizer_config.json``
+    naming a :data:`GENERIC_FAST` class (and no ``auto_map``)."""
+    from ..errors import AnyquantError
+    from ..headers import loads_json
+
+    if "tokenizer.json" not in probe.tokenizer_files or "tokenizer_config.json" not in probe.tokenizer_files:
+        return False
+    path = probe.root / "tokenizer_config.json"
+    try:
+        if path.stat().st_size > 16 << 20:
+            return False
+        cfg = loads_json(path.read_bytes(), "tokenizer_config.json", strict_keys=False)
+    except (OSError, AnyquantError):  # anything odd: AutoTokenizer decides (and reports)
+        return False
+    return isinstance(cfg, dict) and cfg.get("tokenizer_class") in GENERIC_FAST and "auto_map" not in cfg

@@ -1,0 +1,161 @@
+"""anyquant's native Llama-family decoder against transformers' classes: same logits, same greedy tokens, same
+batches with padding, the same KV-cache steps; which configs it takes; and that loading with it imports no
+transformers model code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import anyquant
+from anyquant.errors import CheckpointError
+from anyquant.runtime.build import choose_runtime
+from anyquant.runtime.native import NativeConfig, native_runtime_reason, rope_inv_freq
+from anyquant.testing.tiny import make_tiny_dense, tiny_llama_config
+
+pytestmark = pytest.mark.slow
+
+VARIANTS = {
+    "llama-gqa-tied": {"num_hidden_layers": 2, "tie_word_embeddings": True},
+    "llama-untied-bias": {"num_hidden_layers": 2, "tie_word_embeddings": False, "attention_bias": True},
+    "qwen2": {"model_type": "qwen2", "num_hidden_layers": 2, "tie_word_embeddings": False},
+    "llama3-rope": {
+        "num_hidden_layers": 1,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[object, object]:
+    path = make_tiny_dense(tmp_path_factory.mktemp(request.param) / "m", **VARIANTS[request.param])
+    ref = anyquant.load(path, runtime="transformers")
+    nat = anyquant.load(path, runtime="native")
+    assert type(nat.module).__name__ == "NativeCausalLM" and type(ref.module).__name__ != "NativeCausalLM"
+    assert (nat.info["runtime"], ref.info["runtime"]) == ("native", "transformers")
+    return ref, nat
+
+
+def test_logits_equal_transformers(pair: tuple) -> None:
+    ref, nat = pair
+    ids = torch.randint(0, 200, (2, 23), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ref.module(ids).logits, nat.module(ids).logits
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_greedy_tokens_and_padded_batches_equal_transformers(pair: tuple) -> None:
+    ref, nat = pair
+    prompts = ["Hi", "Hello there, how are you today?", "x"]
+    assert nat.generate(prompts[1], max_new_tokens=16) == ref.generate(prompts[1], max_new_tokens=16)
+    assert nat.generate_batch(prompts, max_new_tokens=10) == ref.generate_batch(prompts, max_new_tokens=10)
+    assert nat.generate("Hello", max_new_tokens=8, temperature=0.8, seed=3) == ref.generate(
+        "Hello", max_new_tokens=8, temperature=0.8, seed=3
+    )
+
+
+def test_cache_steps_equal_the_full_forward(pair: tuple) -> None:
+    _, nat = pair
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = nat.module(ids).logits
+        out = nat.module(ids[:, :7], use_cache=True)
+        steps = [out.logits]
+        for i in range(7, 12):
+            out = nat.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
+            steps.append(out.logits)
+        chunk = nat.module(ids[:, :5], use_cache=True)
+        rest = nat.module(ids[:, 5:], use_cache=True, cache=chunk.cache)  # several new tokens on a cache
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([chunk.logits, rest.logits], dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_llama3_inv_freq_equals_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = tiny_llama_config(**VARIANTS["llama3-rope"])
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    torch.testing.assert_close(rope_inv_freq(NativeConfig(cfg)), want, rtol=0, atol=0)
+
+
+def test_which_configs_run_natively() -> None:
+    base = tiny_llama_config()
+    assert native_runtime_reason(base) is None
+    assert native_runtime_reason({**base, "model_type": "qwen2", "sliding_window": 4096}) is None  # not in use
+    assert "sliding" in str(native_runtime_reason({**base, "model_type": "mistral", "sliding_window": 4096}))
+    assert native_runtime_reason({**base, "model_type": "mistral", "sliding_window": None}) is None
+    assert "gelu" in str(native_runtime_reason({**base, "hidden_act": "gelu"}))
+    assert "yarn" in str(native_runtime_reason({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    assert "gpt2" in str(native_runtime_reason({**base, "model_type": "gpt2"}))
+    assert choose_runtime({**base, "model_type": "gpt2"}, "auto") == "transformers"
+    assert choose_runtime(base, "auto") == "native"
+    with pytest.raises(CheckpointError, match="runtime='native' cannot build"):
+        choose_runtime({**base, "model_type": "gpt2"}, "native")
+    with pytest.raises(CheckpointError, match="is not one of"):
+        choose_runtime(base, "vllm")
+
+
+def test_native_load_imports_no_transformers_model_code(tmp_path: Path) -> None:
+    path = make_tiny_dense(tmp_path / "m", num_hidden_layers=1)
+    code = (
+        "import sys, anyquant\n"
+        f"m = anyquant.load({str(path)!r}, runtime='native')\n"
+        "m.generate('Hi', max_new_tokens=2)\n"
+        "bad = sorted(k for k in sys.modules if k.startswith(('transformers.models.', 'torch._dynamo')))\n"
+        "print(type(m.module).__name__, bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "NativeCausalLM []"
+
+
+def test_fused_int4_decode_is_bitwise_the_separate_kernels(tmp_path: Path) -> None:
+    from anyquant.runtime.fastcpu import FastInt4Linear, int4pack_status
+
+    status = int4pack_status()
+    if not status.available:
+        pytest.skip(f"no int4 CPU kernel here: {status.reason}")
+    path = make_tiny_dense(tmp_path / "m", num_hidden_layers=2, attention_bias=True)
+    model = anyquant.load(path, runtime="native")
+    gen = torch.Generator().manual_seed(5)
+    for layer in model.module.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+            for name in names:
+                lin = getattr(parent, name)
+                k, n = lin.in_features, lin.out_features
+                codes = torch.randint(0, 16, (k, n), generator=gen)
+                zeros = torch.randint(0, 16, (k // 32, n), generator=gen)
+                scales = (torch.rand(k // 32, n, generator=gen) * 0.02).half()
+                bias = None if lin.bias is None else lin.bias.detach().clone()
+                setattr(parent, name, FastInt4Linear(codes, zeros, scales, bias=bias))
+    ids = torch.randint(0, 200, (2, 9), generator=gen)
+
+    def steps() -> torch.Tensor:
+        with torch.no_grad():
+            out = model.module(ids, use_cache=True)
+            logits = []
+            for i in range(4):
+                out = model.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
+                logits.append(out.logits)
+        return torch.cat(logits, dim=1)
+
+    fused = steps()
+    fusions = [m.__dict__.get("_fusion") for m in model.module.modules() if "_fusion" in m.__dict__]
+    assert len(fusions) == 4 and all(f is not None for f in fusions)  # q/k/v and gate/up of 2 layers
+    q = model.module.model.layers[0].self_attn.q_proj
+    assert q.packed.untyped_storage().data_ptr() == fusions[0].packed.untyped_storage().data_ptr()  # shared
+    for m in model.module.modules():
+        if "_fusion" in m.__dict__:
+            m.__dict__["_fusion"] = None  # each linear on its own again
+    assert torch.equal(steps(), fused)
