@@ -128,9 +128,11 @@ def peak_rss_mib() -> float:
 def _imports(cfg: dict[str, Any]) -> None:
     """Import what the kind needs (timed as part of loading; ``base_rss_mib`` is measured after it):
     its library and the architecture's transformers modeling code (~180 MiB of RSS for Llama, which
-    ``import gptqmodel`` pulls in by itself)."""
+    ``import gptqmodel`` pulls in by itself). Not for anyquant on its native runtime, which never
+    imports that code: whatever anyquant imports while loading counts in its load time and RSS."""
     config = Path(cfg["path"]) / "config.json"
-    if config.is_file():
+    native = cfg["kind"] == "anyquant" and cfg.get("options", {}).get("runtime", "auto") != "transformers"
+    if config.is_file() and not native:
         model_type = json.loads(config.read_text()).get("model_type", "")
         try:
             importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")

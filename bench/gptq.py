@@ -3,8 +3,9 @@
 SmolLM2-135M-Instruct (the packaged GGUF, exported once to a dense bf16 HF folder) quantized by
 ``anyquant.quantize`` (GPTQModel in a worker) to GPTQ 4-bit, group 64, on 32 x 256 calibration
 tokens (c4/code/wiki, cached under ``.cache/bench/``). Each row runs in a fresh process: load time,
-RSS after loading (above the runtime's RSS once torch/transformers/the plugin are imported) and
-peak RSS, prefill tokens/s (512 held-out wiki tokens, best of 2), decode tokens/s (128 greedy
+RSS after loading (above the runtime's RSS once torch, transformers' top-level package, the library
+and, where the row runs it, transformers' modeling code are imported) and peak RSS, prefill
+tokens/s (512 held-out wiki tokens, best of 2), decode tokens/s (128 greedy
 tokens after a 32-token prompt; 16 for the slowest rows), perplexity on 2,048 held-out wiki
 tokens (512-token windows). The rows the goals compare (anyquant auto, GPTQModel's two fastest CPU
 backends, dense fp32) run a second time, in reverse order, and keep the best of each metric.

@@ -13,7 +13,7 @@ it: see :func:`native_runtime_reason`). It exists for speed on the CPU:
 The module tree and parameter names are transformers' (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``model.layers.N.mlp.gate_proj``, ``model.norm``, ``lm_head`` ...), so the loaders' linear factories, tensor
 filling, head tying and cpu-fast head work unchanged. The arithmetic follows transformers' Llama/Qwen2/Mistral
-code in the same order (RMSNorm in float32 then the weight, ``rotate_half`` rotary embedding, causal attention
+code in the same order (RMSNorm in float32 then the weight, ``rotate_half`` rotary embedding (computed with a roll), causal attention
 with the padding mask, SiLU-gated MLP): with float32 weights the logits equal transformers' to float rounding
 (tests compare them). Supported: ``llama``, ``mistral`` and ``qwen2`` configs with SiLU, default or ``llama3``
 rotary scaling and no active sliding window; anything else stays on transformers' class.
@@ -155,14 +155,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.to(torch.float32)
+        h = x if dtype == torch.float32 else x.to(torch.float32)  # (a same-dtype .to() still costs a dispatch)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype)
+        return self.weight * (h if dtype == torch.float32 else h.to(dtype))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, computed as
+    ``roll(x, half) * cat(-sin1, sin2)``: one op instead of four, bitwise the same (negation is exact)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
 
 
 class FusedInt4:
@@ -211,10 +212,10 @@ class FusedInt4:
             return None
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.to(torch.bfloat16), self.packed, self.kernel_group, self.scales_and_zeros
-        )
+        ).to(x.dtype)
         outs = []
         for (start, end), m in zip(self.slices, self.members, strict=True):
-            o = y[:, start:end].to(x.dtype)
+            o = y[:, start:end]
             if m.bias is not None:
                 o = o + m.bias.to(x.dtype)
             outs.append(o.reshape(*x.shape[:-1], end - start))
@@ -253,6 +254,7 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         cache: NativeCache | None,
     ) -> torch.Tensor:
+        """``sin``: with the sign of its first half flipped (see :func:`_rotary`)."""
         b, t, _ = h.shape
         fused = _fused(self, ("q_proj", "k_proj", "v_proj"))
         qkv = fused(h) if fused is not None else None
@@ -260,8 +262,8 @@ class Attention(nn.Module):
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = _rotary(q, cos, sin)
+        k = _rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.index, k, v)
         out = F.scaled_dot_product_attention(
@@ -387,7 +389,9 @@ class NativeCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         freqs = position_ids[..., None].float() * self.inv_freq.to(h.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]
+        cos = emb.cos().to(h.dtype)[:, None]
+        half_sin = freqs.sin()
+        sin = torch.cat((-half_sin, half_sin), dim=-1).to(h.dtype)[:, None]  # signed for _rotary
         mask = self._mask(attention_mask, b, t, past, h.device)
         for layer in self.model.layers:
             h = layer(h, cos, sin, mask, cache)
