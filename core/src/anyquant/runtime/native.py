@@ -186,6 +186,9 @@ class FusedInt4:
             m.packed = self.packed[offset : offset + m.padded_out]
             self.slices.append((offset, offset + m.out_features))
             offset += m.padded_out
+        # no padding and no bias (the common case): the outputs are one split of the kernel's result
+        self.sizes = [m.out_features for m in members]
+        self.plain = all(m.padded_out == m.out_features and m.bias is None for m in members)
 
     @staticmethod
     def build(members: list[nn.Module]) -> FusedInt4 | None:
@@ -213,6 +216,8 @@ class FusedInt4:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.to(torch.bfloat16), self.packed, self.kernel_group, self.scales_and_zeros
         ).to(x.dtype)
+        if self.plain:
+            return list(y.view(*x.shape[:-1], y.shape[-1]).split(self.sizes, -1))
         outs = []
         for (start, end), m in zip(self.slices, self.members, strict=True):
             o = y[:, start:end]
