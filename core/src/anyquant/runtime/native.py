@@ -155,9 +155,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x if dtype == torch.float32 else x.to(torch.float32)  # (a same-dtype .to() still costs a dispatch)
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one op instead of six; bitwise transformers' float32 arithmetic (tests compare)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
+        h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * (h if dtype == torch.float32 else h.to(dtype))
+        return self.weight * h.to(dtype)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
