@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._memory import release_free_heap
 from .errors import AnyquantError, CheckpointError
 from .probe import Probe
 from .protocols import Detection, Loader, LoadOptions
@@ -81,7 +82,9 @@ def load(
         extra=extra,
     )
     log.info("loading %s as %s (%s) with backend=%s", path, detection.format, detection.variant, backend)
-    return loader.load(probe, detection, options)
+    loaded = loader.load(probe, detection, options)
+    release_free_heap()  # what the load built and dropped leaves the RSS (see anyquant._memory)
+    return loaded
 
 
 def inspect(path: str | Path, *, registry: Registry | None = None) -> Report:

@@ -17,7 +17,6 @@ torch and matplotlib are imported inside the functions that need them.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import hashlib
 import json
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._memory import release_free_heap
 from .errors import AnyquantError
 
 if TYPE_CHECKING:
@@ -198,10 +198,7 @@ def _proc_status_kib(key: str) -> int | None:
 
 def _release_memory() -> None:
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    release_free_heap()
 
 
 class _MemoryMeter:

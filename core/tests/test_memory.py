@@ -1,0 +1,52 @@
+"""anyquant._memory.release_free_heap: freed C-heap pages leave the RSS, and load() trims after loading."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import anyquant
+from anyquant import _memory
+from anyquant.testing.tiny import make_tiny_dense
+
+PROBE = r"""
+import sys
+from anyquant._memory import release_free_heap
+
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+
+# ~60 MiB of 2 kB objects (above pymalloc's 512-byte limit, below glibc's mmap threshold: they live on
+# the C heap), then freed except one allocated last, which keeps the heap top in place: free() alone
+# cannot shrink the heap, malloc_trim can
+junk = [bytes(2000) + i.to_bytes(4, "little") for i in range(30_000)]
+keep = bytes(3000) + b"x"
+
+del junk
+before = rss_mib()
+ran = release_free_heap()
+after = rss_mib()
+print(ran, before, after)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
+def test_release_free_heap_returns_freed_pages() -> None:
+    if _memory._libc() is None:
+        pytest.skip("not glibc")
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout.split()
+    ran, before, after = out[0] == "True", float(out[1]), float(out[2])
+    assert ran
+    assert before - after > 20, f"RSS {before:.0f} -> {after:.0f} MiB"
+
+
+def test_load_trims_the_heap_after_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr("anyquant.api.release_free_heap", lambda: calls.append("trim") or True)
+    model = anyquant.load(make_tiny_dense(tmp_path / "tiny"))
+    assert calls == ["trim"] and model.format == "dense"
