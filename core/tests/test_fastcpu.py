@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -241,3 +243,52 @@ def test_install_fast_head_leaves_other_heads_alone(monkeypatch: pytest.MonkeyPa
     model.lm_head = torch.nn.Identity()
     assert fastcpu.install_fast_head(model)["head"] == "dense"
     assert isinstance(model.get_input_embeddings(), torch.nn.Embedding)
+
+
+def _build_tiny(tmp_path: Any, *, keep: bool, tied: bool) -> torch.nn.Module:
+    import json
+
+    from anyquant.probe import Probe
+    from anyquant.runtime.build import build_model
+    from anyquant.runtime.tensors import SafetensorsSource
+    from anyquant.testing.tiny import make_tiny_dense
+
+    path = make_tiny_dense(tmp_path / "tiny", dtype="float16", tie_word_embeddings=tied)
+    probe = Probe.open(path)
+    config = json.loads((path / "config.json").read_text())
+    return build_model(
+        config, SafetensorsSource(probe), dtype=torch.float32, keep_embedding_dtype=keep, runtime="native"
+    )
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_build_can_keep_the_embedding_16_bit(tmp_path: Any, tied: bool) -> None:
+    kept = _build_tiny(tmp_path, keep=True, tied=tied)
+    plain = _build_tiny(tmp_path / "b", keep=False, tied=tied)
+    emb = kept.get_input_embeddings().weight
+    assert emb.dtype == torch.float16 and plain.get_input_embeddings().weight.dtype == torch.float32
+    assert torch.equal(emb.float(), plain.get_input_embeddings().weight)
+    assert (kept.get_output_embeddings().weight is emb) is tied
+    others = [p for n, p in kept.named_parameters() if "embed_tokens" not in n and "lm_head" not in n]
+    assert others and all(p.dtype == torch.float32 for p in others)
+
+
+@needs_bf16_head
+@pytest.mark.parametrize("converted", [1, 0], ids=["fast head", "head stays dense"])
+def test_plan_finish_takes_over_or_restores_a_kept_embedding(tmp_path: Any, converted: int) -> None:
+    model = _build_tiny(tmp_path, keep=True, tied=True)
+    ref = _build_tiny(tmp_path / "ref", keep=False, tied=True)
+    plan = fastcpu.FastCPUPlan(small_rows=4)
+    plan.converted = converted  # (no int4 layers in a dense model: pretend some ran, or none)
+    assert plan.keeps_embedding_dtype()
+    plan.finish(model, torch.float32)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits  # 20 rows > small_rows: the exact paths
+    assert torch.equal(got, want)
+    if converted:
+        assert isinstance(model.get_input_embeddings(), fastcpu.CompactEmbedding)
+        assert plan.head_info["head"] == "bfloat16 prepacked"
+    else:
+        assert model.get_input_embeddings().weight.dtype == torch.float32
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight

@@ -89,6 +89,11 @@ class TransformersLoader:
         """The factory for quantized linears; ``None`` keeps every linear dense."""
         return None
 
+    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
+        """Build the input embedding in the checkpoint's 16-bit dtype (see :func:`anyquant.runtime.build.build_model`);
+        a loader that says yes replaces it after the build."""
+        return False
+
     def runtime(self, ctx: LoadContext) -> str:
         """The module class to build: ``load(..., runtime=...)``: ``"auto"`` (the default: anyquant's native
         decoder for the Llama-family configs it supports, transformers' class otherwise), ``"native"`` or
@@ -124,6 +129,7 @@ class TransformersLoader:
                 device=device,
                 trust_remote_code=options.trust_remote_code,
                 runtime=self.runtime(ctx),
+                keep_embedding_dtype=self.keep_embedding_dtype(ctx),
             )
         finally:
             close = getattr(source, "close", None)

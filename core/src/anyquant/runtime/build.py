@@ -165,6 +165,7 @@ def build_model(
     trust_remote_code: bool = False,
     name_map: Callable[[str], str] | None = None,
     runtime: str = "transformers",
+    keep_embedding_dtype: bool = False,
 ) -> nn.Module:
     """Assemble a model: skeleton -> quantized linears -> tensors -> tie -> dtype/device.
 
@@ -172,6 +173,9 @@ def build_model(
     its tensors), or ``None`` to keep it dense. The output head is tied to the input embeddings
     only when the source has no head tensor of its own (whatever ``tie_word_embeddings`` says).
     ``name_map`` maps a model parameter name to the source's tensor name. ``runtime``: see :func:`choose_runtime`.
+    ``keep_embedding_dtype``: the input embedding (and a head tied to it) keeps the checkpoint's 16-bit float
+    dtype instead of the compute dtype, for a caller that replaces it next (cpu-fast's compact embedding and
+    head): the compute-dtype copy, twice the table's size, then never exists.
     """
     model: Any = skeleton(config, trust_remote_code=trust_remote_code, runtime=runtime)
     device = torch.device(device)
@@ -193,12 +197,15 @@ def build_model(
     )
     if head_missing:
         log.info("no %s tensor in the checkpoint: tying it to %s", tie[0] if tie else "", tie[1] if tie else "")
+    embedding = _embedding_weight_name(model) if keep_embedding_dtype else None
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if not param.is_meta:
             continue
         if head_missing and tie is not None and name == tie[0]:
             continue
-        _fill(model, name, source.get(src(name)), dtype, device, is_param=True)
+        value = source.get(src(name))
+        keep = name == embedding and value.dtype in (torch.float16, torch.bfloat16) and value.dtype != dtype
+        _fill(model, name, value, value.dtype if keep else dtype, device, is_param=True)
     for name, buf in list(model.named_buffers()):
         if buf.is_meta:
             key = src(name)
@@ -214,6 +221,14 @@ def build_model(
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _embedding_weight_name(model: nn.Module) -> str | None:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for name, module in model.named_modules():
+        if module is emb and isinstance(module, nn.Embedding):
+            return f"{name}.weight"
+    return None
 
 
 def _fill(

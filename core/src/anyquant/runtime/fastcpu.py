@@ -390,17 +390,24 @@ def bf16_head_status() -> tuple[bool, str]:
 
 
 def _compact(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` in the narrowest float dtype that holds every value exactly (float16, bfloat16,
-    else unchanged): a float32 copy of a checkpoint's float16 table takes half the memory again."""
+    """``weight`` in a 2-byte float dtype that holds every value exactly (bfloat16 first, then
+    float16), else unchanged: a float32 copy of a checkpoint's 16-bit table takes half the memory
+    again. bfloat16 comes first because the prepacked head is built from a bfloat16 copy: when the
+    table holds bfloat16 values, that copy is the table itself (SmolLM2-135M's float16 GPTQ table
+    does: one 54 MiB temporary less at the load's peak)."""
     rows = max(1, (1 << 22) // max(1, weight[0].numel())) if weight.dim() > 1 else weight.numel()
-    for dtype in (torch.float16, torch.bfloat16):
-        if weight.dtype.itemsize <= dtype.itemsize:
-            break
+
+    def holds(dtype: torch.dtype) -> bool:
         # checked a slice at a time: a whole round-trip copy would add its size to the load's peak
-        if all(
+        return all(
             torch.equal(weight[i : i + rows].to(dtype).to(weight.dtype), weight[i : i + rows])
             for i in range(0, weight.shape[0], rows)
-        ):
+        )
+
+    for dtype in (torch.bfloat16, torch.float16):
+        if weight.dtype == dtype:
+            return weight
+        if dtype.itemsize <= weight.dtype.itemsize and holds(dtype):
             return weight.to(dtype)
     return weight
 
@@ -509,7 +516,9 @@ class FastHead(nn.Module):
         )
 
 
-def install_fast_head(module: Any, *, small_rows: int = DEFAULT_SMALL_ROWS) -> dict[str, Any]:
+def install_fast_head(
+    module: Any, *, small_rows: int = DEFAULT_SMALL_ROWS, compute_dtype: torch.dtype | None = None
+) -> dict[str, Any]:
     """Swap a built model's dense LM head for a :class:`FastHead` (and, when the head is tied to
     the input embedding, the embedding for a :class:`CompactEmbedding` sharing its exact table).
 
@@ -523,13 +532,14 @@ def install_fast_head(module: Any, *, small_rows: int = DEFAULT_SMALL_ROWS) -> d
     head = get_out() if get_out is not None else None
     if type(head) is not nn.Linear or not head.weight.dtype.is_floating_point or head.weight.device.type != "cpu":
         return {"head": "dense", "reason": f"the output projection is a {type(head).__name__}, not a dense Linear"}
-    compute = head.weight.dtype
+    # the head's own dtype unless the build kept a 16-bit embedding (and tied head) for us
+    compute = compute_dtype or head.weight.dtype
     emb = module.get_input_embeddings()
     tied = type(emb) is nn.Embedding and emb.weight is head.weight
     exact = _compact(head.weight.detach())
     bias = None if head.bias is None else head.bias.detach()
     table = exact if tied else None
-    if type(emb) is nn.Embedding and emb.weight.dtype == compute:
+    if type(emb) is nn.Embedding and emb.weight.dtype in (compute, torch.float16, torch.bfloat16):
         table = exact if tied else _compact(emb.weight.detach())
         if tied or table.dtype != compute:
             module.set_input_embeddings(CompactEmbedding(table, compute))
@@ -545,6 +555,18 @@ def install_fast_head(module: Any, *, small_rows: int = DEFAULT_SMALL_ROWS) -> d
         "embedding_dtype": None if table is None else str(table.dtype).replace("torch.", ""),
         "tied": tied,
     }
+
+
+def _restore_embedding_dtype(module: Any, dtype: torch.dtype) -> None:
+    """A plain embedding (and the head tied to it) the build kept 16-bit, back in the compute dtype."""
+    emb = module.get_input_embeddings()
+    if type(emb) is not nn.Embedding or emb.weight.dtype == dtype:
+        return
+    head = module.get_output_embeddings()
+    tied = head is not None and getattr(head, "weight", None) is emb.weight
+    emb.weight = nn.Parameter(emb.weight.detach().to(dtype), requires_grad=False)
+    if tied:
+        head.weight = emb.weight
 
 
 class _Convertible(Protocol):
@@ -595,17 +617,25 @@ class FastCPUPlan:
             head=head == "bfloat16",
         )
 
-    def finish(self, module: nn.Module) -> None:
+    def keeps_embedding_dtype(self) -> bool:
+        """Whether the build may keep the input embedding in its 16-bit checkpoint dtype: :meth:`finish`
+        replaces it (or casts it to the compute dtype when the head stays dense)."""
+        return self.head and bf16_head_status()[0]
+
+    def finish(self, module: nn.Module, compute_dtype: torch.dtype | None = None) -> None:
         """After the build: the LM head (and a tied embedding) as in :func:`install_fast_head`.
 
         Only when some layer runs the int4 kernel: a model whose layers all fell back to exact
-        dequantized weights keeps its exact head too."""
+        dequantized weights keeps its exact head too. ``compute_dtype``: the model's (an embedding kept
+        16-bit by the build is cast to it when no fast head takes it over)."""
         if self.head and self.converted == 0:
             self.head_info = {"head": "dense", "reason": "no layer runs the int4 kernel: the model stays exact"}
         elif self.head:
-            self.head_info = install_fast_head(module, small_rows=self.small_rows)
+            self.head_info = install_fast_head(module, small_rows=self.small_rows, compute_dtype=compute_dtype)
         else:
             self.head_info = {"head": "dense", "reason": "cpu_fast_head='dense'"}
+        if self.head_info.get("head") == "dense" and compute_dtype is not None:
+            _restore_embedding_dtype(module, compute_dtype)
 
     def convert(self, name: str, layer: _Convertible) -> nn.Module:
         """``layer`` (built in ``reference`` mode) as a :class:`FastInt4Linear`, or dequantized with the

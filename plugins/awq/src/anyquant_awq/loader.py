@@ -10,7 +10,13 @@ from anyquant.loaders import LoadContext, TransformersLoader
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 from anyquant.report import dense_rows
-from anyquant_gptq.loader import cpu_fast_backend, finish_layer_plans, gptqmodel_backend, start_layer_plans
+from anyquant_gptq.loader import (
+    cpu_fast_backend,
+    finish_layer_plans,
+    gptqmodel_backend,
+    plan_keeps_embedding_dtype,
+    start_layer_plans,
+)
 
 from .plugin import _layout
 
@@ -111,6 +117,9 @@ class AWQLoader(TransformersLoader):
             available = {b.name: b.available for b in self.backends()}
             requested = next(n for n in self.backend_order if n != "gptqmodel" and available.get(n))
         return super().choose_backend(requested, device)
+
+    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
+        return plan_keeps_embedding_dtype(self)
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         from .qlinear import AWQLinear

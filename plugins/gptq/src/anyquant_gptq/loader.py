@@ -74,11 +74,20 @@ def start_layer_plans(loader: Any, ctx: LoadContext, method: str) -> tuple[Any, 
     return loader._fast_plan, loader._kernel_plan
 
 
+def plan_keeps_embedding_dtype(loader: Any) -> bool:
+    """Whether the build may keep the embedding 16-bit: cpu-fast's head replaces it (the plan is made by
+    :func:`start_layer_plans`, in ``make_linear``, before the build asks)."""
+    plan = getattr(loader, "_fast_plan", None)
+    return plan is not None and plan.keeps_embedding_dtype()
+
+
 def finish_layer_plans(loader: Any, loaded: LoadedModel) -> None:
     """After the build: cpu-fast's LM head, and each plan's record in ``loaded.info``."""
     plan = getattr(loader, "_fast_plan", None)
     if loaded.backend == "cpu-fast" and plan is not None:
-        plan.finish(loaded.module)
+        import torch
+
+        plan.finish(loaded.module, getattr(torch, loaded.dtype))
         loaded.info = {**loaded.info, "cpu_fast": plan.summary()}
     kernels = getattr(loader, "_kernel_plan", None)
     if loaded.backend == "gptqmodel" and kernels is not None:
@@ -162,6 +171,9 @@ class GPTQLoader(TransformersLoader):
         loaded = super().load(probe, detection, options)
         finish_layer_plans(self, loaded)
         return loaded
+
+    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
+        return plan_keeps_embedding_dtype(self)
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         from .dequant import gptq_zero_label_check
