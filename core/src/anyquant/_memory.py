@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import sys
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 @functools.cache

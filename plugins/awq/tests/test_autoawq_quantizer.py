@@ -24,6 +24,7 @@ from anyquant.errors import QuantizeError
 from anyquant.protocols import QuantizeSpec
 from anyquant.quantization import WorkerError
 from anyquant.testing.tiny import make_tiny_dense
+from anyquant_awq.native import pseudo_quantize
 from anyquant_awq.quantize import AWQQuantizer
 
 # byte-level tiny tokenizer: ~160 tokens per text, 16 texts -> 9 blocks of 256 tokens
@@ -191,17 +192,8 @@ def test_scaled_linears_keep_the_dense_function(quantized: Path, src: Path) -> N
                 want = w * n_dense
                 got = model.get_submodule(f"model.layers.{layer}.{lin}").dequantize().float() * n_quant
                 err = float((got - want).norm() / want.norm())
-                rtn = float((_rtn(w, group) * n_dense - want).norm() / want.norm())
+                rtn = float((pseudo_quantize(w, group) * n_dense - want).norm() / want.norm())
                 assert err < 2 * rtn, f"layer {layer} {lin}: {err:.3f} vs round-to-nearest {rtn:.3f}"
-
-
-def _rtn(w: torch.Tensor, group: int) -> torch.Tensor:
-    """4-bit asymmetric round-to-nearest per group of ``group`` input columns."""
-    g = w.reshape(w.shape[0], -1, group)
-    lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
-    zero = (-lo / scale).round()
-    return (((g / scale).round() + zero).clamp(0, 15) - zero).mul(scale).reshape(w.shape)
 
 
 # --------------------------------------------------------------------------- checks before any work

@@ -40,6 +40,10 @@ def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return dict(rope) if isinstance(rope, Mapping) else {}
 
 
+def _rope_type(rope: Mapping[str, Any]) -> str:
+    return str(rope.get("rope_type", rope.get("type", "default")))
+
+
 def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
     """``None`` when the native decoder can run ``config``, else why not."""
     model_type = config.get("model_type")
@@ -47,7 +51,7 @@ def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
         return f"model_type {model_type!r} is not one of {_TYPES}"
     if config.get("hidden_act", "silu") != "silu":
         return f"hidden_act {config.get('hidden_act')!r} is not silu"
-    rope_type = _rope(config).get("rope_type", _rope(config).get("type", "default"))
+    rope_type = _rope_type(_rope(config))
     if rope_type not in ("default", "llama3"):
         return f"rotary scaling {rope_type!r} is not supported"
     window = config.get("sliding_window")
@@ -91,7 +95,7 @@ def rope_inv_freq(config: NativeConfig) -> torch.Tensor:
     """Inverse frequencies as transformers computes them (default, or Llama 3's frequency-dependent scaling)."""
     dim = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    if config.rope.get("rope_type", config.rope.get("type", "default")) != "llama3":
+    if _rope_type(config.rope) != "llama3":
         return inv
     factor = float(config.rope["factor"])
     low, high = float(config.rope["low_freq_factor"]), float(config.rope["high_freq_factor"])
@@ -230,13 +234,14 @@ class FusedInt4:
         return outs
 
 
-def _fused(module: nn.Module, names: tuple[str, ...]) -> FusedInt4 | None:
-    """The fusion of ``module``'s linears ``names``, built on first use (after the loader placed its modules)."""
-    cached = module.__dict__.get("_fusion", False)
-    if cached is False:
-        cached = FusedInt4.build([getattr(module, n) for n in names])
-        module.__dict__["_fusion"] = cached
-    return cached
+def _joint(module: nn.Module, names: tuple[str, ...], h: torch.Tensor) -> list[torch.Tensor]:
+    """``module``'s linears ``names`` applied to ``h``: one fused int4 call where :class:`FusedInt4` runs
+    (built on first use, after the loader placed its modules), else each linear in turn."""
+    fused = module.__dict__.get("_fusion", False)
+    if fused is False:
+        fused = module.__dict__["_fusion"] = FusedInt4.build([getattr(module, n) for n in names])
+    outs = fused(h) if fused is not None else None
+    return outs if outs is not None else [getattr(module, n)(h) for n in names]
 
 
 class Attention(nn.Module):
@@ -264,9 +269,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``sin``: with the sign of its first half flipped (see :func:`_rotary`)."""
         b, t, _ = h.shape
-        fused = _fused(self, ("q_proj", "k_proj", "v_proj"))
-        qkv = fused(h) if fused is not None else None
-        q, k, v = qkv if qkv is not None else (self.q_proj(h), self.k_proj(h), self.v_proj(h))
+        q, k, v = _joint(self, ("q_proj", "k_proj", "v_proj"), h)
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -294,9 +297,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        fused = _fused(self, ("gate_proj", "up_proj"))
-        gate_up = fused(h) if fused is not None else None
-        gate, up = gate_up if gate_up is not None else (self.gate_proj(h), self.up_proj(h))
+        gate, up = _joint(self, ("gate_proj", "up_proj"), h)
         return self.down_proj(F.silu(gate) * up)
 
 
