@@ -6,11 +6,13 @@ tokens/s (512 held-out wiki tokens, best of 2), decode tokens/s (64 greedy token
 prompt, best of 2), perplexity on 2,048 held-out wiki tokens (512-token windows).
 
 Rows: transformers' ``from_pretrained(gguf_file=)`` (dequantizes every tensor to dense fp32),
-anyquant ``dequantized`` (auto: the same dense fp32 weights, file pages released after load),
-anyquant ``packed`` (Q4_1 linears, the Q8_0 embedding and the tied head stay packed, file-backed,
-dequantized on every forward), ``packed`` with ``embedding="dense"`` (a dense fp32 embedding +
-tied head, the rest packed), and ``cpu-fast`` (Q4_1 linears repacked for torch's int4 CPU kernel:
-bfloat16 decode, exact fp32 prompts; dense embedding + head, or packed with ``embedding="packed"``).
+anyquant ``auto`` (what ``anyquant.load`` picks here: ``cpu-fast`` where torch's int4 kernel runs,
+the Q4_1 linears repacked for it: bfloat16 decode, exact fp32 prompts over 64 tokens; the Q8_0
+embedding and the tied head packed), ``cpu-fast`` with ``embedding="dense"`` (a dense fp32
+embedding + tied head), ``dequantized`` (the exact choice: the same dense fp32 weights as
+transformers', file pages released after load), ``packed`` (Q4_1 linears, the Q8_0 embedding and
+the tied head stay packed, file-backed, dequantized on every forward) and ``packed`` with
+``embedding="dense"``.
 
 Goal (issue #5): faster load and at most half the peak memory of transformers' path, no slower
 decode.
@@ -45,16 +47,16 @@ def rows(path: str, threads: int) -> list[tuple[str, dict[str, Any]]]:
     }
     return [
         (BASELINE, {"kind": "transformers-gguf", **common}),
-        ("anyquant dequantized (auto)", {"kind": "anyquant", "backend": "dequantized", **common}),
+        ("anyquant auto", {"kind": "anyquant", "backend": "auto", **common}),
+        (
+            "anyquant cpu-fast, dense embedding",
+            {"kind": "anyquant", "backend": "cpu-fast", "options": {"embedding": "dense"}, **common},
+        ),
+        ("anyquant dequantized", {"kind": "anyquant", "backend": "dequantized", **common}),
         ("anyquant packed", {"kind": "anyquant", "backend": "packed", **common}),
         (
             "anyquant packed, dense embedding",
             {"kind": "anyquant", "backend": "packed", "options": {"embedding": "dense"}, **common},
-        ),
-        ("anyquant cpu-fast", {"kind": "anyquant", "backend": "cpu-fast", **common}),
-        (
-            "anyquant cpu-fast, packed embedding",
-            {"kind": "anyquant", "backend": "cpu-fast", "options": {"embedding": "packed"}, **common},
         ),
     ]
 
@@ -77,8 +79,9 @@ def goals(results: list[tuple[str, dict[str, Any]]]) -> list[str]:
         peak_above = (r["peak_rss_mib"] - r["base_rss_mib"]) / (base["peak_rss_mib"] - base["base_rss_mib"])
         above = (r["load_rss_mib"] - r["base_rss_mib"]) / (base["load_rss_mib"] - base["base_rss_mib"])
         decode = r["decode_tok_s"] / base["decode_tok_s"]
+        ran = f" [{r['backend']}]" if r.get("backend") and r["backend"] not in name else ""
         lines.append(
-            f"{name}: load {load:.2f}x ({verdict(load < 1)}); peak RSS above the shared runtime "
+            f"{name}{ran}: load {load:.2f}x ({verdict(load < 1)}); peak RSS above the shared runtime "
             f"{peak_above:.2f}x ({verdict(peak_above <= 0.5)}; whole process {peak:.2f}x, end of load {above:.2f}x); "
             f"decode {decode:.2f}x ({verdict(decode >= 1)}); ppl {r.get('ppl', float('nan')):.4f} "
             f"vs {base.get('ppl', float('nan')):.4f}"

@@ -249,6 +249,23 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
     assert _load(path, "cpu-fast", embedding="packed").info["embedding"] == "packed"
 
 
+def test_auto_backend(tiny_tied: tuple[Path, torch.nn.Module], tiny_qwen2: tuple[Path, torch.nn.Module]) -> None:
+    """auto: cpu-fast (packed embedding) where the int4 kernel runs and the file has int4-kernel
+    linears; dequantized (exact) for a file without any, and wherever the kernel does not run."""
+    from anyquant.runtime.fastcpu import fast_cpu_capable
+
+    path, _ = tiny_tied
+    auto = _load(path, "auto")
+    if fast_cpu_capable()[0]:
+        assert (auto.backend, auto.info["embedding"]) == ("cpu-fast", "packed")
+        assert auto.info["cpu_fast"]["converted"] == 12
+    else:
+        assert (auto.backend, auto.info["embedding"]) == ("dequantized", "dense")
+    assert _load(path, "cpu-fast", embedding="dense").info["embedding"] == "dense" or not fast_cpu_capable()[0]
+    f32_only, _ = tiny_qwen2
+    assert _load(f32_only, "auto").backend == "dequantized"
+
+
 # --------------------------------------------------------------------------- the real model
 
 

@@ -5,18 +5,21 @@ memory-mapped ``gguf.GGUFReader``.
 
 Backends:
 
-* ``dequantized`` (auto): every weight dequantized to the compute dtype at load (the packed
-  ``GGUFLinear`` keeps its bytes and a cached dense weight); the file's pages are then
-  released from the process (``madvise``), so RSS holds the dense weights only.
+* ``cpu-fast`` (auto on a CPU with torch's vectorized int4 kernel, for files whose linears are
+  Q4_0/Q4_1/Q4_K): those linears repacked for torch's int4 CPU kernel (decode and prompts of up to
+  64 tokens in bfloat16, longer prompts exact in float32), other quantized linears dequantized at
+  load; the token embedding and a tied LM head stay packed unless ``embedding="dense"`` (faster
+  decode, more memory). Greedy text can leave the exact path's at a near-tie, as llama.cpp's own
+  CPU path (8-bit activations) can.
+* ``dequantized`` (auto elsewhere; the exact choice): every weight dequantized to the compute
+  dtype at load (the packed ``GGUFLinear`` keeps its bytes and a cached dense weight); the file's
+  pages are then released from the process (``madvise``), so RSS holds the dense weights only.
 * ``packed``: quantized linears stay packed (file-backed) and are dequantized on every
   forward; with ``embedding="packed"`` (the default) the token embedding stays packed too
   (:class:`~anyquant_gguf.qlinear.GGUFEmbedding`, only looked-up rows are dequantized) and a
   tied LM head becomes a :class:`~anyquant_gguf.qlinear.GGUFTiedHead` over the same bytes
   (dequantized in 1 MiB slices per forward). ``embedding="dense"`` keeps a dense float
   embedding (tied to the head as usual): more memory, faster decode.
-* ``cpu-fast``: Q4_0/Q4_1/Q4_K linears repacked for torch's int4 CPU kernel (decode in
-  bfloat16, prompts exact in float32), other quantized linears dequantized at load; dense
-  embedding and head unless ``embedding="packed"``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 EMBEDDING_MODES = ("packed", "dense")
 #: ``embedding=`` when not given, per backend (``dequantized`` is always dense)
-DEFAULT_EMBEDDING = {"packed": "packed", "cpu-fast": "dense", "dequantized": "dense"}
+DEFAULT_EMBEDDING = {"packed": "packed", "cpu-fast": "packed", "dequantized": "dense"}
 _EMBED = "model.embed_tokens.weight"
 _HEAD = "lm_head.weight"
 
@@ -52,6 +55,16 @@ def gguf_path(probe: Probe) -> Path:
         files = [g.file for g in probe.gguf]
         raise CheckpointError(f"{probe.root} holds {len(files)} GGUF files {files}: pass the path of the one to load")
     return probe.root / probe.gguf[0].file
+
+
+def _int4_linears(probe: Probe) -> int:
+    """How many of the GGUF file's tensors, the token embedding aside, have an int4 kernel type."""
+    from .qlinear import INT4_TYPES
+
+    if len(probe.gguf) != 1:
+        return 0
+    kinds = {int(t) for t in INT4_TYPES}
+    return sum(1 for t in probe.gguf[0].tensors if t.type_id in kinds and not t.name.startswith("token_embd"))
 
 
 class GGUFSource:
@@ -146,16 +159,18 @@ def cpu_fast_backend() -> BackendInfo:
         ok,
         reason,
         description="Q4_0/Q4_1/Q4_K linears repacked for torch's int4 CPU kernel (bfloat16 decode, "
-        "exact float32 prompts); other quantized linears dequantized at load; dense embedding "
-        "and head (embedding='packed' keeps them packed)",
+        "exact float32 prompts over 64 tokens); other quantized linears dequantized at load; the "
+        "embedding and a tied head stay packed (embedding='dense': faster decode, more memory)",
     )
 
 
 class GGUFLoader(TransformersLoader):
     format = "gguf"
-    backend_order = ("dequantized", "packed", "cpu-fast")
+    backend_order = ("cpu-fast", "dequantized", "packed")
 
     def __init__(self) -> None:
+        #: linears of the file being loaded that torch's int4 kernel can take (auto picks cpu-fast)
+        self._int4_linears = 0
         self._readers: dict[Path, Any] | None = None
         self._source: GGUFSource | None = None
         self._fast: dict[str, Any] | None = None
@@ -202,6 +217,7 @@ class GGUFLoader(TransformersLoader):
         if embedding not in EMBEDDING_MODES:
             raise UnsupportedFormatError(f"embedding={embedding!r}: choose one of {EMBEDDING_MODES}")
         self._readers, self._source, self._fast = {}, None, None
+        self._int4_linears = _int4_linears(probe)
         try:
             loaded = super().load(probe, detection, options)
             src, fast = self._source, self._fast
@@ -238,10 +254,15 @@ class GGUFLoader(TransformersLoader):
     def choose_backend(self, requested: str, device: Any) -> str:
         if requested == "cpu-fast" and getattr(device, "type", "cpu") != "cpu":
             raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
-        # auto: "dequantized" (exact, dense decode speed). Measured on SmolLM2-135M Q4_1, 1 thread
-        # (ms per decoded token): dequantized 55, packed 235 (packed embedding) / 205 (dense),
-        # cpu-fast 28 (dense embedding; bfloat16 decode) / 53 (packed embedding)
-        return super().choose_backend(requested, device)
+        if requested != "auto":
+            return super().choose_backend(requested, device)
+        # auto: cpu-fast where its int4 kernel takes the file's linears, else the exact dequantized.
+        # SmolLM2-135M Q4_1, 1 thread (docs/benchmarks.md): against transformers' gguf load,
+        # cpu-fast (packed embedding) loads in 0.04x the time, peaks at 0.44x the memory above the
+        # runtime and decodes 1.67x as fast; dequantized: 0.06x, 0.78x, 1.07x
+        if getattr(device, "type", "cpu") == "cpu" and self._int4_linears and cpu_fast_backend().available:
+            return "cpu-fast"
+        return "dequantized"
 
     def tensor_source(self, probe: Probe, options: LoadOptions) -> GGUFSource:
         path = gguf_path(probe)
