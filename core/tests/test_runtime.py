@@ -113,3 +113,86 @@ def test_shape_mismatch_is_a_typed_error(tmp_path: Path) -> None:
     (root / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(anyquant.CheckpointError, match="shape"):
         anyquant.load(root)
+
+
+def test_meta_parameters_acts_only_in_its_thread() -> None:
+    """The register_parameter patch is process-wide while a build holds it, but another thread building
+    modules meanwhile gets real, initialised parameters."""
+    import threading
+
+    from torch import nn
+
+    from anyquant.runtime.build import meta_parameters
+
+    original = nn.Module.register_parameter
+    inside, built, seen = threading.Event(), threading.Event(), {}
+
+    def other() -> None:
+        inside.wait()
+        seen["lin"] = nn.Linear(4, 4)
+        built.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with meta_parameters():
+        assert nn.Module.register_parameter is not original
+        inside.set()
+        built.wait(30)
+        mine = nn.Linear(4, 4)
+    t.join()
+    assert mine.weight.is_meta
+    assert not seen["lin"].weight.is_meta and bool(seen["lin"].weight.abs().sum() > 0)
+    assert nn.Module.register_parameter is original
+
+
+def test_meta_parameters_interleaved_builds_restore_the_original() -> None:
+    """Two builds whose contexts interleave (A enters, B enters, A leaves, B leaves) leave torch as it was:
+    a save/restore pair per build would leave A's patch installed for good."""
+    import threading
+
+    from torch import nn
+
+    from anyquant.runtime.build import meta_parameters
+
+    original = nn.Module.register_parameter
+    b_inside, a_left, b_meta = threading.Event(), threading.Event(), {}
+
+    def build_b() -> None:
+        with meta_parameters():
+            b_inside.set()
+            a_left.wait(30)
+            b_meta["lin"] = nn.Linear(2, 2).weight.is_meta  # still meta after A left
+    t = threading.Thread(target=build_b)
+    with meta_parameters():
+        t.start()
+        b_inside.wait(30)
+    a_left.set()
+    assert not nn.Linear(2, 2).weight.is_meta  # this thread is out: real parameters
+    t.join()
+    assert b_meta["lin"] is True
+    assert nn.Module.register_parameter is original
+
+
+def test_native_build_patches_nothing(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native decoder is built under torch.device("meta") (a thread-local mode): torch's classes are the
+    same during the build as outside it."""
+    import json
+
+    from torch import nn
+
+    from anyquant.runtime import native
+    from anyquant.runtime.build import skeleton
+
+    saved = nn.Module.register_parameter, nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    during = []
+    init = native.NativeCausalLM.__init__
+
+    def spy(self, config):  # type: ignore[no-untyped-def]
+        during.append((nn.Module.register_parameter, nn.Linear.reset_parameters, nn.Embedding.reset_parameters))
+        init(self, config)
+
+    monkeypatch.setattr(native.NativeCausalLM, "__init__", spy)
+    model = skeleton(json.loads((tiny / "config.json").read_text()), runtime="native")
+    assert during == [saved]
+    assert all(p.is_meta for p in model.parameters())
+    assert not model.inv_freq.is_meta  # computed on the CPU

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -60,23 +61,47 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return names[dtype]
 
 
+#: meta_parameters' bookkeeping: the threads inside it, and how many builds hold the patch
+_META = threading.local()
+_META_LOCK = threading.Lock()
+_meta_users = 0
+_meta_original: Any = None
+
+
+def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    """``nn.Module.register_parameter`` while :func:`meta_parameters` is patched in: the original, then, in a
+    thread inside the context only, the parameter moved to the meta device."""
+    _meta_original(module, name, param)
+    if param is not None and getattr(_META, "depth", 0):
+        p = module._parameters[name]
+        assert p is not None
+        module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+
 @contextlib.contextmanager
 def meta_parameters() -> Iterator[None]:
-    """Create parameters on the meta device (no memory); buffers stay real (rotary tables)."""
-    original = nn.Module.register_parameter
+    """Create parameters on the meta device (no memory); buffers stay real (rotary tables).
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None:
-            p = module._parameters[name]
-            assert p is not None
-            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
+    transformers' classes create their parameters in ``__init__`` with no device argument, so this patches
+    ``nn.Module.register_parameter`` for the duration. The patch acts only in the threads inside this
+    context (a thread-local flag): another thread building modules meanwhile gets the original behaviour,
+    and concurrent loads share one patch (counted under a lock), so none can leave it installed."""
+    global _meta_users, _meta_original
+    with _META_LOCK:
+        if _meta_users == 0:
+            _meta_original = nn.Module.register_parameter
+            nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign, assignment]
+        _meta_users += 1
+    _META.depth = getattr(_META, "depth", 0) + 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        _META.depth -= 1
+        with _META_LOCK:
+            _meta_users -= 1
+            if _meta_users == 0:
+                nn.Module.register_parameter = _meta_original  # type: ignore[method-assign]
+                _meta_original = None
 
 
 RUNTIMES = ("transformers", "native", "auto")
@@ -99,18 +124,6 @@ def choose_runtime(config: Mapping[str, Any], runtime: str) -> str:
     return "transformers"
 
 
-@contextlib.contextmanager
-def _no_init() -> Iterator[None]:
-    """Skip ``nn.Linear`` / ``nn.Embedding`` random initialisation (the loader fills every tensor): on meta
-    tensors ``normal_`` would import ``torch._dynamo`` (1.4 s), on real ones fill 100s of MB with noise."""
-    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
-    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
-
-
 def skeleton(config: Mapping[str, Any], *, trust_remote_code: bool = False, runtime: str = "transformers") -> nn.Module:
     """The causal-LM module for ``config`` (transformers' class, or anyquant's native decoder when ``runtime``
     says so: :func:`choose_runtime`), with parameters on the meta device."""
@@ -118,7 +131,7 @@ def skeleton(config: Mapping[str, Any], *, trust_remote_code: bool = False, runt
         from .native import NativeCausalLM
 
         cfg = {k: v for k, v in config.items() if k not in _DROP_KEYS}
-        with meta_parameters(), _no_init(), torch.device("meta"):
+        with torch.device("meta"):  # a thread-local mode: nothing global is patched
             return NativeCausalLM(cfg)
     import transformers
 

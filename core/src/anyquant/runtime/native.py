@@ -135,10 +135,10 @@ class NativeCache:
                 grown_k[:, :, :start] = kb[:, :, :start]
                 grown_v[:, :, :start] = vb[:, :, :start]
             kb, vb = self.keys[layer], self.values[layer] = grown_k, grown_v
-        kb[:, :, start:end] = k
-        vb[:, :, start:end] = v
+        kb.narrow(2, start, new).copy_(k)  # narrow: cheaper per call than slice assignment
+        vb.narrow(2, start, new).copy_(v)
         self.lengths[layer] = end
-        return kb[:, :, :end], vb[:, :, :end]
+        return kb.narrow(2, 0, end), vb.narrow(2, 0, end)
 
 
 @dataclass
@@ -324,7 +324,9 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, c: NativeConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        # ``_weight``: no random initialisation (the loader fills the table; on the meta device ``normal_``
+        # would import torch._dynamo, ~1 s)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
