@@ -162,6 +162,7 @@ def test_meta_parameters_interleaved_builds_restore_the_original() -> None:
             b_inside.set()
             a_left.wait(30)
             b_meta["lin"] = nn.Linear(2, 2).weight.is_meta  # still meta after A left
+
     t = threading.Thread(target=build_b)
     with meta_parameters():
         t.start()
