@@ -221,7 +221,9 @@ def test_install_fast_head(tied: bool) -> None:
         assert info == {
             "head": "bfloat16 prepacked",
             "exact_dtype": "float16",
+            "exact_in": "memory",
             "embedding_dtype": "float16",
+            "embedding_in": "memory",
             "tied": tied,
         }
         emb, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -245,7 +247,7 @@ def test_install_fast_head_leaves_other_heads_alone(monkeypatch: pytest.MonkeyPa
     assert isinstance(model.get_input_embeddings(), torch.nn.Embedding)
 
 
-def _build_tiny(tmp_path: Any, *, keep: bool, tied: bool) -> torch.nn.Module:
+def _build_tiny(tmp_path: Any, *, keep: bool, tied: bool, tables: dict[str, Any] | None = None) -> torch.nn.Module:
     import json
 
     from anyquant.probe import Probe
@@ -257,7 +259,12 @@ def _build_tiny(tmp_path: Any, *, keep: bool, tied: bool) -> torch.nn.Module:
     probe = Probe.open(path)
     config = json.loads((path / "config.json").read_text())
     return build_model(
-        config, SafetensorsSource(probe), dtype=torch.float32, keep_embedding_dtype=keep, runtime="native"
+        config,
+        SafetensorsSource(probe),
+        dtype=torch.float32,
+        keep_embedding_dtype=keep,
+        runtime="native",
+        file_tables=tables,
     )
 
 
@@ -292,3 +299,86 @@ def test_plan_finish_takes_over_or_restores_a_kept_embedding(tmp_path: Any, conv
     else:
         assert model.get_input_embeddings().weight.dtype == torch.float32
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+@needs_bf16_head
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_file_tables_head_and_embedding_read_from_the_file(tmp_path: Any, tied: bool) -> None:
+    """The build leaves the embedding (and an untied head) in the file; the fast head and the embedding read
+    them from there: the same logits, bit for bit, as with the tables in memory, and no table in memory."""
+    from anyquant.runtime.tensors import FileRows
+
+    tables: dict[str, Any] = {}
+    model = _build_tiny(tmp_path, keep=True, tied=tied, tables=tables)
+    assert set(tables) == ({"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight"}))
+    assert all(isinstance(t, FileRows) and t.dtype == torch.float16 for t in tables.values())
+    assert model.get_input_embeddings().weight.is_meta and model.get_output_embeddings().weight.is_meta
+    ref = _build_tiny(tmp_path / "ref", keep=True, tied=tied)
+    infos = []
+    for m, t in ((model, tables), (ref, None)):
+        plan = fastcpu.FastCPUPlan(small_rows=4)
+        plan.converted = 1
+        plan.finish(m, torch.float32, tables=t)
+        infos.append((plan.head_info["exact_in"], plan.head_info["embedding_in"]))
+    assert infos == [("file", "file"), ("memory", "memory")]
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(emb, fastcpu.CompactEmbedding) and isinstance(head, fastcpu.FastHead)
+    assert emb.file is not None and head.file is not None and emb.table is None and head.exact is None
+    assert (emb.file is head.file) is tied
+    assert not any(b.is_meta for b in model.buffers()) and not any(p.is_meta for p in model.parameters())
+    assert head.packed_bytes() == head.out_features * head.in_features * 2  # the prepacked copy alone
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)  # 20 rows: the exact paths
+        assert torch.equal(model(ids[:, :3]).logits, ref(ids[:, :3]).logits)  # 3 rows: the prepacked pieces
+    assert torch.equal(head.weight, ref.get_output_embeddings().weight)
+    assert torch.equal(emb.weight, ref.get_input_embeddings().weight)
+
+
+@pytest.mark.parametrize("converted", [1, 0], ids=["fast head", "head stays dense"])
+def test_file_tables_filled_when_no_fast_head_takes_them(tmp_path: Any, converted: int, monkeypatch: Any) -> None:
+    """No fast head (no bfloat16 kernel, or no int4 layer): the tables left in the file are read in, tied
+    parameters stay tied, and the model equals the plain build."""
+    if converted:
+        monkeypatch.setattr(fastcpu, "bf16_head_status", lambda: (False, "no AMX"))
+    tables: dict[str, Any] = {}
+    model = _build_tiny(tmp_path, keep=True, tied=True, tables=tables)
+    ref = _build_tiny(tmp_path / "ref", keep=False, tied=True)
+    plan = fastcpu.FastCPUPlan(small_rows=4)
+    plan.converted = converted
+    plan.finish(model, torch.float32, tables=tables)
+    assert plan.head_info["head"] == "dense"
+    weight = model.get_input_embeddings().weight
+    assert not weight.is_meta and weight.dtype == torch.float32
+    assert model.get_output_embeddings().weight is weight
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_file_rows(tmp_path: Any) -> None:
+    import pickle
+
+    from safetensors.torch import save_file
+
+    from anyquant.errors import CheckpointError
+    from anyquant.probe import Probe
+    from anyquant.runtime.tensors import SafetensorsSource
+
+    path = tmp_path / "t.safetensors"
+    table = torch.randn(37, 24).to(torch.bfloat16)
+    save_file({"a": torch.arange(5, dtype=torch.int32), "t": table, "v": torch.ones(3)}, str(path))
+    source = SafetensorsSource(Probe.open(path))
+    rows = source.file_rows("t")
+    assert rows is not None and source.file_rows("a") is None and source.file_rows("v") is None  # 2-D floats only
+    ids = torch.tensor([[0, 36, 5], [5, 1, 2]])
+    assert torch.equal(rows.rows(ids), table[ids]) and torch.equal(rows.read_all(), table)
+    assert torch.equal(rows.slice(30, 100), table[30:])
+    assert torch.equal(pickle.loads(pickle.dumps(rows)).rows(ids), table[ids])
+    with pytest.raises(IndexError):
+        rows.rows(torch.tensor([37]))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 24 * 2 * 3])  # cut into the table's last rows
+    with pytest.raises(CheckpointError, match="truncated"):
+        rows.rows(torch.tensor([36]))
+    assert torch.equal(rows.rows(torch.tensor([1])), table[1:2])

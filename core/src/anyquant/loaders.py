@@ -43,6 +43,8 @@ class LoadContext:
     ) -> None:
         self.probe, self.detection, self.source = probe, detection, source
         self.backend, self.dtype, self.device, self.options = backend, dtype, device, options
+        #: parameters the build left in the checkpoint file (when :meth:`TransformersLoader.file_tables` says so)
+        self.file_tables: dict[str, Any] = {}
 
 
 class TransformersLoader:
@@ -94,6 +96,12 @@ class TransformersLoader:
         a loader that says yes replaces it after the build."""
         return False
 
+    def file_tables(self, ctx: LoadContext) -> bool:
+        """Leave the input embedding and a dense head in the checkpoint file, unread (``build_model``'s
+        ``file_tables``, collected in ``ctx.file_tables``); a loader that says yes installs or fills them after
+        the build."""
+        return False
+
     def runtime(self, ctx: LoadContext) -> str:
         """The module class to build: ``load(..., runtime=...)``: ``"auto"`` (the default: anyquant's native
         decoder for the Llama-family configs it supports, transformers' class otherwise), ``"native"`` or
@@ -130,15 +138,20 @@ class TransformersLoader:
                 trust_remote_code=options.trust_remote_code,
                 runtime=self.runtime(ctx),
                 keep_embedding_dtype=self.keep_embedding_dtype(ctx),
+                file_tables=ctx.file_tables if self.file_tables(ctx) else None,
             )
         finally:
             close = getattr(source, "close", None)
             if close is not None:
                 close()
+        from ._memory import release_free_heap
+
+        release_free_heap()  # the build's read and repacking temporaries, before the tokenizer's
         unused: list[str] = getattr(source, "unused", list)()
         if unused:
             log.warning("%d checkpoint tensors were not used (e.g. %s)", len(unused), unused[:3])
         tokenizer = self.tokenizer(probe, options)
+        release_free_heap()  # parsing tokenizer.json leaves ~2x the tokenizer's size free in the heap
         return LoadedModel(
             module=module,
             tokenizer=tokenizer,

@@ -131,3 +131,25 @@ def test_bfloat16_compute_dtype(root: Path) -> None:
             logits = fast.module(ids).logits
             assert logits.dtype == torch.bfloat16
             assert rel_error(logits.float(), want) < DECODE_TOL
+
+
+def test_tables_left_in_the_file_give_the_same_logits(root: Path) -> None:
+    """By default the fast head's exact table and the input embedding stay in the safetensors file
+    (``cpu_fast_tables="file"``); the logits are bitwise those of the tables read into memory."""
+    from anyquant.runtime.fastcpu import bf16_head_status
+
+    if not bf16_head_status()[0]:
+        pytest.skip(bf16_head_status()[1])
+    variant = "b4_g32_sym_nodesc_gptq" if "b4_g32_sym_nodesc_gptq" in FOUR_BIT else FOUR_BIT[0]
+    path = root / "quantized" / variant
+    ids = load_file(root / "judges" / variant / "gptqmodel_logits.safetensors")["input_ids"]
+    filed = anyquant.load(path, backend="cpu-fast", cpu_fast_small_rows=16)
+    held = anyquant.load(path, backend="cpu-fast", cpu_fast_small_rows=16, cpu_fast_tables="memory")
+    head = filed.info["cpu_fast"]["lm_head"]
+    assert (head["exact_in"], head["embedding_in"]) == ("file", "file")
+    assert held.info["cpu_fast"]["lm_head"]["exact_in"] == "memory"
+    with torch.no_grad():
+        assert torch.equal(filed.module(ids).logits, held.module(ids).logits)  # 32 rows: exact paths
+        assert torch.equal(filed.module(ids[:, :8]).logits, held.module(ids[:, :8]).logits)  # prepacked head
+    with pytest.raises(ValueError, match="cpu_fast_tables"):
+        anyquant.load(path, backend="cpu-fast", cpu_fast_tables="disk")

@@ -14,13 +14,14 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, MissingTensorError
-from .tensors import TensorSource
+from .tensors import FileRows, TensorSource
 
 __all__ = [
     "RUNTIMES",
     "LinearFactory",
     "build_model",
     "choose_runtime",
+    "fill_file_tables",
     "meta_parameters",
     "resolve_device",
     "resolve_dtype",
@@ -179,6 +180,7 @@ def build_model(
     name_map: Callable[[str], str] | None = None,
     runtime: str = "transformers",
     keep_embedding_dtype: bool = False,
+    file_tables: dict[str, FileRows] | None = None,
 ) -> nn.Module:
     """Assemble a model: skeleton -> quantized linears -> tensors -> tie -> dtype/device.
 
@@ -189,6 +191,10 @@ def build_model(
     ``keep_embedding_dtype``: the input embedding (and a head tied to it) keeps the checkpoint's 16-bit float
     dtype instead of the compute dtype, for a caller that replaces it next (cpu-fast's compact embedding and
     head): the compute-dtype copy, twice the table's size, then never exists.
+    ``file_tables``: a dict the build fills with the input embedding and a dense head that the source can
+    serve from its file (:meth:`SafetensorsSource.file_rows`), by parameter name; those parameters are
+    left on the meta device, unread, for the caller to install (cpu-fast's head and embedding read them
+    from the file) or to fill with :func:`fill_file_tables`.
     """
     model: Any = skeleton(config, trust_remote_code=trust_remote_code, runtime=runtime)
     device = torch.device(device)
@@ -211,8 +217,19 @@ def build_model(
     if head_missing:
         log.info("no %s tensor in the checkpoint: tying it to %s", tie[0] if tie else "", tie[1] if tie else "")
     embedding = _embedding_weight_name(model) if keep_embedding_dtype else None
+    if file_tables is not None and device.type == "cpu":
+        rows_of = getattr(source, "file_rows", None)
+        wanted = [_embedding_weight_name(model)]
+        if tie is not None and not head_missing and isinstance(head_weight, torch.Tensor) and head_weight.is_meta:
+            wanted.append(tie[0])  # a dense head of its own
+        for name in wanted:
+            if rows_of is not None and name is not None and src(name) in source:
+                table = rows_of(src(name))
+                if table is not None:
+                    file_tables[name] = table
+    skip = file_tables or {}
     for name, param in list(model.named_parameters(remove_duplicate=False)):
-        if not param.is_meta:
+        if not param.is_meta or name in skip:
             continue
         if head_missing and tie is not None and name == tie[0]:
             continue
@@ -230,10 +247,32 @@ def build_model(
         head.weight = model.get_input_embeddings().weight
     if hasattr(model.config, "tie_word_embeddings"):
         model.config.tie_word_embeddings = bool(head_missing)
-    model.to(device)
+    if not skip:  # parameters left in the file stay on meta (a move would fail); the rest is on the CPU already
+        model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def fill_file_tables(model: nn.Module, tables: Mapping[str, FileRows], dtype: torch.dtype | None) -> None:
+    """Read into memory the parameters ``build_model`` left in the file (``file_tables``) that are still on
+    the meta device, in ``dtype`` (``None``: the file's), keeping tied parameters tied."""
+    groups: dict[int, list[str]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    for key, names in groups.items():
+        if not params[key].is_meta:
+            continue
+        table = next((tables[n] for n in names if n in tables), None)
+        if table is None:
+            continue
+        value = table.read_all()
+        param = nn.Parameter(value if dtype is None else value.to(dtype), requires_grad=False)
+        for name in names:
+            mod_name, _, attr = name.rpartition(".")
+            (model.get_submodule(mod_name) if mod_name else model)._parameters[attr] = param
 
 
 def _embedding_weight_name(model: nn.Module) -> str | None:

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .tensors import FileRows
+
 __all__ = [
     "DEFAULT_SMALL_ROWS",
     "CompactEmbedding",
@@ -327,8 +329,9 @@ class FastInt4Linear(nn.Module):
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         if x2.shape[0] <= self.small_rows:
+            sz = self.scales_and_zeros
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.to(torch.bfloat16), self.packed, self.kernel_group, self.scales_and_zeros
+                x2.to(torch.bfloat16), self.packed, self.kernel_group, sz if sz.is_contiguous() else sz.contiguous()
             )
             if self.padded_out != self.out_features:
                 y = y[:, : self.out_features]
@@ -412,30 +415,44 @@ def _compact(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-class CompactEmbedding(nn.Module):
-    """An input embedding whose table is kept in a narrower dtype that holds it exactly; rows are
-    looked up, then cast to the compute dtype (exact)."""
+def _rows(table: torch.Tensor | FileRows, start: int, count: int) -> torch.Tensor:
+    """Rows ``start .. start + count`` of an in-memory table or a :class:`FileRows`."""
+    return table[start : start + count] if isinstance(table, torch.Tensor) else table.slice(start, count)
 
-    def __init__(self, weight: torch.Tensor, compute_dtype: torch.dtype = torch.float32) -> None:
+
+class CompactEmbedding(nn.Module):
+    """An input embedding whose table is kept in a narrower dtype that holds it exactly, or left in the
+    checkpoint file (a :class:`~anyquant.runtime.tensors.FileRows`: only the looked-up rows are read);
+    rows are looked up, then cast to the compute dtype (exact)."""
+
+    def __init__(self, weight: torch.Tensor | FileRows, compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.shape
         self.compute_dtype = compute_dtype
-        self.table: torch.Tensor
-        self.register_buffer("table", weight)
+        self.table: torch.Tensor | None
+        self.file = None if isinstance(weight, torch.Tensor) else weight
+        self.register_buffer("table", weight if self.file is None else None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.file is not None:
+            return self.file.rows(ids).to(self.compute_dtype)
+        assert self.table is not None
         return F.embedding(ids, self.table).to(self.compute_dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The table in the compute dtype (exact; a copy: for export and inspection, not the forward)."""
-        return self.table.to(self.compute_dtype)
+        table = self.file.read_all() if self.file is not None else self.table
+        assert table is not None
+        return table.to(self.compute_dtype)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.dequantize()
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table.dtype}"
+        where = "file" if self.file is not None else "memory"
+        dtype = self.file.dtype if self.file is not None else self.table.dtype  # type: ignore[union-attr]
+        return f"{self.num_embeddings}, {self.embedding_dim}, table={dtype} ({where})"
 
 
 class FastHead(nn.Module):
@@ -447,15 +464,20 @@ class FastHead(nn.Module):
       ``CHUNK_ROWS`` vocabulary rows at a time, and a float GEMM, as the dense head computes it.
 
     The exact weight is kept in the narrowest dtype that holds it exactly (a float16 checkpoint's
-    head or tied embedding: half of float32) and may be shared with a :class:`CompactEmbedding`.
-    Memory: that table plus ~2 bytes per weight for the prepacked copy.
+    head or tied embedding: half of float32) and may be shared with a :class:`CompactEmbedding`, or
+    left in the checkpoint file (a :class:`~anyquant.runtime.tensors.FileRows`, read a slice at a
+    time: then the prepacked copy, ~2 bytes per weight, is all the head holds in memory; it is built
+    in ``FILE_PIECES`` pieces, so the load never holds a whole bfloat16 copy besides it).
     """
 
     CHUNK_ROWS = 8192
+    #: prepacked pieces of a file-backed head (one call each per decode step: ~0.05 ms more per step for
+    #: SmolLM2's 49152x576 head than one piece, bitwise the same result)
+    FILE_PIECES = 4
 
     def __init__(
         self,
-        exact: torch.Tensor,
+        exact: torch.Tensor | FileRows,
         bias: torch.Tensor | None = None,
         *,
         compute_dtype: torch.dtype = torch.float32,
@@ -467,23 +489,43 @@ class FastHead(nn.Module):
             raise ValueError(f"FastHead cannot run here: {reason}")
         self.out_features, self.in_features = exact.shape
         self.compute_dtype, self.small_rows = compute_dtype, small_rows
-        self.exact: torch.Tensor
-        self.register_buffer("exact", exact)
+        self.exact: torch.Tensor | None
+        self.file = None if isinstance(exact, torch.Tensor) else exact
+        self.register_buffer("exact", exact if self.file is None else None)
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
-        # an opaque oneDNN tensor: an attribute, not a buffer (state_dict and .to() cannot take it)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(exact.to(torch.bfloat16), None)
+        # opaque oneDNN tensors: an attribute, not buffers (state_dict and .to() cannot take them)
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        if self.file is None:
+            self.packed = [reorder(exact.to(torch.bfloat16), None)]  # type: ignore[union-attr]
+        else:
+            from .._memory import release_free_heap
+
+            step = -(-self.out_features // self.FILE_PIECES)
+            self.packed = []
+            for start in range(0, self.out_features, step):
+                piece = torch.empty(min(step, self.out_features - start), self.in_features, dtype=torch.bfloat16)
+                for at in range(0, piece.shape[0], self.CHUNK_ROWS // 4):  # read and rounded a slice at a time
+                    rows = self.file.slice(start + at, min(self.CHUNK_ROWS // 4, piece.shape[0] - at))
+                    piece[at : at + rows.shape[0]].copy_(rows)
+                self.packed.append(reorder(piece, None))
+                del piece, rows
+                release_free_heap()  # the piece, before the next one is read
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= self.small_rows:
-            y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, None, "none", [], "")
-            y = y.to(x.dtype)
+            xb = x2.to(torch.bfloat16)
+            linear = torch.ops.mkldnn._linear_pointwise
+            parts = [linear(xb, packed, None, "none", [], "") for packed in self.packed]
+            y = (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
         else:
+            table = self.file if self.file is not None else self.exact
+            assert table is not None
             y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
             for start in range(0, self.out_features, self.CHUNK_ROWS):
-                w = self.exact[start : start + self.CHUNK_ROWS].to(x.dtype)
+                w = _rows(table, start, self.CHUNK_ROWS).to(x.dtype)
                 torch.mm(x2, w.t(), out=y[:, start : start + w.shape[0]])
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
@@ -491,7 +533,9 @@ class FastHead(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The exact weight in the compute dtype (a copy: for export and inspection, not the forward)."""
-        return self.exact.to(self.compute_dtype)
+        table = self.file.read_all() if self.file is not None else self.exact
+        assert table is not None
+        return table.to(self.compute_dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -507,39 +551,70 @@ class FastHead(nn.Module):
         return self
 
     def packed_bytes(self) -> int:
-        return int(self.exact.nbytes) + self.out_features * self.in_features * 2
+        """Bytes held in memory: the prepacked copy, and the exact table unless it stays in the file."""
+        exact = int(self.exact.nbytes) if self.exact is not None else 0
+        return exact + self.out_features * self.in_features * 2
 
     def extra_repr(self) -> str:
+        dtype = self.file.dtype if self.file is not None else self.exact.dtype  # type: ignore[union-attr]
+        where = "file" if self.file is not None else "memory"
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, exact={self.exact.dtype}, "
+            f"in_features={self.in_features}, out_features={self.out_features}, exact={dtype} ({where}), "
             f"small_rows={self.small_rows}"
         )
 
 
+def _file_table(module: Any, param: torch.Tensor, tables: Mapping[str, FileRows]) -> FileRows | None:
+    """The file table the build left ``param`` (a meta parameter) to, under any of its names."""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if p is param and name in tables:
+            return tables[name]
+    return None
+
+
 def install_fast_head(
-    module: Any, *, small_rows: int = DEFAULT_SMALL_ROWS, compute_dtype: torch.dtype | None = None
+    module: Any,
+    *,
+    small_rows: int = DEFAULT_SMALL_ROWS,
+    compute_dtype: torch.dtype | None = None,
+    tables: Mapping[str, FileRows] | None = None,
 ) -> dict[str, Any]:
     """Swap a built model's dense LM head for a :class:`FastHead` (and, when the head is tied to
     the input embedding, the embedding for a :class:`CompactEmbedding` sharing its exact table).
 
-    Returns what was done, for ``LoadedModel.info``; leaves the model alone (and says why) when the
-    head is not a plain float ``nn.Linear`` on the CPU or the prepacked kernel is not usable.
+    ``tables``: parameters the build left on the meta device, by name, as file tables
+    (:func:`anyquant.runtime.build.build_model`'s ``file_tables``): the head and embedding then read
+    them from the file. Returns what was done, for ``LoadedModel.info``; leaves the model alone (and
+    says why) when the head is not a plain float ``nn.Linear`` on the CPU or the prepacked kernel is
+    not usable (the caller then fills what the build left: :func:`~anyquant.runtime.build.fill_file_tables`).
     """
+    tables = tables or {}
     ok, reason = bf16_head_status()
     if not ok:
         return {"head": "dense", "reason": reason}
     get_out = getattr(module, "get_output_embeddings", None)
     head = get_out() if get_out is not None else None
-    if type(head) is not nn.Linear or not head.weight.dtype.is_floating_point or head.weight.device.type != "cpu":
+    if (
+        type(head) is not nn.Linear
+        or not head.weight.dtype.is_floating_point
+        or head.weight.device.type not in ("cpu", "meta")
+    ):
         return {"head": "dense", "reason": f"the output projection is a {type(head).__name__}, not a dense Linear"}
+    head_file = _file_table(module, head.weight, tables) if head.weight.is_meta else None
+    if head.weight.is_meta and head_file is None:
+        return {"head": "dense", "reason": "the head's weight was not read"}
     # the head's own dtype unless the build kept a 16-bit embedding (and tied head) for us
     compute = compute_dtype or head.weight.dtype
     emb = module.get_input_embeddings()
     tied = type(emb) is nn.Embedding and emb.weight is head.weight
-    exact = _compact(head.weight.detach())
+    exact: torch.Tensor | FileRows = head_file if head_file is not None else _compact(head.weight.detach())
     bias = None if head.bias is None else head.bias.detach()
     table = exact if tied else None
-    if type(emb) is nn.Embedding and emb.weight.dtype in (compute, torch.float16, torch.bfloat16):
+    if type(emb) is nn.Embedding and emb.weight.is_meta:
+        table = exact if tied else _file_table(module, emb.weight, tables)
+        if table is not None:
+            module.set_input_embeddings(CompactEmbedding(table, compute))
+    elif type(emb) is nn.Embedding and emb.weight.dtype in (compute, torch.float16, torch.bfloat16):
         table = exact if tied else _compact(emb.weight.detach())
         if tied or table.dtype != compute:
             module.set_input_embeddings(CompactEmbedding(table, compute))
@@ -552,7 +627,9 @@ def install_fast_head(
     return {
         "head": "bfloat16 prepacked",
         "exact_dtype": str(exact.dtype).replace("torch.", ""),
+        "exact_in": "memory" if isinstance(exact, torch.Tensor) else "file",
         "embedding_dtype": None if table is None else str(table.dtype).replace("torch.", ""),
+        "embedding_in": None if table is None else "memory" if isinstance(table, torch.Tensor) else "file",
         "tied": tied,
     }
 
@@ -590,12 +667,15 @@ class FastCPUPlan:
     ``cpu_fast_prefill`` is the GEMM dtype of the many-rows path (default: the compute dtype;
     ``"auto"``: bfloat16 where :func:`bf16_gemm_is_fast`), ``cpu_fast_small_rows`` the row count up
     to which the int4 kernel (and the bfloat16 head) runs, ``cpu_fast_head`` ``"bfloat16"`` (default:
-    :class:`FastHead` where :func:`bf16_head_status` allows) or ``"dense"`` (the exact float head).
+    :class:`FastHead` where :func:`bf16_head_status` allows) or ``"dense"`` (the exact float head),
+    ``cpu_fast_tables`` ``"file"`` (default: the fast head's exact table and the input embedding stay in
+    the safetensors file, read a few rows or a slice at a time) or ``"memory"`` (read at load).
     """
 
     small_rows: int = DEFAULT_SMALL_ROWS
     prefill_dtype: torch.dtype | None = None
     head: bool = True
+    tables: str = "file"
     converted: int = 0
     fallback: dict[str, str] = field(default_factory=dict)
     head_info: dict[str, Any] = field(default_factory=dict)
@@ -611,29 +691,50 @@ class FastCPUPlan:
         head = extra.get("cpu_fast_head", "bfloat16")
         if head not in ("bfloat16", "dense"):
             raise ValueError(f"cpu_fast_head={head!r} is not 'bfloat16' or 'dense'")
+        tables = extra.get("cpu_fast_tables", "file")
+        if tables not in ("file", "memory"):
+            raise ValueError(f"cpu_fast_tables={tables!r} is not 'file' or 'memory'")
         return cls(
             small_rows=rows,
             prefill_dtype=None if prefill is None else _PREFILL_DTYPES[prefill],
             head=head == "bfloat16",
+            tables=tables,
         )
+
+    def file_tables(self) -> bool:
+        """Whether the build may leave the embedding and a dense head in the checkpoint file for
+        :meth:`finish` (option ``cpu_fast_tables``: ``"file"``, the default, or ``"memory"``)."""
+        return self.tables == "file" and self.keeps_embedding_dtype()
 
     def keeps_embedding_dtype(self) -> bool:
         """Whether the build may keep the input embedding in its 16-bit checkpoint dtype: :meth:`finish`
         replaces it (or casts it to the compute dtype when the head stays dense)."""
         return self.head and bf16_head_status()[0]
 
-    def finish(self, module: nn.Module, compute_dtype: torch.dtype | None = None) -> None:
+    def finish(
+        self,
+        module: nn.Module,
+        compute_dtype: torch.dtype | None = None,
+        tables: Mapping[str, FileRows] | None = None,
+    ) -> None:
         """After the build: the LM head (and a tied embedding) as in :func:`install_fast_head`.
 
         Only when some layer runs the int4 kernel: a model whose layers all fell back to exact
         dequantized weights keeps its exact head too. ``compute_dtype``: the model's (an embedding kept
-        16-bit by the build is cast to it when no fast head takes it over)."""
+        16-bit by the build is cast to it when no fast head takes it over). ``tables``: what the build
+        left in the file (:meth:`file_tables`); read into memory here when no fast head takes it."""
+        from .build import fill_file_tables
+
         if self.head and self.converted == 0:
             self.head_info = {"head": "dense", "reason": "no layer runs the int4 kernel: the model stays exact"}
         elif self.head:
-            self.head_info = install_fast_head(module, small_rows=self.small_rows, compute_dtype=compute_dtype)
+            self.head_info = install_fast_head(
+                module, small_rows=self.small_rows, compute_dtype=compute_dtype, tables=tables
+            )
         else:
             self.head_info = {"head": "dense", "reason": "cpu_fast_head='dense'"}
+        if tables:
+            fill_file_tables(module, tables, compute_dtype)
         if self.head_info.get("head") == "dense" and compute_dtype is not None:
             _restore_embedding_dtype(module, compute_dtype)
 

@@ -177,8 +177,8 @@ class FusedInt4:
     """One int4 kernel call, on the decode path, for cpu-fast linears that share their input (q/k/v, gate/up).
 
     The members' packed weights are concatenated along the output dimension (the kernel's blocked layout is
-    per block of output rows, so this is exact) and each member's ``packed`` buffer becomes a view of the
-    joint one: no second copy. Prompts (more rows than ``small_rows``) still run each member's own exact path.
+    per block of output rows, so this is exact) and each member's ``packed`` and ``scales_and_zeros`` buffers
+    become views of the joint ones: no second copy. Prompts (more rows than ``small_rows``) still run each member's own exact path.
     """
 
     def __init__(self, members: list[nn.Module]) -> None:
@@ -190,6 +190,8 @@ class FusedInt4:
         self.slices: list[tuple[int, int]] = []
         offset = 0
         for m in members:
+            # views of the joint buffers: no second copy (a member's own kernel call makes its scales contiguous)
+            m.scales_and_zeros = self.scales_and_zeros[:, offset : offset + m.padded_out]
             m.packed = self.packed[offset : offset + m.padded_out]
             self.slices.append((offset, offset + m.out_features))
             offset += m.padded_out

@@ -7,6 +7,7 @@ the asked-for tensor is materialised), using the probe's headers to know which f
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
     from ..probe import Probe
 
-__all__ = ["DictSource", "SafetensorsSource", "TensorSource"]
+__all__ = ["DictSource", "FileRows", "SafetensorsSource", "TensorSource"]
 
 
 class TensorSource(Protocol):
@@ -98,23 +99,21 @@ class SafetensorsSource:
         fh = self._files.get(file)
         if fh is None:
             fh = self._files[file] = open(self._probe.root / file, "rb")  # closed in close()
-        view = memoryview(buffer).cast("B")
-        done = 0
-        while done < len(view):
-            part = view[done : done + _READ_CHUNK]
-            try:
-                if _HAS_PREADV:
-                    got = os.preadv(fh.fileno(), [part], offset + done)
-                else:  # pragma: no cover - Windows
-                    fh.seek(offset + done)
-                    got = fh.readinto(part)
-            except OSError as exc:
-                raise CheckpointError(f"{file}: cannot read tensor {name!r} ({exc.strerror})") from None
-            if got == 0:
-                raise CheckpointError(
-                    f"{file}: ends before tensor {name!r} does (the file changed or was truncated after it was probed)"
-                )
-            done += got
+        _pread_into(fh, offset, buffer, f"{file}: tensor {name!r}")
+
+    def file_rows(self, name: str) -> FileRows | None:
+        """``name`` as a :class:`FileRows` (rows read from the file when asked), or ``None`` when it is not
+        a 2-D float16/bfloat16/float32 tensor. Marks it used."""
+        info = self._probe.tensors.get(name)
+        if info is None or info.dtype not in ("F16", "BF16", "F32") or len(info.shape) != 2:
+            return None
+        import torch
+
+        self.used.add(name)
+        path = self._probe.root / info.file
+        return FileRows(
+            path, self._data_start[info.file] + info.begin, tuple(info.shape), getattr(torch, _TORCH_DTYPES[info.dtype])
+        )
 
     def unused(self) -> list[str]:
         return sorted(set(self._probe.tensors) - self.used)
@@ -124,6 +123,100 @@ class SafetensorsSource:
         for fh in self._files.values():
             fh.close()
         self._files.clear()
+
+
+def _pread_into(fh: Any, offset: int, buffer: Any, what: str) -> None:
+    """Fill ``buffer`` from ``fh`` at ``offset`` (``os.preadv``: no shared file position, so threads may share
+    ``fh``); a short file is a :class:`CheckpointError`."""
+    view = memoryview(buffer).cast("B")
+    done = 0
+    while done < len(view):
+        part = view[done : done + _READ_CHUNK]
+        try:
+            if _HAS_PREADV:
+                got = os.preadv(fh.fileno(), [part], offset + done)
+            else:  # pragma: no cover - Windows
+                with _SEEK_LOCK:
+                    fh.seek(offset + done)
+                    got = fh.readinto(part)
+        except OSError as exc:
+            raise CheckpointError(f"{what}: cannot read ({exc.strerror})") from None
+        if got == 0:
+            raise CheckpointError(f"{what}: the file ends early (it changed or was truncated after it was probed)")
+        done += got
+
+
+_SEEK_LOCK = threading.Lock()
+
+
+class FileRows:
+    """A 2-D tensor left in its safetensors file and read a few rows at a time (``os.preadv`` into fresh
+    tensors): an embedding table whose lookups need a handful of rows per step, or an LM head read one
+    slice at a time. Nothing of it stays in the process's memory between calls; the file's pages stay in
+    the OS page cache, shared and reclaimable, as with a memory map, but a file cut short gives a
+    :class:`~anyquant.errors.CheckpointError` instead of a crash. The file must not be rewritten in place
+    while the model is loaded (deleting or replacing it is fine: the open handle keeps the data)."""
+
+    def __init__(self, path: os.PathLike[str] | str, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if len(shape) != 2:
+            raise ValueError(f"FileRows holds 2-D tensors, not {tuple(shape)}")
+        self.path, self.offset = os.fspath(path), int(offset)
+        self.shape: tuple[int, int] = (int(shape[0]), int(shape[1]))
+        self.dtype = dtype
+        self.row_bytes = self.shape[1] * dtype.itemsize
+        self._fh = open(self.path, "rb")  # held for the object's life: closed by close() or GC
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _what(self) -> str:
+        return f"{os.path.basename(self.path)}: table {list(self.shape)} at byte {self.offset}"
+
+    def slice(self, start: int, count: int) -> torch.Tensor:
+        """Rows ``start .. start + count`` (clipped to the table), a new ``[n, dim]`` tensor."""
+        import torch
+
+        start = max(0, int(start))
+        count = max(0, min(int(count), self.shape[0] - start))
+        out = torch.empty(count, self.shape[1], dtype=self.dtype)
+        if count:
+            _pread_into(self._fh, self.offset + start * self.row_bytes, out.view(torch.uint8).numpy(), self._what())
+        return out
+
+    def read_all(self) -> torch.Tensor:
+        return self.slice(0, self.shape[0])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``table[ids]``: ``ids`` of any shape, result ``[*ids.shape, dim]``; an id outside the table is an
+        ``IndexError``, as ``F.embedding`` raises."""
+        import torch
+
+        flat = ids.reshape(-1).tolist()
+        n = self.shape[0]
+        if flat and (min(flat) < 0 or max(flat) >= n):
+            raise IndexError(f"index out of range: ids must lie in [0, {n}) for this {n}-row table")
+        out = torch.empty(len(flat), self.shape[1], dtype=self.dtype)
+        raw = out.view(torch.uint8).numpy()
+        what, base, size = self._what(), self.offset, self.row_bytes
+        for i, row in enumerate(flat):
+            _pread_into(self._fh, base + row * size, raw[i], what)
+        return out.view(*ids.shape, self.shape[1])
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __getstate__(self) -> dict[str, Any]:  # pickle / deepcopy: reopen the file by path
+        return {"path": self.path, "offset": self.offset, "shape": self.shape, "dtype": self.dtype}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], state["offset"], state["shape"], state["dtype"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"FileRows({self.path!r}, offset={self.offset}, shape={list(self.shape)}, dtype={self.dtype})"
 
 
 class DictSource:

@@ -14,6 +14,7 @@ from anyquant_gptq.loader import (
     cpu_fast_backend,
     finish_layer_plans,
     gptqmodel_backend,
+    plan_file_tables,
     plan_keeps_embedding_dtype,
     start_layer_plans,
 )
@@ -120,6 +121,9 @@ class AWQLoader(TransformersLoader):
 
     def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
         return plan_keeps_embedding_dtype(self)
+
+    def file_tables(self, ctx: LoadContext) -> bool:
+        return plan_file_tables(self, ctx)
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         from .qlinear import AWQLinear

@@ -66,6 +66,7 @@ def start_layer_plans(loader: Any, ctx: LoadContext, method: str) -> tuple[Any, 
     from anyquant.runtime.fastcpu import FastCPUPlan
 
     loader._fast_plan = FastCPUPlan.from_options(ctx.options.extra) if ctx.backend == "cpu-fast" else None
+    loader._file_tables = ctx.file_tables
     loader._kernel_plan = None
     if ctx.backend == "gptqmodel":
         from .gptqmodel_kernels import KernelPlan
@@ -81,13 +82,22 @@ def plan_keeps_embedding_dtype(loader: Any) -> bool:
     return plan is not None and plan.keeps_embedding_dtype()
 
 
+def plan_file_tables(loader: Any, ctx: LoadContext) -> bool:
+    """Whether the build may leave the embedding and a dense head in the file: cpu-fast's head reads them
+    from there (see :meth:`anyquant.runtime.fastcpu.FastCPUPlan.file_tables`)."""
+    plan = getattr(loader, "_fast_plan", None)
+    return plan is not None and ctx.device.type == "cpu" and plan.file_tables()
+
+
 def finish_layer_plans(loader: Any, loaded: LoadedModel) -> None:
     """After the build: cpu-fast's LM head, and each plan's record in ``loaded.info``."""
     plan = getattr(loader, "_fast_plan", None)
+    tables = getattr(loader, "_file_tables", None)
+    loader._file_tables = None
     if loaded.backend == "cpu-fast" and plan is not None:
         import torch
 
-        plan.finish(loaded.module, getattr(torch, loaded.dtype))
+        plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=tables)
         loaded.info = {**loaded.info, "cpu_fast": plan.summary()}
     kernels = getattr(loader, "_kernel_plan", None)
     if loaded.backend == "gptqmodel" and kernels is not None:
@@ -174,6 +184,9 @@ class GPTQLoader(TransformersLoader):
 
     def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
         return plan_keeps_embedding_dtype(self)
+
+    def file_tables(self, ctx: LoadContext) -> bool:
+        return plan_file_tables(self, ctx)
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         from .dequant import gptq_zero_label_check
