@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import AnyquantError
+from .errors import AnyquantError, UnsupportedBackendError
 
 __all__ = ["export_dense"]
 
@@ -33,15 +33,26 @@ def export_dense(
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise AnyquantError(f"{out} exists and is not empty; pass overwrite=True")
     load_kwargs.setdefault("runtime", "transformers")  # save_pretrained is transformers' (the native runtime has none)
-    model = load(path, backend=load_kwargs.pop("backend", "auto"), dtype="float32", **load_kwargs)
+    backend = load_kwargs.pop("backend", None)
+    if backend is None:
+        # the format's exact dense backend where it has one: a fast backend (auto's choice) would only be
+        # dequantized again here
+        try:
+            model = load(path, backend="dequantized", dtype="float32", **load_kwargs)
+        except UnsupportedBackendError:
+            model = load(path, backend="auto", dtype="float32", **load_kwargs)
+    else:
+        model = load(path, backend=backend, dtype="float32", **load_kwargs)
     target = resolve_dtype(dtype, torch.device("cpu"))
     module = model.module
+    retie = False
     for name, child in list(module.named_modules()):
         dequantize = getattr(child, "dequantize", None)
         if isinstance(child, (nn.Linear, nn.Embedding)) or not callable(dequantize):
             continue  # transformers' PreTrainedModel also has a dequantize(): it has neither attribute below
         dense: nn.Module
         if hasattr(child, "in_features"):  # a quantized linear, or a backend's own LM head
+            retie = retie or bool(getattr(child, "tied_to_input_embedding", False))
             weight = dequantize().to(torch.float32)
             bias = getattr(child, "bias", None)
             dense = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="cpu")
@@ -54,8 +65,16 @@ def export_dense(
             continue
         parent, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, dense)
+    if retie:  # a head that read the input embedding's table (GGUF's packed tied head)
+        module.config.tie_word_embeddings = True
     if getattr(module.config, "tie_word_embeddings", False):
         module.tie_weights()  # rebuilt modules hold their own copies: one table again, as the config says
+    left = [k for k, v in module.state_dict().items() if not v.is_floating_point()]
+    if left:
+        raise AnyquantError(
+            f"export_dense: {len(left)} tensors of the {model.backend!r} backend have no dense form (e.g. {left[:3]}); "
+            "nothing was written. Export with backend='dequantized' or 'reference'."
+        )
     module.to(target)
     config = module.config
     for attr in ("quantization_config", "compression_config"):

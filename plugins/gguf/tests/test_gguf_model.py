@@ -95,3 +95,27 @@ def test_chat_through_the_default_model_api() -> None:
     model = anyquant.load(path)
     text = model.generate([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=12)
     assert "Paris" in text
+
+
+@pytest.mark.parametrize("backend", [None, "cpu-fast", "packed"])
+def test_export_dense_of_the_default_model(gguf_path: Path, tmp_path: Path, backend: str | None) -> None:
+    """export_dense writes a dense, tied checkpoint with the exact weights whatever the backend (the
+    default one, cpu-fast, keeps the embedding and the tied head packed: both are dequantized)."""
+    from safetensors.torch import load_file
+
+    kwargs = {} if backend is None else {"backend": backend}
+    if backend == "cpu-fast":
+        from anyquant.runtime.fastcpu import fast_cpu_capable
+
+        if not fast_cpu_capable()[0]:
+            pytest.skip(fast_cpu_capable()[1])
+    out = anyquant.export_dense(gguf_path, tmp_path / "dense", dtype="float32", **kwargs)
+    assert anyquant.detect(out).format == "dense"
+    tensors = load_file(out / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    assert "lm_head.weight" not in tensors  # tied, as the GGUF is
+    exact = anyquant.load(gguf_path, backend="dequantized").module
+    for name in ("model.embed_tokens", "model.layers.0.self_attn.q_proj", "model.layers.29.mlp.down_proj"):
+        module = exact.get_submodule(name)
+        want = module.dequantize() if hasattr(module, "dequantize") else module.weight
+        assert torch.equal(tensors[f"{name}.weight"], want.float()), name

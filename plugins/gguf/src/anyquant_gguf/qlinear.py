@@ -443,8 +443,15 @@ class GGUFTiedHead(nn.Module):
         self.qweight: torch.Tensor
         self.register_buffer("qweight", qweight.reshape(out_features, -1))
 
+    #: the table is the input embedding's (``export_dense`` ties the dense copies again)
+    tied_to_input_embedding = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return chunked_linear(x, self.qweight, self.qtype, (self.out_features, self.in_features))
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight as float32 ``[out_features, in_features]`` (for export, not the forward)."""
+        return dequantize_blocks_torch(self.qweight, self.qtype, (self.out_features, self.in_features))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, tied"
