@@ -209,6 +209,11 @@ class FileRows:
     def close(self) -> None:
         self._fh.close()
 
+    def __del__(self) -> None:  # closed with the object, without an "unclosed file" ResourceWarning
+        fh = getattr(self, "_fh", None)
+        if fh is not None:
+            fh.close()
+
     def __getstate__(self) -> dict[str, Any]:  # pickle / deepcopy: reopen the file by path
         return {"path": self.path, "offset": self.offset, "shape": self.shape, "dtype": self.dtype}
 
