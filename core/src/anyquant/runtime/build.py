@@ -101,8 +101,9 @@ def meta_parameters() -> Iterator[None]:
         with _META_LOCK:
             _meta_users -= 1
             if _meta_users == 0:
+                # _meta_original stays set: a thread that fetched the patched method just before this line
+                # still calls the original through it
                 nn.Module.register_parameter = _meta_original  # type: ignore[method-assign]
-                _meta_original = None
 
 
 RUNTIMES = ("transformers", "native", "auto")
