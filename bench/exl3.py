@@ -32,6 +32,7 @@ encodes, stores and decodes the padding, and GPTQ cannot use group 128 (576 = 4.
 
     python bench/exl3.py [--layers 15] [--proj all] [--ppl-tokens 4096] [--repeat 3]
                          [--enc-size 256] [--enc-threads 1] [--threads 1] [--parts decode,encode,quality]
+                         [--exl3 plain,ldlq] [--k 4]
 """
 
 from __future__ import annotations
@@ -216,23 +217,25 @@ def subset_hessians(model: Any, names: list[str]) -> dict[str, torch.Tensor]:
     return capture_hessians(model.module, ids, names)
 
 
-def encode_subset(dense: dict[str, torch.Tensor], seed: int, hessians: dict[str, torch.Tensor] | None) -> Variant:
-    """EXL3 K=4 through the plugin: ``encode_exl3`` (LDLQ when given Hessians) then ``EXL3Linear.dequantize``
-    (one thread)."""
+def encode_subset(
+    dense: dict[str, torch.Tensor], seed: int, hessians: dict[str, torch.Tensor] | None, k_bits: float = K_BITS
+) -> Variant:
+    """EXL3 at ``k_bits`` (K=4 by default; half steps with mul1) through the plugin: ``encode_exl3`` (LDLQ when
+    given Hessians) then ``EXL3Linear.dequantize`` (one thread)."""
     from anyquant_exl3.encode import encode_exl3
     from anyquant_exl3.qlinear import EXL3Linear
 
     how = "no Hessian" if hessians is None else f"LDLQ, {CALIBRATION['calibration_samples']} x 256 calibration tokens"
     var = Variant(
-        f"EXL3 K={K_BITS} {CODEBOOK}, anyquant CPU encoder ({how})", short="EXL3" + (" LDLQ" if hessians else "")
+        f"EXL3 K={k_bits:g} {CODEBOOK}, anyquant CPU encoder ({how})", short="EXL3" + (" LDLQ" if hessians else "")
     )
     for i, (name, w) in enumerate(dense.items()):
         t0 = time.perf_counter()
         hessian = None if hessians is None else hessians[name]
-        enc = encode_exl3(w, K_BITS, codebook=CODEBOOK, seed=seed + i, num_threads=1, hessian=hessian)
+        enc = encode_exl3(w, k_bits, codebook=CODEBOOK, seed=seed + i, num_threads=1, hessian=hessian)
         var.seconds[name] = time.perf_counter() - t0
         var.stored_bytes += sum(t.numel() * t.element_size() for t in enc.values())
-        var.unpadded_bytes += w.numel() * K_BITS // 8 + 2 * sum(w.shape) + 4  # trellis, suh + svh, marker
+        var.unpadded_bytes += int(w.numel() * k_bits) // 8 + 2 * sum(w.shape) + 4  # trellis, suh + svh, marker
         layer = EXL3Linear(
             enc["trellis"],
             enc["suh"],
@@ -301,7 +304,13 @@ def perplexity_with(model: Any, ids: list[int], weights: dict[str, torch.Tensor]
 
 
 def quality_tables(
-    layers: list[int], projs: list[str], ppl_tokens: int, seed: int, threads: int, exl3_modes: list[str]
+    layers: list[int],
+    projs: list[str],
+    ppl_tokens: int,
+    seed: int,
+    threads: int,
+    exl3_modes: list[str],
+    k_bits: float = K_BITS,
 ) -> str:
     import torch
 
@@ -321,7 +330,7 @@ def quality_tables(
         [subset_hessians(model, names)] if "ldlq" in exl3_modes else []
     ):
         t0 = time.perf_counter()
-        exl3.append(encode_subset(dense, seed, hessians))  # one thread: encode_exl3(num_threads=1)
+        exl3.append(encode_subset(dense, seed, hessians, k_bits))  # one thread: encode_exl3(num_threads=1)
         exl3[-1].total_s = time.perf_counter() - t0
     variants = [*exl3, gptq_subset(gptq_path, names), rtn_subset(dense)]
 
@@ -390,6 +399,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the perplexity forwards")
     ap.add_argument("--seed", type=int, default=0, help="EXL3 sign seed (layer i uses seed + i)")
     ap.add_argument("--parts", default="decode,encode,quality")
+    ap.add_argument("--k", type=float, default=K_BITS, help="EXL3 K of the quality rows (half steps: 1.5, 2.5, 3.5)")
     ap.add_argument("--exl3", default="plain,ldlq", help="EXL3 rows of the quality table: plain (no Hessian), ldlq")
     args = ap.parse_args()
     projs = list(PROJECTIONS) if args.proj == "all" else _csv(args.proj)
@@ -414,7 +424,7 @@ def main() -> int:
     if "quality" in parts:
         print()
         layers = [int(x) for x in _csv(args.layers)]
-        print(quality_tables(layers, projs, args.ppl_tokens, args.seed, args.threads, _csv(args.exl3)))
+        print(quality_tables(layers, projs, args.ppl_tokens, args.seed, args.threads, _csv(args.exl3), args.k))
     print(f"\n# wall {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -136,6 +136,12 @@ def test_capture_hessians_matches_the_inputs(tmp_path: Path) -> None:
     torch.testing.assert_close(got[f"{layer}.self_attn.k_proj"], x.t() @ x / x.shape[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(KeyError, match="not linear"):
         capture_hessians(model, ids, ["model.layers.0.input_layernorm"])
+    # anyquant's own load (the native decoder, whose .model has no forward): the same Hessians
+    native = anyquant.load(path, dtype="float32").module
+    assert type(native).__name__ == "NativeCausalLM"
+    theirs = capture_hessians(native, ids, names, batch=2)
+    for name in names:
+        torch.testing.assert_close(theirs[name], got[name], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

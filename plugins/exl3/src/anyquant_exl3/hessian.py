@@ -67,7 +67,8 @@ def capture_hessians(
 ) -> dict[str, torch.Tensor]:
     """``{linear name: E[x xᵀ]}`` (float32 ``[in, in]``) for the linears ``names`` of ``model``.
 
-    ``model`` is a transformers causal LM (its ``.model`` runs the decoder without the head when present);
+    ``model`` is a transformers causal LM (its ``.model`` runs the decoder without the head when present) or
+    anyquant's native decoder (``anyquant.load(...).module``: the whole model runs);
     ``samples`` are token ids ``[rows, length]``. Linears that share an input get the same tensor object; a
     linear the forward never reached is left out.
     """
@@ -77,7 +78,9 @@ def capture_hessians(
         raise KeyError(f"not linear modules of the model: {missing[:5]}")
     collector = _Collector()
     handles = [modules[n].register_forward_pre_hook(collector.hook(n)) for n in names]
-    body = getattr(model, "model", model)
+    body = getattr(model, "model", None)
+    if not isinstance(body, nn.Module) or type(body).forward is nn.Module.forward:
+        body = model  # anyquant's native decoder: its ``.model`` holds the layers but has no forward of its own
     try:
         rows = samples.shape[0]
         for start in range(0, rows, batch):
