@@ -69,7 +69,13 @@ def export_dense(
         module.config.tie_word_embeddings = True
     if getattr(module.config, "tie_word_embeddings", False):
         module.tie_weights()  # rebuilt modules hold their own copies: one table again, as the config says
-    left = [k for k, v in module.state_dict().items() if not v.is_floating_point()]
+    left = [
+        f"{name}.{key}" if name else key
+        for name, child in module.named_modules()
+        if not type(child).__module__.startswith(("torch.", "transformers."))  # a backend's own module
+        for key, t in [*child.named_parameters(recurse=False), *child.named_buffers(recurse=False)]
+        if t is not None and not t.is_floating_point()
+    ]
     if left:
         raise AnyquantError(
             f"export_dense: {len(left)} tensors of the {model.backend!r} backend have no dense form (e.g. {left[:3]}); "

@@ -119,3 +119,15 @@ def test_export_dense_of_the_default_model(gguf_path: Path, tmp_path: Path, back
         module = exact.get_submodule(name)
         want = module.dequantize() if hasattr(module, "dequantize") else module.weight
         assert torch.equal(tensors[f"{name}.weight"], want.float()), name
+
+
+def test_export_dense_refuses_a_module_without_a_dense_form(
+    gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend module export_dense cannot dequantize is an error, and nothing is written."""
+    from anyquant_gguf.qlinear import GGUFTiedHead
+
+    monkeypatch.delattr(GGUFTiedHead, "dequantize")
+    with pytest.raises(anyquant.AnyquantError, match=r"no dense form .*lm_head\.qweight"):
+        anyquant.export_dense(gguf_path, tmp_path / "dense", backend="packed")
+    assert not (tmp_path / "dense").exists()
