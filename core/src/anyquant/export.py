@@ -34,15 +34,14 @@ def export_dense(
         raise AnyquantError(f"{out} exists and is not empty; pass overwrite=True")
     load_kwargs.setdefault("runtime", "transformers")  # save_pretrained is transformers' (the native runtime has none)
     backend = load_kwargs.pop("backend", None)
-    if backend is None:
-        # the format's exact dense backend where it has one: a fast backend (auto's choice) would only be
-        # dequantized again here
-        try:
-            model = load(path, backend="dequantized", dtype="float32", **load_kwargs)
-        except UnsupportedBackendError:
-            model = load(path, backend="auto", dtype="float32", **load_kwargs)
-    else:
-        model = load(path, backend=backend, dtype="float32", **load_kwargs)
+    try:
+        # unless asked otherwise, the format's exact dense backend where it has one: a fast backend (auto's
+        # choice) would only be dequantized again here
+        model = load(path, backend=backend or "dequantized", dtype="float32", **load_kwargs)
+    except UnsupportedBackendError:
+        if backend is not None:
+            raise
+        model = load(path, backend="auto", dtype="float32", **load_kwargs)
     target = resolve_dtype(dtype, torch.device("cpu"))
     module = model.module
     retie = False

@@ -151,7 +151,6 @@ class TransformersLoader:
         if unused:
             log.warning("%d checkpoint tensors were not used (e.g. %s)", len(unused), unused[:3])
         tokenizer = self.tokenizer(probe, options)
-        release_free_heap()  # parsing tokenizer.json leaves ~2x the tokenizer's size free in the heap
         return LoadedModel(
             module=module,
             tokenizer=tokenizer,

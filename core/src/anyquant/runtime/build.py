@@ -217,10 +217,10 @@ def build_model(
     )
     if head_missing:
         log.info("no %s tensor in the checkpoint: tying it to %s", tie[0] if tie else "", tie[1] if tie else "")
-    embedding = _embedding_weight_name(model) if keep_embedding_dtype else None
+    embedding = _embedding_weight_name(model) if keep_embedding_dtype or file_tables is not None else None
     if file_tables is not None and device.type == "cpu":
         rows_of = getattr(source, "file_rows", None)
-        wanted = [_embedding_weight_name(model)]
+        wanted = [embedding]
         if tie is not None and not head_missing and isinstance(head_weight, torch.Tensor) and head_weight.is_meta:
             wanted.append(tie[0])  # a dense head of its own
         for name in wanted:
@@ -235,7 +235,12 @@ def build_model(
         if head_missing and tie is not None and name == tie[0]:
             continue
         value = source.get(src(name))
-        keep = name == embedding and value.dtype in (torch.float16, torch.bfloat16) and value.dtype != dtype
+        keep = (
+            keep_embedding_dtype
+            and name == embedding
+            and value.dtype in (torch.float16, torch.bfloat16)
+            and value.dtype != dtype
+        )
         _fill(model, name, value, value.dtype if keep else dtype, device, is_param=True)
     for name, buf in list(model.named_buffers()):
         if buf.is_meta:
@@ -258,22 +263,20 @@ def build_model(
 def fill_file_tables(model: nn.Module, tables: Mapping[str, FileRows], dtype: torch.dtype | None) -> None:
     """Read into memory the parameters ``build_model`` left in the file (``file_tables``) that are still on
     the meta device, in ``dtype`` (``None``: the file's), keeping tied parameters tied."""
-    groups: dict[int, list[str]] = {}
-    params: dict[int, torch.Tensor] = {}
+    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-        params[id(p)] = p
-    for key, names in groups.items():
-        if not params[key].is_meta:
+        groups.setdefault(id(p), (p, []))[1].append(name)
+    for param, names in groups.values():
+        if not param.is_meta:
             continue
         table = next((tables[n] for n in names if n in tables), None)
         if table is None:
             continue
         value = table.read_all()
-        param = nn.Parameter(value if dtype is None else value.to(dtype), requires_grad=False)
+        filled = nn.Parameter(value if dtype is None else value.to(dtype), requires_grad=False)
         for name in names:
             mod_name, _, attr = name.rpartition(".")
-            (model.get_submodule(mod_name) if mod_name else model)._parameters[attr] = param
+            (model.get_submodule(mod_name) if mod_name else model)._parameters[attr] = filled
 
 
 def _embedding_weight_name(model: nn.Module) -> str | None:

@@ -329,9 +329,8 @@ class FastInt4Linear(nn.Module):
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         if x2.shape[0] <= self.small_rows:
-            sz = self.scales_and_zeros
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.to(torch.bfloat16), self.packed, self.kernel_group, sz if sz.is_contiguous() else sz.contiguous()
+                x2.to(torch.bfloat16), self.packed, self.kernel_group, self.scales_and_zeros.contiguous()
             )
             if self.padded_out != self.out_features:
                 y = y[:, : self.out_features]
@@ -420,6 +419,15 @@ def _rows(table: torch.Tensor | FileRows, start: int, count: int) -> torch.Tenso
     return table[start : start + count] if isinstance(table, torch.Tensor) else table.slice(start, count)
 
 
+def _whole(table: torch.Tensor | FileRows) -> torch.Tensor:
+    """An in-memory table itself, or a :class:`FileRows` read whole (a copy)."""
+    return table if isinstance(table, torch.Tensor) else table.read_all()
+
+
+def _where(table: torch.Tensor | FileRows) -> str:
+    return "memory" if isinstance(table, torch.Tensor) else "file"
+
+
 class CompactEmbedding(nn.Module):
     """An input embedding whose table is kept in a narrower dtype that holds it exactly, or left in the
     checkpoint file (a :class:`~anyquant.runtime.tensors.FileRows`: only the looked-up rows are read);
@@ -430,29 +438,30 @@ class CompactEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = weight.shape
         self.compute_dtype = compute_dtype
         self.table: torch.Tensor | None
+        # an in-memory table is a buffer (moves and state_dict see it); a file table an attribute
         self.file = None if isinstance(weight, torch.Tensor) else weight
         self.register_buffer("table", weight if self.file is None else None)
+
+    @property
+    def source(self) -> torch.Tensor | FileRows:
+        """The exact table: the buffer, or the :class:`FileRows` it is read from."""
+        return self.file if self.file is not None else self.table  # type: ignore[return-value]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.file is not None:
             return self.file.rows(ids).to(self.compute_dtype)
-        assert self.table is not None
-        return F.embedding(ids, self.table).to(self.compute_dtype)
+        return F.embedding(ids, self.source).to(self.compute_dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The table in the compute dtype (exact; a copy: for export and inspection, not the forward)."""
-        table = self.file.read_all() if self.file is not None else self.table
-        assert table is not None
-        return table.to(self.compute_dtype)
+        return _whole(self.source).to(self.compute_dtype)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.dequantize()
 
     def extra_repr(self) -> str:
-        where = "file" if self.file is not None else "memory"
-        dtype = self.file.dtype if self.file is not None else self.table.dtype  # type: ignore[union-attr]
-        return f"{self.num_embeddings}, {self.embedding_dim}, table={dtype} ({where})"
+        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.source.dtype} ({_where(self.source)})"
 
 
 class FastHead(nn.Module):
@@ -490,6 +499,7 @@ class FastHead(nn.Module):
         self.out_features, self.in_features = exact.shape
         self.compute_dtype, self.small_rows = compute_dtype, small_rows
         self.exact: torch.Tensor | None
+        # an in-memory table is a buffer (moves and state_dict see it); a file table an attribute
         self.file = None if isinstance(exact, torch.Tensor) else exact
         self.register_buffer("exact", exact if self.file is None else None)
         self.bias: torch.Tensor | None
@@ -521,21 +531,22 @@ class FastHead(nn.Module):
             parts = [linear(xb, packed, None, "none", [], "") for packed in self.packed]
             y = (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
         else:
-            table = self.file if self.file is not None else self.exact
-            assert table is not None
             y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
             for start in range(0, self.out_features, self.CHUNK_ROWS):
-                w = _rows(table, start, self.CHUNK_ROWS).to(x.dtype)
+                w = _rows(self.source, start, self.CHUNK_ROWS).to(x.dtype)
                 torch.mm(x2, w.t(), out=y[:, start : start + w.shape[0]])
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
+    @property
+    def source(self) -> torch.Tensor | FileRows:
+        """The exact weight: the buffer, or the :class:`FileRows` it is read from."""
+        return self.file if self.file is not None else self.exact  # type: ignore[return-value]
+
     def dequantize(self) -> torch.Tensor:
         """The exact weight in the compute dtype (a copy: for export and inspection, not the forward)."""
-        table = self.file.read_all() if self.file is not None else self.exact
-        assert table is not None
-        return table.to(self.compute_dtype)
+        return _whole(self.source).to(self.compute_dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -556,11 +567,9 @@ class FastHead(nn.Module):
         return exact + self.out_features * self.in_features * 2
 
     def extra_repr(self) -> str:
-        dtype = self.file.dtype if self.file is not None else self.exact.dtype  # type: ignore[union-attr]
-        where = "file" if self.file is not None else "memory"
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, exact={dtype} ({where}), "
-            f"small_rows={self.small_rows}"
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"exact={self.source.dtype} ({_where(self.source)}), small_rows={self.small_rows}"
         )
 
 
@@ -627,9 +636,9 @@ def install_fast_head(
     return {
         "head": "bfloat16 prepacked",
         "exact_dtype": str(exact.dtype).replace("torch.", ""),
-        "exact_in": "memory" if isinstance(exact, torch.Tensor) else "file",
+        "exact_in": _where(exact),
         "embedding_dtype": None if table is None else str(table.dtype).replace("torch.", ""),
-        "embedding_in": None if table is None else "memory" if isinstance(table, torch.Tensor) else "file",
+        "embedding_in": None if table is None else _where(table),
         "tied": tied,
     }
 
@@ -723,8 +732,10 @@ class FastCPUPlan:
         dequantized weights keeps its exact head too. ``compute_dtype``: the model's (an embedding kept
         16-bit by the build is cast to it when no fast head takes it over). ``tables``: what the build
         left in the file (:meth:`file_tables`); read into memory here when no fast head takes it."""
+        from .._memory import release_free_heap
         from .build import fill_file_tables
 
+        release_free_heap()  # the tokenizer's parse left ~2x its size free in the heap: not under the head's peak
         if self.head and self.converted == 0:
             self.head_info = {"head": "dense", "reason": "no layer runs the int4 kernel: the model stays exact"}
         elif self.head:

@@ -6,6 +6,7 @@ the asked-for tensor is materialised), using the probe's headers to know which f
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterable, Iterator
@@ -173,7 +174,9 @@ class FileRows:
     def __len__(self) -> int:
         return self.shape[0]
 
+    @functools.cached_property
     def _what(self) -> str:
+        """The table, as read errors name it (built once, not on every lookup)."""
         return f"{os.path.basename(self.path)}: table {list(self.shape)} at byte {self.offset}"
 
     def slice(self, start: int, count: int) -> torch.Tensor:
@@ -184,7 +187,7 @@ class FileRows:
         count = max(0, min(int(count), self.shape[0] - start))
         out = torch.empty(count, self.shape[1], dtype=self.dtype)
         if count:
-            _pread_into(self._fh, self.offset + start * self.row_bytes, out.view(torch.uint8).numpy(), self._what())
+            _pread_into(self._fh, self.offset + start * self.row_bytes, out.view(torch.uint8).numpy(), self._what)
         return out
 
     def read_all(self) -> torch.Tensor:
@@ -201,7 +204,7 @@ class FileRows:
             raise IndexError(f"index out of range: ids must lie in [0, {n}) for this {n}-row table")
         out = torch.empty(len(flat), self.shape[1], dtype=self.dtype)
         raw = out.view(torch.uint8).numpy()
-        what, base, size = self._what(), self.offset, self.row_bytes
+        what, base, size = self._what, self.offset, self.row_bytes
         for i, row in enumerate(flat):
             _pread_into(self._fh, base + row * size, raw[i], what)
         return out.view(*ids.shape, self.shape[1])
