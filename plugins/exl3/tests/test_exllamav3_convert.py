@@ -83,6 +83,11 @@ def test_converter_command(tmp_path: Path) -> None:
     assert "-sh" not in converter_command(job(tmp_path, tmp_path / "o", _spec(head_bits=16), tmp_path, 1))
     with pytest.raises(QuantizeError, match="out_scales"):
         job(tmp_path, tmp_path / "o", _spec(out_scales="yaqa"), tmp_path, 1)
+    # a ring-coded token embedding: exllamav3 1.6's --embed_bits (whole bits only)
+    eb = converter_command(job(tmp_path, tmp_path / "o", _spec(embed_bits=4), tmp_path, 1))
+    assert eb[-2:] == ["-eb", "4"] and "-eb" not in cmd
+    with pytest.raises(QuantizeError, match="embed_bits"):
+        job(tmp_path, tmp_path / "o", _spec(embed_bits=3.5), tmp_path, 1)
 
 
 def test_calibration_file_reads_back_as_exllamav3_reads_it(tmp_path: Path) -> None:

@@ -31,6 +31,8 @@ from typing import Any
 from anyquant.errors import QuantizeError
 from anyquant.protocols import QuantizeSpec
 
+from .quantize import embed_bits
+
 __all__ = ["converter_command", "converted_ok", "job", "layer_progress", "write_calibration"]
 
 MODULE = "exllamav3.conversion.convert_model"
@@ -58,6 +60,7 @@ def job(src: Path, out: Path, spec: QuantizeSpec, calibration: Path, num_layers:
         "devices": str(spec.options.get("devices", "0")),
         "out_scales": out_scales,
         "num_layers": int(num_layers),
+        "embed_bits": embed_bits(spec),
     }
 
 
@@ -69,6 +72,8 @@ def converter_command(job: Mapping[str, Any], python: str = sys.executable) -> l
     cmd += ["-d", job["devices"], "--out_scales", job["out_scales"]]
     if job["scaled_hessian"]:
         cmd.append("-sh")
+    if job.get("embed_bits", 16) != 16:
+        cmd += ["-eb", str(job["embed_bits"])]
     return cmd
 
 

@@ -11,11 +11,17 @@ from anyquant.loaders import LoadContext, TransformersLoader
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 from anyquant.report import dense_rows
+from anyquant.runtime.tensors import SafetensorsSource
+
+from .plugin import RingTableInfo, ring_tables
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from anyquant.runtime.loaded import LoadedModel
+
+    from .ring import RingTable
 
 __all__ = ["EXL2Loader", "EXL3Loader"]
 
@@ -56,9 +62,66 @@ def _modules(probe: Probe) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _hidden_size(probe: Probe) -> int | None:
+    value = (probe.config or {}).get("hidden_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+class EXL3Source(SafetensorsSource):
+    """The checkpoint's tensors, plus ``<key>.weight`` for each ring-coded token embedding ``<key>``
+    (exllamav3 1.6 ``--embed_bits``): decoded whole (fp16) when asked for, or, for a name in
+    ``placeholders`` (name -> dtype), a zero-stride stand-in of the table's shape that holds no memory,
+    which :meth:`EXL3Loader.load` replaces with an :class:`~anyquant_exl3.qlinear.EXL3TableEmbedding`."""
+
+    def __init__(self, probe: Probe, tables: dict[str, RingTableInfo]) -> None:
+        super().__init__(probe)
+        self.hidden = _hidden_size(probe) or 0
+        self.tables = {f"{key}.weight": info for key, info in tables.items() if info.signs is not None}
+        self.placeholders: dict[str, torch.dtype] = {}
+        for info in self.tables.values():
+            if not 0 < self.hidden <= info.groups * 256:
+                raise CheckpointError(
+                    f"{info.key}: a ring-coded table of {info.groups} x 256 columns cannot hold config.json's "
+                    f"hidden_size {_hidden_size(probe)!r}"
+                )
+
+    def keys(self) -> Any:
+        yield from super().keys()
+        yield from self.tables
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tables or super().__contains__(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self.tables.get(name)
+        if info is None:
+            return super().get(name)
+        if name in self.placeholders:
+            import torch
+
+            self.used.update((*info.shards, str(info.signs)))  # read by EXL3Loader.load after the build
+            return torch.zeros(1, dtype=self.placeholders[name]).expand(info.rows, self.hidden)
+        return self.table(name).decode()
+
+    def table(self, name: str) -> RingTable:
+        """The packed table behind ``name`` (its row shards joined), marked used."""
+        import torch
+
+        from .ring import RingTable
+
+        info = self.tables[name]
+        assert info.signs is not None
+        pieces = [super(EXL3Source, self).get(shard) for shard in info.shards]
+        trellis = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return RingTable(trellis, super().get(info.signs), info.k, self.hidden)
+
+
 class EXL3Loader(TransformersLoader):
     format = "exl3"
     backend_order = ("exllamav3", "dequantized", "reference")
+
+    def __init__(self) -> None:
+        self._source: EXL3Source | None = None
 
     def backends(self) -> list[BackendInfo]:
         return [
@@ -95,24 +158,70 @@ class EXL3Loader(TransformersLoader):
                 from .cuda_backend import load_exllamav3
 
                 return load_exllamav3(probe, detection, options, tensor_parallel=tensor_parallel)
-        return super().load(probe, detection, options)
+        self._source = None
+        try:
+            loaded = super().load(probe, detection, options)
+            src = self._source
+        finally:
+            self._source = None
+        if src is not None and src.tables:
+            loaded.info = {**loaded.info, "embedding": self._install_tables(loaded.module, src)}
+        return loaded
+
+    @staticmethod
+    def _install_tables(module: Any, src: EXL3Source) -> str:
+        """The ring-coded embedding in place of the build's stand-in (a head tied to it gets the decoded table)."""
+        from torch import nn
+
+        from .qlinear import EXL3TableEmbedding
+
+        emb = module.get_input_embeddings()
+        names = {id(m): n for n, m in module.named_modules()}
+        name = f"{names.get(id(emb), '')}.weight"
+        unused = [n for n in src.tables if n != name]
+        if unused:
+            raise UnsupportedFormatError(
+                f"ring-coded table {unused[0].removesuffix('.weight')!r} is not this model's input embedding "
+                f"({name.removesuffix('.weight')!r}); anyquant decodes ring tables only as the token embedding"
+            )
+        if name not in src.placeholders:
+            return f"ring-coded (K={src.tables[name].k}), decoded at load"
+        weight: nn.Parameter = emb.weight
+        assert weight.stride() == (0, 0)  # the build's stand-in
+        table = src.table(name)
+        head = module.get_output_embeddings()
+        if getattr(head, "weight", None) is weight:  # no head of its own: it reads the decoded table
+            dense = nn.Parameter(table.decode().to(weight.dtype), requires_grad=False)
+            emb.weight = head.weight = dense
+            return f"ring-coded (K={table.k}), decoded at load (the LM head is tied to it)"
+        module.set_input_embeddings(EXL3TableEmbedding(table.trellis, table.signs, table.k, table.hidden, weight.dtype))
+        return f"ring-coded (K={table.k}), rows decoded per lookup"
 
     def validate(self, probe: Probe, detection: Detection) -> None:
         problems = detection.details.get("problems") or []
         if problems:
             raise CheckpointError(f"{probe.root}: the EXL3 tensors are inconsistent: {'; '.join(problems[:3])}")
-        tables = detection.details.get("tables") or []
-        if tables:
+        tables, _ = ring_tables(probe)
+        ngram = [key for key, table in tables.items() if table.signs is None]
+        if ngram:
             raise UnsupportedFormatError(
-                f"{probe.root}: {len(tables)} 2-D trellis tables (exllamav3 1.6 quantized embeddings / n-gram "
-                f"tables, e.g. {tables[0]!r}) are recognised but not decoded by anyquant yet"
+                f"{probe.root}: {ngram[0]!r} is a 2-D trellis table without .signs: an exllamav3 hashed n-gram "
+                "table, which belongs to architectures anyquant does not build (ring-coded token embeddings, "
+                "with .signs, do load)"
             )
+
+    def tensor_source(self, probe: Probe, options: LoadOptions) -> SafetensorsSource:
+        self._source = EXL3Source(probe, ring_tables(probe)[0])
+        return self._source
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         from .qlinear import EXL3Linear
 
         modules = _modules(ctx.probe)
         src = ctx.source
+        if isinstance(src, EXL3Source) and ctx.backend == "reference":
+            # packed memory: the token embedding stays ring-coded (load() installs it after the build)
+            src.placeholders.update(dict.fromkeys(src.tables, ctx.dtype))
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             m = modules.get(name)
@@ -155,7 +264,20 @@ class EXL3Loader(TransformersLoader):
 
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
         modules = _modules(probe)
+        tables = ring_tables(probe)[0]
+        hidden = _hidden_size(probe)
         rows = [
+            ModuleInfo(
+                key,
+                "exl3",
+                (table.rows, (hidden or table.groups * 256) if table.signs else table.row_words),
+                float(table.k) if table.signs else None,
+                None,
+                table.nbytes,
+                extra={"codebook": "mul1", "table": "ring-coded embedding" if table.signs else "n-gram (not loaded)"},
+            )
+            for key, table in tables.items()
+        ] + [
             ModuleInfo(
                 name,
                 "exl3",
@@ -167,7 +289,8 @@ class EXL3Loader(TransformersLoader):
             )
             for name, m in modules.items()
         ]
-        return rows + dense_rows(probe, skip=set(modules))
+        pieces = {shard.removesuffix(".trellis") for table in tables.values() for shard in table.shards}
+        return rows + dense_rows(probe, skip=set(modules) | set(tables) | pieces)
 
 
 class EXL2Loader(TransformersLoader):

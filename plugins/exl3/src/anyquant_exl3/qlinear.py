@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from anyquant.runtime.qlinear import QuantLinearBase
 
 from .decode import decode_exl3
 from .exl2 import decode_exl2
+from .ring import RingTable
 
-__all__ = ["EXL2Linear", "EXL3Linear"]
+__all__ = ["EXL2Linear", "EXL3Linear", "EXL3TableEmbedding"]
 
 
 class EXL3Linear(QuantLinearBase):
@@ -103,3 +105,50 @@ class EXL2Linear(QuantLinearBase):
             self.q_invperm,
             out_features=self.out_features,
         )
+
+
+class EXL3TableEmbedding(nn.Module):
+    """A ring-coded token embedding (exllamav3 1.6 ``--embed_bits``, :mod:`anyquant_exl3.ring`): the packed
+    table stays in memory (``1 + 16 K`` int16 words per 256 columns) and only the looked-up rows are decoded,
+    to fp16 as exllamav3 does, then cast to the compute dtype."""
+
+    trellis: torch.Tensor
+    signs: torch.Tensor
+
+    def __init__(
+        self, trellis: torch.Tensor, signs: torch.Tensor, k: int, hidden: int, compute_dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = int(trellis.shape[0]), int(hidden)
+        self.k_bits, self.compute_dtype = int(k), compute_dtype
+        self.register_buffer("trellis", trellis)
+        self.register_buffer("signs", signs)
+
+    @property
+    def table(self) -> RingTable:
+        return RingTable(self.trellis, self.signs, self.k_bits, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = self.num_embeddings
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise IndexError(f"index out of range: ids must lie in [0, {n}) for this {n}-row table")
+        return self.table.rows(ids.to(self.trellis.device)).to(self.compute_dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole table as exllamav3 decodes it (fp16) ``[rows, hidden]``."""
+        return self.table.decode()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dequantize().to(self.compute_dtype)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Device moves follow ``fn``; dtype casts (``module.half()``) leave the packed table alone."""
+        for name, buf in self._buffers.items():
+            if buf is not None:
+                moved = fn(buf)
+                self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(moved.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, K={self.k_bits}, ring-coded (exllamav3 --embed_bits)"

@@ -13,7 +13,10 @@ encoded with LDLQ error feedback, which minimises the layer's output error rathe
 error; ``ldlq=False`` skips the calibration (no transformers model is built). Fractional ``bits``
 give mixed K per tensor, allocated as exllamav3's converter does (:func:`allocate_bits`: whole
 groups raised by priority within the budget ``bits x weights``). The head stays 16-bit
-(``head_bits=16``; exllamav3's converter quantizes it, 6 bits by default). The encoder runs about
+(``head_bits=16``; exllamav3's converter quantizes it, 6 bits by default). ``embed_bits`` (1..8; default 16,
+unquantized, as in exllamav3) stores the token embedding ring-coded, as exllamav3 1.6's ``--embed_bits`` does
+(:func:`anyquant_exl3.ring.encode_table`; a source whose head is tied to the embedding gets its own 16-bit
+``lm_head.weight``, the untouched table, so the head stays exact). The encoder runs about
 5-12k weights/s per core: tiny and small models only. Option ``encode_device="cuda"`` runs the same
 torch code on a GPU in batches of ``batch_tiles`` tiles (default: up to 256 within 2 GiB,
 :func:`gpu_batch_tiles`; prepared, not yet run on a GPU).
@@ -155,6 +158,20 @@ def _linear_weights(probe: Probe) -> list[str]:
     ]
 
 
+def _embedding_weight(probe: Probe) -> str | None:
+    """The token embedding's tensor (Llama-family naming: ``...embed_tokens.weight``), or ``None``."""
+    found = [n for n, t in probe.tensors.items() if n.endswith("embed_tokens.weight") and len(t.shape) == 2]
+    return found[0] if len(found) == 1 else None
+
+
+def embed_bits(spec: QuantizeSpec) -> int:
+    """Option ``embed_bits``: 16 (the default: the embedding stays unquantized) or a whole K in 1..8."""
+    value = spec.options.get("embed_bits", 16)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value not in (16, *range(1, 9)):
+        raise QuantizeError(f"embed_bits must be a whole number of bits in 1..8, or 16 (unquantized), got {value!r}")
+    return int(value)
+
+
 def _hessians(
     src: Path, names: list[str], spec: QuantizeSpec, progress: Callable[[float], None]
 ) -> dict[str, torch.Tensor] | None:
@@ -203,6 +220,8 @@ class EXL3Quantizer:
             raise QuantizeError(f"EXL3 codebook {codebook!r} is not one of {CODEBOOKS}")
         if not _linear_weights(probe):
             raise QuantizeError("no decoder-layer linear weights found to quantize")
+        if embed_bits(spec) != 16 and _embedding_weight(probe) is None:
+            raise QuantizeError("embed_bits: no single '...embed_tokens.weight' tensor to quantize in this checkpoint")
         if quantizer_backend(spec) == "exllamav3":
             head_bits = float(spec.options.get("head_bits", 6))
             if not (head_bits == 16 or 1 <= head_bits <= 8):
@@ -257,8 +276,23 @@ class EXL3Quantizer:
                 enc = encode_exl3(weight, k, codebook=codebook, seed=seed + i, batch_tiles=batch)
             tensors.update({f"{name}.{key}": value.cpu().contiguous() for key, value in enc.items()})
             done += sizes[i]
+        embedding, ebits = _embedding_weight(probe), embed_bits(spec)
+        if ebits != 16 and embedding is not None:
+            from .ring import encode_table
+
+            report(f"encoding {embedding} (K={ebits}, ring-coded)", 0.86)
+            info = probe.tensors[embedding]
+            table = handles[info.file].get_tensor(embedding)
+            ring, err = encode_table(table, ebits, seed=seed, batch_tiles=batch_tiles)
+            key = embedding.removesuffix(".weight")
+            tensors.update({f"{key}.{part}": value for part, value in ring.items()})
+            log.info("%s: ring-coded at K=%d, relative error %.4f", embedding, ebits, err)
+            if "lm_head.weight" not in probe.tensors and bool((probe.config or {}).get("tie_word_embeddings")):
+                tensors["lm_head.weight"] = table.contiguous()  # the tied head keeps the exact table
         for tname, info in probe.tensors.items():
             if tname.removesuffix(".weight") in quantized and tname.endswith(".weight"):
+                continue
+            if ebits != 16 and tname == embedding:
                 continue
             tensors[tname] = handles[info.file].get_tensor(tname).contiguous()
             bias_of = tname.removesuffix(".bias")
@@ -272,7 +306,7 @@ class EXL3Quantizer:
             method = f"anyquant CPU encoder (LDLQ, {spec.calibration_samples} x {spec.calibration_seq_len} tokens)"
             if fallbacks:
                 method += f"; {len(fallbacks)} linears without a Hessian"
-        self._write_config(probe, out, ks, sizes, codebook, method)
+        self._write_config(probe, out, ks, sizes, codebook, method, ebits)
         return out
 
     def _convert(self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None] | None) -> Path:
@@ -298,7 +332,7 @@ class EXL3Quantizer:
         return out
 
     def _write_config(
-        self, probe: Probe, out: Path, ks: list[float], sizes: list[int], codebook: str, method: str
+        self, probe: Probe, out: Path, ks: list[float], sizes: list[int], codebook: str, method: str, ebits: int = 16
     ) -> None:
         from anyquant import __version__
         from anyquant.probe import thaw
@@ -314,6 +348,9 @@ class EXL3Quantizer:
             "out_scales": "always",
             "quantizer": method,
         }
+        if ebits != 16:
+            qc["embed_bits"] = ebits
+            cfg["tie_word_embeddings"] = False  # the head has its own tensor now (as exllamav3 1.6 writes)
         if cfg.get("quantization_config"):
             qc["original_quantization_config"] = cfg["quantization_config"]
         cfg["quantization_config"] = qc
