@@ -8,12 +8,14 @@ directory). Steps, each a row of the summary table:
 2. models: small random Llama checkpoints (``anyquant.testing.tiny``), and anyquant's own EXL3 encoder run on
    the GPU (``encode_device="cuda"``) on the tiny one;
 3. convert: exllamav3's converter (``python -m exllamav3.conversion.convert_model -i -o -w -b -hb -cb -cr -cc``)
-   on the tiny model with each codebook (mul1, mcg, 3inst; full mode adds 2.5 bpw mul1 for half-integer K)
-   and on a larger "bench" model, all in parallel;
+   on the tiny model with each codebook (mul1, mcg, 3inst; full mode adds 2.5 bpw mul1 for half-integer K),
+   with mul1 and a ring-coded token embedding (``-eb 4``), and on a larger "bench" model, all in parallel;
 4. reconstruct: per quantized linear, anyquant's CPU decoder against exllamav3's ``LinearEXL3``:
    ``get_inner_weight_tensor()`` (``ext.reconstruct``: Ŵ, must be bit-exact) and ``get_weight_tensor()``
    (W, within fp16 rounding: <= 1 ulp at the tensor's scale from anyquant's ``steps="library"`` decode, which
-   rounds after each step as exllamav3 does, and <= 2 from the exact fp32 W);
+   rounds after each step as exllamav3 does, and <= 2 from the exact fp32 W); the ``-eb 4`` checkpoint's
+   ring-coded embedding: anyquant's ``decode_rows`` vs exllamav3's ``dequant_rows`` (CPU, bit-exact) and its
+   CUDA ``ngram_dequant`` (<= 1 ulp), and its logits through anyquant's reference vs the exllamav3 backend;
 5. logits: exllamav3's checkpoint through anyquant's reference (CPU, fp32) vs anyquant's exllamav3 backend;
    anyquant's encoded checkpoint loaded by exllamav3 itself (``Config``/``Model``/``load``/``forward``) vs
    anyquant's reference;
@@ -225,10 +227,13 @@ def encode(dense: Path, out: Path, reg: Any, **options: Any) -> Path:
     return anyquant.quantize(dense, out, **kw, **options)
 
 
-def convert_cmd(dense: Path, out: Path, work: Path, bits: float, codebook: str, cal: tuple[int, int]) -> list[str]:
+def convert_cmd(
+    dense: Path, out: Path, work: Path, bits: float, codebook: str, cal: tuple[int, int], embed_bits: int = 16
+) -> list[str]:
     for d in (out, work):
         if d.exists():
             shutil.rmtree(d)
+    extra = ["-eb", str(embed_bits)] if embed_bits != 16 else []
     return [
         sys.executable,
         "-m",
@@ -249,6 +254,7 @@ def convert_cmd(dense: Path, out: Path, work: Path, bits: float, codebook: str, 
         str(cal[0]),
         "-cc",
         str(cal[1]),
+        *extra,
     ]
 
 
@@ -339,6 +345,61 @@ def check_reconstruction(path: Path, label: str, rep: Report) -> None:
         f"{100 * w_same / n:.2f}% of entries identical, {w_exact}/{n} layers identical; "
         f"vs exact fp32 W: max {w32_ulp:.2f} ulp",
     )
+
+
+def ring_tables(path: Path) -> dict[str, dict[str, Any]]:
+    """Every ring-coded table (2-D ``.trellis`` + ``.signs``; row shards joined), from the safetensors files."""
+    import torch
+    from safetensors import safe_open
+
+    pieces: dict[str, dict[str, Any]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                if key.endswith(".trellis") and len(fh.get_slice(key).get_shape()) == 2:
+                    base, _, shard = key.removesuffix(".trellis").partition(".shard_")
+                    pieces.setdefault(base, {})[int(shard or 0)] = fh.get_tensor(key)
+                elif key.endswith(".signs"):
+                    pieces.setdefault(key.removesuffix(".signs"), {})["signs"] = fh.get_tensor(key)
+    tables = {}
+    for base, parts in pieces.items():
+        if "signs" in parts and 0 in parts:
+            trellis = torch.cat([parts[i] for i in sorted(k for k in parts if isinstance(k, int))])
+            tables[base] = {"trellis": trellis, "signs": parts["signs"]}
+    return tables
+
+
+def check_ring_tables(path: Path, label: str, rep: Report, hidden: int) -> None:
+    """anyquant's CPU decode of ring-coded embeddings vs exllamav3's CUDA ``ngram_dequant`` and its CPU ``dequant_rows``."""
+    import torch
+    from exllamav3.ext import exllamav3_ext as ext
+    from exllamav3.modules.quant.exl3_lib.ngram_codec import dequant_rows, mul1_codebook
+
+    from anyquant_exl3.plugin import ring_bits
+    from anyquant_exl3.ring import decode_rows
+
+    tables = ring_tables(path)
+    if not tables:
+        rep.add(f"ring tables {label}", "FAIL", "no 2-D .trellis + .signs table in the converter's output")
+        return
+    for key, t in tables.items():
+        trellis, signs = t["trellis"], t["signs"]
+        groups = signs.shape[0]
+        k = ring_bits(trellis.shape[1], groups)
+        ours = decode_rows(trellis, signs, k, hidden)
+        rings = trellis.view(-1, trellis.shape[1] // groups)
+        cpu = dequant_rows(rings, k, mul1_codebook("cpu"), signs=signs.repeat(trellis.shape[0], 1)).half()
+        cpu = cpu.view(trellis.shape[0], -1)[:, :hidden]
+        out = torch.empty((rings.shape[0], 256), dtype=torch.half, device="cuda")
+        ext.ngram_dequant(rings.cuda(), k, None, signs.cuda(), out, True)
+        cuda = out.cpu().view(trellis.shape[0], -1)[:, :hidden]
+        same_cpu, same_cuda = torch.equal(ours, cpu), float((ours == cuda).float().mean())
+        rep.add(
+            f"ring table {label} {key}",
+            "PASS" if same_cpu and tensor_ulps(cuda, ours) <= 1.0 else "FAIL",
+            f"K={k}, {trellis.shape[0]} rows: vs exllamav3 dequant_rows (CPU) {'bit-exact' if same_cpu else 'DIFFERENT'}; "
+            f"vs ngram_dequant (CUDA) {100 * same_cuda:.2f}% identical, max {tensor_ulps(cuda, ours):.2f} ulp",
+        )
 
 
 def prompt_ids() -> list[int]:
@@ -642,12 +703,15 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "full":
         plan.append(("tiny-mul1-2.5", tiny, 2.5, "mul1"))
     plan.append(("bench-mul1", bench, 4.0, "mul1"))
+    plan.append(("tiny-mul1-eb4", tiny, 4.0, "mul1"))  # a ring-coded token embedding (--embed_bits 4)
     t_conv = time.perf_counter()
     for label, dense, bits, cb in plan:
         if dense is None:
             continue
         out, log = work / f"{label}-exl3", work / f"{label}.log"
-        jobs[label] = (out, log, start(convert_cmd(dense, out, work / f"{label}-work", bits, cb, cal), log))
+        eb = 4 if label.endswith("-eb4") else 16
+        cmd = convert_cmd(dense, out, work / f"{label}-work", bits, cb, cal, embed_bits=eb)
+        jobs[label] = (out, log, start(cmd, log))
     converted: dict[str, Path] = {}
     for label, (out, log, proc) in jobs.items():
         rc = wait(proc, min(args.convert_timeout - (time.perf_counter() - t_conv), max(rep.left() - 60, 1)))
@@ -679,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
                 d = anyquant.detect(out, registry=reg)
                 emit("INFO", f"detected {d.format}/{d.variant}, K {d.details.get('k_histogram')}")
                 check_reconstruction(out, label, rep)
+                if label.endswith("-eb4"):
+                    check_ring_tables(out, label, rep, int(TINY["hidden_size"]))
     if aq_exl3 is not None and aq_exl3.is_dir():
         with rep.step("reconstruct anyquant-encoded", need=10):
             check_reconstruction(aq_exl3, "anyquant-encoded", rep)
@@ -704,6 +770,15 @@ def main(argv: list[str] | None = None) -> int:
         with rep.step("logits: anyquant ckpt, exllamav3 itself vs anyquant reference", need=20) as emit:
             got = exllamav3_direct_logits(aq_exl3)
             rel, mean, top1 = compare_logits(aq_ref, got)
+            emit("PASS" if rel < 2e-2 else "FAIL", f"max rel {rel:.1e}, mean |d| {mean:.1e}, top-1 {top1:.3f}")
+
+    if "tiny-mul1-eb4" in converted:
+        with rep.step("logits: ring-coded embedding, anyquant reference vs exllamav3 backend", need=20) as emit:
+            ref = reference_logits(converted["tiny-mul1-eb4"], reg)
+            model = anyquant.load(converted["tiny-mul1-eb4"], backend="exllamav3", registry=reg)
+            got = model.module(torch.tensor([prompt_ids()])).logits
+            model.module.unload()
+            rel, mean, top1 = compare_logits(ref, got)
             emit("PASS" if rel < 2e-2 else "FAIL", f"max rel {rel:.1e}, mean |d| {mean:.1e}, top-1 {top1:.3f}")
 
     # 7. the generation API through the exllamav3 backend
