@@ -281,6 +281,17 @@ def test_build_can_keep_the_embedding_16_bit(tmp_path: Any, tied: bool) -> None:
 
 
 @needs_bf16_head
+def test_halving_pieces() -> None:
+    """The file-backed head's prepacked pieces: each half of what is left, the last two equal."""
+    assert fastcpu._halving_pieces(49152, 4) == [(0, 24576), (24576, 12288), (36864, 6144), (43008, 6144)]
+    assert fastcpu._halving_pieces(259, 4) == [(0, 128), (128, 64), (192, 67)]
+    assert fastcpu._halving_pieces(100, 4) == [(0, 100)]
+    for rows in (1, 64, 1000, 128256, 151936):
+        pieces = fastcpu._halving_pieces(rows, 4)
+        assert sum(c for _, c in pieces) == rows and all(c > 0 for _, c in pieces) and len(pieces) <= 4
+        assert [s for s, _ in pieces] == [sum(c for _, c in pieces[:i]) for i in range(len(pieces))]
+
+
 @pytest.mark.parametrize("converted", [1, 0], ids=["fast head", "head stays dense"])
 def test_plan_finish_takes_over_or_restores_a_kept_embedding(tmp_path: Any, converted: int) -> None:
     model = _build_tiny(tmp_path, keep=True, tied=True)
@@ -327,6 +338,7 @@ def test_file_tables_head_and_embedding_read_from_the_file(tmp_path: Any, tied: 
     assert (emb.file is head.file) is tied
     assert not any(b.is_meta for b in model.buffers()) and not any(p.is_meta for p in model.parameters())
     assert head.packed_bytes() == head.out_features * head.in_features * 2  # the prepacked copy alone
+    assert len(head.packed) == 3  # 259 rows: 128, 64, 67
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)  # 20 rows: the exact paths
