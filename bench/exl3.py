@@ -1,6 +1,6 @@
 """EXL3 on CPU: the pure-torch reference decoder, the CPU encoder, and EXL3 vs GPTQ at about 4 bpw.
 
-Three tables, all measured in this process, best of N (the machine's cores are shared):
+Three tables (a fourth on request), all measured in this process, best of N (the machine's cores are shared):
 
 1. **Decode**: weights/s of the reference decoder on a 4096x4096 K=4 layer (random trellis, mul1
    codebook), with one torch thread and with the default thread count. Rows: ``decode_exl3``
@@ -27,12 +27,16 @@ Three tables, all measured in this process, best of N (the machine's cores are s
    weight error ``||W - W_hat|| / ||W||`` of each encoded layer, and the exact stored bits per
    weight of the subset (every stored tensor's bytes over the unpadded weight count).
 
+4. **Embed** (``--parts embed``, not in the default set): the token embedding ring-coded as exllamav3 1.6's
+   ``--embed_bits`` stores it (``--embed-k``), on the rows the perplexity text uses: bytes per row, relative
+   error, encode weights/s, decode time, perplexity.
+
 SmolLM2 is 576 wide: EXL3 pads every dim to a multiple of 128 (576 -> 640, 192 -> 256) and
 encodes, stores and decodes the padding, and GPTQ cannot use group 128 (576 = 4.5 x 128).
 
     python bench/exl3.py [--layers 15] [--proj all] [--ppl-tokens 4096] [--repeat 3]
                          [--enc-size 256] [--enc-threads 1] [--threads 1] [--parts decode,encode,quality]
-                         [--exl3 plain,ldlq] [--k 4]
+                         [--exl3 plain,ldlq] [--k 4] [--embed-k 3,4,5]
 """
 
 from __future__ import annotations
@@ -376,6 +380,61 @@ def quality_tables(
     return "\n".join(lines)
 
 
+def embed_table(ppl_tokens: int, ks: list[int], threads: int, seed: int) -> str:
+    """Ring-coded token embedding (exllamav3 1.6 ``--embed_bits``) of SmolLM2, on the rows the text uses.
+
+    Only the rows of the tokens in the perplexity text are encoded (the others are never looked up by it),
+    so the perplexity is the one the fully ring-coded input embedding gives on that text; the head keeps
+    the exact table (a tied source gets its own 16-bit head, as ``quantize(embed_bits=...)`` writes)."""
+    import torch
+    from torch import nn
+
+    import anyquant
+    from anyquant_exl3.ring import RingTable, encode_table
+
+    model = anyquant.load(dense_model(), dtype="float32")
+    torch.set_num_threads(threads)
+    text = corpus_text("wiki", "evaluation")
+    ids = model.tokenizer(text[: 8 * ppl_tokens], add_special_tokens=False)["input_ids"][:ppl_tokens]
+    emb = model.module.get_input_embeddings()
+    source = emb.weight.detach().clone()
+    vocab, hidden = source.shape
+    emb.weight = nn.Parameter(source.clone(), requires_grad=False)  # untied: the head keeps the exact table
+    used = torch.tensor(sorted(set(ids)))
+    ppl_dense = float(anyquant.perplexity(model, ids, window=WINDOW)["perplexity"])
+    groups = -(-hidden // 256)
+    lines = [
+        f"Ring-coded token embedding, SmolLM2-135M-Instruct ({vocab} x {hidden}, {groups} rings of 256 per row): "
+        f"the {len(used)} rows the {len(ids):,} held-out wiki tokens use, encoded by anyquant's CPU encoder "
+        f"(one thread); perplexity with those rows decoded (the head keeps the exact table), {WINDOW}-token windows.",
+        "",
+        "| K | bytes/row (bf16: "
+        + f"{2 * hidden})"
+        + " | x bf16 | rel. error (used rows) | encode s | padded weights/s "
+        "| decode 1 row us | decode 512 rows ms | ppl | vs dense |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k in ks:
+        t0 = time.perf_counter()
+        ring, err = encode_table(source[used], k, seed=seed)
+        secs = time.perf_counter() - t0
+        table = RingTable(ring["trellis"], ring["signs"], k, hidden)
+        decoded = table.decode().float()
+        emb.weight.data[used] = decoded
+        ppl = float(anyquant.perplexity(model, ids, window=WINDOW)["perplexity"])
+        emb.weight.data[used] = source[used]
+        one = _best_s(lambda table=table: table.rows(torch.tensor([[3]])), 20) * 1e6
+        many = _best_s(lambda table=table: table.rows(torch.arange(512) % len(used)), 3) * 1e3
+        row_bytes = ring["trellis"].shape[1] * 2
+        lines.append(
+            f"| {k} | {row_bytes} | {row_bytes / (2 * hidden):.3f} | {err:.4f} | {secs:.0f} | "
+            f"{len(used) * groups * 256 / secs:,.0f} | {one:.0f} | {many:.1f} | {ppl:.4f} | "
+            f"{(ppl - ppl_dense) / ppl_dense:+.2%} |"
+        )
+    lines.insert(4, f"| 16 (dense) | {2 * hidden} | 1 | 0 | | | | | {ppl_dense:.4f} | |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -401,6 +460,7 @@ def main() -> int:
     ap.add_argument("--parts", default="decode,encode,quality")
     ap.add_argument("--k", type=float, default=K_BITS, help="EXL3 K of the quality rows (half steps: 1.5, 2.5, 3.5)")
     ap.add_argument("--exl3", default="plain,ldlq", help="EXL3 rows of the quality table: plain (no Hessian), ldlq")
+    ap.add_argument("--embed-k", default="3,4,5", help="K of the ring-coded embedding rows (part 'embed')")
     args = ap.parse_args()
     projs = list(PROJECTIONS) if args.proj == "all" else _csv(args.proj)
     unknown = [p for p in projs if p not in PROJECTIONS]
@@ -425,6 +485,9 @@ def main() -> int:
         print()
         layers = [int(x) for x in _csv(args.layers)]
         print(quality_tables(layers, projs, args.ppl_tokens, args.seed, args.threads, _csv(args.exl3), args.k))
+    if "embed" in parts:
+        print()
+        print(embed_table(args.ppl_tokens, [int(k) for k in _csv(args.embed_k)], args.threads, args.seed))
     print(f"\n# wall {time.perf_counter() - t0:.0f} s")
     return 0
 
