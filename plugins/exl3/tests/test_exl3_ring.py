@@ -178,6 +178,10 @@ def test_backends_decode_the_table_as_exllamav3_does(
         c = anyquant.load(dense).module(IDS).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert ((a - c).abs().max() / c.abs().max()).item() < 0.15
+    hf = anyquant.load(ringed, backend="reference", runtime="transformers")  # transformers' class takes it too
+    assert isinstance(hf.module.get_input_embeddings(), EXL3TableEmbedding)
+    with torch.no_grad():
+        torch.testing.assert_close(hf.module(IDS).logits, a, rtol=1e-5, atol=1e-5)
     assert ref.generate("Hello", max_new_tokens=5) == deq.generate("Hello", max_new_tokens=5)
 
 
