@@ -433,6 +433,21 @@ def exllamav3_direct_logits(path: Path) -> Any:
         model.unload()
 
 
+def backend_vs_reference(path: Path, reg: Any, emit: Callable[[str, str], None]) -> Any:
+    """An exllamav3 checkpoint's logits: anyquant's reference (CPU) vs the exllamav3 backend; returns the reference's."""
+    import torch
+
+    import anyquant
+
+    ref = reference_logits(path, reg)
+    model = anyquant.load(path, backend="exllamav3", registry=reg)
+    got = model.module(torch.tensor([prompt_ids()])).logits
+    model.module.unload()
+    rel, mean, top1 = compare_logits(ref, got)
+    emit("PASS" if rel < 2e-2 else "FAIL", f"max rel {rel:.1e}, mean |d| {mean:.1e}, top-1 {top1:.3f}")
+    return ref
+
+
 def direct_greedy_ids(loaded: Any, ids: list[int], n: int) -> list[int]:
     """Greedy tokens from a bare exllamav3 Job on the backend's own generator (no anyquant code in the loop)."""
     import torch
@@ -752,12 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     # 6. logits both ways
     if "tiny-mul1" in converted:
         with rep.step("logits: exllamav3 ckpt, anyquant reference vs exllamav3 backend", need=20) as emit:
-            ref = reference_logits(converted["tiny-mul1"], reg)
-            model = anyquant.load(converted["tiny-mul1"], backend="exllamav3", registry=reg)
-            got = model.module(torch.tensor([prompt_ids()])).logits
-            model.module.unload()
-            rel, mean, top1 = compare_logits(ref, got)
-            emit("PASS" if rel < 2e-2 else "FAIL", f"max rel {rel:.1e}, mean |d| {mean:.1e}, top-1 {top1:.3f}")
+            ref = backend_vs_reference(converted["tiny-mul1"], reg, emit)
         with rep.step("logits: anyquant dequantized on CUDA (fp32) vs reference on CPU", need=10) as emit:
             kw = {"backend": "dequantized", "device": "cuda", "dtype": "float32", "registry": reg}
             model = anyquant.load(converted["tiny-mul1"], **kw)
@@ -774,12 +784,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "tiny-mul1-eb4" in converted:
         with rep.step("logits: ring-coded embedding, anyquant reference vs exllamav3 backend", need=20) as emit:
-            ref = reference_logits(converted["tiny-mul1-eb4"], reg)
-            model = anyquant.load(converted["tiny-mul1-eb4"], backend="exllamav3", registry=reg)
-            got = model.module(torch.tensor([prompt_ids()])).logits
-            model.module.unload()
-            rel, mean, top1 = compare_logits(ref, got)
-            emit("PASS" if rel < 2e-2 else "FAIL", f"max rel {rel:.1e}, mean |d| {mean:.1e}, top-1 {top1:.3f}")
+            backend_vs_reference(converted["tiny-mul1-eb4"], reg, emit)
 
     # 7. the generation API through the exllamav3 backend
     if "tiny-mul1" in converted:

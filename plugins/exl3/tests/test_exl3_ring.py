@@ -121,11 +121,6 @@ def test_encoder_error_falls_with_k_and_states_round_trip() -> None:
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_dense(tmp_path_factory.mktemp("d") / "tiny", num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
 def ringed(dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return anyquant.quantize(
         dense, tmp_path_factory.mktemp("q") / "exl3", method="exl3", bits=4, embed_bits=4, ldlq=False, quality=False

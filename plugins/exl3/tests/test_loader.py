@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import anyquant
-from anyquant.testing.tiny import make_tiny_dense
 from anyquant_exl3.decode import decode_exl3
 from anyquant_exl3.exl2 import decode_exl2, pack_exl2
 from anyquant_exl3.quantize import allocate_bits
@@ -19,11 +18,6 @@ from anyquant_exl3.quantize import allocate_bits
 pytestmark = pytest.mark.slow
 
 IDS = torch.tensor([[72, 101, 108, 108, 111, 44, 32, 109, 121, 32]])
-
-
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_dense(tmp_path_factory.mktemp("d") / "tiny", num_hidden_layers=1)
 
 
 @pytest.fixture(scope="module")
