@@ -344,10 +344,13 @@ def _from_dense_headers(probe: Any, shape: ModelShape, bits: float, head_bits: f
 
 
 def _embedding_bytes(probe: Any) -> int:
-    for t in probe.tensors.values():
-        if re.search(r"embed_tokens|wte|word_embeddings|tok_embeddings", t.name):
-            return int(t.nbytes)
-    return 0
+    """The token embedding's bytes: every tensor of the embedding module (a ring-coded EXL3 table is a
+    ``.trellis`` (maybe in row shards) plus ``.signs``)."""
+    return sum(
+        int(t.nbytes)
+        for t in probe.tensors.values()
+        if re.search(r"embed_tokens|wte|word_embeddings|tok_embeddings", t.name)
+    )
 
 
 def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _Weights:

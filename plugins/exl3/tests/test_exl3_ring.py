@@ -149,6 +149,10 @@ def test_quantize_writes_a_ring_table_that_detect_and_inspect_report(ringed: Pat
     source = load_file(dense / "model.safetensors")["model.embed_tokens.weight"]
     err = ((_decoded_table(ringed).float() - source).norm() / source.norm()).item()
     assert err < 0.08, err
+    # sizing counts the table's bytes (trellis + signs): half the fp16 table's here (128 columns pad to one
+    # 256-wide ring of 1 + 16*4 words)
+    table_bytes = t["model.embed_tokens.trellis"].nbytes + t["model.embed_tokens.signs"].nbytes
+    assert anyquant.estimate(ringed).embedding_bytes == table_bytes == 259 * 65 * 2 + 256 * 2
 
 
 @pytest.mark.slow
