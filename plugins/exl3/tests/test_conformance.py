@@ -7,4 +7,4 @@ class TestConformance(PluginConformance):
     entry_point = "anyquant-exl3"
     package = "anyquant_exl3"
     formats = ("exl3", "exl2")
-    own_fixtures = ("exl3_mul1", "exl3_3inst", "exl2")
+    own_fixtures = ("exl3_mul1", "exl3_3inst", "exl3_ring_embedding", "exl2")

@@ -169,6 +169,18 @@ def exl3_mul1(root: Path) -> Path:
     return _write_dir(root, _exl3_tensors(4, "mul1"), _config(qc))
 
 
+def exl3_ring_embedding(root: Path) -> Path:
+    """exllamav3 1.6 with ``--embed_bits 4``: the token embedding as a ring-coded table in two row shards."""
+    t = _exl3_tensors(4, "mul1")
+    del t["model.embed_tokens.weight"]
+    words = -(-HIDDEN // 256) * (1 + 16 * 4)
+    t["model.embed_tokens.shard_0.trellis"] = ("I16", [128, words])
+    t["model.embed_tokens.shard_1.trellis"] = ("I16", [128, words])
+    t["model.embed_tokens.signs"] = ("F16", [-(-HIDDEN // 256), 256])
+    qc = {"quant_method": "exl3", "version": "1.6.5", "bits": 4.0, "head_bits": 16, "codebook": "mul1"}
+    return _write_dir(root, t, _config(qc))
+
+
 def exl3_3inst(root: Path) -> Path:
     qc = {"quant_method": "exl3", "version": "0.0.3", "bits": 3.0, "head_bits": 16}
     return _write_dir(root, _exl3_tensors(3, None), _config(qc))
@@ -297,6 +309,7 @@ FIXTURES: dict[str, Fixture] = {
         Fixture("awq_gemv", "awq", awq_gemv),
         Fixture("exl3_mul1", "exl3", exl3_mul1),
         Fixture("exl3_3inst", "exl3", exl3_3inst),
+        Fixture("exl3_ring_embedding", "exl3", exl3_ring_embedding),
         Fixture("exl2", "exl2", exl2),
         Fixture("compressed_tensors", "compressed-tensors", compressed_tensors),
         Fixture("bnb_4bit", "bnb", bnb_4bit),
