@@ -45,7 +45,10 @@ def export_dense(
     target = resolve_dtype(dtype, torch.device("cpu"))
     module = model.module
     retie = False
+    replaced: list[str] = []
     for name, child in list(module.named_modules()):
+        if any(name.startswith(f"{r}.") for r in replaced):
+            continue  # inside a module already made dense (a linear stored as parts)
         dequantize = getattr(child, "dequantize", None)
         if isinstance(child, (nn.Linear, nn.Embedding)) or not callable(dequantize):
             continue  # transformers' PreTrainedModel also has a dequantize(): it has neither attribute below
@@ -64,6 +67,7 @@ def export_dense(
             continue
         parent, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, dense)
+        replaced.append(name)
     if retie:  # a head that read the input embedding's table (GGUF's packed tied head)
         module.config.tie_word_embeddings = True
     if getattr(module.config, "tie_word_embeddings", False):

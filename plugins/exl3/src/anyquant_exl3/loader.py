@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from anyquant.errors import CheckpointError, UnsupportedBackendError, UnsupportedFormatError
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from anyquant.runtime.loaded import LoadedModel
+    from anyquant.runtime.qlinear import QuantLinearBase
 
     from .ring import RingTable
 
@@ -60,6 +62,74 @@ def _modules(probe: Probe) -> dict[str, dict[str, Any]]:
             ),
         }
     return out
+
+
+#: fused projections of transformers' classes that exllamav3 / exllamav2 store split (format doc §2.8)
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@dataclass(frozen=True)
+class PartsPlan:
+    """How one linear of the model is stored as several: part names with their (in, out) sizes."""
+
+    parts: tuple[tuple[str, int, int], ...]
+    split_input: bool
+
+    def build(self, one: Callable[[str, int, int], QuantLinearBase], linear: nn.Linear) -> nn.Module:
+        from .qlinear import LinearParts
+
+        built = [one(name, i, o) for name, i, o in self.parts]
+        return LinearParts(built, linear.in_features, linear.out_features, split_input=self.split_input)
+
+
+def fused_sizes(leaf: str, out_features: int, config: Mapping[str, Any]) -> list[int]:
+    """The parts' output sizes of a fused projection: q, k, v from the head counts; gate and up halves."""
+    if leaf == "gate_up_proj":
+        return [out_features // 2] * 2
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads < 1:
+        raise CheckpointError("config.json lacks num_attention_heads: cannot split the fused q/k/v projection")
+    head_dim = config.get("head_dim") or int(config.get("hidden_size", 0)) // heads
+    return [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+
+
+def stored_parts(name: str, linear: nn.Linear, stored: Mapping[str, Any], probe: Probe) -> PartsPlan | None:
+    """How the checkpoint stores the model's linear ``name`` when not under its own name (``None``: it does not):
+
+    - a fused projection (``qkv_proj``, ``gate_up_proj``) stored split, as exllamav3 and exllamav2 write
+      Phi-3 (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj`` beside it; sizes from config.json);
+    - ``<name>.slice.0``, ``.slice.1``, ...: exllamav3's slices of a very wide MLP (``modules/mlp.py``: ``n``
+      slices of ``I // n // 128 * 128``, the last taking the rest; ``down_proj`` slices split its input,
+      the others their output).
+    """
+    parent, _, leaf = name.rpartition(".")
+    members = FUSED_PARTS.get(leaf)
+    if members and all(f"{parent}.{m}" in stored for m in members):
+        sizes = fused_sizes(leaf, linear.out_features, probe.config or {})
+        if sum(sizes) != linear.out_features:
+            raise CheckpointError(
+                f"{name}: split parts of sizes {sizes} (config.json) do not add up to its {linear.out_features} outputs"
+            )
+        return PartsPlan(
+            tuple((f"{parent}.{m}", linear.in_features, n) for m, n in zip(members, sizes, strict=True)), False
+        )
+    slices: list[str] = []
+    while f"{name}.slice.{len(slices)}" in stored:
+        slices.append(f"{name}.slice.{len(slices)}")
+    if not slices:
+        return None
+    first = stored[slices[0]]
+    split_input = first["in_pad"] < linear.in_features  # down_proj: each slice reads a chunk of the input
+    whole = linear.in_features if split_input else linear.out_features
+    size = whole // len(slices) // 128 * 128
+    sizes = [size] * len(slices)
+    sizes[-1] += whole - sum(sizes)
+    if size < 1:
+        raise CheckpointError(f"{name}: {len(slices)} slices cannot split {whole} features")
+    if split_input:
+        return PartsPlan(tuple((n, k, linear.out_features) for n, k in zip(slices, sizes, strict=True)), True)
+    return PartsPlan(tuple((n, linear.in_features, k) for n, k in zip(slices, sizes, strict=True)), False)
 
 
 def _hidden_size(probe: Probe) -> int | None:
@@ -223,14 +293,12 @@ class EXL3Loader(TransformersLoader):
             # packed memory: the token embedding stays ring-coded (load() installs it after the build)
             src.placeholders.update(dict.fromkeys(src.tables, ctx.dtype))
 
-        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
-            m = modules.get(name)
-            if m is None:
-                return None
-            if m["in_pad"] < linear.in_features or m["out_pad"] < linear.out_features:
+        def one(name: str, in_features: int, out_features: int) -> QuantLinearBase:
+            m = modules[name]
+            if m["in_pad"] < in_features or m["out_pad"] < out_features:
                 raise CheckpointError(
                     f"{name}: trellis covers {m['in_pad']}x{m['out_pad']}, smaller than the model's "
-                    f"{linear.in_features}x{linear.out_features}"
+                    f"{in_features}x{out_features}"
                 )
             multiplier = None
             marker = m["codebook"]
@@ -253,12 +321,20 @@ class EXL3Loader(TransformersLoader):
                 su=get("su") if m["legacy"] else None,
                 sv=get("sv") if m["legacy"] else None,
                 codebook=m["codebook"],
-                in_features=linear.in_features,
-                out_features=linear.out_features,
+                in_features=in_features,
+                out_features=out_features,
                 multiplier=multiplier,
                 mode="dequantized" if ctx.backend == "dequantized" else "reference",
                 compute_dtype=ctx.dtype,
             )
+
+        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
+            if name in modules:
+                return one(name, linear.in_features, linear.out_features)
+            plan = stored_parts(name, linear, modules, ctx.probe)
+            if plan is None:
+                return None
+            return plan.build(one, linear)
 
         return factory
 
@@ -310,19 +386,24 @@ class EXL2Loader(TransformersLoader):
         from .qlinear import EXL2Linear
 
         src = ctx.source
+        stored: dict[str, Any] = {p: {} for p in ctx.probe.modules_with("q_weight")}
 
-        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
-            if f"{name}.q_weight" not in src:
-                return None
+        def one(name: str, in_features: int, out_features: int) -> QuantLinearBase:
             tensors = {s: src.get(f"{name}.{s}") for s in self.SUFFIXES if f"{name}.{s}" in src}
             bias = src.get(f"{name}.bias") if f"{name}.bias" in src else None
             return EXL2Linear(
                 tensors,
                 bias,
-                in_features=linear.in_features,
-                out_features=linear.out_features,
+                in_features=in_features,
+                out_features=out_features,
                 mode="dequantized" if ctx.backend == "dequantized" else "reference",
                 compute_dtype=ctx.dtype,
             )
+
+        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
+            if name in stored:
+                return one(name, linear.in_features, linear.out_features)
+            plan = stored_parts(name, linear, stored, ctx.probe)  # a fused projection stored split
+            return None if plan is None else plan.build(one, linear)
 
         return factory

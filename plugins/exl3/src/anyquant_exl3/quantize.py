@@ -30,6 +30,7 @@ import math
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -158,6 +159,38 @@ def _linear_weights(probe: Probe) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class _Target:
+    """One linear to encode: its name in the output, the source weight it comes from, and which rows."""
+
+    name: str
+    source: str
+    rows: tuple[int, int] | None  # None: the whole source weight
+    numel: int
+
+
+def _targets(probe: Probe) -> list[_Target]:
+    """The linears to encode, with fused projections split as exllamav3 writes them (format doc §2.8:
+    Phi-3's ``qkv_proj`` as ``q_proj``/``k_proj``/``v_proj``, ``gate_up_proj`` as ``gate_proj``/``up_proj``)."""
+    from .loader import FUSED_PARTS, fused_sizes
+
+    out = []
+    for name in _linear_weights(probe):
+        rows, cols = probe.tensors[f"{name}.weight"].shape
+        parent, _, leaf = name.rpartition(".")
+        members = FUSED_PARTS.get(leaf)
+        if not members:
+            out.append(_Target(name, name, None, rows * cols))
+            continue
+        start = 0
+        for member, size in zip(members, fused_sizes(leaf, rows, probe.config or {}), strict=True):
+            out.append(_Target(f"{parent}.{member}", name, (start, start + size), size * cols))
+            start += size
+        if start != rows:
+            raise QuantizeError(f"{name}: the split sizes from config.json do not add up to its {rows} rows")
+    return out
+
+
 def _embedding_weight(probe: Probe) -> str | None:
     """The token embedding's tensor (Llama-family naming: ``...embed_tokens.weight``), or ``None``."""
     found = [n for n, t in probe.tensors.items() if n.endswith("embed_tokens.weight") and len(t.shape) == 2]
@@ -247,8 +280,9 @@ class EXL3Quantizer:
 
         report = progress or (lambda stage, frac: None)
         probe = Probe.open(src)
-        names = _linear_weights(probe)
-        sizes = [probe.tensors[f"{n}.weight"].numel for n in names]
+        targets = _targets(probe)
+        names = [t.name for t in targets]
+        sizes = [t.numel for t in targets]
         codebook = str(spec.options.get("codebook", "mul1")).lower()
         ks = allocate_bits(names, sizes, float(spec.bits), codebook)
         seed = int(spec.options.get("seed", 0))
@@ -256,18 +290,23 @@ class EXL3Quantizer:
         batch_tiles = spec.options.get("batch_tiles")
         out = dst / "model"
         out.mkdir(parents=True, exist_ok=True)
-        hessians = _hessians(src, names, spec, lambda f: report("collecting input Hessians", 0.05 * f))
+        sources = list(dict.fromkeys(t.source for t in targets))
+        hessians = _hessians(src, sources, spec, lambda f: report("collecting input Hessians", 0.05 * f))
         tensors: dict[str, torch.Tensor] = {}
-        quantized = set(names)
+        quantized = set(sources)
         handles = {h.file: safe_open(str(probe.root / h.file), framework="pt") for h in probe.safetensors}
         done, total = 0, sum(sizes)
         fallbacks = []
-        for i, (name, k) in enumerate(zip(names, ks, strict=True)):
-            info = probe.tensors[f"{name}.weight"]
-            weight = handles[info.file].get_tensor(info.name).float().to(device)
+        for i, (target, k) in enumerate(zip(targets, ks, strict=True)):
+            name = target.name
+            info = probe.tensors[f"{target.source}.weight"]
+            weight = handles[info.file].get_tensor(info.name)
+            if target.rows is not None:
+                weight = weight[target.rows[0] : target.rows[1]]
+            weight = weight.float().to(device)
             report(f"encoding {name} (K={k:g})", 0.05 + 0.8 * done / total)
             batch = batch_tiles if batch_tiles is not None or device.type == "cpu" else gpu_batch_tiles(k)
-            hessian = None if hessians is None else hessians.pop(name, None)
+            hessian = None if hessians is None else hessians.get(target.source)  # split parts share their input's
             try:
                 enc = encode_exl3(weight, k, codebook=codebook, seed=seed + i, batch_tiles=batch, hessian=hessian)
             except HessianError as exc:
@@ -294,10 +333,15 @@ class EXL3Quantizer:
                 continue
             if ebits != 16 and tname == embedding:
                 continue
-            tensors[tname] = handles[info.file].get_tensor(tname).contiguous()
+            value = handles[info.file].get_tensor(tname).contiguous()
             bias_of = tname.removesuffix(".bias")
-            if tname.endswith(".bias") and bias_of in quantized:
-                tensors[tname] = tensors[tname].half()
+            if not (tname.endswith(".bias") and bias_of in quantized):
+                tensors[tname] = value
+                continue
+            for t in targets:  # a quantized linear's bias, fp16 as exllamav3 stores it (split with its weight)
+                if t.source == bias_of:
+                    part = value if t.rows is None else value[t.rows[0] : t.rows[1]]
+                    tensors[f"{t.name}.bias"] = part.half().contiguous()
         report("writing", 0.88)
         save_file(tensors, str(out / "model.safetensors"))
         if hessians is None:
