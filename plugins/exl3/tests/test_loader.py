@@ -176,3 +176,21 @@ def test_exl2_loads_with_the_decoder_and_never_as_exl3(dense: Path, tmp_path: Pa
     with torch.no_grad():
         a, c = model.module(IDS).logits, src.module(IDS).logits
     assert ((a - c).abs().max() / c.abs().max()).item() < 0.2
+
+
+def test_stale_tie_flag_of_exllamav3_1_5_is_not_trusted(exl3: Path, tmp_path: Path) -> None:
+    """exllamav3 <= 1.5 leaves ``tie_word_embeddings: true`` in config.json beside an explicit head (its
+    ``update_config`` tests a misspelled key): the tensors decide, as exllamav3's own loader does."""
+    import shutil
+
+    stale = tmp_path / "stale"
+    shutil.copytree(exl3, stale)
+    cfg = json.loads((stale / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (stale / "config.json").write_text(json.dumps(cfg))
+    head = load_file(exl3 / "model.safetensors")["lm_head.weight"]
+    for runtime in ("native", "transformers"):
+        m = anyquant.load(stale, backend="reference", runtime=runtime).module
+        out, emb = m.get_output_embeddings(), m.get_input_embeddings()
+        assert out.weight.data_ptr() != emb.weight.data_ptr()
+        assert torch.equal(out.weight, head.float())
