@@ -394,3 +394,32 @@ def test_file_rows(tmp_path: Any) -> None:
     with pytest.raises(CheckpointError, match="truncated"):
         rows.rows(torch.tensor([36]))
     assert torch.equal(rows.rows(torch.tensor([1])), table[1:2])
+
+
+@needs_bf16_head
+def test_prepacked_bf16_linear() -> None:
+    """cpu-fast for formats with no int4-kernel layout: the source's weight in bfloat16, prepacked; the exact
+    weight and the bias from the source."""
+
+    class Source(torch.nn.Module):
+        def __init__(self, w: torch.Tensor, b: torch.Tensor) -> None:
+            super().__init__()
+            self.out_features, self.in_features = w.shape
+            self.register_buffer("w", w)
+            self.register_buffer("bias", b)
+
+        def dequantize(self) -> torch.Tensor:
+            return self.w
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g) * 0.05, torch.randn(96, generator=g)
+    layer = fastcpu.PrepackedBf16Linear(Source(w, b))
+    x = torch.randn(2, 5, 64, generator=g)
+    want = torch.nn.functional.linear(x, w, b)
+    got = layer(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+    assert torch.equal(layer.dequantize(), w) and torch.equal(layer.bias, b)
+    assert layer.packed_bytes() == 96 * 64 * 2
+    with pytest.raises(RuntimeError, match="CPU only"):
+        layer.to("meta")

@@ -177,6 +177,14 @@ def test_backends_decode_the_table_as_exllamav3_does(
         c = anyquant.load(dense).module(IDS).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert ((a - c).abs().max() / c.abs().max()).item() < 0.15
+    from anyquant.runtime.fastcpu import bf16_head_status
+
+    if bf16_head_status()[0]:  # cpu-fast keeps the table packed too
+        fast = anyquant.load(ringed, backend="cpu-fast")
+        assert isinstance(fast.module.get_input_embeddings(), EXL3TableEmbedding)
+        with torch.no_grad():
+            f = fast.module(IDS).logits
+        assert ((f - a).abs().max() / a.abs().max()).item() < 2e-2
     hf = anyquant.load(ringed, backend="reference", runtime="transformers")  # transformers' class takes it too
     assert isinstance(hf.module.get_input_embeddings(), EXL3TableEmbedding)
     with torch.no_grad():

@@ -194,3 +194,45 @@ def test_stale_tie_flag_of_exllamav3_1_5_is_not_trusted(exl3: Path, tmp_path: Pa
         out, emb = m.get_output_embeddings(), m.get_input_embeddings()
         assert out.weight.data_ptr() != emb.weight.data_ptr()
         assert torch.equal(out.weight, head.float())
+
+
+needs_bf16 = pytest.mark.skipif(
+    not __import__("anyquant.runtime.fastcpu", fromlist=["x"]).bf16_head_status()[0],
+    reason="no fast oneDNN bfloat16 linear on this CPU",
+)
+
+
+@needs_bf16
+def test_cpu_fast_prepacks_bfloat16_and_is_the_cpu_default(exl3: Path) -> None:
+    from anyquant.errors import UnsupportedBackendError
+    from anyquant.runtime.fastcpu import FastHead, PrepackedBf16Linear
+    from anyquant_exl3.loader import EXL3Loader
+
+    fast = anyquant.load(exl3)
+    assert fast.backend == "cpu-fast" and fast.info["cpu_fast"]["linears"] == "bfloat16 prepacked"
+    deq = anyquant.load(exl3, backend="dequantized")
+    ref = anyquant.load(exl3, backend="reference")
+    layers = [(n, m) for n, m in fast.module.named_modules() if isinstance(m, PrepackedBf16Linear)]
+    assert len(layers) == 7
+    for name, layer in layers:  # the exact weight still comes from the trellis
+        assert torch.equal(layer.dequantize(), ref.module.get_submodule(name).dequantize()), name
+    # the 16-bit head is prepacked too (its exact table read from the file for prompts)
+    assert isinstance(fast.module.get_output_embeddings(), FastHead)
+    with torch.no_grad():
+        a, b = fast.module(IDS).logits, deq.module(IDS).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() < 2e-2  # the bfloat16 class, as the int4 path
+    # a random tiny model has near-ties: most, not all, positions pick the same token
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.8
+    assert isinstance(fast.generate("Hello", max_new_tokens=8), str)
+    with pytest.raises(UnsupportedBackendError, match="CPU"):
+        EXL3Loader().choose_backend("cpu-fast", torch.device("cuda"))
+    assert EXL3Loader().choose_backend("auto", torch.device("meta")) == "dequantized"
+
+
+@needs_bf16
+def test_cpu_fast_export_is_exact(exl3: Path, tmp_path: Path) -> None:
+    a = load_file(
+        anyquant.export_dense(exl3, tmp_path / "a", dtype="float32", backend="cpu-fast") / "model.safetensors"
+    )
+    b = load_file(anyquant.export_dense(exl3, tmp_path / "b", dtype="float32") / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

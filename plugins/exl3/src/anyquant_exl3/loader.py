@@ -75,7 +75,7 @@ class PartsPlan:
     parts: tuple[tuple[str, int, int], ...]
     split_input: bool
 
-    def build(self, one: Callable[[str, int, int], QuantLinearBase], linear: nn.Linear) -> nn.Module:
+    def build(self, one: Callable[[str, int, int], Any], linear: nn.Linear) -> nn.Module:
         from .qlinear import LinearParts
 
         built = [one(name, i, o) for name, i, o in self.parts]
@@ -186,29 +186,48 @@ class EXL3Source(SafetensorsSource):
         return RingTable(trellis, super().get(info.signs), info.k, self.hidden)
 
 
+def cpu_fast_backend() -> BackendInfo:
+    """``cpu-fast``: each linear decoded once at load, rounded to bfloat16 and prepacked for oneDNN
+    (:class:`anyquant.runtime.fastcpu.PrepackedBf16Linear`), where AMX or AVX512-BF16 makes that fast."""
+    from anyquant.runtime.fastcpu import bf16_head_status
+
+    ok, reason = bf16_head_status()
+    return BackendInfo(
+        "cpu-fast",
+        ok,
+        reason,
+        description="decode once at load to a bfloat16 weight prepacked for oneDNN (AMX/AVX512-BF16), bfloat16 "
+        "activations: 2 bytes per weight, about 2x float32's decode speed; a dense head likewise",
+    )
+
+
 class EXL3Loader(TransformersLoader):
     format = "exl3"
-    backend_order = ("exllamav3", "dequantized", "reference")
+    backend_order = ("exllamav3", "cpu-fast", "dequantized", "reference")
 
     def __init__(self) -> None:
         self._source: EXL3Source | None = None
+        self._file_tables: dict[str, Any] | None = None
 
     def backends(self) -> list[BackendInfo]:
         return [
             _exllamav3_backend(),
+            cpu_fast_backend(),
             BackendInfo("dequantized", True, description="decode once at load (pure torch); dense speed and memory"),
             BackendInfo("reference", True, description="pure torch, decode on every forward; packed memory"),
         ]
 
     def choose_backend(self, requested: str, device: Any) -> str:
-        on_cuda = getattr(device, "type", "cpu") == "cuda"
-        if requested == "auto" and not on_cuda:
-            # exllamav3 runs on CUDA only: any other device picks among the pure-torch backends
+        kind = getattr(device, "type", "cpu")
+        if requested == "cpu-fast" and kind != "cpu":
+            raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
+        if requested == "auto" and kind != "cuda":
+            # exllamav3 runs on CUDA only, cpu-fast on the CPU only: pick among the rest in order
             available = {b.name for b in self.backends() if b.available}
             for name in self.backend_order:
-                if name != "exllamav3" and name in available:
+                if name != "exllamav3" and name in available and (name != "cpu-fast" or kind == "cpu"):
                     return name
-        if requested == "exllamav3" and not on_cuda and _exllamav3_backend().available:
+        if requested == "exllamav3" and kind != "cuda" and _exllamav3_backend().available:
             raise UnsupportedBackendError(f"backend 'exllamav3' runs on CUDA GPUs only, not on device {str(device)!r}")
         return super().choose_backend(requested, device)
 
@@ -236,7 +255,31 @@ class EXL3Loader(TransformersLoader):
             self._source = None
         if src is not None and src.tables:
             loaded.info = {**loaded.info, "embedding": self._install_tables(loaded.module, src)}
+        tables, self._file_tables = self._file_tables, None
+        if loaded.backend == "cpu-fast":
+            import torch
+
+            from anyquant.runtime.fastcpu import FastCPUPlan, PrepackedBf16Linear
+
+            # a 16-bit head (head_bits 16) prepacked too, its exact table (and the embedding) left in the file;
+            # a quantized head is a PrepackedBf16Linear already
+            plan = FastCPUPlan.from_options(options.extra)
+            plan.converted = 1
+            plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=tables)
+            head = plan.head_info
+            if isinstance(loaded.module.get_output_embeddings(), PrepackedBf16Linear):
+                head = {"head": "bfloat16 prepacked (a quantized head)"}
+            loaded.info = {**loaded.info, "cpu_fast": {"linears": "bfloat16 prepacked", "lm_head": head}}
         return loaded
+
+    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
+        """cpu-fast: the embedding stays 16-bit for the fast head's tables (see ``FastCPUPlan``)."""
+        return ctx.backend == "cpu-fast"
+
+    def file_tables(self, ctx: LoadContext) -> bool:
+        """cpu-fast: a 16-bit head and the embedding stay in the file, read by the fast head and embedding."""
+        self._file_tables = ctx.file_tables
+        return ctx.backend == "cpu-fast" and ctx.device.type == "cpu"
 
     @staticmethod
     def _install_tables(module: Any, src: EXL3Source) -> str:
@@ -289,7 +332,7 @@ class EXL3Loader(TransformersLoader):
 
         modules = _modules(ctx.probe)
         src = ctx.source
-        if isinstance(src, EXL3Source) and ctx.backend == "reference":
+        if isinstance(src, EXL3Source) and ctx.backend in ("reference", "cpu-fast"):
             # packed memory: the token embedding stays ring-coded (load() installs it after the build)
             src.placeholders.update(dict.fromkeys(src.tables, ctx.dtype))
 
@@ -328,13 +371,21 @@ class EXL3Loader(TransformersLoader):
                 compute_dtype=ctx.dtype,
             )
 
+        def built(name: str, in_features: int, out_features: int) -> Any:
+            layer = one(name, in_features, out_features)
+            if ctx.backend != "cpu-fast":
+                return layer
+            from anyquant.runtime.fastcpu import PrepackedBf16Linear
+
+            return PrepackedBf16Linear(layer)
+
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             if name in modules:
-                return one(name, linear.in_features, linear.out_features)
+                return built(name, linear.in_features, linear.out_features)  # type: ignore[no-any-return]
             plan = stored_parts(name, linear, modules, ctx.probe)
             if plan is None:
                 return None
-            return plan.build(one, linear)
+            return plan.build(built, linear)
 
         return factory
 

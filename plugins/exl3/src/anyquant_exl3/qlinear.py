@@ -170,7 +170,8 @@ class LinearParts(nn.Module):
     def __init__(self, parts: list[QuantLinearBase], in_features: int, out_features: int, *, split_input: bool) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
-        self._parts = tuple(parts)  # the same modules, typed (moves act on them in place)
+        self._parts = tuple(parts)  # the same modules (moves act on them in place); each has in/out_features,
+        # dequantize() and bias: a QuantLinearBase, or cpu-fast's PrepackedBf16Linear around one
         self.in_features, self.out_features, self.split_input = in_features, out_features, split_input
         sizes = [p.in_features if split_input else p.out_features for p in parts]
         whole, other = (in_features, out_features) if split_input else (out_features, in_features)
