@@ -27,7 +27,10 @@ Three tables (a fourth on request), all measured in this process, best of N (the
    weight error ``||W - W_hat|| / ||W||`` of each encoded layer, and the exact stored bits per
    weight of the subset (every stored tensor's bytes over the unpadded weight count).
 
-4. **Embed** (``--parts embed``, not in the default set): the token embedding ring-coded as exllamav3 1.6's
+4. **Model** (``--parts model``, not in the default set): the ``cpu-fast``, ``dequantized`` and ``reference``
+   backends on SmolLM2-135M's shape as EXL3 K=4 with random trellises (timings and memory: load, RSS,
+   prefill and decode tokens/s), each in a fresh process, against the dense model in float32.
+5. **Embed** (``--parts embed``, not in the default set): the token embedding ring-coded as exllamav3 1.6's
    ``--embed_bits`` stores it (``--embed-k``), on the rows the perplexity text uses: bytes per row, relative
    error, encode weights/s, decode time, perplexity.
 
@@ -51,7 +54,18 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from _measure import CALIBRATION, corpus_text, dense_model, machine, quantize_seconds, quantized_model
+from _measure import (
+    CACHE,
+    CALIBRATION,
+    checkpoint_bytes,
+    corpus_text,
+    dense_model,
+    machine,
+    markdown_table,
+    quantize_seconds,
+    quantized_model,
+    run_rows,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -435,6 +449,69 @@ def embed_table(ppl_tokens: int, ks: list[int], threads: int, seed: int) -> str:
     return "\n".join(lines)
 
 
+def random_exl3_model(k: int = 4) -> Path:
+    """SmolLM2-135M's shape as an EXL3 checkpoint with *random* trellises (K=``k``, mul1): a valid file that
+    loads and runs at the real size (timings and memory only; its outputs are noise). Cached."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = CACHE / f"smollm2-135m-exl3-random-k{k}"
+    if (out / "model.safetensors").is_file():
+        return out
+    dense = dense_model()
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, w in load_file(dense / "model.safetensors").items():
+        if ".layers." not in name or not name.endswith("_proj.weight"):
+            tensors[name] = w.contiguous()
+            continue
+        prefix, (n, kin) = name.removesuffix(".weight"), w.shape
+        kp, np_ = -(-kin // 128) * 128, -(-n // 128) * 128
+        tensors[f"{prefix}.trellis"] = torch.randint(-(2**15), 2**15, (kp // 16, np_ // 16, 16 * k), generator=gen).to(
+            torch.int16
+        )
+        signs = lambda size: (torch.randint(0, 2, (size,), generator=gen) * 2 - 1).half()  # noqa: E731
+        tensors[f"{prefix}.suh"] = signs(kp)
+        tensors[f"{prefix}.svh"] = signs(np_) * float(w.float().pow(2).mean().sqrt())  # the dense weight's scale
+        tensors[f"{prefix}.mul1"] = torch.tensor(-2082680531, dtype=torch.int32)
+    save_file(tensors, out / "model.safetensors")
+    cfg = json.loads((dense / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "exl3", "bits": float(k), "head_bits": 16, "codebook": "mul1"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in dense.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def model_table(threads: int) -> str:
+    """anyquant's EXL3 CPU backends on a SmolLM2-sized model (random trellises), each row in a fresh process."""
+    path = random_exl3_model()
+    common = {"threads": threads, "text": "wiki", "text_part": "evaluation", "prefill_tokens": 512, "ppl_tokens": 0}
+    rows = [
+        ("anyquant cpu-fast", {"kind": "anyquant", "path": str(path), "backend": "cpu-fast", "decode_tokens": 128}),
+        (
+            "anyquant dequantized",
+            {"kind": "anyquant", "path": str(path), "backend": "dequantized", "decode_tokens": 128},
+        ),
+        ("anyquant reference", {"kind": "anyquant", "path": str(path), "backend": "reference", "decode_tokens": 4}),
+        (
+            "dense fp32 (transformers)",
+            {"kind": "transformers", "path": str(dense_model()), "dtype": "float32", "decode_tokens": 128},
+        ),
+    ]
+    results = run_rows([(n, {**common, **c, "repeat": 2 if "reference" not in n else 1}) for n, c in rows])
+    return (
+        f"Model: SmolLM2-135M's shape as EXL3 K=4 mul1 with random trellises ({checkpoint_bytes(path) / 2**20:.0f} MiB; "
+        f"timings and memory only), {threads} thread(s); prefill 512 tokens, decode after a 32-token prompt.\n\n"
+        + markdown_table(results, checkpoint_bytes(path), "dense fp32 (transformers)")
+    )
+
+
+# ---------------------------------------------------------------------------------------------- main
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -485,6 +562,9 @@ def main() -> int:
         print()
         layers = [int(x) for x in _csv(args.layers)]
         print(quality_tables(layers, projs, args.ppl_tokens, args.seed, args.threads, _csv(args.exl3), args.k))
+    if "model" in parts:
+        print()
+        print(model_table(args.threads))
     if "embed" in parts:
         print()
         print(embed_table(args.ppl_tokens, [int(k) for k in _csv(args.embed_k)], args.threads, args.seed))
