@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -180,33 +181,25 @@ def test_phi3_exl2_split_loads_fused(phi3: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_mlp_slices_load_as_one_linear(dense: Path, tmp_path: Path) -> None:
+def test_mlp_slices_load_as_one_linear(dense: Path, tmp_path: Path, rewrite_checkpoint: Any) -> None:
     """A Llama whose MLP is stored as exllamav3 slices (2 x 128 of the intermediate 256)."""
-    out = tmp_path / "sliced"
-    out.mkdir()
-    for f in dense.iterdir():
-        if f.is_file() and f.name != "model.safetensors":
-            shutil.copy2(f, out / f.name)
-    state = load_file(dense / "model.safetensors")
-    tensors: dict[str, torch.Tensor] = {}
     expected: dict[str, list[torch.Tensor]] = {}
-    seed = 0
-    for name in [n for n in state if n.endswith("_proj.weight")]:
-        prefix, w = name.removesuffix(".weight"), state.pop(name)
-        pieces = (
-            [w] if "self_attn" in prefix else ([w[:, :128], w[:, 128:]] if "down" in prefix else [w[:128], w[128:]])
-        )
-        for i, piece in enumerate(pieces):
-            key = prefix if len(pieces) == 1 else f"{prefix}.slice.{i}"
-            enc = encode_exl3(piece.float(), 4, codebook="mul1", seed=seed)
-            seed += 1
-            tensors.update({f"{key}.{s}": v for s, v in enc.items()})
-            o, k = piece.shape
-            expected.setdefault(prefix, []).append(
-                decode_exl3(enc["trellis"], enc["suh"], enc["svh"], codebook="mul1", in_features=k, out_features=o)
-            )
-    tensors.update(state)
-    save_file(tensors, out / "model.safetensors")
+
+    def slice_mlp(state: dict[str, torch.Tensor]) -> None:
+        for seed, name in enumerate([n for n in state if n.endswith("_proj.weight")]):
+            prefix, w = name.removesuffix(".weight"), state.pop(name)
+            halves = [w[:, :128], w[:, 128:]] if "down" in prefix else [w[:128], w[128:]]
+            pieces = [w] if "self_attn" in prefix else halves
+            for i, piece in enumerate(pieces):
+                key = prefix if len(pieces) == 1 else f"{prefix}.slice.{i}"
+                enc = encode_exl3(piece.float(), 4, codebook="mul1", seed=10 * seed + i)
+                state.update({f"{key}.{s}": v for s, v in enc.items()})
+                o, k = piece.shape
+                expected.setdefault(prefix, []).append(
+                    decode_exl3(enc["trellis"], enc["suh"], enc["svh"], codebook="mul1", in_features=k, out_features=o)
+                )
+
+    out = rewrite_checkpoint(dense, tmp_path / "sliced", slice_mlp)
     assert anyquant.detect(out).format == "exl3"  # the tensors decide (config.json is the dense source's)
     ref, deq = anyquant.load(out, backend="reference"), anyquant.load(out, backend="dequantized")
     mlp = ref.module.model.layers[0].mlp

@@ -8,6 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -193,17 +194,14 @@ def test_backends_decode_the_table_as_exllamav3_does(
 
 
 @pytest.mark.slow
-def test_row_shards_load_as_one_table(ringed: Path, tmp_path: Path) -> None:
-    out = tmp_path / "sharded"
-    out.mkdir()
-    for f in ringed.iterdir():
-        if f.is_file() and f.name != "model.safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
-    t = load_file(ringed / "model.safetensors")
-    trellis = t.pop("model.embed_tokens.trellis")
-    t["model.embed_tokens.shard_0.trellis"] = trellis[:200].clone()
-    t["model.embed_tokens.shard_1.trellis"] = trellis[200:].clone()
-    save_file(t, out / "model.safetensors")
+def test_row_shards_load_as_one_table(ringed: Path, tmp_path: Path, rewrite_checkpoint: Any) -> None:
+    def shard(t: dict[str, torch.Tensor]) -> None:
+        trellis = t.pop("model.embed_tokens.trellis")
+        t["model.embed_tokens.shard_0.trellis"] = trellis[:200].clone()
+        t["model.embed_tokens.shard_1.trellis"] = trellis[200:].clone()
+
+    out = rewrite_checkpoint(ringed, tmp_path / "sharded", shard)
+    t = load_file(out / "model.safetensors")
     assert anyquant.detect(out).details["tables"]["model.embed_tokens"]["rows"] == 259
     emb = anyquant.load(out, backend="reference").module.get_input_embeddings()
     assert torch.equal(emb(IDS), _decoded_table(ringed)[IDS].float())
@@ -214,20 +212,9 @@ def test_row_shards_load_as_one_table(ringed: Path, tmp_path: Path) -> None:
         anyquant.load(out, backend="reference")
 
 
-def _rewrite(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.is_file() and f.name != "model.safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    t = load_file(src / "model.safetensors")
-    edit(t)
-    save_file(t, dst / "model.safetensors")
-    return dst
-
-
 @pytest.mark.slow
-def test_a_head_without_a_tensor_reads_the_decoded_table(ringed: Path, tmp_path: Path) -> None:
-    out = _rewrite(ringed, tmp_path / "tied", lambda t: t.pop("lm_head.weight"))
+def test_a_head_without_a_tensor_reads_the_decoded_table(ringed: Path, tmp_path: Path, rewrite_checkpoint: Any) -> None:
+    out = rewrite_checkpoint(ringed, tmp_path / "tied", lambda t: t.pop("lm_head.weight"))
     m = anyquant.load(out, backend="reference")
     emb, head = m.module.get_input_embeddings(), m.module.get_output_embeddings()
     assert head.weight is emb.weight and torch.equal(emb.weight, _decoded_table(ringed).float())
@@ -235,11 +222,11 @@ def test_a_head_without_a_tensor_reads_the_decoded_table(ringed: Path, tmp_path:
 
 
 @pytest.mark.slow
-def test_tables_anyquant_cannot_use_are_clear_errors(ringed: Path, tmp_path: Path) -> None:
+def test_tables_anyquant_cannot_use_are_clear_errors(ringed: Path, tmp_path: Path, rewrite_checkpoint: Any) -> None:
     def ngram(t: dict[str, torch.Tensor]) -> None:
         t["model.ngram_embedding.trellis"] = torch.zeros(10, 41, dtype=torch.int16)
 
-    out = _rewrite(ringed, tmp_path / "ngram", ngram)
+    out = rewrite_checkpoint(ringed, tmp_path / "ngram", ngram)
     d = anyquant.detect(out)
     assert d.format == "exl3" and d.details["tables"]["model.ngram_embedding"]["kind"] == "n-gram"
     with pytest.raises(UnsupportedFormatError, match="n-gram"):
@@ -250,13 +237,13 @@ def test_tables_anyquant_cannot_use_are_clear_errors(ringed: Path, tmp_path: Pat
         t["model.other.signs"] = t["model.embed_tokens.signs"].clone()
 
     with pytest.raises(UnsupportedFormatError, match="not this model's input embedding"):
-        anyquant.load(_rewrite(ringed, tmp_path / "other", other), backend="reference")
+        anyquant.load(rewrite_checkpoint(ringed, tmp_path / "other", other), backend="reference")
 
     def bad_signs(t: dict[str, torch.Tensor]) -> None:
         t["model.embed_tokens.signs"] = torch.ones(2, 256, dtype=torch.float16)
 
     with pytest.raises(CheckpointError, match="rings"):
-        anyquant.load(_rewrite(ringed, tmp_path / "signs", bad_signs), backend="reference")
+        anyquant.load(rewrite_checkpoint(ringed, tmp_path / "signs", bad_signs), backend="reference")
 
 
 @pytest.mark.slow
