@@ -21,6 +21,7 @@ from anyquant.protocols import GenerationParams, LoadOptions
 from anyquant.testing.fixtures import exl3_mul1
 from anyquant.testing.tiny import make_tokenizer
 from anyquant_exl3 import cuda_backend as cb
+from anyquant_exl3 import loader as loader_module
 from anyquant_exl3.loader import EXL3Loader
 
 EOS = 258  # <|im_end|> in anyquant.testing.tiny's byte tokenizer
@@ -40,7 +41,7 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the
 @needs_no_cuda
 def test_backend_listed_unavailable_without_cuda() -> None:
     info = {b.name: b for b in EXL3Loader().backends()}
-    assert list(info) == ["exllamav3", "dequantized", "reference"]
+    assert list(info) == ["exllamav3", "cpu-fast", "dequantized", "reference"]
     assert not info["exllamav3"].available
     assert "GPU" in info["exllamav3"].reason or "not installed" in info["exllamav3"].reason
 
@@ -79,6 +80,9 @@ def test_auto_on_cpu_picks_a_torch_backend(monkeypatch: pytest.MonkeyPatch) -> N
     loader = EXL3Loader()
     avail = cb.BackendInfo("exllamav3", True)
     monkeypatch.setattr("anyquant_exl3.loader._exllamav3_backend", lambda: avail)
+    fast = "cpu-fast" if loader_module.cpu_fast_backend().available else "dequantized"
+    assert loader.choose_backend("auto", torch.device("cpu")) == fast  # exllamav3 is CUDA-only
+    monkeypatch.setattr(loader_module, "cpu_fast_backend", lambda: cb.BackendInfo("cpu-fast", False, "no AMX"))
     assert loader.choose_backend("auto", torch.device("cpu")) == "dequantized"
     assert loader.choose_backend("auto", torch.device("cuda")) == "exllamav3"
     with pytest.raises(anyquant.UnsupportedBackendError, match="CUDA GPUs only"):
