@@ -176,6 +176,17 @@ def test_exl2_loads_with_the_decoder_and_never_as_exl3(dense: Path, tmp_path: Pa
     with torch.no_grad():
         a, c = model.module(IDS).logits, src.module(IDS).logits
     assert ((a - c).abs().max() / c.abs().max()).item() < 0.2
+    from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_head_status
+
+    if bf16_head_status()[0]:  # cpu-fast, the CPU default there: bfloat16 prepacked, exact dequantize()
+        fast = anyquant.load(tmp_path / "exl2")
+        assert fast.backend == "cpu-fast"
+        for prefix, want in expected.items():
+            layer = fast.module.get_submodule(prefix)
+            assert isinstance(layer, PrepackedBf16Linear) and torch.equal(layer.dequantize(), want)
+        with torch.no_grad():
+            f = fast.module(IDS).logits
+        assert ((f - a).abs().max() / a.abs().max()).item() < 2e-2
 
 
 def test_stale_tie_flag_of_exllamav3_1_5_is_not_trusted(exl3: Path, tmp_path: Path) -> None:

@@ -578,7 +578,7 @@ class FastHead(nn.Module):
 
 class PrepackedBf16Linear(nn.Module):
     """A quantized linear run as a bfloat16 weight prepacked for oneDNN: ``cpu-fast`` for formats whose
-    weights have no int4-kernel layout (EXL3's trellises, EXL2's variable-bit groups).
+    weights have no int4-kernel layout (EXL3's trellises and EXL2's variable-bit groups use it).
 
     The weight is decoded once at load (``source.dequantize()``), rounded to bfloat16 and packed into
     oneDNN's blocked layout (:func:`bf16_head_status`); every forward rounds the activations to bfloat16

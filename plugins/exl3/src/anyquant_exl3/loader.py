@@ -201,13 +201,66 @@ def cpu_fast_backend() -> BackendInfo:
     )
 
 
-class EXL3Loader(TransformersLoader):
+class BF16CpuFast:
+    """The ``cpu-fast`` backend shared by the EXL3 and EXL2 loaders: each quantized linear as a
+    :class:`~anyquant.runtime.fastcpu.PrepackedBf16Linear`, a 16-bit LM head prepacked as GPTQ/AWQ's cpu-fast
+    does (its exact table and the embedding left in the checkpoint file)."""
+
+    _file_tables: dict[str, Any] | None = None
+
+    @staticmethod
+    def cpu_fast_choice(order: tuple[str, ...], available: set[str], requested: str, kind: str) -> str | None:
+        """``auto`` off CUDA: the first available backend of ``order`` that runs on this device (``None``: let the
+        base class decide); ``cpu-fast`` asked for off the CPU: a typed error."""
+        if requested == "cpu-fast" and kind != "cpu":
+            raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {kind}")
+        if requested != "auto" or kind == "cuda":
+            return None
+        runs = [n for n in order if n in available and n != "exllamav3" and (n != "cpu-fast" or kind == "cpu")]
+        return runs[0] if runs else None
+
+    @staticmethod
+    def fast_layer(ctx: LoadContext, layer: QuantLinearBase) -> Any:
+        if ctx.backend != "cpu-fast":
+            return layer
+        from anyquant.runtime.fastcpu import PrepackedBf16Linear
+
+        return PrepackedBf16Linear(layer)
+
+    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
+        """cpu-fast: the embedding stays 16-bit for the fast head's tables (see ``FastCPUPlan``)."""
+        return ctx.backend == "cpu-fast"
+
+    def file_tables(self, ctx: LoadContext) -> bool:
+        """cpu-fast: a 16-bit head and the embedding stay in the file, read by the fast head and embedding."""
+        self._file_tables = ctx.file_tables
+        return ctx.backend == "cpu-fast" and ctx.device.type == "cpu"
+
+    def finish_cpu_fast(self, loaded: LoadedModel, options: LoadOptions) -> None:
+        """After the build: cpu-fast's head (a quantized head is a PrepackedBf16Linear already), and the record."""
+        tables, self._file_tables = self._file_tables, None
+        if loaded.backend != "cpu-fast":
+            return
+        import torch
+
+        from anyquant.runtime.fastcpu import FastCPUPlan, PrepackedBf16Linear
+
+        plan = FastCPUPlan.from_options(options.extra)
+        plan.converted = 1
+        plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=tables)
+        head = plan.head_info
+        if isinstance(loaded.module.get_output_embeddings(), PrepackedBf16Linear):
+            head = {"head": "bfloat16 prepacked (a quantized head)"}
+        loaded.info = {**loaded.info, "cpu_fast": {"linears": "bfloat16 prepacked", "lm_head": head}}
+
+
+class EXL3Loader(BF16CpuFast, TransformersLoader):
     format = "exl3"
     backend_order = ("exllamav3", "cpu-fast", "dequantized", "reference")
 
     def __init__(self) -> None:
         self._source: EXL3Source | None = None
-        self._file_tables: dict[str, Any] | None = None
+        self._file_tables = None
 
     def backends(self) -> list[BackendInfo]:
         return [
@@ -219,14 +272,11 @@ class EXL3Loader(TransformersLoader):
 
     def choose_backend(self, requested: str, device: Any) -> str:
         kind = getattr(device, "type", "cpu")
-        if requested == "cpu-fast" and kind != "cpu":
-            raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
-        if requested == "auto" and kind != "cuda":
-            # exllamav3 runs on CUDA only, cpu-fast on the CPU only: pick among the rest in order
-            available = {b.name for b in self.backends() if b.available}
-            for name in self.backend_order:
-                if name != "exllamav3" and name in available and (name != "cpu-fast" or kind == "cpu"):
-                    return name
+        # exllamav3 runs on CUDA only, cpu-fast on the CPU only: auto elsewhere picks among the rest in order
+        available = {b.name for b in self.backends() if b.available}
+        chosen = self.cpu_fast_choice(self.backend_order, available, requested, kind)
+        if chosen is not None:
+            return chosen
         if requested == "exllamav3" and kind != "cuda" and _exllamav3_backend().available:
             raise UnsupportedBackendError(f"backend 'exllamav3' runs on CUDA GPUs only, not on device {str(device)!r}")
         return super().choose_backend(requested, device)
@@ -255,31 +305,8 @@ class EXL3Loader(TransformersLoader):
             self._source = None
         if src is not None and src.tables:
             loaded.info = {**loaded.info, "embedding": self._install_tables(loaded.module, src)}
-        tables, self._file_tables = self._file_tables, None
-        if loaded.backend == "cpu-fast":
-            import torch
-
-            from anyquant.runtime.fastcpu import FastCPUPlan, PrepackedBf16Linear
-
-            # a 16-bit head (head_bits 16) prepacked too, its exact table (and the embedding) left in the file;
-            # a quantized head is a PrepackedBf16Linear already
-            plan = FastCPUPlan.from_options(options.extra)
-            plan.converted = 1
-            plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=tables)
-            head = plan.head_info
-            if isinstance(loaded.module.get_output_embeddings(), PrepackedBf16Linear):
-                head = {"head": "bfloat16 prepacked (a quantized head)"}
-            loaded.info = {**loaded.info, "cpu_fast": {"linears": "bfloat16 prepacked", "lm_head": head}}
+        self.finish_cpu_fast(loaded, options)
         return loaded
-
-    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
-        """cpu-fast: the embedding stays 16-bit for the fast head's tables (see ``FastCPUPlan``)."""
-        return ctx.backend == "cpu-fast"
-
-    def file_tables(self, ctx: LoadContext) -> bool:
-        """cpu-fast: a 16-bit head and the embedding stay in the file, read by the fast head and embedding."""
-        self._file_tables = ctx.file_tables
-        return ctx.backend == "cpu-fast" and ctx.device.type == "cpu"
 
     @staticmethod
     def _install_tables(module: Any, src: EXL3Source) -> str:
@@ -372,12 +399,7 @@ class EXL3Loader(TransformersLoader):
             )
 
         def built(name: str, in_features: int, out_features: int) -> Any:
-            layer = one(name, in_features, out_features)
-            if ctx.backend != "cpu-fast":
-                return layer
-            from anyquant.runtime.fastcpu import PrepackedBf16Linear
-
-            return PrepackedBf16Linear(layer)
+            return self.fast_layer(ctx, one(name, in_features, out_features))
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             if name in modules:
@@ -420,18 +442,30 @@ class EXL3Loader(TransformersLoader):
         return rows + dense_rows(probe, skip=set(modules) | set(tables) | pieces)
 
 
-class EXL2Loader(TransformersLoader):
+class EXL2Loader(BF16CpuFast, TransformersLoader):
     """EXL2 on CPU: exllamav2 is archived and CUDA-only; this is a maintained way to read it."""
 
     format = "exl2"
-    backend_order = ("dequantized", "reference")
+    backend_order = ("cpu-fast", "dequantized", "reference")
     SUFFIXES = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm")
 
     def backends(self) -> list[BackendInfo]:
         return [
+            cpu_fast_backend(),
             BackendInfo("dequantized", True, description="decode once at load (pure torch); dense speed and memory"),
             BackendInfo("reference", True, description="pure torch, decode on every forward; packed memory"),
         ]
+
+    def choose_backend(self, requested: str, device: Any) -> str:
+        available = {b.name for b in self.backends() if b.available}
+        chosen = self.cpu_fast_choice(self.backend_order, available, requested, getattr(device, "type", "cpu"))
+        return chosen if chosen is not None else super().choose_backend(requested, device)
+
+    def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel:
+        self._file_tables = None
+        loaded = super().load(probe, detection, options)
+        self.finish_cpu_fast(loaded, options)
+        return loaded
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         from .qlinear import EXL2Linear
@@ -451,10 +485,13 @@ class EXL2Loader(TransformersLoader):
                 compute_dtype=ctx.dtype,
             )
 
+        def built(name: str, in_features: int, out_features: int) -> Any:
+            return self.fast_layer(ctx, one(name, in_features, out_features))
+
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             if name in stored:
-                return one(name, linear.in_features, linear.out_features)
+                return built(name, linear.in_features, linear.out_features)  # type: ignore[no-any-return]
             plan = stored_parts(name, linear, stored, ctx.probe)  # a fused projection stored split
-            return None if plan is None else plan.build(one, linear)
+            return None if plan is None else plan.build(built, linear)
 
         return factory
