@@ -197,7 +197,8 @@ def cpu_fast_backend() -> BackendInfo:
         ok,
         reason,
         description="decode once at load to a bfloat16 weight prepacked for oneDNN (AMX/AVX512-BF16), bfloat16 "
-        "activations: 2 bytes per weight, about 2x float32's decode speed; a dense head likewise",
+        "activations: 2 bytes per weight (SmolLM2-sized against dequantized: 0.6x the memory, 1.24x decode, "
+        "1.67x prompt speed); a dense head likewise",
     )
 
 
