@@ -323,13 +323,17 @@ def _is_decoder_linear(name: str, ndim: int) -> bool:
     return ndim == 2 and name.endswith(".weight") and bool(re.search(r"\.(layers|h|blocks|block)\.\d+\.", name))
 
 
+#: the token embedding's tensors, by name
+_EMBEDDING_NAME = re.compile(r"embed_tokens|wte|word_embeddings|tok_embeddings")
+
+
 def _from_dense_headers(probe: Any, shape: ModelShape, bits: float, head_bits: float) -> _Weights:
     linear = embed = head = other = 0
     for t in probe.tensors.values():
         n = math.prod(t.shape)
         if _is_decoder_linear(t.name, len(t.shape)):
             linear += n
-        elif re.search(r"embed_tokens|wte|word_embeddings|tok_embeddings", t.name):
+        elif _EMBEDDING_NAME.search(t.name):
             embed += n
         elif re.search(r"lm_head|(^|\.)output\.weight", t.name):
             head += n
@@ -346,11 +350,7 @@ def _from_dense_headers(probe: Any, shape: ModelShape, bits: float, head_bits: f
 def _embedding_bytes(probe: Any) -> int:
     """The token embedding's bytes: every tensor of the embedding module (a ring-coded EXL3 table is a
     ``.trellis`` (maybe in row shards) plus ``.signs``)."""
-    return sum(
-        int(t.nbytes)
-        for t in probe.tensors.values()
-        if re.search(r"embed_tokens|wte|word_embeddings|tok_embeddings", t.name)
-    )
+    return sum(int(t.nbytes) for t in probe.tensors.values() if _EMBEDDING_NAME.search(t.name))
 
 
 def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _Weights:

@@ -14,7 +14,7 @@ from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 from anyquant.report import dense_rows
 from anyquant.runtime.tensors import SafetensorsSource
 
-from .plugin import RingTableInfo, ring_tables
+from .plugin import RING_GROUP, RingTableInfo, ring_tables
 
 if TYPE_CHECKING:
     import torch
@@ -149,9 +149,9 @@ class EXL3Source(SafetensorsSource):
         self.tables = {f"{key}.weight": info for key, info in tables.items() if info.signs is not None}
         self.placeholders: dict[str, torch.dtype] = {}
         for info in self.tables.values():
-            if not 0 < self.hidden <= info.groups * 256:
+            if not 0 < self.hidden <= info.groups * RING_GROUP:
                 raise CheckpointError(
-                    f"{info.key}: a ring-coded table of {info.groups} x 256 columns cannot hold config.json's "
+                    f"{info.key}: a ring-coded table of {info.groups} x {RING_GROUP} columns cannot hold config.json's "
                     f"hidden_size {_hidden_size(probe)!r}"
                 )
 
@@ -420,7 +420,7 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
             ModuleInfo(
                 key,
                 "exl3",
-                (table.rows, (hidden or table.groups * 256) if table.signs else table.row_words),
+                (table.rows, (hidden or table.groups * RING_GROUP) if table.signs else table.row_words),
                 float(table.k) if table.signs else None,
                 None,
                 table.nbytes,

@@ -297,16 +297,24 @@ class EXL3Quantizer:
         handles = {h.file: safe_open(str(probe.root / h.file), framework="pt") for h in probe.safetensors}
         done, total = 0, sum(sizes)
         fallbacks = []
+        parts_left = {s: sum(t.source == s for t in targets) for s in sources}
+        source_weight: tuple[str, torch.Tensor] | None = None  # read once for all the parts of a split linear
         for i, (target, k) in enumerate(zip(targets, ks, strict=True)):
             name = target.name
-            info = probe.tensors[f"{target.source}.weight"]
-            weight = handles[info.file].get_tensor(info.name)
+            if source_weight is None or source_weight[0] != target.source:
+                info = probe.tensors[f"{target.source}.weight"]
+                source_weight = (target.source, handles[info.file].get_tensor(info.name))
+            weight = source_weight[1]
             if target.rows is not None:
                 weight = weight[target.rows[0] : target.rows[1]]
             weight = weight.float().to(device)
             report(f"encoding {name} (K={k:g})", 0.05 + 0.8 * done / total)
             batch = batch_tiles if batch_tiles is not None or device.type == "cpu" else gpu_batch_tiles(k)
-            hessian = None if hessians is None else hessians.get(target.source)  # split parts share their input's
+            parts_left[target.source] -= 1
+            hessian = None
+            if hessians is not None:  # split parts share their input's; dropped after the last of them
+                last = parts_left[target.source] == 0
+                hessian = hessians.pop(target.source, None) if last else hessians.get(target.source)
             try:
                 enc = encode_exl3(weight, k, codebook=codebook, seed=seed + i, batch_tiles=batch, hessian=hessian)
             except HessianError as exc:

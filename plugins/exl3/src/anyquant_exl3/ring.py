@@ -38,7 +38,6 @@ __all__ = [
     "pack_rings",
     "ring_bits",
     "unpack_rings",
-    "words_per_ring",
 ]
 
 #: exllamav3's per-row codebook-scale heuristic for the ring encoder: K -> (gamma, cs_hi); the input of the
@@ -54,11 +53,6 @@ CS_HEURISTIC = {
     8: (3.0, 0.86),
 }
 CS_MIN = 0.55
-
-
-def words_per_ring(k: int, width: int = GROUP) -> int:
-    """int16 words of one ring: the scale, then ``width * k`` stream bits."""
-    return 1 + width * k // 16
 
 
 def _symbols(stream: torch.Tensor, k: int, width: int) -> torch.Tensor:
