@@ -7,8 +7,9 @@ its plugin, plus loading; torch and transformers are imported before the clock s
 (MiB), prefill tokens/s, decode tokens/s, and the perplexity on the prefill text when asked. Also
 ``import_s`` (the import part of ``load_s``), ``base_rss_mib`` (RSS once the libraries and the
 architecture's transformers modeling code are imported, before any weight is read: "the torch
-runtime") and ``load_rss_mib`` (peak RSS right
-after loading, before any forward).
+runtime"), ``load_rss_mib`` (peak RSS right after loading, before any forward) and ``load_code_mib``
+(how much of the RSS growth during the load is shared-library code paged in by the kernels' first
+calls: the runtime's, reported apart).
 
 Configuration keys: ``kind`` (``anyquant``, ``transformers``, ``transformers-gguf``, ``gptqmodel``),
 ``path``, ``backend`` (anyquant backend, or the name of a ``gptqmodel.BACKEND`` member), ``dtype``,
@@ -125,6 +126,28 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def library_code_mib() -> float:
+    """Resident pages of this process's shared-library mappings (``*.so`` files: torch's, oneDNN's,
+    the tokenizer's code and read-only data), from ``/proc/self/smaps``; 0 where there is none.
+
+    A library's code is paged in by the first call of each kernel, not at import: the same
+    ``libtorch_cpu.so`` pages any program running those kernels holds. Reported beside the load's RSS
+    so that the torch runtime's share of "RSS above the runtime" can be told from the model's."""
+    total, counting = 0, False
+    try:
+        with open("/proc/self/smaps") as fh:
+            for line in fh:
+                if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    parts = line.split()
+                    path = parts[5] if len(parts) > 5 else ""
+                    counting = path.startswith("/") and (path.endswith(".so") or ".so." in path)
+                elif counting and line.startswith("Rss:"):
+                    total += int(line.split()[1])
+    except OSError:
+        return 0.0
+    return total / 1024
+
+
 def _imports(cfg: dict[str, Any]) -> None:
     """Import what the kind needs (timed as part of loading; ``base_rss_mib`` is measured after it):
     its library and the architecture's transformers modeling code (~180 MiB of RSS for Llama, which
@@ -214,6 +237,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     _imports(cfg)
     import_s = time.perf_counter() - t0
     base_rss = peak_rss_mib()
+    base_code = library_code_mib()
     module, tok, generate = _load(cfg)
     load_s = time.perf_counter() - t0
     result: dict[str, Any] = {
@@ -221,6 +245,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "import_s": import_s,
         "base_rss_mib": base_rss,
         "load_rss_mib": peak_rss_mib(),
+        "load_code_mib": library_code_mib() - base_code,
     }
     if "chosen_backend" in cfg:
         result["backend"] = cfg["chosen_backend"]
@@ -317,9 +342,12 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     if "error" in b:
         return a
     out = dict(a)
-    for key in ("load_s", "import_s", "load_rss_mib", "peak_rss_mib"):
+    for key in ("load_s", "import_s", "peak_rss_mib"):
         if key in b:
             out[key] = min(a[key], b[key])
+    if b["load_rss_mib"] - b["base_rss_mib"] < a["load_rss_mib"] - a["base_rss_mib"]:
+        # the load's RSS and its library-code share come from the same run
+        out.update({k: b[k] for k in ("load_rss_mib", "base_rss_mib", "load_code_mib") if k in b})
     for key in ("prefill_tok_s", "decode_tok_s"):
         out[key] = max(a[key], b[key])
     out["runs"] = a.get("runs", 1) + 1
@@ -351,17 +379,19 @@ def markdown_table(results: list[tuple[str, dict[str, Any]]], ckpt_bytes: int, b
     ratios against ``baseline`` (a row name)."""
     base = dict(results).get(baseline, {})
     head = (
-        "| configuration | load s (of which import) | load RSS - runtime MiB (x ckpt) | peak RSS MiB (- runtime) | "
+        "| configuration | load s (of which import) | load RSS - runtime MiB (x ckpt) | of which library code MiB "
+        "(without it: x ckpt) | peak RSS MiB (- runtime) | "
         f"prefill tok/s | decode tok/s | ppl | vs {baseline}: load / decode / peak - runtime |"
     )
-    lines = [head, "|" + "---|" * 8]
+    lines = [head, "|" + "---|" * 9]
     ckpt_mib = ckpt_bytes / 2**20
     for name, r in results:
         if "error" in r:
             err = " ".join(r["error"].split())[-160:].replace("|", "/")
-            lines.append(f"| {name} | error: {err} | | | | | | |")
+            lines.append(f"| {name} | error: {err} | | | | | | | |")
             continue
         extra = r["load_rss_mib"] - r["base_rss_mib"]
+        code = r.get("load_code_mib", 0.0)
         ratio = ""
         if "error" not in base and base and name != baseline:
             above = (r["peak_rss_mib"] - r["base_rss_mib"]) / (base["peak_rss_mib"] - base["base_rss_mib"])
@@ -371,7 +401,7 @@ def markdown_table(results: list[tuple[str, dict[str, Any]]], ckpt_bytes: int, b
         ppl = f"{r['ppl']:.4f}" if "ppl" in r else "-"
         lines.append(
             f"| {name} | {r['load_s']:.1f} ({r.get('import_s', 0):.1f}) | {extra:.0f} ({extra / ckpt_mib:.2f}x) | "
-            f"{r['peak_rss_mib']:.0f} ({r['peak_rss_mib'] - r['base_rss_mib']:.0f}) | "
+            f"{code:.0f} ({(extra - code) / ckpt_mib:.2f}x) | {r['peak_rss_mib']:.0f} ({r['peak_rss_mib'] - r['base_rss_mib']:.0f}) | "
             f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {ppl} | {ratio} |"
         )
     return "\n".join(lines)

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from anyquant.errors import ParameterError
 from anyquant.runtime import fastcpu
 from anyquant.runtime.fastcpu import (
     FastCPUPlan,
@@ -152,8 +153,25 @@ def test_plan_options() -> None:
         FastCPUPlan.from_options({"cpu_fast_prefill": "int8"})
     assert FastCPUPlan.from_options({}).head is True
     assert FastCPUPlan.from_options({"cpu_fast_head": "dense"}).head is False
-    with pytest.raises(ValueError, match="cpu_fast_head"):
+    with pytest.raises(ParameterError, match="cpu_fast_head"):
         FastCPUPlan.from_options({"cpu_fast_head": "int8"})
+    for rows in (0, -1, "x", 2.5, True):
+        with pytest.raises(ParameterError, match="cpu_fast_small_rows"):
+            FastCPUPlan.from_options({"cpu_fast_small_rows": rows})
+
+
+def test_plan_reads_only_the_declared_options() -> None:
+    """``CPU_FAST_OPTIONS`` (what load() accepts for cpu-fast) names exactly what the plan reads."""
+    from anyquant.loaders import CPU_FAST_OPTIONS
+
+    class Recorder(dict):  # type: ignore[type-arg]
+        def get(self, key, default=None):  # type: ignore[no-untyped-def, override]
+            read.add(key)
+            return default
+
+    read: set[str] = set()
+    FastCPUPlan.from_options(Recorder())
+    assert read == set(CPU_FAST_OPTIONS)
 
 
 # --------------------------------------------------------------------------- the LM head

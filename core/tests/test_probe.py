@@ -79,9 +79,13 @@ def test_lone_quantize_config_declares_gptq(tmp_path: Path) -> None:
         (b'{"a": NaN}', None, "JSON"),
     ],
 )
+@pytest.mark.parametrize("compact", [False, True], ids=["spaced", "compact"])
 def test_bad_safetensors_headers_are_typed_errors(
-    tmp_path: Path, header: bytes, length: int | None, message: str
+    tmp_path: Path, header: bytes, length: int | None, message: str, compact: bool
 ) -> None:
+    # compact: the layout the safetensors library writes
+    if compact:
+        header = header.replace(b": ", b":").replace(b", ", b",")
     path = _raw_st(tmp_path / "bad.safetensors", header, b"\0" * 8, length)
     with pytest.raises(HeaderError, match=message):
         read_safetensors_header(path, "bad.safetensors")

@@ -197,3 +197,132 @@ def test_native_build_patches_nothing(tiny: Path, monkeypatch: pytest.MonkeyPatc
     assert during == [saved]
     assert all(p.is_meta for p in model.parameters())
     assert not model.inv_freq.is_meta  # computed on the CPU
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['{"version": "1.0", "model": {', '{"version": "1.0"}', "not json at all"],
+    ids=["truncated", "no-model", "garbage"],
+)
+def test_broken_tokenizer_is_a_typed_error(tiny: Path, tmp_path: Path, content: str) -> None:
+    import shutil
+
+    from anyquant.errors import CheckpointError
+
+    root = tmp_path / "m"
+    shutil.copytree(tiny, root)
+    (root / "tokenizer.json").write_text(content)
+    with pytest.raises(CheckpointError, match=r"tokenizer files .* cannot be loaded"):
+        anyquant.load(root)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": "abc"}, "hidden_size must be a positive integer"),
+        ({"hidden_size": 64.5}, "hidden_size must be a positive integer"),
+        ({"num_hidden_layers": -1}, "num_hidden_layers must be a positive integer"),
+        ({"num_hidden_layers": 10**9}, "holds only"),  # would build for ever
+        ({"num_attention_heads": 0}, "num_attention_heads must be"),
+        ({"num_key_value_heads": True}, "num_key_value_heads must be"),
+        ({"vocab_size": None}, "has no vocab_size"),
+        ({"head_dim": 2**30}, "larger than any model"),  # the rotary table is a real tensor
+        ({"rms_norm_eps": [1]}, "rms_norm_eps must be a non-negative number"),
+        ({"rope_theta": "x"}, "rope_theta must be"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta must be"),
+    ],
+)
+@pytest.mark.parametrize("runtime", ["native", "transformers"])
+def test_hostile_config_is_a_config_error_before_the_build(
+    tiny: Path, tmp_path: Path, change: dict, message: str, runtime: str
+) -> None:
+    import json
+    import shutil
+    import time
+
+    from anyquant.errors import ConfigError
+
+    root = tmp_path / "m"
+    shutil.copytree(tiny, root)
+    cfg = json.loads((root / "config.json").read_text())
+    cfg.update({k: v for k, v in change.items() if v is not None})
+    for k in [k for k, v in change.items() if v is None]:
+        cfg.pop(k)
+    (root / "config.json").write_text(json.dumps(cfg))
+    if runtime == "transformers" and change.get("vocab_size", 1) is None:
+        pytest.skip("transformers' classes default a missing vocab_size (then the tensor shapes disagree)")
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=message):
+        anyquant.load(root, runtime=runtime)
+    assert time.perf_counter() - t0 < 30
+
+
+def test_check_config_accepts_real_configs(tiny: Path) -> None:
+    import json
+
+    from anyquant.runtime.build import check_config
+
+    cfg = json.loads((tiny / "config.json").read_text())
+    check_config(cfg, tensors=100, native=True)
+    check_config({**cfg, "head_dim": None, "num_key_value_heads": None, "rope_scaling": {"factor": 8.0}}, tensors=100)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"max_new_tokens": "5"}, "max_new_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -3}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 2.0}, "top_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"stop": [1]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"seed": "x"}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"max_tokens": 5}, "unknown generation parameter"),
+    ],
+)
+def test_bad_generation_parameters_are_parameter_errors(loaded, kwargs: dict, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(anyquant.ParameterError, match=message):
+        loaded.generate("Hello", **kwargs)
+    with pytest.raises(ValueError):  # a ParameterError is a ValueError too
+        loaded.params(**kwargs)
+
+
+def test_good_generation_parameters_pass(loaded) -> None:  # type: ignore[no-untyped-def]
+    p = loaded.params(max_new_tokens=0, temperature=0, top_k=0, top_p=1, stop="x", seed=3, chat=False)
+    assert p.stop == ("x",) and p.max_new_tokens == 0
+    assert loaded.params(stop=["a", "b"]).stop == ("a", "b") and loaded.params(stop=None).stop == ()
+    assert loaded.generate("Hello", max_new_tokens=0) == ""
+
+
+@pytest.mark.parametrize("device", ["tpu9", "cuda", "cuda:3"])
+def test_unusable_device_is_a_parameter_error(tiny: Path, device: str) -> None:
+    if torch.cuda.is_available() and device.startswith("cuda"):
+        pytest.skip("a CUDA GPU is visible")
+    with pytest.raises(anyquant.ParameterError, match="device="):
+        anyquant.load(tiny, device=device)
+
+
+def test_unknown_load_option_is_a_parameter_error(tiny: Path) -> None:
+    with pytest.raises(anyquant.ParameterError, match=r"unknown load option\(s\) \['cpu_fast_table'\].*'runtime'"):
+        anyquant.load(tiny, cpu_fast_table="memory")  # a dense checkpoint's loader reads only runtime=
+    assert anyquant.load(tiny, runtime="transformers").info["runtime"] == "transformers"
+
+
+def test_loader_without_declared_options_takes_any(tiny: Path) -> None:
+    """A third-party loader that does not declare ``load_options`` gets every keyword unchecked."""
+    from anyquant.dense import DenseLoader
+
+    class Permissive(DenseLoader):
+        pass
+
+    Permissive.load_options = None  # type: ignore[assignment]
+    from anyquant.api import _check_options
+
+    _check_options(Permissive(), {"anything": 1}, "dense")
+    with pytest.raises(anyquant.ParameterError):
+        _check_options(DenseLoader(), {"anything": 1}, "dense")

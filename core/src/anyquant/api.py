@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,7 @@ def load(
     probe = Probe.open(path)
     detection = reg.detect(probe, format=format)
     loader = get_loader(detection, reg)
+    _check_options(loader, extra, detection.format)
     loader.validate(probe, detection)
     options = LoadOptions(
         backend=backend,
@@ -85,6 +87,21 @@ def load(
     loaded = loader.load(probe, detection, options)
     release_free_heap()  # what the load built and dropped leaves the RSS (see anyquant._memory)
     return loaded
+
+
+def _check_options(loader: Any, extra: Mapping[str, Any], fmt: str) -> None:
+    """A keyword the loader does not read (``load_options``) is a typo, not a no-op: refuse it."""
+    known = getattr(loader, "load_options", None)
+    if known is None or not extra:
+        return
+    unknown = sorted(set(extra) - set(known))
+    if unknown:
+        from .errors import ParameterError
+
+        raise ParameterError(
+            f"unknown load option(s) {unknown} for a {fmt} checkpoint; its loader reads {sorted(known) or 'none'} "
+            "(and load()'s own format, backend, device, dtype, allow_pickle, trust_remote_code, registry)"
+        )
 
 
 def inspect(path: str | Path, *, registry: Registry | None = None) -> Report:

@@ -15,6 +15,7 @@ __all__ = [
     "HeaderError",
     "MissingDependencyError",
     "MissingTensorError",
+    "ParameterError",
     "PickleRefusedError",
     "PluginError",
     "ProbeError",
@@ -92,3 +93,8 @@ class PluginError(AnyquantError):
 
 class QuantizeError(AnyquantError):
     """Quantization was refused or failed; nothing was written at the destination."""
+
+
+class ParameterError(AnyquantError, ValueError):
+    """An argument is out of range or of the wrong type (a generation parameter, a load option's value,
+    a device torch cannot use). Also a ``ValueError``, as Python's own argument checks raise."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .errors import UnsupportedBackendError
 from .probe import Probe, thaw
@@ -23,9 +24,26 @@ if TYPE_CHECKING:
     from .runtime.loaded import LoadedModel
     from .runtime.tensors import TensorSource
 
-__all__ = ["LoadContext", "TransformersLoader"]
+__all__ = ["CPU_FAST_OPTIONS", "RUNTIME_OPTIONS", "LoadContext", "TransformersLoader"]
 
 log = logging.getLogger(__name__)
+
+
+#: the load options (``anyquant.load(path, **options)``) every :class:`TransformersLoader` reads
+RUNTIME_OPTIONS: Mapping[str, str] = MappingProxyType(
+    {
+        "runtime": "'auto' (default), 'native' or 'transformers': which module class is built",
+    }
+)
+#: the ``cpu-fast`` backend's options (read by :class:`anyquant.runtime.fastcpu.FastCPUPlan`)
+CPU_FAST_OPTIONS: Mapping[str, str] = MappingProxyType(
+    {
+        "cpu_fast_prefill": "None (default: prompts in exact float32), 'bfloat16' or 'auto'",
+        "cpu_fast_small_rows": "rows up to which the decode kernels run (default 64)",
+        "cpu_fast_head": "'bfloat16' (default: the prepacked head) or 'dense'",
+        "cpu_fast_tables": "'file' (default: embedding and exact head read from the checkpoint) or 'memory'",
+    }
+)
 
 
 class LoadContext:
@@ -53,6 +71,10 @@ class TransformersLoader:
     format: str = "dense"
     #: backends in order of preference for ``backend="auto"``.
     backend_order: tuple[str, ...] = ("reference",)
+    #: the keyword options ``anyquant.load`` accepts for this loader (name -> what it does); any other keyword
+    #: is a :class:`~anyquant.errors.ParameterError` before anything is read. A loader without this attribute
+    #: (a third party's) gets every keyword unchecked.
+    load_options: ClassVar[Mapping[str, str]] = RUNTIME_OPTIONS
 
     def backends(self) -> list[BackendInfo]:
         return [BackendInfo("reference", True, description="pure torch, runs anywhere")]
@@ -128,6 +150,12 @@ class TransformersLoader:
         backend = self.choose_backend(options.backend, device)
         source = self.tensor_source(probe, options)
         ctx = LoadContext(probe, detection, source, backend, dtype, device, options)
+        from ._memory import release_free_heap
+
+        # the tokenizer first: its parse peaks at ~3x what it keeps (SmolLM2's: +41 MiB, then 14), and
+        # that transient then lands before the weights, not on top of them
+        tokenizer = self.tokenizer(probe, options)
+        release_free_heap()
         try:
             module = build_model(
                 self.model_config(probe),
@@ -144,13 +172,10 @@ class TransformersLoader:
             close = getattr(source, "close", None)
             if close is not None:
                 close()
-        from ._memory import release_free_heap
-
-        release_free_heap()  # the build's read and repacking temporaries, before the tokenizer's
+        release_free_heap()  # the build's read and repacking temporaries
         unused: list[str] = getattr(source, "unused", list)()
         if unused:
             log.warning("%d checkpoint tensors were not used (e.g. %s)", len(unused), unused[:3])
-        tokenizer = self.tokenizer(probe, options)
         return LoadedModel(
             module=module,
             tokenizer=tokenizer,

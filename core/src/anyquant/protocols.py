@@ -95,6 +95,9 @@ class LoadOptions:
 
 @dataclass(frozen=True)
 class GenerationParams:
+    """How to generate. Out-of-range or mistyped values are a :class:`~anyquant.errors.ParameterError`
+    when the object is made (``temperature=-1``, ``top_p=2``, ``max_new_tokens="5"``, ``stop=[1]``)."""
+
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
@@ -103,6 +106,39 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     chat: bool | None = None  # None: apply the chat template to message lists only
+
+    def __post_init__(self) -> None:
+        from .errors import ParameterError
+
+        def bad(name: str, want: str) -> ParameterError:
+            return ParameterError(f"{name}={getattr(self, name)!r}: expected {want}")
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise bad("max_new_tokens", "an integer >= 0")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "a number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 0 (0 = off)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1] (1 = off)")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "a number > 0 (1 = off)")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "non-empty strings")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "an integer or None")
+        if self.chat is not None and not isinstance(self.chat, bool):
+            raise bad("chat", "True, False or None")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    import math
+
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

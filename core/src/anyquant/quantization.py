@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from .errors import AnyquantError, QuantizeError
@@ -36,6 +37,7 @@ from .protocols import QuantizeSpec
 from .registry import Registry, load_spec_object
 
 __all__ = [
+    "CORE_QUANTIZE_OPTIONS",
     "DEFAULT_CALIBRATION",
     "QualityReport",
     "WorkerError",
@@ -218,6 +220,7 @@ def quantize(
     if fmt.quantizer is None:
         raise QuantizeError(f"format {method!r} has no quantizer registered")
     quantizer = load_spec_object(fmt, "quantizer")
+    _check_options(quantizer, options, method)
     spec = QuantizeSpec(
         method=method.lower(),
         bits=bits,
@@ -264,6 +267,27 @@ def quantize(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: the ``quantize(..., **options)`` keywords core itself reads, for every method
+CORE_QUANTIZE_OPTIONS: Mapping[str, str] = MappingProxyType(
+    {"seed": "calibration sampling (and the quantizer's own randomness); default 0"}
+)
+
+
+def _check_options(quantizer: Any, options: Mapping[str, Any], method: str) -> None:
+    """An option the quantizer does not read (its ``quantize_options``) is a typo, not a no-op: refuse it
+    before any work. A quantizer without the attribute (a third party's) gets every option unchecked."""
+    known = getattr(quantizer, "quantize_options", None)
+    if known is None:
+        return
+    unknown = sorted(set(options) - set(known) - set(CORE_QUANTIZE_OPTIONS))
+    if unknown:
+        raise QuantizeError(
+            f"unknown quantize option(s) {unknown} for method {method!r}; it reads "
+            f"{sorted({*known, *CORE_QUANTIZE_OPTIONS})} (and quantize()'s own bits, group_size, sym, desc_act, "
+            "calibration, calibration_samples, calibration_seq_len, overwrite, max_ppl_ratio, quality, progress)"
+        )
 
 
 def run_worker(

@@ -108,6 +108,14 @@ def test_backend_info_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
 # ------------------------------------------------------------------------------------------------ pure glue
 
 
+def test_declared_options_are_the_ones_read() -> None:
+    from anyquant_exl3.loader import EXLLAMAV3_OPTIONS, EXL2Loader, EXL3Loader
+
+    assert set(EXLLAMAV3_OPTIONS) == set(cb.EXTRA_OPTIONS)
+    assert set(EXLLAMAV3_OPTIONS) <= set(EXL3Loader.load_options)
+    assert not set(EXLLAMAV3_OPTIONS) & set(EXL2Loader.load_options)  # EXL2 has no exllamav3 backend
+
+
 def test_sampler_spec_mapping() -> None:
     assert cb.sampler_spec(GenerationParams()) == cb.SamplerSpec("argmax")
     assert cb.sampler_spec(GenerationParams(temperature=0.7, top_k=1)).kind == "argmax"
@@ -117,7 +125,7 @@ def test_sampler_spec_mapping() -> None:
     greedy_pen = cb.sampler_spec(GenerationParams(repetition_penalty=1.3))
     assert (greedy_pen.kind, greedy_pen.rep_p, greedy_pen.temperature) == ("argmax", 1.3, 0.0)
     for bad in (dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(repetition_penalty=0.0)):
-        with pytest.raises(anyquant.AnyquantError):
+        with pytest.raises(anyquant.ParameterError):  # GenerationParams refuses them when made
             cb.sampler_spec(GenerationParams(temperature=1.0, **bad))  # type: ignore[arg-type]
 
 

@@ -151,5 +151,7 @@ def test_tables_left_in_the_file_give_the_same_logits(root: Path) -> None:
     with torch.no_grad():
         assert torch.equal(filed.module(ids).logits, held.module(ids).logits)  # 32 rows: exact paths
         assert torch.equal(filed.module(ids[:, :8]).logits, held.module(ids[:, :8]).logits)  # prepacked head
-    with pytest.raises(ValueError, match="cpu_fast_tables"):
+    with pytest.raises(anyquant.ParameterError, match="cpu_fast_tables"):
         anyquant.load(path, backend="cpu-fast", cpu_fast_tables="disk")
+    with pytest.raises(anyquant.ParameterError, match="unknown load option"):  # a typo is not a no-op
+        anyquant.load(path, backend="cpu-fast", cpu_fast_table="memory")

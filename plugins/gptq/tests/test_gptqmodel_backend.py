@@ -71,6 +71,16 @@ def test_kernel_option_is_checked_before_gptqmodel_is_imported(tmp_path: Path, k
         anyquant.load(path, backend="gptqmodel", device="cpu", _gptqmodel_cpu=True, gptqmodel_kernel=kernel)
 
 
+def test_declared_options_are_the_ones_read() -> None:
+    """load() accepts exactly the option names the gptqmodel backend reads (GPTQ and AWQ)."""
+    from anyquant_awq.loader import AWQLoader
+    from anyquant_gptq import gptqmodel_kernels as gk
+    from anyquant_gptq.loader import GPTQMODEL_OPTIONS
+
+    assert set(GPTQMODEL_OPTIONS) == {gk.KERNEL_OPTION, gk.COMPILE_OPTION, gk.CPU_TEST_OPTION}
+    assert set(GPTQMODEL_OPTIONS) <= set(GPTQLoader.load_options) and AWQLoader.load_options == GPTQLoader.load_options
+
+
 @no_cuda
 def test_auto_on_cpu_never_picks_gptqmodel(tmp_path: Path) -> None:
     loader = GPTQLoader()

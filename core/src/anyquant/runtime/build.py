@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -13,13 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, MissingTensorError
+from ..errors import CheckpointError, ConfigError, MissingTensorError, ParameterError
 from .tensors import FileRows, TensorSource
 
 __all__ = [
     "RUNTIMES",
     "LinearFactory",
     "build_model",
+    "check_config",
     "choose_runtime",
     "fill_file_tables",
     "meta_parameters",
@@ -37,9 +39,19 @@ _DROP_KEYS = ("quantization_config", "compression_config", "auto_map")
 
 
 def resolve_device(device: str) -> torch.device:
+    """``"auto"``: the first CUDA GPU when torch sees one, else the CPU. A device torch cannot parse, or a
+    CUDA device where torch sees none, is a :class:`~anyquant.errors.ParameterError`."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ParameterError(f"device={device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ParameterError(
+            f"device={device!r}, but torch {torch.__version__} sees no CUDA GPU; use device='cpu' or 'auto'"
+        )
+    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -126,10 +138,63 @@ def choose_runtime(config: Mapping[str, Any], runtime: str) -> str:
     return "transformers"
 
 
+#: config values that size a decoder: positive integers where present (``None`` = the architecture's default)
+_SIZE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+#: what the native decoder cannot do without
+_NATIVE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+#: non-negative finite numbers where present (also inside ``rope_parameters`` / ``rope_scaling``)
+_NUMBER_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "factor")
+#: the rotary table is a real tensor of head_dim / 2 values, even on the meta device
+_MAX_HEAD_DIM = 1 << 16
+
+
+def check_config(config: Mapping[str, Any], *, tensors: int | None = None, native: bool = False) -> None:
+    """:class:`~anyquant.errors.ConfigError` unless the values that size the model are positive integers,
+    its epsilons and rotary constants non-negative finite numbers, and ``num_hidden_layers`` at most the
+    checkpoint's ``tensors`` (every layer has some): checked before anything is built, so a hostile
+    ``config.json`` (``num_hidden_layers: 1e9``, ``hidden_size: "abc"``) gives a clear error at once
+    instead of a build that runs for ever or a ``ValueError`` from deep inside. ``native``: the native
+    decoder's keys must be present too (transformers' classes have defaults for them)."""
+    for key in _SIZE_KEYS:
+        value = config.get(key)
+        if value is None:
+            if native and key in _NATIVE_KEYS:
+                raise ConfigError(f"config.json has no {key}")
+            continue
+        if type(value) is not int or not 1 <= value < 2**31:
+            raise ConfigError(f"config.json: {key} must be a positive integer, got {value!r}")
+    head_dim = config.get("head_dim")
+    if isinstance(head_dim, int) and head_dim > _MAX_HEAD_DIM:
+        raise ConfigError(f"config.json: head_dim {head_dim} is larger than any model's ({_MAX_HEAD_DIM})")
+    scopes = [config, *(config.get(k) for k in ("rope_parameters", "rope_scaling"))]
+    for scope in scopes:
+        if not isinstance(scope, Mapping):
+            continue
+        for key in _NUMBER_KEYS:
+            value = scope.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"config.json: {key} must be a non-negative number, got {value!r}")
+    layers = config.get("num_hidden_layers")
+    if tensors is not None and isinstance(layers, int) and layers > tensors:
+        raise ConfigError(f"config.json: num_hidden_layers={layers}, but the checkpoint holds only {tensors} tensor(s)")
+
+
 def skeleton(config: Mapping[str, Any], *, trust_remote_code: bool = False, runtime: str = "transformers") -> nn.Module:
     """The causal-LM module for ``config`` (transformers' class, or anyquant's native decoder when ``runtime``
     says so: :func:`choose_runtime`), with parameters on the meta device."""
-    if choose_runtime(config, runtime) == "native":
+    native = choose_runtime(config, runtime) == "native"
+    check_config(config, native=native)
+    if native:
         from .native import NativeCausalLM
 
         cfg = {k: v for k, v in config.items() if k not in _DROP_KEYS}
@@ -197,6 +262,7 @@ def build_model(
     left on the meta device, unread, for the caller to install (cpu-fast's head and embedding read them
     from the file) or to fill with :func:`fill_file_tables`.
     """
+    check_config(config, tensors=sum(1 for _ in source.keys()))
     model: Any = skeleton(config, trust_remote_code=trust_remote_code, runtime=runtime)
     device = torch.device(device)
     src = name_map or (lambda n: n)

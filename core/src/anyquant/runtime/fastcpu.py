@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ParameterError
 from .tensors import FileRows
 
 __all__ = [
@@ -477,16 +478,16 @@ class FastHead(nn.Module):
     head or tied embedding: half of float32) and may be shared with a :class:`CompactEmbedding`, or
     left in the checkpoint file (a :class:`~anyquant.runtime.tensors.FileRows`, read a slice at a
     time: then the prepacked copy, ~2 bytes per weight, is all the head holds in memory; it is built
-    in ``FILE_PIECES`` pieces of halving size, so the load holds at most an eighth of a bfloat16 copy
+    in ``FILE_PIECES`` pieces of halving size, so the load holds at most a sixteenth of a bfloat16 copy
     besides it).
     """
 
     CHUNK_ROWS = 8192
     #: prepacked pieces of a file-backed head, each half the rows left (the last two equal: 1/2, 1/4, 1/8,
-    #: 1/8), so the load's peak is the prepacked head plus one eighth of it in bfloat16 (equal quarters: one
-    #: quarter). One call each per decode step: ~0.1 ms more per step for SmolLM2's 49152x576 head than one
-    #: piece, the same as equal quarters; bitwise the same result.
-    FILE_PIECES = 4
+    #: 1/16, 1/16), so the load's peak is the prepacked head plus one sixteenth of it in bfloat16 (equal
+    #: quarters: one quarter; SmolLM2's head: 3.4 MiB, where four pieces left 6.8). One call each per decode
+    #: step: ~0.1-0.15 ms more per step for SmolLM2's 49152x576 head than one piece; bitwise the same result.
+    FILE_PIECES = 5
 
     def __init__(
         self,
@@ -768,14 +769,20 @@ class FastCPUPlan:
         if prefill == "auto":
             prefill = "bfloat16" if bf16_gemm_is_fast() else None
         if prefill is not None and prefill not in _PREFILL_DTYPES:
-            raise ValueError(f"cpu_fast_prefill={prefill!r} is not one of {sorted(_PREFILL_DTYPES)} or 'auto'")
-        rows = int(extra.get("cpu_fast_small_rows", DEFAULT_SMALL_ROWS))
+            raise ParameterError(f"cpu_fast_prefill={prefill!r} is not one of {sorted(_PREFILL_DTYPES)} or 'auto'")
+        given = extra.get("cpu_fast_small_rows", DEFAULT_SMALL_ROWS)
+        try:
+            rows = int(given)  # an int, or its text (options given on a command line)
+        except (TypeError, ValueError):
+            rows = 0
+        if isinstance(given, (bool, float)) or rows < 1:
+            raise ParameterError(f"cpu_fast_small_rows={given!r} is not a positive integer")
         head = extra.get("cpu_fast_head", "bfloat16")
         if head not in ("bfloat16", "dense"):
-            raise ValueError(f"cpu_fast_head={head!r} is not 'bfloat16' or 'dense'")
+            raise ParameterError(f"cpu_fast_head={head!r} is not 'bfloat16' or 'dense'")
         tables = extra.get("cpu_fast_tables", "file")
         if tables not in ("file", "memory"):
-            raise ValueError(f"cpu_fast_tables={tables!r} is not 'file' or 'memory'")
+            raise ParameterError(f"cpu_fast_tables={tables!r} is not 'file' or 'memory'")
         return cls(
             small_rows=rows,
             prefill_dtype=None if prefill is None else _PREFILL_DTYPES[prefill],

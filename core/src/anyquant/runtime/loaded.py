@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ..errors import ParameterError
 from ..protocols import Detection, GenerationParams, Generator, Prompt
 
 __all__ = ["LoadedModel"]
@@ -32,10 +33,18 @@ class LoadedModel:
 
     @staticmethod
     def params(**kwargs: Any) -> GenerationParams:
+        """:class:`GenerationParams` from keywords; ``stop`` may be one string or a list. An unknown keyword
+        (a misspelt ``max_tokens``) or a bad value is a :class:`~anyquant.errors.ParameterError`."""
         stop = kwargs.pop("stop", ())
         if isinstance(stop, str):
             stop = (stop,)
-        return replace(GenerationParams(), stop=tuple(stop or ()), **kwargs)
+        elif stop is None:
+            stop = ()
+        unknown = sorted(set(kwargs) - {f.name for f in fields(GenerationParams)})
+        if unknown:
+            known = ", ".join(f.name for f in fields(GenerationParams))
+            raise ParameterError(f"unknown generation parameter(s) {unknown}; known: {known}")
+        return replace(GenerationParams(), stop=tuple(stop) if isinstance(stop, (list, tuple)) else stop, **kwargs)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> str:
         """Generate text. Keyword arguments are :class:`~anyquant.GenerationParams` fields."""

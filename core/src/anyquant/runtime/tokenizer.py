@@ -14,10 +14,30 @@ log = logging.getLogger(__name__)
 
 
 def load_tokenizer(probe: Probe, *, trust_remote_code: bool = False) -> Any:
-    """The checkpoint's tokenizer, or ``None`` (logged) when it ships none."""
+    """The checkpoint's tokenizer, or ``None`` (logged) when it ships none.
+
+    Tokenizer files that cannot be loaded (truncated or malformed ``tokenizer.json``, a class that needs
+    remote code, a missing vocabulary file) are a :class:`~anyquant.errors.CheckpointError` naming the
+    library's own complaint: the tokenizer libraries raise anything from ``JSONDecodeError`` to the Rust
+    binding's bare ``Exception``."""
+    from ..errors import AnyquantError, CheckpointError
+
     if not any(n.startswith(("tokenizer", "vocab")) for n in probe.tokenizer_files):
         log.warning("%s has no tokenizer files: text generation needs one", probe.root)
         return None
+    try:
+        return _load(probe, trust_remote_code)
+    except AnyquantError:
+        raise
+    except Exception as exc:
+        detail = " ".join(str(exc).split())[:300]
+        raise CheckpointError(
+            f"{probe.root}: its tokenizer files ({', '.join(probe.tokenizer_files)}) cannot be loaded: "
+            f"{type(exc).__name__}: {detail}"
+        ) from exc
+
+
+def _load(probe: Probe, trust_remote_code: bool) -> Any:
     if not trust_remote_code and _generic_fast(probe):
         # what AutoTokenizer would build, without its AutoConfig round trip (which imports the model's
         # configuration module and, through it, torch.distributed.tensor: ~1 s of a ~2 s load)

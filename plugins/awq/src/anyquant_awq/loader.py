@@ -11,6 +11,7 @@ from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 from anyquant.report import dense_rows
 from anyquant_gptq.loader import (
+    GPTQLoader,
     cpu_fast_backend,
     finish_layer_plans,
     gptqmodel_backend,
@@ -63,6 +64,7 @@ def _modules(probe: Probe, bits: int) -> dict[str, dict[str, Any]]:
 class AWQLoader(TransformersLoader):
     format = "awq"
     backend_order = ("gptqmodel", "cpu-fast", "dequantized", "reference")
+    load_options = GPTQLoader.load_options
     #: the GPTQModel kernels of the last load with backend "gptqmodel"
     _kernel_plan: KernelPlan | None = None
     _extra: Mapping[str, Any] = {}

@@ -18,9 +18,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 from anyquant.errors import QuantizeError
 from anyquant.probe import Probe
@@ -146,6 +147,20 @@ class AWQQuantizer(GPTQModelQuantizer):
     method = "awq"
     formats = ("gemm",)
     bits_allowed = (4,)
+    quantize_options: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            **GPTQModelQuantizer.quantize_options,
+            "format": "the checkpoint layout: 'gemm' (the only one anyquant writes)",
+            "dtype": "'float16' (default; AWQ GEMM stores float16 scales)",
+            "quantizer_backend": f"one of {QUANTIZER_BACKENDS} (default 'auto': GPTQModel with a GPU, anyquant's own on CPU)",
+            "version": "'gemm' (the only one anyquant writes)",
+            "zero_point": "asymmetric (AWQ's default, True) or symmetric; overrides sym",
+            "apply_clip": "AWQ's weight clipping search (default True)",
+            "n_grid": "scale search grid points (anyquant's quantizer; default 20)",
+            "duo_scaling": "scale by activations and weights (default True)",
+            "batch_size": "calibration batch size",
+        }
+    )
 
     def backend(self, spec: QuantizeSpec) -> str:
         """The quantizer that runs: ``quantizer_backend`` resolved (see the module docstring)."""

@@ -73,7 +73,7 @@ BACKEND = "exllamav3"
 PAGE_SIZE = 256
 #: Default KV-cache size in tokens, shared by every job of a batch (``cache_tokens=`` to change).
 DEFAULT_CACHE_TOKENS = 8192
-#: ``LoadOptions.extra`` keys this backend reads (anything else is ignored, as by the other backends).
+#: ``LoadOptions.extra`` keys this backend reads (``EXL3Loader.load_options`` declares them; load() refuses others).
 EXTRA_OPTIONS = ("tensor_parallel", "tp_backend", "autosplit", "cache_tokens", "max_batch_size", "max_chunk_size")
 INSTALL_HINT = "pip install exllamav3 (needs an Ampere or newer NVIDIA GPU and a CUDA toolkit for its JIT build)"
 
@@ -179,13 +179,7 @@ class SamplerSpec:
 
 
 def sampler_spec(params: GenerationParams) -> SamplerSpec:
-    """Validate the sampling fields and map them onto exllamav3's samplers."""
-    if params.top_k < 0:
-        raise AnyquantError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-    if not 0.0 < params.top_p <= 1.0:
-        raise AnyquantError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.repetition_penalty <= 0:
-        raise AnyquantError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+    """Map the sampling fields onto exllamav3's samplers (:class:`GenerationParams` checked their ranges)."""
     rep_p = float(params.repetition_penalty)
     if params.temperature <= 0 or params.top_k == 1:
         return SamplerSpec("argmax", rep_p=rep_p)

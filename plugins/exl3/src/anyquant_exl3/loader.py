@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from anyquant.errors import CheckpointError, UnsupportedBackendError, UnsupportedFormatError
-from anyquant.loaders import LoadContext, TransformersLoader
+from anyquant.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext, TransformersLoader
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 from anyquant.report import dense_rows
@@ -255,9 +256,25 @@ class BF16CpuFast:
         loaded.info = {**loaded.info, "cpu_fast": {"linears": "bfloat16 prepacked", "lm_head": head}}
 
 
+#: the ``exllamav3`` backend's load options (read in :mod:`anyquant_exl3.cuda_backend`)
+EXLLAMAV3_OPTIONS: Mapping[str, str] = MappingProxyType(
+    {
+        "tensor_parallel": "exllamav3's tensor-parallel load over every visible GPU (2 or more; default False)",
+        "tp_backend": "with tensor_parallel: exllamav3's tp_backend, passed through",
+        "autosplit": "split the layers over the visible GPUs (exllamav3's autosplit loader)",
+        "cache_tokens": "KV-cache size in tokens, shared by the jobs of a batch (default 8192)",
+        "max_chunk_size": "prompt tokens per forward (default 2048)",
+        "max_batch_size": "the generator's batch size (default 16)",
+    }
+)
+
+
 class EXL3Loader(BF16CpuFast, TransformersLoader):
     format = "exl3"
     backend_order = ("exllamav3", "cpu-fast", "dequantized", "reference")
+    load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS, **EXLLAMAV3_OPTIONS}
+    )
 
     def __init__(self) -> None:
         self._source: EXL3Source | None = None
@@ -448,6 +465,7 @@ class EXL2Loader(BF16CpuFast, TransformersLoader):
 
     format = "exl2"
     backend_order = ("cpu-fast", "dequantized", "reference")
+    load_options: ClassVar[Mapping[str, str]] = MappingProxyType({**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS})
     SUFFIXES = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm")
 
     def backends(self) -> list[BackendInfo]:

@@ -29,10 +29,11 @@ import logging
 import math
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from anyquant.errors import QuantizeError
 from anyquant.probe import Probe
@@ -244,6 +245,22 @@ def quantizer_backend(spec: QuantizeSpec) -> str:
 
 class EXL3Quantizer:
     method = "exl3"
+    #: the ``quantize(..., **options)`` keywords this quantizer reads (any other is a QuantizeError)
+    quantize_options: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "quantizer_backend": "'auto' (default: exllamav3's converter on CUDA, anyquant's encoder elsewhere), "
+            "'exllamav3' or 'anyquant'",
+            "codebook": "'mul1' (default), 'mcg' or '3inst'",
+            "head_bits": "the LM head: 16 (anyquant's encoder; unquantized) or 1..8 (exllamav3's converter, default 6)",
+            "embed_bits": "the token embedding: 16 (default, unquantized) or 1..8 (ring-coded)",
+            "ldlq": "anyquant's encoder: Hessian-aware LDLQ from the calibration data (default True)",
+            "encode_device": "anyquant's encoder: 'cpu' (default) or a torch device",
+            "batch_tiles": "anyquant's encoder: 16x16 tiles per Viterbi batch",
+            "out_scales": "exllamav3's converter: its out_scales mode (default 'auto')",
+            "scaled_hessian": "exllamav3's converter: its scaled-Hessian option (default False)",
+            "devices": "exllamav3's converter: the GPUs to use (default '0')",
+        }
+    )
 
     def validate(self, probe: Probe, spec: QuantizeSpec) -> None:
         if not 1 <= spec.bits <= 8:

@@ -27,10 +27,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from anyquant.errors import CheckpointError, MissingTensorError, UnsupportedBackendError, UnsupportedFormatError
-from anyquant.loaders import LoadContext, TransformersLoader
+from anyquant.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext, TransformersLoader
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 
@@ -167,6 +168,13 @@ def cpu_fast_backend() -> BackendInfo:
 class GGUFLoader(TransformersLoader):
     format = "gguf"
     backend_order = ("cpu-fast", "dequantized", "packed")
+    load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            **RUNTIME_OPTIONS,
+            **CPU_FAST_OPTIONS,
+            "embedding": "'packed' (cpu-fast's default: looked-up rows decoded from the GGUF blocks) or 'dense'",
+        }
+    )
 
     def __init__(self) -> None:
         #: linears of the file being loaded that torch's int4 kernel can take (auto picks cpu-fast)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from anyquant.errors import CheckpointError, UnsupportedBackendError
-from anyquant.loaders import LoadContext, TransformersLoader
+from anyquant.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext, TransformersLoader
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, ModuleInfo
 from anyquant.report import dense_rows
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
     from .gptqmodel_kernels import KernelPlan
 
-__all__ = ["GPTQLoader"]
+__all__ = ["GPTQMODEL_OPTIONS", "GPTQLoader"]
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,22 @@ def finish_layer_plans(loader: Any, loaded: LoadedModel) -> None:
         loaded.info = {**loaded.info, "gptqmodel": kernels.summary()}
 
 
+#: load options of GPTQ and AWQ checkpoints' ``gptqmodel`` backend (read in :mod:`anyquant_gptq.gptqmodel_kernels`)
+GPTQMODEL_OPTIONS: Mapping[str, str] = MappingProxyType(
+    {
+        "gptqmodel_kernel": "backend='gptqmodel': 'auto' (default) or one GPTQModel kernel by name",
+        "gptqmodel_compile": "backend='gptqmodel': torch.compile the GPTQModel kernels (default False)",
+        "_gptqmodel_cpu": "tests only: backend='gptqmodel' on the CPU, with GPTQModel's torch kernel",
+    }
+)
+
+
 class GPTQLoader(TransformersLoader):
     format = "gptq"
     backend_order = ("gptqmodel", "cpu-fast", "dequantized", "reference")
+    load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS, **GPTQMODEL_OPTIONS}
+    )
     #: the GPTQModel kernels of the last load with backend "gptqmodel"
     _kernel_plan: KernelPlan | None = None
     _extra: Mapping[str, Any] = {}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 from anyquant.errors import QuantizeError
 from anyquant.probe import Probe
@@ -31,6 +32,15 @@ class GPTQModelQuantizer:
     method = "gptq"
     formats: tuple[str, ...] = ("gptq", "gptq_v2")
     bits_allowed: tuple[int, ...] = (2, 3, 4, 8)
+    #: the ``quantize(..., **options)`` keywords this quantizer reads (any other is a QuantizeError)
+    quantize_options: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "format": "the checkpoint format GPTQModel writes: 'gptq' (default) or 'gptq_v2'",
+            "dynamic": "GPTQModel's per-module overrides ({regex: {bits, group_size, ...}}), passed through",
+            "dtype": "the dtype GPTQModel quantizes in: 'float16' (default) or 'bfloat16'",
+            "batch_size": "calibration batch size (default 4)",
+        }
+    )
 
     def validate(self, probe: Probe, spec: QuantizeSpec) -> None:
         bits = spec.bits

@@ -1,0 +1,99 @@
+"""Keyword options: what each loader and quantizer declares is what its code reads, and anything else
+is refused before any work (a misspelt option must not be a silent no-op)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import anyquant
+from anyquant.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS
+from anyquant.quantization import CORE_QUANTIZE_OPTIONS
+from anyquant.testing.tiny import make_tiny_dense
+from anyquant_awq.loader import AWQLoader
+from anyquant_awq.quantize import AWQQuantizer
+from anyquant_exl3.loader import EXL2Loader, EXL3Loader
+from anyquant_exl3.quantize import EXL3Quantizer
+from anyquant_gguf.loader import GGUFLoader
+from anyquant_gptq.loader import GPTQLoader
+from anyquant_gptq.quantize import GPTQQuantizer
+
+ROOT = Path(__file__).resolve().parents[1]
+#: ``options.get("name"``, ``extra.get("name"``, ``options["name"]``, ``"name" in spec.options``
+READ = re.compile(r'(?:options|extra)(?:\.get\(|\[)"(\w+)"|"(\w+)" in (?:spec\.)?options\b')
+#: set by quantize() itself from ``calibration=`` (a list of texts), never passed by the caller
+INTERNAL = {"texts"}
+
+
+def _reads(*files: str) -> set[str]:
+    names: set[str] = set()
+    for f in files:
+        for a, b in READ.findall((ROOT / f).read_text()):
+            names.add(a or b)
+    return names
+
+
+@pytest.mark.parametrize(
+    ("declared", "files"),
+    [
+        (GPTQQuantizer.quantize_options, ["plugins/gptq/src/anyquant_gptq/quantize.py"]),
+        (
+            AWQQuantizer.quantize_options,
+            ["plugins/gptq/src/anyquant_gptq/quantize.py", "plugins/awq/src/anyquant_awq/quantize.py"],
+        ),
+        (
+            EXL3Quantizer.quantize_options,
+            [
+                "plugins/exl3/src/anyquant_exl3/quantize.py",
+                "plugins/exl3/src/anyquant_exl3/exllamav3_convert.py",
+                "plugins/exl3/src/anyquant_exl3/hessian.py",
+            ],
+        ),
+    ],
+    ids=["gptq", "awq", "exl3"],
+)
+def test_quantizers_declare_what_they_read(declared, files) -> None:  # type: ignore[no-untyped-def]
+    read = _reads(*files, "core/src/anyquant/quantization.py")
+    assert read - INTERNAL <= set(declared) | set(CORE_QUANTIZE_OPTIONS)
+    assert set(declared) <= read  # nothing declared that nobody reads
+
+
+@pytest.mark.parametrize(
+    ("loader", "files"),
+    [
+        (
+            GPTQLoader,
+            ["plugins/gptq/src/anyquant_gptq/loader.py", "plugins/gptq/src/anyquant_gptq/gptqmodel_kernels.py"],
+        ),
+        (AWQLoader, ["plugins/awq/src/anyquant_awq/loader.py", "plugins/gptq/src/anyquant_gptq/gptqmodel_kernels.py"]),
+        (GGUFLoader, ["plugins/gguf/src/anyquant_gguf/loader.py"]),
+        (EXL3Loader, ["plugins/exl3/src/anyquant_exl3/loader.py", "plugins/exl3/src/anyquant_exl3/cuda_backend.py"]),
+        (EXL2Loader, ["plugins/exl3/src/anyquant_exl3/loader.py"]),
+    ],
+    ids=lambda v: getattr(v, "__name__", "files"),
+)
+def test_loaders_declare_what_they_read(loader, files) -> None:  # type: ignore[no-untyped-def]
+    read = _reads(*files, "core/src/anyquant/loaders.py", "core/src/anyquant/runtime/fastcpu.py")
+    declared = set(loader.load_options)
+    assert set(RUNTIME_OPTIONS) | set(CPU_FAST_OPTIONS) <= declared
+    # the gptqmodel kernels name their options by constants: the gptq test module checks those
+    assert read - {"gptqmodel_kernel", "gptqmodel_compile", "_gptqmodel_cpu"} <= declared | _exl3_only(loader)
+
+
+def _exl3_only(loader: type) -> set[str]:
+    """loader.py serves both EXL3 and EXL2: the exllamav3 options it reads are EXL3's alone."""
+    return set(EXL3Loader.load_options) if loader is EXL2Loader else set()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_dense(tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "exl3"])
+def test_unknown_quantize_option_is_refused_before_any_work(tiny: Path, tmp_path: Path, method: str) -> None:
+    with pytest.raises(anyquant.QuantizeError, match=r"unknown quantize option\(s\) \['group'\]"):
+        anyquant.quantize(tiny, tmp_path / "out", method=method, group=64)  # group_size= is the argument
+    assert not (tmp_path / "out").exists()
