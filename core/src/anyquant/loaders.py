@@ -148,14 +148,14 @@ class TransformersLoader:
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device)
         backend = self.choose_backend(options.backend, device)
-        source = self.tensor_source(probe, options)
-        ctx = LoadContext(probe, detection, source, backend, dtype, device, options)
         from ._memory import release_free_heap
 
         # the tokenizer first: its parse peaks at ~3x what it keeps (SmolLM2's: +41 MiB, then 14), and
-        # that transient then lands before the weights, not on top of them
+        # that transient then lands before the weights, not on top of them; nothing is open yet if it fails
         tokenizer = self.tokenizer(probe, options)
         release_free_heap()
+        source = self.tensor_source(probe, options)
+        ctx = LoadContext(probe, detection, source, backend, dtype, device, options)
         try:
             module = build_model(
                 self.model_config(probe),
