@@ -91,15 +91,14 @@ def load(
 
 def _check_options(loader: Any, extra: Mapping[str, Any], fmt: str) -> None:
     """A keyword the loader does not read (``load_options``) is a typo, not a no-op: refuse it."""
-    known = getattr(loader, "load_options", None)
-    if known is None or not extra:
-        return
-    unknown = sorted(set(extra) - set(known))
-    if unknown:
+    from .protocols import undeclared_options
+
+    found = undeclared_options(loader, "load_options", extra)
+    if found is not None and found[0]:
         from .errors import ParameterError
 
         raise ParameterError(
-            f"unknown load option(s) {unknown} for a {fmt} checkpoint; its loader reads {sorted(known) or 'none'} "
+            f"unknown load option(s) {found[0]} for a {fmt} checkpoint; its loader reads {found[1] or 'none'} "
             "(and load()'s own format, backend, device, dtype, allow_pickle, trust_remote_code, registry)"
         )
 

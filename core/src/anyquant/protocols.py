@@ -7,7 +7,8 @@ need not inherit from anything: the protocols are structural.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import math
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -136,8 +137,6 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    import math
-
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -206,3 +205,16 @@ class Generator(Protocol):
     def stream(self, prompt: Prompt, params: GenerationParams) -> Iterator[str]: ...
 
     def generate_batch(self, prompts: Sequence[Prompt], params: GenerationParams) -> list[str]: ...
+
+
+def undeclared_options(
+    owner: object, attribute: str, given: Collection[str], always: Collection[str] = ()
+) -> tuple[list[str], list[str]] | None:
+    """``(unknown, accepted)``: the keywords in ``given`` that ``owner``'s declaration ``attribute`` (a loader's
+    ``load_options``, a quantizer's ``quantize_options``) and ``always`` do not name, and every accepted name,
+    sorted; ``None`` when ``owner`` declares nothing (a third party's class: every keyword passes)."""
+    declared = getattr(owner, attribute, None)
+    if declared is None:
+        return None
+    accepted = {*declared, *always}
+    return sorted(set(given) - accepted), sorted(accepted)

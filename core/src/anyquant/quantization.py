@@ -33,7 +33,7 @@ from typing import Any
 
 from .errors import AnyquantError, QuantizeError
 from .probe import Probe
-from .protocols import QuantizeSpec
+from .protocols import QuantizeSpec, undeclared_options
 from .registry import Registry, load_spec_object
 
 __all__ = [
@@ -278,14 +278,11 @@ CORE_QUANTIZE_OPTIONS: Mapping[str, str] = MappingProxyType(
 def _check_options(quantizer: Any, options: Mapping[str, Any], method: str) -> None:
     """An option the quantizer does not read (its ``quantize_options``) is a typo, not a no-op: refuse it
     before any work. A quantizer without the attribute (a third party's) gets every option unchecked."""
-    known = getattr(quantizer, "quantize_options", None)
-    if known is None:
-        return
-    unknown = sorted(set(options) - set(known) - set(CORE_QUANTIZE_OPTIONS))
-    if unknown:
+    found = undeclared_options(quantizer, "quantize_options", options, CORE_QUANTIZE_OPTIONS)
+    if found is not None and found[0]:
         raise QuantizeError(
-            f"unknown quantize option(s) {unknown} for method {method!r}; it reads "
-            f"{sorted({*known, *CORE_QUANTIZE_OPTIONS})} (and quantize()'s own bits, group_size, sym, desc_act, "
+            f"unknown quantize option(s) {found[0]} for method {method!r}; it reads "
+            f"{found[1]} (and quantize()'s own bits, group_size, sym, desc_act, "
             "calibration, calibration_samples, calibration_seq_len, overwrite, max_ppl_ratio, quality, progress)"
         )
 

@@ -111,7 +111,7 @@ def test_backend_info_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_declared_options_are_the_ones_read() -> None:
     from anyquant_exl3.loader import EXLLAMAV3_OPTIONS, EXL2Loader, EXL3Loader
 
-    assert set(EXLLAMAV3_OPTIONS) == set(cb.EXTRA_OPTIONS)
+    assert set(cb.EXTRA_OPTIONS) == set(EXLLAMAV3_OPTIONS)  # the backend reads the loader's declaration
     assert set(EXLLAMAV3_OPTIONS) <= set(EXL3Loader.load_options)
     assert not set(EXLLAMAV3_OPTIONS) & set(EXL2Loader.load_options)  # EXL2 has no exllamav3 backend
 

@@ -189,11 +189,18 @@ def check_config(config: Mapping[str, Any], *, tensors: int | None = None, nativ
         raise ConfigError(f"config.json: num_hidden_layers={layers}, but the checkpoint holds only {tensors} tensor(s)")
 
 
-def skeleton(config: Mapping[str, Any], *, trust_remote_code: bool = False, runtime: str = "transformers") -> nn.Module:
+def skeleton(
+    config: Mapping[str, Any],
+    *,
+    trust_remote_code: bool = False,
+    runtime: str = "transformers",
+    tensors: int | None = None,
+) -> nn.Module:
     """The causal-LM module for ``config`` (transformers' class, or anyquant's native decoder when ``runtime``
-    says so: :func:`choose_runtime`), with parameters on the meta device."""
+    says so: :func:`choose_runtime`), with parameters on the meta device; ``config`` is checked first
+    (:func:`check_config`, with the checkpoint's ``tensors`` count when given)."""
     native = choose_runtime(config, runtime) == "native"
-    check_config(config, native=native)
+    check_config(config, tensors=tensors, native=native)
     if native:
         from .native import NativeCausalLM
 
@@ -262,8 +269,8 @@ def build_model(
     left on the meta device, unread, for the caller to install (cpu-fast's head and embedding read them
     from the file) or to fill with :func:`fill_file_tables`.
     """
-    check_config(config, tensors=sum(1 for _ in source.keys()))
-    model: Any = skeleton(config, trust_remote_code=trust_remote_code, runtime=runtime)
+    tensors = sum(1 for _ in source.keys())
+    model: Any = skeleton(config, trust_remote_code=trust_remote_code, runtime=runtime, tensors=tensors)
     device = torch.device(device)
     src = name_map or (lambda n: n)
     if make_linear is not None:

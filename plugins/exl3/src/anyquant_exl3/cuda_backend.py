@@ -46,6 +46,8 @@ from anyquant.errors import AnyquantError, MissingDependencyError, UnsupportedBa
 from anyquant.protocols import BackendInfo, GenerationParams, LoadOptions
 from anyquant.runtime.generate import TorchGenerator
 
+from .loader import EXLLAMAV3_OPTIONS
+
 if TYPE_CHECKING:
     from anyquant.probe import Probe
     from anyquant.protocols import Detection, Prompt
@@ -73,8 +75,8 @@ BACKEND = "exllamav3"
 PAGE_SIZE = 256
 #: Default KV-cache size in tokens, shared by every job of a batch (``cache_tokens=`` to change).
 DEFAULT_CACHE_TOKENS = 8192
-#: ``LoadOptions.extra`` keys this backend reads (``EXL3Loader.load_options`` declares them; load() refuses others).
-EXTRA_OPTIONS = ("tensor_parallel", "tp_backend", "autosplit", "cache_tokens", "max_batch_size", "max_chunk_size")
+#: ``LoadOptions.extra`` keys this backend reads (declared once, in the loader's ``EXLLAMAV3_OPTIONS``).
+EXTRA_OPTIONS = tuple(EXLLAMAV3_OPTIONS)
 INSTALL_HINT = "pip install exllamav3 (needs an Ampere or newer NVIDIA GPU and a CUDA toolkit for its JIT build)"
 
 

@@ -48,6 +48,7 @@ from anyquant.protocols import BackendInfo
 from anyquant.runtime.packing import pack_cols
 
 from .dequant import gptq_zero_points
+from .loader import COMPILE_OPTION, CPU_TEST_OPTION, KERNEL_OPTION  # declared with the loader's options
 
 __all__ = [
     "AUTO_KERNELS",
@@ -66,10 +67,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "gptqmodel"
-KERNEL_OPTION = "gptqmodel_kernel"
-COMPILE_OPTION = "gptqmodel_compile"
-#: internal, for tests: run backend "gptqmodel" on the CPU with GPTQModel's torch kernel
-CPU_TEST_OPTION = "_gptqmodel_cpu"
 
 #: kernel name -> GPTQModel ``BACKEND`` member, per method
 KERNELS: dict[str, dict[str, str]] = {

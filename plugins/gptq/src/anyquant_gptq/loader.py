@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from .gptqmodel_kernels import KernelPlan
 
-__all__ = ["GPTQMODEL_OPTIONS", "GPTQLoader"]
+__all__ = ["COMPILE_OPTION", "CPU_TEST_OPTION", "GPTQMODEL_OPTIONS", "KERNEL_OPTION", "GPTQLoader"]
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,15 @@ def finish_layer_plans(loader: Any, loaded: LoadedModel) -> None:
 
 
 #: load options of GPTQ and AWQ checkpoints' ``gptqmodel`` backend (read in :mod:`anyquant_gptq.gptqmodel_kernels`)
+KERNEL_OPTION = "gptqmodel_kernel"
+COMPILE_OPTION = "gptqmodel_compile"
+#: internal, for tests: run backend "gptqmodel" on the CPU with GPTQModel's torch kernel
+CPU_TEST_OPTION = "_gptqmodel_cpu"
 GPTQMODEL_OPTIONS: Mapping[str, str] = MappingProxyType(
     {
-        "gptqmodel_kernel": "backend='gptqmodel': 'auto' (default) or one GPTQModel kernel by name",
-        "gptqmodel_compile": "backend='gptqmodel': torch.compile the GPTQModel kernels (default False)",
-        "_gptqmodel_cpu": "tests only: backend='gptqmodel' on the CPU, with GPTQModel's torch kernel",
+        KERNEL_OPTION: "backend='gptqmodel': 'auto' (default) or one GPTQModel kernel by name",
+        COMPILE_OPTION: "backend='gptqmodel': torch.compile the GPTQModel kernels (default False)",
+        CPU_TEST_OPTION: "tests only: backend='gptqmodel' on the CPU, with GPTQModel's torch kernel",
     }
 )
 
