@@ -120,37 +120,46 @@ def test_native_load_imports_no_transformers_model_code(tmp_path: Path) -> None:
     assert out.strip().splitlines()[-1] == "NativeCausalLM []"
 
 
-def test_fused_int4_decode_is_bitwise_the_separate_kernels(tmp_path: Path) -> None:
+def _int4_model(path: Path, *, bias: bool, dense_down: tuple[int, ...] = ()) -> anyquant.LoadedModel:
+    """A tiny native model whose q/k/v/o and MLP linears are cpu-fast int4 with random codes (the
+    ``down_proj`` of the layers ``dense_down`` stays a float32 ``nn.Linear``)."""
     from anyquant.runtime.fastcpu import FastInt4Linear, int4pack_status
 
     status = int4pack_status()
     if not status.available:
         pytest.skip(f"no int4 CPU kernel here: {status.reason}")
-    path = make_tiny_dense(tmp_path / "m", num_hidden_layers=2, attention_bias=True)
-    model = anyquant.load(path, runtime="native")
+    model = anyquant.load(make_tiny_dense(path, num_hidden_layers=2, attention_bias=bias), runtime="native")
     gen = torch.Generator().manual_seed(5)
-    for layer in model.module.model.layers:
-        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+    for index, layer in enumerate(model.module.model.layers):
+        mlp_names = ("gate_proj", "up_proj") if index in dense_down else ("gate_proj", "up_proj", "down_proj")
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (layer.mlp, mlp_names)):
             for name in names:
                 lin = getattr(parent, name)
                 k, n = lin.in_features, lin.out_features
                 codes = torch.randint(0, 16, (k, n), generator=gen)
                 zeros = torch.randint(0, 16, (k // 32, n), generator=gen)
                 scales = (torch.rand(k // 32, n, generator=gen) * 0.02).half()
-                bias = None if lin.bias is None else lin.bias.detach().clone()
-                setattr(parent, name, FastInt4Linear(codes, zeros, scales, bias=bias))
-    ids = torch.randint(0, 200, (2, 9), generator=gen)
+                b = None if lin.bias is None else lin.bias.detach().clone()
+                setattr(parent, name, FastInt4Linear(codes, zeros, scales, bias=b))
+    return model
 
-    def steps() -> torch.Tensor:
-        with torch.no_grad():
-            out = model.module(ids, use_cache=True)
-            logits = []
-            for i in range(4):
-                out = model.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
-                logits.append(out.logits)
-        return torch.cat(logits, dim=1)
 
-    fused = steps()
+def _decode(model: anyquant.LoadedModel, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """The logits of ``ids[:, prompt:]`` fed one token at a time after the prompt ``ids[:, :prompt]``."""
+    with torch.no_grad():
+        out = model.module(ids[:, :prompt], use_cache=True)
+        logits = []
+        for i in range(prompt, ids.shape[1]):
+            out = model.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
+            logits.append(out.logits)
+    return torch.cat(logits, dim=1)
+
+
+def test_fused_int4_decode_is_bitwise_the_separate_kernels(tmp_path: Path) -> None:
+    model = _int4_model(tmp_path / "m", bias=True)
+    ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(5))
+    fused = _decode(model, ids, 5)
+    assert model.module.__dict__["_step"] is None  # biases: the layers are not the decode step's shape
     fusions = [m.__dict__.get("_fusion") for m in model.module.modules() if "_fusion" in m.__dict__]
     assert len(fusions) == 4 and all(f is not None for f in fusions)  # q/k/v and gate/up of 2 layers
     q = model.module.model.layers[0].self_attn.q_proj
@@ -158,4 +167,91 @@ def test_fused_int4_decode_is_bitwise_the_separate_kernels(tmp_path: Path) -> No
     for m in model.module.modules():
         if "_fusion" in m.__dict__:
             m.__dict__["_fusion"] = None  # each linear on its own again
-    assert torch.equal(steps(), fused)
+    assert torch.equal(_decode(model, ids, 5), fused)
+
+
+class _LayerCalls:
+    """Counts ``DecoderLayer.forward`` calls: the module path runs them, the compiled decode step does not."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from anyquant.runtime import native
+
+        self.count, forward = 0, native.DecoderLayer.forward
+
+        def counted(layer: torch.nn.Module, *args: object) -> torch.Tensor:
+            self.count += 1
+            return forward(layer, *args)
+
+        monkeypatch.setattr(native.DecoderLayer, "forward", counted)
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count
+
+
+def test_compiled_decode_step_is_bitwise_the_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from anyquant.runtime.step import DecodeStep
+
+    model = _int4_model(tmp_path / "m", bias=False)
+    ids = torch.randint(0, 200, (2, 75), generator=torch.Generator().manual_seed(7))
+    calls = _LayerCalls(monkeypatch)
+    fast = _decode(model, ids, 50)  # 25 steps: the KV buffers grow past their first 64 positions on the way
+    step = model.module.__dict__["_step"]
+    assert isinstance(step, DecodeStep)
+    assert calls.take() == 2  # the prompt's two layers; no decode step went through the modules
+    if os.environ.get("PYTORCH_JIT", "1") != "0":
+        assert isinstance(step.layer, torch.jit.ScriptFunction)
+    model.module.__dict__["_step"] = None  # the module path
+    slow = _decode(model, ids, 50)
+    assert calls.take() == 2 * 26
+    assert torch.equal(fast, slow)
+    prompts = ["Hi", "Hello there, how are you today?", "x"]  # a padded batch: the mask goes with each step
+    slow_batch = model.generate_batch(prompts, max_new_tokens=8)
+    assert calls.take() > 2 * 8
+    del model.module.__dict__["_step"]  # rebuilt on the next decode step
+    assert model.generate_batch(prompts, max_new_tokens=8) == slow_batch
+    assert calls.take() == 2 and isinstance(model.module.__dict__["_step"], DecodeStep)  # only the prompt's
+
+
+def test_hooks_and_replaced_modules_take_the_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from anyquant.runtime.native import RMSNorm
+
+    model = _int4_model(tmp_path / "m", bias=False)
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(8))
+    want = _decode(model, ids, 8)
+    calls = _LayerCalls(monkeypatch)
+    seen: list[tuple[int, ...]] = []
+    down = model.module.model.layers[1].mlp.down_proj
+    handle = down.register_forward_hook(lambda mod, args, out: seen.append(tuple(out.shape)))
+    assert torch.equal(_decode(model, ids, 8), want)
+    assert len(seen) == 5 and calls.take() == 2 * 5  # the hook saw the prompt and each of the 4 steps
+    handle.remove()
+    glob = torch.nn.modules.module.register_module_forward_pre_hook(lambda mod, args: None)
+    assert torch.equal(_decode(model, ids, 8), want) and calls.take() == 2 * 5
+    glob.remove()
+    assert torch.equal(_decode(model, ids, 8), want) and calls.take() == 2  # fast again
+    top = model.module.register_forward_hook(lambda mod, args, out: seen.append(tuple(out.logits.shape)))
+    assert torch.equal(_decode(model, ids, 8), want) and calls.take() == 2  # the model's own hook: still fast
+    assert len(seen) == 10  # and it fired for the prompt and each step
+    top.remove()
+    layer = model.module.model.layers[0]
+    norm = RMSNorm(layer.post_attention_layernorm.weight.shape[0], layer.post_attention_layernorm.variance_epsilon)
+    with torch.no_grad():
+        norm.weight.copy_(layer.post_attention_layernorm.weight * 2)
+    layer.post_attention_layernorm = norm  # a module the step was not built from: it must not be skipped
+    changed = _decode(model, ids, 8)
+    assert calls.take() == 2 * 5 and not torch.equal(changed, want)
+
+
+def test_a_layer_left_dense_runs_through_its_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _int4_model(tmp_path / "m", bias=False, dense_down=(0,))
+    ids = torch.randint(0, 200, (1, 14), generator=torch.Generator().manual_seed(9))
+    calls = _LayerCalls(monkeypatch)
+    fast = _decode(model, ids, 8)
+    step = model.module.__dict__["_step"]
+    assert step.layers[0] is None and step.layers[1] is not None
+    assert calls.take() == 2 + 6  # the prompt's two layers, then layer 0 alone in each of the 6 steps
+    model.module.__dict__["_step"] = None
+    assert torch.equal(_decode(model, ids, 8), fast)

@@ -8,7 +8,8 @@ it: see :func:`native_runtime_reason`). It exists for speed on the CPU:
 - **decode**: one Python frame per layer and no generic mask/cache machinery: per layer two norms, the
   q/k/v/o and gate/up/down linears (whatever modules the loader put there), rotary embedding, a KV-cache
   write and one ``scaled_dot_product_attention``; with the cpu-fast int4 linears, q/k/v and gate/up each
-  run as one kernel call on the decode path (:class:`FusedInt4`).
+  run as one kernel call on the decode path (:class:`FusedInt4`), and a decode step runs each all-int4 layer
+  as one TorchScript function (:mod:`anyquant.runtime.step`).
 
 The module tree and parameter names are transformers' (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``model.layers.N.mlp.gate_proj``, ``model.norm``, ``lm_head`` ...), so the loaders' linear factories, tensor
@@ -123,18 +124,27 @@ class NativeCache:
     def get_seq_length(self, layer: int = 0) -> int:
         return self.lengths[layer]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        start, new = self.lengths[layer], k.shape[2]
-        end = start + new
+    def reserve(
+        self, layer: int, end: int, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s key and value buffers with room for ``end`` positions (grown, keeping what they hold,
+        when short; new ones take ``like``'s dtype and device)."""
         kb, vb = self.keys[layer], self.values[layer]
         if kb is None or vb is None or kb.shape[2] < end:
+            start = self.lengths[layer]
             room = max(end, 2 * (kb.shape[2] if kb is not None else 0), 64)
-            grown_k = k.new_empty((k.shape[0], k.shape[1], room, k.shape[3]))
-            grown_v = v.new_empty((v.shape[0], v.shape[1], room, v.shape[3]))
+            grown_k = like.new_empty((batch, kv_heads, room, head_dim))
+            grown_v = like.new_empty((batch, kv_heads, room, head_dim))
             if kb is not None and vb is not None and start:
                 grown_k[:, :, :start] = kb[:, :, :start]
                 grown_v[:, :, :start] = vb[:, :, :start]
             kb, vb = self.keys[layer], self.values[layer] = grown_k, grown_v
+        return kb, vb
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, new = self.lengths[layer], k.shape[2]
+        end = start + new
+        kb, vb = self.reserve(layer, end, k.shape[0], k.shape[1], k.shape[3], k)
         kb.narrow(2, start, new).copy_(k)  # narrow: cheaper per call than slice assignment
         vb.narrow(2, start, new).copy_(v)
         self.lengths[layer] = end
@@ -236,12 +246,19 @@ class FusedInt4:
         return outs
 
 
-def _joint(module: nn.Module, names: tuple[str, ...], h: torch.Tensor) -> list[torch.Tensor]:
-    """``module``'s linears ``names`` applied to ``h``: one fused int4 call where :class:`FusedInt4` runs
-    (built on first use, after the loader placed its modules), else each linear in turn."""
+def fusion(module: nn.Module, names: tuple[str, ...]) -> FusedInt4 | None:
+    """The :class:`FusedInt4` of ``module``'s linears ``names`` (built on first use, after the loader placed
+    its modules; ``None`` when they cannot run as one call)."""
     fused = module.__dict__.get("_fusion", False)
     if fused is False:
         fused = module.__dict__["_fusion"] = FusedInt4.build([getattr(module, n) for n in names])
+    return fused
+
+
+def _joint(module: nn.Module, names: tuple[str, ...], h: torch.Tensor) -> list[torch.Tensor]:
+    """``module``'s linears ``names`` applied to ``h``: one fused int4 call where :func:`fusion` gives one,
+    else each linear in turn."""
+    fused = fusion(module, names)
     outs = fused(h) if fused is not None else None
     return outs if outs is not None else [getattr(module, n)(h) for n in names]
 
@@ -382,6 +399,16 @@ class NativeCausalLM(nn.Module):
             mask = mask & (valid | (key == query)[None, None])
         return mask
 
+    def _decode_step(self) -> Any:
+        """The :class:`~anyquant.runtime.step.DecodeStep` of this model (built on its first decode step;
+        ``None`` when its layers are not all cpu-fast int4)."""
+        step = self.__dict__.get("_step", False)
+        if step is False:
+            from .step import DecodeStep
+
+            step = self.__dict__["_step"] = DecodeStep.build(self)
+        return step
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -406,8 +433,12 @@ class NativeCausalLM(nn.Module):
         half_sin = freqs.sin()
         sin = torch.cat((-half_sin, half_sin), dim=-1).to(h.dtype)[:, None]  # signed for _rotary
         mask = self._mask(attention_mask, b, t, past, h.device)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, mask, cache)
+        step = self._decode_step() if t == 1 and isinstance(cache, NativeCache) else None
+        if step is not None and step.usable(h):
+            h = step.run(h, cos, sin, mask, cache)
+        else:
+            for layer in self.model.layers:
+                h = layer(h, cos, sin, mask, cache)
         logits = self.lm_head(self.model.norm(h))
         return NativeOutput(logits=logits, cache=cache if use_cache else None)
 
