@@ -120,14 +120,19 @@ def test_native_load_imports_no_transformers_model_code(tmp_path: Path) -> None:
     assert out.strip().splitlines()[-1] == "NativeCausalLM []"
 
 
-def _int4_model(path: Path, *, bias: bool, dense_down: tuple[int, ...] = ()) -> anyquant.LoadedModel:
+def _int4_model(
+    path: Path, *, bias: bool, dense_down: tuple[int, ...] = (), kind: str = "int4"
+) -> anyquant.LoadedModel:
     """A tiny native model whose q/k/v/o and MLP linears are cpu-fast int4 with random codes (the
-    ``down_proj`` of the layers ``dense_down`` stays a float32 ``nn.Linear``)."""
-    from anyquant.runtime.fastcpu import FastInt4Linear, int4pack_status
+    ``down_proj`` of the layers ``dense_down`` stays a float32 ``nn.Linear``); ``kind="bf16"``: each of them
+    then wrapped as the bfloat16 prepacked linear EXL3's and EXL2's cpu-fast build."""
+    from anyquant.runtime.fastcpu import FastInt4Linear, PrepackedBf16Linear, bf16_head_status, int4pack_status
 
     status = int4pack_status()
     if not status.available:
         pytest.skip(f"no int4 CPU kernel here: {status.reason}")
+    if kind == "bf16" and not bf16_head_status()[0]:
+        pytest.skip(f"no bfloat16 prepacked linear here: {bf16_head_status()[1]}")
     model = anyquant.load(make_tiny_dense(path, num_hidden_layers=2, attention_bias=bias), runtime="native")
     gen = torch.Generator().manual_seed(5)
     for index, layer in enumerate(model.module.model.layers):
@@ -140,7 +145,8 @@ def _int4_model(path: Path, *, bias: bool, dense_down: tuple[int, ...] = ()) -> 
                 zeros = torch.randint(0, 16, (k // 32, n), generator=gen)
                 scales = (torch.rand(k // 32, n, generator=gen) * 0.02).half()
                 b = None if lin.bias is None else lin.bias.detach().clone()
-                setattr(parent, name, FastInt4Linear(codes, zeros, scales, bias=b))
+                linear = FastInt4Linear(codes, zeros, scales, bias=b)
+                setattr(parent, name, PrepackedBf16Linear(linear) if kind == "bf16" else linear)
     return model
 
 
@@ -189,12 +195,16 @@ class _LayerCalls:
         return count
 
 
-def test_compiled_decode_step_is_bitwise_the_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kind", ["int4", "bf16"])
+def test_compiled_decode_step_is_bitwise_the_module_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
     import os
 
+    from anyquant.runtime import step as step_mod
     from anyquant.runtime.step import DecodeStep
 
-    model = _int4_model(tmp_path / "m", bias=False)
+    model = _int4_model(tmp_path / "m", bias=False, kind=kind)
     ids = torch.randint(0, 200, (2, 75), generator=torch.Generator().manual_seed(7))
     calls = _LayerCalls(monkeypatch)
     fast = _decode(model, ids, 50)  # 25 steps: the KV buffers grow past their first 64 positions on the way
@@ -202,7 +212,8 @@ def test_compiled_decode_step_is_bitwise_the_module_path(tmp_path: Path, monkeyp
     assert isinstance(step, DecodeStep)
     assert calls.take() == 2  # the prompt's two layers; no decode step went through the modules
     if os.environ.get("PYTORCH_JIT", "1") != "0":
-        assert isinstance(step.layer, torch.jit.ScriptFunction)
+        assert all(isinstance(function, torch.jit.ScriptFunction) for function, _ in step.layers)
+    assert all(function is step_mod.compiled_layer(kind) for function, _ in step.layers)
     model.module.__dict__["_step"] = None  # the module path
     slow = _decode(model, ids, 50)
     assert calls.take() == 2 * 26

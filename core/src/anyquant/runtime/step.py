@@ -1,20 +1,21 @@
-"""The native decoder's decode step as one compiled function per layer, for models whose linears are all
-cpu-fast int4.
+"""The native decoder's decode step as one compiled function per layer, for layers whose linears are all
+cpu-fast: int4 (GPTQ, AWQ, GGUF Q4) or bfloat16 prepacked (EXL3, EXL2).
 
-On a two-core CPU a SmolLM2-135M decode step spends about half its time outside the weight kernels: some
+On a two-core CPU a SmolLM2-135M decode step spent about half its time outside the weight kernels: some
 1,500 small ATen calls, each with Python's argument parsing, and the ``nn.Module`` calls around them
-(measured in docs/benchmarks.md). When every layer is "RMSNorm, fused int4 q/k/v, rotary, KV write,
-attention, int4 o, RMSNorm, fused int4 gate/up, SiLU, int4 down", this module runs that layer as one
-TorchScript function (:func:`decoder_layer`), called with the layer's tensors: the same ATen ops in the same
-order on the same tensors, so the logits are bitwise those of the module path (tests compare them), with
-the Python between the ops gone.
+(measured in docs/benchmarks.md). A layer that is "RMSNorm, q/k/v, rotary, KV write, attention, o,
+RMSNorm, gate/up, SiLU, down" with cpu-fast linears runs here as one TorchScript function
+(:func:`int4_layer`, with the fused q/k/v and gate/up int4 calls, or :func:`bf16_layer`), called with the
+layer's tensors: the same ATen ops in the same order on the same tensors, so the logits are bitwise those
+of the module path (tests compare them), with the Python between the ops gone.
 
 :class:`DecodeStep` decides per call whether the fast path applies and falls back to the modules
-otherwise: prompts (more than one new token), activations other than float32, and any forward hook or pre-hook on a layer or one of its submodules, or a global one (hooks keep
-firing, because those steps go through the modules; the model's own hooks fire either way). A submodule replaced after the first decode step
-takes every later step back to the modules (the step is built once, from the modules it found). Layers
-that are not all cpu-fast int4 run through their modules inside a fast step. ``PYTORCH_JIT=0`` (torch's own switch) runs the same function as plain
-Python; a torch without TorchScript does the same.
+otherwise: prompts (more than one new token), activations other than float32, and any forward hook or
+pre-hook on a layer or one of its submodules, or a global one (hooks keep firing, because those steps go
+through the modules; the model's own hooks fire either way). A submodule replaced after the first decode
+step takes every later step back to the modules (the step is built once, from the modules it found).
+Layers of any other make run through their modules inside a fast step. ``PYTORCH_JIT=0`` (torch's own
+switch) runs the same functions as plain Python; a torch without TorchScript does the same.
 """
 
 from __future__ import annotations
@@ -23,18 +24,57 @@ import logging
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, List, NamedTuple, Optional, Union  # noqa: UP035 - TorchScript reads List/Optional/Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DecodeStep", "decoder_layer"]
+__all__ = ["LAYER_FUNCTIONS", "DecodeStep", "bf16_layer", "int4_layer"]
 
 log = logging.getLogger(__name__)
 
 
-def decoder_layer(
+def _attention(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+) -> torch.Tensor:
+    """Rotary embedding of the queries and keys ``qk`` (``[b, (heads + kv_heads) * head_dim]``: rotated
+    together, elementwise, so bitwise the module path's separate q and k), the KV write at ``start``, and
+    attention: ``[b, heads * head_dim]``."""
+    b = qk.shape[0]
+    rotated = heads + kv_heads
+    qk = qk.view(b, 1, rotated, head_dim).transpose(1, 2)
+    qk = qk * cos + torch.roll(qk, head_dim // 2, -1) * sin
+    keys.narrow(2, start, 1).copy_(qk[:, heads:])
+    values.narrow(2, start, 1).copy_(v.view(b, 1, kv_heads, head_dim).transpose(1, 2))
+    out = F.scaled_dot_product_attention(
+        qk[:, :heads],
+        keys.narrow(2, 0, start + 1),
+        values.narrow(2, 0, start + 1),
+        attn_mask=mask,
+        scale=scaling,
+        enable_gqa=kv_heads != heads,
+    )
+    return out.transpose(1, 2).reshape(b, heads * head_dim)
+
+
+def _int4(x: torch.Tensor, packed: torch.Tensor, group: int, scales: torch.Tensor) -> torch.Tensor:
+    """:class:`~anyquant.runtime.fastcpu.FastInt4Linear`'s decode path on float32 rows ``x``."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, group, scales).to(x.dtype)
+
+
+def int4_layer(
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -45,6 +85,10 @@ def decoder_layer(
     norm1: torch.Tensor,
     norm2: torch.Tensor,
     eps: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
     qkv: torch.Tensor,
     qkv_scales: torch.Tensor,
     qkv_group: int,
@@ -57,66 +101,85 @@ def decoder_layer(
     down: torch.Tensor,
     down_scales: torch.Tensor,
     down_group: int,
+    intermediate: int,
+) -> torch.Tensor:
+    """One decoder layer of cpu-fast int4 linears for one new token per sequence (``h`` ``[b, 1, hidden]``
+    float32), writing its key and value at position ``start`` of ``keys``/``values`` (``[b, kv_heads,
+    room, head_dim]``); ``mask``: the native model's boolean ``[b, 1, 1, start + 1]`` for padded batches,
+    else ``None``. The ops and their order are :class:`~anyquant.runtime.native.DecoderLayer`'s with
+    :class:`~anyquant.runtime.native.FusedInt4` q/k/v and gate/up (``sin`` signed as for ``_rotary``)."""
+    b, hidden = h.shape[0], h.shape[-1]
+    y = _int4(F.rms_norm(h, [hidden], norm1, eps).view(b, hidden), qkv, qkv_group, qkv_scales)
+    rotated = (heads + kv_heads) * head_dim
+    a = _attention(
+        y[:, :rotated], y[:, rotated:], cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling
+    )
+    h = h + _int4(a, o, o_group, o_scales).view(b, 1, hidden)
+    gu = _int4(F.rms_norm(h, [hidden], norm2, eps).view(b, hidden), gate_up, gate_up_group, gate_up_scales)
+    m = F.silu(gu[:, :intermediate]) * gu[:, intermediate:]
+    return h + _int4(m, down, down_group, down_scales).view(b, 1, hidden)
+
+
+def _bf16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """:class:`~anyquant.runtime.fastcpu.PrepackedBf16Linear`'s forward on float32 rows ``x``."""
+    no_scalars: List[Optional[Union[int, float, complex]]] = []  # noqa: UP006, UP007, UP045 - TorchScript's Scalar?[]
+    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", no_scalars, "").to(x.dtype)
+
+
+def bf16_layer(
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
+    norm1: torch.Tensor,
+    norm2: torch.Tensor,
+    eps: float,
     heads: int,
     kv_heads: int,
     head_dim: int,
-    intermediate: int,
     scaling: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
 ) -> torch.Tensor:
-    """One decoder layer for one new token per sequence (``h`` ``[b, 1, hidden]`` float32), writing its key
-    and value at position ``start`` of ``keys``/``values`` (``[b, kv_heads, room, head_dim]``); ``mask``:
-    the native model's boolean ``[b, 1, 1, start + 1]`` for padded batches, else ``None``.
-
-    The ops and their order are :class:`~anyquant.runtime.native.DecoderLayer`'s with
-    :class:`~anyquant.runtime.native.FusedInt4` q/k/v and gate/up (``sin`` signed as for ``_rotary``)."""
-    b = h.shape[0]
-    hidden = h.shape[-1]
+    """:func:`int4_layer` for layers of cpu-fast bfloat16 prepacked linears (EXL3, EXL2): seven oneDNN calls."""
+    b, hidden = h.shape[0], h.shape[-1]
     x = F.rms_norm(h, [hidden], norm1, eps).view(b, hidden)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), qkv, qkv_group, qkv_scales).to(h.dtype)
-    rotated = heads + kv_heads
-    qk = y[:, : rotated * head_dim].view(b, 1, rotated, head_dim).transpose(1, 2)
-    qk = qk * cos + torch.roll(qk, head_dim // 2, -1) * sin
-    keys.narrow(2, start, 1).copy_(qk[:, heads:])
-    values.narrow(2, start, 1).copy_(y[:, rotated * head_dim :].view(b, 1, kv_heads, head_dim).transpose(1, 2))
-    out = F.scaled_dot_product_attention(
-        qk[:, :heads],
-        keys.narrow(2, 0, start + 1),
-        values.narrow(2, 0, start + 1),
-        attn_mask=mask,
-        scale=scaling,
-        enable_gqa=kv_heads != heads,
-    )
-    a = out.transpose(1, 2).reshape(b, heads * head_dim).to(torch.bfloat16)
-    h = h + torch.ops.aten._weight_int4pack_mm_for_cpu(a, o, o_group, o_scales).to(h.dtype).view(b, 1, hidden)
+    qk = torch.cat([_bf16(x, q), _bf16(x, k)], 1)
+    a = _attention(qk, _bf16(x, v), cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling)
+    h = h + _bf16(a, o).view(b, 1, hidden)
     x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
-    gu = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), gate_up, gate_up_group, gate_up_scales)
-    gu = gu.to(h.dtype)
-    m = (F.silu(gu[:, :intermediate]) * gu[:, intermediate:]).to(torch.bfloat16)
-    return h + torch.ops.aten._weight_int4pack_mm_for_cpu(m, down, down_group, down_scales).to(h.dtype).view(
-        b, 1, hidden
-    )
+    return h + _bf16(F.silu(_bf16(x, gate)) * _bf16(x, up), down).view(b, 1, hidden)
 
 
-_compiled: Callable[..., torch.Tensor] | None = None
+LAYER_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {"int4": int4_layer, "bf16": bf16_layer}
+_compiled: dict[str, Callable[..., torch.Tensor]] = {}
 _compile_lock = threading.Lock()
 
 
-def compiled_layer() -> Callable[..., torch.Tensor]:
-    """:func:`decoder_layer` compiled by TorchScript once per process (the plain function where TorchScript is
-    missing or refuses it; torch's ``PYTORCH_JIT=0`` gives the plain function too)."""
-    global _compiled
+def compiled_layer(kind: str) -> Callable[..., torch.Tensor]:
+    """``LAYER_FUNCTIONS[kind]`` compiled by TorchScript once per process (the plain function where
+    TorchScript is missing or refuses it; torch's ``PYTORCH_JIT=0`` gives the plain function too)."""
     with _compile_lock:
-        if _compiled is None:
+        if kind not in _compiled:
+            function = LAYER_FUNCTIONS[kind]
             try:
                 with warnings.catch_warnings():
                     # torch 2.9+ marks torch.jit.script deprecated; it is what runs a fixed op sequence
                     # without Python between the ops on every torch this project supports
                     warnings.simplefilter("ignore", DeprecationWarning)
-                    _compiled = torch.jit.script(decoder_layer)
+                    _compiled[kind] = torch.jit.script(function)
             except Exception as e:  # any refusal means: run the Python function
-                log.debug("TorchScript did not compile the decode step (%s); running it as Python", e)
-                _compiled = decoder_layer
-        return _compiled
+                log.debug("TorchScript did not compile the %s decode step (%s); running it as Python", kind, e)
+                _compiled[kind] = function
+        return _compiled[kind]
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -131,36 +194,44 @@ def _global_hooks() -> bool:
     )
 
 
+class _Layer(NamedTuple):
+    """One layer of a :class:`DecodeStep`: which function runs it and its arguments after ``mask``."""
+
+    kind: str
+    args: tuple[Any, ...]
+    small_rows: int  # the most rows its kernels take on their decode path
+
+
 class DecodeStep:
     """The fast decode path of one :class:`~anyquant.runtime.native.NativeCausalLM` (see the module docstring).
 
-    Built by :meth:`build` on the model's first decode step: per layer, the arguments of
-    :func:`decoder_layer`, or ``None`` for a layer that is not all cpu-fast int4 (a layer a GPTQ ``dynamic``
-    rule left dense, a GGUF tensor in Q6_K ...), which runs through its module. ``build`` gives ``None``
-    when no layer qualifies (then the model never asks again)."""
+    Built by :meth:`build` on the model's first decode step: per layer, the function of
+    :data:`LAYER_FUNCTIONS` that computes it and its arguments, or ``None`` for a layer that is neither
+    all cpu-fast int4 nor all bfloat16 prepacked (a layer a GPTQ ``dynamic`` rule left dense, a GGUF tensor
+    in Q6_K ...), which runs through its module. ``build`` gives ``None`` when no layer qualifies (then the
+    model never asks again)."""
 
-    def __init__(self, model: Any, layers: list[tuple[Any, ...] | None], watched: list[tuple[Any, str, Any]]) -> None:
-        self.layers = layers
+    def __init__(self, model: Any, layers: list[_Layer | None], watched: list[tuple[Any, str, Any]]) -> None:
+        self.layers = [None if layer is None else (compiled_layer(layer.kind), layer.args) for layer in layers]
         self.modules = model.model.layers
         self.watched = watched
         # the modules whose hooks the module path would call (the model's own run either way; its
         # Decoder and ModuleList have no forward of their own)
         self.hookable = [child for _, _, child in watched[2:]]
-        self.small_rows = min(args[-1] for args in layers if args is not None)
-        self.layer = compiled_layer()
+        self.small_rows = min(layer.small_rows for layer in layers if layer is not None)
 
     @staticmethod
     def build(model: Any) -> DecodeStep | None:
-        layers = [_layer_args(layer) for layer in model.model.layers]
-        if all(args is None for args in layers):
+        layers = [_plan_layer(layer) for layer in model.model.layers]
+        if all(layer is None for layer in layers):
             return None
         watched: list[tuple[Any, str, Any]] = [
             (model, "model", model.model),
             (model.model, "layers", model.model.layers),
         ]
-        for index, (layer, args) in enumerate(zip(model.model.layers, layers, strict=True)):
+        for index, (layer, planned) in enumerate(zip(model.model.layers, layers, strict=True)):
             watched.append((model.model.layers, str(index), layer))
-            if args is None:
+            if planned is None:
                 continue
             attn, mlp = layer.self_attn, layer.mlp
             for parent, names in (
@@ -184,23 +255,26 @@ class DecodeStep:
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: Any
     ) -> torch.Tensor:
         """All layers for one new token per row, writing the cache (``h`` ``[b, 1, hidden]``)."""
-        compiled = self.layer
-        for i, (module, args) in enumerate(zip(self.modules, self.layers, strict=True)):
-            if args is None:
+        for i, (module, planned) in enumerate(zip(self.modules, self.layers, strict=True)):
+            if planned is None:
                 h = module(h, cos, sin, mask, cache)
                 continue
+            function, args = planned
             start = cache.lengths[i]
-            keys, values = cache.reserve(i, start + 1, h.shape[0], args[16], args[17], h)
-            h = compiled(h, cos, sin, keys, values, start, mask, *args[:-1])
+            keys, values = cache.reserve(i, start + 1, h.shape[0], args[4], args[5], h)  # kv_heads, head_dim
+            h = function(h, cos, sin, keys, values, start, mask, *args)
             cache.lengths[i] = start + 1
         return h
 
 
-def _layer_args(layer: Any) -> tuple[Any, ...] | None:
-    """``layer``'s arguments to :func:`decoder_layer` after ``start`` (then the largest row count its kernels
-    take), or ``None`` when some part of it is not the shape that function computes."""
-    from .fastcpu import FastInt4Linear
+def _plan_layer(layer: Any) -> _Layer | None:
+    """How :class:`DecodeStep` runs ``layer``: ``None`` when some part of it is not the shape one of
+    :data:`LAYER_FUNCTIONS` computes."""
+    from .fastcpu import FastInt4Linear, PrepackedBf16Linear
     from .native import FusedInt4, RMSNorm, fusion
+
+    def plain_norm(m: nn.Module) -> bool:
+        return type(m) is RMSNorm and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
 
     def plain_int4(m: nn.Module) -> bool:
         return (
@@ -212,10 +286,18 @@ def _layer_args(layer: Any) -> tuple[Any, ...] | None:
             and m.packed.device.type == "cpu"
         )
 
-    def plain_norm(m: nn.Module) -> bool:
-        return type(m) is RMSNorm and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    def plain_bf16(m: nn.Module) -> bool:
+        return type(m) is PrepackedBf16Linear and m.bias is None
 
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    if not (plain_norm(norm1) and plain_norm(norm2) and norm1.variance_epsilon == norm2.variance_epsilon):
+        return None
     attn, mlp = layer.self_attn, layer.mlp
+    common: tuple[Any, ...] = (norm1.weight, norm2.weight, float(norm1.variance_epsilon))
+    common += (attn.heads, attn.kv_heads, attn.head_dim, float(attn.scaling))
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if all(plain_bf16(m) for m in linears):
+        return _Layer("bf16", common + tuple(m.packed for m in linears), 2**62)
     qkv = fusion(attn, ("q_proj", "k_proj", "v_proj"))
     gate_up = fusion(mlp, ("gate_proj", "up_proj"))
     o, down = attn.o_proj, mlp.down_proj
@@ -227,31 +309,17 @@ def _layer_args(layer: Any) -> tuple[Any, ...] | None:
         and all(plain_int4(m) for m in (*qkv.members, *gate_up.members, o, down))
         and o.scales_and_zeros.is_contiguous()  # fused members' are views; these are used as they are
         and down.scales_and_zeros.is_contiguous()
-        and plain_norm(layer.input_layernorm)
-        and plain_norm(layer.post_attention_layernorm)
-        and layer.input_layernorm.variance_epsilon == layer.post_attention_layernorm.variance_epsilon
     ):
         return None
-    return (
-        layer.input_layernorm.weight,
-        layer.post_attention_layernorm.weight,
-        float(layer.input_layernorm.variance_epsilon),
+    int4: tuple[Any, ...] = (
         qkv.packed,
         qkv.scales_and_zeros,
         qkv.kernel_group,
         o.packed,
         o.scales_and_zeros,
         o.kernel_group,
-        gate_up.packed,
-        gate_up.scales_and_zeros,
-        gate_up.kernel_group,
-        down.packed,
-        down.scales_and_zeros,
-        down.kernel_group,
-        attn.heads,
-        attn.kv_heads,
-        attn.head_dim,
-        mlp.gate_proj.out_features,
-        float(attn.scaling),
-        min(qkv.small_rows, gate_up.small_rows, o.small_rows, down.small_rows),
     )
+    int4 += (gate_up.packed, gate_up.scales_and_zeros, gate_up.kernel_group)
+    int4 += (down.packed, down.scales_and_zeros, down.kernel_group, mlp.gate_proj.out_features)
+    small_rows = min(qkv.small_rows, gate_up.small_rows, o.small_rows, down.small_rows)
+    return _Layer("int4", common + int4, small_rows)
