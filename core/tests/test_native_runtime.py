@@ -247,6 +247,11 @@ def test_hooks_and_replaced_modules_take_the_module_path(tmp_path: Path, monkeyp
     assert torch.equal(_decode(model, ids, 8), want) and calls.take() == 2  # the model's own hook: still fast
     assert len(seen) == 10  # and it fired for the prompt and each step
     top.remove()
+    mlp = model.module.model.layers[1].mlp
+    wrapped = mlp.forward
+    mlp.forward = lambda h: seen.append(("wrapper",)) or wrapped(h)  # an instance-level wrapper (accelerate's way)
+    assert torch.equal(_decode(model, ids, 8), want) and calls.take() == 2 * 5 and seen[-1] == ("wrapper",)
+    del mlp.forward
     layer = model.module.model.layers[0]
     norm = RMSNorm(layer.post_attention_layernorm.weight.shape[0], layer.post_attention_layernorm.variance_epsilon)
     with torch.no_grad():

@@ -11,8 +11,9 @@ of the module path (tests compare them), with the Python between the ops gone.
 
 :class:`DecodeStep` decides per call whether the fast path applies and falls back to the modules
 otherwise: prompts (more than one new token), activations other than float32, and any forward hook or
-pre-hook on a layer or one of its submodules, or a global one (hooks keep firing, because those steps go
-through the modules; the model's own hooks fire either way). A submodule replaced after the first decode
+pre-hook on a layer or one of its submodules, or a global one, or a ``forward`` set on one of those
+instances (hooks and wrappers keep running, because those steps go through the modules; the model's own
+hooks fire either way). A submodule replaced after the first decode
 step takes every later step back to the modules (the step is built once, from the modules it found).
 Layers of any other make run through their modules inside a fast step. ``PYTORCH_JIT=0`` (torch's own
 switch) runs the same functions as plain Python; a torch without TorchScript does the same.
@@ -183,7 +184,8 @@ def compiled_layer(kind: str) -> Callable[..., torch.Tensor]:
 
 
 def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    """Hooks on ``module``, or a ``forward`` set on the instance (as accelerate's and similar wrappers do)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in module.__dict__
 
 
 def _global_hooks() -> bool:
