@@ -121,7 +121,7 @@ def test_native_load_imports_no_transformers_model_code(tmp_path: Path) -> None:
 
 
 def _int4_model(
-    path: Path, *, bias: bool, dense_down: tuple[int, ...] = (), kind: str = "int4"
+    path: Path, *, bias: bool, dense_down: tuple[int, ...] = (), kind: str = "int4", **overrides: object
 ) -> anyquant.LoadedModel:
     """A tiny native model whose q/k/v/o and MLP linears are cpu-fast int4 with random codes (the
     ``down_proj`` of the layers ``dense_down`` stays a float32 ``nn.Linear``); ``kind="bf16"``: each of them
@@ -133,7 +133,8 @@ def _int4_model(
         pytest.skip(f"no int4 CPU kernel here: {status.reason}")
     if kind == "bf16" and not bf16_head_status()[0]:
         pytest.skip(f"no bfloat16 prepacked linear here: {bf16_head_status()[1]}")
-    model = anyquant.load(make_tiny_dense(path, num_hidden_layers=2, attention_bias=bias), runtime="native")
+    tiny = make_tiny_dense(path, **{"num_hidden_layers": 2, "attention_bias": bias, **overrides})
+    model = anyquant.load(tiny, runtime="native")
     gen = torch.Generator().manual_seed(5)
     for index, layer in enumerate(model.module.model.layers):
         mlp_names = ("gate_proj", "up_proj") if index in dense_down else ("gate_proj", "up_proj", "down_proj")
@@ -224,6 +225,21 @@ def test_compiled_decode_step_is_bitwise_the_module_path(
     del model.module.__dict__["_step"]  # rebuilt on the next decode step
     assert model.generate_batch(prompts, max_new_tokens=8) == slow_batch
     assert calls.take() == 2 and isinstance(model.module.__dict__["_step"], DecodeStep)  # only the prompt's
+
+
+@pytest.mark.parametrize("kind", ["int4", "bf16"])
+@pytest.mark.parametrize(
+    "heads",
+    [{"num_key_value_heads": 4}, {"num_attention_heads": 2, "num_key_value_heads": 1}],
+    ids=["mha", "mqa-head64"],
+)
+def test_compiled_decode_step_head_layouts(tmp_path: Path, kind: str, heads: dict[str, int]) -> None:
+    model = _int4_model(tmp_path / "m", bias=False, kind=kind, **heads)
+    ids = torch.randint(0, 200, (3, 12), generator=torch.Generator().manual_seed(10))
+    fast = _decode(model, ids, 6)
+    assert all(planned is not None for planned in model.module.__dict__["_step"].layers)
+    model.module.__dict__["_step"] = None
+    assert torch.equal(_decode(model, ids, 6), fast)
 
 
 def test_hooks_and_replaced_modules_take_the_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
