@@ -1,0 +1,133 @@
+"""The native runtime's compiled decode step against its module path, in one process per checkpoint.
+
+For each checkpoint (anyquant's default backend, which is cpu-fast on this machine): greedy decode steps
+after a short prompt, alternating the module path (``DecoderLayer`` modules, the step switched off) and the
+compiled step (:mod:`anyquant.runtime.step`) ``--repeat`` times; prints the median milliseconds per token
+of each, the speed-up, and whether both produced the same tokens and bitwise the same logits.
+
+Checkpoints: the cached GPTQ and AWQ 4-bit g64 SmolLM2-135M of ``bench/gptq.py`` / ``bench/awq.py``, the
+random-trellis EXL3 K=4 of ``bench/exl3.py --parts model`` and the bundled GGUF Q4_1 (those not cached
+are made first, which for AWQ takes ~15 minutes).
+
+    python bench/step.py [--threads 1] [--steps 60] [--repeat 4] [--only gptq,awq,exl3,gguf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _measure import ENV, machine, quantized_model
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+def checkpoint(name: str) -> Path:
+    if name in ("gptq", "awq"):
+        options = {"quantizer_backend": "gptqmodel"} if name == "awq" else {}
+        return quantized_model(name, bits=4, group_size=64, **options)
+    if name == "exl3":
+        from exl3 import random_exl3_model
+
+        return random_exl3_model(4)
+    if name == "gguf":
+        import anyquant
+
+        return Path(anyquant.default_model())
+    raise SystemExit(f"unknown checkpoint {name!r}")
+
+
+def measure(path: str, threads: int, steps: int, repeat: int) -> dict[str, Any]:
+    """In this process: load ``path``, then time both paths (``repeat`` alternating runs of ``steps``)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    import anyquant
+    from anyquant.runtime.native import NativeCache, NativeCausalLM
+
+    model = anyquant.load(path)
+    module = model.module
+    if not isinstance(module, NativeCausalLM):
+        return {"error": f"not the native runtime: {type(module).__name__}"}
+    ids = torch.tensor([model.tokenizer.encode(PROMPT)])
+    compiled = NativeCausalLM._decode_step
+
+    def run() -> tuple[float, list[int], Any]:
+        cache = NativeCache(module.config.num_hidden_layers)
+        out = module(ids, cache=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        tokens = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = module(nxt, cache=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            tokens.append(int(nxt))
+        return (time.perf_counter() - t0) / steps * 1e3, tokens, out.logits
+
+    times: dict[str, list[float]] = {"modules": [], "step": []}
+    seen: dict[str, tuple[list[int], Any]] = {}
+    with torch.inference_mode():
+        for _ in range(repeat):
+            for path_name in times:
+                NativeCausalLM._decode_step = (lambda self: None) if path_name == "modules" else compiled
+                ms, tokens, logits = run()
+                times[path_name].append(ms)
+                seen[path_name] = (tokens, logits)
+    NativeCausalLM._decode_step = compiled
+    step = module.__dict__.get("_step")
+    planned = [p for p in step.layers if p is not None] if step is not None else []
+    kinds = sorted({getattr(fn, "name", getattr(fn, "__name__", "?")) for fn, _ in planned})
+    return {
+        "backend": model.info.get("backend"),
+        "layers": f"{len(planned)}/{module.config.num_hidden_layers} ({', '.join(kinds)})",
+        "modules_ms": statistics.median(times["modules"]),
+        "step_ms": statistics.median(times["step"]),
+        "same_tokens": seen["modules"][0] == seen["step"][0],
+        "max_logit_diff": float((seen["modules"][1] - seen["step"][1]).abs().max()),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=60, help="decode steps per timed run (the KV buffers hold 64)")
+    ap.add_argument("--repeat", type=int, default=4, help="alternating runs of each path")
+    ap.add_argument("--only", default="gptq,awq,exl3,gguf")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, args.threads, args.steps, args.repeat)))
+        return 0
+    print(f"# machine: {machine()}; threads {args.threads}; {args.steps} greedy steps, median of {args.repeat}")
+    print(
+        "| checkpoint | backend | layers compiled | module path ms/token | compiled step ms/token | speed-up | same tokens | max logit diff |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.only.split(","):
+        path = checkpoint(name)
+        cmd = [sys.executable, __file__, "--child", str(path), "--threads", str(args.threads)]
+        cmd += ["--steps", str(args.steps), "--repeat", str(args.repeat)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **os.environ})
+        if proc.returncode != 0:
+            print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:]} |")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        if "error" in r:
+            print(f"| {name} | {r['error']} |")
+            continue
+        print(
+            f"| {name} | {r['backend']} | {r['layers']} | {r['modules_ms']:.1f} | {r['step_ms']:.1f} | "
+            f"{r['modules_ms'] / r['step_ms']:.2f}x | {r['same_tokens']} | {r['max_logit_diff']:.1e} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
