@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from _measure import ENV, machine, quantized_model
+from exl3 import random_exl3_model  # before _measure's helpers take bench/ off sys.path
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
@@ -34,8 +35,6 @@ def checkpoint(name: str) -> Path:
         options = {"quantizer_backend": "gptqmodel"} if name == "awq" else {}
         return quantized_model(name, bits=4, group_size=64, **options)
     if name == "exl3":
-        from exl3 import random_exl3_model
-
         return random_exl3_model(4)
     if name == "gguf":
         import anyquant
