@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _measure import ENV, machine, quantized_model
+from _measure import ENV, _unshadow, machine, quantized_model
 from exl3 import random_exl3_model  # before _measure's helpers take bench/ off sys.path
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
@@ -45,6 +45,7 @@ def checkpoint(name: str) -> Path:
 
 def measure(path: str, threads: int, steps: int, repeat: int) -> dict[str, Any]:
     """In this process: load ``path``, then time both paths (``repeat`` alternating runs of ``steps``)."""
+    _unshadow()
     import torch
 
     torch.set_num_threads(threads)
@@ -84,7 +85,7 @@ def measure(path: str, threads: int, steps: int, repeat: int) -> dict[str, Any]:
     planned = [p for p in step.layers if p is not None] if step is not None else []
     kinds = sorted({getattr(fn, "name", getattr(fn, "__name__", "?")) for fn, _ in planned})
     return {
-        "backend": model.info.get("backend"),
+        "backend": model.backend,
         "layers": f"{len(planned)}/{module.config.num_hidden_layers} ({', '.join(kinds)})",
         "modules_ms": statistics.median(times["modules"]),
         "step_ms": statistics.median(times["step"]),
