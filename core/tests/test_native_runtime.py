@@ -287,3 +287,16 @@ def test_a_layer_left_dense_runs_through_its_module(tmp_path: Path, monkeypatch:
     assert calls.take() == 2 + 6  # the prompt's two layers, then layer 0 alone in each of the 6 steps
     model.module.__dict__["_step"] = None
     assert torch.equal(_decode(model, ids, 8), fast)
+
+
+def test_compiling_the_step_warns_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    from anyquant.runtime import step
+
+    monkeypatch.setattr(step, "_compiled", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        functions = [step.compiled_layer(kind) for kind in step.LAYER_FUNCTIONS]
+    assert not [str(w.message) for w in caught]  # torch.jit.script's deprecation notice stays inside
+    assert all(callable(f) for f in functions)

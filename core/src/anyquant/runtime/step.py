@@ -176,6 +176,7 @@ def compiled_layer(kind: str) -> Callable[..., torch.Tensor]:
                     # torch 2.9+ marks torch.jit.script deprecated; it is what runs a fixed op sequence
                     # without Python between the ops on every torch this project supports
                     warnings.simplefilter("ignore", DeprecationWarning)
+                    warnings.simplefilter("ignore", FutureWarning)
                     _compiled[kind] = torch.jit.script(function)
             except Exception as e:  # any refusal means: run the Python function
                 log.debug("TorchScript did not compile the %s decode step (%s); running it as Python", kind, e)
