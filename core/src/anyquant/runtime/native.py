@@ -8,8 +8,8 @@ it: see :func:`native_runtime_reason`). It exists for speed on the CPU:
 - **decode**: one Python frame per layer and no generic mask/cache machinery: per layer two norms, the
   q/k/v/o and gate/up/down linears (whatever modules the loader put there), rotary embedding, a KV-cache
   write and one ``scaled_dot_product_attention``; with the cpu-fast int4 linears, q/k/v and gate/up each
-  run as one kernel call on the decode path (:class:`FusedInt4`), and a decode step runs each all-int4 layer
-  as one TorchScript function (:mod:`anyquant.runtime.step`).
+  run as one kernel call on the decode path (:class:`FusedInt4`), and a decode step runs each layer of
+  cpu-fast linears as one TorchScript function (:mod:`anyquant.runtime.step`).
 
 The module tree and parameter names are transformers' (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``model.layers.N.mlp.gate_proj``, ``model.norm``, ``lm_head`` ...), so the loaders' linear factories, tensor
@@ -401,7 +401,7 @@ class NativeCausalLM(nn.Module):
 
     def _decode_step(self) -> Any:
         """The :class:`~anyquant.runtime.step.DecodeStep` of this model (built on its first decode step;
-        ``None`` when its layers are not all cpu-fast int4)."""
+        ``None`` when no layer is made of cpu-fast linears)."""
         step = self.__dict__.get("_step", False)
         if step is False:
             from .step import DecodeStep
