@@ -300,3 +300,23 @@ def test_compiling_the_step_warns_nothing(monkeypatch: pytest.MonkeyPatch) -> No
         functions = [step.compiled_layer(kind) for kind in step.LAYER_FUNCTIONS]
     assert not [str(w.message) for w in caught]  # torch.jit.script's deprecation notice stays inside
     assert all(callable(f) for f in functions)
+
+
+def test_without_torchscript_the_step_runs_as_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.jit.script needs the sources (a frozen app may ship only bytecode) and may go away: the step then
+    runs the same functions as Python, with the same logits."""
+    from anyquant.runtime import step
+
+    model = _int4_model(tmp_path / "m", bias=False)
+    ids = torch.randint(0, 200, (1, 10), generator=torch.Generator().manual_seed(11))
+    compiled = _decode(model, ids, 6)
+
+    def refuse(*_: object, **__: object) -> None:
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(step, "_compiled", {})
+    monkeypatch.setattr(torch.jit, "script", refuse)
+    del model.module.__dict__["_step"]
+    python = _decode(model, ids, 6)
+    assert all(function is step.int4_layer for function, _ in model.module.__dict__["_step"].layers)
+    assert torch.equal(python, compiled)

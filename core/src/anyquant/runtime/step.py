@@ -16,7 +16,8 @@ instances (hooks and wrappers keep running, because those steps go through the m
 hooks fire either way). A submodule replaced after the first decode
 step takes every later step back to the modules (the step is built once, from the modules it found).
 Layers of any other make run through their modules inside a fast step. ``PYTORCH_JIT=0`` (torch's own
-switch) runs the same functions as plain Python; a torch without TorchScript does the same.
+switch) runs the same functions as plain Python; so does a torch without TorchScript, or an install
+without the ``.py`` sources TorchScript compiles from (a frozen application).
 """
 
 from __future__ import annotations
