@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .native import FusedInt4, RMSNorm, _rotary, fusion  # _rotary: the module path's own, compiled in
+
 __all__ = ["LAYER_FUNCTIONS", "DecodeStep", "bf16_layer", "int4_layer"]
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ def _attention(
     b = qk.shape[0]
     rotated = heads + kv_heads
     qk = qk.view(b, 1, rotated, head_dim).transpose(1, 2)
-    qk = qk * cos + torch.roll(qk, head_dim // 2, -1) * sin
+    qk = _rotary(qk, cos, sin)
     keys.narrow(2, start, 1).copy_(qk[:, heads:])
     values.narrow(2, start, 1).copy_(v.view(b, 1, kv_heads, head_dim).transpose(1, 2))
     out = F.scaled_dot_product_attention(
@@ -109,7 +111,7 @@ def int4_layer(
     float32), writing its key and value at position ``start`` of ``keys``/``values`` (``[b, kv_heads,
     room, head_dim]``); ``mask``: the native model's boolean ``[b, 1, 1, start + 1]`` for padded batches,
     else ``None``. The ops and their order are :class:`~anyquant.runtime.native.DecoderLayer`'s with
-    :class:`~anyquant.runtime.native.FusedInt4` q/k/v and gate/up (``sin`` signed as for ``_rotary``)."""
+    :class:`~anyquant.runtime.native.FusedInt4` q/k/v and gate/up (``sin`` signed as for :func:`~anyquant.runtime.native._rotary`)."""
     b, hidden = h.shape[0], h.shape[-1]
     y = _int4(F.rms_norm(h, [hidden], norm1, eps).view(b, hidden), qkv, qkv_group, qkv_scales)
     rotated = (heads + kv_heads) * head_dim
@@ -275,7 +277,6 @@ def _plan_layer(layer: Any) -> _Layer | None:
     """How :class:`DecodeStep` runs ``layer``: ``None`` when some part of it is not the shape one of
     :data:`LAYER_FUNCTIONS` computes."""
     from .fastcpu import FastInt4Linear, PrepackedBf16Linear
-    from .native import FusedInt4, RMSNorm, fusion
 
     def plain_norm(m: nn.Module) -> bool:
         return type(m) is RMSNorm and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
@@ -310,7 +311,7 @@ def _plan_layer(layer: Any) -> _Layer | None:
         and isinstance(gate_up, FusedInt4)
         and qkv.plain
         and gate_up.plain
-        and all(plain_int4(m) for m in (*qkv.members, *gate_up.members, o, down))
+        and all(plain_int4(m) for m in (o, down))  # the fused members: FusedInt4.build and .plain checked them
         and o.scales_and_zeros.is_contiguous()  # fused members' are views; these are used as they are
         and down.scales_and_zeros.is_contiguous()
     ):
