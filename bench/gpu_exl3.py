@@ -104,8 +104,16 @@ class Report:
         self.rows.append(Row(step, status, detail, round(seconds, 2)))
         print(f"[{status:4}] {step}: {detail} ({seconds:.1f}s, t={self.elapsed():.0f}s)", flush=True)
 
+    def fits(self, name: str, need: float) -> bool:
+        """Whether ``need`` seconds are left before the deadline; if not, a SKIP row for ``name``. A ``with``
+        block cannot skip its own body, so callers write ``if rep.fits(name, need): with rep.step(name): ...``."""
+        if self.left() >= need:
+            return True
+        self.add(name, "SKIP", f"out of time ({self.left():.0f}s left, ~{need:.0f}s needed)")
+        return False
+
     @contextmanager
-    def step(self, name: str, *, need: float = 0.0) -> Iterator[Callable[[str, str], None]]:
+    def step(self, name: str) -> Iterator[Callable[[str, str], None]]:
         """Run a block as one or more rows; an exception is a FAIL row (with the traceback printed)."""
         t = time.perf_counter()
         added: list[bool] = []
@@ -115,10 +123,6 @@ class Report:
             added.append(True)
             self.add(name, status, detail, time.perf_counter() - t)
 
-        if self.left() < need:
-            self.add(name, "SKIP", f"out of time ({self.left():.0f}s left, ~{need:.0f}s needed)")
-            yield lambda status, detail: None
-            return
         try:
             yield emit
         except Exception as exc:
@@ -220,11 +224,13 @@ def make_dense(path: Path, seed: int, overrides: dict[str, Any], *, zero_eos_row
 
 
 def encode(dense: Path, out: Path, reg: Any, **options: Any) -> Path:
-    """anyquant's own EXL3 encoder (4 bpw, mul1, head unquantized) through ``anyquant.quantize``."""
+    """anyquant's own EXL3 encoder (4 bpw, mul1, head unquantized) through ``anyquant.quantize``; ``options``
+    override (``quantizer_backend="exllamav3"``: the converter). Without the explicit backend, ``"auto"`` would
+    pick exllamav3's converter on this machine."""
     import anyquant
 
     kw = {"method": "exl3", "bits": 4, "codebook": "mul1", "quality": False, "overwrite": True, "registry": reg}
-    return anyquant.quantize(dense, out, **kw, **options)
+    return anyquant.quantize(dense, out, **{**kw, "quantizer_backend": "anyquant", **options})
 
 
 def convert_cmd(
@@ -433,16 +439,20 @@ def exllamav3_direct_logits(path: Path) -> Any:
         model.unload()
 
 
-def backend_vs_reference(path: Path, reg: Any, emit: Callable[[str, str], None]) -> Any:
-    """An exllamav3 checkpoint's logits: anyquant's reference (CPU) vs the exllamav3 backend; returns the reference's."""
+def backend_vs_reference(path: Path, reg: Any, emit: Callable[[str, str], None], ref: Any = None) -> Any:
+    """An exllamav3 checkpoint's logits: anyquant's reference (CPU; ``ref`` when already computed) vs the exllamav3
+    backend; returns the reference's."""
     import torch
 
     import anyquant
 
-    ref = reference_logits(path, reg)
+    if ref is None:
+        ref = reference_logits(path, reg)
     model = anyquant.load(path, backend="exllamav3", registry=reg)
-    got = model.module(torch.tensor([prompt_ids()])).logits
-    model.module.unload()
+    try:
+        got = model.module(torch.tensor([prompt_ids()])).logits
+    finally:
+        model.module.unload()  # the GPU memory, also when the forward raised
     rel, mean, top1 = compare_logits(ref, got)
     emit("PASS" if rel < 2e-2 else "FAIL", f"max rel {rel:.1e}, mean |d| {mean:.1e}, top-1 {top1:.3f}")
     return ref
@@ -708,8 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not built:
         print(tail(build_log, 40))
-        print(rep.table())
-        return BUILD_UNFINISHED if rc is None else 1
+        return finish(rep, args, mode, BUILD_UNFINISHED if rc is None else 1)
 
     # 4. exllamav3's converter, all jobs in parallel
     cal = (16, 256)
@@ -739,8 +748,9 @@ def main(argv: list[str] | None = None) -> int:
             rep.add(f"convert {label}", "FAIL", why, time.perf_counter() - t_conv)
 
     # 4b. the same converter behind anyquant.quantize (quantizer_backend="exllamav3", anyquant's calibration)
-    if tiny is not None:
-        with rep.step("anyquant.quantize(quantizer_backend='exllamav3') tiny", need=60) as emit:
+    name = "anyquant.quantize(quantizer_backend='exllamav3') tiny"
+    if tiny is not None and rep.fits(name, 60):
+        with rep.step(name) as emit:
             via = work / "tiny-quantize-exllamav3"
             if via.exists():
                 shutil.rmtree(via)
@@ -753,22 +763,30 @@ def main(argv: list[str] | None = None) -> int:
 
     # 5. reconstruction: anyquant's CPU decode vs exllamav3's
     for label, out in converted.items():
-        if label.startswith("tiny"):
-            with rep.step(f"reconstruct {label}", need=10) as emit:
+        if label.startswith("tiny") and rep.fits(f"reconstruct {label}", 10):
+            with rep.step(f"reconstruct {label}") as emit:
                 d = anyquant.detect(out, registry=reg)
                 emit("INFO", f"detected {d.format}/{d.variant}, K {d.details.get('k_histogram')}")
                 check_reconstruction(out, label, rep)
                 if label.endswith("-eb4"):
                     check_ring_tables(out, label, rep, int(TINY["hidden_size"]))
-    if aq_exl3 is not None and aq_exl3.is_dir():
-        with rep.step("reconstruct anyquant-encoded", need=10):
+    if aq_exl3 is not None and aq_exl3.is_dir() and rep.fits("reconstruct anyquant-encoded", 10):
+        with rep.step("reconstruct anyquant-encoded"):
             check_reconstruction(aq_exl3, "anyquant-encoded", rep)
 
     # 6. logits both ways
-    if "tiny-mul1" in converted:
-        with rep.step("logits: exllamav3 ckpt, anyquant reference vs exllamav3 backend", need=20) as emit:
-            ref = backend_vs_reference(converted["tiny-mul1"], reg, emit)
-        with rep.step("logits: anyquant dequantized on CUDA (fp32) vs reference on CPU", need=10) as emit:
+    ref = None
+    if "tiny-mul1" in converted and rep.fits("logits: anyquant reference (CPU) of exllamav3's tiny-mul1", 30):
+        with rep.step("logits: anyquant reference (CPU) of exllamav3's tiny-mul1") as emit:
+            ref = reference_logits(converted["tiny-mul1"], reg)
+            emit("PASS", f"logits {tuple(ref.shape)}")
+    name = "logits: exllamav3 ckpt, anyquant reference vs exllamav3 backend"
+    if ref is not None and rep.fits(name, 20):
+        with rep.step(name) as emit:
+            backend_vs_reference(converted["tiny-mul1"], reg, emit, ref=ref)
+    name = "logits: anyquant dequantized on CUDA (fp32) vs reference on CPU"
+    if ref is not None and rep.fits(name, 10):
+        with rep.step(name) as emit:
             kw = {"backend": "dequantized", "device": "cuda", "dtype": "float32", "registry": reg}
             model = anyquant.load(converted["tiny-mul1"], **kw)
             with torch.inference_mode():
@@ -776,36 +794,43 @@ def main(argv: list[str] | None = None) -> int:
             rel, mean, top1 = compare_logits(ref, got)
             emit("PASS" if rel < 1e-3 else "FAIL", f"max rel {rel:.1e}, mean |d| {mean:.1e}, top-1 {top1:.3f}")
             del model
-    if aq_exl3 is not None and aq_exl3.is_dir() and aq_ref is not None:
-        with rep.step("logits: anyquant ckpt, exllamav3 itself vs anyquant reference", need=20) as emit:
+    name = "logits: anyquant ckpt, exllamav3 itself vs anyquant reference"
+    if aq_exl3 is not None and aq_exl3.is_dir() and aq_ref is not None and rep.fits(name, 20):
+        with rep.step(name) as emit:
             got = exllamav3_direct_logits(aq_exl3)
             rel, mean, top1 = compare_logits(aq_ref, got)
             emit("PASS" if rel < 2e-2 else "FAIL", f"max rel {rel:.1e}, mean |d| {mean:.1e}, top-1 {top1:.3f}")
 
-    if "tiny-mul1-eb4" in converted:
-        with rep.step("logits: ring-coded embedding, anyquant reference vs exllamav3 backend", need=20) as emit:
+    name = "logits: ring-coded embedding, anyquant reference vs exllamav3 backend"
+    if "tiny-mul1-eb4" in converted and rep.fits(name, 20):
+        with rep.step(name) as emit:
             backend_vs_reference(converted["tiny-mul1-eb4"], reg, emit)
 
     # 7. the generation API through the exllamav3 backend
-    if "tiny-mul1" in converted:
-        with rep.step("api", need=30):
+    if "tiny-mul1" in converted and rep.fits("api", 30):
+        with rep.step("api"):
             check_api(converted["tiny-mul1"], reg, rep)
 
     # 8. speed
     if "bench-mul1" in converted:
         tokens, repeat = (128, 3) if mode == "quick" else (256, 5)
-        with rep.step("speed", need=40):
-            check_speed(converted["bench-mul1"], reg, rep, tokens=tokens, repeat=repeat)
+        if rep.fits("speed", 40):
+            with rep.step("speed"):
+                check_speed(converted["bench-mul1"], reg, rep, tokens=tokens, repeat=repeat)
 
+    return finish(rep, args, mode, 1 if rep.failed(args.strict_speed) else 0)
+
+
+def finish(rep: Report, args: argparse.Namespace, mode: str, rc: int) -> int:
+    """The summary table, the JSON rows (``--json``: on every path, the early exits included), the exit status."""
     print()
     print(f"== anyquant EXL3 GPU checks ({mode}, {rep.elapsed():.0f}s) ==")
     print(rep.table())
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([asdict(r) for r in rep.rows], indent=1))
-    failed = rep.failed(args.strict_speed)
-    print("RESULT:", "FAIL" if failed else "PASS")
-    return 1 if failed else 0
+        args.json.write_text(json.dumps({"exit": rc, "rows": [asdict(r) for r in rep.rows]}, indent=1))
+    print("RESULT:", "PASS" if rc == 0 else ("BUILD UNFINISHED" if rc == BUILD_UNFINISHED else "FAIL"))
+    return rc
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ if [[ -z "$PY" ]]; then
 fi
 
 # exllamav3 (and pydantic, marisa-trie, ...) from the carried wheels when this interpreter lacks them
-SITE="${ANYQUANT_GPU_SITE:-/tmp/anyquant-gpu-site}"
+SITE="${ANYQUANT_GPU_SITE:-/tmp/anyquant-gpu-site-exl3}" # not gpu_gptq.sh's, which it wipes and rebuilds
 if [[ -d "$SITE" ]]; then export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"; fi # installed by an earlier run
 missing=$("$PY" - <<'EOF'
 import importlib.util

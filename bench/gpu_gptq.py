@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -301,19 +302,22 @@ def run_group(name: str, rows: list[dict[str, Any]], work: Path, ids: Path, devi
     print(f"[{name}] {len(rows)} rows, timeout {timeout:.0f} s", flush=True)
     env = {**os.environ, **ENV}
     results: list[dict[str, Any]] = []
+    # its own session, so that a timeout kills the whole group (a JIT build's ninja and nvcc included)
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--child", str(job)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=work,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--child", str(job)],
-            capture_output=True,
-            text=True,
-            timeout=max(timeout, 5),
-            env=env,
-            cwd=work,
-            check=False,
-        )
-        out, err, rc = proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        out, err = proc.communicate(timeout=max(timeout, 5))
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, _ = proc.communicate()
         err, rc = f"timed out after {timeout:.0f} s", -9
     (work / f"log-{name}.txt").write_text(out + "\n--- stderr ---\n" + err)
     for line in out.splitlines():
@@ -343,20 +347,37 @@ def start_marlin_build(work: Path, timeout: float) -> tuple[subprocess.Popen[str
     )
     cores = os.cpu_count() or 4
     env = {**os.environ, **ENV, "MAX_JOBS": str(max(1, cores - 4))}
+    # stdout to the log file, not a pipe: nobody reads a pipe until the build is awaited, and GPTQModel's
+    # progress display could fill it and stall the build
     log = (work / "log-marlin-build.txt").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=work
+        [sys.executable, "-c", code],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=work,
+        start_new_session=True,
     )
     return proc, time.perf_counter() + timeout
 
 
-def finish_marlin_build(proc: subprocess.Popen[str], deadline: float) -> dict[str, Any]:
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """Kill a child started with ``start_new_session=True`` and everything it started (compilers)."""
     try:
-        out, _ = proc.communicate(timeout=max(1.0, deadline - time.perf_counter()))
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def finish_marlin_build(proc: subprocess.Popen[str], deadline: float, work: Path) -> dict[str, Any]:
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+        _kill_group(proc)
+        proc.wait()
         return {"ok": False, "timeout": True, "error": "the Marlin JIT build did not finish in time"}
+    out = (work / "log-marlin-build.txt").read_text(errors="replace")
     for line in out.splitlines():
         if line.startswith("MARLIN "):
             result: dict[str, Any] = json.loads(line[7:])
@@ -508,7 +529,7 @@ def main() -> int:
         print("environment incomplete: gptqmodel is not importable (see bench/gpu_gptq.sh --prepare)", flush=True)
         return 4
     device = "cpu" if cpu else "cuda"
-    work = Path(args.work) / ("cpu" if cpu else "cuda")
+    work = Path(args.work).resolve() / ("cpu" if cpu else "cuda")  # the children run in it: no relative paths
     work.mkdir(parents=True, exist_ok=True)
     if not cpu:
         p = torch.cuda.get_device_properties(0)
@@ -548,7 +569,7 @@ def main() -> int:
     rows += run_group("gm", gm, work, ids, device, clock.left() - (60 if marlin_wanted else 10))
     marlin: dict[str, Any] = {"ok": False, "error": "not built (--no-marlin or CPU)"}
     if marlin_proc is not None:
-        marlin = finish_marlin_build(marlin_proc, min(marlin_deadline, time.perf_counter() + clock.left() - 50))
+        marlin = finish_marlin_build(marlin_proc, min(marlin_deadline, time.perf_counter() + clock.left() - 50), work)
         print(f"[marlin] {json.dumps(marlin)[:400]}", flush=True)
     mrows = plan_rows(ckpts, "marlin")
     if cpu:

@@ -55,6 +55,31 @@ def test_quantize_refuses_exllamav3_without_cuda_before_writing(tmp_path: Path) 
     assert not (tmp_path / "out").exists()
 
 
+def test_backend_specific_options_choose_or_conflict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An option only one quantizer reads is never silently dropped: with "auto" it picks that quantizer (so
+    ``encode_device="cuda"`` runs anyquant's encoder on the GPU even where exllamav3's converter could run), and
+    naming the other quantizer with it is an error."""
+    available = cuda_backend.BackendInfo("exllamav3", True)
+    monkeypatch.setattr(cuda_backend, "backend_info", lambda: available)
+    assert quantizer_backend(_spec()) == "exllamav3"  # auto, where the converter can run
+    for option in ("encode_device", "ldlq", "batch_tiles"):
+        assert quantizer_backend(_spec(**{option: "cpu"})) == "anyquant"
+        with pytest.raises(QuantizeError, match=rf"\['{option}'\] are anyquant's encoder's"):
+            quantizer_backend(_spec(quantizer_backend="exllamav3", **{option: "cpu"}))
+    for option in ("devices", "out_scales", "scaled_hessian"):
+        assert quantizer_backend(_spec(**{option: "0"})) == "exllamav3"
+        with pytest.raises(QuantizeError, match=rf"\['{option}'\] are exllamav3's converter's"):
+            quantizer_backend(_spec(quantizer_backend="anyquant", **{option: "0"}))
+    with pytest.raises(QuantizeError, match="one quantizer runs"):
+        quantizer_backend(_spec(encode_device="cuda", devices="0"))
+    # where the converter cannot run, its own options say so instead of falling back to anyquant's encoder
+    missing = cuda_backend.BackendInfo("exllamav3", False, "no CUDA device")
+    monkeypatch.setattr(cuda_backend, "backend_info", lambda: missing)
+    assert quantizer_backend(_spec()) == "anyquant"
+    with pytest.raises(QuantizeError, match=r"options \['scaled_hessian'\] \(exllamav3's converter\) cannot run here"):
+        quantizer_backend(_spec(scaled_hessian=True))
+
+
 def test_head_bits_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from anyquant.probe import Probe
     from anyquant_exl3.quantize import EXL3Quantizer

@@ -42,7 +42,14 @@ from anyquant.protocols import QuantizeSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["QUANTIZER_BACKENDS", "EXL3Quantizer", "allocate_bits", "quantizer_backend"]
+__all__ = [
+    "ANYQUANT_ONLY_OPTIONS",
+    "EXLLAMAV3_ONLY_OPTIONS",
+    "QUANTIZER_BACKENDS",
+    "EXL3Quantizer",
+    "allocate_bits",
+    "quantizer_backend",
+]
 
 log = logging.getLogger(__name__)
 
@@ -227,19 +234,39 @@ def _hessians(
         del model
 
 
+#: options only one of the two quantizers reads: with ``quantizer_backend="auto"`` they choose it, and naming
+#: the other one with them is an error (never silently ignored)
+ANYQUANT_ONLY_OPTIONS = ("batch_tiles", "encode_device", "ldlq")
+EXLLAMAV3_ONLY_OPTIONS = ("devices", "out_scales", "scaled_hessian")
+
+
 def quantizer_backend(spec: QuantizeSpec) -> str:
     """``quantizer_backend`` resolved: ``"auto"`` is exllamav3's converter where its CUDA backend can run, else
-    anyquant's own encoder. Never imports exllamav3 (that JIT-builds its extension)."""
+    anyquant's own encoder, unless options only one of them reads were given (``encode_device``, ``ldlq``,
+    ``batch_tiles``: anyquant's; ``devices``, ``out_scales``, ``scaled_hessian``: exllamav3's), which choose it.
+    Options of the quantizer not chosen are a :class:`QuantizeError`. Never imports exllamav3 (that JIT-builds
+    its extension)."""
     chosen = str(spec.options.get("quantizer_backend", "auto"))
     if chosen not in QUANTIZER_BACKENDS:
         raise QuantizeError(f"quantizer_backend={chosen!r} is not one of {QUANTIZER_BACKENDS}")
-    if chosen == "anyquant":
-        return chosen
+    ours = [k for k in ANYQUANT_ONLY_OPTIONS if k in spec.options]
+    theirs = [k for k in EXLLAMAV3_ONLY_OPTIONS if k in spec.options]
+    if ours and theirs:
+        raise QuantizeError(
+            f"options {ours} are for anyquant's encoder and {theirs} for exllamav3's converter: one quantizer runs"
+        )
+    if chosen == "anyquant" or (chosen == "auto" and ours):
+        if theirs:
+            raise QuantizeError(f"options {theirs} are exllamav3's converter's; quantizer_backend='anyquant' runs")
+        return "anyquant"
+    if chosen == "exllamav3" and ours:
+        raise QuantizeError(f"options {ours} are anyquant's encoder's; quantizer_backend='exllamav3' runs")
     from .cuda_backend import backend_info
 
     info = backend_info()
-    if chosen == "exllamav3" and not info.available:
-        raise QuantizeError(f"quantizer_backend='exllamav3' cannot run here: {info.reason}")
+    if not info.available and (chosen == "exllamav3" or theirs):
+        why = "quantizer_backend='exllamav3'" if chosen == "exllamav3" else f"options {theirs} (exllamav3's converter)"
+        raise QuantizeError(f"{why} cannot run here: {info.reason}")
     return "exllamav3" if info.available else "anyquant"
 
 
@@ -248,8 +275,8 @@ class EXL3Quantizer:
     #: the ``quantize(..., **options)`` keywords this quantizer reads (any other is a QuantizeError)
     quantize_options: ClassVar[Mapping[str, str]] = MappingProxyType(
         {
-            "quantizer_backend": "'auto' (default: exllamav3's converter on CUDA, anyquant's encoder elsewhere), "
-            "'exllamav3' or 'anyquant'",
+            "quantizer_backend": "'auto' (default: exllamav3's converter on CUDA, anyquant's encoder elsewhere; "
+            "options only one of them reads choose it), 'exllamav3' or 'anyquant'",
             "codebook": "'mul1' (default), 'mcg' or '3inst'",
             "head_bits": "the LM head: 16 (anyquant's encoder; unquantized) or 1..8 (exllamav3's converter, default 6)",
             "embed_bits": "the token embedding: 16 (default, unquantized) or 1..8 (ring-coded)",
