@@ -71,3 +71,41 @@ def test_bad_parameters_fail_early(src: Path, tmp_path: Path, kwargs: dict, mess
     with pytest.raises(QuantizeError, match=message):
         anyquant.quantize(src, tmp_path / "o", method="awq", calibration=TEXTS, group_size=32, **kwargs)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"quantizer_backend": "gptqmodel", "n_grid": 10}, r"'gptqmodel' does not read \['n_grid'\] .*'anyquant' does"),
+        (
+            {"quantizer_backend": "gptqmodel", "apply_clip": False},
+            r"does not read \['apply_clip'\] \(quantizer_backend 'anyquant' or 'autoawq' does\)",
+        ),
+        ({"quantizer_backend": "autoawq", "n_grid": 10}, r"'autoawq' does not read \['n_grid'\]"),
+        ({"dynamic": {"-:.*down_proj": {}}}, "dynamic"),
+        ({"desc_act": True}, "AWQ has no act-order"),  # GPTQ's per-module overrides: no AWQ quantizer applies them
+    ],
+)
+def test_options_the_quantizer_does_not_read_are_refused(src: Path, tmp_path: Path, kwargs: dict, message: str) -> None:
+    """Before, GPTQModel's AWQ ran without n_grid / duo_scaling / apply_clip, and every AWQ quantizer without
+    ``dynamic``, silently."""
+    with pytest.raises(QuantizeError, match=message):
+        anyquant.quantize(src, tmp_path / "o", method="awq", calibration=TEXTS, group_size=32, **kwargs)
+    assert not list(tmp_path.iterdir())
+
+
+def test_auto_picks_the_quantizer_that_reads_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from anyquant.protocols import QuantizeSpec
+    from anyquant_awq import quantize as awq_quantize
+
+    def spec(**options: object) -> QuantizeSpec:
+        return QuantizeSpec(method="awq", bits=4, options=options)
+
+    q = awq_quantize.AWQQuantizer()
+    for cuda, default in ((True, "gptqmodel"), (False, "anyquant")):
+        monkeypatch.setattr(awq_quantize, "_cuda_visible", lambda cuda=cuda: cuda)
+        assert q.backend(spec()) == default
+        assert q.backend(spec(batch_size=2)) == default  # read by every AWQ quantizer
+        assert q.backend(spec(n_grid=10)) == "anyquant"  # on CUDA too: GPTQModel's AWQ has no grid option
+        assert q.backend(spec(duo_scaling=False)) == "anyquant"  # "auto" never picks AutoAWQ
+        assert q.backend(spec(quantizer_backend="autoawq", apply_clip=False)) == "autoawq"

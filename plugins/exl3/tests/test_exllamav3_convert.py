@@ -184,3 +184,12 @@ def test_worker_relays_progress_and_judges_the_output(tmp_path: Path, monkeypatc
     j.update(bits=9.0, out=str(tmp_path / "q2" / "model"))
     with pytest.raises(WorkerError, match="bits out of range"):
         run_worker("anyquant_exl3.exllamav3_convert", j, scratch=tmp_path / "s2")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"sym": True}, "sym=True"), ({"desc_act": True}, "desc_act=True")])
+def test_gptq_parameters_are_refused_not_ignored(tmp_path: Path, kwargs: dict, message: str) -> None:
+    """quantize()'s GPTQ-shaped parameters mean nothing to EXL3: an error before any work, not a silent no-op."""
+    dense = make_tiny_dense(tmp_path / "tiny", num_hidden_layers=1)
+    with pytest.raises(QuantizeError, match=f"{message}: EXL3 has no act-order and no zero points"):
+        anyquant.quantize(dense, tmp_path / "out", method="exl3", **kwargs)
+    assert not (tmp_path / "out").exists()

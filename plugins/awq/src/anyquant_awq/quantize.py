@@ -143,36 +143,62 @@ def _tokenizer(path: Path) -> Any:
         ) from exc
 
 
+#: the options only some AWQ quantizers read (the others are read by all three)
+BACKEND_OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {
+        "anyquant": frozenset({"n_grid", "duo_scaling", "apply_clip"}),
+        "gptqmodel": frozenset(),
+        "autoawq": frozenset({"duo_scaling", "apply_clip"}),
+    }
+)
+_SPECIFIC_OPTIONS = frozenset().union(*BACKEND_OPTIONS.values())
+
+
 class AWQQuantizer(GPTQModelQuantizer):
     method = "awq"
     formats = ("gemm",)
     bits_allowed = (4,)
     quantize_options: ClassVar[Mapping[str, str]] = MappingProxyType(
         {
-            **GPTQModelQuantizer.quantize_options,
+            # GPTQ's per-module ``dynamic`` overrides: no AWQ quantizer here applies them (refused, not ignored)
+            **{k: v for k, v in GPTQModelQuantizer.quantize_options.items() if k != "dynamic"},
             "format": "the checkpoint layout: 'gemm' (the only one anyquant writes)",
             "dtype": "'float16' (default; AWQ GEMM stores float16 scales)",
             "quantizer_backend": f"one of {QUANTIZER_BACKENDS} (default 'auto': GPTQModel with a GPU, anyquant's own on CPU)",
             "version": "'gemm' (the only one anyquant writes)",
             "zero_point": "asymmetric (AWQ's default, True) or symmetric; overrides sym",
-            "apply_clip": "AWQ's weight clipping search (default True)",
-            "n_grid": "scale search grid points (anyquant's quantizer; default 20)",
-            "duo_scaling": "scale by activations and weights (default True)",
+            "apply_clip": "AWQ's weight clipping search (default True; anyquant's and AutoAWQ's quantizers)",
+            "n_grid": "scale search grid points (anyquant's quantizer only; default 20)",
+            "duo_scaling": "scale by activations and weights (default True; anyquant's and AutoAWQ's quantizers)",
             "batch_size": "calibration batch size",
         }
     )
 
     def backend(self, spec: QuantizeSpec) -> str:
-        """The quantizer that runs: ``quantizer_backend`` resolved (see the module docstring)."""
+        """The quantizer that runs: ``quantizer_backend`` resolved (see the module docstring). An option that only
+        some quantizers read (:data:`BACKEND_OPTIONS`) is never dropped: under ``"auto"`` it picks one that reads
+        it (``n_grid`` on CUDA: anyquant's own), and naming a quantizer that does not is a QuantizeError."""
         chosen = spec.options.get("quantizer_backend", "auto")
         if chosen not in QUANTIZER_BACKENDS:
             raise QuantizeError(f"quantizer_backend={chosen!r} is not one of {QUANTIZER_BACKENDS}")
+        given = {k for k in _SPECIFIC_OPTIONS if k in spec.options}
         if chosen == "auto":
-            return "gptqmodel" if _cuda_visible() else "anyquant"
+            default = "gptqmodel" if _cuda_visible() else "anyquant"
+            # "auto" never picks AutoAWQ (deprecated upstream); anyquant's own reads every option
+            return default if given <= BACKEND_OPTIONS[default] else "anyquant"
+        unread = sorted(given - BACKEND_OPTIONS[str(chosen)])
+        if unread:
+            readers = [b for b in QUANTIZER_BACKENDS[1:] if set(unread) <= BACKEND_OPTIONS[b]]
+            raise QuantizeError(
+                f"quantizer_backend={chosen!r} does not read {unread} (quantizer_backend "
+                f"{' or '.join(repr(b) for b in readers)} does); drop them or choose that quantizer"
+            )
         return str(chosen)
 
     def validate(self, probe: Probe, spec: QuantizeSpec) -> None:
         super().validate(probe, spec)
+        if spec.desc_act:
+            raise QuantizeError("AWQ has no act-order (desc_act=True is GPTQ's): no AWQ quantizer would apply it")
         if spec.options.get("dtype", "float16") not in ("float16", "bfloat16"):
             raise QuantizeError("AWQ GEMM stores float16 scales; pass dtype='float16'")
         version = spec.options.get("version", "gemm")

@@ -292,6 +292,12 @@ class EXL3Quantizer:
     def validate(self, probe: Probe, spec: QuantizeSpec) -> None:
         if not 1 <= spec.bits <= 8:
             raise QuantizeError(f"EXL3 bits must be within 1..8, got {spec.bits}")
+        if spec.desc_act or spec.sym is not None:
+            given = "desc_act=True" if spec.desc_act else f"sym={spec.sym}"
+            raise QuantizeError(
+                f"{given}: EXL3 has no act-order and no zero points (trellis codes, per-channel suh/svh scales); "
+                "drop it"
+            )
         codebook = str(spec.options.get("codebook", "mul1")).lower()
         if codebook not in CODEBOOKS:
             raise QuantizeError(f"EXL3 codebook {codebook!r} is not one of {CODEBOOKS}")
