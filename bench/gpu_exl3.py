@@ -754,7 +754,19 @@ def main(argv: list[str] | None = None) -> int:
             via = work / "tiny-quantize-exllamav3"
             if via.exists():
                 shutil.rmtree(via)
-            encode(tiny, via, reg, quantizer_backend="exllamav3", calibration_samples=16, calibration_seq_len=256)
+            # in a child process with a time limit: the converter's worker has none of its own
+            code = (
+                "import sys, anyquant, anyquant_exl3.plugin as p\n"
+                "reg = anyquant.Registry(entry_points=False, plugins=[('anyquant-exl3', p)])\n"
+                "anyquant.quantize(sys.argv[1], sys.argv[2], registry=reg, method='exl3', bits=4, codebook='mul1',"
+                " quality=False, overwrite=True, quantizer_backend='exllamav3', calibration_samples=16,"
+                " calibration_seq_len=256)\n"
+            )
+            log = work / "tiny-quantize-exllamav3.log"
+            rc = wait(start([sys.executable, "-c", code, str(tiny), str(via)], log), min(180.0, rep.left() - 30))
+            if rc != 0:
+                print(tail(log, 30))
+                raise RuntimeError("timed out" if rc is None else f"exit {rc}: {tail(log, 1)[:200]}")
             d = anyquant.detect(via, registry=reg)
             qc = json.loads((via / "config.json").read_text()).get("quantization_config", {})
             ok = d.format == "exl3" and str(qc.get("quant_method")) == "exl3"
