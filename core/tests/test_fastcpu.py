@@ -135,6 +135,45 @@ def test_packed_memory_is_about_half_a_byte_per_weight() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    ("case", "kept"),
+    [
+        ("fp16 scales, zeros 0..15", {"scale_residual": torch.int8}),  # 1 byte per group column, zeros derived
+        ("fp16 scales, symmetric", {"scale_residual": torch.int8, "zeros": (1, 1)}),
+        ("bf16 scales", {}),  # the kernel's own scales are exact
+        ("fp32 scales, zeros 0..15", {"scales": torch.float32}),
+        ("a zero scale", {"scale_residual": torch.int8, "zeros": (4, 64)}),  # zeros not recoverable there
+        ("zeros up to 255", {"scale_residual": torch.int8, "zeros": (4, 64)}),
+        ("fp16 scales near 65504", {"scale_residual": torch.int8}),  # bf16 65536: float16 inf, one ulp off
+        ("fp16 subnormal scales", {"scale_residual": torch.int8}),
+    ],
+)
+def test_exact_scales_and_zeros_kept_compactly_and_exactly(case: str, kept: dict[str, Any]) -> None:
+    """The many-rows path's exact scales and zeros: only what ``scales_and_zeros`` cannot give back is
+    kept, and the exact weight is bitwise the reference whichever way."""
+    scale_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(case[:4], torch.float16)
+    codes, zeros, scales, _, _ = _case(256, 64, 64, scale_dtype=scale_dtype, seed=3)
+    if case == "fp16 scales, symmetric":
+        zeros = torch.full_like(zeros, 8)
+    elif case == "a zero scale":
+        scales[1, 5] = 0
+    elif case == "zeros up to 255":
+        zeros = torch.randint(0, 256, zeros.shape, generator=torch.Generator().manual_seed(4))
+    elif case == "fp16 scales near 65504":
+        scales[0, 0] = 65504.0
+    elif case == "fp16 subnormal scales":
+        scales = (scales.float() * 2e-3).to(torch.float16)
+        assert bool((scales.float().abs() < 6.1e-5).any())
+    layer = FastInt4Linear(codes, zeros, scales)
+    buffers = {n: b for n, b in layer.named_buffers() if n in ("scales", "scale_residual", "zeros")}
+    assert {n: b.dtype if n != "zeros" else tuple(b.shape) for n, b in buffers.items()} == kept
+    assert torch.equal(layer.exact_scales(), scales) and layer.exact_scales().dtype == scale_dtype
+    assert torch.equal(layer.exact_zeros().expand_as(zeros), zeros.to(torch.uint8))
+    ref = ((codes.view(4, 64, 64) - zeros.unsqueeze(1)).float() * scales.float().unsqueeze(1)).to(scale_dtype)
+    assert torch.equal(layer.dequantize(), ref.view(256, 64).t())
+
+
+@needs_kernel
 def test_rejects_what_it_cannot_run() -> None:
     codes, zeros, scales, _, _ = _case(128, 64, 32)
     with pytest.raises(ValueError, match="unequal"):

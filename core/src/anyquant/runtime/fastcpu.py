@@ -227,8 +227,9 @@ class FastInt4Linear(nn.Module):
 
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
+    scales: torch.Tensor | None  # None: exact_scales() recovers them from scales_and_zeros (+ scale_residual)
+    scale_residual: torch.Tensor | None
+    zeros: torch.Tensor | None  # [1, 1] when uniform; None: exact_zeros() recovers them from scales_and_zeros
     perm: torch.Tensor | None
     bias: torch.Tensor | None
 
@@ -285,13 +286,67 @@ class FastInt4Linear(nn.Module):
         if repeat > 1:
             sz = sz.repeat_interleave(repeat, dim=0)
         self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16).contiguous())
-        # the exact scales and zeros for the dense path
-        self.register_buffer("scales", scales.clone())
+        del sz, s32, z32
         if bool(((zeros < 0) | (zeros > 255)).any()):
             raise ValueError("zero points must lie in [0, 255]")
-        self.register_buffer("zeros", zeros.to(torch.uint8).contiguous())
+        self._keep_exact(scales, zeros.to(torch.uint8))
         self.register_buffer("perm", perm)
         self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
+
+    # ------------------------------------------------------------------ exact scales and zeros
+
+    def _keep_exact(self, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Keep what the exact (many-rows) path needs beyond ``scales_and_zeros``, as little as is exact.
+
+        The kernel's bfloat16 ``s`` is the exact scale when the scales are bfloat16 (or happen to round to
+        themselves); for float16 scales an int8 residual in float16 ulps restores them (1 byte instead of
+        2). Uniform zero points (GPTQ symmetric, GGUF) are one value; others are ``8 - m / s`` rounded,
+        from the kernel's ``m = (8 - z) * s``. Each is checked against the given tensors here, and kept
+        whole where the check fails (zero or non-finite scales, zeros too large to recover): the exact
+        weight never changes. SmolLM2-135M 4-bit g64: 4.7 MiB -> 1.6 (AWQ) or 1.6 -> 0 (GPTQ sym).
+        """
+        self.register_buffer("scales", None)
+        self.register_buffer("scale_residual", None)
+        self.register_buffer("zeros", None)
+        bf16 = self._kernel_columns(0)
+        if scales.dtype in (torch.bfloat16, torch.float16, torch.float32) and torch.equal(
+            bf16.to(scales.dtype), scales
+        ):
+            pass  # the kernel's scales are the exact ones
+        elif scales.dtype == torch.float16:
+            residual = scales.view(torch.int16).to(torch.int32) - bf16.to(torch.float16).contiguous().view(torch.int16)
+            if bool((residual.abs() <= 127).all()):
+                self.scale_residual = residual.to(torch.int8)
+            if self.scale_residual is None or not torch.equal(self.exact_scales(), scales):
+                self.scale_residual, self.scales = None, scales.clone()
+        else:
+            self.scales = scales.clone()
+        if zeros.numel() and bool((zeros == zeros.flatten()[0]).all()):
+            self.zeros = zeros.flatten()[:1].view(1, 1).clone()
+        elif not torch.equal(self.exact_zeros(), zeros):
+            self.zeros = zeros.contiguous()
+
+    def _kernel_columns(self, part: int) -> torch.Tensor:
+        """``scales_and_zeros[..., part]`` once per group and without the padded columns: ``[G, out]``."""
+        repeat = self.group_size // self.kernel_group
+        return self.scales_and_zeros[::repeat, : self.out_features, part]
+
+    def exact_scales(self) -> torch.Tensor:
+        """The scales as given (``[G, out]``, their own dtype)."""
+        if self.scales is not None:
+            return self.scales
+        bf16 = self._kernel_columns(0)
+        if self.scale_residual is None:
+            return bf16.to(self.scale_dtype)
+        bits = bf16.to(torch.float16).contiguous().view(torch.int16).to(torch.int32) + self.scale_residual
+        return bits.to(torch.int16).view(torch.float16)
+
+    def exact_zeros(self) -> torch.Tensor:
+        """The zero points as given (``[G, out]`` uint8; ``[1, 1]`` when they are all the same)."""
+        if self.zeros is not None:
+            return self.zeros
+        m = self._kernel_columns(1).to(torch.float32)
+        return (8.0 - m / self.exact_scales().to(torch.float32)).round().clamp(0, 255).to(torch.uint8)
 
     # ------------------------------------------------------------------ weights
 
@@ -307,7 +362,9 @@ class FastInt4Linear(nn.Module):
         """The exact weight, ``[in, out]`` with the input columns in sorted order, cast to ``dtype``."""
         k, n, g = self.in_features, self.out_features, self.group_size
         w = self._codes_kn().reshape(k // g, g, n).to(torch.float32)
-        w.sub_(self.zeros.to(torch.float32).unsqueeze(1)).mul_(self.scales.to(torch.float32).unsqueeze(1))
+        w.sub_(self.exact_zeros().to(torch.float32).unsqueeze(1)).mul_(
+            self.exact_scales().to(torch.float32).unsqueeze(1)
+        )
         w = w.view(k, n)
         target = dtype or self.scale_dtype
         if target == torch.bfloat16 and self.scale_dtype == torch.float16:

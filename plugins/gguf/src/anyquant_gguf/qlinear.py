@@ -527,7 +527,8 @@ def _int4_class() -> type[nn.Module]:
             del codes
             self.qtype = qtype
             self.register_buffer("offsets", offsets.t().contiguous())
-            sz = torch.stack([self.scales, self.offsets + 8.0 * self.scales], -1)
+            exact = self.exact_scales()  # the kernel's scale column stays bf16(scales): what the base keeps holds
+            sz = torch.stack([exact, self.offsets + 8.0 * exact], -1)
             pad = self.padded_out - self.out_features
             if pad:
                 sz = F.pad(sz, (0, 0, 0, pad))
@@ -536,7 +537,7 @@ def _int4_class() -> type[nn.Module]:
         def weight_kn(self, dtype: torch.dtype | None = None) -> torch.Tensor:
             k, n = self.in_features, self.out_features
             w = self._codes_kn().reshape(k // 32, 32, n).to(torch.float32)
-            w.mul_(self.scales.unsqueeze(1)).add_(self.offsets.unsqueeze(1))
+            w.mul_(self.exact_scales().unsqueeze(1)).add_(self.offsets.unsqueeze(1))
             return w.view(k, n).to(dtype or torch.float32)
 
         def extra_repr(self) -> str:
