@@ -326,3 +326,57 @@ def test_loader_without_declared_options_takes_any(tiny: Path) -> None:
     _check_options(Permissive(), {"anything": 1}, "dense")
     with pytest.raises(anyquant.ParameterError):
         _check_options(DenseLoader(), {"anything": 1}, "dense")
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ([{"role": "user"}], "chat message 0 is"),
+        (["Hi"], "chat message 0 is 'Hi'"),
+        ([{"role": 1, "content": "x"}], "string 'role'"),
+        ([], "no chat messages"),
+    ],
+)
+def test_malformed_chat_messages_are_parameter_errors(loaded, messages: list, message: str) -> None:  # type: ignore[no-untyped-def]
+    """Before, jinja2's UndefinedError (or a TypeError) came out of the chat template."""
+    with pytest.raises(anyquant.ParameterError, match=message):
+        loaded.generate(messages, max_new_tokens=2)
+
+
+def test_bad_prompts_and_dtype_are_parameter_errors(loaded, tiny: Path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(anyquant.ParameterError, match="empty prompt"):
+        loaded.generate("", max_new_tokens=2)
+    with pytest.raises(anyquant.ParameterError, match="chat=False needs a string prompt"):
+        loaded.generate([{"role": "user", "content": "Hi"}], max_new_tokens=2, chat=False)
+    with pytest.raises(anyquant.ParameterError, match="dtype 'int8' is not one of"):
+        anyquant.load(tiny, dtype="int8")
+
+
+def test_generation_stays_within_the_context(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A prompt longer than max_position_embeddings is refused; a long generation stops at the context (with a
+    warning) with the same tokens as far as it goes; a prompt that fills the context still gets its one token."""
+    path = make_tiny_dense(tmp_path / "short", max_position_embeddings=32)
+    short = anyquant.load(path)
+    unbounded = anyquant.load(path)
+    unbounded.generator.context = None  # what the generator did before: run past the context
+    gen = short.generator
+    assert gen.context == 32
+    ids = list(range(100, 120))  # 20 tokens: 13 more fit (the 13th is never fed back)
+    with caplog.at_level("WARNING", logger="anyquant.runtime.generate"):
+        got = gen.generate_ids(ids, short.params(max_new_tokens=50))
+    assert len(got) == 13 and "stops at the model's context of 32 tokens" in caplog.text
+    assert got == unbounded.generator.generate_ids(ids, unbounded.params(max_new_tokens=50))[:13]
+    assert len(gen.generate_ids(list(range(100, 132)), short.params(max_new_tokens=5))) == 1
+    with pytest.raises(anyquant.ParameterError, match="the prompt is 33 tokens; this model's context is 32"):
+        gen.generate_ids(list(range(100, 133)), short.params(max_new_tokens=5))
+
+
+def test_no_forward_after_the_last_token(loaded) -> None:  # type: ignore[no-untyped-def]
+    """n new tokens take n forwards (the prompt's, then n - 1 single tokens), not n + 1."""
+    calls = []
+    handle = loaded.module.register_forward_hook(lambda m, a, out: calls.append(1))
+    try:
+        got = loaded.generator.generate_ids([72, 101, 108], loaded.params(max_new_tokens=5))
+    finally:
+        handle.remove()
+    assert len(got) == 5 and len(calls) == 5

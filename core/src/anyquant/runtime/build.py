@@ -70,7 +70,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         "bf16": torch.bfloat16,
     }
     if dtype not in names:
-        raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(names)}")
+        raise ParameterError(f"dtype {dtype!r} is not one of {sorted(names)}")
     return names[dtype]
 
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ..errors import AnyquantError
+from ..errors import AnyquantError, ParameterError
 from ..protocols import GenerationParams, Prompt
 
-__all__ = ["TorchGenerator", "sample_next"]
+__all__ = ["TorchGenerator", "context_length", "sample_next"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,38 @@ def _eos_ids(module: Any, tokenizer: Any) -> set[int]:
     if isinstance(tok_eos, int):
         ids.add(tok_eos)
     return ids
+
+
+def context_length(module: Any) -> int | None:
+    """The positions the model was made for (``max_position_embeddings``), or ``None`` when unknown or when
+    its RoPE scales itself past them (``dynamic``)."""
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        return None
+    try:
+        raw = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg if isinstance(cfg, dict) else {}
+    except Exception:  # another library's config object (exllamav3's): no limit known here
+        return None
+    if not isinstance(raw, dict):
+        return None
+    value = raw.get("max_position_embeddings")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = raw.get(key)
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
+            return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _check_messages(messages: list[Any]) -> None:
+    """Chat messages as chat templates read them: mappings with a string ``role`` and a ``content``."""
+    if not messages:
+        raise ParameterError("no chat messages: pass a string prompt or at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ParameterError(
+                f"chat message {i} is {m!r}: expected a dict with a string 'role' and a 'content', "
+                "e.g. {'role': 'user', 'content': 'Hi'}"
+            )
 
 
 def sample_next(
@@ -85,6 +117,7 @@ class TorchGenerator:
         self.device = torch.device(device)
         self.eos_ids = _eos_ids(module, tokenizer)
         self.cache_kw = _cache_keyword(module)
+        self.context = context_length(module)
 
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt: Prompt, params: GenerationParams) -> list[int]:
@@ -94,12 +127,16 @@ class TorchGenerator:
         chat = params.chat if params.chat is not None else not isinstance(prompt, str)
         if chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            _check_messages(messages)
             if not getattr(tok, "chat_template", None):
                 raise AnyquantError("this model's tokenizer has no chat template; pass a plain string prompt")
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as exc:  # the template's own checks (jinja2's raise_exception, undefined fields)
+                raise ParameterError(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from exc
             return list(tok(text, add_special_tokens=False)["input_ids"])
         if not isinstance(prompt, str):
-            raise AnyquantError("chat=False needs a string prompt")
+            raise ParameterError("chat=False needs a string prompt")
         return list(tok(prompt)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -114,7 +151,26 @@ class TorchGenerator:
         rows = len(batch)
         width = max(len(ids) for ids in batch)
         if min(len(ids) for ids in batch) == 0:
-            raise AnyquantError("empty prompt: nothing to condition on")
+            raise ParameterError("empty prompt: nothing to condition on")
+        steps = params.max_new_tokens
+        if self.context is not None:
+            # the prompt takes positions 0 .. width-1 and new token i (from 0) is fed at width + i; the last
+            # new token is never fed: a prompt that fills the context still gets one
+            if width > self.context:
+                raise ParameterError(
+                    f"the prompt is {width} tokens; this model's context is {self.context} "
+                    "(max_position_embeddings): shorten it"
+                )
+            if width + steps > self.context + 1:
+                steps = self.context + 1 - width
+                log.warning(
+                    "generation stops at the model's context of %d tokens: at most %d new tokens after a %d-token "
+                    "prompt, not %d",
+                    self.context,
+                    steps,
+                    width,
+                    params.max_new_tokens,
+                )
         pad = next(iter(self.eos_ids), 0)
         input_ids = torch.full((rows, width), pad, dtype=torch.long)
         mask = torch.zeros((rows, width), dtype=torch.long)
@@ -130,7 +186,7 @@ class TorchGenerator:
         history = input_ids
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         out = self.module(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        for _step in range(params.max_new_tokens):
+        for _step in range(steps):
             nxt = sample_next(out.logits[:, -1, :], params, history, rng)
             tokens: list[int | None] = [
                 None if d else int(t) for t, d in zip(nxt.tolist(), done.tolist(), strict=False)
@@ -138,8 +194,8 @@ class TorchGenerator:
             yield tokens
             if self.eos_ids:
                 done |= torch.isin(nxt, torch.tensor(sorted(self.eos_ids), device=self.device))
-            if bool(done.all()):
-                return
+            if bool(done.all()) or _step == steps - 1:
+                return  # no forward for a token nobody will sample after
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             history = torch.cat([history, nxt[:, None]], dim=1)
             mask = torch.cat([mask, (~done).long()[:, None]], dim=1)

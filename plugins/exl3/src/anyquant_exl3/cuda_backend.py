@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anyquant.errors import AnyquantError, MissingDependencyError, UnsupportedBackendError
+from anyquant.errors import AnyquantError, MissingDependencyError, ParameterError, UnsupportedBackendError
 from anyquant.protocols import BackendInfo, GenerationParams, LoadOptions
 from anyquant.runtime.generate import TorchGenerator
 
@@ -337,7 +337,7 @@ class ExllamaGenerator(TorchGenerator):
     # ------------------------------------------------------------------ jobs
     def _job(self, ids: Sequence[int], params: GenerationParams, *, identifier: int, stops: bool) -> Any:
         if not ids:
-            raise AnyquantError("empty prompt: nothing to condition on")
+            raise ParameterError("empty prompt: nothing to condition on")
         spec = sampler_spec(params)
         seed = None if params.seed is None else int(params.seed) + identifier
         cond = stop_conditions(self.eos_ids, params.stop if stops else ())
