@@ -22,6 +22,8 @@ from anyquant.testing.fixtures import awq_gemm, awq_gemv
 from anyquant_awq.loader import AWQLoader
 
 WORKER = Path(__file__).resolve().parents[2] / "gptq" / "tests" / "gptqmodel_backend_worker.py"
+#: fp16 logits of two paths whose GEMMs sum in different orders (measured: 5e-4 to 8e-4)
+FP16_TOL = 2e-3
 HAS_GPTQMODEL = importlib.util.find_spec("gptqmodel") is not None
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answers")
 
@@ -47,7 +49,7 @@ def test_gemv_layout_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.peer
 @pytest.mark.skipif(not HAS_GPTQMODEL, reason="gptqmodel is not installed")
-def test_gptqmodel_torch_awq_kernels_match_the_reference_bit_for_bit() -> None:
+def test_gptqmodel_torch_awq_kernels_match_the_reference() -> None:
     from tests.peers.catalog import GPTQMODEL_AWQ_VARIANTS, gptqmodel_awq_quantized_dir
 
     root = gptqmodel_awq_quantized_dir()
@@ -64,8 +66,8 @@ def test_gptqmodel_torch_awq_kernels_match_the_reference_bit_for_bit() -> None:
         assert r["backend"] == "gptqmodel", name
         assert r["kernels"] == {"AwqTorchLinear": 14}, (name, r["kernels"])
         assert r["weights_exact"], name
-        assert r["fp16_logits_equal"], name
-        assert r["judge_logits_equal"], name
+        # weights bitwise; logits within fp16 rounding (bitwise on some CPUs only: see the worker)
+        assert r["fp16_rel"] < FP16_TOL and r["judge_rel"] < FP16_TOL, (name, r["fp16_rel"], r["judge_rel"])
         assert r["greedy_equal"], name
         assert r["fp32_rel"] < 1e-2, (name, r["fp32_rel"])
     assert rows[names[0]]["export_equal"]  # export_dense: backend == reference

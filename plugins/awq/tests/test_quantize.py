@@ -82,7 +82,7 @@ def test_bad_parameters_fail_early(src: Path, tmp_path: Path, kwargs: dict, mess
             r"does not read \['apply_clip'\] \(quantizer_backend 'anyquant' or 'autoawq' does\)",
         ),
         ({"quantizer_backend": "autoawq", "n_grid": 10}, r"'autoawq' does not read \['n_grid'\]"),
-        ({"dynamic": {"-:.*down_proj": {}}}, "dynamic"),
+        ({"dynamic": {"-:.*down_proj": {}}}, "dynamic= is GPTQ's per-module override"),
         ({"desc_act": True}, "AWQ has no act-order"),  # GPTQ's per-module overrides: no AWQ quantizer applies them
     ],
 )

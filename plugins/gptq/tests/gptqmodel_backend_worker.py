@@ -7,8 +7,10 @@ ROOT is a peer fixture (``quantized/<variant>`` checkpoints, ``judges/<variant>`
 logits). It runs in a subprocess because importing GPTQModel patches transformers process-wide.
 For each variant:
 
-- ``fp16_logits_equal``: fp16 logits of backend ``gptqmodel`` == backend ``dequantized`` (fp16);
-- ``judge_logits_equal``: the same logits == GPTQModel's own fp16 forward;
+- ``fp16_rel`` (and ``fp16_logits_equal``): max |logit difference| / max |logit| between backends ``gptqmodel``
+  and ``dequantized`` in fp16 (bitwise equal where both sides' fp16 GEMMs accumulate alike, as on an AMX
+  Xeon; not on an AMD EPYC, where ``torch.matmul(x, W)`` and ``F.linear(x, W.T)`` sum in other orders);
+- ``judge_rel`` (and ``judge_logits_equal``): the same logits against GPTQModel's own fp16 forward;
 - ``weights_exact``: every layer's kernel weight (the kernel applied to an identity) == anyquant's
   reference dequantization;
 - ``greedy_equal``: greedy tokens == GPTQModel's;
@@ -62,7 +64,9 @@ def main(root: str, variants: list[str]) -> int:
             "backend": ours16.backend,
             "dtype32": ours32.dtype,
             "fp16_logits_equal": bool(torch.equal(a, b)),
+            "fp16_rel": _rel(b, a),
             "judge_logits_equal": bool(torch.equal(b, judge["logits"].to(torch.float16))),
+            "judge_rel": _rel(b, judge["logits"].to(torch.float16)),
             "weights_exact": weights_exact,
             "greedy_equal": got == want,
             "fp32_rel": float((c - d).abs().max() / c.abs().max()),
@@ -73,6 +77,13 @@ def main(root: str, variants: list[str]) -> int:
             row["export_equal"] = _export_equal(path)
         print(json.dumps(row), flush=True)
     return 0
+
+
+def _rel(got: object, want: object) -> float:
+    import torch
+
+    assert isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
 def _export_equal(path: str) -> bool:

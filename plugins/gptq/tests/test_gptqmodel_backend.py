@@ -26,6 +26,8 @@ from anyquant_gptq.gptqmodel_kernels import GPTQModelLinear, KernelPlan, gptq_ke
 from anyquant_gptq.loader import GPTQLoader
 
 WORKER = Path(__file__).resolve().parent / "gptqmodel_backend_worker.py"
+#: fp16 logits of two paths whose GEMMs sum in different orders (measured: 5e-4 to 8e-4)
+FP16_TOL = 2e-3
 HAS_GPTQMODEL = importlib.util.find_spec("gptqmodel") is not None
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answers")
 
@@ -252,7 +254,7 @@ def test_compile_stays_off() -> None:
 
 @pytest.mark.peer
 @pytest.mark.skipif(not HAS_GPTQMODEL, reason="gptqmodel is not installed")
-def test_gptqmodel_torch_kernels_match_the_reference_bit_for_bit() -> None:
+def test_gptqmodel_torch_kernels_match_the_reference() -> None:
     """All 16 GPTQModel checkpoints (2/3/4/8-bit, sym/asym, act-order, v1/v2, four group sizes)."""
     from tests.peers.catalog import GPTQ_QUANT_VARIANTS, gptqmodel_gptq_quantized_dir
 
@@ -263,8 +265,8 @@ def test_gptqmodel_torch_kernels_match_the_reference_bit_for_bit() -> None:
         assert r["backend"] == "gptqmodel" and r["dtype32"] == "float32", name
         assert r["kernels"] == {"TorchLinear": 14}, (name, r["kernels"])
         assert r["weights_exact"], name
-        assert r["fp16_logits_equal"], name
-        assert r["judge_logits_equal"], name
+        # weights bitwise; logits within fp16 rounding (bitwise on some CPUs only: see the worker)
+        assert r["fp16_rel"] < FP16_TOL and r["judge_rel"] < FP16_TOL, (name, r["fp16_rel"], r["judge_rel"])
         assert r["greedy_equal"], name
         assert r["fp32_rel"] < 1e-2, (name, r["fp32_rel"])
         assert r["info"]["kernel_dtype"] == "float16" and r["info"]["requested_kernel"] == "auto"

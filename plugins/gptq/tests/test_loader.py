@@ -54,13 +54,17 @@ def test_weights_and_logits_match_gptqmodel(root: Path, variant: str, backend: s
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_fp16_logits_identical_and_greedy_tokens_identical(root: Path, variant: str) -> None:
-    """In GPTQModel's own dtype (fp16) the logits are bit-identical, so greedy decoding is too.
+def test_fp16_logits_within_rounding_and_greedy_tokens_identical(root: Path, variant: str) -> None:
+    """In GPTQModel's own dtype (fp16) the logits agree to fp16 rounding (bitwise on CPUs where both sides'
+    fp16 GEMMs sum alike, as on an AMX Xeon; 5e-4 to 8e-4 apart on an AMD EPYC, where GPTQModel's
+    ``matmul(x, W)`` and anyquant's ``linear(x, W.T)`` sum in other orders), and greedy decoding is identical.
     (In fp32 a near-tie can flip: b2_g32_asym_desc's top-2 gap is 0.005.)"""
     model = anyquant.load(root / "quantized" / variant, backend="dequantized", dtype="float16")
     ref = load_file(root / "judges" / variant / "gptqmodel_logits.safetensors")
     with torch.no_grad():
-        assert torch.equal(model.module(ref["input_ids"]).logits, ref["logits"].to(torch.float16))
+        got = model.module(ref["input_ids"]).logits.float()
+    want = ref["logits"].to(torch.float16).float()
+    assert (got - want).abs().max() / want.abs().max() < 2e-3
     tokens = ref["greedy_tokens"][0].tolist()
     prompt, want = tokens[:8], tokens[8:]
     assert model.generator.generate_ids(prompt, model.params(max_new_tokens=len(want))) == want

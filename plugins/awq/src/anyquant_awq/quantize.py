@@ -160,8 +160,8 @@ class AWQQuantizer(GPTQModelQuantizer):
     bits_allowed = (4,)
     quantize_options: ClassVar[Mapping[str, str]] = MappingProxyType(
         {
-            # GPTQ's per-module ``dynamic`` overrides: no AWQ quantizer here applies them (refused, not ignored)
-            **{k: v for k, v in GPTQModelQuantizer.quantize_options.items() if k != "dynamic"},
+            **GPTQModelQuantizer.quantize_options,
+            "dynamic": "refused: GPTQ's per-module overrides, which no AWQ quantizer here applies",
             "format": "the checkpoint layout: 'gemm' (the only one anyquant writes)",
             "dtype": "'float16' (default; AWQ GEMM stores float16 scales)",
             "quantizer_backend": f"one of {QUANTIZER_BACKENDS} (default 'auto': GPTQModel with a GPU, anyquant's own on CPU)",
@@ -199,6 +199,11 @@ class AWQQuantizer(GPTQModelQuantizer):
         super().validate(probe, spec)
         if spec.desc_act:
             raise QuantizeError("AWQ has no act-order (desc_act=True is GPTQ's): no AWQ quantizer would apply it")
+        if "dynamic" in spec.options:
+            raise QuantizeError(
+                "dynamic= is GPTQ's per-module override (bits, group size, skipped modules); no AWQ quantizer here "
+                "applies it, so it would be dropped: quantize those modules with method='gptq', or drop it"
+            )
         if spec.options.get("dtype", "float16") not in ("float16", "bfloat16"):
             raise QuantizeError("AWQ GEMM stores float16 scales; pass dtype='float16'")
         version = spec.options.get("version", "gemm")
