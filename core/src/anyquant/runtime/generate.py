@@ -10,7 +10,7 @@ are decided, chat templates, and left-padded batches.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,9 +62,9 @@ def _check_messages(messages: list[Any]) -> None:
     if not messages:
         raise ParameterError("no chat messages: pass a string prompt or at least one message")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
             raise ParameterError(
-                f"chat message {i} is {m!r}: expected a dict with a string 'role' and a 'content', "
+                f"chat message {i} is {m!r}: expected a mapping with a string 'role' and a 'content', "
                 "e.g. {'role': 'user', 'content': 'Hi'}"
             )
 
