@@ -155,3 +155,26 @@ def test_tables_left_in_the_file_give_the_same_logits(root: Path) -> None:
         anyquant.load(path, backend="cpu-fast", cpu_fast_tables="disk")
     with pytest.raises(anyquant.ParameterError, match="unknown load option"):  # a typo is not a no-op
         anyquant.load(path, backend="cpu-fast", cpu_fast_table="memory")
+
+
+def test_close_releases_the_files_and_the_model(root: Path) -> None:
+    """cpu-fast keeps the checkpoint open for the embedding and head tables; close() (or a with block) closes
+    those handles and drops the module, and a closed model says so instead of generating."""
+    import gc
+    import weakref
+
+    from anyquant.runtime.tensors import FileRows
+
+    path = root / "quantized" / FOUR_BIT[0]
+    with anyquant.load(path, backend="cpu-fast") as model:
+        tables = [v for m in model.module.modules() for v in vars(m).values() if isinstance(v, FileRows)]
+        assert tables and not any(t._fh.closed for t in tables)
+        assert model.generate("Hello", max_new_tokens=2, chat=False) is not None
+        module = weakref.ref(model.module)
+    assert model.closed and all(t._fh.closed for t in tables)
+    gc.collect()
+    assert module() is None  # nothing kept the module alive
+    with pytest.raises(anyquant.AnyquantError, match="was closed"):
+        model.generate("Hello", max_new_tokens=2)
+    model.close()  # idempotent
+    assert repr(model).endswith(", closed)")

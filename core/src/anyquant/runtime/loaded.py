@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ..errors import ParameterError
+from ..errors import AnyquantError, ParameterError
 from ..protocols import Detection, GenerationParams, Generator, Prompt
 
 __all__ = ["LoadedModel"]
@@ -19,6 +19,10 @@ class LoadedModel:
     ``module(input_ids)`` returns an object with ``.logits`` (like transformers). ``generate``,
     ``stream`` and ``generate_batch`` go through ``generator`` (core's torch generator unless the
     plugin brings its own).
+
+    ``close()`` (or a ``with`` block) releases what it holds now rather than at garbage collection: the
+    checkpoint files a backend keeps open to read tables on demand, a GPU backend's memory, the module and
+    the tokenizer. A closed model refuses to generate.
     """
 
     module: Any
@@ -30,6 +34,7 @@ class LoadedModel:
     device: str = "cpu"
     dtype: str = "float32"
     info: Mapping[str, Any] = field(default_factory=dict)
+    closed: bool = field(default=False, init=False)
 
     @staticmethod
     def params(**kwargs: Any) -> GenerationParams:
@@ -48,16 +53,50 @@ class LoadedModel:
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> str:
         """Generate text. Keyword arguments are :class:`~anyquant.GenerationParams` fields."""
-        return self.generator.generate(prompt, self.params(**kwargs))
+        return self._open_generator().generate(prompt, self.params(**kwargs))
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
-        return self.generator.stream(prompt, self.params(**kwargs))
+        return self._open_generator().stream(prompt, self.params(**kwargs))
 
     def generate_batch(self, prompts: Sequence[Prompt], **kwargs: Any) -> list[str]:
-        return self.generator.generate_batch(prompts, self.params(**kwargs))
+        return self._open_generator().generate_batch(prompts, self.params(**kwargs))
+
+    def _open_generator(self) -> Generator:
+        if self.closed:
+            raise AnyquantError(f"{self!r} was closed; load the checkpoint again")
+        return self.generator
+
+    def close(self) -> None:
+        """Release the model now: close the checkpoint files kept open for tables read on demand, free a GPU
+        backend's memory (its module's ``unload()``), drop the module, tokenizer and generator, and hand the
+        freed heap back to the OS. Idempotent."""
+        if self.closed:
+            return
+        from .._memory import release_free_heap
+        from .tensors import FileRows
+
+        module = self.module
+        unload = getattr(module, "unload", None)
+        if callable(unload):
+            unload()
+        for sub in module.modules() if hasattr(module, "modules") else ():
+            for value in vars(sub).values():
+                if isinstance(value, FileRows):
+                    value.close()
+        self.closed = True
+        self.module = self.tokenizer = None
+        self.generator = None  # type: ignore[assignment]  # it holds the module too
+        del module
+        release_free_heap()
+
+    def __enter__(self) -> LoadedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return (
             f"LoadedModel(format={self.format!r}, variant={self.detection.variant!r}, backend={self.backend!r}, "
-            f"device={self.device!r}, dtype={self.dtype!r})"
+            f"device={self.device!r}, dtype={self.dtype!r}{', closed' if self.closed else ''})"
         )
