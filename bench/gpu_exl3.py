@@ -223,14 +223,16 @@ def make_dense(path: Path, seed: int, overrides: dict[str, Any], *, zero_eos_row
     return path
 
 
+#: ``anyquant.quantize`` keywords of every EXL3 encode here: 4 bpw, mul1, head unquantized, no quality gate
+ENCODE = {"method": "exl3", "bits": 4, "codebook": "mul1", "quality": False, "overwrite": True}
+
+
 def encode(dense: Path, out: Path, reg: Any, **options: Any) -> Path:
-    """anyquant's own EXL3 encoder (4 bpw, mul1, head unquantized) through ``anyquant.quantize``; ``options``
-    override (``quantizer_backend="exllamav3"``: the converter). Without the explicit backend, ``"auto"`` would
-    pick exllamav3's converter on this machine."""
+    """anyquant's own EXL3 encoder through ``anyquant.quantize`` (:data:`ENCODE`); ``options`` override. Without
+    the explicit backend, ``"auto"`` would pick exllamav3's converter on this machine."""
     import anyquant
 
-    kw = {"method": "exl3", "bits": 4, "codebook": "mul1", "quality": False, "overwrite": True, "registry": reg}
-    return anyquant.quantize(dense, out, **{**kw, "quantizer_backend": "anyquant", **options})
+    return anyquant.quantize(dense, out, registry=reg, **{**ENCODE, "quantizer_backend": "anyquant", **options})
 
 
 def convert_cmd(
@@ -756,14 +758,14 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(via)
             # in a child process with a time limit: the converter's worker has none of its own
             code = (
-                "import sys, anyquant, anyquant_exl3.plugin as p\n"
+                "import json, sys, anyquant, anyquant_exl3.plugin as p\n"
                 "reg = anyquant.Registry(entry_points=False, plugins=[('anyquant-exl3', p)])\n"
-                "anyquant.quantize(sys.argv[1], sys.argv[2], registry=reg, method='exl3', bits=4, codebook='mul1',"
-                " quality=False, overwrite=True, quantizer_backend='exllamav3', calibration_samples=16,"
-                " calibration_seq_len=256)\n"
+                "anyquant.quantize(sys.argv[1], sys.argv[2], registry=reg, **json.loads(sys.argv[3]))\n"
             )
+            kw = {**ENCODE, "quantizer_backend": "exllamav3", "calibration_samples": 16, "calibration_seq_len": 256}
+            cmd = [sys.executable, "-c", code, str(tiny), str(via), json.dumps(kw)]
             log = work / "tiny-quantize-exllamav3.log"
-            rc = wait(start([sys.executable, "-c", code, str(tiny), str(via)], log), min(180.0, rep.left() - 30))
+            rc = wait(start(cmd, log), min(180.0, rep.left() - 30))
             if rc != 0:
                 print(tail(log, 30))
                 raise RuntimeError("timed out" if rc is None else f"exit {rc}: {tail(log, 1)[:200]}")

@@ -303,15 +303,13 @@ class FastInt4Linear(nn.Module):
         2). Uniform zero points (GPTQ symmetric, GGUF) are one value; others are ``8 - m / s`` rounded,
         from the kernel's ``m = (8 - z) * s``. Each is checked against the given tensors here, and kept
         whole where the check fails (zero or non-finite scales, zeros too large to recover): the exact
-        weight never changes. SmolLM2-135M 4-bit g64: 4.7 MiB -> 1.6 (AWQ) or 1.6 -> 0 (GPTQ sym).
+        weight never changes. SmolLM2-135M 4-bit g64, GPTQ or AWQ: 4.7 MiB -> 1.6 (the residual).
         """
         self.register_buffer("scales", None)
         self.register_buffer("scale_residual", None)
         self.register_buffer("zeros", None)
         bf16 = self._kernel_columns(0)
-        if scales.dtype in (torch.bfloat16, torch.float16, torch.float32) and torch.equal(
-            bf16.to(scales.dtype), scales
-        ):
+        if torch.equal(bf16.to(scales.dtype), scales):
             pass  # the kernel's scales are the exact ones
         elif scales.dtype == torch.float16:
             residual = scales.view(torch.int16).to(torch.int32) - bf16.to(torch.float16).contiguous().view(torch.int16)
