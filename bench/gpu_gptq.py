@@ -18,8 +18,11 @@ Run through ``bash bench/gpu_gptq.sh`` (it sets up the environment). Offline, un
 
 Pass: every row that ran loads and its logits agree with ``reference`` (max |diff| <= 2e-2 x
 max |logit| in fp16, 5e-2 in bf16, top-1 agreement >= 0.95); explicit ``marlin`` rows count only
-when the Marlin build succeeded; a Marlin build that does not finish in time skips the marlin and
-auto rows (reported, not failed: rerun with a larger ``--marlin-timeout`` / ``--budget``). Exit 0 pass, 1 fail, 3 no CUDA GPU, 4 environment incomplete.
+when the Marlin build succeeded; a Marlin build that does not finish in time, or fails, skips the
+marlin and auto rows (reported with the build's error, not failed: GPTQModel caches no failed build,
+so ``auto`` would start the same JIT build again and spend the budget on it; rerun with a larger
+``--marlin-timeout`` / ``--budget`` or after fixing the build). Exit 0 pass, 1 fail, 3 no CUDA GPU,
+4 environment incomplete.
 
     python bench/gpu_gptq.py [--work DIR] [--json FILE] [--budget 250] [--marlin-timeout 170]
     python bench/gpu_gptq.py --cpu-dry-run      # the same flow on the CPU (torch kernel, tiny models)
@@ -574,7 +577,7 @@ def main() -> int:
     mrows = plan_rows(ckpts, "marlin")
     if cpu:
         mrows = [r for r in mrows if r["kernel"] == "auto"]
-    if marlin.get("ok") or (cpu and mrows) or (marlin_proc is not None and not marlin.get("timeout")):
+    if marlin.get("ok") or (cpu and mrows):
         rows += run_group("marlin", mrows, work, ids, device, clock.left() - 5)
     else:
         for r in mrows:
