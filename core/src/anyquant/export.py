@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from ._staging import staging_dir
 from .errors import AnyquantError, UnsupportedBackendError
 
 __all__ = ["export_dense"]
@@ -89,8 +89,7 @@ def export_dense(
     for attr in ("quantization_config", "compression_config"):
         if hasattr(config, attr):
             delattr(config, attr)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.anyquant-", dir=out.parent))
+    tmp = staging_dir(out)
     try:
         module.save_pretrained(tmp)
         if model.tokenizer is not None:

@@ -23,7 +23,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -31,6 +30,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ._staging import staging_dir
 from .errors import AnyquantError, QuantizeError
 from .probe import Probe
 from .protocols import QuantizeSpec, undeclared_options
@@ -238,8 +238,7 @@ def quantize(
     check = getattr(quantizer, "validate", None)
     if callable(check):
         check(source_probe, spec)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.anyquant-", dir=dst.parent))
+    tmp = staging_dir(dst)
     report_progress = progress or (lambda stage, frac: log.info("quantize: %s (%.0f%%)", stage, 100 * frac))
     try:
         started = time.monotonic()

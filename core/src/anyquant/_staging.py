@@ -1,0 +1,80 @@
+"""Staging directories for atomic output (``quantize``, ``export_dense``), and the leftovers of killed runs.
+
+Output is written to a hidden directory beside its destination and renamed into place only when complete,
+so a failure never leaves something ``detect`` would take for the result. An exception or Ctrl-C removes
+the staging directory; a process killed outright (SIGKILL, the OOM killer, a closed terminal's SIGHUP,
+a power cut) cannot, and a quantization's partial output can be gigabytes. So the directory's name
+records who made it (a hash of the host name and the process id), and the next run writing to the same
+destination removes those whose process has ended on this host. A directory of a live process, of another
+host (a shared file system) or of unknown origin is never touched. No signal handler is installed: a
+library does not take over its host's signals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+__all__ = ["remove_stale", "staging_dir"]
+
+log = logging.getLogger(__name__)
+
+
+def _host_tag() -> str:
+    return hashlib.sha1(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]
+
+
+def _prefix(target: Path) -> str:
+    return f".{target.name}.anyquant-"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (``True`` when that cannot be told safely)."""
+    if os.name == "nt":  # os.kill(pid, 0) would send CTRL_C_EVENT there
+        return True
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, another user's
+        return True
+    return True
+
+
+def remove_stale(target: Path) -> list[Path]:
+    """Remove the staging directories beside ``target`` left by ended processes of this host; return them."""
+    parent, prefix = target.parent, _prefix(target)
+    pattern = re.compile(re.escape(prefix) + r"([0-9a-f]{8})-([0-9]+)-")
+    host, removed = _host_tag(), list[Path]()
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if m is None or m.group(1) != host or entry.is_symlink() or not entry.is_dir():
+            continue
+        pid = int(m.group(2))
+        if pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            log.info("removed %s, left by process %d of this host, which has ended", entry, pid)
+            removed.append(entry)
+    return removed
+
+
+def staging_dir(target: Path) -> Path:
+    """A new, empty hidden directory beside ``target`` (created with its parent), named for this process;
+    first removes what killed runs left for the same ``target`` (:func:`remove_stale`)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(target)
+    return Path(tempfile.mkdtemp(prefix=f"{_prefix(target)}{_host_tag()}-{os.getpid()}-", dir=target.parent))

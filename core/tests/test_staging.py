@@ -1,0 +1,97 @@
+"""Staging directories of quantize/export_dense: what killed runs leave is removed by the next run to the
+same destination, and nothing else is touched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from anyquant._staging import _host_tag, remove_stale, staging_dir
+
+pytestmark = pytest.mark.skipif(os.name == "nt", reason="process liveness is not probed on Windows")
+
+
+def _left_by_killed_process(target: Path) -> Path:
+    """A staging directory with a file in it, made by a real process that then died without cleaning up."""
+    code = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from anyquant._staging import staging_dir\n"
+        "d = staging_dir(Path(sys.argv[1]))\n"
+        "(d / 'model.safetensors').write_bytes(b'partial')\n"
+        "print(d, flush=True)\n"
+        "os._exit(9)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 9, proc.stderr
+    left = Path(proc.stdout.strip())
+    assert left.is_dir() and left.parent == target.parent and left.name.startswith(f".{target.name}.anyquant-")
+    return left
+
+
+def test_a_killed_runs_directory_is_removed_by_the_next_run(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    left = _left_by_killed_process(target)
+    fresh = staging_dir(target)
+    assert not left.exists()
+    assert fresh.is_dir() and not any(fresh.iterdir())
+    assert fresh.name.startswith(f".out.anyquant-{_host_tag()}-{os.getpid()}-")
+
+
+def test_live_foreign_unknown_and_other_targets_are_kept(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    dead = _left_by_killed_process(target)
+    dead_pid = int(dead.name.split("-")[2])
+    kept = [
+        tmp_path / f".out.anyquant-{_host_tag()}-{os.getpid()}-live",  # this process: running
+        tmp_path / f".out.anyquant-{_host_tag()}-1-init",  # pid 1 exists
+        tmp_path / f".out.anyquant-00000000-{dead_pid}-otherhost",  # another host's pid
+        tmp_path / ".out.anyquant-abcd1234",  # no owner in the name (older anyquant, or not ours)
+        tmp_path / f".other.anyquant-{_host_tag()}-{dead_pid}-x",  # another destination's
+    ]
+    if _host_tag() == "00000000":
+        kept.pop(2)
+    for d in kept:
+        d.mkdir()
+        (d / "f").write_text("x")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("x")
+    link = tmp_path / f".out.anyquant-{_host_tag()}-{dead_pid}-link"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    assert remove_stale(target) == [dead]
+    assert not dead.exists()
+    assert all((d / "f").is_file() for d in kept)
+    assert link.is_symlink() and (elsewhere / "keep.txt").is_file()
+
+
+def test_no_parent_yet(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "out"
+    assert remove_stale(target) == []
+    assert staging_dir(target).parent == target.parent
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def test_export_dense_removes_what_a_killed_export_left(tmp_path: Path) -> None:
+    """The public path: export_dense stages through staging_dir (quantize too: the GPTQ plugin's
+    test_worker_failure_leaves_nothing plants the same leftover)."""
+    import anyquant
+    from anyquant.testing.tiny import make_tiny_dense
+
+    src = make_tiny_dense(tmp_path / "src")
+    out = tmp_path / "dense"
+    left = tmp_path / f".dense.anyquant-{_host_tag()}-{_dead_pid()}-killed"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"partial")
+    assert anyquant.export_dense(src, out, dtype="float32") == out
+    assert not left.exists()
+    assert anyquant.detect(out).format == "dense"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
