@@ -64,3 +64,44 @@ def test_generate_streams(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0 and out["format"] == "dense" and isinstance(out["text"], str)
     assert main(["generate", str(root), "--prompt", "Hi", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.endswith("\n")
+
+
+def test_option_values_are_json_or_strings() -> None:
+    import argparse
+
+    from anyquant.cli import _option
+
+    assert _option("head_bits=6") == ("head_bits", 6)
+    assert _option("ldlq=false") == ("ldlq", False)
+    assert _option("codebook=mcg") == ("codebook", "mcg")
+    assert _option("batch-tiles=null") == ("batch_tiles", None)
+    assert _option('dynamic={"-:.*down": {}}') == ("dynamic", {"-:.*down": {}})
+    assert _option("x=NaN") == ("x", "NaN")  # not a float nan
+    assert _option("x=" + "[" * 100_000) == ("x", "[" * 100_000)  # too deep for JSON: the string
+    assert _option("path=a=b") == ("path", "a=b")
+    for bad in ("codebook", "=1", "1x=2", "a b=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _option(bad)
+
+
+def test_options_a_flag_sets_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from anyquant.testing.tiny import make_tiny_dense
+
+    code, out = _json(capsys, ["quantize", "a", "b", "--method", "gptq", "-o", "bits=3", "--json"])
+    assert code == 2 and out["error"] == "ParameterError" and "--bits" in out["message"]
+    code, out = _json(
+        capsys, ["quantize", "a", "b", "--method", "awq", "--zero-point", "1", "-o", "zero_point=0", "--json"]
+    )
+    assert code == 2 and "--zero-point" in out["message"]
+    root = make_tiny_dense(tmp_path / "m")
+    gen = ["generate", str(root), "--prompt", "Hi", "--max-new-tokens", "2", "--json"]
+    code, out = _json(capsys, [*gen, "-o", "dtype=float16"])
+    assert code == 2 and "--dtype" in out["message"]
+    code, out = _json(capsys, [*gen, "-o", "no_such_option=1"])  # the loader refuses what it does not read
+    assert code == 2 and out["error"] == "ParameterError" and "no_such_option" in out["message"]
+    code, out = _json(capsys, [*gen, "--format", "gptq"])
+    assert code == 2 and out["error"] == "FormatMismatchError"
+    code, out = _json(capsys, [*gen, "-o", "runtime=transformers"])  # a load option the dense loader reads
+    assert code == 0 and out["format"] == "dense"
+    code, out = _json(capsys, [*gen, "-o", "runtime=nonsense"])  # ... and it arrived: its value is checked
+    assert code == 2 and "nonsense" in out["message"]

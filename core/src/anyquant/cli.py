@@ -6,10 +6,10 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import AnyquantError
+from .errors import AnyquantError, ParameterError
 
 __all__ = ["main"]
 
@@ -106,7 +106,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .api import default_model, load
 
     path = args.path or default_model()
-    model = load(path, backend=args.backend, device=args.device, dtype=args.dtype)
+    flags = {"backend": "--backend", "device": "--device", "dtype": "--dtype", "format": "--format"}
+    flags["registry"] = "the Python API"
+    options = _options(args.option, flags)
+    model = load(path, format=args.format, backend=args.backend, device=args.device, dtype=args.dtype, **options)
     prompt: Any = args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": args.prompt}]
@@ -146,10 +149,63 @@ def _progress_bar() -> Any:
     return update
 
 
+def _option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``-o``: the value as JSON when it is (numbers, true/false, null, lists, objects),
+    else the string itself; a key is an identifier."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value: Any = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        value = raw
+    return key, value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(name)  # NaN / Infinity stay strings
+
+
+def _options(pairs: Sequence[tuple[str, Any]] | None, taken: Mapping[str, str]) -> dict[str, Any]:
+    """``-o`` pairs as keywords; a key that a flag of the command sets (``taken``: key -> flag) is an error."""
+    out: dict[str, Any] = {}
+    for key, value in pairs or ():
+        if key in taken:
+            raise ParameterError(f"-o {key}=...: use {taken[key]}")
+        if key in out:
+            raise ParameterError(f"-o {key} given twice")
+        out[key] = value
+    return out
+
+
+#: quantize() keywords that the quantize command's own flags set
+_QUANTIZE_FLAGS = {
+    "method": "--method",
+    "bits": "--bits",
+    "group_size": "--group-size",
+    "sym": "--asym",
+    "desc_act": "--desc-act",
+    "calibration": "--calibration",
+    "calibration_samples": "--samples",
+    "calibration_seq_len": "--seq-len",
+    "overwrite": "--overwrite",
+    "max_ppl_ratio": "--max-ppl-ratio",
+    "quality": "--no-quality-check",
+    "progress": "--json (no progress bar)",
+    "registry": "the Python API",
+}
+
+
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from .quantization import quantize
 
-    options: dict[str, Any] = {}
+    taken = dict(_QUANTIZE_FLAGS)
+    if args.format:
+        taken["format"] = "--format"
+    if args.zero_point is not None:
+        taken["zero_point"] = "--zero-point"
+    options = _options(args.option, taken)
     if args.format:
         options["format"] = args.format
     if args.zero_point is not None:
@@ -216,6 +272,16 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--format", default=None, help="assert this format (error if the tensors disagree)")
+    p.add_argument(
+        "-o",
+        "--option",
+        type=_option,
+        action="append",
+        metavar="KEY=VALUE",
+        help="a load option of the format's loader (repeatable; VALUE is JSON or a string), "
+        "e.g. -o cpu_fast_tables=memory, -o allow_pickle=true",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_generate)
 
@@ -237,6 +303,17 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--max-ppl-ratio", type=float, default=3.0)
     p.add_argument("--no-quality-check", action="store_true")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument(
+        "-o",
+        "--option",
+        type=_option,
+        action="append",
+        metavar="KEY=VALUE",
+        help="an option of the method's quantizer (repeatable; VALUE is JSON or a string), e.g. "
+        "-o codebook=mcg -o head_bits=16 (exl3), -o version=gemv (awq), -o seed=1, "
+        "-o 'dynamic={\"-:.*down_proj\": {}}' (gptq); an option the method does not read is an error "
+        "that lists those it does",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_quantize)
 

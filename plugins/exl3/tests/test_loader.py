@@ -247,3 +247,21 @@ def test_cpu_fast_export_is_exact(exl3: Path, tmp_path: Path) -> None:
     )
     b = load_file(anyquant.export_dense(exl3, tmp_path / "b", dtype="float32") / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_quantize_passes_method_options(dense: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``anyquant quantize -o KEY=VALUE``: the method's own options reach its quantizer (JSON values typed),
+    and one it does not read is an error (exit 2) that names those it does, before any work."""
+    from anyquant.cli import main
+
+    out = tmp_path / "mcg"
+    argv = ["quantize", str(dense), str(out), "--method", "exl3", "--no-quality-check", "--json"]
+    assert main([*argv, "-o", "codebook=mcg", "-o", "ldlq=false", "-o", "seed=3"]) == 0
+    assert json.loads(capsys.readouterr().out)["dst"] == str(out)
+    assert (anyquant.detect(out).format, anyquant.detect(out).variant) == ("exl3", "mcg")
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "no Hessian" in json.dumps(cfg)  # ldlq=false arrived as the boolean False
+    assert main([*argv[:2], str(tmp_path / "typo"), *argv[3:], "-o", "codebok=mcg"]) == 2
+    err = json.loads(capsys.readouterr().out)
+    assert err["error"] == "QuantizeError" and "codebok" in err["message"] and "codebook" in err["message"]
+    assert not (tmp_path / "typo").exists()
