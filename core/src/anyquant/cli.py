@@ -310,7 +310,7 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
         action="append",
         metavar="KEY=VALUE",
         help="an option of the method's quantizer (repeatable; VALUE is JSON or a string), e.g. "
-        "-o codebook=mcg -o head_bits=16 (exl3), -o version=gemv (awq), -o seed=1, "
+        "-o codebook=mcg -o head_bits=16 (exl3), -o quantizer_backend=anyquant (awq), -o seed=1, "
         "-o 'dynamic={\"-:.*down_proj\": {}}' (gptq); an option the method does not read is an error "
         "that lists those it does",
     )
