@@ -23,6 +23,8 @@ from anyquant_gptq.quantize import GPTQQuantizer
 ROOT = Path(__file__).resolve().parents[1]
 #: ``options.get("name"``, ``extra.get("name"``, ``options["name"]``, ``"name" in spec.options``
 READ = re.compile(r'(?:options|extra)(?:\.get\(|\[)"(\w+)"|"(\w+)" in (?:spec\.)?options\b')
+#: a call of core's ``route_backend`` reads its ``key`` option, ``quantizer_backend`` unless given
+ROUTE = re.compile(r'(?<!def )route_backend\((?:[^()]|\([^()]*\))*?(?:key="(\w+)"[^()]*)?\)')
 #: set by quantize() itself from ``calibration=`` (a list of texts), never passed by the caller
 INTERNAL = {"texts"}
 
@@ -30,8 +32,10 @@ INTERNAL = {"texts"}
 def _reads(*files: str) -> set[str]:
     names: set[str] = set()
     for f in files:
-        for a, b in READ.findall((ROOT / f).read_text()):
+        text = (ROOT / f).read_text()
+        for a, b in READ.findall(text):
             names.add(a or b)
+        names.update(key or "quantizer_backend" for key in ROUTE.findall(text))
     return names
 
 

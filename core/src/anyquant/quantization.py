@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -284,6 +284,55 @@ def _check_options(quantizer: Any, options: Mapping[str, Any], method: str) -> N
             f"{found[1]} (and quantize()'s own bits, group_size, sym, desc_act, "
             "calibration, calibration_samples, calibration_seq_len, overwrite, max_ppl_ratio, quality, progress)"
         )
+
+
+def route_backend(
+    options: Mapping[str, Any],
+    readers: Mapping[str, Set[str]],
+    auto: str | Callable[[], str],
+    *,
+    auto_picks: Sequence[str] | None = None,
+    key: str = "quantizer_backend",
+) -> str:
+    """Which of a method's quantizers runs, so that no option is silently dropped.
+
+    ``options[key]`` is ``"auto"`` (the default) or a name in ``readers``, which maps each quantizer to the
+    options of ``options`` that only some quantizers read (an option no entry names is read by all and
+    plays no part). A named quantizer must read every such option given, else a :class:`QuantizeError`
+    says which one does. ``"auto"`` runs ``auto`` (a name, or a callable asked only when the options leave
+    a choice) when it reads them all, else the first of ``auto_picks`` (default: every quantizer, in
+    ``readers``' order) that does; if none does, a :class:`QuantizeError` says who reads what.
+    """
+    names = ("auto", *readers)
+    chosen = options.get(key, "auto")
+    if chosen not in names:
+        raise QuantizeError(f"{key}={chosen!r} is not one of {names}")
+    specific = frozenset().union(*readers.values())
+    given = sorted(k for k in options if k in specific)
+
+    def reading(keys: Sequence[str], among: Sequence[str]) -> list[str]:
+        return [b for b in among if set(keys) <= readers[b]]
+
+    if chosen != "auto":
+        unread = [k for k in given if k not in readers[chosen]]
+        if unread:
+            who = reading(unread, list(readers))
+            does = f"{key} {' or '.join(repr(b) for b in who)} does" if who else "no single quantizer reads them all"
+            raise QuantizeError(f"{key}={chosen!r} does not read {unread} ({does}); drop them or choose that quantizer")
+        return str(chosen)
+    candidates = reading(given, list(auto_picks or readers))
+    if not candidates and (named := reading(given, list(readers))):
+        raise QuantizeError(
+            f"options {given} are read only by {key} {' or '.join(repr(b) for b in named)}, which 'auto' does not "
+            f"pick: name it ({key}={named[0]!r})"
+        )
+    if not candidates:
+        by = "; ".join(f"{k!r} by {' or '.join(repr(b) for b in readers if k in readers[b])}" for k in given)
+        raise QuantizeError(f"options {given} are not all read by one quantizer ({by}): one runs; drop some")
+    if given and len(candidates) == 1:
+        return candidates[0]
+    default = auto() if callable(auto) else auto
+    return default if default in candidates else candidates[0]
 
 
 def run_worker(

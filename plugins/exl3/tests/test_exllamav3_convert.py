@@ -64,13 +64,17 @@ def test_backend_specific_options_choose_or_conflict(monkeypatch: pytest.MonkeyP
     assert quantizer_backend(_spec()) == "exllamav3"  # auto, where the converter can run
     for option in ("encode_device", "ldlq", "batch_tiles"):
         assert quantizer_backend(_spec(**{option: "cpu"})) == "anyquant"
-        with pytest.raises(QuantizeError, match=rf"\['{option}'\] are anyquant's encoder's"):
+        with pytest.raises(
+            QuantizeError, match=rf"'exllamav3' does not read \['{option}'\] \(quantizer_backend 'anyquant' does"
+        ):
             quantizer_backend(_spec(quantizer_backend="exllamav3", **{option: "cpu"}))
     for option in ("devices", "out_scales", "scaled_hessian"):
         assert quantizer_backend(_spec(**{option: "0"})) == "exllamav3"
-        with pytest.raises(QuantizeError, match=rf"\['{option}'\] are exllamav3's converter's"):
+        with pytest.raises(
+            QuantizeError, match=rf"'anyquant' does not read \['{option}'\] \(quantizer_backend 'exllamav3' does"
+        ):
             quantizer_backend(_spec(quantizer_backend="anyquant", **{option: "0"}))
-    with pytest.raises(QuantizeError, match="one quantizer runs"):
+    with pytest.raises(QuantizeError, match=r"'devices' by 'exllamav3'; 'encode_device' by 'anyquant'\): one runs"):
         quantizer_backend(_spec(encode_device="cuda", devices="0"))
     # where the converter cannot run, its own options say so instead of falling back to anyquant's encoder
     missing = cuda_backend.BackendInfo("exllamav3", False, "no CUDA device")

@@ -151,7 +151,6 @@ BACKEND_OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
         "autoawq": frozenset({"duo_scaling", "apply_clip"}),
     }
 )
-_SPECIFIC_OPTIONS = frozenset().union(*BACKEND_OPTIONS.values())
 
 
 class AWQQuantizer(GPTQModelQuantizer):
@@ -178,22 +177,15 @@ class AWQQuantizer(GPTQModelQuantizer):
         """The quantizer that runs: ``quantizer_backend`` resolved (see the module docstring). An option that only
         some quantizers read (:data:`BACKEND_OPTIONS`) is never dropped: under ``"auto"`` it picks one that reads
         it (``n_grid`` on CUDA: anyquant's own), and naming a quantizer that does not is a QuantizeError."""
-        chosen = spec.options.get("quantizer_backend", "auto")
-        if chosen not in QUANTIZER_BACKENDS:
-            raise QuantizeError(f"quantizer_backend={chosen!r} is not one of {QUANTIZER_BACKENDS}")
-        given = {k for k in _SPECIFIC_OPTIONS if k in spec.options}
-        if chosen == "auto":
-            default = "gptqmodel" if _cuda_visible() else "anyquant"
-            # "auto" never picks AutoAWQ (deprecated upstream); anyquant's own reads every option
-            return default if given <= BACKEND_OPTIONS[default] else "anyquant"
-        unread = sorted(given - BACKEND_OPTIONS[str(chosen)])
-        if unread:
-            readers = [b for b in QUANTIZER_BACKENDS[1:] if set(unread) <= BACKEND_OPTIONS[b]]
-            raise QuantizeError(
-                f"quantizer_backend={chosen!r} does not read {unread} (quantizer_backend "
-                f"{' or '.join(repr(b) for b in readers)} does); drop them or choose that quantizer"
-            )
-        return str(chosen)
+        from anyquant.quantization import route_backend
+
+        # "auto" never picks AutoAWQ (deprecated upstream); anyquant's own reads every option
+        return route_backend(
+            spec.options,
+            BACKEND_OPTIONS,
+            lambda: "gptqmodel" if _cuda_visible() else "anyquant",
+            auto_picks=("anyquant", "gptqmodel"),
+        )
 
     def validate(self, probe: Probe, spec: QuantizeSpec) -> None:
         super().validate(probe, spec)

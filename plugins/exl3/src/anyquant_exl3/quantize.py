@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ANYQUANT_ONLY_OPTIONS",
+    "BACKEND_OPTIONS",
     "EXLLAMAV3_ONLY_OPTIONS",
     "QUANTIZER_BACKENDS",
     "EXL3Quantizer",
@@ -240,34 +241,33 @@ ANYQUANT_ONLY_OPTIONS = ("batch_tiles", "encode_device", "ldlq")
 EXLLAMAV3_ONLY_OPTIONS = ("devices", "out_scales", "scaled_hessian")
 
 
+#: the options of each quantizer that the other does not read (:func:`anyquant.quantization.route_backend`)
+BACKEND_OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {"anyquant": frozenset(ANYQUANT_ONLY_OPTIONS), "exllamav3": frozenset(EXLLAMAV3_ONLY_OPTIONS)}
+)
+
+
 def quantizer_backend(spec: QuantizeSpec) -> str:
     """``quantizer_backend`` resolved: ``"auto"`` is exllamav3's converter where its CUDA backend can run, else
     anyquant's own encoder, unless options only one of them reads were given (``encode_device``, ``ldlq``,
     ``batch_tiles``: anyquant's; ``devices``, ``out_scales``, ``scaled_hessian``: exllamav3's), which choose it.
-    Options of the quantizer not chosen are a :class:`QuantizeError`. Never imports exllamav3 (that JIT-builds
-    its extension)."""
-    chosen = str(spec.options.get("quantizer_backend", "auto"))
-    if chosen not in QUANTIZER_BACKENDS:
-        raise QuantizeError(f"quantizer_backend={chosen!r} is not one of {QUANTIZER_BACKENDS}")
-    ours = [k for k in ANYQUANT_ONLY_OPTIONS if k in spec.options]
-    theirs = [k for k in EXLLAMAV3_ONLY_OPTIONS if k in spec.options]
-    if ours and theirs:
-        raise QuantizeError(
-            f"options {ours} are for anyquant's encoder and {theirs} for exllamav3's converter: one quantizer runs"
-        )
-    if chosen == "anyquant" or (chosen == "auto" and ours):
-        if theirs:
-            raise QuantizeError(f"options {theirs} are exllamav3's converter's; quantizer_backend='anyquant' runs")
-        return "anyquant"
-    if chosen == "exllamav3" and ours:
-        raise QuantizeError(f"options {ours} are anyquant's encoder's; quantizer_backend='exllamav3' runs")
+    Options of the quantizer not chosen are a :class:`QuantizeError`, and so is exllamav3's converter where
+    it cannot run. Never imports exllamav3 (that JIT-builds its extension)."""
+    from anyquant.quantization import route_backend
+
     from .cuda_backend import backend_info
 
-    info = backend_info()
-    if not info.available and (chosen == "exllamav3" or theirs):
-        why = "quantizer_backend='exllamav3'" if chosen == "exllamav3" else f"options {theirs} (exllamav3's converter)"
-        raise QuantizeError(f"{why} cannot run here: {info.reason}")
-    return "exllamav3" if info.available else "anyquant"
+    chosen = route_backend(
+        spec.options, BACKEND_OPTIONS, lambda: "exllamav3" if backend_info().available else "anyquant"
+    )
+    if chosen == "exllamav3":
+        info = backend_info()
+        if not info.available:
+            theirs = [k for k in EXLLAMAV3_ONLY_OPTIONS if k in spec.options]
+            explicit = spec.options.get("quantizer_backend") == "exllamav3"
+            why = "quantizer_backend='exllamav3'" if explicit else f"options {theirs} (exllamav3's converter)"
+            raise QuantizeError(f"{why} cannot run here: {info.reason}")
+    return chosen
 
 
 class EXL3Quantizer:
