@@ -180,3 +180,55 @@ def test_isolated_registry_sees_only_given_plugins(tmp_path: Path) -> None:
     assert set(reg.formats()) == {"dense", "compressed-tensors", "bnb", "fp8", "hqq"}
     with pytest.raises(UnknownFormatError, match="anyquant-gptq"):
         reg.detect(Probe.open(FIXTURES["gptq_v2"].build(tmp_path / "m")))
+
+
+def _toyq_checkpoint(root: Path) -> Path:
+    """A made-up format's checkpoint without quant_method: int8 codes + fp16 row scales per linear, float
+    norms and embedding (as a third party's format whose plugin may not be installed)."""
+    from anyquant.testing.fixtures import write_safetensors
+
+    tensors: dict[str, tuple[str, list[int]]] = {"model.embed_tokens.weight": ("F16", [256, 64])}
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        tensors[f"model.layers.0.self_attn.{proj}.toyq_weight"] = ("I8", [64, 64])
+        tensors[f"model.layers.0.self_attn.{proj}.toyq_scale"] = ("F16", [64])
+    tensors["model.layers.0.input_layernorm.weight"] = ("F16", [64])
+    root.mkdir(parents=True)
+    write_safetensors(root / "model.safetensors", tensors, {"format": "pt"})
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    return root
+
+
+def test_unknown_integer_codes_are_never_dense(tmp_path: Path) -> None:
+    """A format anyquant does not know (no quant_method, no known suffix) is not claimed as dense when it
+    holds integer tensors: with its plugin absent that is an UnknownFormatError naming them; with it, the
+    plugin's claim alone decides (no ambiguity with dense)."""
+    root = _toyq_checkpoint(tmp_path / "toyq")
+    reg = Registry(entry_points=False)
+    with pytest.raises(UnknownFormatError, match=r"4 integer tensors \(\*\.toyq_weight\).*not loaded as dense"):
+        reg.detect(Probe.open(root))
+
+    class Toyq:
+        @hookimpl
+        def anyquant_detect(self, probe: Probe) -> Claim | None:
+            if any(n.endswith(".toyq_weight") for n in probe.tensors):
+                return Claim("toyq", evidence=("*.toyq_weight",))
+            return None
+
+    assert Registry(entry_points=False, plugins=[("toyq", Toyq())]).detect(Probe.open(root)).format == "toyq"
+
+
+def test_dense_integer_buffers_stay_dense(tmp_path: Path) -> None:
+    from anyquant.testing.fixtures import write_safetensors
+
+    root = tmp_path / "d"
+    root.mkdir()
+    tensors = {
+        "transformer.wte.weight": ("F32", [256, 64]),
+        "transformer.wpe.weight": ("F32", [32, 64]),
+        "embeddings.position_ids": ("I64", [1, 32]),
+        "transformer.h.0.attn.bias": ("BOOL", [1, 1, 32, 32]),
+        "bn.num_batches_tracked": ("I64", []),
+    }
+    write_safetensors(root / "model.safetensors", tensors, {"format": "pt"})
+    (root / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert Registry(entry_points=False).detect(Probe.open(root)).format == "dense"

@@ -99,17 +99,32 @@ def _detect_dense(probe: Probe) -> Claim | None:
         variant=dtypes[0].lower() if len(dtypes) == 1 else "mixed",
         evidence=(
             "no quantization_config",
-            f"{len(probe.tensors)} tensors, every .weight in {dtypes}, no quantization suffixes",
+            f"{len(probe.tensors)} tensors, every .weight in {dtypes}, no integer tensors, no quantization suffixes",
         ),
         details={"dtypes": dtypes},
     )
 
 
+#: integer tensors a dense checkpoint may hold: buffers, never weights
+DENSE_INT_BUFFERS = frozenset({"position_ids", "token_type_ids", "num_batches_tracked"})
+
+
 def looks_dense(probe: Probe) -> bool:
-    """True when the safetensors hold no quantization markers and every ``.weight`` is float."""
+    """True when the safetensors hold no quantization markers and every tensor is float (or boolean, or one
+    of the integer buffers :data:`DENSE_INT_BUFFERS`). Integer tensors of any other name are some
+    quantization's codes, known or not (a third party's format whose plugin is not installed): never dense."""
     if not probe.tensors or set(probe.suffixes()) & QUANT_SUFFIXES:
         return False
-    return all(t.is_float for t in probe.tensors.values() if t.name.endswith(".weight"))
+    return not integer_tensors(probe)
+
+
+def integer_tensors(probe: Probe) -> list[str]:
+    """Names of the tensors that are neither float, boolean nor an integer buffer of dense checkpoints."""
+    return [
+        t.name
+        for t in probe.tensors.values()
+        if not (t.is_float or t.dtype == "BOOL" or t.name.rsplit(".", 1)[-1] in DENSE_INT_BUFFERS)
+    ]
 
 
 def _detect_unloadable(probe: Probe) -> Claim | None:

@@ -336,6 +336,16 @@ class Registry:
             lines.append(f"It looks like {guess!r}, which no installed plugin loads: {hint}.")
         elif guess:
             lines.append(f"It looks like {guess!r}, but its tensors do not match that format's signature.")
+        else:
+            from .builtin import integer_tensors
+
+            codes = integer_tensors(probe)
+            if codes:
+                kinds = sorted({n.rsplit(".", 1)[-1] for n in codes})
+                lines.append(
+                    f"It holds {len(codes)} integer tensors (*.{', *.'.join(kinds[:5])}): quantized codes of a "
+                    "format whose plugin is not installed, so it is not loaded as dense either."
+                )
         lines.append(f"Installed formats: {installed}.")
         for note in probe.notes:
             lines.append(f"Note: {note}")
