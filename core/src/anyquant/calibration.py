@@ -472,6 +472,8 @@ def sources(registry: Registry | None = None) -> dict[str, Source]:
 
     A plugin that registers a name already taken is logged and skipped.
     """
+    from .registry import strict_plugins
+
     found = builtin_sources()
     if registry is None:
         from .api import default_registry
@@ -481,7 +483,7 @@ def sources(registry: Registry | None = None) -> dict[str, Source]:
         try:
             impl.function(register=functools.partial(_register, found, impl.plugin_name))
         except Exception as exc:  # one broken plugin is logged and skipped
-            if isinstance(exc, CalibrationError) or os.environ.get("ANYQUANT_STRICT_PLUGINS") == "1":
+            if isinstance(exc, CalibrationError) or strict_plugins():
                 raise
             log.warning(
                 "plugin %s failed to register calibration sources: %s: %s", impl.plugin_name, type(exc).__name__, exc

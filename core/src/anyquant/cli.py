@@ -335,8 +335,7 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     if with_plugins:
         from .api import default_registry
 
-        commands = _Commands(sub)
-        default_registry().pm.hook.anyquant_register_commands(cli=commands)
+        default_registry().call_each("anyquant_register_commands", "register CLI commands", cli=_Commands(sub))
     return parser
 
 
@@ -360,7 +359,8 @@ BUILTIN_COMMANDS = (
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # plugins may add commands; --help and no-argument runs stay fast (no plugin import)
-    wants_plugins = bool(argv) and argv[0] not in BUILTIN_COMMANDS
+    command = next((a for a in argv if not a.startswith("-")), None)  # after global options such as -v
+    wants_plugins = command is not None and command not in BUILTIN_COMMANDS
     parser = build_parser(with_plugins=wants_plugins)
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -31,7 +31,16 @@ from .errors import (
 from .probe import Probe
 from .protocols import Claim, Detection, FormatSpec
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginInfo", "Registry", "check_requirements", "import_object"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "FIRST_PARTY_PLUGINS",
+    "PluginInfo",
+    "Registry",
+    "check_requirements",
+    "import_object",
+    "strict_plugins",
+    "unknown_hooks",
+]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +89,11 @@ class PluginInfo:
             "error": self.error,
             "module": self.module,
         }
+
+
+def strict_plugins() -> bool:
+    """``ANYQUANT_STRICT_PLUGINS`` set (anything but empty, ``0``, ``false``, ``no``): a broken plugin raises."""
+    return _strict()
 
 
 def _strict() -> bool:
@@ -191,6 +205,11 @@ class Registry:
         try:
             pm.register(plugin, name=name)
             self._collect_formats(name, plugin, info)
+            notes = unknown_hooks(plugin)
+            if notes and _strict():
+                raise PluginError(f"plugin {name}: {'; '.join(notes)}")
+            for note in notes:
+                log.warning("anyquant plugin %s: %s", name, note)
         except Exception as exc:  # a broken plugin is logged and skipped
             if pm.get_plugin(name) is not None:
                 pm.unregister(name=name)
@@ -200,22 +219,25 @@ class Registry:
             log.warning("anyquant plugin %s is broken and was skipped: %s", name, info.error)
 
     def _load_entry_points(self) -> None:
-        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        # anyquant's own format plugins register first, so that a third party registering one of their
+        # format ids is the one skipped, whatever the names sort as; then the others by name
+        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=_entry_point_order):
             if ep.name in self._infos:
                 continue
+            version = _ep_version(ep)
             if self._blocked(ep.name):
-                self._infos[ep.name] = PluginInfo(ep.name, _dist_version(ep.name), error="disabled")
+                self._infos[ep.name] = PluginInfo(ep.name, version, error="disabled")
                 continue
             try:
                 module = ep.load()
             except Exception as exc:
-                info = PluginInfo(ep.name, _dist_version(ep.name), error=f"{type(exc).__name__}: {exc}")
+                info = PluginInfo(ep.name, version, error=f"{type(exc).__name__}: {exc}")
                 self._infos[ep.name] = info
                 if _strict():
                     raise
                 log.warning("anyquant plugin %s failed to import and was skipped: %s", ep.name, info.error)
                 continue
-            self._add(ep.name, module, version=_dist_version(ep.name))
+            self._add(ep.name, module, version=version)
 
     def _collect_formats(self, name: str, plugin: object, info: PluginInfo) -> None:
         impl = getattr(plugin, "anyquant_register_formats", None)
@@ -232,6 +254,20 @@ class Registry:
         for spec in specs:
             self._formats[spec.name] = (spec, name)
             info.formats.append(spec.name)
+
+    def call_each(self, hook: str, what: str, **kwargs: Any) -> None:
+        """Call every plugin's ``hook`` with ``kwargs``; one that raises is logged, marked in its
+        :class:`PluginInfo` and skipped (``ANYQUANT_STRICT_PLUGINS`` re-raises; core's own always does)."""
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+            try:
+                impl.function(**kwargs)
+            except Exception as exc:
+                if _strict() or impl.plugin_name == CORE_PLUGIN:
+                    raise
+                log.warning("anyquant plugin %s failed to %s and was skipped: %s", impl.plugin_name, what, exc)
+                self._infos.setdefault(
+                    impl.plugin_name, PluginInfo(impl.plugin_name, None)
+                ).error = f"{hook} raised {type(exc).__name__}: {exc}"
 
     def plugins(self) -> list[PluginInfo]:
         self.pm  # noqa: B018 - discover
@@ -377,6 +413,51 @@ def _install_hint(fmt: str) -> str:
 
 def _plugin_name(plugin: object) -> str:
     return str(getattr(plugin, "__name__", None) or type(plugin).__name__)
+
+
+#: the format plugins anyquant itself ships (entry-point name = distribution name)
+FIRST_PARTY_PLUGINS = ("anyquant-gptq", "anyquant-awq", "anyquant-exl3", "anyquant-gguf")
+
+
+def _ep_distribution(ep: md.EntryPoint) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return str(dist.metadata["Name"]) if dist is not None and dist.metadata["Name"] else None
+
+
+def _entry_point_order(ep: md.EntryPoint) -> tuple[int, str]:
+    first = ep.name in FIRST_PARTY_PLUGINS and (_ep_distribution(ep) or ep.name).replace("_", "-") == ep.name
+    return (0 if first else 1, ep.name)
+
+
+def _ep_version(ep: md.EntryPoint) -> str | None:
+    """The version of the distribution that declares ``ep`` (its name may differ from the entry point's)."""
+    dist = getattr(ep, "dist", None)
+    if dist is not None:
+        try:
+            return str(dist.version)
+        except Exception:  # a malformed METADATA: no version rather than no plugin
+            return None
+    return _dist_version(ep.name)
+
+
+def unknown_hooks(plugin: object) -> list[str]:
+    """Notes on attributes of ``plugin`` named like a hook (``anyquant_*``) that no hook specification has:
+    pluggy ignores them silently, so a misspelt hook would never be called."""
+    import difflib
+
+    known = [n for n in dir(hookspecs) if n.startswith("anyquant_")]
+    notes = []
+    for attr in dir(plugin):
+        value = getattr(plugin, attr, None)
+        if not attr.startswith("anyquant_") or not callable(value):
+            continue
+        if attr not in known:
+            close = difflib.get_close_matches(attr, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            notes.append(f"{attr} is not an anyquant hook and is never called{hint}; hooks: {known}")
+        elif not hasattr(value, f"{ENTRY_POINT_GROUP}_impl"):
+            notes.append(f"{attr} is not marked with @anyquant.hookimpl and is never called")
+    return notes
 
 
 def _dist_version(name: str) -> str | None:

@@ -9,7 +9,7 @@ from .headers import SAFETENSORS_DTYPE_BITS
 from .probe import Probe
 from .protocols import Detection, ModuleInfo
 
-__all__ = ["Report", "build_report", "dense_rows"]
+__all__ = ["Report", "build_report", "coded_rows", "dense_rows"]
 
 
 @dataclass
@@ -63,9 +63,38 @@ def dense_rows(probe: Probe, skip: set[str] | None = None) -> list[ModuleInfo]:
     return rows
 
 
+def coded_rows(probe: Probe, detection: Detection) -> list[ModuleInfo]:
+    """Rows for a loader without ``inspect()``: modules holding integer codes are the detected format's
+    (bits and group size unknown, shape of the largest code tensor as stored), the rest dense. Never a
+    quantized module shown as dense because its plugin describes nothing."""
+    from .builtin import integer_tensors
+
+    if detection.format == "dense":
+        return dense_rows(probe)
+    coded: dict[str, list[Any]] = {}
+    for name in integer_tensors(probe):
+        coded.setdefault(name.rsplit(".", 1)[0], []).append(probe.tensors[name])
+    rows = []
+    for prefix, codes in sorted(coded.items()):
+        ts = [t for t in probe.tensors.values() if t.name.rsplit(".", 1)[0] == prefix]
+        largest = max(codes, key=lambda t: t.nbytes)
+        rows.append(
+            ModuleInfo(
+                name=prefix,
+                format=detection.format,
+                shape=largest.shape,
+                bits=None,
+                group_size=None,
+                nbytes=sum(t.nbytes for t in ts),
+                extra={"note": "the plugin has no inspect(): shape as stored, bits unknown"},
+            )
+        )
+    return rows + dense_rows(probe, skip=set(coded))
+
+
 def build_report(probe: Probe, detection: Detection, loader: Any | None) -> Report:
     describe = getattr(loader, "inspect", None)
-    rows: list[ModuleInfo] = list(describe(probe, detection)) if callable(describe) else dense_rows(probe)
+    rows: list[ModuleInfo] = list(describe(probe, detection)) if callable(describe) else coded_rows(probe, detection)
     quant = [m for m in rows if m.format != "dense"]
     params = sum(_numel(m.shape) for m in rows)
     qparams = sum(_numel(m.shape) for m in quant)

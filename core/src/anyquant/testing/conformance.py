@@ -6,6 +6,7 @@ import importlib
 import importlib.metadata as md
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
 
@@ -13,17 +14,23 @@ import pytest
 
 from ..probe import Probe
 from ..protocols import Claim, FormatSpec, Loader
-from ..registry import Registry, check_requirements, import_object
-from .fixtures import FIXTURES
+from ..registry import Registry, check_requirements, import_object, unknown_hooks
+from .fixtures import FIXTURES, Fixture
 
 __all__ = ["PluginConformance"]
 
 
 class PluginConformance:
+    """Subclass it in the plugin's tests and set the class attributes (see docs/plugins.md, "Testing")."""
+
     entry_point: ClassVar[str]
     package: ClassVar[str]
     formats: ClassVar[tuple[str, ...]]
-    own_fixtures: ClassVar[tuple[str, ...]]
+    #: names in the kit's :data:`~anyquant.testing.fixtures.FIXTURES` that this plugin must claim
+    own_fixtures: ClassVar[tuple[str, ...]] = ()
+    #: the plugin's own header-only fixtures (a third party's format has none in the kit): each must be claimed
+    #: by this plugin alone and resolve to it in the full registry
+    extra_fixtures: ClassVar[Mapping[str, Fixture]] = {}
     #: formats registered only as "recognised" (no loader yet); listed so the kit knows.
     recognised_only: ClassVar[tuple[str, ...]] = ()
 
@@ -45,10 +52,37 @@ class PluginConformance:
         module = self._module()
         assert getattr(module, "anyquant_detect", None) is not None, "the plugin module has no anyquant_detect hook"
 
+    def test_fixtures_exist(self) -> None:
+        """Every named own fixture exists (a misspelt name used to skip the claim checks silently), and the
+        plugin has at least one fixture to be checked against."""
+        missing = [name for name in self.own_fixtures if name not in FIXTURES]
+        assert not missing, (
+            f"own_fixtures {missing} are not in anyquant.testing.fixtures.FIXTURES; add them to extra_fixtures"
+        )
+        assert self.own_fixtures or self.extra_fixtures, "no fixture: set own_fixtures or extra_fixtures"
+
+    def test_extra_fixtures_claimed_and_resolved(self, tmp_path: Path) -> None:
+        for name, fx in self.extra_fixtures.items():
+            path = fx.build(tmp_path / name)
+            claims = self._claims(path)
+            assert len(claims) == 1 and claims[0].format == fx.format, (
+                f"{name}: expected one {fx.format} claim, got {claims}"
+            )
+            assert claims[0].evidence, "a claim must say why"
+            detection = Registry().detect(Probe.open(path))
+            assert (detection.format, detection.plugin) == (fx.format, self.entry_point), f"{name}: {detection}"
+
+    def test_no_misspelt_hooks(self) -> None:
+        notes = unknown_hooks(self._module())
+        assert not notes, notes
+
     def test_import_leaves_torch_out(self) -> None:
+        """Importing the package and the entry point's module (what discovery imports) loads no heavy library."""
+        eps = [ep for ep in md.entry_points(group="anyquant") if ep.name == self.entry_point]
+        module = eps[0].value.split(":")[0] if eps else f"{self.package}.plugin"
         code = (
             f"import sys, {self.package}, importlib\n"
-            f"importlib.import_module({self.package!r} + '.plugin')\n"
+            f"importlib.import_module({module!r})\n"
             "heavy = [m for m in ('torch', 'transformers', 'gptqmodel', 'awq', 'exllamav3', 'numpy') if m in sys.modules]\n"
             "assert not heavy, heavy\n"
         )
