@@ -100,7 +100,9 @@ def test_format_argument_mismatch(tmp_path: Path) -> None:
 
 def test_no_plugin_installed_says_what_to_install(tmp_path: Path) -> None:
     root = FIXTURES["exl3_mul1"].build(tmp_path / "m")
-    reg = Registry(disable={"anyquant-exl3"})
+    reg = Registry(
+        entry_points=False
+    )  # no plugin installed (a disabled one is named as such: see test_messages_say_what_helps)
     with pytest.raises(UnknownFormatError, match="pip install anyquant-exl3"):
         reg.detect(Probe.open(root))
 

@@ -207,3 +207,47 @@ def test_inspect_without_a_plugin_inspect_never_shows_codes_as_dense(tmp_path: P
     assert (up.format, up.bits, up.shape, up.nbytes) == ("toyq", None, (32, 32), 32 * 32 + 2 * 32)
     assert rows["model.embed_tokens"].format == "dense"
     assert report.totals["quantized_modules"] == 1
+
+
+class _SecondDense:
+    @hookimpl
+    def anyquant_detect(self, probe: anyquant.Probe) -> anyquant.Claim | None:
+        return anyquant.Claim("dense", evidence=("me too",)) if "model.embed_tokens.weight" in probe.tensors else None
+
+
+def test_messages_say_what_helps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Two plugins naming the same format: format= cannot help, the message says to disable one; a disabled
+    (not missing) plugin is named as such; `anyquant plugins` lists a disabled plugin as disabled, not ERROR."""
+    from anyquant.errors import AmbiguousFormatError, UnknownFormatError
+
+    dense = FIXTURES["dense"].build(tmp_path / "d")
+    reg = Registry(entry_points=False, plugins=[("second", _SecondDense())])
+    with pytest.raises(
+        AmbiguousFormatError, match=r"They name the same format: disable all but one .*\(anyquant, second\)"
+    ):
+        reg.detect(anyquant.Probe.open(dense), format="dense")
+    exl3 = FIXTURES["exl3_mul1"].build(tmp_path / "e")
+    with pytest.raises(UnknownFormatError, match="its plugin anyquant-exl3 is installed but disabled"):
+        Registry(disable={"anyquant-exl3"}).detect(anyquant.Probe.open(exl3))
+    from anyquant import api
+    from anyquant.cli import main
+
+    monkeypatch.setattr(api, "default_registry", lambda: Registry(disable={"anyquant-exl3"}))
+    assert main(["plugins"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("anyquant-exl3"))
+    assert "disabled (ANYQUANT_DISABLE_PLUGINS)" in line and "ERROR" not in line
+
+
+def test_detection_carries_the_probes_notes(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from anyquant.cli import main
+
+    root = FIXTURES["dense"].build(tmp_path / "d")
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}})
+    )
+    notes = anyquant.detect(root).notes
+    assert notes and any("model-00001-of-00002.safetensors" in n for n in notes)
+    assert main(["detect", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["notes"] == list(notes)

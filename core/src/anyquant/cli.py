@@ -45,6 +45,7 @@ def _cmd_detect(args: argparse.Namespace) -> int:
     d = detect(args.path, format=args.format)
     lines = [f"{d.path}: {d.format}" + (f" ({d.variant})" if d.variant else "") + f"  [plugin {d.plugin}]"]
     lines += [f"  - {e}" for e in d.evidence]
+    lines += [f"  note: {n}" for n in d.notes]
     _emit(args, d.to_dict(), "\n".join(lines))
     return 0
 
@@ -96,7 +97,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     }
     lines = []
     for i in infos:
-        status = f"ERROR {i.error}" if i.error else ", ".join(i.formats) or "(no formats)"
+        if i.error == "disabled":
+            status = "disabled (ANYQUANT_DISABLE_PLUGINS)"
+        else:
+            status = f"ERROR {i.error}" if i.error else ", ".join(i.formats) or "(no formats)"
         lines.append(f"{i.name:<16} {i.version or '-':<10} {status}")
     _emit(args, payload, "\n".join(lines))
     return 0

@@ -31,7 +31,7 @@ def export_dense(
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise AnyquantError(f"{out} exists and is not empty; pass overwrite=True")
+        raise AnyquantError(f"{out} exists and is not empty; pass overwrite=True (CLI: --overwrite)")
     load_kwargs.setdefault("runtime", "transformers")  # save_pretrained is transformers' (the native runtime has none)
     backend = load_kwargs.pop("backend", None)
     try:

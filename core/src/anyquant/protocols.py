@@ -57,6 +57,8 @@ class Detection:
     details: Mapping[str, Any]
     plugin: str  # who claimed it
     path: Path
+    #: what the probe noticed that is not an error (a stale shard index, ...)
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -66,6 +68,7 @@ class Detection:
             "details": dict(self.details),
             "plugin": self.plugin,
             "path": str(self.path),
+            "notes": list(self.notes),
         }
 
 

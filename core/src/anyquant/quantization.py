@@ -101,7 +101,9 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
     if d == s or s in d.parents:
         raise QuantizeError(f"destination {dst} is inside the source {src}; choose a directory elsewhere")
     if d.exists() and (not d.is_dir() or any(d.iterdir())) and not overwrite:
-        raise QuantizeError(f"destination {dst} exists and is not empty; pass overwrite=True to replace it")
+        raise QuantizeError(
+            f"destination {dst} exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it"
+        )
 
 
 def eval_text() -> str:

@@ -341,10 +341,15 @@ class Registry:
             raise UnknownFormatError(self._unknown_message(probe, declared_id))
         if len(claims) > 1:
             who = ", ".join(f"{plugin} -> {c.format}" for plugin, c in claims)
+            names = sorted({c.format for _, c in claims})
+            disable = f"disable all but one with ANYQUANT_DISABLE_PLUGINS ({', '.join(p for p, _ in claims)})"
             raise AmbiguousFormatError(
                 f"{len(claims)} plugins claim {probe.path}: {who}. "
-                f"Pass format=<one of {sorted({c.format for _, c in claims})}> or disable a plugin "
-                "with ANYQUANT_DISABLE_PLUGINS."
+                + (
+                    f"Pass format=<one of {names}> or {disable}."
+                    if len(names) > 1
+                    else f"They name the same format: {disable}."
+                )
             )
         plugin, claim = claims[0]
         if declared_id is not None and claim.format != declared_id:
@@ -360,6 +365,7 @@ class Registry:
             details=dict(claim.details),
             plugin=plugin,
             path=probe.path,
+            notes=tuple(probe.notes),
         )
 
     def _unknown_message(self, probe: Probe, declared_id: str | None) -> str:
@@ -368,8 +374,16 @@ class Registry:
         guess = declared_id or _guess_format(probe)
         if guess and guess not in installed:
             dist = PLUGIN_FOR_FORMAT.get(guess)
-            hint = f"pip install {dist}" if dist else "no anyquant plugin for it is known"
-            lines.append(f"It looks like {guess!r}, which no installed plugin loads: {hint}.")
+            off = self._infos.get(dist) if dist else None
+            if off is not None and off.error == "disabled":
+                lines.append(
+                    f"It looks like {guess!r}; its plugin {dist} is installed but disabled (ANYQUANT_DISABLE_PLUGINS)."
+                )
+            elif off is not None and off.error:
+                lines.append(f"It looks like {guess!r}; its plugin {dist} is installed but broken: {off.error}.")
+            else:
+                hint = f"pip install {dist}" if dist else "no anyquant plugin for it is known"
+                lines.append(f"It looks like {guess!r}, which no installed plugin loads: {hint}.")
         elif guess:
             lines.append(f"It looks like {guess!r}, but its tensors do not match that format's signature.")
         else:
