@@ -172,3 +172,20 @@ def test_smollm2_perplexity_on_held_out_tiny_stories() -> None:
     )
     assert r.format == "gguf" and r.windows == 2
     assert 4 < r.perplexity < 20, r.perplexity
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": -5},
+        {"decode_tokens": -3},
+        {"prefill_tokens": 0},
+        {"rounds": 0},
+        {"rounds": -2},
+        {"max_tokens": 1.5},
+    ],
+)
+def test_bad_counts_are_refused_before_any_load(kwargs: dict) -> None:
+    """max_tokens=-5 sliced ids[:-5] (the whole 363k-token corpus) and rounds=0 ran one round, silently."""
+    with pytest.raises(anyquant.EvaluationError, match=next(iter(kwargs))):
+        anyquant.compare(["/nonexistent/a", "/nonexistent/b"], **kwargs)

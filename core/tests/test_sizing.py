@@ -268,3 +268,143 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_import_does_not_pull_torch() -> None:
     code = "import sys, anyquant.sizing, anyquant.calibration; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------- from a sizing audit (hand arithmetic)
+
+SMOLLM2: dict[str, Any] = {
+    "model_type": "llama",
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "intermediate_size": 1536,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+}
+
+
+def test_exl3_pads_to_128_and_stores_a_quantized_tied_head() -> None:
+    # per layer, dims padded to 128: q,o 640x640; k,v 640x256; gate,up 640x1536; down 1536x640 = 4,096,000
+    linear = 30 * (2 * 640 * 640 + 2 * 640 * 256 + 3 * 640 * 1536)
+    head = 49152 * 576 * 6 / 8  # tied, but a 6-bit head is its own tensor
+    embed, norms = 49152 * 576 * 2, (30 * 2 * 576 + 576) * 2
+    e = estimate(SMOLLM2, bits=4.0, head_bits=6, format="exl3", context=1)
+    assert e.weight_bytes == int(linear * 4 / 8 + head + embed + norms)
+    plain = estimate(SMOLLM2, bits=4.0, context=1)  # 16-bit tied head: the embedding serves, nothing extra
+    unpadded = 30 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536)
+    assert plain.weight_bytes == int(unpadded * 4 / 8 + embed + norms)
+
+
+def test_moe_decode_reads_only_the_routed_experts() -> None:
+    mixtral = {**LLAMA_8B, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000}
+    shape = sizing.model_shape(mixtral)
+    attn = 4096 * 4096 * 2 + 4096 * 1024 * 2
+    expert = 3 * 4096 * 14336
+    assert shape.linear_params == 32 * (attn + 8 * expert)
+    assert shape.active_linear_params == 32 * (attn + 2 * expert)
+    a = advise("H100", users=1, model=mixtral)
+    read = a.estimate.weight_bytes - a.estimate.embedding_bytes - 32 * 6 * expert * a.bits / 8
+    assert a.expected_decode_tok_s == pytest.approx(find_gpu("H100").bandwidth_gbs * GB / read)
+
+
+def test_deepseek_first_dense_layers() -> None:
+    cfg = {
+        **LLAMA_8B,
+        "num_hidden_layers": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 1024,
+        "first_k_dense_replace": 1,
+    }
+    shape = sizing.model_shape(cfg)
+    attn = 4096 * 4096 * 2 + 4096 * 1024 * 2
+    assert shape.linear_params == 4 * attn + 3 * 4 * 3 * 4096 * 1024 + 1 * 3 * 4096 * 14336
+
+
+def test_local_engines_size_the_cache_for_every_user() -> None:
+    one = advise("Apple M3 Max", 128, users=1, model=LLAMA_70B, context=8192)
+    eight = advise("Apple M3 Max", 128, users=8, model=LLAMA_70B, context=8192)
+    assert eight.estimate.batch == 8 and eight.estimate.kv_bytes == 8 * one.estimate.kv_bytes
+    assert any("-c 65536 -np 8" in c for c in eight.commands)
+
+
+def test_offload_plan_never_fits_what_the_card_cannot_hold() -> None:
+    a = advise("RTX 4090", 2, model=LLAMA_70B, context=8192)
+    assert not a.fits or a.memory_bytes <= 2 * GiB
+    three = advise("RTX 4090", users=3, model=LLAMA_8B, context=32768, ram_gb=128)
+    assert three.memory_bytes <= 24 * GiB or not three.fits
+
+
+def test_vllm_memory_counts_the_sequences_it_serves() -> None:
+    a = advise("A100 80GB", users=16, model=LLAMA_70B, context=8192)
+    assert a.engine == "vllm"
+    import re
+
+    seqs = int(re.search(r"room for (\d+) full-length sequences", " ".join(a.reasons)).group(1))  # type: ignore[union-attr]
+    assert seqs > 1
+    assert a.memory_bytes >= a.estimate.weight_bytes + min(16, seqs) * a.estimate.kv_bytes
+    assert "zero point" in a.quant_type if a.format == "awq" else "sym" in a.quant_type
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"head_bits": math.nan}, "head_bits"),
+        ({"head_bits": math.inf}, "head_bits"),
+        ({"head_bits": -1}, "head_bits"),
+        ({"bits": True}, "bits"),
+        ({"bits": "4"}, "bits"),
+        ({"context": "8192"}, "context"),
+        ({"context": 100.5}, "context"),
+        ({"batch": None}, "batch"),
+        ({"kv_dtype": None}, "kv_dtype"),
+    ],
+)
+def test_estimate_refuses_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(SizingError, match=match):
+        estimate(LLAMA_8B, **{"bits": 4.0, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ({"hidden_size": math.nan}, "hidden_size"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"num_attention_heads": 0}, "num_attention_heads"),
+        ({"num_key_value_heads": []}, "num_key_value_heads"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+        ({"num_hidden_layers": 1e300}, "num_hidden_layers"),
+    ],
+)
+def test_configs_that_cannot_be_sized(edit: dict[str, Any], match: str) -> None:
+    with pytest.raises(SizingError, match=match):
+        estimate({**LLAMA_8B, **edit}, bits=4.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"vram_gb": math.nan}, "vram_gb"),
+        ({"vram_gb": 0}, "vram_gb"),
+        ({"vram_gb": -5}, "vram_gb"),
+        ({"vram_gb": "24"}, "vram_gb"),
+        ({"ram_gb": -1}, "ram_gb"),
+        ({"users": "4"}, "users"),
+        ({"context": "8k"}, "context"),
+        ({"gpu": None}, "gpu"),
+    ],
+)
+def test_advise_refuses_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    args = {"gpu": "RTX 4090", "model": LLAMA_8B, **kwargs}
+    with pytest.raises(SizingError, match=match):
+        advise(**args)
+
+
+def test_notes_for_what_is_not_modelled() -> None:
+    e = estimate({**LLAMA_8B, "sliding_window": 4096, "max_position_embeddings": 8192}, bits=4.0, context=32768)
+    assert any("sliding window of 4096" in n for n in e.notes)
+    assert any("beyond the model's max_position_embeddings (8192)" in n for n in e.notes)
+    no_inter = {k: v for k, v in LLAMA_8B.items() if k != "intermediate_size"}
+    assert any("assumed 4 x hidden" in n for n in estimate(no_inter, bits=4.0).notes)

@@ -155,6 +155,7 @@ def perplexity(
     """
     if window < 2:
         raise EvaluationError(f"window must be at least 2 tokens, got {window}")
+    _check_counts(max_tokens=max_tokens)
     ids = _token_ids(model, text_or_token_ids)
     available = len(ids)
     if max_tokens is not None:
@@ -364,6 +365,16 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(got) / len(got) if got else None
 
 
+def _check_counts(**counts: int | None) -> None:
+    """Counts are positive integers (``max_tokens`` may be None: all); ``-5`` used to slice ``ids[:-5]``
+    (the whole corpus) and ``rounds=0`` ran one round, in silence."""
+    for name, value in counts.items():
+        if value is None and name == "max_tokens":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EvaluationError(f"{name} must be a positive integer, got {value!r}")
+
+
 def _evaluate_rounds(
     paths: Sequence[str | Path],
     *,
@@ -378,6 +389,7 @@ def _evaluate_rounds(
     load_kwargs: dict[str, Any],
     progress: Callable[[str, float], None] | None = None,
 ) -> list[EvalResult]:
+    _check_counts(max_tokens=max_tokens, prefill_tokens=prefill_tokens, decode_tokens=decode_tokens, rounds=rounds)
     body, text_name = _text_and_name(text)
     partial: dict[int, dict[str, Any]] = {}
     visits, done = max(1, rounds) * len(paths), 0
@@ -652,6 +664,8 @@ def plot(results: Sequence[EvalResult], png_path: str | Path, *, title: str | No
         default = f"perplexity on {first.text!r}, {first.windows}x{first.window} tokens" if first else "perplexity"
         ax.set_title(title or default + " (bubble = memory)", fontsize=10)
         ax.grid(True, alpha=0.3)
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")  # close perplexities: no "+3.53e1" offset
+        ax.margins(x=0.15, y=0.2)  # room for the labels above the top bubble
         fig.tight_layout()
         png_path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(png_path, format="png")

@@ -105,6 +105,11 @@ class ModelShape:
     other_params: int  # norms, routers
     kv_values_per_token: int  # K and V values per token over all layers
     notes: tuple[str, ...] = ()
+    #: decoder linear weights one token reads (MoE: the routed experts per token and the shared ones)
+    active_linear_params: int = 0
+    #: decoder linear weights with every dimension padded to a multiple of 128 (EXL3's storage)
+    padded_linear_params: int = 0
+    max_context: int | None = None  # max_position_embeddings
 
     @property
     def parameters(self) -> int:
@@ -119,42 +124,96 @@ def _first(cfg: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
-def _int(cfg: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
+def _int(cfg: Mapping[str, Any], *keys: str, default: int | None = None, minimum: int = 0) -> int:
     v = _first(cfg, *keys, default=default)
-    if isinstance(v, list):  # per-layer values (some GGUF kv-head counts): the largest
-        v = max(v)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-        raise SizingError(f"config has no usable {'/'.join(keys)} (got {v!r}): cannot size the model")
+    if isinstance(v, list) and v:  # per-layer values (some GGUF kv-head counts): the largest
+        v = max(v, key=lambda x: x if isinstance(x, (int, float)) and not isinstance(x, bool) else -1)
+    if (
+        not isinstance(v, (int, float))
+        or isinstance(v, bool)
+        or not math.isfinite(v)
+        or v != int(v)
+        or v < minimum
+        or v > 2**48
+    ):
+        want = "a positive integer" if minimum > 0 else "a non-negative integer"
+        raise SizingError(f"config has no usable {'/'.join(keys)} (got {v!r}; needs {want}): cannot size the model")
     return int(v)
+
+
+def _pad128(n: int) -> int:
+    return -(-n // 128) * 128
+
+
+def _linears(hidden: int, q: int, kv: int, inter: int, mlp_mats: int) -> list[tuple[int, int]]:
+    """(in, out) of one decoder layer's attention and MLP linears (one expert's MLP for ``inter``)."""
+    attn = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden)]
+    return attn + [(hidden, inter)] * (mlp_mats - 1) + [(inter, hidden)]
 
 
 def model_shape(config: Mapping[str, Any], name: str = "model") -> ModelShape:
     """A :class:`ModelShape` from a transformers ``config.json`` dict (``text_config`` is used when present)."""
     cfg = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
     assert isinstance(cfg, Mapping)
-    layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers")
-    hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
-    heads = _int(cfg, "num_attention_heads", "n_head")
-    kv_heads = _int(cfg, "num_key_value_heads", "num_kv_heads", default=heads)
-    head_dim = _int(cfg, "head_dim", default=hidden // max(heads, 1))
-    vocab = _int(cfg, "vocab_size")
-    intermediate = _int(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
-    model_type = str(cfg.get("model_type") or config.get("model_type") or "")
-    tied = bool(_first(cfg, "tie_word_embeddings", default=config.get("tie_word_embeddings", False)))
-    experts = _int(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0)
+    layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers", minimum=1)
+    hidden = _int(cfg, "hidden_size", "n_embd", "d_model", minimum=1)
+    heads = _int(cfg, "num_attention_heads", "n_head", minimum=1)
+    kv_heads = _int(cfg, "num_key_value_heads", "num_kv_heads", default=heads, minimum=1)
+    head_dim = _int(cfg, "head_dim", default=hidden // heads, minimum=1)
+    vocab = _int(cfg, "vocab_size", minimum=1)
     notes: list[str] = []
+    if _first(cfg, "intermediate_size", "ffn_dim", "n_inner") is None:
+        notes.append(f"no intermediate_size in the config: assumed 4 x hidden = {4 * hidden} (GPT-2's rule)")
+    intermediate = _int(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden, minimum=1)
+    model_type = str(cfg.get("model_type") or config.get("model_type") or "")
+    tie = _first(cfg, "tie_word_embeddings", default=config.get("tie_word_embeddings", False))
+    if not isinstance(tie, bool):
+        raise SizingError(f"config's tie_word_embeddings must be true or false, got {tie!r}")
+    tied = tie
+    experts = _int(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0)
 
     mlp_mats = 2 if model_type in NON_GATED else 3
-    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    dense_layer = _linears(hidden, q_out, kv_out, intermediate, mlp_mats)
+    attn = sum(i * o for i, o in dense_layer[:4])
+    attn_pad = sum(_pad128(i) * _pad128(o) for i, o in dense_layer[:4])
     if experts:
-        expert_inter = _int(cfg, "moe_intermediate_size", default=intermediate)
+        expert_inter = _int(cfg, "moe_intermediate_size", default=intermediate, minimum=1)
         shared_inter = _int(cfg, "shared_expert_intermediate_size", default=0)
         shared_inter += _int(cfg, "n_shared_experts", default=0) * expert_inter
-        mlp = experts * mlp_mats * hidden * expert_inter + mlp_mats * hidden * shared_inter
+        per_token = _int(cfg, "num_experts_per_tok", "moe_topk", "num_experts_per_token", default=2, minimum=1)
+        expert = sum(i * o for i, o in _linears(hidden, 0, 0, expert_inter, mlp_mats)[4:])
+        expert_pad = sum(_pad128(i) * _pad128(o) for i, o in _linears(hidden, 0, 0, expert_inter, mlp_mats)[4:])
+        shared = mlp_mats * hidden * shared_inter
+        shared_pad = mlp_mats * _pad128(hidden) * _pad128(shared_inter) if shared_inter else 0
+        mlp, mlp_active = experts * expert + shared, min(per_token, experts) * expert + shared
+        mlp_pad = experts * expert_pad + shared_pad
         router = hidden * experts
-        notes.append(f"MoE: {experts} experts per layer, all counted (all must be in memory)")
+        dense_first = min(_int(cfg, "first_k_dense_replace", default=0), layers)  # DeepSeek: first k layers dense
+        notes.append(
+            f"MoE: {experts} experts per layer, all counted (all must be in memory); {min(per_token, experts)} "
+            "read per token (decode speed)" + (f"; the first {dense_first} layers dense" if dense_first else "")
+        )
     else:
-        mlp, router = mlp_mats * hidden * intermediate, 0
+        mlp = mlp_active = mlp_mats * hidden * intermediate
+        mlp_pad = sum(_pad128(i) * _pad128(o) for i, o in dense_layer[4:])
+        router, dense_first = 0, 0
+    dense_mlp = mlp_mats * hidden * intermediate
+    dense_mlp_pad = sum(_pad128(i) * _pad128(o) for i, o in dense_layer[4:])
+    moe_layers = layers - dense_first
+    linear_params = layers * attn + moe_layers * mlp + dense_first * dense_mlp
+    window = cfg.get("sliding_window")
+    if (
+        isinstance(window, int)
+        and not isinstance(window, bool)
+        and window > 0
+        and cfg.get("use_sliding_window") is not False
+    ):
+        notes.append(
+            f"sliding window of {window} tokens (on some or all layers): the KV cache is sized for the full context; "
+            "engines that keep only the window on those layers need less"
+        )
+    max_ctx = cfg.get("max_position_embeddings")
 
     kv_per_layer = 2 * kv_heads * head_dim
     if cfg.get("kv_lora_rank"):
@@ -172,12 +231,15 @@ def model_shape(config: Mapping[str, Any], name: str = "model") -> ModelShape:
         intermediate=intermediate,
         tied=tied,
         experts=experts,
-        linear_params=layers * (attn + mlp),
+        linear_params=linear_params,
         embed_params=vocab * hidden,
         head_params=0 if tied else vocab * hidden,
-        other_params=layers * (2 * hidden + router) + hidden,
+        other_params=moe_layers * router + layers * 2 * hidden + hidden,
         kv_values_per_token=layers * kv_per_layer,
         notes=tuple(notes),
+        active_linear_params=layers * attn + moe_layers * mlp_active + dense_first * dense_mlp,
+        padded_linear_params=layers * attn_pad + moe_layers * mlp_pad + dense_first * dense_mlp_pad,
+        max_context=max_ctx if isinstance(max_ctx, int) and not isinstance(max_ctx, bool) and max_ctx > 0 else None,
     )
 
 
@@ -304,19 +366,45 @@ class _Weights:
 def _from_config(shape: ModelShape, bits: float | None, head_bits: float, fmt: str | None = None) -> _Weights:
     if bits is None:
         raise SizingError(f"{shape.name}: no weights to measure (config only): pass bits= (e.g. 4.0)")
-    if not 0 < bits <= 32:
-        raise SizingError(f"bits must be in (0, 32], got {bits}")
+    _check_bits("bits", bits)
+    _check_bits("head_bits", head_bits)
     embed = shape.embed_params * 2
-    total = shape.linear_params * bits / 8 + embed + shape.head_params * head_bits / 8 + shape.other_params * 2
-    return _Weights(
-        shape,
-        "config+bits",
-        fmt,
-        bits,
-        int(total),
-        embed,
-        (f"decoder linears at {bits:g} bits/weight, embeddings and norms at 16, head at {head_bits:g}",),
-    )
+    notes = [f"decoder linears at {bits:g} bits/weight, embeddings and norms at 16, head at {head_bits:g}"]
+    head = shape.head_params
+    if shape.tied and head_bits != 16:  # a quantized head cannot be the embedding table: stored apart (exllamav3)
+        head = shape.vocab * shape.hidden
+        notes.append(f"the tied head quantized to {head_bits:g} bits is stored as its own tensor")
+    linear = shape.linear_params
+    if fmt == "exl3" and shape.padded_linear_params:
+        linear = shape.padded_linear_params
+        if linear != shape.linear_params:
+            notes.append(
+                f"EXL3 pads linear dimensions to multiples of 128: {linear / shape.linear_params - 1:+.1%} stored"
+            )
+    total = linear * bits / 8 + embed + head * head_bits / 8 + shape.other_params * 2
+    return _Weights(shape, "config+bits", fmt, bits, int(total), embed, tuple(notes))
+
+
+def _check_bits(name: str, bits: Any) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not (0 < bits <= 32):
+        raise SizingError(f"{name} must be a number in (0, 32], got {bits!r}")
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SizingError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_gb(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 < value < 1e6
+    ):
+        raise SizingError(f"{name} must be a positive number of GB, got {value!r}")
 
 
 def _is_decoder_linear(name: str, ndim: int) -> bool:
@@ -381,10 +469,12 @@ def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _We
     return _Weights(shape, "headers", fmt or "dense", measured, size, _embedding_bytes(probe), notes)
 
 
-def _weights(path_or_config: str | Path | Mapping[str, Any], bits: float | None, head_bits: float) -> _Weights:
+def _weights(
+    path_or_config: str | Path | Mapping[str, Any], bits: float | None, head_bits: float, fmt: str | None = None
+) -> _Weights:
     if isinstance(path_or_config, Mapping):
         return _from_config(
-            model_shape(path_or_config, str(path_or_config.get("_name_or_path", "config"))), bits, head_bits
+            model_shape(path_or_config, str(path_or_config.get("_name_or_path", "config"))), bits, head_bits, fmt
         )
     path = Path(path_or_config).expanduser()
     if path.is_file() and path.suffix == ".json":
@@ -394,7 +484,7 @@ def _weights(path_or_config: str | Path | Mapping[str, Any], bits: float | None,
             raise SizingError(f"{path}: not a readable JSON config ({exc})") from None
         if not isinstance(cfg, dict):
             raise SizingError(f"{path}: expected a JSON object")
-        return _from_config(model_shape(cfg, name=path.parent.name or path.name), bits, head_bits)
+        return _from_config(model_shape(cfg, name=path.parent.name or path.name), bits, head_bits, fmt)
     if not path.exists():
         raise SizingError(f"{path}: no such checkpoint or config file")
     return _checkpoint_weights(path, bits, head_bits)
@@ -408,17 +498,29 @@ def estimate(
     batch: int = 1,
     kv_dtype: str = "fp16",
     head_bits: float = 16.0,
+    format: str | None = None,
 ) -> Estimate:
     """Memory to run a model: weights + KV cache for ``context`` tokens x ``batch`` + a margin.
 
     ``path_or_config``: a checkpoint directory or ``.gguf``/``.safetensors`` file (exact bytes from
     the headers), a ``config.json`` path or dict (needs ``bits``). ``bits`` on a dense checkpoint
     estimates it quantized. ``kv_dtype``: ``fp16``/``bf16``/``fp32``/``fp8`` or ``q2``..``q8``.
-    ``head_bits``: the LM head's bits for config estimates (16 for GPTQ/AWQ; exllamav3 defaults to 6).
+    ``head_bits``: the LM head's bits for config estimates (16 for GPTQ/AWQ; exllamav3 defaults to 6; a tied
+    head below 16 bits is stored as its own tensor). ``format="exl3"`` counts EXL3's padding of linear
+    dimensions to multiples of 128 in config estimates.
     """
-    if context < 1 or batch < 1:
-        raise SizingError(f"context and batch must be positive (got {context}, {batch})")
-    w = _weights(path_or_config, bits, head_bits)
+    _check_count("context", context)
+    _check_count("batch", batch)
+    if bits is not None:
+        _check_bits("bits", bits)
+    _check_bits("head_bits", head_bits)
+    if not isinstance(kv_dtype, str):
+        raise SizingError(f"kv_dtype must be a string such as 'fp16' or 'q8', got {kv_dtype!r}")
+    if not isinstance(path_or_config, (str, Path, Mapping)):
+        raise SizingError(f"expected a checkpoint path, a config.json path or a config dict, got {path_or_config!r}")
+    if format is not None and not isinstance(format, str):
+        raise SizingError(f"format must be a format id such as 'exl3', got {format!r}")
+    w = _weights(path_or_config, bits, head_bits, format.lower() if format else None)
     kv_name, kvb = kv_bits(kv_dtype)
     per_token = math.ceil(w.shape.kv_values_per_token * kvb / 8)
     kv = per_token * context * batch
@@ -440,8 +542,14 @@ def estimate(
         layers=w.shape.layers,
         kv_heads=w.shape.kv_heads,
         head_dim=w.shape.head_dim,
-        notes=[*w.notes, *w.shape.notes],
+        notes=[*w.notes, *w.shape.notes, *_context_note(w.shape, context)],
     )
+
+
+def _context_note(shape: ModelShape, context: int) -> list[str]:
+    if shape.max_context is not None and context > shape.max_context:
+        return [f"context {context} is beyond the model's max_position_embeddings ({shape.max_context})"]
+    return []
 
 
 # ---------------------------------------------------------------------- hardware
@@ -576,6 +684,9 @@ class Advice:
         lines += ["commands:"] + [f"  $ {c}" for c in self.commands]
         if self.alternatives:
             lines += ["alternatives:"] + [f"  - {a}" for a in self.alternatives]
+        shape_notes = [n for n in self.estimate.notes if n.startswith(("MoE", "MLA", "sliding", "context", "no inter"))]
+        if shape_notes:
+            lines += ["notes:"] + [f"  - {n}" for n in shape_notes]
         return "\n".join(lines)
 
 
@@ -624,9 +735,9 @@ class _Ctx:
     ram_bytes: int | None
 
 
-def _est(ctx: _Ctx, bits: float, kv: str, head_bits: float, batch: int) -> Estimate:
+def _est(ctx: _Ctx, bits: float, kv: str, head_bits: float, batch: int, fmt: str | None = None) -> Estimate:
     """A config-based estimate for this model at ``bits`` (the checkpoint's own bytes are not what we'd run)."""
-    cfg_estimate = _from_config(ctx.shape, bits, head_bits)
+    cfg_estimate = _from_config(ctx.shape, bits, head_bits, fmt)
     kv_name, kvb = kv_bits(kv)
     per_token = math.ceil(ctx.shape.kv_values_per_token * kvb / 8)
     kv_bytes = per_token * ctx.context * batch
@@ -648,18 +759,29 @@ def _est(ctx: _Ctx, bits: float, kv: str, head_bits: float, batch: int) -> Estim
         layers=ctx.shape.layers,
         kv_heads=ctx.shape.kv_heads,
         head_dim=ctx.shape.head_dim,
-        notes=list(cfg_estimate.notes),
+        notes=[*cfg_estimate.notes, *ctx.shape.notes, *_context_note(ctx.shape, ctx.context)],
     )
 
 
-def _gguf_est(ctx: _Ctx, bpw: float, kv: str, devices: int = 1) -> Estimate:
+def _gguf_est(ctx: _Ctx, bpw: float, kv: str, devices: int = 1, batch: int = 1) -> Estimate:
     """GGUF quantizes every tensor (embeddings included): weights = parameters x bpw / 8."""
-    e = _est(ctx, bpw, kv, bpw, 1)
+    e = _est(ctx, bpw, kv, 16, batch)
     e.weight_bytes = int(ctx.shape.parameters * bpw / 8)
     e.embedding_bytes = int(ctx.shape.embed_params * bpw / 8)
     e.margin_bytes = margin_bytes(e.weight_bytes + e.kv_bytes, devices)
-    e.notes = [f"all {ctx.shape.parameters / 1e9:.2f}B parameters at ~{bpw:g} bits/weight (llama.cpp mix)"]
+    e.notes = [
+        f"all {ctx.shape.parameters / 1e9:.2f}B parameters at ~{bpw:g} bits/weight (llama.cpp mix)",
+        *ctx.shape.notes,
+        *_context_note(ctx.shape, ctx.context),
+    ]
     return e
+
+
+def _read_per_token(ctx: _Ctx, e: Estimate, exclude: int = 0) -> float:
+    """Weight bytes one decode step reads: all of them, less the MoE experts a token does not use."""
+    bits = e.bits or 16.0
+    unused = (ctx.shape.linear_params - (ctx.shape.active_linear_params or ctx.shape.linear_params)) * bits / 8
+    return max(e.weight_bytes - exclude - unused, 1.0)
 
 
 def _resident(e: Estimate, exclude_embeddings: bool) -> int:
@@ -703,7 +825,7 @@ def _advise_exl3(ctx: _Ctx) -> Advice | None:
     best: tuple[float, str, Estimate] | None = None
     for kv in ("fp16", "q8", "q4"):
         for bpw in EXL3_BPW:
-            e = _est(ctx, bpw, kv, EXL3_HEAD_BITS, ctx.users)
+            e = _est(ctx, bpw, kv, EXL3_HEAD_BITS, ctx.users, fmt="exl3")
             if _resident(e, True) <= usable:
                 if best is None or bpw > best[0]:
                     best = (bpw, kv, e)
@@ -758,7 +880,7 @@ def _advise_exl3(ctx: _Ctx) -> Advice | None:
         tensor_parallel=ctx.gpus,
         fits=True,
         estimate=e,
-        expected_decode_tok_s=_tok_s(e.weight_bytes - e.embedding_bytes, ctx.gpu.bandwidth_gbs, ctx.gpus),
+        expected_decode_tok_s=_tok_s(_read_per_token(ctx, e, e.embedding_bytes), ctx.gpu.bandwidth_gbs, ctx.gpus),
         device_bytes=_resident(e, True),
         reasons=reasons,
         commands=commands,
@@ -824,7 +946,7 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
     reasons = [
         f"{ctx.users} concurrent users: vLLM's continuous batching and paged KV cache serve them; "
         "single-user engines (exllamav3, llama.cpp) would queue them",
-        f"vLLM loads {method.upper()} 4-bit (symmetric, group 128) directly"
+        f"vLLM loads {method.upper()} 4-bit ({'zero point' if method == 'awq' else 'symmetric'}, group 128) directly"
         + (" — the checkpoint already is" if existing else "")
         + f"; --quantization {q}"
         + (
@@ -864,12 +986,16 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
         format=method,
         engine="vllm",
         bits=W4_G128_BPW,
-        quant_type="4-bit g128 sym",
+        quant_type="4-bit g128 " + ("zero point" if method == "awq" else "sym"),
         kv_dtype=kv,
         tensor_parallel=tp,
         fits=True,
         estimate=e,
-        expected_decode_tok_s=_tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs, tp),
+        # the weights plus the KV cache of the sequences served at once (vLLM reserves up to its utilisation)
+        device_bytes=int(
+            e.weight_bytes * (1 + MARGIN_FRACTION) + tp * OVERHEAD_BYTES + min(seqs, ctx.users) * e.kv_bytes
+        ),
+        expected_decode_tok_s=_tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs, tp),
         reasons=reasons,
         commands=commands,
         alternatives=[f"{'GPTQ' if method == 'awq' else 'AWQ'} 4-bit works the same way"],
@@ -878,7 +1004,7 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
 
 def _largest_gguf(ctx: _Ctx, usable: int, kv: str = "fp16") -> tuple[str, float, Estimate] | None:
     for name, bpw in GGUF_TYPES:
-        e = _gguf_est(ctx, bpw, kv)
+        e = _gguf_est(ctx, bpw, kv, batch=ctx.users)
         if e.total_bytes <= usable:
             return name, bpw, e
     return None
@@ -890,9 +1016,14 @@ def _gguf_commands(ctx: _Ctx, qtype: str, ngl: int | None) -> list[str]:
     return [
         f"python convert_hf_to_gguf.py {m} --outtype f16 --outfile model-f16.gguf   # llama.cpp",
         f"llama-quantize model-f16.gguf model-{qtype}.gguf {qtype}",
-        f"llama-server -m model-{qtype}.gguf -c {ctx.context}{offload}",
+        f"llama-server -m model-{qtype}.gguf {_llama_slots(ctx)}{offload}",
         f'anyquant generate model-{qtype}.gguf --prompt "Hello"',
     ]
+
+
+def _llama_slots(ctx: _Ctx) -> str:
+    """llama-server's context flags: ``-c`` is shared by the ``-np`` parallel slots."""
+    return f"-c {ctx.context * ctx.users} -np {ctx.users}" if ctx.users > 1 else f"-c {ctx.context}"
 
 
 def _advise_local(ctx: _Ctx) -> Advice:
@@ -911,7 +1042,7 @@ def _advise_local(ctx: _Ctx) -> Advice:
     found = _largest_gguf(ctx, usable)
     if found is None:
         name, bpw = GGUF_TYPES[-1]
-        e = _gguf_est(ctx, bpw, "fp16")
+        e = _gguf_est(ctx, bpw, "fp16", batch=ctx.users)
         return _advice(
             ctx,
             gpus=1,
@@ -932,7 +1063,7 @@ def _advise_local(ctx: _Ctx) -> Advice:
         f"{ctx.gpu.name}: no CUDA, so no EXL3/GPTQ/AWQ kernels; GGUF runs on llama.cpp "
         + ("with Metal" if ctx.gpu.kind == "apple" else "on the CPU"),
         f"{name} (~{bpw:g} bits/weight) is the largest type that fits: {_gb(e.total_bytes).strip()} of {where}",
-        f"decode is memory-bound: about {_tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs):.1f} tokens/s at "
+        f"decode is memory-bound: about {_tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs):.1f} tokens/s at "
         f"~{ctx.gpu.bandwidth_gbs:g} GB/s",
     ]
     return _advice(
@@ -946,7 +1077,7 @@ def _advise_local(ctx: _Ctx) -> Advice:
         tensor_parallel=1,
         fits=True,
         estimate=e,
-        expected_decode_tok_s=_tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs),
+        expected_decode_tok_s=_tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs),
         reasons=reasons,
         commands=_gguf_commands(ctx, name, 99 if ctx.gpu.kind == "apple" else None),
     )
@@ -974,16 +1105,19 @@ def _gguf_as_is(ctx: _Ctx, usable: int, where: str, engine: str) -> Advice | Non
         tensor_parallel=1,
         fits=True,
         estimate=e,
-        expected_decode_tok_s=_tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs),
+        expected_decode_tok_s=_tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs),
         reasons=reasons,
-        commands=[f"llama-server -m {ctx.model} -c {ctx.context}", f'anyquant generate {ctx.model} --prompt "Hello"'],
+        commands=[
+            f"llama-server -m {ctx.model} {_llama_slots(ctx)}",
+            f'anyquant generate {ctx.model} --prompt "Hello"',
+        ],
     )
 
 
 def _offload_plan(ctx: _Ctx, qtype: str = "Q4_K_M") -> Advice | None:
     """GGUF with some layers on the CPU: what fits on the GPU, and what it costs in speed."""
     bpw = dict(GGUF_TYPES)[qtype]
-    e = _gguf_est(ctx, bpw, "fp16", ctx.gpus)
+    e = _gguf_est(ctx, bpw, "fp16", ctx.gpus, ctx.users)
     layer_bytes = ctx.shape.linear_params * bpw / 8 / ctx.shape.layers
     head_bytes = (ctx.shape.head_params or ctx.shape.embed_params) * bpw / 8
     room = (ctx.vram_bytes * ctx.gpus - ctx.gpus * OVERHEAD_BYTES) / (1 + MARGIN_FRACTION) - e.kv_bytes - head_bytes
@@ -993,8 +1127,15 @@ def _offload_plan(ctx: _Ctx, qtype: str = "Q4_K_M") -> Advice | None:
     ram_needed = cpu_bytes + e.embedding_bytes + CPU_RESERVED_BYTES
     if ctx.ram_bytes is not None and ram_needed > ctx.ram_bytes:
         return None
-    tok_s = 1 / (gpu_bytes / (ctx.gpu.bandwidth_gbs * GB * ctx.gpus) + cpu_bytes / (RAM_BANDWIDTH_GBS * GB))
-    full = _tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs, ctx.gpus)
+    active = (ctx.shape.active_linear_params or ctx.shape.linear_params) / ctx.shape.linear_params  # MoE: read share
+    tok_s = 1 / (
+        (gpu_layers * layer_bytes * active + head_bytes) / (ctx.gpu.bandwidth_gbs * GB * ctx.gpus)
+        + cpu_bytes * active / (RAM_BANDWIDTH_GBS * GB)
+    )
+    full = _tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs, ctx.gpus)
+    device_bytes = int(gpu_bytes + e.kv_bytes + margin_bytes(e.kv_bytes + int(gpu_bytes), ctx.gpus))
+    if device_bytes > ctx.vram_bytes * ctx.gpus:  # not even the head and the KV cache fit: no plan
+        return None
     reasons = [
         f"{gpu_layers} of {ctx.shape.layers} layers fit on the GPU; {ctx.shape.layers - gpu_layers} layers "
         f"({_gb(cpu_bytes).strip()}) run from system RAM (needs {_gb(ram_needed).strip()} of RAM)",
@@ -1013,7 +1154,7 @@ def _offload_plan(ctx: _Ctx, qtype: str = "Q4_K_M") -> Advice | None:
         estimate=e,
         expected_decode_tok_s=tok_s,
         reasons=reasons,
-        device_bytes=int(gpu_bytes + e.kv_bytes + margin_bytes(e.kv_bytes + int(gpu_bytes), ctx.gpus)),
+        device_bytes=device_bytes,
         commands=_gguf_commands(ctx, qtype, gpu_layers),
         offload={
             "gpu_layers": gpu_layers,
@@ -1028,7 +1169,7 @@ def _offload_plan(ctx: _Ctx, qtype: str = "Q4_K_M") -> Advice | None:
 def _too_big(ctx: _Ctx, why: str) -> Advice:
     off = _offload_plan(ctx)
     if off is None:
-        e = _gguf_est(ctx, dict(GGUF_TYPES)["Q4_K_M"], "fp16")
+        e = _gguf_est(ctx, dict(GGUF_TYPES)["Q4_K_M"], "fp16", batch=ctx.users)
         return _advice(
             ctx,
             format="gguf",
@@ -1040,7 +1181,11 @@ def _too_big(ctx: _Ctx, why: str) -> Advice:
             fits=False,
             estimate=e,
             expected_decode_tok_s=None,
-            reasons=[why, "and the part that would be offloaded does not fit in the given RAM either"],
+            reasons=[
+                why,
+                "and no offload plan fits either: the part left on the CPU exceeds the given RAM, or the head and "
+                f"the KV cache alone ({_gb(e.kv_bytes).strip()} for {ctx.context} tokens x {ctx.users}) exceed the VRAM",
+            ],
             alternatives=["more GPUs", "more RAM", "a smaller model"],
         )
     off.reasons.insert(0, why)
@@ -1077,7 +1222,7 @@ def _advise_pre_ampere(ctx: _Ctx) -> Advice:
             tensor_parallel=ctx.gpus,
             fits=True,
             estimate=e,
-            expected_decode_tok_s=_tok_s(e.weight_bytes, ctx.gpu.bandwidth_gbs, ctx.gpus),
+            expected_decode_tok_s=_tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs, ctx.gpus),
             reasons=[
                 why_not_exl3,
                 f"GPTQ 4-bit g128 fits: {_gb(e.total_bytes).strip()} of {ctx.gpus} x {ctx.vram_gb:g} GB; "
@@ -1099,7 +1244,7 @@ def _advise_pre_ampere(ctx: _Ctx) -> Advice:
             tensor_parallel=1,
             fits=True,
             estimate=ge,
-            expected_decode_tok_s=_tok_s(ge.weight_bytes, ctx.gpu.bandwidth_gbs, ctx.gpus),
+            expected_decode_tok_s=_tok_s(_read_per_token(ctx, ge), ctx.gpu.bandwidth_gbs, ctx.gpus),
             reasons=[
                 why_not_exl3,
                 f"GPTQ 4-bit needs {_gb(e.total_bytes).strip()}: too big; GGUF {name} "
@@ -1144,8 +1289,12 @@ def advise(
     """
     if model is None:
         raise SizingError("advise needs a model: a checkpoint path, a config.json path or a config dict")
-    if users < 1 or gpus < 1 or context < 1:
-        raise SizingError(f"users, gpus and context must be positive (got {users}, {gpus}, {context})")
+    for name, value in (("users", users), ("gpus", gpus), ("context", context)):
+        _check_count(name, value)
+    _check_gb("vram_gb", vram_gb)
+    _check_gb("ram_gb", ram_gb)
+    if not isinstance(gpu, str):
+        raise SizingError(f"gpu must be a name such as 'RTX 4090' or 'CPU', got {gpu!r}")
     spec = find_gpu(gpu, vram_gb)
     vram = vram_gb if vram_gb is not None else spec.vram_gb
     if vram is None:
@@ -1187,6 +1336,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         batch=args.batch,
         kv_dtype=args.kv_dtype,
         head_bits=args.head_bits,
+        format=args.format,
     )
     print(json.dumps(e.to_dict()) if args.json else e.summary())
     return 0
@@ -1207,6 +1357,7 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--kv-dtype", default="fp16", help=f"one of {', '.join(KV_BITS)}")
     p.add_argument("--head-bits", type=float, default=16.0, help="LM head bits for config estimates (EXL3: 6)")
+    p.add_argument("--format", default=None, help="format of a config estimate: exl3 counts its padding to 128")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_estimate)
 
