@@ -380,3 +380,52 @@ def test_no_forward_after_the_last_token(loaded) -> None:  # type: ignore[no-unt
     finally:
         handle.remove()
     assert len(got) == 5 and len(calls) == 5
+
+
+def test_sampling_leaves_torchs_global_generator_alone(loaded) -> None:  # type: ignore[no-untyped-def]
+    """Unseeded sampling used to call torch.seed(), reseeding the process's generator under the application."""
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    loaded.generate("Hello", max_new_tokens=3, temperature=0.9)
+    loaded.generate("Hello", max_new_tokens=3, temperature=0.9, seed=5)
+    assert torch.equal(torch.rand(3), want)
+
+
+def test_batch_rows_sample_as_alone_with_seed_plus_row(loaded) -> None:  # type: ignore[no-untyped-def]
+    kw = {"max_new_tokens": 6, "temperature": 1.0, "seed": 123}
+    a, b = "Hello there", "The cat"
+    rows = loaded.generate_batch([a, b], **kw)
+    assert rows[0] == loaded.generate(a, **kw)
+    assert rows[1] == loaded.generate(b, **{**kw, "seed": 124})
+    assert loaded.generate_batch([a], **kw) == [rows[0]]
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda m: m.generate(None), "a prompt is a string"),
+        (lambda m: m.generate(123), "a prompt is a string"),
+        (lambda m: m.generate(b"hello"), "a prompt is a string"),
+        (lambda m: m.generate_batch("abc"), "takes a list of prompts"),
+        (lambda m: m.generate_batch(None), "takes a list of prompts"),
+        (lambda m: m.generate_batch([None]), "a prompt is a string"),
+        (lambda m: m.stream(""), "empty prompt"),  # at the call, not at the first next()
+        (lambda m: m.generate("x", temperature=1, seed=2**64), "seed"),
+        (lambda m: m.generate("x", temperature=1, seed=-1), "seed"),
+    ],
+)
+def test_bad_prompts_are_parameter_errors(loaded, call, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(anyquant.ParameterError, match=match):
+        call(loaded)
+
+
+def test_batch_accepts_any_iterable_of_prompts(loaded) -> None:  # type: ignore[no-untyped-def]
+    assert loaded.generate_batch(p for p in ["a", "b"]) == loaded.generate_batch(["a", "b"])
+
+
+def test_bad_paths_and_runtimes(tiny: Path) -> None:
+    with pytest.raises(anyquant.ProbeError, match=r"str or os\.PathLike"):
+        anyquant.load(None)  # type: ignore[arg-type]
+    with pytest.raises(anyquant.ParameterError, match="runtime 'bogus'"):
+        anyquant.load(tiny, runtime="bogus")

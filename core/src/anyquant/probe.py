@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -87,6 +88,8 @@ class Probe:
     @classmethod
     def open(cls, path: str | Path) -> Probe:
         """Read a checkpoint directory, a single ``.safetensors`` file, or a ``.gguf`` file."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ProbeError(f"a checkpoint path is a str or os.PathLike, got {type(path).__name__}")
         p = Path(path).expanduser()
         if not p.exists():
             raise ProbeError(f"{p}: no such file or directory")

@@ -129,8 +129,8 @@ class GenerationParams:
             raise bad("repetition_penalty", "a number > 0 (1 = off)")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "non-empty strings")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise bad("seed", "an integer in [0, 2**63) or None")
         if self.chat is not None and not isinstance(self.chat, bool):
             raise bad("chat", "True, False or None")
 

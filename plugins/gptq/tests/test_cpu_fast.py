@@ -166,15 +166,31 @@ def test_close_releases_the_files_and_the_model(root: Path) -> None:
     from anyquant.runtime.tensors import FileRows
 
     path = root / "quantized" / FOUR_BIT[0]
-    with anyquant.load(path, backend="cpu-fast") as model:
-        tables = [v for m in model.module.modules() for v in vars(m).values() if isinstance(v, FileRows)]
-        assert tables and not any(t._fh.closed for t in tables)
-        assert model.generate("Hello", max_new_tokens=2, chat=False) is not None
-        module = weakref.ref(model.module)
-    assert model.closed and all(t._fh.closed for t in tables)
     gc.collect()
-    assert module() is None  # nothing kept the module alive
+    gc.disable()  # freed by reference counting at close(), not left to the cycle collector
+    try:
+        with anyquant.load(path, backend="cpu-fast") as model:
+            tables = [v for m in model.module.modules() for v in vars(m).values() if isinstance(v, FileRows)]
+            assert tables and not any(t._fh.closed for t in tables)
+            assert model.generate("Hello", max_new_tokens=3, chat=False) is not None  # builds the decode step
+            assert model.module.__dict__.get("_step") is not None
+            module = weakref.ref(model.module)
+        assert model.closed and all(t._fh.closed for t in tables)
+        assert module() is None  # the native module and its decode step no longer keep each other alive
+    finally:
+        gc.enable()
     with pytest.raises(anyquant.AnyquantError, match="was closed"):
         model.generate("Hello", max_new_tokens=2)
     model.close()  # idempotent
     assert repr(model).endswith(", closed)")
+
+
+def test_closing_while_a_stream_is_read(root: Path) -> None:
+    """A stream still being read when its model is closed stops with an AnyquantError (it used to read
+    the closed checkpoint file: a bare ValueError 'I/O operation on closed file', or run on regardless)."""
+    model = anyquant.load(root / "quantized" / FOUR_BIT[0], backend="cpu-fast")
+    stream = model.stream("Hello there, how", max_new_tokens=8, chat=False)
+    next(stream)
+    model.close()
+    with pytest.raises(anyquant.AnyquantError, match="closed while generating"):
+        list(stream)

@@ -125,7 +125,9 @@ def choose_runtime(config: Mapping[str, Any], runtime: str) -> str:
     """``"transformers"`` or ``"native"`` (:mod:`anyquant.runtime.native`) for ``config``: ``"auto"`` picks native
     where it supports the architecture; ``"native"`` where it does not is a :class:`CheckpointError`."""
     if runtime not in RUNTIMES:
-        raise CheckpointError(f"runtime {runtime!r} is not one of {RUNTIMES}")
+        from ..errors import ParameterError
+
+        raise ParameterError(f"runtime {runtime!r} is not one of {RUNTIMES}")
     if runtime == "transformers":
         return runtime
     from .native import native_runtime_reason

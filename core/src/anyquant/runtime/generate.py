@@ -70,7 +70,10 @@ def _check_messages(messages: list[Any]) -> None:
 
 
 def sample_next(
-    logits: torch.Tensor, params: GenerationParams, history: torch.Tensor, rng: torch.Generator | None
+    logits: torch.Tensor,
+    params: GenerationParams,
+    history: torch.Tensor,
+    rng: torch.Generator | Sequence[torch.Generator] | None,
 ) -> torch.Tensor:
     """Pick the next token per row from ``logits`` [B, V] (fp32). ``history`` [B, T] for the penalty."""
     logits = logits.float()
@@ -92,7 +95,24 @@ def sample_next(
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
+    if isinstance(rng, Sequence):  # one generator per row: a row samples as it would alone
+        return torch.cat([torch.multinomial(probs[i : i + 1], 1, generator=g) for i, g in enumerate(rng)]).squeeze(-1)
     return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+
+
+def row_generators(seed: int | None, rows: int, device: Any) -> list[torch.Generator]:
+    """One private generator per row: row ``i`` is seeded ``seed + i`` (so row 0 of a batch samples as
+    ``generate`` with the same seed does), or from ``os.urandom`` without a seed. torch's global generator is
+    neither read nor reseeded (``torch.seed()`` would reset an application's ``manual_seed``)."""
+    import os
+
+    out = []
+    for i in range(rows):
+        g = torch.Generator(device=device)
+        base = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
+        g.manual_seed((base + i) % 2**63)
+        out.append(g)
+    return out
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -179,13 +199,10 @@ class TorchGenerator:
             mask[i, width - len(ids) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        rng = None
-        if params.temperature > 0:
-            rng = torch.Generator(device=self.device)
-            rng.manual_seed(params.seed if params.seed is not None else torch.seed() % (2**63))
+        rng = row_generators(params.seed, rows, self.device) if params.temperature > 0 else None
         history = input_ids
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
-        out = self.module(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = self._forward(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
         for _step in range(steps):
             nxt = sample_next(out.logits[:, -1, :], params, history, rng)
             tokens: list[int | None] = [
@@ -201,7 +218,7 @@ class TorchGenerator:
             mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
             positions = positions[:, -1:] + 1
             cache = getattr(out, self.cache_kw)
-            out = self.module(
+            out = self._forward(
                 input_ids=nxt[:, None],
                 attention_mask=mask,
                 position_ids=positions,
@@ -209,9 +226,31 @@ class TorchGenerator:
                 **{self.cache_kw: cache},
             )
 
+    closed = False
+
+    def close(self) -> None:
+        """Refuse further steps: a stream still being read (or a generation in another thread) stops with an
+        :class:`~anyquant.errors.AnyquantError` instead of running on a released model."""
+        self.closed = True
+
+    def _forward(self, **kwargs: Any) -> Any:
+        if self.closed:
+            raise AnyquantError("the model was closed while generating; load the checkpoint again")
+        try:
+            return self.module(**kwargs)
+        except Exception as exc:
+            if self.closed:  # closed from another thread mid-forward (a file it reads was closed)
+                raise AnyquantError("the model was closed while generating; load the checkpoint again") from exc
+            raise
+
     # ------------------------------------------------------------------ protocol
     def stream(self, prompt: Prompt, params: GenerationParams) -> Iterator[str]:
-        ids = self.encode(prompt, params)
+        ids = self.encode(prompt, params)  # now: a bad prompt raises here, not at the first next()
+        if not ids:
+            raise ParameterError("empty prompt: nothing to condition on")
+        return self._stream(ids, params)
+
+    def _stream(self, ids: list[int], params: GenerationParams) -> Iterator[str]:
         generated: list[int] = []
         emitted = 0
         for (token,) in self.token_steps([ids], params):

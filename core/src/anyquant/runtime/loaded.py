@@ -12,6 +12,18 @@ from ..protocols import Detection, GenerationParams, Generator, Prompt
 __all__ = ["LoadedModel"]
 
 
+def _check_prompt(prompt: Any) -> Prompt:
+    """A string, or chat messages (a list/tuple of mappings); anything else is a ParameterError here rather
+    than a TypeError deep inside the tokenizer."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)):  # each message is checked where the chat template is applied
+        return prompt
+    raise ParameterError(
+        f"a prompt is a string or a list of chat messages ({{'role': ..., 'content': ...}}), got {type(prompt).__name__}"
+    )
+
+
 @dataclass
 class LoadedModel:
     """A loaded checkpoint: the torch ``module``, its ``tokenizer``, what it is and how it runs.
@@ -53,13 +65,20 @@ class LoadedModel:
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> str:
         """Generate text. Keyword arguments are :class:`~anyquant.GenerationParams` fields."""
-        return self._open_generator().generate(prompt, self.params(**kwargs))
+        return self._open_generator().generate(_check_prompt(prompt), self.params(**kwargs))
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
-        return self._open_generator().stream(prompt, self.params(**kwargs))
+        return self._open_generator().stream(_check_prompt(prompt), self.params(**kwargs))
 
     def generate_batch(self, prompts: Sequence[Prompt], **kwargs: Any) -> list[str]:
-        return self._open_generator().generate_batch(prompts, self.params(**kwargs))
+        """One completion per prompt (a list or other iterable of prompts, not one string). With ``seed``
+        and sampling, row ``i`` samples with ``seed + i``: row 0 gives what ``generate`` gives."""
+        if isinstance(prompts, (str, bytes)) or prompts is None or not hasattr(prompts, "__iter__"):
+            raise ParameterError(
+                f"generate_batch takes a list of prompts, got {type(prompts).__name__}; "
+                "for one prompt use generate(), or pass [prompt]"
+            )
+        return self._open_generator().generate_batch([_check_prompt(p) for p in prompts], self.params(**kwargs))
 
     def _open_generator(self) -> Generator:
         if self.closed:
@@ -76,6 +95,9 @@ class LoadedModel:
         from .tensors import FileRows
 
         module = self.module
+        stop = getattr(self.generator, "close", None)
+        if callable(stop):
+            stop()  # a stream still being read stops with an AnyquantError
         unload = getattr(module, "unload", None)
         if callable(unload):
             unload()

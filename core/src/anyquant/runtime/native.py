@@ -399,6 +399,11 @@ class NativeCausalLM(nn.Module):
             mask = mask & (valid | (key == query)[None, None])
         return mask
 
+    def unload(self) -> None:
+        """Drop the compiled decode step (it refers back to this module: without this, ``LoadedModel.close()``
+        would leave the pair to the cycle collector; it is rebuilt on the next decode step)."""
+        self.__dict__.pop("_step", None)
+
     def _decode_step(self) -> Any:
         """The :class:`~anyquant.runtime.step.DecodeStep` of this model (built on its first decode step;
         ``None`` when no layer is made of cpu-fast linears)."""
