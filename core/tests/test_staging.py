@@ -95,3 +95,65 @@ def test_export_dense_removes_what_a_killed_export_left(tmp_path: Path) -> None:
     assert not left.exists()
     assert anyquant.detect(out).format == "dense"
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def _user_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("fn", ["export_dense", "quantize"])
+def test_destinations_that_would_lose_data_are_refused_first(tmp_path: Path, fn: str) -> None:
+    """From a hostile-input audit: export_dense(S, S, overwrite=True) replaced the source, and export_dense or
+    quantize to S's parent with overwrite=True deleted the source and its siblings; overwrite=True emptied any
+    directory. Each is now refused before any work, and every file is still there."""
+    import anyquant
+    from anyquant.errors import AnyquantError
+    from anyquant.testing.tiny import make_tiny_dense
+
+    parent = tmp_path / "work"
+    src = make_tiny_dense(parent / "src")
+    (src / "MY_NOTES.txt").write_text("keep")
+    (parent / "thesis.tex").write_text("keep")
+    user = tmp_path / "userdata"
+    user.mkdir()
+    (user / "thesis.tex").write_text("keep")
+    target = tmp_path / "target"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target, target_is_directory=True)
+    a_file = tmp_path / "file.safetensors"
+    a_file.write_bytes(b"x")
+    before = _user_files(tmp_path)
+
+    def run(dst: Path) -> None:
+        if fn == "export_dense":
+            anyquant.export_dense(src, dst, overwrite=True)
+        else:
+            anyquant.quantize(src, dst, method="gptq", overwrite=True, calibration=["x " * 64] * 4)
+
+    cases = {
+        src: "the source",
+        src / "out": "the source",
+        parent: "inside the",
+        user: "not a model's files",
+        link: "symbolic link",
+        a_file: "is a file",
+        a_file / "sub": "is a file, not a directory",
+    }
+    for dst, why in cases.items():
+        with pytest.raises(AnyquantError, match=why):
+            run(dst)
+    assert _user_files(tmp_path) == before
+
+
+def test_overwrite_replaces_a_previous_model_output(tmp_path: Path) -> None:
+    import anyquant
+    from anyquant.testing.tiny import make_tiny_dense
+
+    src = make_tiny_dense(tmp_path / "src")
+    out = anyquant.export_dense(src, tmp_path / "out", dtype="float32")
+    (out / ".cache").mkdir()  # what huggingface-cli download --local-dir leaves: still a model directory
+    for name in ("LICENSE", ".gitattributes", "quant_log.csv", "README.md"):  # a hub upload's, GPTQModel's log
+        (out / name).write_text("x")
+    assert anyquant.export_dense(src, out, dtype="float32", overwrite=True) == out
+    assert anyquant.detect(out).format == "dense"

@@ -21,7 +21,21 @@ import socket
 import tempfile
 from pathlib import Path
 
-__all__ = ["remove_stale", "staging_dir"]
+__all__ = ["MODEL_FILE_SUFFIXES", "check_destination", "remove_stale", "staging_dir"]
+
+#: what a model directory holds (weights, configs, tokenizer files, a model card): ``overwrite=True``
+#: replaces a directory only when every file in it is one of these
+MODEL_FILE_SUFFIXES = frozenset(
+    {".json", ".safetensors", ".gguf", ".txt", ".model", ".jinja", ".md", ".bin", ".pt", ".tiktoken", ".py", ".csv"}
+    | {".yaml", ".yml", ".log"}
+)
+
+
+def _model_file(name: str) -> bool:
+    """A file a model directory holds: a known suffix, a licence-like upper-case name, or a dotfile."""
+    suffix = Path(name).suffix.lower()
+    return suffix in MODEL_FILE_SUFFIXES or (not suffix and (name.isupper() or name.startswith(".")))
+
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +84,43 @@ def remove_stale(target: Path) -> list[Path]:
             log.info("removed %s, left by process %d of this host, which has ended", entry, pid)
             removed.append(entry)
     return removed
+
+
+def check_destination(
+    src: Path, dst: Path, overwrite: bool, error: type[Exception], *, what: str = "destination"
+) -> None:
+    """Refuse, before any work, a destination whose replacement could lose data: the source itself, inside the
+    source, a directory the source is inside (replacing it would delete the source), a symlink, a file, or,
+    even with ``overwrite=True``, a directory that does not look like a model (a file whose suffix is not in
+    :data:`MODEL_FILE_SUFFIXES` and which is no upper-case licence name or dotfile, or a subdirectory other
+    than ``.cache``)."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents:
+        raise error(f"{what} {dst} is the source {src} or inside it; choose a directory elsewhere")
+    if d in s.parents:
+        raise error(f"the source {src} is inside the {what} {dst}: replacing it would delete the source")
+    if dst.is_symlink():
+        raise error(f"{what} {dst} is a symbolic link; give the directory it points to, or another path")
+    for parent in d.parents:
+        if parent.exists() and not parent.is_dir():
+            raise error(f"{what} {dst}: {parent} is a file, not a directory")
+    if not dst.exists():
+        return
+    if not dst.is_dir():
+        raise error(f"{what} {dst} is a file; give a directory path")
+    entries = list(dst.iterdir())
+    if not entries:
+        return
+    if not overwrite:
+        raise error(f"{what} {dst} exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it")
+    strange = sorted(
+        e.name for e in entries if (e.is_dir() and e.name != ".cache") or (not e.is_dir() and not _model_file(e.name))
+    )
+    if strange:
+        raise error(
+            f"{what} {dst} holds {strange[:5]}{' ...' if len(strange) > 5 else ''}, which are not a model's files: "
+            "overwrite=True replaces only a model directory; move those or choose another path"
+        )
 
 
 def staging_dir(target: Path) -> Path:

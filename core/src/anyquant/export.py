@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ._staging import staging_dir
+from ._staging import check_destination, staging_dir
 from .errors import AnyquantError, UnsupportedBackendError
 
 __all__ = ["export_dense"]
@@ -30,8 +30,8 @@ def export_dense(
     from .runtime.build import resolve_dtype
 
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise AnyquantError(f"{out} exists and is not empty; pass overwrite=True (CLI: --overwrite)")
+    if isinstance(path, (str, os.PathLike)):
+        check_destination(Path(path), out, overwrite, AnyquantError, what="export destination")
     load_kwargs.setdefault("runtime", "transformers")  # save_pretrained is transformers' (the native runtime has none)
     backend = load_kwargs.pop("backend", None)
     try:

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ._staging import staging_dir
+from ._staging import check_destination, staging_dir
 from .errors import AnyquantError, QuantizeError
 from .probe import Probe
 from .protocols import QuantizeSpec, undeclared_options
@@ -97,13 +97,7 @@ class QualityReport:
 def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
     if not src.exists():
         raise QuantizeError(f"source {src} does not exist")
-    s, d = src.resolve(), dst.resolve()
-    if d == s or s in d.parents:
-        raise QuantizeError(f"destination {dst} is inside the source {src}; choose a directory elsewhere")
-    if d.exists() and (not d.is_dir() or any(d.iterdir())) and not overwrite:
-        raise QuantizeError(
-            f"destination {dst} exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it"
-        )
+    check_destination(src, dst, overwrite, QuantizeError)
 
 
 def eval_text() -> str:
