@@ -157,3 +157,42 @@ def test_overwrite_replaces_a_previous_model_output(tmp_path: Path) -> None:
         (out / name).write_text("x")
     assert anyquant.export_dense(src, out, dtype="float32", overwrite=True) == out
     assert anyquant.detect(out).format == "dense"
+
+
+def test_tokenizer_files_follow_the_probes_rules(tmp_path: Path) -> None:
+    """A tokenizer file (or chat template) linking outside the model directory is an UnsafePathError like a
+    config's (chat_template.jinja -> /etc/hostname was read as the template); a huge one is refused unparsed."""
+    import anyquant
+    from anyquant.testing.tiny import make_tiny_dense
+
+    root = make_tiny_dense(tmp_path / "m")
+    outside = tmp_path / "elsewhere.jinja"
+    outside.write_text("{{ messages }}")
+    (root / "chat_template.jinja").unlink(missing_ok=True)
+    (root / "chat_template.jinja").symlink_to(outside)
+    with pytest.raises(anyquant.UnsafePathError, match=r"chat_template\.jinja"):
+        anyquant.detect(root)
+    (root / "chat_template.jinja").unlink()
+    with open(root / "tokenizer.json", "r+b") as fh:  # sparse: 300 MiB on paper, nothing on disk
+        fh.truncate(300 << 20)
+    with pytest.raises(anyquant.CheckpointError, match="over the 256 MiB"):
+        anyquant.load(root)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "suffix", "dtype"),
+    [("gptq_v1", "scales", "I16"), ("awq_gemm", "scales", "I16"), ("exl3_mul1", "suh", "I16")],
+)
+def test_integer_scales_are_refused(tmp_path: Path, fixture: str, suffix: str, dtype: str) -> None:
+    """From a hostile-input audit: int16 scales loaded as if float (GPTQ q_proj max |w| 32768 instead of 5)."""
+    import anyquant
+    from anyquant.testing.fixtures import FIXTURES, write_safetensors
+
+    root = FIXTURES[fixture].build(tmp_path / "m")
+    probe = anyquant.Probe.open(root)
+    tensors = {n: (dtype if n.endswith("." + suffix) else t.dtype, list(t.shape)) for n, t in probe.tensors.items()}
+    for f in root.glob("*.safetensors"):
+        f.unlink()
+    write_safetensors(root / "model.safetensors", tensors, {"format": "pt"})
+    with pytest.raises(anyquant.CheckpointError, match=rf"wrong dtypes: .*\.{suffix} is {dtype}"):
+        anyquant.load(root)

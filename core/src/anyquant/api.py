@@ -84,7 +84,18 @@ def load(
         extra=extra,
     )
     log.info("loading %s as %s (%s) with backend=%s", path, detection.format, detection.variant, backend)
-    loaded = loader.load(probe, detection, options)
+    try:
+        loaded = loader.load(probe, detection, options)
+    except (ValueError, IndexError, KeyError, ZeroDivisionError, RuntimeError, TypeError) as exc:
+        if isinstance(exc, AnyquantError) or "out of memory" in str(exc).lower():
+            raise
+        # a plugin's shape/index arithmetic failing on tensors that contradict each other or config.json
+        # (a g_idx past its groups, suh/svh lengths off the trellis, a q_invperm index out of range, ...)
+        raise CheckpointError(
+            f"{path}: loading it as {detection.format} failed: {type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:300]}. Its tensors do not fit together (or with config.json); "
+            "re-download or re-export it"
+        ) from exc
     release_free_heap()  # what the load built and dropped leaves the RSS (see anyquant._memory)
     return loaded
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .errors import UnsupportedBackendError
+from .errors import CheckpointError, UnsupportedBackendError
 from .probe import Probe, thaw
 from .protocols import BackendInfo, Detection, LoadOptions
 
@@ -24,7 +24,23 @@ if TYPE_CHECKING:
     from .runtime.loaded import LoadedModel
     from .runtime.tensors import TensorSource
 
-__all__ = ["CPU_FAST_OPTIONS", "RUNTIME_OPTIONS", "LoadContext", "TransformersLoader"]
+__all__ = ["CPU_FAST_OPTIONS", "RUNTIME_OPTIONS", "LoadContext", "TransformersLoader", "require_dtypes"]
+
+FLOAT16S = frozenset({"F16", "BF16", "F32"})
+
+
+def require_dtypes(probe: Probe, rules: Mapping[str, frozenset[str]], fmt: str) -> None:
+    """A :class:`CheckpointError` when a tensor whose name ends in ``.<suffix>`` of ``rules`` has a dtype outside
+    its set (integer scales would otherwise load as if they were float, silently wrong)."""
+    bad = [
+        f"{t.name} is {t.dtype} (expected {'/'.join(sorted(rules[suffix]))})"
+        for t in probe.tensors.values()
+        if (suffix := t.name.rpartition(".")[2]) in rules and t.dtype not in rules[suffix]
+    ]
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise CheckpointError(f"{probe.root}: the {fmt} tensors have wrong dtypes: {'; '.join(bad[:3])}{more}")
+
 
 log = logging.getLogger(__name__)
 

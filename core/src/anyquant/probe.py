@@ -104,6 +104,8 @@ class Probe:
             files = []
         configs = [_read_json(root, name) for name in CONFIG_FILES]
         tokenizer_files = tuple(n for n in TOKENIZER_FILES if (root / n).is_file())
+        for name in tokenizer_files:  # read by the tokenizer libraries: the same rule as configs and weights
+            _check_inside(root, root / name)
         if p.is_dir():
             st_files = _glob(root, "*.safetensors")
             gguf_files = _glob(root, "*.gguf")

@@ -265,3 +265,17 @@ def test_cli_quantize_passes_method_options(dense: Path, tmp_path: Path, capsys:
     err = json.loads(capsys.readouterr().out)
     assert err["error"] == "QuantizeError" and "codebok" in err["message"] and "codebook" in err["message"]
     assert not (tmp_path / "typo").exists()
+
+
+def test_inconsistent_tensors_are_a_checkpoint_error(exl3: Path, tmp_path: Path, rewrite_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """From a hostile-input audit: suh shorter than the trellis was a bare ValueError from the decoder; every
+    such failure of a plugin's arithmetic at load is now a CheckpointError (the original chained)."""
+    name = "model.layers.0.self_attn.q_proj.suh"
+
+    def cut(t: dict) -> None:
+        t[name] = t[name][:64].contiguous()
+
+    bad = rewrite_checkpoint(exl3, tmp_path / "bad", cut)
+    with pytest.raises(anyquant.CheckpointError, match="loading it as exl3 failed") as info:
+        anyquant.load(bad, backend="dequantized")  # decodes at load
+    assert isinstance(info.value.__cause__, Exception)

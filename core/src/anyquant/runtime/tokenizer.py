@@ -13,6 +13,10 @@ __all__ = ["load_tokenizer"]
 log = logging.getLogger(__name__)
 
 
+#: tokenizer files larger than this are refused before parsing
+MAX_TOKENIZER_FILE_BYTES = 256 << 20
+
+
 def load_tokenizer(probe: Probe, *, trust_remote_code: bool = False) -> Any:
     """The checkpoint's tokenizer, or ``None`` (logged) when it ships none.
 
@@ -25,6 +29,13 @@ def load_tokenizer(probe: Probe, *, trust_remote_code: bool = False) -> Any:
     if not any(n.startswith(("tokenizer", "vocab")) for n in probe.tokenizer_files):
         log.warning("%s has no tokenizer files: text generation needs one", probe.root)
         return None
+    for name in probe.tokenizer_files:
+        size = (probe.root / name).stat().st_size
+        if size > MAX_TOKENIZER_FILE_BYTES:
+            raise CheckpointError(
+                f"{probe.root / name}: {size / 2**20:.0f} MiB, over the {MAX_TOKENIZER_FILE_BYTES >> 20} MiB a "
+                "tokenizer file may have (the largest real ones are tens of MiB; parsing peaks at ~3x the file)"
+            )
     try:
         return _load(probe, trust_remote_code)
     except AnyquantError:

@@ -6,11 +6,12 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from anyquant.errors import CheckpointError, UnsupportedBackendError
-from anyquant.loaders import LoadContext, TransformersLoader
+from anyquant.loaders import LoadContext, TransformersLoader, require_dtypes
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 from anyquant.report import dense_rows
 from anyquant_gptq.loader import (
+    QUANT_DTYPES,
     GPTQLoader,
     cpu_fast_backend,
     finish_layer_plans,
@@ -85,6 +86,7 @@ class AWQLoader(TransformersLoader):
         problems = detection.details.get("problems") or []
         if problems:
             raise CheckpointError(f"{probe.root}: the AWQ tensors are inconsistent: {'; '.join(problems[:3])}")
+        require_dtypes(probe, QUANT_DTYPES, "AWQ")
         if detection.variant not in ("gemm", "gemv"):
             raise UnsupportedBackendError(
                 f"{probe.root}: AWQ layout {detection.variant!r} is not loadable on CPU by anyquant "

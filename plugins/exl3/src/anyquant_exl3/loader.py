@@ -9,7 +9,14 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from anyquant.errors import CheckpointError, UnsupportedBackendError, UnsupportedFormatError
-from anyquant.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext, TransformersLoader
+from anyquant.loaders import (
+    CPU_FAST_OPTIONS,
+    FLOAT16S,
+    RUNTIME_OPTIONS,
+    LoadContext,
+    TransformersLoader,
+    require_dtypes,
+)
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 from anyquant.report import dense_rows
@@ -359,6 +366,8 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
         problems = detection.details.get("problems") or []
         if problems:
             raise CheckpointError(f"{probe.root}: the EXL3 tensors are inconsistent: {'; '.join(problems[:3])}")
+        if detection.format == "exl3":
+            require_dtypes(probe, {"trellis": frozenset({"I16"}), "suh": FLOAT16S, "svh": FLOAT16S}, "EXL3")
         tables, _ = ring_tables(probe)
         ngram = [key for key, table in tables.items() if table.signs is None]
         if ngram:

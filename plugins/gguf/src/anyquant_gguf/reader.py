@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 
+from anyquant.errors import CheckpointError
+
 __all__ = [
     "DEQUANTIZABLE_TYPES",
     "GGUFRawTensor",
@@ -52,11 +54,11 @@ __all__ = [
 ]
 
 
-class UnsupportedGGUFArchitecture(ValueError):
+class UnsupportedGGUFArchitecture(CheckpointError, ValueError):
     """The GGUF file's ``general.architecture`` (or one of its features) is not supported."""
 
 
-class UnsupportedGGUFType(ValueError):
+class UnsupportedGGUFType(CheckpointError, ValueError):
     """A tensor uses a GGML storage type this package cannot dequantize."""
 
 

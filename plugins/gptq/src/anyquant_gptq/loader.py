@@ -9,7 +9,14 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from anyquant.errors import CheckpointError, UnsupportedBackendError
-from anyquant.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext, TransformersLoader
+from anyquant.loaders import (
+    CPU_FAST_OPTIONS,
+    FLOAT16S,
+    RUNTIME_OPTIONS,
+    LoadContext,
+    TransformersLoader,
+    require_dtypes,
+)
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, ModuleInfo
 from anyquant.report import dense_rows
@@ -119,6 +126,10 @@ GPTQMODEL_OPTIONS: Mapping[str, str] = MappingProxyType(
 )
 
 
+#: packed codes are int32, scales float (GPTQ and AWQ alike)
+QUANT_DTYPES = {"qweight": frozenset({"I32"}), "qzeros": frozenset({"I32"}), "scales": FLOAT16S}
+
+
 class GPTQLoader(TransformersLoader):
     format = "gptq"
     backend_order = ("gptqmodel", "cpu-fast", "dequantized", "reference")
@@ -151,6 +162,7 @@ class GPTQLoader(TransformersLoader):
         problems = d.get("problems") or []
         if problems:
             raise CheckpointError(f"{probe.root}: the GPTQ tensors are inconsistent: {'; '.join(problems[:3])}")
+        require_dtypes(probe, QUANT_DTYPES, "GPTQ")
         if fmt == "gptq" and d.get("sym") is False:
             quantizers = [q.split(":")[0].lower() for q in d.get("quantizer", [])]
             if "gptqmodel" not in quantizers:
