@@ -279,3 +279,15 @@ def test_inconsistent_tensors_are_a_checkpoint_error(exl3: Path, tmp_path: Path,
     with pytest.raises(anyquant.CheckpointError, match="loading it as exl3 failed") as info:
         anyquant.load(bad, backend="dequantized")  # decodes at load
     assert isinstance(info.value.__cause__, Exception)
+
+
+def test_inspect_exl2_reports_logical_shapes_and_bits(tmp_path: Path) -> None:
+    """From a hostile-input audit: inspect showed EXL2 linears with the stored q_weight shape (16x128 for a
+    128x128 linear) and 34 'bits per weight'; now the logical shape, and 32 x q_weight rows / in_features."""
+    from anyquant.testing.fixtures import FIXTURES
+
+    report = anyquant.inspect(FIXTURES["exl2"].build(tmp_path / "m"))
+    q = {m.name: m for m in report.modules}["model.layers.0.self_attn.q_proj"]
+    assert (q.format, q.shape, q.bits) == ("exl2", (128, 128), 32 * 16 / 128)
+    assert q.nbytes == 16 * 128 * 4 + 4 * 16 * 4 + 4 * 2 + 8 * 2 + 128 * 4
+    assert report.totals["quantized_modules"] == 2 and 4.0 < report.totals["avg_bits_quantized"] < 4.5

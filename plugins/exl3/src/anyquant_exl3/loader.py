@@ -477,6 +477,27 @@ class EXL2Loader(BF16CpuFast, TransformersLoader):
     load_options: ClassVar[Mapping[str, str]] = MappingProxyType({**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS})
     SUFFIXES = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm")
 
+    def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
+        """Per linear, from the headers: logical shape ``(out, in)`` (``q_weight``'s columns, the permutation's
+        length), average bits per weight from ``q_weight``'s 32-bit rows, and every byte of the module."""
+        groups: dict[str, list[Any]] = {}
+        for t in probe.tensors.values():
+            prefix, _, suffix = t.name.rpartition(".")
+            if suffix in self.SUFFIXES or suffix == "bias":
+                groups.setdefault(prefix, []).append(t)
+        rows = []
+        for prefix, ts in sorted(groups.items()):
+            by = {t.name.rpartition(".")[2]: t for t in ts}
+            qw = by.get("q_weight")
+            if qw is None or len(qw.shape) != 2:
+                continue
+            perm = by.get("q_invperm") or by.get("q_perm")
+            inn = perm.shape[0] if perm is not None and perm.shape else None
+            shape = (qw.shape[1], inn) if inn else (qw.shape[1],)
+            bits = round(32 * qw.shape[0] / inn, 3) if inn else None
+            rows.append(ModuleInfo(prefix, "exl2", shape, bits, None, sum(t.nbytes for t in ts)))
+        return rows + dense_rows(probe, skip={r.name for r in rows})
+
     def backends(self) -> list[BackendInfo]:
         return [
             cpu_fast_backend(),
