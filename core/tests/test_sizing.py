@@ -402,6 +402,10 @@ def test_advise_refuses_bad_arguments(kwargs: dict[str, Any], match: str) -> Non
         advise(**args)
 
 
+def test_null_tie_flag_is_untied() -> None:
+    assert not sizing.model_shape({**LLAMA_8B, "tie_word_embeddings": None}).tied
+
+
 def test_notes_for_what_is_not_modelled() -> None:
     e = estimate({**LLAMA_8B, "sliding_window": 4096, "max_position_embeddings": 8192}, bits=4.0, context=32768)
     assert any("sliding window of 4096" in n for n in e.notes)

@@ -167,6 +167,8 @@ def model_shape(config: Mapping[str, Any], name: str = "model") -> ModelShape:
     intermediate = _int(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden, minimum=1)
     model_type = str(cfg.get("model_type") or config.get("model_type") or "")
     tie = _first(cfg, "tie_word_embeddings", default=config.get("tie_word_embeddings", False))
+    if tie is None:  # null in the config: as if absent
+        tie = False
     if not isinstance(tie, bool):
         raise SizingError(f"config's tie_word_embeddings must be true or false, got {tie!r}")
     tied = tie
