@@ -96,7 +96,7 @@ def check_destination(
     than ``.cache``)."""
     s, d = src.resolve(), dst.resolve()
     if d == s or s in d.parents:
-        raise error(f"{what} {dst} is the source {src} or inside it; choose a directory elsewhere")
+        raise error(f"{what} {dst} is the source itself or inside the source {src}; choose a directory elsewhere")
     if d in s.parents:
         raise error(f"the source {src} is inside the {what} {dst}: replacing it would delete the source")
     if dst.is_symlink():
