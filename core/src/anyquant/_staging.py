@@ -23,6 +23,8 @@ from pathlib import Path
 
 __all__ = ["MODEL_FILE_SUFFIXES", "check_destination", "remove_stale", "staging_dir"]
 
+log = logging.getLogger(__name__)
+
 #: what a model directory holds (weights, configs, tokenizer files, a model card): ``overwrite=True``
 #: replaces a directory only when every file in it is one of these
 MODEL_FILE_SUFFIXES = frozenset(
@@ -35,9 +37,6 @@ def _model_file(name: str) -> bool:
     """A file a model directory holds: a known suffix, a licence-like upper-case name, or a dotfile."""
     suffix = Path(name).suffix.lower()
     return suffix in MODEL_FILE_SUFFIXES or (not suffix and (name.isupper() or name.startswith(".")))
-
-
-log = logging.getLogger(__name__)
 
 
 def _host_tag() -> str:

@@ -111,8 +111,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     path = args.path or default_model()
     flags = {"backend": "--backend", "device": "--device", "dtype": "--dtype", "format": "--format"}
-    flags["registry"] = "the Python API"
-    options = _options(args.option, flags)
+    options = _options(args.option, {**flags, "registry": "the Python API"})
     model = load(path, format=args.format, backend=args.backend, device=args.device, dtype=args.dtype, **options)
     prompt: Any = args.prompt
     if args.chat:
@@ -167,6 +166,18 @@ def _option(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _add_option_flag(parser: argparse.ArgumentParser, what: str, examples: str) -> None:
+    """``-o/--option KEY=VALUE`` (repeatable), parsed by :func:`_option`."""
+    parser.add_argument(
+        "-o",
+        "--option",
+        type=_option,
+        action="append",
+        metavar="KEY=VALUE",
+        help=f"{what} (repeatable; VALUE is JSON or a string), e.g. {examples}",
+    )
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(name)  # NaN / Infinity stay strings
 
@@ -204,16 +215,11 @@ _QUANTIZE_FLAGS = {
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from .quantization import quantize
 
-    taken = dict(_QUANTIZE_FLAGS)
-    if args.format:
-        taken["format"] = "--format"
-    if args.zero_point is not None:
-        taken["zero_point"] = "--zero-point"
-    options = _options(args.option, taken)
-    if args.format:
-        options["format"] = args.format
-    if args.zero_point is not None:
-        options["zero_point"] = args.zero_point
+    # method options that flags of their own set, when given: -o may not set them too
+    flagged = {"format": (args.format or None, "--format"), "zero_point": (args.zero_point, "--zero-point")}
+    given = {key: value for key, (value, _) in flagged.items() if value is not None}
+    options = _options(args.option, {**_QUANTIZE_FLAGS, **{key: flagged[key][1] for key in given}})
+    options.update(given)
     out = quantize(
         args.src,
         args.dst,
@@ -277,15 +283,7 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
     p.add_argument("--format", default=None, help="assert this format (error if the tensors disagree)")
-    p.add_argument(
-        "-o",
-        "--option",
-        type=_option,
-        action="append",
-        metavar="KEY=VALUE",
-        help="a load option of the format's loader (repeatable; VALUE is JSON or a string), "
-        "e.g. -o cpu_fast_tables=memory, -o allow_pickle=true",
-    )
+    _add_option_flag(p, "a load option of the format's loader", "-o cpu_fast_tables=memory, -o allow_pickle=true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_generate)
 
@@ -307,13 +305,9 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--max-ppl-ratio", type=float, default=3.0)
     p.add_argument("--no-quality-check", action="store_true")
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument(
-        "-o",
-        "--option",
-        type=_option,
-        action="append",
-        metavar="KEY=VALUE",
-        help="an option of the method's quantizer (repeatable; VALUE is JSON or a string), e.g. "
+    _add_option_flag(
+        p,
+        "an option of the method's quantizer",
         "-o codebook=mcg -o head_bits=16 (exl3), -o quantizer_backend=anyquant (awq), -o seed=1, "
         "-o 'dynamic={\"-:.*down_proj\": {}}' (gptq); an option the method does not read is an error "
         "that lists those it does",

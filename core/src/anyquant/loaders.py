@@ -24,9 +24,17 @@ if TYPE_CHECKING:
     from .runtime.loaded import LoadedModel
     from .runtime.tensors import TensorSource
 
-__all__ = ["CPU_FAST_OPTIONS", "RUNTIME_OPTIONS", "LoadContext", "TransformersLoader", "require_dtypes"]
+__all__ = [
+    "CPU_FAST_OPTIONS",
+    "FLOAT_SCALE_DTYPES",
+    "RUNTIME_OPTIONS",
+    "LoadContext",
+    "TransformersLoader",
+    "require_dtypes",
+]
 
-FLOAT16S = frozenset({"F16", "BF16", "F32"})
+#: the dtypes a quantized format's scales may be stored in (for :func:`require_dtypes`)
+FLOAT_SCALE_DTYPES = frozenset({"F16", "BF16", "F32"})
 
 
 def require_dtypes(probe: Probe, rules: Mapping[str, frozenset[str]], fmt: str) -> None:

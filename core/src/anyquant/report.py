@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,7 +10,7 @@ from .headers import SAFETENSORS_DTYPE_BITS
 from .probe import Probe
 from .protocols import Detection, ModuleInfo
 
-__all__ = ["Report", "build_report", "coded_rows", "dense_rows"]
+__all__ = ["Report", "build_report", "coded_rows", "dense_rows", "tensors_by_module"]
 
 
 @dataclass
@@ -37,17 +38,24 @@ class Report:
         }
 
 
-def dense_rows(probe: Probe, skip: set[str] | None = None) -> list[ModuleInfo]:
-    """One row per tensor-owning module that no quantized row covers (weights, norms, embeddings)."""
-    skip = skip or set()
+def tensors_by_module(probe: Probe) -> dict[str, list[Any]]:
+    """The probe's tensors grouped by module prefix (the name before the last dot)."""
     groups: dict[str, list[Any]] = {}
     for t in probe.tensors.values():
-        prefix = t.name.rsplit(".", 1)[0]
+        groups.setdefault(t.name.rsplit(".", 1)[0], []).append(t)
+    return groups
+
+
+def dense_rows(
+    probe: Probe, skip: set[str] | None = None, groups: Mapping[str, list[Any]] | None = None
+) -> list[ModuleInfo]:
+    """One row per tensor-owning module that no quantized row covers (weights, norms, embeddings).
+    ``groups``: :func:`tensors_by_module`'s result when the caller has it already."""
+    skip = skip or set()
+    rows = []
+    for prefix, ts in sorted((groups if groups is not None else tensors_by_module(probe)).items()):
         if prefix in skip:
             continue
-        groups.setdefault(prefix, []).append(t)
-    rows = []
-    for prefix, ts in sorted(groups.items()):
         weight = next((t for t in ts if t.name.endswith(".weight")), ts[0])
         rows.append(
             ModuleInfo(
@@ -71,12 +79,13 @@ def coded_rows(probe: Probe, detection: Detection) -> list[ModuleInfo]:
 
     if detection.format == "dense":
         return dense_rows(probe)
+    groups = tensors_by_module(probe)
     coded: dict[str, list[Any]] = {}
     for name in integer_tensors(probe):
         coded.setdefault(name.rsplit(".", 1)[0], []).append(probe.tensors[name])
     rows = []
     for prefix, codes in sorted(coded.items()):
-        ts = [t for t in probe.tensors.values() if t.name.rsplit(".", 1)[0] == prefix]
+        ts = groups[prefix]
         largest = max(codes, key=lambda t: t.nbytes)
         rows.append(
             ModuleInfo(
@@ -89,7 +98,7 @@ def coded_rows(probe: Probe, detection: Detection) -> list[ModuleInfo]:
                 extra={"note": "the plugin has no inspect(): shape as stored, bits unknown"},
             )
         )
-    return rows + dense_rows(probe, skip=set(coded))
+    return rows + dense_rows(probe, skip=set(coded), groups=groups)
 
 
 def build_report(probe: Probe, detection: Detection, loader: Any | None) -> Report:

@@ -125,8 +125,6 @@ def choose_runtime(config: Mapping[str, Any], runtime: str) -> str:
     """``"transformers"`` or ``"native"`` (:mod:`anyquant.runtime.native`) for ``config``: ``"auto"`` picks native
     where it supports the architecture; ``"native"`` where it does not is a :class:`CheckpointError`."""
     if runtime not in RUNTIMES:
-        from ..errors import ParameterError
-
         raise ParameterError(f"runtime {runtime!r} is not one of {RUNTIMES}")
     if runtime == "transformers":
         return runtime

@@ -10,6 +10,7 @@ are decided, chat templates, and left-padded batches.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -104,15 +105,8 @@ def row_generators(seed: int | None, rows: int, device: Any) -> list[torch.Gener
     """One private generator per row: row ``i`` is seeded ``seed + i`` (so row 0 of a batch samples as
     ``generate`` with the same seed does), or from ``os.urandom`` without a seed. torch's global generator is
     neither read nor reseeded (``torch.seed()`` would reset an application's ``manual_seed``)."""
-    import os
-
-    out = []
-    for i in range(rows):
-        g = torch.Generator(device=device)
-        base = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
-        g.manual_seed((base + i) % 2**63)
-        out.append(g)
-    return out
+    base = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
+    return [torch.Generator(device=device).manual_seed((base + i) % 2**63) for i in range(rows)]
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:

@@ -33,8 +33,6 @@ __all__ = ["AUTOAWQ_REQUIREMENT", "QUANTIZER_BACKENDS", "AWQQuantizer", "autoawq
 
 log = logging.getLogger(__name__)
 
-QUANTIZER_BACKENDS = ("auto", "anyquant", "gptqmodel", "autoawq")
-
 #: the AutoAWQ that ``quantizer_backend="autoawq"`` runs (its last release; deprecated upstream).
 AUTOAWQ_REQUIREMENT = "autoawq==0.2.9"
 
@@ -151,6 +149,8 @@ BACKEND_OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
         "autoawq": frozenset({"duo_scaling", "apply_clip"}),
     }
 )
+#: what ``quantizer_backend`` accepts (:func:`anyquant.quantization.route_backend` checks it)
+QUANTIZER_BACKENDS = ("auto", *BACKEND_OPTIONS)
 
 
 class AWQQuantizer(GPTQModelQuantizer):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from anyquant.errors import CheckpointError, UnsupportedBackendError, UnsupportedFormatError
 from anyquant.loaders import (
     CPU_FAST_OPTIONS,
-    FLOAT16S,
+    FLOAT_SCALE_DTYPES,
     RUNTIME_OPTIONS,
     LoadContext,
     TransformersLoader,
@@ -19,7 +19,7 @@ from anyquant.loaders import (
 )
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
-from anyquant.report import dense_rows
+from anyquant.report import dense_rows, tensors_by_module
 from anyquant.runtime.tensors import SafetensorsSource
 
 from .plugin import RING_GROUP, RingTableInfo, ring_tables
@@ -367,7 +367,9 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
         if problems:
             raise CheckpointError(f"{probe.root}: the EXL3 tensors are inconsistent: {'; '.join(problems[:3])}")
         if detection.format == "exl3":
-            require_dtypes(probe, {"trellis": frozenset({"I16"}), "suh": FLOAT16S, "svh": FLOAT16S}, "EXL3")
+            require_dtypes(
+                probe, {"trellis": frozenset({"I16"}), "suh": FLOAT_SCALE_DTYPES, "svh": FLOAT_SCALE_DTYPES}, "EXL3"
+            )
         tables, _ = ring_tables(probe)
         ngram = [key for key, table in tables.items() if table.signs is None]
         if ngram:
@@ -480,11 +482,7 @@ class EXL2Loader(BF16CpuFast, TransformersLoader):
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
         """Per linear, from the headers: logical shape ``(out, in)`` (``q_weight``'s columns, the permutation's
         length), average bits per weight from ``q_weight``'s 32-bit rows, and every byte of the module."""
-        groups: dict[str, list[Any]] = {}
-        for t in probe.tensors.values():
-            prefix, _, suffix = t.name.rpartition(".")
-            if suffix in self.SUFFIXES or suffix == "bias":
-                groups.setdefault(prefix, []).append(t)
+        groups = tensors_by_module(probe)
         rows = []
         for prefix, ts in sorted(groups.items()):
             by = {t.name.rpartition(".")[2]: t for t in ts}
@@ -496,7 +494,7 @@ class EXL2Loader(BF16CpuFast, TransformersLoader):
             shape = (qw.shape[1], inn) if inn else (qw.shape[1],)
             bits = round(32 * qw.shape[0] / inn, 3) if inn else None
             rows.append(ModuleInfo(prefix, "exl2", shape, bits, None, sum(t.nbytes for t in ts)))
-        return rows + dense_rows(probe, skip={r.name for r in rows})
+        return rows + dense_rows(probe, skip={r.name for r in rows}, groups=groups)
 
     def backends(self) -> list[BackendInfo]:
         return [

@@ -55,7 +55,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 VALID_K = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
-QUANTIZER_BACKENDS = ("auto", "anyquant", "exllamav3")
 CODEBOOKS = ("3inst", "mcg", "mul1")
 #: Viterbi tiles per batch on a GPU: few, large kernel launches, within GPU_VITERBI_BYTES of step priors and
 #: costs (4 MiB per tile at K=4, 32 MiB at K=1).
@@ -245,6 +244,8 @@ EXLLAMAV3_ONLY_OPTIONS = ("devices", "out_scales", "scaled_hessian")
 BACKEND_OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {"anyquant": frozenset(ANYQUANT_ONLY_OPTIONS), "exllamav3": frozenset(EXLLAMAV3_ONLY_OPTIONS)}
 )
+#: what ``quantizer_backend`` accepts (:func:`anyquant.quantization.route_backend` checks it)
+QUANTIZER_BACKENDS = ("auto", *BACKEND_OPTIONS)
 
 
 def quantizer_backend(spec: QuantizeSpec) -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from anyquant.errors import CheckpointError, UnsupportedBackendError
 from anyquant.loaders import (
     CPU_FAST_OPTIONS,
-    FLOAT16S,
+    FLOAT_SCALE_DTYPES,
     RUNTIME_OPTIONS,
     LoadContext,
     TransformersLoader,
@@ -127,7 +127,7 @@ GPTQMODEL_OPTIONS: Mapping[str, str] = MappingProxyType(
 
 
 #: packed codes are int32, scales float (GPTQ and AWQ alike)
-QUANT_DTYPES = {"qweight": frozenset({"I32"}), "qzeros": frozenset({"I32"}), "scales": FLOAT16S}
+QUANT_DTYPES = {"qweight": frozenset({"I32"}), "qzeros": frozenset({"I32"}), "scales": FLOAT_SCALE_DTYPES}
 
 
 class GPTQLoader(TransformersLoader):
