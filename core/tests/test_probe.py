@@ -229,3 +229,29 @@ def test_gguf_tensor_past_end(tmp_path: Path) -> None:
         fh.truncate(path.stat().st_size - 100)
     with pytest.raises(HeaderError, match="past the end"):
         read_gguf_header(path, "m.gguf")
+
+
+def _rewrite_gguf_offset(path: Path, tensor: str, offset: int) -> None:
+    """Point ``tensor``'s data offset (the u64 after its name, dims and type) at ``offset``."""
+    blob = bytearray(path.read_bytes())
+    name = struct.pack("<Q", len(tensor)) + tensor.encode()
+    at = blob.index(name) + len(name)
+    (n_dims,) = struct.unpack_from("<I", blob, at)
+    at += 4 + 8 * n_dims + 4
+    struct.pack_into("<Q", blob, at, offset)
+    path.write_bytes(bytes(blob))
+
+
+@pytest.mark.parametrize(
+    ("offset", "why"),
+    [(0, "aliases the first tensor's data"), (64, "overlaps it"), (4096 + 32, "leaves a gap"), (4100, "unaligned")],
+)
+def test_gguf_tensor_offsets_follow_llama_cpp_layout(tmp_path: Path, offset: int, why: str) -> None:
+    # llama.cpp refuses a tensor whose data does not start where the previous one's padded data
+    # ends; such offsets let one tensor read another's bytes (here "b" would alias "a").
+    tensors = {"a": (0, [1024]), "b": (0, [1024]), "c": (1, [64])}
+    path = write_gguf(tmp_path / "m.gguf", {"general.architecture": "llama"}, tensors)
+    assert [t.offset for t in read_gguf_header(path, "m.gguf").tensors] == [0, 4096, 8192]
+    _rewrite_gguf_offset(path, "b", offset)
+    with pytest.raises(HeaderError, match=r"'b' has data offset \d+, expected 4096"):
+        read_gguf_header(path, "m.gguf")

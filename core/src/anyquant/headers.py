@@ -486,15 +486,28 @@ def _parse_gguf(r: _Reader, rel_name: str, size: int) -> GGUFHeader:
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise HeaderError(f"{rel_name}: general.alignment {alignment!r} is not a power of two")
     data_offset = -(-r.pos // alignment) * alignment
+    expected: int | None = 0
     for t in tensors:
-        _check_gguf_tensor(t, rel_name, size, data_offset)
+        nbytes = _check_gguf_tensor(t, rel_name, size, data_offset)
+        if expected is not None and t.offset != expected:
+            # llama.cpp's rule (gguf_init_from_file): tensor data in declaration order, each padded
+            # to the alignment, no gaps. Anything else can alias another tensor's bytes.
+            raise HeaderError(
+                f"{rel_name}: GGUF tensor {t.name!r} has data offset {t.offset}, expected {expected} "
+                f"(tensors must follow each other in order, padded to {alignment} bytes)"
+            )
+        if expected is not None and nbytes is not None:
+            expected += -(-nbytes // alignment) * alignment
+        else:
+            expected = None
     return GGUFHeader(rel_name, size, version, metadata, lengths, tuple(tensors), data_offset)
 
 
-def _check_gguf_tensor(t: GGUFTensorInfo, rel_name: str, size: int, data_offset: int) -> None:
+def _check_gguf_tensor(t: GGUFTensorInfo, rel_name: str, size: int, data_offset: int) -> int | None:
+    """The tensor's data size in bytes, checked against the file; None for a type it cannot size."""
     info = GGUF_TYPE_SIZES.get(t.type_id)
     if info is None:
-        return  # unknown type: the loader names it; the probe cannot size it
+        return None  # unknown type: the loader names it; the probe cannot size it
     _name, block, block_bytes = info
     numel = math.prod(t.shape)
     if t.shape and t.shape[0] % block:
@@ -502,3 +515,4 @@ def _check_gguf_tensor(t: GGUFTensorInfo, rel_name: str, size: int, data_offset:
     nbytes = numel // block * block_bytes
     if data_offset + t.offset + nbytes > size:
         raise HeaderError(f"{rel_name}: GGUF tensor {t.name!r} data runs past the end of the file")
+    return nbytes
