@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -429,3 +431,44 @@ def test_bad_paths_and_runtimes(tiny: Path) -> None:
         anyquant.load(None)  # type: ignore[arg-type]
     with pytest.raises(anyquant.ParameterError, match="runtime 'bogus'"):
         anyquant.load(tiny, runtime="bogus")
+
+
+LOOPING_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+GROWING_TEMPLATE = "{% for i in range(100000) %}{{ 'x' * 1000000 ~ i }}{% endfor %}"  # a new 1 MB string each time
+HUGE_TEMPLATE = "{% for i in range(100000) %}{{ 'x' * 1000000 }}{% endfor %}"  # one folded constant, joined: 100 GB
+
+
+def test_runaway_chat_templates_are_stopped(loaded, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint's template that loops for hours (10**10 empty iterations) or renders 100 GB of text
+    is stopped within its budget with a CheckpointError; the tokenizer's template otherwise renders as
+    transformers renders it, and a tracer set before (a debugger's, coverage's) is put back."""
+    from anyquant.runtime import chat
+
+    messages = [{"role": "user", "content": "Hi"}]
+    expected = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat.render_chat(loaded.tokenizer, messages, add_generation_prompt=True) == expected
+    monkeypatch.setattr(chat, "CHAT_TEMPLATE_SECONDS", 0.5)
+    monkeypatch.setattr(chat, "CHAT_TEMPLATE_MAX_BYTES", 256 << 20)
+    monkeypatch.setattr(loaded.tokenizer, "chat_template", LOOPING_TEMPLATE)
+
+    def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+        return None
+
+    t0 = time.monotonic()
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(anyquant.CheckpointError, match=r"chat template ran for more than 0.5 s"):
+            loaded.generate(messages, max_new_tokens=2)
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(None)
+    assert time.monotonic() - t0 < 5
+    monkeypatch.setattr(loaded.tokenizer, "chat_template", GROWING_TEMPLATE)
+    monkeypatch.setattr(chat, "CHAT_TEMPLATE_SECONDS", 60.0)
+    with pytest.raises(anyquant.CheckpointError, match=r"chat template grew the process's memory by \d+ MiB"):
+        loaded.generate(messages, max_new_tokens=2)
+    monkeypatch.setattr(loaded.tokenizer, "chat_template", HUGE_TEMPLATE)
+    with pytest.raises(anyquant.CheckpointError, match=r"chat template ran out of memory"):
+        loaded.generate(messages, max_new_tokens=2)
+    assert sys.gettrace() is None
+    assert loaded.generate("Hi", max_new_tokens=2)  # plain prompts never render the template

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import AnyquantError, ParameterError
 from ..protocols import GenerationParams, Prompt
+from .chat import render_chat
 
 __all__ = ["TorchGenerator", "context_length", "sample_next"]
 
@@ -144,10 +145,7 @@ class TorchGenerator:
             _check_messages(messages)
             if not getattr(tok, "chat_template", None):
                 raise AnyquantError("this model's tokenizer has no chat template; pass a plain string prompt")
-            try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception as exc:  # the template's own checks (jinja2's raise_exception, undefined fields)
-                raise ParameterError(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from exc
+            text = render_chat(tok, messages, add_generation_prompt=True)
             return list(tok(text, add_special_tokens=False)["input_ids"])
         if not isinstance(prompt, str):
             raise ParameterError("chat=False needs a string prompt")
