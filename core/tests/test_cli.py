@@ -105,3 +105,74 @@ def test_options_a_flag_sets_are_refused(tmp_path: Path, capsys: pytest.CaptureF
     assert code == 0 and out["format"] == "dense"
     code, out = _json(capsys, [*gen, "-o", "runtime=nonsense"])  # ... and it arrived: its value is checked
     assert code == 2 and "nonsense" in out["message"]
+
+
+def test_closed_pipe_exits_quietly(tmp_path: Path) -> None:
+    """`anyquant ... | head` printed a BrokenPipeError traceback (exit 1) in every command."""
+    import subprocess
+    import sys
+
+    root = FIXTURES["dense"].build(tmp_path / "m")
+    cmd = [sys.executable, "-c", "import sys; from anyquant.cli import main; sys.exit(main())", "inspect", str(root)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes away before the command (still importing) writes its table
+    err = proc.stderr.read()
+    proc.wait(timeout=60)
+    assert proc.returncode in (0, 141) and b"Traceback" not in err and b"BrokenPipe" not in err, err
+
+
+def test_file_system_errors_are_exit_2_with_a_json_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An OSError (a name too long, an unwritable destination) came out as a traceback with exit 1."""
+    code, out = _json(capsys, ["detect", str(tmp_path / ("x" * 300)), "--json"])
+    assert code == 2 and out["error"] == "ProbeError" and "File name too long" in out["message"]
+    code, out = _json(
+        capsys, ["calibration", "sample", "wiki", "-n", "1", "--output", str(tmp_path / "no/dir/x.jsonl"), "--json"]
+    )
+    assert code == 2 and out["error"] == "FileNotFoundError" and "no/dir/x.jsonl" in out["message"]
+
+
+def test_json_output_is_strict_json() -> None:
+    from anyquant.cli import json_line
+
+    line = json_line({"perplexity": float("nan"), "rows": [{"x": float("inf")}, 1.5], "path": Path("/a")})
+    assert json.loads(line) == {"perplexity": None, "rows": [{"x": None}, 1.5], "path": "/a"}
+
+
+def test_refused_calibration_check_prints_one_json_object(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i}" for i in range(4000)))
+    code = main(["calibration", "check", str(text), str(text), "-n", "4", "--seq-len", "64", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 2 and len(out) == 1 and json.loads(out[0])["error"] == "CalibrationOverlapError"
+
+
+def test_quantize_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:  # was read as False
+        main(["quantize", "a", "b", "--method", "awq", "--zero-point", "garbage"])
+    assert exc.value.code == 2 and "is not one of true/false" in capsys.readouterr().err
+    code, out = _json(capsys, ["quantize", "a", "b", "--method", "awq", "--asym", "--zero-point", "off", "--json"])
+    assert code == 2 and out["error"] == "ParameterError" and "--asym" in out["message"]
+    code, out = _json(capsys, ["quantize", "a", "b", "--method", "exl3", "--group-size", "64", "--json"])
+    assert code == 2 and "exl3 has no groups" in out["message"]  # was ignored
+
+
+def test_backends_lists_each_format_and_an_unknown_format_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _json(capsys, ["backends", "--json"])
+    assert code == 0 and {"gptq", "awq", "exl3", "exl2", "gguf", "dense"} <= set(out["formats"])
+    assert {b["name"] for b in out["formats"]["exl3"]} >= {"exllamav3", "reference", "dequantized"}
+    assert any(not b["available"] and b["reason"] for b in out["formats"]["exl3"])  # no GPU here: says why
+    root = FIXTURES["dense"].build(tmp_path / "m")
+    code, out = _json(capsys, ["detect", str(root), "--format", "nosuch", "--json"])
+    assert code == 2 and out["error"] == "UnsupportedFormatError" and "'nosuch' is not registered" in out["message"]
+
+
+def test_undecodable_prompt_is_a_parameter_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from anyquant.testing.tiny import make_tiny_dense
+
+    root = make_tiny_dense(tmp_path / "m")
+    prompt = b"hi \xff\xfe".decode("utf-8", "surrogateescape")  # what argv holds for those bytes
+    code, out = _json(capsys, ["generate", str(root), "--prompt", prompt, "--json"])
+    assert code == 2 and out["error"] == "ParameterError" and "not valid text" in out["message"]

@@ -135,6 +135,11 @@ def test_broken_plugin_is_skipped_and_reported(tmp_path: Path, monkeypatch: pyte
     reg.register(broken, name="broken")
     assert reg.detect(Probe.open(root)).format == "gptq"
     assert "boom" in (next(p for p in reg.plugins() if p.name == "broken").error or "")
+    alone = Registry(entry_points=False, plugins=[("broken", broken)])
+    with pytest.raises(
+        UnknownFormatError, match="On this checkpoint broken's anyquant_detect raised RuntimeError: boom"
+    ):
+        alone.detect(Probe.open(root))  # the likely cause, quoted
     monkeypatch.setenv("ANYQUANT_STRICT_PLUGINS", "1")
     with pytest.raises(RuntimeError, match="boom"):
         reg.detect(Probe.open(root))

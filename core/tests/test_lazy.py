@@ -39,3 +39,28 @@ def test_cli_help_is_fast_and_light() -> None:
         "import sys; from anyquant.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules"
     )
     assert r.returncode == 0, r.stderr
+
+
+def test_all_is_a_literal_list_of_every_export(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Type checkers read ``__all__`` only as a literal; `mypy --strict` refused `sdk.load` ("does not
+    explicitly export") when it was built from _EXPORTS."""
+    import os
+    import subprocess
+    import sys
+
+    import anyquant
+
+    assert anyquant.__all__ == ["__version__", *anyquant._EXPORTS]
+    user = tmp_path / "user.py"
+    user.write_text(
+        "import anyquant as sdk\nfrom anyquant import CheckpointError, Registry, load\n\n\n"
+        "def main(path: str) -> str:\n    model = sdk.load(path)\n    return model.generate('Hi')\n"
+    )
+    env = {**os.environ, "MYPYPATH": ""}
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--follow-imports=silent", str(user)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert "does not explicitly export" not in out.stdout, out.stdout

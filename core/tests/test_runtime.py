@@ -232,6 +232,20 @@ def test_broken_tokenizer_is_a_typed_error(tiny: Path, tmp_path: Path, content: 
         ({"rms_norm_eps": [1]}, "rms_norm_eps must be a non-negative number"),
         ({"rope_theta": "x"}, "rope_theta must be"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta must be"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}}, "rope_theta must be positive"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 1e4,
+                    "factor": 0.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "factor must be positive",
+        ),  # both loaded before, with every rotary angle 0 (or inf)
     ],
 )
 @pytest.mark.parametrize("runtime", ["native", "transformers"])
@@ -472,3 +486,80 @@ def test_runaway_chat_templates_are_stopped(loaded, monkeypatch: pytest.MonkeyPa
         loaded.generate(messages, max_new_tokens=2)
     assert sys.gettrace() is None
     assert loaded.generate("Hi", max_new_tokens=2)  # plain prompts never render the template
+
+
+@pytest.mark.parametrize(
+    "change", [{"hidden_act": 5}, {"tie_word_embeddings": "no"}, {"attention_dropout": "x"}, {"eos_token_id": "x"}]
+)
+def test_configs_transformers_refuses_are_config_errors(tiny: Path, tmp_path: Path, change: dict) -> None:
+    """transformers' own config checks (huggingface_hub's StrictDataclassError, not a ValueError) came out
+    of load() raw."""
+    import json
+    import shutil
+
+    root = tmp_path / "m"
+    shutil.copytree(tiny, root)
+    cfg = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(anyquant.ConfigError, match=r"is not a 'llama' config that transformers .* can build"):
+        anyquant.load(root, runtime="transformers")
+
+
+def test_unknown_model_type_says_upgrade(tiny: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    root = tmp_path / "m"
+    shutil.copytree(tiny, root)
+    cfg = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**cfg, "model_type": "llama99"}))
+    with pytest.raises(anyquant.CheckpointError, match=r"does not know model_type 'llama99'\. Upgrade transformers"):
+        anyquant.load(root, runtime="transformers")
+
+
+def _rewrite(root: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file, save_file
+
+    (weights,) = root.glob("*.safetensors")
+    tensors = load_file(weights)
+    edit(tensors)
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def test_weights_that_contradict_the_config_fail_at_load(tiny: Path, tmp_path: Path) -> None:
+    """Each used to load: a boolean norm weight as 0/1 floats, a missing head (with tie_word_embeddings:
+    false) tied to the embedding, and layers past num_hidden_layers dropped with a warning."""
+    import json
+    import shutil
+
+    def copy(name: str) -> Path:
+        shutil.copytree(tiny, tmp_path / name)
+        return tmp_path / name
+
+    norm = "model.layers.0.input_layernorm.weight"
+    root = copy("bool")
+    _rewrite(root, lambda t: t.__setitem__(norm, t[norm] > 0))
+    with pytest.raises(anyquant.CheckpointError, match=f"'{norm}' is bool in the checkpoint"):
+        anyquant.load(root)
+    root = copy("headless")
+    assert json.loads((root / "config.json").read_text())["tie_word_embeddings"] is False
+    _rewrite(root, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(anyquant.MissingTensorError, match="tie_word_embeddings: false, but the checkpoint has no"):
+        anyquant.load(root)
+    root = copy("short")
+    cfg = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
+    with pytest.raises(
+        anyquant.CheckpointError, match=r"num_hidden_layers=1, but the checkpoint has tensors of layer\(s\) 1"
+    ):
+        anyquant.load(root)
+    # multi-token-prediction layers past num_hidden_layers are the model's own (DeepSeek-V3, GLM-4.5)
+    (root / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1, "num_nextn_predict_layers": 1}))
+    assert anyquant.load(root).info["unused_tensors"]
+    root = copy("partial")
+    up = "model.layers.0.mlp.up_proj"
+    _rewrite(root, lambda t: t.__setitem__(f"{up}.bias", t.pop(f"{up}.weight")[:, 0].clone()))
+    with pytest.raises(
+        anyquant.MissingTensorError, match=r"up_proj.weight' is not in the checkpoint, and its module has only bias"
+    ):
+        anyquant.load(root)

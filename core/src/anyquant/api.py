@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._memory import release_free_heap
-from .errors import AnyquantError, CheckpointError
+from .errors import AnyquantError, CheckpointError, MissingDependencyError
 from .probe import Probe
 from .protocols import Detection, Loader, LoadOptions
 from .registry import PluginInfo, Registry, load_spec_object
@@ -74,7 +74,6 @@ def load(
     detection = reg.detect(probe, format=format)
     loader = get_loader(detection, reg)
     _check_options(loader, extra, detection.format)
-    loader.validate(probe, detection)
     options = LoadOptions(
         backend=backend,
         device=device,
@@ -85,7 +84,15 @@ def load(
     )
     log.info("loading %s as %s (%s) with backend=%s", path, detection.format, detection.variant, backend)
     try:
+        loader.validate(probe, detection)
         loaded = loader.load(probe, detection, options)
+    except ImportError as exc:  # a library the plugin imports on first use (gguf, a kernel package) is broken
+        from .registry import PLUGIN_FOR_FORMAT
+
+        raise MissingDependencyError(
+            f"loading {path} as {detection.format} needs {exc.name or 'a module'} ({exc}); reinstall "
+            f"{PLUGIN_FOR_FORMAT.get(detection.format, 'the plugin for ' + detection.format)} and its dependencies"
+        ) from exc
     except (ValueError, IndexError, KeyError, ZeroDivisionError, RuntimeError, TypeError) as exc:
         if isinstance(exc, AnyquantError) or "out of memory" in str(exc).lower():
             raise

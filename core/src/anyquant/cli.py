@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,9 +34,25 @@ class _Commands:
         parser.set_defaults(func=run)
 
 
+def json_line(payload: Any) -> str:
+    """``--json`` output: one line of strict JSON. A NaN or infinite number (a perplexity that diverged) is
+    ``null``, since ``NaN``/``Infinity`` are not JSON and strict parsers refuse the whole line."""
+    return json.dumps(_finite(payload), default=str, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
     if getattr(args, "json", False):
-        print(json.dumps(payload, indent=None, default=str))
+        print(json_line(payload))
     else:
         print(text)
 
@@ -103,6 +121,28 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             status = f"ERROR {i.error}" if i.error else ", ".join(i.formats) or "(no formats)"
         lines.append(f"{i.name:<16} {i.version or '-':<10} {status}")
     _emit(args, payload, "\n".join(lines))
+    return 0
+
+
+def _cmd_backends(args: argparse.Namespace) -> int:
+    from .api import default_registry
+    from .registry import load_spec_object
+
+    reg = default_registry()
+    names = [args.format.lower()] if args.format else sorted(n for n, spec in reg.formats().items() if spec.loader)
+    payload: dict[str, Any] = {}
+    lines = []
+    for name in names:
+        loader = load_spec_object(reg.format(name), "loader")  # unknown format or unloadable: a typed error
+        rows = [b for b in loader.backends()] if hasattr(loader, "backends") else []
+        payload[name] = [
+            {"name": b.name, "available": b.available, "reason": b.reason, "description": b.description} for b in rows
+        ]
+        lines.append(name)
+        for b in rows:
+            state = "available" if b.available else f"not available: {b.reason}"
+            lines.append(f"  {b.name:<12} {state}" + (f" -- {b.description}" if b.description else ""))
+    _emit(args, {"formats": payload}, "\n".join(lines))
     return 0
 
 
@@ -212,12 +252,23 @@ _QUANTIZE_FLAGS = {
 }
 
 
+def _on_off(value: str) -> bool:
+    flag = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+    if value.lower() not in flag:
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of true/false, yes/no, on/off, 1/0")
+    return flag[value.lower()]
+
+
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from .quantization import quantize
 
     # method options that flags of their own set, when given: -o may not set them too
     flagged = {"format": (args.format or None, "--format"), "zero_point": (args.zero_point, "--zero-point")}
     given = {key: value for key, (value, _) in flagged.items() if value is not None}
+    if args.asym and args.zero_point is False:
+        raise ParameterError("--asym asks for zero points and --zero-point false for none: pass one of them")
+    if args.group_size is not None and args.method == "exl3":
+        raise ParameterError("--group-size: exl3 has no groups (its scales are per channel); drop the flag")
     options = _options(args.option, {**_QUANTIZE_FLAGS, **{key: flagged[key][1] for key in given}})
     options.update(given)
     out = quantize(
@@ -225,7 +276,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         args.dst,
         method=args.method,
         bits=args.bits,
-        group_size=args.group_size,
+        group_size=128 if args.group_size is None else args.group_size,
         sym=False if args.asym else None,
         desc_act=args.desc_act,
         calibration=args.calibration,
@@ -269,6 +320,11 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_plugins)
 
+    p = sub.add_parser("backends", help="each loadable format's backends: available here or why not")
+    p.add_argument("--format", default=None, help="one format (default: every loadable one)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_backends)
+
     p = sub.add_parser("generate", help="load a checkpoint and stream a completion")
     p.add_argument("path", nargs="?", default=None, help="checkpoint (default: the bundled SmolLM2 model)")
     p.add_argument("--prompt", required=True)
@@ -292,11 +348,9 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--method", required=True, choices=["gptq", "awq", "exl3"])
     p.add_argument("--bits", type=float, default=4)
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=None, help="GPTQ/AWQ (default 128); exl3 has none")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero points)")
-    p.add_argument(
-        "--zero-point", type=lambda v: v.lower() in ("1", "true", "yes"), default=None, help="AWQ: zero points on/off"
-    )
+    p.add_argument("--zero-point", type=_on_off, default=None, help="AWQ: zero points on/off (true/false)")
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order")
     p.add_argument("--format", default=None, help="checkpoint format, e.g. gptq (v1) or gptq_v2")
     p.add_argument("--calibration", default=None, help="named source, mix (c4:0.5,code:0.5) or a file")
@@ -343,6 +397,7 @@ BUILTIN_COMMANDS = (
     "detect",
     "inspect",
     "plugins",
+    "backends",
     "generate",
     "quantize",
     "export",
@@ -355,29 +410,55 @@ BUILTIN_COMMANDS = (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # plugins may add commands; --help and no-argument runs stay fast (no plugin import)
-    command = next((a for a in argv if not a.startswith("-")), None)  # after global options such as -v
-    wants_plugins = command is not None and command not in BUILTIN_COMMANDS
-    parser = build_parser(with_plugins=wants_plugins)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
+    """Exit codes: 0 success, 2 an anyquant error, a file-system error (``OSError``: permissions, a path too
+    long, a full disk) or a bad argument, 130 Ctrl-C, 141 a closed output pipe (``anyquant ... | head``)."""
+    args = None
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        # plugins may add commands; --help and no-argument runs stay fast (no plugin import)
+        command = next((a for a in argv if not a.startswith("-")), None)  # after global options such as -v
+        wants_plugins = command is not None and command not in BUILTIN_COMMANDS
+        parser = build_parser(with_plugins=wants_plugins)
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0
         return int(args.func(args))
-    except AnyquantError as exc:
-        if getattr(args, "json", False):
-            print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
-        else:
-            print(f"anyquant: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except (AnyquantError, OSError) as exc:
+        if isinstance(exc, BrokenPipeError):
+            return _pipe_closed()
+        _report(args, exc)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _report(args: argparse.Namespace | None, exc: BaseException) -> None:
+    message = str(exc)
+    if isinstance(exc, OSError) and exc.strerror:  # "[Errno 13] Permission denied: 'x'" -> "x: Permission denied"
+        message = f"{exc.filename}: {exc.strerror}" if exc.filename is not None else exc.strerror
+    try:
+        if getattr(args, "json", False):
+            print(json.dumps({"error": type(exc).__name__, "message": message}))
+        else:
+            print(f"anyquant: {type(exc).__name__}: {message}", file=sys.stderr)
+    except BrokenPipeError:
+        _pipe_closed()
+
+
+def _pipe_closed() -> int:
+    """The reader of stdout went away (``| head``): no traceback, and none from the interpreter's own flush
+    of stdout at exit either (stdout is pointed at /dev/null)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (a test's capture): nothing to flush
+        pass
+    return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -170,7 +170,7 @@ def perplexity(
     nll = _windows_nll(model, windows, max(1, batch_size))
     predicted = n_windows * (window - 1)
     return {
-        "perplexity": math.exp(nll / predicted),
+        "perplexity": math.exp(nll / predicted) if nll / predicted < 709 else math.inf,  # exp overflows past ~709
         "nll_sum": nll,
         "mean_nll": nll / predicted,
         "window": window,
@@ -706,20 +706,21 @@ def _common_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .api import default_model
+    from .cli import json_line
 
     path = args.path or default_model()
     result = evaluate(path, **_common_kwargs(args))
-    print(json.dumps(result.to_dict()) if args.json else to_table([result]))
+    print(json_line(result.to_dict()) if args.json else to_table([result]))
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .cli import _progress_bar
+    from .cli import _progress_bar, json_line
 
     results = compare(args.paths, rounds=args.rounds, progress=_progress_bar(), **_common_kwargs(args))
     png = plot(results, args.png) if args.png else None
     if args.json:
-        print(json.dumps({"results": [r.to_dict() for r in results], "png": str(png) if png else None}))
+        print(json_line({"results": [r.to_dict() for r in results], "png": str(png) if png else None}))
     else:
         print(to_markdown(results) if args.markdown else to_table(results))
         if png:

@@ -9,7 +9,8 @@ this module does not import torch; :meth:`TransformersLoader.load` does.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -99,6 +100,9 @@ class TransformersLoader:
     #: is a :class:`~anyquant.errors.ParameterError` before anything is read. A loader without this attribute
     #: (a third party's) gets every keyword unchecked.
     load_options: ClassVar[Mapping[str, str]] = RUNTIME_OPTIONS
+    #: tie a missing output head to the input embedding even where ``config.json`` says
+    #: ``tie_word_embeddings: false`` (formats whose own loader does so); otherwise that is a MissingTensorError.
+    tie_absent_head: ClassVar[bool] = False
 
     def backends(self) -> list[BackendInfo]:
         return [BackendInfo("reference", True, description="pure torch, runs anywhere")]
@@ -180,9 +184,10 @@ class TransformersLoader:
         release_free_heap()
         source = self.tensor_source(probe, options)
         ctx = LoadContext(probe, detection, source, backend, dtype, device, options)
+        config = self.model_config(probe)
         try:
             module = build_model(
-                self.model_config(probe),
+                config,
                 source,
                 make_linear=self.make_linear(ctx),
                 dtype=dtype,
@@ -191,6 +196,7 @@ class TransformersLoader:
                 runtime=self.runtime(ctx),
                 keep_embedding_dtype=self.keep_embedding_dtype(ctx),
                 file_tables=ctx.file_tables if self.file_tables(ctx) else None,
+                tie_absent_head=self.tie_absent_head,
             )
         finally:
             close = getattr(source, "close", None)
@@ -199,15 +205,85 @@ class TransformersLoader:
         release_free_heap()  # the build's read and repacking temporaries
         unused: list[str] = getattr(source, "unused", list)()
         if unused:
+            _check_unused_layers(unused, list(source.keys()), config)
             log.warning("%d checkpoint tensors were not used (e.g. %s)", len(unused), unused[:3])
+        if backend == "reference":
+            check_decodes(module)
         return LoadedModel(
             module=module,
             tokenizer=tokenizer,
             format=detection.format,
             backend=backend,
             detection=detection,
-            generator=TorchGenerator(module, tokenizer, device=device),
+            generator=TorchGenerator(module, tokenizer, device=device, eos_ids=end_of_sequence_ids(probe)),
             device=str(device),
             dtype=str(dtype).replace("torch.", ""),
             info={"unused_tensors": unused, "runtime": getattr(module, "runtime_name", "transformers")},
         )
+
+
+_LAYER_INDEX = re.compile(r"^(.*?(?:layers|blk|h))\.(\d+)\.")
+
+
+def _check_unused_layers(unused: Sequence[str], names: Sequence[str], config: Mapping[str, Any]) -> None:
+    """Tensors of decoder layers past ``num_hidden_layers`` (plus DeepSeek/GLM's multi-token-prediction
+    layers, ``num_nextn_predict_layers``) left unused, under the same prefix as layers that were used:
+    config.json describes a shorter model than the weights, and the built one would run without those
+    layers. (A stack whose tensors were all unused, such as a vision tower's, is not the decoder.)"""
+    layers = config.get("num_hidden_layers")
+    extra = config.get("num_nextn_predict_layers") or 0
+    if not isinstance(layers, int) or not isinstance(extra, int):
+        return
+    skipped = set(unused)
+    used_stacks = {m.group(1) for n in names if n not in skipped and (m := _LAYER_INDEX.match(n))}
+    beyond = sorted(
+        {
+            int(m.group(2))
+            for n in unused
+            if (m := _LAYER_INDEX.match(n)) and m.group(1) in used_stacks and int(m.group(2)) >= layers + extra
+        }
+    )
+    if beyond:
+        raise CheckpointError(
+            f"config.json says num_hidden_layers={layers}, but the checkpoint has tensors of layer(s) "
+            f"{', '.join(map(str, beyond[:5]))}{' ...' if len(beyond) > 5 else ''}: the config and the weights "
+            "disagree (the model would run without those layers)"
+        )
+
+
+def check_decodes(module: Any) -> None:
+    """Decode every quantized linear of a ``reference``-mode model once and drop the result, so that packed
+    tensors that contradict each other (a ``g_idx`` past its groups, ``suh`` shorter than the trellis, an
+    EXL2 ``q_invperm`` out of range) fail at load, as in the other backends, and not at the first forward.
+    Peak memory: one layer's weight."""
+    import torch
+
+    from .runtime.qlinear import QuantLinearBase
+
+    with torch.no_grad():
+        for name, m in module.named_modules():
+            if isinstance(m, QuantLinearBase) and m.mode == "reference":
+                shape = tuple(m.dequantize().shape)
+                if shape != (m.out_features, m.in_features):
+                    raise CheckpointError(
+                        f"{name}: the packed tensors decode to a {list(shape)} weight, the layer is "
+                        f"[{m.out_features}, {m.in_features}]"
+                    )
+
+
+def end_of_sequence_ids(probe: Probe) -> set[int]:
+    """The ``eos_token_id`` values (an id or a list) of the checkpoint's ``config.json`` and
+    ``generation_config.json``: transformers' ``generate`` stops at the latter's, which often lists more
+    (Llama-3-Instruct's ``<|eot_id|>``, Qwen2.5's ``<|im_end|>``) than the tokenizer's one ``eos_token``."""
+    from .probe import _read_json
+
+    sources: list[Any] = [probe.config]
+    if probe.root.is_dir():
+        sources.append(_read_json(probe.root, "generation_config.json"))
+    ids: set[int] = set()
+    for cfg in sources:
+        value = cfg.get("eos_token_id") if isinstance(cfg, Mapping) else None
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31:
+                ids.add(v)
+    return ids

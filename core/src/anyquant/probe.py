@@ -87,9 +87,18 @@ class Probe:
     # ------------------------------------------------------------------ construction
     @classmethod
     def open(cls, path: str | Path) -> Probe:
-        """Read a checkpoint directory, a single ``.safetensors`` file, or a ``.gguf`` file."""
+        """Read a checkpoint directory, a single ``.safetensors`` file, or a ``.gguf`` file. A file-system
+        error (a directory without read permission, a name too long) is a :class:`ProbeError`."""
         if not isinstance(path, (str, os.PathLike)):
             raise ProbeError(f"a checkpoint path is a str or os.PathLike, got {type(path).__name__}")
+        try:
+            return cls._open(path)
+        except OSError as exc:
+            where = exc.filename if exc.filename is not None else path
+            raise ProbeError(f"{where}: cannot read ({exc.strerror or exc})") from None
+
+    @classmethod
+    def _open(cls, path: str | Path) -> Probe:
         p = Path(path).expanduser()
         if not p.exists():
             raise ProbeError(f"{p}: no such file or directory")

@@ -8,6 +8,7 @@ need not inherit from anything: the protocols are structural.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,14 +134,22 @@ class GenerationParams:
             raise bad("seed", "an integer in [0, 2**63) or None")
         if self.chat is not None and not isinstance(self.chat, bool):
             raise bad("chat", "True, False or None")
+        # numpy scalars (np.int64(5), np.float32(0.5)) pass the checks above; keep plain Python values
+        for name, kind in (("max_new_tokens", int), ("top_k", int), ("temperature", float), ("top_p", float)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer, numpy's included (``numbers.Integral``), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number, numpy's included (``numbers.Real``), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

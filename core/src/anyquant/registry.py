@@ -11,7 +11,7 @@ import importlib.metadata as md
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -291,8 +291,11 @@ class Registry:
         return self._formats[name][1]
 
     # ------------------------------------------------------------------ detection
-    def claims(self, probe: Probe) -> list[tuple[str, Claim]]:
-        """Ask every plugin; return ``(plugin name, claim)`` for each that claimed."""
+    def claims(self, probe: Probe, failures: list[str] | None = None) -> list[tuple[str, Claim]]:
+        """Ask every plugin; return ``(plugin name, claim)`` for each that claimed. A plugin whose hook raises
+        is skipped for this checkpoint (logged, shown by :meth:`plugins` with the checkpoint's path, and
+        collected in ``failures``, which the "unknown format" message quotes first); later checkpoints still
+        ask it."""
         out: list[tuple[str, Claim]] = []
         for impl in self.pm.hook.anyquant_detect.get_hookimpls():
             try:
@@ -301,9 +304,12 @@ class Registry:
                 if _strict() or impl.plugin_name == CORE_PLUGIN:
                     raise
                 log.warning("anyquant plugin %s failed in anyquant_detect and was skipped: %s", impl.plugin_name, exc)
+                failure = f"anyquant_detect raised {type(exc).__name__}: {exc}"
                 self._infos.setdefault(
                     impl.plugin_name, PluginInfo(impl.plugin_name, None)
-                ).error = f"anyquant_detect raised {type(exc).__name__}: {exc}"
+                ).error = f"{failure} (on {probe.path})"
+                if failures is not None:
+                    failures.append(f"{impl.plugin_name}'s {failure}")
                 continue
             if claim is None:
                 continue
@@ -315,11 +321,13 @@ class Registry:
 
     def detect(self, probe: Probe, *, format: str | None = None) -> Detection:
         """Resolve detection to exactly one format, or raise a typed error (see ARCHITECTURE.md)."""
-        claims = self.claims(probe)
+        failures: list[str] = []
+        claims = self.claims(probe, failures)
         declared = probe.quant_method
         declared_id = QUANT_METHOD_ALIASES.get(declared, declared) if declared else None
         if format is not None:
             format = format.lower()
+            self.format(format)  # a format no plugin registers (a typo): say so, not what the tensors are
             matching = [c for c in claims if c[1].format == format]
             if not matching:
                 seen = [c[1].format for c in claims] or ["nothing claimed it"]
@@ -338,7 +346,7 @@ class Registry:
                     "loads a checkpoint that says it is quantized as dense: remove the "
                     "quantization_config if the weights really are unquantized."
                 )
-            raise UnknownFormatError(self._unknown_message(probe, declared_id))
+            raise UnknownFormatError(self._unknown_message(probe, declared_id, failures))
         if len(claims) > 1:
             who = ", ".join(f"{plugin} -> {c.format}" for plugin, c in claims)
             names = sorted({c.format for _, c in claims})
@@ -368,9 +376,11 @@ class Registry:
             notes=tuple(probe.notes),
         )
 
-    def _unknown_message(self, probe: Probe, declared_id: str | None) -> str:
+    def _unknown_message(self, probe: Probe, declared_id: str | None, failures: Sequence[str] = ()) -> str:
         installed = sorted(self.formats())
         lines = [f"no installed plugin recognises {probe.path}.", f"Seen: {probe.describe()}."]
+        if failures:  # the likely cause: say it first (a plugin bug, or a config it could not read)
+            lines.append(f"On this checkpoint {'; '.join(failures)}.")
         guess = declared_id or _guess_format(probe)
         if guess and guess not in installed:
             dist = PLUGIN_FOR_FORMAT.get(guess)
@@ -384,7 +394,7 @@ class Registry:
             else:
                 hint = f"pip install {dist}" if dist else "no anyquant plugin for it is known"
                 lines.append(f"It looks like {guess!r}, which no installed plugin loads: {hint}.")
-        elif guess:
+        elif guess and not failures:
             lines.append(f"It looks like {guess!r}, but its tensors do not match that format's signature.")
         else:
             from .builtin import integer_tensors

@@ -1331,6 +1331,8 @@ def advise(
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
+    from .cli import json_line
+
     e = estimate(
         args.model,
         bits=args.bits,
@@ -1340,13 +1342,15 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         head_bits=args.head_bits,
         format=args.format,
     )
-    print(json.dumps(e.to_dict()) if args.json else e.summary())
+    print(json_line(e.to_dict()) if args.json else e.summary())
     return 0
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
+    from .cli import json_line
+
     a = advise(args.gpu, args.vram, args.users, args.model, args.gpus, context=args.context, ram_gb=args.ram)
-    print(json.dumps(a.to_dict()) if args.json else a.summary())
+    print(json_line(a.to_dict()) if args.json else a.summary())
     return 0
 
 

@@ -71,3 +71,51 @@ def test_gptq_tensors_under_an_awq_label_conflict(root: Path, tmp_path: Path) ->
     (dst / "quantize_config.json").unlink(missing_ok=True)
     with pytest.raises(anyquant.FormatConflictError, match="gptq"):
         anyquant.load(dst)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"group_size": "x"}, anyquant.ConfigError, "group_size='x': expected an integer"),  # was a bare ValueError
+        ({"group_size": 32.7}, anyquant.ConfigError, "group_size=32.7: expected an integer"),  # was read as 32
+        ({"group_size": 0}, anyquant.ConfigError, "group_size=0: expected -1"),
+        (
+            {"group_size": -1},
+            anyquant.CheckpointError,
+            "scale groups do not match group_size=-1",
+        ),  # was a forward error
+        ({"bits": True}, anyquant.ConfigError, "bits=True: expected an integer"),
+    ],
+)
+def test_bad_quantization_config_values_fail_at_load(
+    root: Path, tmp_path: Path, change: dict, error: type, message: str
+) -> None:
+    import json
+    import shutil
+
+    dst = tmp_path / "m"
+    shutil.copytree(root / "quantized" / VARIANTS[0], dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"].update(change)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "quantize_config.json").unlink(missing_ok=True)
+    with pytest.raises(error, match=message):
+        anyquant.load(dst, backend="reference")
+
+
+def test_reference_backend_checks_the_packed_tensors_at_load(root: Path, tmp_path: Path) -> None:
+    """qzeros with fewer groups than scales loaded under the reference backend and failed at the first
+    forward with a bare ValueError; each layer is now decoded once at load."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    dst = tmp_path / "m"
+    shutil.copytree(root / "quantized" / VARIANTS[0], dst)
+    (weights,) = dst.glob("*.safetensors")
+    t = load_file(weights)
+    key = "model.layers.0.self_attn.q_proj.qzeros"
+    t[key] = t[key][:2].clone()
+    save_file(t, weights, metadata={"format": "pt"})
+    with pytest.raises(anyquant.CheckpointError, match="qweight / qzeros / scales shapes do not agree"):
+        anyquant.load(dst, backend="reference")

@@ -291,3 +291,81 @@ def test_inspect_exl2_reports_logical_shapes_and_bits(tmp_path: Path) -> None:
     assert (q.format, q.shape, q.bits) == ("exl2", (128, 128), 32 * 16 / 128)
     assert q.nbytes == 16 * 128 * 4 + 4 * 16 * 4 + 4 * 2 + 8 * 2 + 128 * 4
     assert report.totals["quantized_modules"] == 2 and 4.0 < report.totals["avg_bits_quantized"] < 4.5
+
+
+P = "model.layers.0.self_attn.q_proj"
+
+
+def _edit(path: Path, file: str, edit) -> None:  # type: ignore[no-untyped-def]
+    tensors = load_file(path / file)
+    edit(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / file)
+
+
+@pytest.mark.parametrize(
+    ("case", "edit", "message"),
+    [
+        ("negative", lambda t: t[f"{P}.q_invperm"].__setitem__(0, -1), "q_invperm is not a permutation"),
+        ("repeated", lambda t: t[f"{P}.q_invperm"].__setitem__(0, int(t[f"{P}.q_invperm"][1])), "not a permutation"),
+        ("no invperm", lambda t: t.pop(f"{P}.q_invperm"), "has no q_invperm"),
+        (
+            "q_groups cut",
+            lambda t: t.__setitem__(f"{P}.q_groups", t[f"{P}.q_groups"][:4].clone()),
+            "q_groups has 2 groups",
+        ),
+        (
+            "q_scale_max int",
+            lambda t: t.__setitem__(f"{P}.q_scale_max", t[f"{P}.q_scale_max"].int()),
+            "q_scale_max is I32",
+        ),
+        ("q_invperm out of range", lambda t: t[f"{P}.q_invperm"].__setitem__(0, 999), "not a permutation"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_exl2_tensors_that_contradict_each_other_fail_at_load(
+    dense: Path,
+    tmp_path: Path,
+    case: str,
+    edit,
+    message: str,
+    backend: str,  # type: ignore[no-untyped-def]
+) -> None:
+    """Every case loaded before (a wrapped -1 index, a repeated row, an identity order, a cut group table
+    read as one long last group, integer maxima read as floats), or failed at the first forward."""
+    path = tmp_path / "exl2"
+    _exl2_from_dense(dense, path)
+    _edit(path, "output.safetensors", edit)
+    with pytest.raises(anyquant.CheckpointError, match=message):
+        anyquant.load(path, backend=backend)
+
+
+@pytest.mark.parametrize(
+    ("case", "edit", "message"),
+    [
+        ("short suh", lambda t: t.__setitem__(f"{P}.suh", t[f"{P}.suh"][:64].clone()), "su scale has 64 elements"),
+        (
+            "float marker",
+            lambda t: t.__setitem__(f"{P}.mul1", t[f"{P}.mul1"].float()),
+            "mul1 is F32 \\(expected I32\\)",
+        ),
+    ],
+)
+def test_exl3_tensors_that_contradict_each_other_fail_at_load(
+    exl3: Path,
+    tmp_path: Path,
+    case: str,
+    edit,
+    message: str,  # type: ignore[no-untyped-def]
+) -> None:
+    """The reference backend used to load a short suh and fail at the first forward; a float marker's value
+    was used as the codebook's multiplier."""
+    import shutil
+
+    path = tmp_path / "exl3"
+    shutil.copytree(exl3, path)
+    (weights,) = path.glob("*.safetensors")
+    if f"{P}.mul1" not in load_file(weights) and "mul1" in case:
+        pytest.skip("the fixture's codebook has no mul1 marker")
+    _edit(path, weights.name, edit)
+    with pytest.raises(anyquant.CheckpointError, match=message):
+        anyquant.load(path, backend="reference")

@@ -194,3 +194,55 @@ def test_closing_while_a_stream_is_read(root: Path) -> None:
     model.close()
     with pytest.raises(anyquant.AnyquantError, match="closed while generating"):
         list(stream)
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "message"),
+    [
+        (
+            "head_rows",
+            anyquant.CheckpointError,
+            r"'lm_head.weight' has shape \(\d+, \d+\) in the checkpoint, the model",
+        ),
+        ("embedding_width", anyquant.CheckpointError, r"'model.embed_tokens.weight' has shape"),
+        ("embedding_rows", anyquant.CheckpointError, r"'model.embed_tokens.weight' has shape"),
+        ("embedding_int16", anyquant.CheckpointError, r"'model.embed_tokens.weight' is int16 in the checkpoint"),
+        ("norm_int32", anyquant.CheckpointError, r"'model.layers.0.input_layernorm.weight' is int32"),
+        ("head_missing", anyquant.MissingTensorError, r"tie_word_embeddings: false, but the checkpoint has no"),
+    ],
+)
+def test_tables_left_in_the_file_are_checked_at_load(
+    root: Path, tmp_path: Path, case: str, error: type, message: str
+) -> None:
+    """cpu-fast leaves the embedding and head in the file; their shapes and dtypes are checked at load
+    as every other tensor's. Before: a head twice the vocabulary loaded and gave logits twice as wide, a
+    short embedding failed at the first lookup past it, an integer table loaded as numbers, and a missing
+    head with ``tie_word_embeddings: false`` was tied to the embedding in silence."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    variant = FOUR_BIT[0]
+    path = tmp_path / case
+    shutil.copytree(root / "quantized" / variant, path)
+    assert json.loads((path / "config.json").read_text()).get("tie_word_embeddings") is False
+    (weights,) = path.glob("*.safetensors")
+    t = load_file(weights)
+    emb = t["model.embed_tokens.weight"]
+    if case == "head_rows":
+        t["lm_head.weight"] = torch.cat([t["lm_head.weight"]] * 2)
+    elif case == "embedding_width":
+        t["model.embed_tokens.weight"] = torch.cat([emb, emb], 1)
+    elif case == "embedding_rows":
+        t["model.embed_tokens.weight"] = emb[:100].clone()
+    elif case == "embedding_int16":
+        t["model.embed_tokens.weight"] = (emb * 100).to(torch.int16)
+    elif case == "norm_int32":
+        norm = t["model.layers.0.input_layernorm.weight"]
+        t["model.layers.0.input_layernorm.weight"] = (norm * 10).to(torch.int32)
+    else:
+        del t["lm_head.weight"]
+    save_file(t, weights, metadata={"format": "pt"})
+    with pytest.raises(error, match=message):
+        anyquant.load(path)

@@ -110,3 +110,49 @@ def test_inspect_reports_bits_and_groups(root: Path) -> None:
     q = [m for m in report.modules if m.format == "gptq"]
     assert len(q) == 14 and {m.bits for m in q} == {4.0} and {m.group_size for m in q} == {32}
     assert 4.0 < report.totals["avg_bits_quantized"] < 6.0
+
+
+def _copy(root: Path, tmp_path: Path, variant: str, name: str) -> Path:
+    import shutil
+
+    dst = tmp_path / name
+    shutil.copytree(root / "quantized" / variant, dst)
+    return dst
+
+
+def test_reference_backend_checks_the_packed_tensors_at_load(root: Path, tmp_path: Path) -> None:
+    """The reference backend decodes on every forward; a g_idx past its groups used to load and fail at the
+    first forward with a bare ValueError. Now each layer is decoded once at load and dropped."""
+    from safetensors.torch import save_file
+
+    dst = _copy(root, tmp_path, "b4_g32_asym_desc_gptq", "gidx")
+    (weights,) = dst.glob("*.safetensors")
+    t = load_file(weights)
+    t["model.layers.0.self_attn.q_proj.g_idx"][5] = 99
+    save_file(t, weights, metadata={"format": "pt"})
+    with pytest.raises(anyquant.CheckpointError, match=r"g_idx values must lie in \[0, \d+\)"):
+        anyquant.load(dst, backend="reference")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"meta": {"quantizer": 5}}, "refuses to guess"),  # names no producer: asymmetric v1 is refused as without meta
+        ({"dynamic": {"x": 5}}, "dynamic must map module patterns to objects"),
+    ],
+)
+def test_malformed_quantization_config_is_a_checkpoint_error(
+    root: Path, tmp_path: Path, change: dict, message: str
+) -> None:
+    """Both made the GPTQ detect hook raise a TypeError: the load said the tensors did not match GPTQ's
+    signature, and `anyquant plugins` showed the plugin as broken."""
+    dst = _copy(root, tmp_path, "b4_g32_asym_desc_gptq", "cfg")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"].update(change)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    if (dst / "quantize_config.json").exists():
+        (dst / "quantize_config.json").unlink()
+    with pytest.raises(anyquant.CheckpointError, match=message):
+        anyquant.load(dst)
+    assert not [p for p in anyquant.list_plugins() if p.error and p.name == "anyquant-gptq"]
+    assert anyquant.detect(root / "quantized" / "b4_g32_asym_desc_gptq").format == "gptq"

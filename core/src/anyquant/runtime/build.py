@@ -8,7 +8,7 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -152,13 +152,15 @@ _SIZE_KEYS = (
 _NATIVE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 #: non-negative finite numbers where present (also inside ``rope_parameters`` / ``rope_scaling``)
 _NUMBER_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "factor")
+#: of those, the ones that must be above zero
+_POSITIVE_KEYS = ("rope_theta", "factor")
 #: the rotary table is a real tensor of head_dim / 2 values, even on the meta device
 _MAX_HEAD_DIM = 1 << 16
 
 
 def check_config(config: Mapping[str, Any], *, tensors: int | None = None, native: bool = False) -> None:
     """:class:`~anyquant.errors.ConfigError` unless the values that size the model are positive integers,
-    its epsilons and rotary constants non-negative finite numbers, and ``num_hidden_layers`` at most the
+    its epsilons non-negative and its rotary base and factor positive finite numbers, and ``num_hidden_layers`` at most the
     checkpoint's ``tensors`` (every layer has some): checked before anything is built, so a hostile
     ``config.json`` (``num_hidden_layers: 1e9``, ``hidden_size: "abc"``) gives a clear error at once
     instead of a build that runs for ever or a ``ValueError`` from deep inside. ``native``: the native
@@ -184,6 +186,8 @@ def check_config(config: Mapping[str, Any], *, tensors: int | None = None, nativ
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"config.json: {key} must be a non-negative number, got {value!r}")
+            if value == 0 and key in _POSITIVE_KEYS:  # a rotary base or scale of 0: every angle 0 or inf
+                raise ConfigError(f"config.json: {key} must be positive, got {value!r}")
     layers = config.get("num_hidden_layers")
     if tensors is not None and isinstance(layers, int) and layers > tensors:
         raise ConfigError(f"config.json: num_hidden_layers={layers}, but the checkpoint holds only {tensors} tensor(s)")
@@ -215,16 +219,22 @@ def skeleton(
         raise CheckpointError("config.json has no model_type; cannot build the model")
     if config.get("auto_map") and not trust_remote_code:
         log.info("config.json has auto_map (remote code); ignored, using transformers' own %s", model_type)
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise CheckpointError(
+            f"transformers {transformers.__version__} does not know model_type {model_type!r}. "
+            "Upgrade transformers; remote code is never run unless trust_remote_code=True."
+        )
     try:
         hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(
-            f"transformers {transformers.__version__} does not know model_type {model_type!r} ({exc}). "
-            "Upgrade transformers; remote code is never run unless trust_remote_code=True."
-        ) from None
-    with meta_parameters():
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    return model
+        with meta_parameters():
+            return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    except MemoryError:
+        raise
+    except Exception as exc:  # transformers' own checks: ValueError, huggingface_hub's StrictDataclassError, ...
+        raise ConfigError(
+            f"config.json is not a {model_type!r} config that transformers {transformers.__version__} can build: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -254,12 +264,15 @@ def build_model(
     runtime: str = "transformers",
     keep_embedding_dtype: bool = False,
     file_tables: dict[str, FileRows] | None = None,
+    tie_absent_head: bool = False,
 ) -> nn.Module:
     """Assemble a model: skeleton -> quantized linears -> tensors -> tie -> dtype/device.
 
     ``make_linear(name, linear)`` returns the replacement for each ``nn.Linear`` (already holding
     its tensors), or ``None`` to keep it dense. The output head is tied to the input embeddings
-    only when the source has no head tensor of its own (whatever ``tie_word_embeddings`` says).
+    only when the source has no head tensor of its own (a stale ``tie_word_embeddings: true`` beside a head
+    is ignored; ``false`` with no head is a :class:`MissingTensorError`, unless ``tie_absent_head``: formats
+    whose own loader ties whenever the head tensor is absent, whatever the flag says, as exllamav3's does).
     ``name_map`` maps a model parameter name to the source's tensor name. ``runtime``: see :func:`choose_runtime`.
     ``keep_embedding_dtype``: the input embedding (and a head tied to it) keeps the checkpoint's 16-bit float
     dtype instead of the compute dtype, for a caller that replaces it next (cpu-fast's compact embedding and
@@ -288,6 +301,11 @@ def build_model(
         and head_weight.is_meta  # not replaced by a quantized module
         and src(tie[0]) not in source
     )
+    if head_missing and config.get("tie_word_embeddings") is False and not tie_absent_head:
+        raise MissingTensorError(
+            f"config.json has tie_word_embeddings: false, but the checkpoint has no {tie[0]!r} ({src(tie[0])!r}) "  # type: ignore[index]
+            "tensor: the output head is missing (tying it to the input embedding would give other logits)"
+        )
     if head_missing:
         log.info("no %s tensor in the checkpoint: tying it to %s", tie[0] if tie else "", tie[1] if tie else "")
     embedding = _embedding_weight_name(model) if keep_embedding_dtype or file_tables is not None else None
@@ -300,6 +318,7 @@ def build_model(
             if rows_of is not None and name is not None and src(name) in source:
                 table = rows_of(src(name))
                 if table is not None:
+                    _check_value(name, model.get_parameter(name), table.shape, table.dtype)
                     file_tables[name] = table
     skip = file_tables or {}
     for name, param in list(model.named_parameters(remove_duplicate=False)):
@@ -307,6 +326,8 @@ def build_model(
             continue
         if head_missing and tie is not None and name == tie[0]:
             continue
+        if src(name) not in source:
+            _missing(name, src(name), source)
         value = source.get(src(name))
         keep = (
             keep_embedding_dtype
@@ -360,17 +381,42 @@ def _embedding_weight_name(model: nn.Module) -> str | None:
     return None
 
 
+def _missing(name: str, key: str, source: TensorSource) -> None:
+    """Raise the :class:`MissingTensorError` for parameter ``name`` (``key`` in the source), naming what the
+    module does have when it has something: a quantized layer missing one of its tensors is left to a dense
+    ``.weight`` by its plugin, and "no .weight" alone would name a tensor that never existed."""
+    module = key.rpartition(".")[0] + "."
+    present = sorted(
+        k.removeprefix(module) for k in source.keys() if k.startswith(module) and "." not in k[len(module) :]
+    )
+    if present:
+        raise MissingTensorError(
+            f"{key!r} is not in the checkpoint, and its module has only {', '.join(present)}: a quantized layer "
+            "missing some of its tensors (its format needs them all) or a dense layer without its weight"
+        )
+    raise MissingTensorError(f"tensor {key!r} (parameter {name!r}) is not in the checkpoint")
+
+
+def _check_value(name: str, current: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> None:
+    """A checkpoint tensor of ``shape``/``dtype`` may fill the model's ``current`` parameter or buffer."""
+    if tuple(current.shape) != tuple(shape):
+        raise CheckpointError(
+            f"tensor {name!r} has shape {tuple(shape)} in the checkpoint, the model expects "
+            f"{tuple(current.shape)} (config.json and the weights disagree)"
+        )
+    if current.is_floating_point() and not dtype.is_floating_point:
+        raise CheckpointError(
+            f"tensor {name!r} is {str(dtype).removeprefix('torch.')} in the checkpoint; the model expects floating "
+            "point values there (a converted value would be wrong)"
+        )
+
+
 def _fill(
     model: nn.Module, name: str, value: torch.Tensor, dtype: torch.dtype, device: torch.device, *, is_param: bool
 ) -> None:
     mod_name, _, attr = name.rpartition(".")
     module = model.get_submodule(mod_name) if mod_name else model
-    current = getattr(module, attr)
-    if tuple(current.shape) != tuple(value.shape):
-        raise CheckpointError(
-            f"tensor {name!r} has shape {tuple(value.shape)} in the checkpoint, the model expects "
-            f"{tuple(current.shape)} (config.json and the weights disagree)"
-        )
+    _check_value(name, getattr(module, attr), value.shape, value.dtype)
     if value.is_floating_point():
         value = value.to(device=device, dtype=dtype)
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,6 +59,22 @@ def context_length(module: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def _check_text(prompt: Any) -> None:
+    """Text the tokenizer can take: UTF-8 encodable (a command line's undecodable bytes arrive as lone
+    surrogates, which tokenizers refuse with a bare TypeError)."""
+    texts: list[Any] = [prompt] if isinstance(prompt, str) else []
+    if isinstance(prompt, (list, tuple)):
+        texts = [m.get("content") for m in prompt if isinstance(m, Mapping) and isinstance(m.get("content"), str)]
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ParameterError(
+                f"the prompt is not valid text: {exc.reason} at character {exc.start} ({text[exc.start : exc.end]!r}; "
+                "undecodable bytes on a command line arrive as lone surrogates)"
+            ) from None
+
+
 def _check_messages(messages: list[Any]) -> None:
     """Chat messages as chat templates read them: mappings with a string ``role`` and a ``content``."""
     if not messages:
@@ -85,7 +101,8 @@ def sample_next(
         logits = logits.scatter(1, history, seen)
     if params.temperature <= 0:
         return logits.argmax(dim=-1)
-    logits = logits / params.temperature
+    # the best logit becomes 0 first: a tiny temperature (1e-45) then gives -inf for the rest, never inf/inf
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k > 0:
         k = min(params.top_k, logits.shape[-1])
         kth = torch.topk(logits, k, dim=-1).values[:, -1:]
@@ -111,26 +128,36 @@ def row_generators(seed: int | None, rows: int, device: Any) -> list[torch.Gener
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters might still become a stop string (or a split UTF-8 char)."""
+    """How many trailing characters of ``text`` (a stable text: :func:`_stable`) might still become a stop string."""
     hold = 0
     for stop in stops:
         for n in range(min(len(stop) - 1, len(text)), 0, -1):
             if text.endswith(stop[:n]):
                 hold = max(hold, n)
                 break
-    if text.endswith("\ufffd"):
-        hold = max(hold, 1)
     return hold
+
+
+def _stable(text: str) -> str:
+    """``text`` without its trailing U+FFFD: a character whose bytes are split across tokens decodes as one
+    U+FFFD (byte-level BPE) or one per byte (SentencePiece's byte fallback) until its last byte arrives, and
+    then as itself; nothing up to it is streamed or searched for stop strings before then. (The final text,
+    once generation ends, keeps any U+FFFD the model really produced.)"""
+    return text.rstrip("\ufffd")
 
 
 class TorchGenerator:
     """Token-by-token generation over a causal-LM module with a KV cache."""
 
-    def __init__(self, module: Any, tokenizer: Any, *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, module: Any, tokenizer: Any, *, device: torch.device | str = "cpu", eos_ids: Iterable[int] = ()
+    ) -> None:
+        """``eos_ids``: end-of-sequence ids besides the module's config's and the tokenizer's (the checkpoint's
+        ``config.json`` and ``generation_config.json``: :func:`anyquant.loaders.end_of_sequence_ids`)."""
         self.module = module
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        self.eos_ids = _eos_ids(module, tokenizer)
+        self.eos_ids = _eos_ids(module, tokenizer) | set(eos_ids)
         self.cache_kw = _cache_keyword(module)
         self.context = context_length(module)
 
@@ -139,6 +166,7 @@ class TorchGenerator:
         tok = self.tokenizer
         if tok is None:
             raise AnyquantError("this model has no tokenizer; pass token ids to .module directly")
+        _check_text(prompt)
         chat = params.chat if params.chat is not None else not isinstance(prompt, str)
         if chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
@@ -156,44 +184,49 @@ class TorchGenerator:
 
     # ------------------------------------------------------------------ core loop
     @torch.inference_mode()
-    def token_steps(self, batch: Sequence[Sequence[int]], params: GenerationParams) -> Iterator[list[int | None]]:
-        """Yield, per step, the new token of every row (``None`` for rows already finished)."""
+    def token_steps(
+        self, batch: Sequence[Sequence[int]], params: GenerationParams, ends: Iterable[int] | None = None
+    ) -> Iterator[list[int | None]]:
+        """Yield, per step, the new token of every row (``None`` for rows already finished). A row finishes
+        at one of ``ends`` (default: the end-of-sequence ids) or when it reaches the model's context."""
         if params.max_new_tokens <= 0:
             return
+        self._check_prompts(batch)
         rows = len(batch)
         width = max(len(ids) for ids in batch)
-        if min(len(ids) for ids in batch) == 0:
-            raise ParameterError("empty prompt: nothing to condition on")
-        steps = params.max_new_tokens
-        if self.context is not None:
-            # the prompt takes positions 0 .. width-1 and new token i (from 0) is fed at width + i; the last
-            # new token is never fed: a prompt that fills the context still gets one
-            if width > self.context:
-                raise ParameterError(
-                    f"the prompt is {width} tokens; this model's context is {self.context} "
-                    "(max_position_embeddings): shorten it"
-                )
-            if width + steps > self.context + 1:
-                steps = self.context + 1 - width
-                log.warning(
-                    "generation stops at the model's context of %d tokens: at most %d new tokens after a %d-token "
-                    "prompt, not %d",
-                    self.context,
-                    steps,
-                    width,
-                    params.max_new_tokens,
-                )
+        ends = sorted(self.eos_ids if ends is None else set(ends))
+        # row i's prompt takes positions 0 .. len_i - 1 and its new token j (from 0) is fed at len_i + j; the
+        # last new token is never fed: a prompt that fills the context still gets one
+        limits = [
+            params.max_new_tokens if self.context is None else min(params.max_new_tokens, self.context + 1 - len(ids))
+            for ids in batch
+        ]
+        steps = max(limits)
+        if min(limits) < params.max_new_tokens:
+            log.warning(
+                "generation stops at the model's context of %d tokens: at most %d new tokens after a %d-token "
+                "prompt, not %d",
+                self.context,
+                min(limits),
+                max(len(ids) for ids in batch),
+                params.max_new_tokens,
+            )
         pad = next(iter(self.eos_ids), 0)
         input_ids = torch.full((rows, width), pad, dtype=torch.long)
+        history = torch.empty((rows, width), dtype=torch.long)
         mask = torch.zeros((rows, width), dtype=torch.long)
         for i, ids in enumerate(batch):
             input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             mask[i, width - len(ids) :] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+            # the padding repeats the row's first token for the repetition penalty: a token it has anyway
+            history[i] = input_ids[i]
+            history[i, : width - len(ids)] = ids[0]
+        input_ids, mask, history = input_ids.to(self.device), mask.to(self.device), history.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         rng = row_generators(params.seed, rows, self.device) if params.temperature > 0 else None
-        history = input_ids
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        last = torch.tensor([n - 1 for n in limits], device=self.device)  # the step of each row's last token
+        end_ids = torch.tensor(ends, dtype=torch.long, device=self.device)
         out = self._forward(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
         for _step in range(steps):
             nxt = sample_next(out.logits[:, -1, :], params, history, rng)
@@ -201,8 +234,7 @@ class TorchGenerator:
                 None if d else int(t) for t, d in zip(nxt.tolist(), done.tolist(), strict=False)
             ]
             yield tokens
-            if self.eos_ids:
-                done |= torch.isin(nxt, torch.tensor(sorted(self.eos_ids), device=self.device))
+            done |= torch.isin(nxt, end_ids) | (last <= _step)
             if bool(done.all()) or _step == steps - 1:
                 return  # no forward for a token nobody will sample after
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
@@ -238,20 +270,41 @@ class TorchGenerator:
     # ------------------------------------------------------------------ protocol
     def stream(self, prompt: Prompt, params: GenerationParams) -> Iterator[str]:
         ids = self.encode(prompt, params)  # now: a bad prompt raises here, not at the first next()
-        if not ids:
-            raise ParameterError("empty prompt: nothing to condition on")
+        self._check_prompts([ids])
         return self._stream(ids, params)
+
+    def _check_prompts(self, batch: Sequence[Sequence[int]]) -> None:
+        if min(len(ids) for ids in batch) == 0:
+            raise ParameterError("empty prompt: nothing to condition on")
+        width = max(len(ids) for ids in batch)
+        if self.context is not None and width > self.context:
+            raise ParameterError(
+                f"the prompt is {width} tokens; this model's context is {self.context} "
+                "(max_position_embeddings): shorten it"
+            )
+
+    def stop_ids(self, stops: Sequence[str]) -> frozenset[int]:
+        """The ids of the stop strings that are one special (or added) token, such as ``<|im_end|>``: the text
+        is decoded without special tokens, where such a stop string could never be found."""
+        tok = self.tokenizer
+        if not stops or tok is None:
+            return frozenset()
+        try:
+            added = dict(tok.get_added_vocab())
+        except Exception:  # a tokenizer without added-token bookkeeping
+            added = {}
+        special = set(getattr(tok, "all_special_tokens", ()) or ())
+        return frozenset(added[s] for s in stops if s in added and (s in special or _is_special(tok, added[s])))
 
     def _stream(self, ids: list[int], params: GenerationParams) -> Iterator[str]:
         generated: list[int] = []
         emitted = 0
-        for (token,) in self.token_steps([ids], params):
-            if token is None:
-                break
-            if token in self.eos_ids:
+        ends = self.eos_ids | self.stop_ids(params.stop)
+        for (token,) in self.token_steps([ids], params, ends):
+            if token is None or token in ends:
                 break
             generated.append(token)
-            text = self.decode(generated)
+            text = _stable(self.decode(generated))
             cut = _find_stop(text, params.stop)
             if cut is not None:
                 if cut > emitted:
@@ -274,17 +327,19 @@ class TorchGenerator:
         if not prompts:
             return []
         encoded = [self.encode(p, params) for p in prompts]
+        self._check_prompts(encoded)
         generated: list[list[int]] = [[] for _ in prompts]
         finished = [False] * len(prompts)
-        for tokens in self.token_steps(encoded, params):
+        ends = self.eos_ids | self.stop_ids(params.stop)
+        for tokens in self.token_steps(encoded, params, ends):
             for i, token in enumerate(tokens):
                 if token is None or finished[i]:
                     continue
-                if token in self.eos_ids:
+                if token in ends:
                     finished[i] = True
                     continue
                 generated[i].append(token)
-                if params.stop and _find_stop(self.decode(generated[i]), params.stop) is not None:
+                if params.stop and _find_stop(_stable(self.decode(generated[i])), params.stop) is not None:
                     finished[i] = True
             if all(finished):
                 break
@@ -321,3 +376,10 @@ def _cache_keyword(module: Any) -> str:
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return min(hits) if hits else None
+
+
+def _is_special(tokenizer: Any, token_id: int) -> bool:
+    """An added token the decoder drops with ``skip_special_tokens`` (transformers' ``AddedToken.special``)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    token = decoder.get(token_id)
+    return bool(getattr(token, "special", False))

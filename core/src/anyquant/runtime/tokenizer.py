@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -42,6 +43,14 @@ def load_tokenizer(probe: Probe, *, trust_remote_code: bool = False) -> Any:
         raise
     except Exception as exc:
         detail = " ".join(str(exc).split())[:300]
+        try:
+            os.fsencode(probe.root).decode("utf-8")
+        except UnicodeError:
+            # the Rust tokenizer library takes paths as UTF-8 strings; the files may be fine
+            raise CheckpointError(
+                f"{probe.root!s}: the tokenizer library cannot open files under a path that is not valid UTF-8 "
+                f"({type(exc).__name__}); rename the directory (or a parent) or link it from a UTF-8 path"
+            ) from exc
         raise CheckpointError(
             f"{probe.root}: its tokenizer files ({', '.join(probe.tokenizer_files)}) cannot be loaded: "
             f"{type(exc).__name__}: {detail}"

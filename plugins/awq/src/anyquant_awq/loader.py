@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from anyquant.errors import CheckpointError, UnsupportedBackendError
+from anyquant.errors import CheckpointError, ConfigError, UnsupportedBackendError
 from anyquant.loaders import LoadContext, TransformersLoader, require_dtypes
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
@@ -80,7 +80,13 @@ class AWQLoader(TransformersLoader):
 
     def _bits_group(self, detection: Detection) -> tuple[int, int]:
         d = detection.details
-        return int(d.get("bits", 4)), int(d.get("group_size", 128))
+        bits, group = d.get("bits", 4), d.get("group_size", 128)
+        for key, value in (("bits", bits), ("group_size", group)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"AWQ quantization_config {key}={value!r}: expected an integer")
+        if group == 0 or group < -1:
+            raise ConfigError(f"AWQ quantization_config group_size={group}: expected -1 (one group) or a positive size")
+        return bits, group
 
     def validate(self, probe: Probe, detection: Detection) -> None:
         problems = detection.details.get("problems") or []
@@ -96,7 +102,7 @@ class AWQLoader(TransformersLoader):
         if bits != 4:
             raise CheckpointError(f"{probe.root}: AWQ with bits={bits}: only 4-bit AWQ layouts exist")
         for name, m in _modules(probe, bits).items():
-            if m["layout"] == "gemm" and group > 0 and m["in"] // group != m["groups"]:
+            if m["layout"] == "gemm" and (1 if group == -1 else m["in"] // group) != m["groups"]:
                 raise CheckpointError(f"{name}: {m['groups']} scale groups do not match group_size={group}")
 
     def choose_backend(self, requested: str, device: Any) -> str:

@@ -129,7 +129,10 @@ def decode_exl2(
     n_out = n_pad if out_features is None else int(out_features)
     if not 0 < n_out <= n_pad:
         raise ValueError(f"out_features {n_out} does not fit the padded width {n_pad}")
+    _check_layout(gmap, q_weight, q_scale, q_scale_max)
     invperm = torch.arange(k) if q_invperm is None else q_invperm.to(torch.int64).reshape(-1)
+    if q_invperm is not None and not torch.equal(torch.sort(invperm).values, torch.arange(k, device=invperm.device)):
+        raise ValueError(f"q_invperm is not a permutation of 0..{k - 1} (an index repeats or is out of range)")
     device = q_weight.device
     words = torch.cat((q_weight.to(torch.int64) & _U32, torch.zeros((1, n_pad), dtype=torch.int64, device=device)))
     tab = _row_tables(gmap, device)
@@ -146,6 +149,21 @@ def decode_exl2(
         else:
             out[r0 : r0 + rows.numel()] = w
     return out
+
+
+def _check_layout(gmap: GroupMap, q_weight: torch.Tensor, q_scale: torch.Tensor, q_scale_max: torch.Tensor) -> None:
+    """``q_groups`` must lay out exactly ``q_weight``'s rows, and give one ``q_scale`` row and one
+    ``q_scale_max`` per group: a cut or edited ``q_groups`` otherwise decodes other rows' bits."""
+    groups = len(gmap.bits)
+    words = gmap.first_qrow[-1] + -(-gmap.rows[-1] * gmap.bits[-1] // 32)
+    if gmap.first_qrow[0] != 0 or words != q_weight.shape[0]:
+        raise ValueError(
+            f"q_groups lay out {words} q_weight rows from row {gmap.first_qrow[0]}; q_weight has {q_weight.shape[0]}"
+        )
+    if q_scale.shape[0] != groups or q_scale_max.numel() != groups:
+        raise ValueError(
+            f"q_groups has {groups} groups; q_scale has {q_scale.shape[0]} rows and q_scale_max {q_scale_max.numel()} values"
+        )
 
 
 def _rows_from_words(q_weight: torch.Tensor, q_groups: torch.Tensor) -> int:

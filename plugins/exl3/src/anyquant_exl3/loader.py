@@ -282,6 +282,9 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
     load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
         {**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS, **EXLLAMAV3_OPTIONS}
     )
+    #: exllamav3's loader ties whenever lm_head is absent, and 1.6.x writes tie_word_embeddings: false always
+    #: (format doc, "Tied embeddings"): the tensors decide, not the flag
+    tie_absent_head: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._source: EXL3Source | None = None
@@ -367,9 +370,27 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
         if problems:
             raise CheckpointError(f"{probe.root}: the EXL3 tensors are inconsistent: {'; '.join(problems[:3])}")
         if detection.format == "exl3":
+            marker = frozenset({"I32"})
             require_dtypes(
-                probe, {"trellis": frozenset({"I16"}), "suh": FLOAT_SCALE_DTYPES, "svh": FLOAT_SCALE_DTYPES}, "EXL3"
+                probe,
+                {
+                    "trellis": frozenset({"I16"}),
+                    "suh": FLOAT_SCALE_DTYPES,
+                    "svh": FLOAT_SCALE_DTYPES,
+                    "mcg": marker,
+                    "mul1": marker,
+                },
+                "EXL3",
             )
+            codebooks = detection.details.get("codebooks") or {}
+            if len(codebooks) > 1:  # allowed per tensor (format doc 2.4), but one conversion writes one codebook
+                log.warning(
+                    "%s: the EXL3 modules use different codebooks by their markers (%s); each is decoded by its own "
+                    "marker. A model converted once has one codebook: if this one was not assembled from several "
+                    "conversions, a marker tensor may be missing",
+                    probe.root,
+                    ", ".join(f"{cb} x{n}" for cb, n in sorted(codebooks.items())),
+                )
         tables, _ = ring_tables(probe)
         ngram = [key for key, table in tables.items() if table.signs is None]
         if ngram:
@@ -495,6 +516,27 @@ class EXL2Loader(BF16CpuFast, TransformersLoader):
             bits = round(32 * qw.shape[0] / inn, 3) if inn else None
             rows.append(ModuleInfo(prefix, "exl2", shape, bits, None, sum(t.nbytes for t in ts)))
         return rows + dense_rows(probe, skip={r.name for r in rows}, groups=groups)
+
+    def validate(self, probe: Probe, detection: Detection) -> None:
+        ints = frozenset({"I16", "I32", "I64"})
+        require_dtypes(
+            probe,
+            {
+                "q_weight": frozenset({"I32"}),
+                "q_scale": frozenset({"I32"}),
+                "q_scale_max": FLOAT_SCALE_DTYPES,
+                "q_groups": ints,
+                "q_invperm": ints,
+                "q_perm": ints,
+            },
+            "EXL2",
+        )
+        for prefix in probe.modules_with("q_weight"):
+            if f"{prefix}.q_invperm" not in probe.tensors and f"{prefix}.q_perm" not in probe.tensors:
+                raise CheckpointError(
+                    f"{probe.root}: EXL2 module {prefix!r} has no q_invperm (or q_perm); exllamav2 writes one for "
+                    "every layer, and without it the rows' order is unknown"
+                )
 
     def backends(self) -> list[BackendInfo]:
         return [

@@ -56,7 +56,7 @@ def anyquant_detect(probe: Probe) -> Claim | None:
     elif probe.quantize_config_file is not None:
         evidence.append("quantize_config.json (AutoGPTQ style, no quant_method)")
     variant = {"gptq": "v1", "gptq_v2": "v2", "gptq_p": "planar"}.get(declared, declared)
-    problems = list(sig.problems)
+    problems = list(sig.problems) + cfg.pop("config_problems", [])
     shape_bits = set(sig.bits_histogram())
     if "bits" in cfg and not cfg.get("dynamic") and shape_bits and shape_bits != {cfg["bits"]}:
         problems.append(f"config says bits={cfg['bits']}, tensor shapes say {sorted(shape_bits)}")

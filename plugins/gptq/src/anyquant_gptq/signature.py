@@ -98,8 +98,14 @@ def config_summary(qc: Any) -> dict[str, Any]:
     meta = qc.get("meta")
     if meta is not None and hasattr(meta, "get"):
         quantizer = meta.get("quantizer")
-        if quantizer is not None:
-            out["quantizer"] = [quantizer] if isinstance(quantizer, str) else list(quantizer)
-    if qc.get("dynamic"):
-        out["dynamic"] = {k: dict(v) for k, v in qc["dynamic"].items()}
+        if isinstance(quantizer, str):
+            out["quantizer"] = [quantizer]
+        elif isinstance(quantizer, (list, tuple)):  # anything else names no producer
+            out["quantizer"] = [q for q in quantizer if isinstance(q, str)]
+    dynamic = qc.get("dynamic")
+    if dynamic:
+        if hasattr(dynamic, "items") and all(isinstance(k, str) and hasattr(v, "items") for k, v in dynamic.items()):
+            out["dynamic"] = {k: dict(v) for k, v in dynamic.items()}
+        else:
+            out["config_problems"] = ["quantization_config.dynamic must map module patterns to objects of overrides"]
     return out
