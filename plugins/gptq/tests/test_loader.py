@@ -156,3 +156,23 @@ def test_malformed_quantization_config_is_a_checkpoint_error(
         anyquant.load(dst)
     assert not [p for p in anyquant.list_plugins() if p.error and p.name == "anyquant-gptq"]
     assert anyquant.detect(root / "quantized" / "b4_g32_asym_desc_gptq").format == "gptq"
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "dequantized"])
+@pytest.mark.parametrize(
+    ("bias", "what"), [(torch.zeros(3), r"float32\[3\]"), (torch.zeros(128, dtype=torch.int32), "int32")]
+)
+def test_a_bias_that_does_not_fit_its_layer_fails_at_load(
+    root: Path, tmp_path: Path, backend: str, bias: torch.Tensor, what: str
+) -> None:
+    """Before, a quantized layer took any bias and the first forward failed on the shapes (or an integer
+    bias was read as numbers)."""
+    from safetensors.torch import save_file
+
+    dst = _copy(root, tmp_path, "b4_g128_sym_nodesc_gptq", "bias")
+    (weights,) = dst.glob("*.safetensors")
+    t = load_file(weights)
+    t["model.layers.0.self_attn.q_proj.bias"] = bias
+    save_file(t, weights, metadata={"format": "pt"})
+    with pytest.raises(anyquant.CheckpointError, match=rf"model.layers.0.self_attn.q_proj: a bias of {what}"):
+        anyquant.load(dst, backend=backend)

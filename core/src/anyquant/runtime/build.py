@@ -289,8 +289,18 @@ def build_model(
     if make_linear is not None:
         linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         for name, lin in linears:
-            replacement = make_linear(name, lin)
+            try:
+                replacement = make_linear(name, lin)
+            except CheckpointError as exc:
+                if name in str(exc):
+                    raise
+                raise type(exc)(f"{name}: {exc}") from exc
             if replacement is not None:
+                bias = getattr(replacement, "bias", None)
+                if isinstance(bias, torch.Tensor) and tuple(bias.shape) != (lin.out_features,):
+                    raise CheckpointError(
+                        f"{name}: a bias of shape {tuple(bias.shape)} for a layer of {lin.out_features} outputs"
+                    )
                 _set_module(model, name, replacement.to(device))
     tie = _tied_head(model)
     head = model.get_output_embeddings() if tie is not None else None

@@ -55,6 +55,13 @@ class QuantLinearBase(nn.Module):
         return self.finalize()
 
     def set_bias(self, bias: torch.Tensor | None) -> None:
+        if bias is not None and (tuple(bias.shape) != (self.out_features,) or not bias.is_floating_point()):
+            from ..errors import CheckpointError
+
+            raise CheckpointError(
+                f"a bias of {str(bias.dtype).removeprefix('torch.')}{list(bias.shape)} for a layer of "
+                f"{self.out_features} outputs (expected a float vector of that length)"
+            )
         self.register_buffer("bias", None if bias is None else bias.to(self.compute_dtype), persistent=False)
 
     def finalize(self) -> QuantLinearBase:
