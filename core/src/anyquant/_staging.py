@@ -21,7 +21,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-__all__ = ["MODEL_FILE_SUFFIXES", "check_destination", "remove_stale", "staging_dir"]
+__all__ = ["MODEL_FILE_SUFFIXES", "check_destination", "remove_stale", "replace_dir", "staging_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,13 @@ def _host_tag() -> str:
 
 
 def _prefix(target: Path) -> str:
-    return f".{target.name}.anyquant-"
+    """The staging names' prefix for ``target``; a long name is cut (with a hash of the whole) so that the
+    staging name stays under the file system's 255 bytes whatever ``target``'s own length."""
+    name = target.name
+    if len(os.fsencode(name)) > 120:
+        digest = hashlib.sha1(os.fsencode(name)).hexdigest()[:12]
+        name = name[:40] + "~" + digest  # 40 characters: at most 160 bytes
+    return f".{name}.anyquant-"
 
 
 def _alive(pid: int) -> bool:
@@ -120,6 +126,30 @@ def check_destination(
             f"{what} {dst} holds {strange[:5]}{' ...' if len(strange) > 5 else ''}, which are not a model's files: "
             "overwrite=True replaces only a model directory; move those or choose another path"
         )
+    if not any(e.name == "config.json" or e.suffix in (".safetensors", ".gguf") for e in entries):
+        # a project folder (main.py, notes.txt, README.md, LICENSE) passes the file-name test above
+        raise error(
+            f"{what} {dst} has no config.json and no weights: it does not look like a model directory, and "
+            "overwrite=True replaces only a model directory; move its files or choose another path"
+        )
+
+
+def replace_dir(new: Path, dst: Path) -> None:
+    """Put the finished directory ``new`` at ``dst`` (same parent), replacing what is there without a window
+    in which both are lost: the old ``dst`` is first renamed aside (to a name of this process, which a later
+    run removes if this one is killed right then), then ``new`` is renamed in, and only then is the old one
+    deleted. If the second rename fails, the old directory is put back."""
+    if not dst.exists():
+        os.replace(new, dst)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f"{_prefix(dst)}{_host_tag()}-{os.getpid()}-", dir=dst.parent))
+    os.replace(dst, aside)  # onto the empty directory mkdtemp made: atomic
+    try:
+        os.replace(new, dst)
+    except BaseException:
+        os.replace(aside, dst)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def staging_dir(target: Path) -> Path:

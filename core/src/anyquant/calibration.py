@@ -296,14 +296,19 @@ def file_documents(spec: str | Path) -> list[str]:
     if not path.is_file():
         raise CalibrationError(f"{path}: no such file")
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        docs = _jsonl_documents(path, field or "text")
-    elif suffix == ".parquet":
-        docs = _parquet_documents(path, field)
-    elif suffix in (".txt", ".text", ".md", ".utf8"):
-        docs = [path.read_text(encoding="utf-8")]
-    else:
-        raise CalibrationError(f"{path}: unsupported calibration file type {suffix!r} (.txt, .jsonl or .parquet)")
+    try:
+        if suffix == ".jsonl":
+            docs = _jsonl_documents(path, field or "text")
+        elif suffix == ".parquet":
+            docs = _parquet_documents(path, field)
+        elif suffix in (".txt", ".text", ".md", ".utf8"):
+            docs = [path.read_text(encoding="utf-8")]
+        else:
+            raise CalibrationError(f"{path}: unsupported calibration file type {suffix!r} (.txt, .jsonl or .parquet)")
+    except UnicodeDecodeError as exc:
+        raise CalibrationError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise CalibrationError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not any(d.strip() for d in docs):
         raise CalibrationError(f"{path}: no text in the file")
     return docs
@@ -521,7 +526,18 @@ def parse_mix(spec: str) -> list[Component]:
         if any(c.source == name for c in out):
             raise CalibrationError(f"{name!r} appears twice in {spec!r}")
         out.append(Component(name, weight))
+    if not math.isfinite(sum(c.weight for c in out)):
+        raise CalibrationError(f"the weights of {spec!r} add up to infinity: use smaller numbers (only ratios matter)")
     return out
+
+
+def check_spec(spec: str, registry: Registry | None = None) -> None:
+    """Parse ``spec`` (a source, a mix or a file) and find each of its sources, without reading any: a
+    misspelt name or a missing file fails before a quantizer starts (and whether or not it samples)."""
+    components = parse_mix(spec)
+    named = sources(registry) if any(c.source not in CORPUS_NAMES for c in components) else builtin_sources()
+    for component in components:
+        _resolve(component.source, named)
 
 
 def allocate(components: Sequence[Component], n_samples: int) -> list[int]:

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 import resource
 import sys
 import time
@@ -114,7 +115,25 @@ def _token_ids(model: LoadedModel, text_or_token_ids: str | Sequence[int] | Any)
         if len(ids) != 1:
             raise EvaluationError("pass one sequence of token ids, not a batch")
         ids = ids[0]
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        raise EvaluationError("token ids must be integers (a float id would be truncated)")
     return [int(i) for i in ids]
+
+
+def _config_int(model: LoadedModel, key: str) -> int | None:
+    cfg = getattr(model.module, "config", None)
+    value = getattr(cfg, key, None) if cfg is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _vocab_size(model: LoadedModel) -> int | None:
+    return _config_int(model, "vocab_size")
+
+
+def _context(model: LoadedModel) -> int | None:
+    from .runtime.generate import context_length
+
+    return context_length(model.module)
 
 
 def _sync(device: str) -> None:
@@ -153,10 +172,20 @@ def perplexity(
     ``tokens_available`` (in the text), ``tokens_read`` (after ``max_tokens``) and
     ``tokens_dropped`` (read but not scored: the trailing partial window).
     """
+    _check_counts(max_tokens=max_tokens, batch_size=batch_size, window=window)
     if window < 2:
         raise EvaluationError(f"window must be at least 2 tokens, got {window}")
-    _check_counts(max_tokens=max_tokens)
+    context = _context(model)
+    if context is not None and window > context:
+        raise EvaluationError(
+            f"window={window} is longer than this model's context ({context} tokens, max_position_embeddings): "
+            "positions past it are not what the model was made for; pass a smaller window"
+        )
     ids = _token_ids(model, text_or_token_ids)
+    vocab = _vocab_size(model)
+    bad = next((i for i in ids if not 0 <= i < (vocab if vocab is not None else 2**63)), None)
+    if bad is not None:
+        raise EvaluationError(f"token id {bad} is not in this model's vocabulary (0 .. {vocab - 1 if vocab else '?'})")
     available = len(ids)
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -167,7 +196,7 @@ def perplexity(
             f"{window}-token window: pass a longer text or a smaller window"
         )
     windows = [ids[i * window : (i + 1) * window] for i in range(n_windows)]
-    nll = _windows_nll(model, windows, max(1, batch_size))
+    nll = _windows_nll(model, windows, batch_size)
     predicted = n_windows * (window - 1)
     return {
         "perplexity": math.exp(nll / predicted) if nll / predicted < 709 else math.inf,  # exp overflows past ~709
@@ -371,7 +400,7 @@ def _check_counts(**counts: int | None) -> None:
     for name, value in counts.items():
         if value is None and name == "max_tokens":
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise EvaluationError(f"{name} must be a positive integer, got {value!r}")
 
 
@@ -412,9 +441,11 @@ def _evaluate_rounds(
                 path=str(path),
                 label=label,
                 text=text_name,
-                load_s=_mean(p["load_s"]) or 0.0,
-                peak_memory_bytes=max((v for v in p["peak"] if v is not None), default=None),
-                memory_delta_bytes=max((v for v in p["delta"] if v is not None), default=None),
+                # load time and memory: the least over the rounds. The process's first load also pays one-time
+                # costs (imports: ~57 MiB and ~0.3 s), which went to whichever checkpoint was listed first.
+                load_s=min(p["load_s"], default=0.0),
+                peak_memory_bytes=min((v for v in p["peak"] if v is not None), default=None),
+                memory_delta_bytes=min((v for v in p["delta"] if v is not None), default=None),
                 prefill_tok_s=_mean(p["prefill"]),
                 decode_tok_s=_mean(p["decode"]),
                 prefill_tokens=min(prefill_tokens, p["ppl"]["tokens_available"]),
@@ -533,7 +564,8 @@ def compare(
     """Evaluate several checkpoints on the same text and windows.
 
     Timings are taken over ``rounds`` rounds in alternating order (A B C, then C B A, ...), one
-    checkpoint loaded at a time, and averaged; perplexity is computed once per checkpoint.
+    checkpoint loaded at a time; speeds are averaged, load time and memory are the least over the rounds
+    (the process's first load also pays one-time imports); perplexity is computed once per checkpoint.
     ``progress(stage, fraction)`` is called before each checkpoint's visit and once at the end.
     """
     if not paths:
@@ -601,7 +633,8 @@ def _footer(results: Sequence[EvalResult]) -> str:
     return (
         f"text {r.text!r} ({r.tokens_available} tokens): {r.windows} windows x {r.window} tokens = {r.tokens} "
         f"scored ({r.predicted_tokens} predicted; partial window dropped: {r.tokens_dropped}); memory = {r.memory_kind} "
-        f"(+MiB = over the process before the load); timings averaged over {r.rounds} round(s)"
+        f"(+MiB = over the process before the load); over {r.rounds} round(s): load time and memory the least, "
+        "speeds averaged"
     )
 
 
@@ -632,6 +665,20 @@ def to_table(results: Sequence[EvalResult]) -> str:
     return "\n".join(out)
 
 
+def check_png_path(png_path: str | Path) -> Path:
+    """Where :func:`plot` may write: a ``.png`` name that is not a directory, under no file; checked before an
+    evaluation runs (``compare --png`` found out only after minutes of it)."""
+    path = Path(png_path).expanduser()
+    if path.is_dir():
+        raise EvaluationError(f"{png_path} is a directory; give a file name ending in .png")
+    if path.suffix.lower() != ".png":
+        raise EvaluationError(f"{png_path}: the plot is a PNG; give a name ending in .png")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise EvaluationError(f"{png_path}: {parent} is a file, not a directory")
+    return path
+
+
 def plot(results: Sequence[EvalResult], png_path: str | Path, *, title: str | None = None) -> Path:
     """PNG: perplexity vs bits per weight; bubble area = peak memory; colour = format."""
     import matplotlib
@@ -639,7 +686,16 @@ def plot(results: Sequence[EvalResult], png_path: str | Path, *, title: str | No
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    png_path = Path(png_path)
+    png_path = check_png_path(png_path)
+    if not results:
+        raise EvaluationError("nothing to plot: no results")
+
+    def plottable(r: EvalResult) -> bool:
+        return math.isfinite(r.perplexity) and r.bits_per_weight is not None
+
+    skipped = [r.label for r in results if not plottable(r)]  # named on the figure, not silently missing
+    first = results[0]
+    results = [r for r in results if plottable(r)]
     formats = sorted({r.format for r in results})
     colours = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(formats)}
     mem = [
@@ -660,9 +716,17 @@ def plot(results: Sequence[EvalResult], png_path: str | Path, *, title: str | No
         ax.legend(title="format", loc="best", fontsize=8)
         ax.set_xlabel("bits per weight (quantized linears; all tensors for dense)")
         ax.set_ylabel("perplexity")
-        first = results[0] if results else None
-        default = f"perplexity on {first.text!r}, {first.windows}x{first.window} tokens" if first else "perplexity"
+        default = f"perplexity on {first.text!r}, {first.windows}x{first.window} tokens"
         ax.set_title(title or default + " (bubble = memory)", fontsize=10)
+        if skipped:
+            ax.text(
+                0.01,
+                0.01,
+                f"not plotted (perplexity not finite, or bits unknown): {', '.join(skipped)}",
+                transform=ax.transAxes,
+                fontsize=7,
+                color="firebrick",
+            )
         ax.grid(True, alpha=0.3)
         ax.ticklabel_format(axis="y", useOffset=False, style="plain")  # close perplexities: no "+3.53e1" offset
         ax.margins(x=0.15, y=0.2)  # room for the labels above the top bubble
@@ -717,6 +781,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .cli import _progress_bar, json_line
 
+    if args.png:
+        check_png_path(args.png)
     results = compare(args.paths, rounds=args.rounds, progress=_progress_bar(), **_common_kwargs(args))
     png = plot(results, args.png) if args.png else None
     if args.json:

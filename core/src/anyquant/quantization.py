@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import numbers
 import os
 import shutil
 import subprocess
@@ -30,7 +32,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ._staging import check_destination, staging_dir
+from ._staging import check_destination, replace_dir, staging_dir
 from .errors import AnyquantError, QuantizeError
 from .probe import Probe
 from .protocols import QuantizeSpec, undeclared_options
@@ -100,15 +102,20 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> None:
     check_destination(src, dst, overwrite, QuantizeError)
 
 
-def eval_text() -> str:
-    """The quality gate's text: the held-out part of the bundled wiki corpus (never drawn for
-    calibration), or a short text of our own when the corpus files are not installed."""
+def heldout_text() -> str:
+    """The held-out part of the bundled wiki corpus (never drawn for calibration; what ``anyquant eval`` and
+    ``compare`` score by default), or a short text of our own when the corpus files are not installed."""
     from .calibration import CalibrationError, evaluation_text
 
     try:
-        return evaluation_text("wiki")[:12000]
+        return evaluation_text("wiki")
     except CalibrationError:
         return FALLBACK_EVAL_TEXT
+
+
+def eval_text() -> str:
+    """The quality gate's text: the start of :func:`heldout_text`."""
+    return heldout_text()[:12000]
 
 
 #: the seeds' advice: general web text plus code against domain shift.
@@ -119,21 +126,23 @@ def calibration_texts(spec: QuantizeSpec) -> list[str]:
     """A quantizer's calibration samples: explicit texts (``options["texts"]``), or a named source / mix / file
     via :mod:`anyquant.calibration` (default :data:`DEFAULT_CALIBRATION`).
 
-    Either way they are checked against the quality gate's held-out evaluation text (n-gram overlap).
+    Either way they are checked against the whole held-out evaluation text (n-gram overlap): the quality
+    gate's, and what ``anyquant eval``/``compare`` score (the check covered only the gate's 12,000
+    characters before, so calibration text from further on slipped through).
     """
     from .calibration import check_overlap, sample
 
     texts = spec.options.get("texts")
     if texts:
         texts = [str(t) for t in texts]
-        check_overlap(texts, eval_text())
+        check_overlap(texts, heldout_text())
         return texts
     return sample(
         spec.calibration or DEFAULT_CALIBRATION,
         n_samples=spec.calibration_samples,
         seq_len=spec.calibration_seq_len,
         seed=int(spec.options.get("seed", 0)),
-        evaluation=eval_text(),
+        evaluation=heldout_text(),
     )
 
 
@@ -162,7 +171,7 @@ def quality_check(
     tokens = 0
     for path in (src, result):
         model = load(path, registry=registry)
-        ids = model.tokenizer(text)["input_ids"][:max_tokens]
+        ids = model.tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]  # as perplexity() reads text
         out = perplexity(model, ids, window=min(512, len(ids)))
         ppls.append(float(out["perplexity"]))
         tokens = int(out["tokens"])
@@ -178,6 +187,37 @@ def quality_check(
     return report
 
 
+def _check_arguments(**kw: Any) -> None:
+    """Core's arguments of :func:`quantize`, typed, before anything is read (a method's own ranges are its
+    quantizer's ``validate``): a string ``"no"`` for ``sym`` was truthy, ``max_ppl_ratio="3"`` failed after
+    the whole quantization."""
+
+    def bad(name: str, want: str) -> QuantizeError:
+        return QuantizeError(f"{name}={kw[name]!r}: expected {want}")
+
+    if not isinstance(kw["method"], str):
+        raise bad("method", "a string such as 'gptq', 'awq' or 'exl3'")
+    bits = kw["bits"]
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Real) or not math.isfinite(bits):
+        raise bad("bits", "a number")
+    if isinstance(kw["group_size"], bool) or not isinstance(kw["group_size"], numbers.Integral):
+        raise bad("group_size", "an integer (-1: one group per column)")
+    for name in ("desc_act", "quality", "overwrite"):
+        if not isinstance(kw[name], bool):
+            raise bad(name, "True or False")
+    if kw["sym"] is not None and not isinstance(kw["sym"], bool):
+        raise bad("sym", "True, False or None (the method's default)")
+    for name in ("calibration_samples", "calibration_seq_len"):
+        v = kw[name]
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise bad(name, "an integer >= 1")
+    if kw["calibration_seq_len"] < 16:
+        raise bad("calibration_seq_len", "at least 16 tokens (a calibration text is a context, not a word)")
+    ratio = kw["max_ppl_ratio"]
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not math.isfinite(ratio) or ratio < 1:
+        raise bad("max_ppl_ratio", "a finite number >= 1 (the result's perplexity over the source's)")
+
+
 def quantize(
     src: str | Path,
     dst: str | Path,
@@ -187,7 +227,7 @@ def quantize(
     group_size: int = 128,
     sym: bool | None = None,
     desc_act: bool = False,
-    calibration: str | Sequence[str] | None = None,
+    calibration: str | os.PathLike[str] | Sequence[str] | None = None,
     calibration_samples: int = 128,
     calibration_seq_len: int = 512,
     overwrite: bool = False,
@@ -206,8 +246,44 @@ def quantize(
 
     reg = registry or default_registry()
     src, dst = Path(src), Path(dst)
+    _check_arguments(
+        method=method,
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+        desc_act=desc_act,
+        calibration_samples=calibration_samples,
+        calibration_seq_len=calibration_seq_len,
+        max_ppl_ratio=max_ppl_ratio,
+        quality=quality,
+        overwrite=overwrite,
+    )
+    if isinstance(calibration, os.PathLike):  # a file, as a path object: its name as the string form takes it
+        calibration = os.fspath(calibration)
+    if calibration == "":
+        raise QuantizeError("calibration='' names no source: pass a named source, a mix, a file, or None (default)")
+    if isinstance(calibration, str):
+        from .calibration import CalibrationError, check_spec
+
+        try:
+            check_spec(calibration, registry)
+        except CalibrationError as exc:
+            raise QuantizeError(f"calibration={calibration!r}: {exc}") from exc
+    elif calibration is not None:
+        texts = None if isinstance(calibration, (bytes, Mapping)) else list(calibration)
+        if texts is None or not texts or not all(isinstance(t, str) for t in texts):
+            raise QuantizeError("calibration must be a source name, a mix, a file path, or a non-empty list of texts")
+        calibration = texts
     _check_paths(src, dst, overwrite)
     source_probe = Probe.open(src)
+    if not source_probe.root.is_dir() or source_probe.path.is_file():
+        raise QuantizeError(f"{src}: quantize needs a model directory (config.json, weights, tokenizer), not one file")
+    if not any(n.startswith(("tokenizer", "vocab")) for n in source_probe.tokenizer_files):
+        raise QuantizeError(
+            f"{src} has no tokenizer files: calibration, the quality check and the output need the source's tokenizer"
+        )
+    if method.lower() == "exl3" and group_size != 128:
+        raise QuantizeError(f"group_size={group_size}: exl3 has no groups (its scales are per channel); leave it out")
     detection = reg.detect(source_probe)
     if detection.format != "dense":
         hint = " Export it first: anyquant export PATH --to dense OUT." if detection.format == "gguf" else ""
@@ -247,9 +323,7 @@ def quantize(
             qr = quality_check(src, out, max_ratio=max_ppl_ratio, registry=reg)
             log.info("quality: perplexity %.4g -> %.4g (%.2fx)", qr.source_ppl, qr.result_ppl, qr.ratio)
             (out / "anyquant_quality.json").write_text(json.dumps(qr.to_dict(), indent=1))
-        if dst.exists():
-            shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
-        os.replace(out, dst)
+        replace_dir(out, dst)
         report_progress("done", 1.0)
         log.info("quantized %s -> %s (%s) in %.1fs", src, dst, spec.method, time.monotonic() - started)
         return dst
@@ -385,6 +459,23 @@ def run_worker(
         tail = log_path.read_text(errors="replace")[-3000:]
         raise WorkerError(f"{module} exited with code {code}. Last lines of its log:\n{tail}")
     return result
+
+
+def watch_parent(interval: float = 1.0) -> None:
+    """For worker scripts: exit when the parent process dies (it was killed with SIGKILL, or by the OOM
+    killer, so it could not stop this worker): a daemon thread polls the parent's pid. Without it an
+    orphaned GPTQModel worker went on quantizing for up to half an hour, writing nowhere."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="anyquant-watch-parent", daemon=True).start()
 
 
 def emit_progress(stage: str, fraction: float) -> None:

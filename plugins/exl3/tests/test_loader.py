@@ -369,3 +369,16 @@ def test_exl3_tensors_that_contradict_each_other_fail_at_load(
     _edit(path, weights.name, edit)
     with pytest.raises(anyquant.CheckpointError, match=message):
         anyquant.load(path, backend="reference")
+
+
+def test_inspect_exl3_reports_logical_shapes(exl3: Path, dense: Path) -> None:
+    """The trellis holds k_proj (64 x 128 here) padded to 128 x 128; inspect showed the padded shape, so
+    compare counted more parameters for EXL3 than for the same model in any other format."""
+    report = anyquant.inspect(exl3)
+    rows = {m.name: m for m in report.modules}
+    k = rows["model.layers.0.self_attn.k_proj"]
+    assert k.shape == (64, 128) and k.extra["padded_shape"] == (128, 128)
+    assert rows["model.layers.0.mlp.down_proj"].shape == (128, 256)
+    ours = {n: m.shape for n, m in rows.items() if n.endswith("_proj")}
+    theirs = {m.name: m.shape for m in anyquant.inspect(dense).modules if m.name.endswith("_proj")}
+    assert ours == theirs

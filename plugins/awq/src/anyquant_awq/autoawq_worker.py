@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from anyquant.probe import TOKENIZER_FILES
-from anyquant.quantization import emit_progress, emit_result
+from anyquant.quantization import emit_progress, emit_result, watch_parent
 
 #: the AutoAWQ this worker was written against (its last release).
 AUTOAWQ_VERSION = "0.2.9"
@@ -102,6 +102,7 @@ def _finish(src: Path, out: Path) -> None:
 
 
 def main(job_file: str) -> int:
+    watch_parent()  # an orphan (the parent SIGKILLed) exits instead of quantizing for nothing
     job = json.loads(Path(job_file).read_text())
     emit_progress("importing autoawq", 0.02)
     try:

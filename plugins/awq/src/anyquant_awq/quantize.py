@@ -196,8 +196,21 @@ class AWQQuantizer(GPTQModelQuantizer):
                 "dynamic= is GPTQ's per-module override (bits, group size, skipped modules); no AWQ quantizer here "
                 "applies it, so it would be dropped: quantize those modules with method='gptq', or drop it"
             )
-        if spec.options.get("dtype", "float16") not in ("float16", "bfloat16"):
+        dtype = spec.options.get("dtype", "float16")
+        if dtype not in ("float16", "bfloat16"):
             raise QuantizeError("AWQ GEMM stores float16 scales; pass dtype='float16'")
+        if dtype == "bfloat16" and self.backend(spec) == "anyquant":  # it was silently dropped
+            raise QuantizeError(
+                "dtype='bfloat16': anyquant's AWQ quantizer writes float16 scales whatever it is told; drop the option "
+                "(GPTQModel's AWQ, quantizer_backend='gptqmodel', quantizes in bfloat16)"
+            )
+        for name in ("zero_point", "apply_clip", "duo_scaling"):
+            value = spec.options.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise QuantizeError(f"{name}={value!r}: expected True or False (the string 'false' is truthy)")
+        n_grid = spec.options.get("n_grid", 20)
+        if isinstance(n_grid, bool) or not isinstance(n_grid, int) or n_grid < 1:
+            raise QuantizeError(f"n_grid={n_grid!r}: expected an integer >= 1 (scale search grid points)")
         version = spec.options.get("version", "gemm")
         if version != "gemm":
             raise QuantizeError(f"AWQ version {version!r}: anyquant writes GEMM (loadable by every AWQ runtime)")

@@ -140,6 +140,30 @@ def stored_parts(name: str, linear: nn.Linear, stored: Mapping[str, Any], probe:
     return PartsPlan(tuple((n, linear.in_features, k) for n, k in zip(slices, sizes, strict=True)), False)
 
 
+def _logical_shapes(probe: Probe) -> dict[str, tuple[int, int]]:
+    """``(out, in)`` of a Llama-style decoder's projections by their last name, from config.json: the trellis
+    holds each padded to multiples of 128 (SmolLM2's k_proj, 64 x 576, is stored as 128 x 640), and inspect
+    reports the logical shape, as ModuleInfo documents and every other format does. Empty without a usable
+    config."""
+    from anyquant.sizing import SizingError, model_shape
+
+    try:
+        m = model_shape(probe.config or {})
+    except (SizingError, KeyError, TypeError, ValueError, AssertionError):
+        return {}
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    return {
+        "q_proj": (q, m.hidden),
+        "k_proj": (kv, m.hidden),
+        "v_proj": (kv, m.hidden),
+        "o_proj": (m.hidden, q),
+        "gate_proj": (m.intermediate, m.hidden),
+        "up_proj": (m.intermediate, m.hidden),
+        "down_proj": (m.hidden, m.intermediate),
+        "lm_head": (m.vocab, m.hidden),
+    }
+
+
 def _hidden_size(probe: Probe) -> int | None:
     value = (probe.config or {}).get("hidden_size")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
@@ -476,18 +500,18 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
                 extra={"codebook": "mul1", "table": "ring-coded embedding" if table.signs else "n-gram (not loaded)"},
             )
             for key, table in tables.items()
-        ] + [
-            ModuleInfo(
-                name,
-                "exl3",
-                (m["out_pad"], m["in_pad"]),
-                m["k"],
-                None,
-                m["nbytes"],
-                extra={"codebook": m["codebook"], "padded": True},
-            )
-            for name, m in modules.items()
         ]
+        logical = _logical_shapes(probe)
+        for name, m in modules.items():
+            padded = (m["out_pad"], m["in_pad"])
+            moe = ".experts." in name or "shared_expert" in name  # sized by other config keys: left padded
+            shape = padded if moe else logical.get(name.rpartition(".")[2], padded)
+            if not (shape[0] <= padded[0] and shape[1] <= padded[1]):
+                shape = padded  # the config does not describe this layer
+            extra = (
+                {"codebook": m["codebook"], "padded_shape": padded} if shape != padded else {"codebook": m["codebook"]}
+            )
+            rows.append(ModuleInfo(name, "exl3", shape, m["k"], None, m["nbytes"], extra=extra))
         pieces = {shard.removesuffix(".trellis") for table in tables.values() for shard in table.shards}
         return rows + dense_rows(probe, skip=set(modules) | set(tables) | pieces)
 

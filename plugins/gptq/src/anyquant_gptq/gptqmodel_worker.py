@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from anyquant.quantization import emit_progress, emit_result
+from anyquant.quantization import emit_progress, emit_result, watch_parent
 
 
 def _config(job: dict[str, Any]) -> Any:
@@ -32,6 +32,7 @@ def _config(job: dict[str, Any]) -> Any:
 
 
 def main(job_file: str) -> int:
+    watch_parent()  # an orphan (the parent SIGKILLed) exits instead of quantizing for nothing
     job = json.loads(Path(job_file).read_text())
     emit_progress("importing gptqmodel", 0.02)
     try:

@@ -49,7 +49,14 @@ class GPTQModelQuantizer:
                 f"{self.method} bits={bits} is not supported; choose one of {self.bits_allowed}"
                 + (" (5/6/7-bit GPTQ exists only in GPTQModel's planar gptq_p format)" if self.method == "gptq" else "")
             )
-        fmt = spec.options.get("format", self.formats[0])
+        opts = spec.options
+        dtype = opts.get("dtype", "float16")
+        if dtype not in ("float16", "bfloat16"):
+            raise QuantizeError(f"dtype={dtype!r}: expected 'float16' or 'bfloat16'")
+        batch = opts.get("batch_size", 4)
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise QuantizeError(f"batch_size={batch!r}: expected an integer >= 1")
+        fmt = opts.get("format", self.formats[0])
         if fmt not in self.formats:
             raise QuantizeError(f"{self.method} format {fmt!r} is not one of {self.formats}")
         gs = spec.group_size
