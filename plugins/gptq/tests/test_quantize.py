@@ -138,3 +138,18 @@ def test_quality_gate_rejects_a_broken_result(src: Path, tmp_path: Path, monkeyp
         anyquant.quantize(src, tmp_path / "o", method="gptq", bits=4, group_size=32, calibration=TEXTS)
     assert not (tmp_path / "o").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_calibration_texts_are_cut_to_seq_len_tokens(tmp_path: Path) -> None:
+    """Samples are drawn by characters and GPTQModel trims only to the context: a 512-token request gave
+    2,047 tokens per text with a byte-level tokenizer."""
+    from anyquant.runtime.tokenizer import load_tokenizer
+    from anyquant.testing.tiny import make_tiny_dense
+    from anyquant_gptq.quantize import _cut_to_tokens
+
+    src = make_tiny_dense(tmp_path / "m")
+    tok = load_tokenizer(anyquant.Probe.open(src))
+    texts = ["short", "word " * 400]
+    cut = _cut_to_tokens(src, texts, 64)
+    assert cut[0] == "short" and cut[1] != texts[1] and texts[1].startswith(cut[1])
+    assert [len(tok(t, add_special_tokens=False)["input_ids"]) for t in cut] == [5, 64]
