@@ -104,14 +104,18 @@ def test_quantized_source_is_refused(quantized: Path, tmp_path: Path) -> None:
         anyquant.quantize(quantized, tmp_path / "o", method="gptq", calibration=TEXTS)
 
 
-def test_worker_failure_leaves_nothing(src: Path, tmp_path: Path) -> None:
+def test_worker_failure_leaves_nothing(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from anyquant._staging import _host_tag
+    from anyquant_gptq.quantize import GPTQQuantizer
+
+    job = GPTQQuantizer.job  # a dtype the worker cannot use, past validate (which refuses it now)
+    monkeypatch.setattr(GPTQQuantizer, "job", lambda self, *a: {**job(self, *a), "dtype": "no_such_dtype"})
 
     # and removes what a killed run (SIGKILL: no cleanup) left beside the same destination
     pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
     (tmp_path / f".o.anyquant-{_host_tag()}-{pid}-killed" / "model").mkdir(parents=True)
     with pytest.raises(QuantizeError, match="exited with code"):  # the worker dies after it started
-        anyquant.quantize(src, tmp_path / "o", method="gptq", calibration=TEXTS, group_size=32, dtype="no_such_dtype")
+        anyquant.quantize(src, tmp_path / "o", method="gptq", calibration=TEXTS, group_size=32)
     assert not (tmp_path / "o").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
