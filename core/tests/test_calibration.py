@@ -110,6 +110,25 @@ def test_txt_file(tmp_path: Path) -> None:
     assert texts == cal.sample(str(f), 5, 32, seed=0)
 
 
+def test_text_shorter_than_one_sample_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A file shorter than one sample gave N copies of itself without a word (a Hessian from one text,
+    N times the compute); now a warning says so. Text that only overlaps is an INFO line; enough text, nothing."""
+    f = tmp_path / "short.txt"
+    f.write_text("one short line of calibration text")
+    with caplog.at_level("INFO", logger="anyquant.calibration"):
+        texts = cal.sample(str(f), 4, 64, seed=0)
+    assert len(set(texts)) == 1
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "all 4 samples are that same text" in caplog.text
+    caplog.clear()
+    (tmp_path / "some.txt").write_text(TEXT)  # ~26,000 characters: 20 samples of 64 tokens (~256) fit
+    with caplog.at_level("INFO", logger="anyquant.calibration"):
+        cal.sample(str(tmp_path / "some.txt"), 20, 64, seed=0)
+        assert not caplog.records
+        cal.sample(str(tmp_path / "some.txt"), 200, 64, seed=0)
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "overlap" in caplog.text
+
+
 def test_jsonl_file(tmp_path: Path) -> None:
     f = tmp_path / "mine.jsonl"
     rows = [{"text": f"row {i}: " + TEXT[i * 50 : i * 50 + 400], "body": f"other {i}"} for i in range(30)]

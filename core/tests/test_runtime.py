@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -563,3 +564,40 @@ def test_weights_that_contradict_the_config_fail_at_load(tiny: Path, tmp_path: P
         anyquant.MissingTensorError, match=r"up_proj.weight' is not in the checkpoint, and its module has only bias"
     ):
         anyquant.load(root)
+
+
+def test_misuse_gets_its_own_error_class(tiny: Path, tmp_path: Path) -> None:
+    """These raised the bare base class, which a host cannot tell from any other anyquant error: a closed
+    model (now ModelClosedError), chat messages to a tokenizer without a chat template (CheckpointError),
+    a plugin whose loader is no Loader (PluginError)."""
+    import dataclasses
+    import shutil
+
+    from anyquant import FormatSpec, Registry, hookimpl
+    from anyquant.api import detect, get_loader
+
+    model = anyquant.load(tiny)
+    model.close()
+    with pytest.raises(anyquant.ModelClosedError, match="was closed"):
+        model.generate("Hi", max_new_tokens=1)
+    bare = tmp_path / "no-template"
+    shutil.copytree(tiny, bare)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (bare / name).unlink(missing_ok=True)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with anyquant.load(bare) as model:
+        assert model.generate("Hi", max_new_tokens=1) is not None  # a plain string still works
+        with pytest.raises(anyquant.CheckpointError, match="no chat template"):
+            model.generate([{"role": "user", "content": "Hi"}], max_new_tokens=1)
+
+    class Plugin:
+        @hookimpl
+        def anyquant_register_formats(self, register):  # type: ignore[no-untyped-def]
+            register(FormatSpec(name="fakefmt", loader="types:SimpleNamespace", description="no Loader"))
+
+    reg = Registry(entry_points=False, plugins=[("fake", Plugin())])
+    detection = dataclasses.replace(detect(tiny, registry=reg), format="fakefmt")
+    with pytest.raises(anyquant.PluginError, match="does not implement the Loader protocol"):
+        get_loader(detection, reg)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._memory import release_free_heap
-from .errors import AnyquantError, CheckpointError, MissingDependencyError
+from .errors import AnyquantError, CheckpointError, MissingDependencyError, PluginError
 from .probe import Probe
 from .protocols import Detection, Loader, LoadOptions
 from .registry import PluginInfo, Registry, load_spec_object
@@ -49,7 +49,7 @@ def get_loader(detection: Detection, registry: Registry) -> Loader:
     spec = registry.format(detection.format)
     loader = load_spec_object(spec, "loader")
     if not isinstance(loader, Loader):
-        raise AnyquantError(f"{spec.loader} does not implement the Loader protocol")
+        raise PluginError(f"{spec.loader} does not implement the Loader protocol")
     return loader
 
 

@@ -454,6 +454,19 @@ def sample_documents(docs: Sequence[str], n_samples: int, n_chars: int, seed: in
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise CalibrationError("no text to sample from")
+    total = sum(map(len, docs)) + 2 * (len(docs) - 1)
+    if n_samples > 1 and total <= n_chars:
+        log.warning(
+            "the calibration text holds %d characters, less than one sample (~%d): all %d samples are that "
+            "same text; give more text or fewer, shorter samples",
+            total,
+            n_chars,
+            n_samples,
+        )
+    elif total < n_samples * n_chars:
+        log.info(
+            "the calibration text holds %d characters; %d samples of ~%d overlap", total, n_samples, n_chars
+        )
     rng = random.Random(seed)
     return [_window(docs, rng.randrange(len(docs)), n_chars, rng) for _ in range(n_samples)]
 

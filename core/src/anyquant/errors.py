@@ -15,6 +15,7 @@ __all__ = [
     "HeaderError",
     "MissingDependencyError",
     "MissingTensorError",
+    "ModelClosedError",
     "ParameterError",
     "PickleRefusedError",
     "PluginError",
@@ -93,6 +94,10 @@ class PluginError(AnyquantError):
 
 class QuantizeError(AnyquantError):
     """Quantization was refused or failed; nothing was written at the destination."""
+
+
+class ModelClosedError(AnyquantError):
+    """The model was closed (:meth:`~anyquant.LoadedModel.close`) before or while it was used."""
 
 
 class ParameterError(AnyquantError, ValueError):

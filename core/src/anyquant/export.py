@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ._staging import check_destination, replace_dir, staging_dir
-from .errors import AnyquantError, UnsupportedBackendError
+from .errors import ParameterError, UnsupportedBackendError
 
 __all__ = ["export_dense"]
 
@@ -31,7 +31,7 @@ def export_dense(
 
     out = Path(out)
     if isinstance(path, (str, os.PathLike)):
-        check_destination(Path(path), out, overwrite, AnyquantError, what="export destination")
+        check_destination(Path(path), out, overwrite, ParameterError, what="export destination")
     load_kwargs.setdefault("runtime", "transformers")  # save_pretrained is transformers' (the native runtime has none)
     backend = load_kwargs.pop("backend", None)
     try:
@@ -80,7 +80,7 @@ def export_dense(
         if t is not None and not t.is_floating_point()
     ]
     if left:
-        raise AnyquantError(
+        raise UnsupportedBackendError(
             f"export_dense: {len(left)} tensors of the {model.backend!r} backend have no dense form (e.g. {left[:3]}); "
             "nothing was written. Export with backend='dequantized' or 'reference'."
         )

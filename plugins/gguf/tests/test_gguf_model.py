@@ -128,6 +128,6 @@ def test_export_dense_refuses_a_module_without_a_dense_form(
     from anyquant_gguf.qlinear import GGUFTiedHead
 
     monkeypatch.delattr(GGUFTiedHead, "dequantize")
-    with pytest.raises(anyquant.AnyquantError, match=r"no dense form .*lm_head\.qweight"):
+    with pytest.raises(anyquant.UnsupportedBackendError, match=r"no dense form .*lm_head\.qweight"):
         anyquant.export_dense(gguf_path, tmp_path / "dense", backend="packed")
     assert not (tmp_path / "dense").exists()

@@ -179,20 +179,20 @@ def test_close_releases_the_files_and_the_model(root: Path) -> None:
         assert module() is None  # the native module and its decode step no longer keep each other alive
     finally:
         gc.enable()
-    with pytest.raises(anyquant.AnyquantError, match="was closed"):
+    with pytest.raises(anyquant.ModelClosedError, match="was closed"):
         model.generate("Hello", max_new_tokens=2)
     model.close()  # idempotent
     assert repr(model).endswith(", closed)")
 
 
 def test_closing_while_a_stream_is_read(root: Path) -> None:
-    """A stream still being read when its model is closed stops with an AnyquantError (it used to read
+    """A stream still being read when its model is closed stops with a ModelClosedError (it used to read
     the closed checkpoint file: a bare ValueError 'I/O operation on closed file', or run on regardless)."""
     model = anyquant.load(root / "quantized" / FOUR_BIT[0], backend="cpu-fast")
     stream = model.stream("Hello there, how", max_new_tokens=8, chat=False)
     next(stream)
     model.close()
-    with pytest.raises(anyquant.AnyquantError, match="closed while generating"):
+    with pytest.raises(anyquant.ModelClosedError, match="closed while generating"):
         list(stream)
 
 

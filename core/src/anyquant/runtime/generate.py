@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import AnyquantError, ParameterError
+from ..errors import CheckpointError, ModelClosedError, ParameterError
 from ..protocols import GenerationParams, Prompt
 from .chat import render_chat
 
@@ -165,14 +165,14 @@ class TorchGenerator:
     def encode(self, prompt: Prompt, params: GenerationParams) -> list[int]:
         tok = self.tokenizer
         if tok is None:
-            raise AnyquantError("this model has no tokenizer; pass token ids to .module directly")
+            raise CheckpointError("this model has no tokenizer; pass token ids to .module directly")
         _check_text(prompt)
         chat = params.chat if params.chat is not None else not isinstance(prompt, str)
         if chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             _check_messages(messages)
             if not getattr(tok, "chat_template", None):
-                raise AnyquantError("this model's tokenizer has no chat template; pass a plain string prompt")
+                raise CheckpointError("this model's tokenizer has no chat template; pass a plain string prompt")
             text = render_chat(tok, messages, add_generation_prompt=True)
             return list(tok(text, add_special_tokens=False)["input_ids"])
         if not isinstance(prompt, str):
@@ -254,17 +254,17 @@ class TorchGenerator:
 
     def close(self) -> None:
         """Refuse further steps: a stream still being read (or a generation in another thread) stops with an
-        :class:`~anyquant.errors.AnyquantError` instead of running on a released model."""
+        :class:`~anyquant.errors.ModelClosedError` instead of running on a released model."""
         self.closed = True
 
     def _forward(self, **kwargs: Any) -> Any:
         if self.closed:
-            raise AnyquantError("the model was closed while generating; load the checkpoint again")
+            raise ModelClosedError("the model was closed while generating; load the checkpoint again")
         try:
             return self.module(**kwargs)
         except Exception as exc:
             if self.closed:  # closed from another thread mid-forward (a file it reads was closed)
-                raise AnyquantError("the model was closed while generating; load the checkpoint again") from exc
+                raise ModelClosedError("the model was closed while generating; load the checkpoint again") from exc
             raise
 
     # ------------------------------------------------------------------ protocol

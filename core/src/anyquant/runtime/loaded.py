@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ..errors import AnyquantError, ParameterError
+from ..errors import ModelClosedError, ParameterError
 from ..protocols import Detection, GenerationParams, Generator, Prompt
 
 __all__ = ["LoadedModel"]
@@ -82,7 +82,7 @@ class LoadedModel:
 
     def _open_generator(self) -> Generator:
         if self.closed:
-            raise AnyquantError(f"{self!r} was closed; load the checkpoint again")
+            raise ModelClosedError(f"{self!r} was closed; load the checkpoint again")
         return self.generator
 
     def close(self) -> None:
@@ -97,7 +97,7 @@ class LoadedModel:
         module = self.module
         stop = getattr(self.generator, "close", None)
         if callable(stop):
-            stop()  # a stream still being read stops with an AnyquantError
+            stop()  # a stream still being read stops with a ModelClosedError
         unload = getattr(module, "unload", None)
         if callable(unload):
             unload()

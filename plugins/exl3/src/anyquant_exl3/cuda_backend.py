@@ -218,9 +218,9 @@ def cache_tokens(requested: Any) -> int:
     try:
         value = int(requested)
     except (TypeError, ValueError) as exc:
-        raise AnyquantError(f"cache_tokens must be an integer, got {requested!r}") from exc
+        raise ParameterError(f"cache_tokens must be an integer, got {requested!r}") from exc
     if value <= 0:
-        raise AnyquantError(f"cache_tokens must be positive, got {value}")
+        raise ParameterError(f"cache_tokens must be positive, got {value}")
     return -(-value // PAGE_SIZE) * PAGE_SIZE
 
 
@@ -289,7 +289,7 @@ class ExllamaModule:
     def forward(self, input_ids: Any, attention_mask: Any = None, **kwargs: Any) -> ExllamaOutput:
         for key in ("past_key_values", "cache", "use_cache", "position_ids"):
             if kwargs.get(key):
-                raise AnyquantError(
+                raise ParameterError(
                     f"the exllamav3 backend's module takes no {key!r}: it scores whole sequences without a cache; "
                     "generate through model.generate / stream / generate_batch"
                 )
@@ -297,9 +297,9 @@ class ExllamaModule:
         if ids.dim() == 1:
             ids = ids[None]
         if ids.dim() != 2:
-            raise AnyquantError(f"input_ids must be [batch, seq], got shape {tuple(ids.shape)}")
+            raise ParameterError(f"input_ids must be [batch, seq], got shape {tuple(ids.shape)}")
         if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
-            raise AnyquantError("the exllamav3 backend's module has no padding mask: pass rows of equal length")
+            raise ParameterError("the exllamav3 backend's module has no padding mask: pass rows of equal length")
         logits = self.model.forward(ids.to("cpu", torch.long).contiguous(), {"attn_mode": "flash_attn_nc"})
         if self.vocab_size is not None:
             logits = logits[..., : self.vocab_size]
