@@ -64,3 +64,110 @@ def test_all_is_a_literal_list_of_every_export(tmp_path) -> None:  # type: ignor
         env=env,
     )
     assert "does not explicitly export" not in out.stdout, out.stdout
+
+
+USER_TYPED = '''
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TypedDict
+
+import torch
+
+import anyquant as sdk
+from anyquant import Prompt, Report
+from anyquant.hookspecs import CalibrationRegistrar, CommandRegistrar
+from anyquant.protocols import Quantizer, QuantizeSpec
+
+
+class Message(TypedDict):
+    role: str
+    content: str | None
+
+
+def prompts() -> Iterator[str]:
+    yield "a"
+    yield "b"
+
+
+def main(path: Path) -> list[str]:
+    report: Report = sdk.inspect(path)
+    print(report)
+    model = sdk.load(path, dtype=torch.bfloat16, device=torch.device("cpu"))
+    messages: list[Message] = [{"role": "user", "content": "Hi"}]
+    p: Prompt = messages
+    print(model.generate(p, max_new_tokens=4, stop="."))
+    return model.generate_batch(prompts(), temperature=0.5, seed=1)
+
+
+class MyQuantizer:
+    method = "myq"
+
+    def quantize(self, src: Path, dst: Path, spec: QuantizeSpec, progress: object) -> Path:
+        return dst
+
+
+class Strict:
+    @property
+    def method(self) -> str:
+        return "myq"
+
+    def quantize(self, src: Path, dst: Path, spec: QuantizeSpec, progress: object) -> Path:
+        return dst
+
+
+quantizers: list[Quantizer] = [MyQuantizer(), Strict()]
+
+
+def hooks(register: CalibrationRegistrar, cli: CommandRegistrar) -> None:
+    register("mine", lambda n, seq_len, seed: ["text"] * n)
+    cli.add_command("hello", "say hello", lambda parser: None, lambda args: 0)
+'''
+
+
+def test_the_public_api_type_checks_as_a_user_writes_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """From a typing audit: generation keywords were ``**kwargs: Any`` (mypy passed ``max_tokens=5``), a
+    list of TypedDict messages or a generator of prompts was refused, ``torch.bfloat16``/``torch.device``/
+    ``os.PathLike`` were refused by ``load``'s types though they run, the protocols refused a quantizer with
+    a ``ClassVar``/property ``method`` or no ``progress`` default, and the hook arguments were untyped."""
+    import os
+    import subprocess
+    import sys
+
+    good = tmp_path / "good.py"
+    good.write_text(USER_TYPED)
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import anyquant as sdk\n\n\ndef main(path: str) -> str:\n"
+        "    return sdk.load(path).generate('Hi', max_tokens=5)\n"
+    )
+    env = {**os.environ, "MYPYPATH": ""}
+    cmd = [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--follow-imports=silent"]
+    out = subprocess.run([*cmd, str(good)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout
+    out = subprocess.run([*cmd, str(bad)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert 'Unexpected keyword argument "max_tokens"' in out.stdout, out.stdout
+
+
+def test_generation_keywords_are_the_params_fields() -> None:
+    from dataclasses import fields
+
+    from anyquant import GenerationKwargs, GenerationParams
+
+    assert list(GenerationKwargs.__annotations__) == [f.name for f in fields(GenerationParams)]
+
+
+def test_fixtures_need_no_pytest(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``anyquant.testing.fixtures`` (standard library only, plugins.md sends third parties there) failed to
+    import without pytest, because the package imported the conformance kit eagerly."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['pytest'] = None\n"
+        "from anyquant.testing.fixtures import write_safetensors\n"
+        f"write_safetensors(__import__('pathlib').Path({str(tmp_path / 'x.safetensors')!r}), {{'x': ('U8', (4, 4))}})\n"
+        "import anyquant.testing as t\n"
+        "try:\n    t.PluginConformance\nexcept ImportError:\n    print('kit needs pytest')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "kit needs pytest", out.stderr

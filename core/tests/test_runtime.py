@@ -601,3 +601,11 @@ def test_misuse_gets_its_own_error_class(tiny: Path, tmp_path: Path) -> None:
     detection = dataclasses.replace(detect(tiny, registry=reg), format="fakefmt")
     with pytest.raises(anyquant.PluginError, match="does not implement the Loader protocol"):
         get_loader(detection, reg)
+
+
+def test_torch_device_and_dtype_objects_are_accepted(tiny: Path) -> None:
+    """``load``'s types admit ``torch.device``/``torch.dtype`` (what torch users pass); they become the
+    option strings, so the model reports ``"cpu"``/``"float32"`` either way."""
+    with anyquant.load(tiny, device=torch.device("cpu"), dtype=torch.bfloat16) as model:
+        assert (model.device, model.dtype) == ("cpu", "bfloat16")
+        assert next(model.module.parameters()).dtype == torch.bfloat16

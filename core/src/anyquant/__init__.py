@@ -47,6 +47,9 @@ _EXPORTS: dict[str, str] = {
     "FormatSpec": "protocols",
     "LoadOptions": "protocols",
     "GenerationParams": "protocols",
+    "GenerationKwargs": "protocols",
+    "Prompt": "protocols",
+    "Report": "report",
     "QuantizeSpec": "protocols",
     "BackendInfo": "protocols",
     "ModuleInfo": "protocols",
@@ -108,6 +111,9 @@ __all__ = [  # a literal list: type checkers read it (mypy --strict's re-export 
     "FormatSpec",
     "LoadOptions",
     "GenerationParams",
+    "GenerationKwargs",
+    "Prompt",
+    "Report",
     "QuantizeSpec",
     "BackendInfo",
     "ModuleInfo",
@@ -185,15 +191,18 @@ if TYPE_CHECKING:
         Claim,
         Detection,
         FormatSpec,
+        GenerationKwargs,
         GenerationParams,
         Generator,
         Loader,
         LoadOptions,
         ModuleInfo,
+        Prompt,
         Quantizer,
         QuantizeSpec,
     )
     from .quantization import quantize
     from .registry import PluginInfo, Registry
+    from .report import Report
     from .runtime.loaded import LoadedModel
     from .sizing import Advice, Estimate, SizingError, advise, estimate

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +17,8 @@ from .protocols import Detection, Loader, LoadOptions
 from .registry import PluginInfo, Registry, load_spec_object
 
 if TYPE_CHECKING:
+    import torch
+
     from .report import Report
     from .runtime.loaded import LoadedModel
 
@@ -39,7 +42,7 @@ def default_registry() -> Registry:
         return _default
 
 
-def detect(path: str | Path, *, format: str | None = None, registry: Registry | None = None) -> Detection:
+def detect(path: str | os.PathLike[str], *, format: str | None = None, registry: Registry | None = None) -> Detection:
     """Decide a checkpoint's format from its headers; exactly one plugin must claim it."""
     reg = registry or default_registry()
     return reg.detect(Probe.open(path), format=format)
@@ -54,12 +57,12 @@ def get_loader(detection: Detection, registry: Registry) -> Loader:
 
 
 def load(
-    path: str | Path,
+    path: str | os.PathLike[str],
     *,
     format: str | None = None,
     backend: str = "auto",
-    device: str = "auto",
-    dtype: str | None = None,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = None,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     registry: Registry | None = None,
@@ -68,6 +71,19 @@ def load(
     """Detect ``path``'s format, hand it to the one plugin that owns it, and load it.
 
     Never falls back to a dense load of a quantized checkpoint: every disagreement is an error.
+
+    - ``path``: a checkpoint directory, one ``.safetensors`` file or a ``.gguf`` file.
+    - ``format``: insist on a format id (``"gptq"``...); the tensors must agree (``FormatMismatchError``).
+    - ``backend``: ``"auto"`` (the fastest that runs here; ``LoadedModel.backend`` says which) or one of
+      ``anyquant backends --format F``.
+    - ``device``: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"`` (or a ``torch.device``).
+    - ``dtype``: ``"float32"``, ``"float16"``, ``"bfloat16"`` (or a ``torch.dtype``); ``None``: the
+      backend's default (float32 on CPU).
+    - ``allow_pickle``: read ``.bin``/``.pt`` weights (through ``torch.load(weights_only=True)``).
+    - ``trust_remote_code``: let transformers run the checkpoint's own code (config, tokenizer).
+    - ``registry``: an isolated :class:`Registry` instead of the process-wide one.
+    - ``**extra``: the format's load options (``anyquant backends`` lists them); an unknown one is a
+      :class:`~anyquant.errors.ParameterError`.
     """
     reg = registry or default_registry()
     probe = Probe.open(path)
@@ -76,8 +92,8 @@ def load(
     _check_options(loader, extra, detection.format)
     options = LoadOptions(
         backend=backend,
-        device=device,
-        dtype=dtype,
+        device=_torch_name(device),  # torch.device("cuda", 1) -> "cuda:1"
+        dtype=_torch_name(dtype),  # torch.bfloat16 -> "bfloat16"
         allow_pickle=allow_pickle,
         trust_remote_code=trust_remote_code,
         extra=extra,
@@ -107,6 +123,14 @@ def load(
     return loaded
 
 
+def _torch_name(value: Any) -> Any:
+    """A ``torch.device``/``torch.dtype`` as the string load options hold; anything else unchanged (the
+    loader's own checks refuse a wrong type with a ParameterError)."""
+    if value is None or isinstance(value, str) or type(value).__module__ != "torch":
+        return value
+    return str(value).removeprefix("torch.")
+
+
 def _check_options(loader: Any, extra: Mapping[str, Any], fmt: str) -> None:
     """A keyword the loader does not read (``load_options``) is a typo, not a no-op: refuse it."""
     from .protocols import undeclared_options
@@ -121,7 +145,7 @@ def _check_options(loader: Any, extra: Mapping[str, Any], fmt: str) -> None:
         )
 
 
-def inspect(path: str | Path, *, registry: Registry | None = None) -> Report:
+def inspect(path: str | os.PathLike[str], *, registry: Registry | None = None) -> Report:
     """Per-module table and totals, from headers only."""
     from .report import build_report
 

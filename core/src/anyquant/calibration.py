@@ -464,9 +464,7 @@ def sample_documents(docs: Sequence[str], n_samples: int, n_chars: int, seed: in
             n_samples,
         )
     elif total < n_samples * n_chars:
-        log.info(
-            "the calibration text holds %d characters; %d samples of ~%d overlap", total, n_samples, n_chars
-        )
+        log.info("the calibration text holds %d characters; %d samples of ~%d overlap", total, n_samples, n_chars)
     rng = random.Random(seed)
     return [_window(docs, rng.randrange(len(docs)), n_chars, rng) for _ in range(n_samples)]
 

@@ -6,15 +6,36 @@ All hooks collect every answer (none is ``firstresult``): detection must see eve
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import pluggy
 
 if TYPE_CHECKING:
+    import argparse
+
     from .probe import Probe
     from .protocols import Claim, FormatSpec
 
-__all__ = ["hookimpl", "hookspec"]
+__all__ = ["CalibrationRegistrar", "CommandRegistrar", "hookimpl", "hookspec"]
+
+
+class CalibrationRegistrar(Protocol):
+    """What ``anyquant_register_calibration`` gets: ``register(name, loader, description="")``."""
+
+    def __call__(self, name: str, loader: Callable[[int, int, int], list[str]], description: str = "") -> None: ...
+
+
+class CommandRegistrar(Protocol):
+    """What ``anyquant_register_commands`` gets."""
+
+    def add_command(
+        self,
+        name: str,
+        help: str,
+        configure: Callable[[argparse.ArgumentParser], None],
+        run: Callable[[argparse.Namespace], int],
+    ) -> None: ...
+
 
 hookspec = pluggy.HookspecMarker("anyquant")
 hookimpl = pluggy.HookimplMarker("anyquant")
@@ -44,7 +65,7 @@ def anyquant_detect(probe: Probe) -> Claim | None:
 
 
 @hookspec
-def anyquant_register_calibration(register: Callable[..., None]) -> None:
+def anyquant_register_calibration(register: CalibrationRegistrar) -> None:
     """Register named calibration sources: ``register(name, loader)`` where ``loader(n_samples,
     seq_len, seed) -> list[str]``.
 
@@ -53,7 +74,7 @@ def anyquant_register_calibration(register: Callable[..., None]) -> None:
 
 
 @hookspec
-def anyquant_register_commands(cli: Any) -> None:
+def anyquant_register_commands(cli: CommandRegistrar) -> None:
     """Add CLI subcommands. ``cli.add_command(name, help, configure, run)``: ``configure(parser)``
     adds arguments to an ``argparse`` parser, ``run(args) -> int`` executes.
 

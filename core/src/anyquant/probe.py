@@ -86,7 +86,7 @@ class Probe:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def open(cls, path: str | Path) -> Probe:
+    def open(cls, path: str | os.PathLike[str]) -> Probe:
         """Read a checkpoint directory, a single ``.safetensors`` file, or a ``.gguf`` file. A file-system
         error (a directory without read permission, a name too long) is a :class:`ProbeError`."""
         if not isinstance(path, (str, os.PathLike)):
@@ -98,7 +98,7 @@ class Probe:
             raise ProbeError(f"{where}: cannot read ({exc.strerror or exc})") from None
 
     @classmethod
-    def _open(cls, path: str | Path) -> Probe:
+    def _open(cls, path: str | os.PathLike[str]) -> Probe:
         p = Path(path).expanduser()
         if not p.exists():
             raise ProbeError(f"{p}: no such file or directory")

@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 if TYPE_CHECKING:
     from .probe import Probe
@@ -23,6 +23,7 @@ __all__ = [
     "Claim",
     "Detection",
     "FormatSpec",
+    "GenerationKwargs",
     "GenerationParams",
     "Generator",
     "LoadOptions",
@@ -33,8 +34,9 @@ __all__ = [
     "Quantizer",
 ]
 
-#: a plain prompt, or chat messages (``[{"role": "user", "content": "..."}]``).
-Prompt = str | Sequence[Mapping[str, str]]
+#: a plain prompt, or chat messages (``[{"role": "user", "content": "..."}]``; a message's content may be
+#: anything its chat template reads: a string, a list of parts, ``None``).
+Prompt = str | Sequence[Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,20 @@ class GenerationParams:
             object.__setattr__(self, "seed", int(self.seed))
 
 
+class GenerationKwargs(TypedDict, total=False):
+    """The keywords of ``generate``/``stream``/``generate_batch``: :class:`GenerationParams`' fields, so a
+    type checker flags a misspelt ``max_tokens`` as the runtime does; ``stop`` may also be one string."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    stop: str | Sequence[str] | None
+    seed: int | None
+    chat: bool | None
+
+
 def _is_int(value: object) -> bool:
     """An integer, numpy's included (``numbers.Integral``), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -188,7 +204,10 @@ class ModuleInfo:
 
 @runtime_checkable
 class Loader(Protocol):
-    format: str
+    @property
+    def format(self) -> str:
+        """The format id this loader loads (a plain class attribute satisfies this)."""
+        ...
 
     def backends(self) -> list[BackendInfo]: ...
 
@@ -199,15 +218,14 @@ class Loader(Protocol):
 
 @runtime_checkable
 class Quantizer(Protocol):
-    method: str
+    @property
+    def method(self) -> str:
+        """The method id this quantizer writes (a plain class attribute satisfies this)."""
+        ...
 
-    def quantize(
-        self,
-        src: Path,
-        dst: Path,
-        spec: QuantizeSpec,
-        progress: Callable[[str, float], None] | None = None,
-    ) -> Path: ...
+    def quantize(self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None]) -> Path:
+        """Write ``dst`` (core passes a staging directory and always a ``progress(stage, fraction)``)."""
+        ...
 
 
 @runtime_checkable
@@ -216,7 +234,9 @@ class Generator(Protocol):
 
     def stream(self, prompt: Prompt, params: GenerationParams) -> Iterator[str]: ...
 
-    def generate_batch(self, prompts: Sequence[Prompt], params: GenerationParams) -> list[str]: ...
+    def generate_batch(
+        self, prompts: Sequence[Prompt], params: GenerationParams
+    ) -> list[str]: ...  # core passes a list
 
 
 def undeclared_options(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,11 +47,11 @@ def tensors_by_module(probe: Probe) -> dict[str, list[Any]]:
 
 
 def dense_rows(
-    probe: Probe, skip: set[str] | None = None, groups: Mapping[str, list[Any]] | None = None
+    probe: Probe, skip: Collection[str] | None = None, groups: Mapping[str, list[Any]] | None = None
 ) -> list[ModuleInfo]:
     """One row per tensor-owning module that no quantized row covers (weights, norms, embeddings).
     ``groups``: :func:`tensors_by_module`'s result when the caller has it already."""
-    skip = skip or set()
+    skip = set(skip or ())
     rows = []
     for prefix, ts in sorted((groups if groups is not None else tensors_by_module(probe)).items()):
         if prefix in skip:

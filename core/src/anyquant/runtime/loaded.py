@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelClosedError, ParameterError
-from ..protocols import Detection, GenerationParams, Generator, Prompt
+from ..protocols import Detection, GenerationKwargs, GenerationParams, Generator, Prompt
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+elif TYPE_CHECKING:  # Python 3.10: type checkers only (typing_extensions is no runtime dependency)
+    from typing_extensions import Unpack
 
 __all__ = ["LoadedModel"]
 
@@ -37,8 +43,8 @@ class LoadedModel:
     the tokenizer. A closed model refuses to generate.
     """
 
-    module: Any
-    tokenizer: Any
+    module: Any  # a torch.nn.Module, or a GPU backend's own callable (exllamav3's is no nn.Module)
+    tokenizer: Any  # a transformers tokenizer (``None`` when the checkpoint has none)
     format: str
     backend: str
     detection: Detection
@@ -49,28 +55,29 @@ class LoadedModel:
     closed: bool = field(default=False, init=False)
 
     @staticmethod
-    def params(**kwargs: Any) -> GenerationParams:
+    def params(**kwargs: Unpack[GenerationKwargs]) -> GenerationParams:
         """:class:`GenerationParams` from keywords; ``stop`` may be one string or a list. An unknown keyword
         (a misspelt ``max_tokens``) or a bad value is a :class:`~anyquant.errors.ParameterError`."""
-        stop = kwargs.pop("stop", ())
+        given: dict[str, Any] = dict(kwargs)
+        stop = given.pop("stop", ())
         if isinstance(stop, str):
             stop = (stop,)
         elif stop is None:
             stop = ()
-        unknown = sorted(set(kwargs) - {f.name for f in fields(GenerationParams)})
+        unknown = sorted(set(given) - {f.name for f in fields(GenerationParams)})
         if unknown:
             known = ", ".join(f.name for f in fields(GenerationParams))
             raise ParameterError(f"unknown generation parameter(s) {unknown}; known: {known}")
-        return replace(GenerationParams(), stop=tuple(stop) if isinstance(stop, (list, tuple)) else stop, **kwargs)
+        return replace(GenerationParams(), stop=tuple(stop) if isinstance(stop, (list, tuple)) else stop, **given)
 
-    def generate(self, prompt: Prompt, **kwargs: Any) -> str:
+    def generate(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> str:
         """Generate text. Keyword arguments are :class:`~anyquant.GenerationParams` fields."""
         return self._open_generator().generate(_check_prompt(prompt), self.params(**kwargs))
 
-    def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[str]:
+    def stream(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> Iterator[str]:
         return self._open_generator().stream(_check_prompt(prompt), self.params(**kwargs))
 
-    def generate_batch(self, prompts: Sequence[Prompt], **kwargs: Any) -> list[str]:
+    def generate_batch(self, prompts: Iterable[Prompt], **kwargs: Unpack[GenerationKwargs]) -> list[str]:
         """One completion per prompt (a list or other iterable of prompts, not one string). With ``seed``
         and sampling, row ``i`` samples with ``seed + i``: row 0 gives what ``generate`` gives."""
         if isinstance(prompts, (str, bytes)) or prompts is None or not hasattr(prompts, "__iter__"):

@@ -16,7 +16,21 @@ rejected. Overriding a test to skip it needs ``pytest.mark.xfail(reason=...)``.
 
 from __future__ import annotations
 
-from .conformance import PluginConformance
+from typing import TYPE_CHECKING, Any
+
 from .fixtures import FIXTURES, Fixture
 
+if TYPE_CHECKING:
+    from .conformance import PluginConformance
+
 __all__ = ["FIXTURES", "Fixture", "PluginConformance"]
+
+
+def __getattr__(name: str) -> Any:
+    """``PluginConformance`` imports pytest: only when asked for, so ``anyquant.testing.fixtures`` and
+    ``anyquant.testing.tiny`` work where pytest is not installed."""
+    if name == "PluginConformance":
+        from .conformance import PluginConformance
+
+        return PluginConformance
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

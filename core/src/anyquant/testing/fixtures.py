@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from ..headers import SAFETENSORS_DTYPE_BITS
 
 __all__ = ["FIXTURES", "Fixture", "write_gguf", "write_safetensors"]
 
-Spec = Mapping[str, tuple[str, list[int]]]
+Spec = Mapping[str, tuple[str, Sequence[int]]]
 
 HIDDEN = 128
 LAYER = "model.layers.0"
