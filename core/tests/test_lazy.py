@@ -66,7 +66,7 @@ def test_all_is_a_literal_list_of_every_export(tmp_path) -> None:  # type: ignor
     assert "does not explicitly export" not in out.stdout, out.stdout
 
 
-USER_TYPED = '''
+USER_TYPED = """
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TypedDict
@@ -121,7 +121,7 @@ quantizers: list[Quantizer] = [MyQuantizer(), Strict()]
 def hooks(register: CalibrationRegistrar, cli: CommandRegistrar) -> None:
     register("mine", lambda n, seq_len, seed: ["text"] * n)
     cli.add_command("hello", "say hello", lambda parser: None, lambda args: 0)
-'''
+"""
 
 
 def test_the_public_api_type_checks_as_a_user_writes_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
