@@ -1,4 +1,4 @@
-"""GPU checks of anyquant's EXL3 plugin against exllamav3 (prepared, not yet run on a GPU).
+"""GPU checks of anyquant's EXL3 plugin against exllamav3 (run once, 2026-12-04: extension build unfinished).
 
 Run it through ``bench/gpu_exl3.sh`` (which sets up the environment: wheels, PYTHONPATH, the extension build
 directory). Steps, each a row of the summary table:
@@ -163,6 +163,19 @@ def wait(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
             pass
         proc.wait()
         return None
+
+
+def build_progress() -> str:
+    """How far torch's JIT build of exllamav3's extension got: object files present of those build.ninja lists."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    for ninja in sorted(root.glob("**/exllamav3_ext*/build.ninja")):
+        outs = [
+            line.split(":", 1)[0].split()[1] for line in ninja.read_text().splitlines() if line.startswith("build ")
+        ]
+        objs = [o for o in outs if o.endswith(".o")]
+        done = sum((ninja.parent / o).is_file() for o in objs)
+        return f"{done} of {len(objs)} objects compiled in {ninja.parent}"
+    return f"no build.ninja under {root}"
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -715,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         "PASS" if built else "FAIL",
         tail(build_log, 1)
         if built
-        else ("timed out: run again, the build resumes" if rc is None else tail(build_log, 3)),
+        else (f"timed out ({build_progress()}): run again, the build resumes" if rc is None else tail(build_log, 3)),
         time.perf_counter() - t_build,
     )
     if not built:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks of anyquant's EXL3 plugin against exllamav3 (prepared, not yet run on a GPU).
+# GPU checks of anyquant's EXL3 plugin against exllamav3 (run once, 2026-12-04: the extension build did not finish).
 #
 #   bench/gpu_exl3.sh [--quick] [--deadline SECONDS] [other bench/gpu_exl3.py options]
 #   bench/gpu_exl3.sh --fetch-wheels     (on a machine with a package index: wheels for a GPU box without one)

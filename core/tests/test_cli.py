@@ -176,3 +176,28 @@ def test_undecodable_prompt_is_a_parameter_error(tmp_path: Path, capsys: pytest.
     prompt = b"hi \xff\xfe".decode("utf-8", "surrogateescape")  # what argv holds for those bytes
     code, out = _json(capsys, ["generate", str(root), "--prompt", prompt, "--json"])
     assert code == 2 and out["error"] == "ParameterError" and "not valid text" in out["message"]
+
+
+def test_verbose_touches_only_anyquants_loggers_and_only_for_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``main()`` used to call ``logging.basicConfig``: embedded in a host, ``-vv`` set the ROOT logger to
+    DEBUG and left a stderr handler on it for good. Now ``-v`` shows anyquant's records for the command's
+    duration and leaves the root logger, its handlers and other libraries' loggers as they were."""
+    import logging
+
+    from anyquant.testing.tiny import make_tiny_dense
+
+    model = make_tiny_dense(tmp_path / "m")
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    root.handlers.clear()  # a host that configured nothing (pytest's own capture handlers set aside)
+    try:
+        assert main(["-v", "generate", str(model), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+        err = capsys.readouterr().err
+        assert "INFO anyquant.api: loading" in err
+        assert root.handlers == [] and root.level == logging.WARNING
+        assert logging.getLogger("anyquant").level == logging.NOTSET
+        assert logging.getLogger("anyquant").handlers == []
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]

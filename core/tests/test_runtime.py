@@ -609,3 +609,56 @@ def test_torch_device_and_dtype_objects_are_accepted(tiny: Path) -> None:
     with anyquant.load(tiny, device=torch.device("cpu"), dtype=torch.bfloat16) as model:
         assert (model.device, model.dtype) == ("cpu", "bfloat16")
         assert next(model.module.parameters()).dtype == torch.bfloat16
+
+
+def test_concurrent_builds_leave_the_hosts_default_dtype(tiny: Path) -> None:
+    """transformers' ``from_config(dtype=...)`` sets torch's process-wide default dtype and restores what it
+    found; two builds overlapping used to restore each other's float32, so a host whose default is bfloat16
+    was left with float32. anyquant now runs that step one build at a time and puts back what it found."""
+    import threading
+
+    from anyquant.runtime.build import skeleton
+
+    cfg = json.loads((tiny / "config.json").read_text())
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def build() -> None:
+        start.wait()
+        try:
+            for _ in range(15):
+                skeleton(cfg, runtime="transformers")
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=build) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert torch.get_default_dtype() is torch.bfloat16
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_closing_the_model_releases_it_under_a_paused_stream(tiny: Path) -> None:
+    """A stream left paused holds the generator; ``close()`` used to only flag it, so the module (weights,
+    open checkpoint files) lived on as long as the stream object did. Now the module is released at
+    ``close()`` and the stream's next step is a ModelClosedError."""
+    import gc
+    import weakref
+
+    model = anyquant.load(tiny)
+    stream = model.stream("Hello", max_new_tokens=8)
+    next(stream)
+    module = weakref.ref(model.module)
+    model.close()
+    gc.collect()
+    assert module() is None
+    with pytest.raises(anyquant.ModelClosedError):
+        for _ in stream:
+            pass

@@ -251,3 +251,50 @@ def test_detection_carries_the_probes_notes(tmp_path: Path, capsys) -> None:  # 
     assert notes and any("model-00001-of-00002.safetensors" in n for n in notes)
     assert main(["detect", str(root), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["notes"] == list(notes)
+
+
+SLOW = """
+import time
+
+from anyquant import FormatSpec, hookimpl
+
+time.sleep(0.4)  # a plugin with a heavy import: the first use is still discovering while other threads ask
+
+
+@hookimpl
+def anyquant_register_formats(register):
+    register(FormatSpec(name="toyslow", loader=None, description="slow to import"))
+"""
+
+
+def test_threads_racing_the_first_use_all_see_every_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin manager used to be published before discovery had filled it: a second thread's first
+    ``detect`` then saw no format at all ("Installed formats: []"). Now every thread waits for the full set."""
+    import threading
+
+    site = tmp_path / "site"
+    _install(site, "toyslow", "0.1", "anyquant-toyslow", "toyslow_plugin", SLOW)
+    monkeypatch.syspath_prepend(str(site))
+    ckpt = FIXTURES["gptq_v1"].build(tmp_path / "g")
+    reg = Registry()
+    seen: list[object] = []
+    start = threading.Barrier(4)
+
+    def first_use() -> None:
+        start.wait()
+        try:
+            seen.append((sorted(reg.formats()), reg.detect(anyquant.Probe.open(ckpt)).format))
+        except Exception as exc:
+            seen.append(exc)
+
+    threads = [threading.Thread(target=first_use) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 4
+    for got in seen:
+        assert not isinstance(got, Exception), got
+        formats, detected = got  # type: ignore[misc]
+        assert {"gptq", "awq", "exl3", "gguf", "toyslow"} <= set(formats)
+        assert detected == "gptq"

@@ -8,7 +8,8 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from .errors import AnyquantError, ParameterError
@@ -409,6 +410,38 @@ BUILTIN_COMMANDS = (
 )
 
 
+#: the loggers -v/-vv open up: core's and the first-party plugins' (each package logs under its own name)
+LOGGERS = ("anyquant", "anyquant_gptq", "anyquant_awq", "anyquant_exl3", "anyquant_gguf")
+
+
+@contextmanager
+def _console_logging(verbose: int) -> Iterator[None]:
+    """anyquant's log records on stderr for one command (``-v`` INFO, ``-vv`` DEBUG), touching only anyquant's
+    loggers and only for the command's duration: ``main()`` called from a host application leaves the root
+    logger, other libraries' levels and the host's handlers as they were. Where the host already handles
+    records (a handler on the root logger), only the levels change and the host's handler shows them."""
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
+    handler: logging.Handler | None = None
+    if not logging.getLogger().handlers:
+        handler = logging.StreamHandler()  # sys.stderr as it is now
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    saved = []
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level))
+        if verbose:
+            logger.setLevel(level)
+        if handler is not None:
+            logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger, old in saved:
+            logger.setLevel(old)
+            if handler is not None:
+                logger.removeHandler(handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 success, 2 an anyquant error, a file-system error (``OSError``: permissions, a path too
     long, a full disk) or a bad argument, 130 Ctrl-C, 141 a closed output pipe (``anyquant ... | head``)."""
@@ -420,14 +453,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         wants_plugins = command is not None and command not in BUILTIN_COMMANDS
         parser = build_parser(with_plugins=wants_plugins)
         args = parser.parse_args(argv)
-        logging.basicConfig(
-            level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
-            format="%(levelname)s %(name)s: %(message)s",
-        )
         if not getattr(args, "func", None):
             parser.print_help()
             return 0
-        return int(args.func(args))
+        with _console_logging(args.verbose):
+            return int(args.func(args))
     except (AnyquantError, OSError) as exc:
         if isinstance(exc, BrokenPipeError):
             return _pipe_closed()

@@ -11,6 +11,7 @@ import importlib.metadata as md
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -158,44 +159,67 @@ class Registry:
         self._initial = list(plugins)
         self._builtin = builtin
         self._disable = set(disable) if disable is not None else None
-        self._pm: pluggy.PluginManager | None = None
+        self._pm: pluggy.PluginManager | None = None  # published only once every plugin is in it
+        self._building: pluggy.PluginManager | None = None  # while the first use fills it (under _lock)
+        self._lock = threading.RLock()
         self._infos: dict[str, PluginInfo] = {}
         self._formats: dict[str, tuple[FormatSpec, str]] = {}
 
     # ------------------------------------------------------------------ plugins
     @property
     def pm(self) -> pluggy.PluginManager:
-        if self._pm is None:
-            self._pm = pluggy.PluginManager("anyquant")
-            self._pm.add_hookspecs(hookspecs)
-            if self._builtin:
-                from . import builtin
+        pm = self._pm
+        if pm is not None:
+            return pm
+        # the first use discovers the plugins; threads that arrive meanwhile wait for the full set (published
+        # half-filled, a concurrent detect would see "Installed formats: []")
+        with self._lock:
+            if self._pm is not None:
+                return self._pm
+            if self._building is not None:  # this thread, re-entered from a plugin's import or hook
+                return self._building
+            building = pluggy.PluginManager("anyquant")
+            building.add_hookspecs(hookspecs)
+            self._building = building
+            try:
+                if self._builtin:
+                    from . import builtin
 
-                self._add(CORE_PLUGIN, builtin, version=_dist_version("anyquant"))
-            for item in self._initial:
-                name, obj = item if isinstance(item, tuple) else (_plugin_name(item), item)
-                self._add(name, obj, version=None)
-            if self._entry_points:
-                self._load_entry_points()
-        return self._pm
+                    self._add(CORE_PLUGIN, builtin, version=_dist_version("anyquant"))
+                for item in self._initial:
+                    name, obj = item if isinstance(item, tuple) else (_plugin_name(item), item)
+                    self._add(name, obj, version=None)
+                if self._entry_points:
+                    self._load_entry_points()
+            except BaseException:  # strict mode's PluginError, Ctrl-C: the next use starts again from empty
+                self._infos.clear()
+                self._formats.clear()
+                raise
+            else:
+                self._pm = building
+            finally:
+                self._building = None
+            return building
 
     def register(self, plugin: object, name: str | None = None) -> None:
         """Add a plugin object or module (tests and host applications)."""
-        self._add(name or _plugin_name(plugin), plugin, version=None)
+        with self._lock:
+            self._add(name or _plugin_name(plugin), plugin, version=None)
 
     def unregister(self, name: str) -> None:
-        plugin = self.pm.get_plugin(name)
-        if plugin is not None:
-            self.pm.unregister(plugin)
-        self._infos.pop(name, None)
-        self._formats = {k: v for k, v in self._formats.items() if v[1] != name}
+        with self._lock:
+            plugin = self.pm.get_plugin(name)
+            if plugin is not None:
+                self.pm.unregister(plugin)
+            self._infos.pop(name, None)
+            self._formats = {k: v for k, v in self._formats.items() if v[1] != name}
 
     def _blocked(self, name: str) -> bool:
         disabled = self._disable if self._disable is not None else _disabled()
         return name in disabled
 
     def _add(self, name: str, plugin: object, *, version: str | None) -> None:
-        pm = self._pm if self._pm is not None else self.pm
+        pm = self._pm if self._pm is not None else self._building if self._building is not None else self.pm
         if self._blocked(name):
             log.info("plugin %s disabled by ANYQUANT_DISABLE_PLUGINS", name)
             self._infos[name] = PluginInfo(name, version, error="disabled")

@@ -364,3 +364,18 @@ def test_gpu_batch_tiles_stay_within_the_budget() -> None:
         per_tile = 4 * sum(65536 >> d for d in step_bits(k))
         assert 1 <= gpu_batch_tiles(k) <= GPU_BATCH_TILES
         assert gpu_batch_tiles(k) * per_tile <= GPU_VITERBI_BYTES
+
+
+def test_close_drops_the_generator_and_stops_a_paused_stream() -> None:
+    """Closing the model under a paused stream: the next step is a ModelClosedError (the model behind it is
+    unloaded), nothing is run on exllamav3's generator any more, and the generator is released."""
+    gen, fake = _generator({0: _ids("abcdefghijklmnop")})
+    it = gen.stream("x", GenerationParams(max_new_tokens=16))
+    assert next(it) == "a"
+    gen.close()
+    assert gen.xl_generator is None and gen.module is None
+    with pytest.raises(anyquant.ModelClosedError):
+        next(it)
+    assert not fake.cancelled  # the unloaded generator is not touched again
+    with pytest.raises(anyquant.ModelClosedError):
+        gen.generate("y", GenerationParams(max_new_tokens=2))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,36 @@ def test_kernel_option_is_checked_before_gptqmodel_is_imported(tmp_path: Path, k
     path = gptq_v1(tmp_path / "ckpt")
     with pytest.raises(anyquant.UnsupportedBackendError, match=match):
         anyquant.load(path, backend="gptqmodel", device="cpu", _gptqmodel_cpu=True, gptqmodel_kernel=kernel)
+
+
+HOST_SIDE_EFFECTS = """
+import json, logging, os, sys
+import torch
+from anyquant_gptq.gptqmodel_kernels import KernelPlan
+env = dict(os.environ)
+root = logging.getLogger()
+handlers, level = root.handlers[:], root.level
+# what backend="gptqmodel" does first at load: choose the kernels, importing GPTQModel
+plan = KernelPlan.create(sys.argv[1], torch.device("cpu"), torch.float16, {})
+assert "gptqmodel" in sys.modules and plan._candidates
+changed = sorted(k for k in set(os.environ) | set(env) if os.environ.get(k) != env.get(k))
+print(json.dumps({"env": changed, "handlers": root.handlers == handlers, "level": root.level == level}))
+"""
+
+
+@pytest.mark.skipif(not HAS_GPTQMODEL, reason="gptqmodel is not installed")
+def test_gptqmodel_import_leaves_the_host_as_it_was() -> None:
+    """Importing GPTQModel moved HF_HOME and the hub caches under /tmp, set PYTORCH_ALLOC_CONF and
+    CUDA_DEVICE_ORDER, put an INFO handler on the root logger and printed a banner on stdout (a CLI's
+    --json output broke). The backend now puts all of that back; only JSON reaches stdout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "PYTORCH_ALLOC_CONF", "CUDA_DEVICE_ORDER")}
+    for method in ("gptq", "awq"):
+        proc = subprocess.run(
+            [sys.executable, "-c", HOST_SIDE_EFFECTS, method], capture_output=True, text=True, timeout=600, env=env
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(proc.stdout.splitlines()) == 1, proc.stdout[-2000:]  # the banner went to stderr
+        assert json.loads(proc.stdout) == {"env": [], "handlers": True, "level": True}
 
 
 def test_declared_options_are_the_ones_read() -> None:

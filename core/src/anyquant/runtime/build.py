@@ -77,6 +77,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 #: meta_parameters' bookkeeping: the threads inside it, and how many builds hold the patch
 _META = threading.local()
 _META_LOCK = threading.Lock()
+#: transformers' from_config sets torch's process-wide default dtype for the duration
+_DEFAULT_DTYPE_LOCK = threading.Lock()
 _meta_users = 0
 _meta_original: Any = None
 
@@ -226,8 +228,16 @@ def skeleton(
         )
     try:
         hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
-        with meta_parameters():
-            return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        # transformers builds under torch.set_default_dtype(dtype), process-wide, and restores what it found:
+        # two builds at once could leave float32 behind as the host's default. One build at a time, and the
+        # default it found is put back whatever happens.
+        with _DEFAULT_DTYPE_LOCK, meta_parameters():
+            before = torch.get_default_dtype()
+            try:
+                return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+            finally:
+                if torch.get_default_dtype() is not before:
+                    torch.set_default_dtype(before)
     except MemoryError:
         raise
     except Exception as exc:  # transformers' own checks: ValueError, huggingface_hub's StrictDataclassError, ...

@@ -254,8 +254,10 @@ class TorchGenerator:
 
     def close(self) -> None:
         """Refuse further steps: a stream still being read (or a generation in another thread) stops with an
-        :class:`~anyquant.errors.ModelClosedError` instead of running on a released model."""
+        :class:`~anyquant.errors.ModelClosedError` instead of running on a released model. The module is dropped
+        here too: a stream left paused would otherwise keep the weights (and their open files) alive."""
         self.closed = True
+        self.module = None
 
     def _forward(self, **kwargs: Any) -> Any:
         if self.closed:

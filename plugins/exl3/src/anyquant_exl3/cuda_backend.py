@@ -42,7 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anyquant.errors import AnyquantError, MissingDependencyError, ParameterError, UnsupportedBackendError
+from anyquant.errors import (
+    AnyquantError,
+    MissingDependencyError,
+    ModelClosedError,
+    ParameterError,
+    UnsupportedBackendError,
+)
 from anyquant.protocols import BackendInfo, GenerationParams, LoadOptions
 from anyquant.runtime.generate import TorchGenerator
 
@@ -350,8 +356,15 @@ class ExllamaGenerator(TorchGenerator):
             identifier=identifier,
         )
 
+    def close(self) -> None:
+        """As core's, and exllamav3's generator (its cache and job queue) is dropped too."""
+        super().close()
+        self.xl_generator = None
+
     def _results(self, jobs: list[Any]) -> Generator[dict[str, Any], None, None]:
         """Enqueue ``jobs`` and yield their streaming results; cancel what is left when closed early."""
+        if self.closed:
+            raise ModelClosedError("the model was closed; load the checkpoint again")
         if self._busy:
             raise AnyquantError(
                 "this exllamav3 model is already generating (a stream not yet exhausted?); it serves one "
@@ -370,9 +383,12 @@ class ExllamaGenerator(TorchGenerator):
                         )
                     if r.get("stage") == "streaming":
                         yield r
+                        if self.closed:  # closed while the stream was paused: the model is unloaded
+                            raise ModelClosedError("the model was closed while generating; load the checkpoint again")
         finally:
-            for job in jobs:
-                gen.cancel(job)  # no-op for finished jobs (generator.py, cancel)
+            if not self.closed:
+                for job in jobs:
+                    gen.cancel(job)  # no-op for finished jobs (generator.py, cancel)
             self._busy = False
 
     # ------------------------------------------------------------------ protocol

@@ -27,14 +27,21 @@ cached under ``~/.cache/gptqmodel``); Triton compiles in seconds.
 Test-only: ``_gptqmodel_cpu=True`` lets ``backend="gptqmodel"`` run on the CPU with GPTQModel's
 torch kernel, so the whole path above is exercised without a GPU.
 
-Importing GPTQModel changes the host process (it patches transformers and sets environment
-variables, see shared/ENVIRONMENT.md): that happens when this backend is used, not before.
+Importing GPTQModel changes the host process: it sets environment variables (``HF_HOME`` and the hub caches
+moved under /tmp, ``PYTORCH_ALLOC_CONF``, ``CUDA_DEVICE_ORDER``, ...), configures the root logger (a stderr
+handler, level INFO), prints a banner on stdout and patches transformers. It happens when this backend is
+used, not before, and :func:`import_gptqmodel` undoes what can be undone: the environment and the root
+logger are put back as they were and the banner goes to stderr. transformers' patches stay.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import os
+import sys
+import threading
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -82,6 +89,39 @@ _RUNTIME_ERRORS = (ImportError, RuntimeError, OSError)
 DESCRIPTION = (
     "GPTQModel's CUDA kernels (Marlin, Triton or torch, chosen per layer; option gptqmodel_kernel); packed memory"
 )
+
+
+_IMPORT_LOCK = threading.Lock()
+
+
+def import_gptqmodel() -> None:
+    """Import GPTQModel (once per process) and put back what its import changed in the host: environment
+    variables it set or changed, handlers it added to the root logger and the root's level. Its banner is
+    written to stderr, never to the host's stdout (a CLI's JSON output stays parseable)."""
+    if "gptqmodel" in sys.modules:
+        return
+    with _IMPORT_LOCK:
+        if "gptqmodel" in sys.modules:
+            return
+        env = dict(os.environ)
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                import gptqmodel  # noqa: F401
+        finally:
+            undone = sorted(k for k in set(os.environ) | set(env) if os.environ.get(k) != env.get(k))
+            for key in undone:
+                if key in env:
+                    os.environ[key] = env[key]
+                else:
+                    os.environ.pop(key, None)
+            for handler in root.handlers[:]:
+                if handler not in handlers:
+                    root.removeHandler(handler)
+            root.setLevel(level)
+            if undone:
+                log.debug("environment variables set by importing gptqmodel, put back: %s", ", ".join(undone))
 
 
 def gptqmodel_backend_info() -> BackendInfo:
@@ -257,6 +297,7 @@ class KernelPlan:
         return plan
 
     def _resolve(self, order: tuple[str, ...]) -> None:
+        import_gptqmodel()
         from gptqmodel.quantization import FORMAT, METHOD
         from gptqmodel.utils.backend import BACKEND
         from gptqmodel.utils.importer import get_kernel_for_backend
