@@ -45,6 +45,8 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check core plugins tests bench examples
 	$(VENV)/bin/ruff format --check core plugins tests bench examples
+	MYPYPATH=core/src:plugins/gptq/src:plugins/awq/src:plugins/exl3/src:plugins/gguf/src $(PY) -m mypy --strict \
+		-p anyquant -p anyquant_gptq -p anyquant_awq -p anyquant_exl3 -p anyquant_gguf
 
 bench: $(STAMP)
 	$(PY) bench/detect.py

@@ -62,7 +62,9 @@ def export_dense(
             if bias is not None:
                 dense.bias = nn.Parameter(bias.to(torch.float32), requires_grad=False)
         elif hasattr(child, "num_embeddings"):  # a backend's own input embedding
-            dense = nn.Embedding.from_pretrained(dequantize().to(torch.float32), freeze=True)
+            dense = nn.Embedding.from_pretrained(  # type: ignore[no-untyped-call]
+                dequantize().to(torch.float32), freeze=True
+            )
         else:
             continue
         parent, _, attr = name.rpartition(".")

@@ -135,7 +135,8 @@ class TransformersLoader:
             from .errors import CheckpointError
 
             raise CheckpointError(f"{probe.root} has no config.json: the architecture is unknown")
-        return thaw(probe.config)
+        config: Mapping[str, Any] = thaw(probe.config)
+        return config
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None] | None:
         """The factory for quantized linears; ``None`` keeps every linear dense."""

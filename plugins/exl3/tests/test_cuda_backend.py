@@ -379,3 +379,14 @@ def test_close_drops_the_generator_and_stops_a_paused_stream() -> None:
     assert not fake.cancelled  # the unloaded generator is not touched again
     with pytest.raises(anyquant.ModelClosedError):
         gen.generate("y", GenerationParams(max_new_tokens=2))
+
+
+def test_token_steps_takes_core_s_ends() -> None:
+    """The override had no ``ends`` parameter (core's ``token_steps(batch, params, ends)`` signature): a caller
+    naming its own end ids got a TypeError. They become the job's stop conditions instead of the EOS ids."""
+    gen, fake = _generator({0: _ids("abc")})
+    steps = list(gen.token_steps([_ids("p")], GenerationParams(max_new_tokens=3), ends=[5, 7]))
+    assert fake.enqueued[-1].kw["stop_conditions"] == [5, 7]
+    assert [t for (t,) in steps if t is not None] == _ids("abc")
+    list(gen.token_steps([_ids("p")], GenerationParams(max_new_tokens=3)))
+    assert fake.enqueued[-1].kw["stop_conditions"] == [257, EOS]

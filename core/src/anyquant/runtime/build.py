@@ -87,7 +87,7 @@ def _register_parameter(module: nn.Module, name: str, param: nn.Parameter | None
     """``nn.Module.register_parameter`` while :func:`meta_parameters` is patched in: the original, then, in a
     thread inside the context only, the parameter moved to the meta device."""
     _meta_original(module, name, param)
-    if param is not None and getattr(_META, "depth", 0):
+    if param is not None and _META.__dict__.get("depth", 0):
         p = module._parameters[name]
         assert p is not None
         module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
@@ -234,7 +234,10 @@ def skeleton(
         with _DEFAULT_DTYPE_LOCK, meta_parameters():
             before = torch.get_default_dtype()
             try:
-                return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+                built: nn.Module = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                    hf_config, dtype=torch.float32
+                )
+                return built
             finally:
                 if torch.get_default_dtype() is not before:
                     torch.set_default_dtype(before)
@@ -371,7 +374,8 @@ def build_model(
         model.to(device)
     model.eval()
     model.requires_grad_(False)
-    return model
+    assembled: nn.Module = model
+    return assembled
 
 
 def fill_file_tables(model: nn.Module, tables: Mapping[str, FileRows], dtype: torch.dtype | None) -> None:
@@ -394,7 +398,8 @@ def fill_file_tables(model: nn.Module, tables: Mapping[str, FileRows], dtype: to
 
 
 def _embedding_weight_name(model: nn.Module) -> str | None:
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    accessor = getattr(model, "get_input_embeddings", None)  # transformers' and the native decoder's
+    emb = accessor() if callable(accessor) else None
     for name, module in model.named_modules():
         if module is emb and isinstance(module, nn.Embedding):
             return f"{name}.weight"

@@ -385,6 +385,7 @@ class FastInt4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
+        y: torch.Tensor
         if x2.shape[0] <= self.small_rows:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(torch.bfloat16), self.packed, self.kernel_group, self.scales_and_zeros.contiguous()
@@ -497,7 +498,7 @@ class CompactEmbedding(nn.Module):
         self.table: torch.Tensor | None
         # an in-memory table is a buffer (moves and state_dict see it); a file table an attribute
         self.file = None if isinstance(weight, torch.Tensor) else weight
-        self.register_buffer("table", weight if self.file is None else None)
+        self.register_buffer("table", weight if isinstance(weight, torch.Tensor) else None)
 
     @property
     def source(self) -> torch.Tensor | FileRows:
@@ -507,7 +508,8 @@ class CompactEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.file is not None:
             return self.file.rows(ids).to(self.compute_dtype)
-        return F.embedding(ids, self.source).to(self.compute_dtype)
+        assert self.table is not None  # no file: the table is the buffer
+        return F.embedding(ids, self.table).to(self.compute_dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The table in the compute dtype (exact; a copy: for export and inspection, not the forward)."""
@@ -561,7 +563,7 @@ class FastHead(nn.Module):
         self.exact: torch.Tensor | None
         # an in-memory table is a buffer (moves and state_dict see it); a file table an attribute
         self.file = None if isinstance(exact, torch.Tensor) else exact
-        self.register_buffer("exact", exact if self.file is None else None)
+        self.register_buffer("exact", exact if isinstance(exact, torch.Tensor) else None)
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
         # opaque oneDNN tensors: an attribute, not buffers (state_dict and .to() cannot take them)
@@ -650,7 +652,8 @@ class PrepackedBf16Linear(nn.Module):
         if not ok:
             raise ValueError(f"PrepackedBf16Linear cannot run here: {reason}")
         self.source = source
-        self.in_features, self.out_features = int(source.in_features), int(source.out_features)
+        linear: Any = source  # an nn.Linear or a plugin's linear module: in_features / out_features
+        self.in_features, self.out_features = int(linear.in_features), int(linear.out_features)
         weight = source.dequantize()  # type: ignore[operator]
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"the source's weight is {tuple(weight.shape)}, not [out, in]")
@@ -663,7 +666,7 @@ class PrepackedBf16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "").to(x.dtype)
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "").to(x.dtype)
         bias = self.bias
         if bias is not None:
             y = y + bias.to(x.dtype)

@@ -25,11 +25,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from .fastcpu import FastInt4Linear
 
 __all__ = ["NativeCache", "NativeCausalLM", "NativeConfig", "native_runtime_reason"]
 
@@ -191,7 +194,7 @@ class FusedInt4:
     become views of the joint ones: no second copy. Prompts (more rows than ``small_rows``) still run each member's own exact path.
     """
 
-    def __init__(self, members: list[nn.Module]) -> None:
+    def __init__(self, members: list[FastInt4Linear]) -> None:
         self.members = members
         first = members[0]
         self.in_features, self.kernel_group, self.small_rows = first.in_features, first.kernel_group, first.small_rows
@@ -226,7 +229,7 @@ class FusedInt4:
             for m in members
         ):
             return None
-        return FusedInt4(members)
+        return FusedInt4(cast("list[FastInt4Linear]", members))
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         x2 = x.reshape(-1, self.in_features)
@@ -249,9 +252,9 @@ class FusedInt4:
 def fusion(module: nn.Module, names: tuple[str, ...]) -> FusedInt4 | None:
     """The :class:`FusedInt4` of ``module``'s linears ``names`` (built on first use, after the loader placed
     its modules; ``None`` when they cannot run as one call)."""
-    fused = module.__dict__.get("_fusion", False)
-    if fused is False:
-        fused = module.__dict__["_fusion"] = FusedInt4.build([getattr(module, n) for n in names])
+    if "_fusion" not in module.__dict__:
+        module.__dict__["_fusion"] = FusedInt4.build([getattr(module, n) for n in names])
+    fused: FusedInt4 | None = module.__dict__["_fusion"]
     return fused
 
 
@@ -260,7 +263,9 @@ def _joint(module: nn.Module, names: tuple[str, ...], h: torch.Tensor) -> list[t
     else each linear in turn."""
     fused = fusion(module, names)
     outs = fused(h) if fused is not None else None
-    return outs if outs is not None else [getattr(module, n)(h) for n in names]
+    if outs is not None:
+        return outs
+    return [getattr(module, n)(h) for n in names]
 
 
 class Attention(nn.Module):
@@ -273,10 +278,11 @@ class Attention(nn.Module):
             c.head_dim,
         )
         self.scaling = c.head_dim**-0.5
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        # nn.Module, not nn.Linear: loaders swap in their quantized linears
+        self.q_proj: nn.Module = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj: nn.Module = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj: nn.Module = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj: nn.Module = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
 
     def forward(
         self,
@@ -305,19 +311,21 @@ class Attention(nn.Module):
             is_causal=mask is None and t > 1,
             enable_gqa=self.kv_heads != self.heads,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        y: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        return y
 
 
 class MLP(nn.Module):
     def __init__(self, c: NativeConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gate_proj: nn.Module = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj: nn.Module = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj: nn.Module = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = _joint(self, ("gate_proj", "up_proj"), h)
-        return self.down_proj(F.silu(gate) * up)
+        y: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -337,7 +345,8 @@ class DecoderLayer(nn.Module):
         cache: NativeCache | None,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        return out
 
 
 class Decoder(nn.Module):
@@ -345,7 +354,9 @@ class Decoder(nn.Module):
         super().__init__()
         # ``_weight``: no random initialisation (the loader fills the table; on the meta device ``normal_``
         # would import torch._dynamo, ~1 s)
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size))
+        self.embed_tokens: nn.Module = nn.Embedding(
+            c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -363,7 +374,8 @@ class NativeCausalLM(nn.Module):
             raise ValueError(f"the native decoder cannot run this model: {reason}")
         self.config = NativeConfig(dict(config))
         self.model = Decoder(self.config)
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.lm_head: nn.Module = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(self.config), persistent=False)
 
     # transformers' accessors, used by the loader (head tying) and the cpu-fast head

@@ -87,7 +87,7 @@ class QuantLinearBase(nn.Module):
         return F.linear(x, weight, bias)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        out = super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         if self._weight is not None:
             self._weight = fn(self._weight)
         return out

@@ -75,7 +75,8 @@ def _attention(
 
 def _int4(x: torch.Tensor, packed: torch.Tensor, group: int, scales: torch.Tensor) -> torch.Tensor:
     """:class:`~anyquant.runtime.fastcpu.FastInt4Linear`'s decode path on float32 rows ``x``."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, group, scales).to(x.dtype)
+    y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, group, scales)
+    return y.to(x.dtype)
 
 
 def int4_layer(
@@ -127,7 +128,8 @@ def int4_layer(
 def _bf16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """:class:`~anyquant.runtime.fastcpu.PrepackedBf16Linear`'s forward on float32 rows ``x``."""
     no_scalars: List[Optional[Union[int, float, complex]]] = []  # noqa: UP006, UP007, UP045 - TorchScript's Scalar?[]
-    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", no_scalars, "").to(x.dtype)
+    y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", no_scalars, "")
+    return y.to(x.dtype)
 
 
 def bf16_layer(

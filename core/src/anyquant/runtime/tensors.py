@@ -91,7 +91,8 @@ class SafetensorsSource:
 
         dtype = getattr(torch, _TORCH_DTYPES.get(info.dtype, "-"), None)
         if dtype is None:
-            return self._handle(info.file).get_tensor(name)
+            raw: torch.Tensor = self._handle(info.file).get_tensor(name)
+            return raw
         out = torch.empty(info.end - info.begin, dtype=torch.uint8)
         self._read_into(info.file, self._data_start[info.file] + info.begin, out.numpy(), name)
         return out.view(dtype).reshape(info.shape)

@@ -29,7 +29,7 @@ def make_tokenizer() -> Any:
     tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         bos_token="<|endoftext|>",
@@ -70,7 +70,9 @@ def make_tiny_dense(path: str | Path, *, seed: int = 0, dtype: str = "float32", 
     cfg = tiny_llama_config(**overrides)
     model_type = cfg.pop("model_type")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
+    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        AutoConfig.for_model(model_type, **cfg)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.08)

@@ -58,7 +58,7 @@ def _quantizer_cls(base: type, n_layers: int) -> type:
     """``AwqQuantizer`` plus the symmetric-zeros fix and per-layer progress (see the module docstring)."""
     import torch
 
-    class AnyquantAwqQuantizer(base):  # type: ignore[misc, valid-type]
+    class AnyquantAwqQuantizer(base):  # type: ignore[misc]
         done = 0
 
         def _search_best_scale(

@@ -372,7 +372,8 @@ def awq_quantize_model(
 
 def _hidden(out: Any) -> torch.Tensor:
     """A decoder layer's hidden states (transformers 5 returns them; older layers a tuple)."""
-    return out[0] if isinstance(out, tuple) else out
+    hidden: torch.Tensor = out[0] if isinstance(out, tuple) else out
+    return hidden
 
 
 def _attn_only(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -416,7 +417,8 @@ def quantize_checkpoint(
     if progress is not None:
         progress("loading the dense model", 0.0)
     samples = calibration_batch(AutoTokenizer.from_pretrained(src), texts, seq_len)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()  # type: ignore[no-untyped-call]
     k_ok = all(
         lin.in_features % opts.group_size == 0
         for layer in model.model.layers

@@ -103,4 +103,5 @@ class ScaledActivation(torch.nn.Module):
         self.register_buffer("scales", scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(x) / self.scales.to(x.dtype)
+        y: torch.Tensor = self.act(x) / self.scales.to(x.dtype)
+        return y

@@ -122,7 +122,7 @@ def _cut(tokenizer: Any, text: str, seq_len: int) -> str:
     ids = tokenizer.encode(text, add_special_tokens=False)
     budget = seq_len - (len(tokenizer.encode(text)) - len(ids))
     while budget > 0:
-        cut = tokenizer.decode(ids[:budget])
+        cut: str = tokenizer.decode(ids[:budget])
         if len(tokenizer.encode(cut.strip())) <= seq_len:
             return cut
         budget -= max(1, budget // 64)

@@ -341,12 +341,20 @@ class ExllamaGenerator(TorchGenerator):
         self._busy = False
 
     # ------------------------------------------------------------------ jobs
-    def _job(self, ids: Sequence[int], params: GenerationParams, *, identifier: int, stops: bool) -> Any:
+    def _job(
+        self,
+        ids: Sequence[int],
+        params: GenerationParams,
+        *,
+        identifier: int,
+        stops: bool,
+        ends: Iterable[int] | None = None,
+    ) -> Any:
         if not ids:
             raise ParameterError("empty prompt: nothing to condition on")
         spec = sampler_spec(params)
         seed = None if params.seed is None else int(params.seed) + identifier
-        cond = stop_conditions(self.eos_ids, params.stop if stops else ())
+        cond = stop_conditions(self.eos_ids if ends is None else set(ends), params.stop if stops else ())
         return self.xl.Job(
             input_ids=torch.tensor([list(ids)], dtype=torch.long),
             max_new_tokens=int(params.max_new_tokens),
@@ -430,12 +438,15 @@ class ExllamaGenerator(TorchGenerator):
             results.close()
         return texts
 
-    def token_steps(self, batch: Sequence[Sequence[int]], params: GenerationParams) -> Iterator[list[int | None]]:
+    def token_steps(
+        self, batch: Sequence[Sequence[int]], params: GenerationParams, ends: Iterable[int] | None = None
+    ) -> Iterator[list[int | None]]:
         """Token ids as exllamav3 releases them: each step holds one new token for some rows and ``None`` for
-        the others (core's ``generate_ids`` and evaluate's decode timing read this)."""
+        the others (core's ``generate_ids`` and evaluate's decode timing read this). A row ends at one of
+        ``ends`` (default: the end-of-sequence ids), which is included, as core's generator does."""
         if params.max_new_tokens <= 0:
             return
-        jobs = [self._job(ids, params, identifier=i, stops=False) for i, ids in enumerate(batch)]
+        jobs = [self._job(ids, params, identifier=i, stops=False, ends=ends) for i, ids in enumerate(batch)]
         pending: list[deque[int]] = [deque() for _ in batch]
         results = self._results(jobs)
         try:

@@ -171,7 +171,7 @@ def _rows_from_words(q_weight: torch.Tensor, q_groups: torch.Tensor) -> int:
     pairs = q_groups.reshape(-1, 2).to(torch.int64).tolist()
     last_bits, last_q = pairs[-1]
     full = sum((pairs[g + 1][1] - pairs[g][1]) * 32 // pairs[g][0] for g in range(len(pairs) - 1))
-    return full + (q_weight.shape[0] - last_q) * 32 // last_bits
+    return int(full + (q_weight.shape[0] - last_q) * 32 // last_bits)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -456,7 +456,11 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
                         value & 0xFFFFFFFF,
                     )
                     multiplier = value & 0xFFFFFFFF
-            get = lambda s: src.get(f"{name}.{s}") if f"{name}.{s}" in src else None  # noqa: E731
+
+            def get(suffix: str) -> torch.Tensor | None:
+                key = f"{name}.{suffix}"
+                return src.get(key) if key in src else None
+
             return EXL3Linear(
                 src.get(f"{name}.trellis"),
                 get("suh"),

@@ -185,8 +185,8 @@ class LinearParts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.split_input:
             return torch.cat([p(x) for p in self._parts], dim=-1)
-        chunks = x.split(self.sizes, dim=-1)
-        out = self._parts[0](chunks[0])
+        chunks = torch.split(x, self.sizes, dim=-1)
+        out: torch.Tensor = self._parts[0](chunks[0])
         for part, chunk in zip(self._parts[1:], chunks[1:], strict=True):
             out = out + part(chunk)
         return out

@@ -227,7 +227,8 @@ def _hessians(
     from .hessian import capture_hessians
 
     samples = calibration_batch(AutoTokenizer.from_pretrained(src), calibration_texts(spec), spec.calibration_seq_len)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, trust_remote_code=False).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, trust_remote_code=False)
+    model.eval()  # type: ignore[no-untyped-call]
     try:
         return capture_hessians(model, samples, names, progress=progress)
     finally:
@@ -345,7 +346,9 @@ class EXL3Quantizer:
         hessians = _hessians(src, sources, spec, lambda f: report("collecting input Hessians", 0.05 * f))
         tensors: dict[str, torch.Tensor] = {}
         quantized = set(sources)
-        handles = {h.file: safe_open(str(probe.root / h.file), framework="pt") for h in probe.safetensors}
+        handles: dict[str, Any] = {
+            h.file: safe_open(str(probe.root / h.file), framework="pt") for h in probe.safetensors
+        }
         done, total = 0, sum(sizes)
         fallbacks = []
         parts_left = {s: sum(t.source == s for t in targets) for s in sources}

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
+from numpy.typing import NDArray
 
 from anyquant.errors import CheckpointError
 
@@ -132,7 +133,9 @@ class _LazyArrayParts(Sequence):  # type: ignore[type-arg]
     ``len(head) + 2k + 1`` (its bytes) for strings, sliced from the map on each access.
     """
 
-    def __init__(self, head: list[np.ndarray], plain: np.ndarray, starts: np.ndarray, dtype: np.dtype | None) -> None:
+    def __init__(
+        self, head: list[NDArray[Any]], plain: NDArray[Any], starts: NDArray[Any], dtype: np.dtype[Any] | None
+    ) -> None:
         self._head, self._plain, self._starts, self._dtype = head, plain, starts, dtype
         self._per_item = 1 if dtype is not None else 2
         self._len = len(head) + self._per_item * (len(starts) - 1 if dtype is None else len(starts))
@@ -143,11 +146,12 @@ class _LazyArrayParts(Sequence):  # type: ignore[type-arg]
     def values(self) -> list[Any]:
         """The array's elements as Python values (what ``ReaderField.contents()`` returns)."""
         if self._dtype is not None:
-            return (
+            items: list[Any] = (
                 self._plain[int(self._starts[0]) : int(self._starts[-1]) + self._dtype.itemsize]
                 .view(self._dtype)
                 .tolist()
             )
+            return items
         buf, starts = memoryview(self._plain.data), self._starts.tolist()
         return [str(buf[a + 8 : b], "utf-8") for a, b in itertools.pairwise(starts)]
 
@@ -182,14 +186,14 @@ class _FastGGUFReader(GGUFReader):
     takes the stock code path.
     """
 
-    _plain: np.ndarray
+    _plain: NDArray[Any]
 
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        plain = self.__dict__.get("_plain")
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> NDArray[Any]:
+        plain: NDArray[Any] | None = self.__dict__.get("_plain")
         if plain is None:
             plain = self._plain = self.data.view(np.ndarray)
         dt = np.dtype(dtype)
-        arr = plain[offset : offset + dt.itemsize * int(count)].view(dt)
+        arr: NDArray[Any] = plain[offset : offset + dt.itemsize * int(count)].view(dt)
         order = self.byte_order if override_order is None else override_order
         return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
 
@@ -202,7 +206,7 @@ class _FastGGUFReader(GGUFReader):
             offs += 8 + int(kv_klen[0])
             raw_kv_type = self._get(offs, np.uint32)
             offs += 4
-            head: list[np.ndarray] = [kv_klen, kv_kdata, raw_kv_type]
+            head: list[NDArray[Any]] = [kv_klen, kv_kdata, raw_kv_type]
             lazy = self._lazy_array(offs, head) if int(raw_kv_type[0]) == GGUFValueType.ARRAY else None
             if lazy is not None:
                 size, parts, idxs, types = lazy
@@ -214,7 +218,7 @@ class _FastGGUFReader(GGUFReader):
             offs += size
         return offs
 
-    def _lazy_array(self, offs: int, head: list[np.ndarray]) -> tuple[int, Any, list[int], list[Any]] | None:
+    def _lazy_array(self, offs: int, head: list[NDArray[Any]]) -> tuple[int, Any, list[int], list[Any]] | None:
         """A long array of strings or scalars as ``(size, lazy parts, data indices, types)``."""
         raw_itype = self._get(offs, np.uint32)
         alen = self._get(offs + 4, np.uint64)
@@ -295,7 +299,7 @@ def gguf_architecture(reader: GGUFReader) -> str:
         raise UnsupportedGGUFArchitecture(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    return arch
+    return str(arch)
 
 
 def get_tensor(reader: GGUFReader, gguf_name: str) -> ReaderTensor:
@@ -374,7 +378,7 @@ def _token_ids(reader: GGUFReader) -> dict[str, int]:
     return out
 
 
-def _llama3_rope_parameters(freqs: np.ndarray, rope_theta: float, head_dim: int) -> dict[str, Any]:
+def _llama3_rope_parameters(freqs: NDArray[Any], rope_theta: float, head_dim: int) -> dict[str, Any]:
     """Recover HF ``rope_type="llama3"`` parameters from a ``rope_freqs`` tensor.
 
     llama.cpp stores the per-frequency divisors, not the parameters; Llama 3.1/3.2
@@ -397,7 +401,7 @@ def _llama3_rope_parameters(freqs: np.ndarray, rope_theta: float, head_dim: int)
     return params
 
 
-def _llama3_divisors(params: dict[str, Any], rope_theta: float, head_dim: int) -> np.ndarray:
+def _llama3_divisors(params: dict[str, Any], rope_theta: float, head_dim: int) -> NDArray[Any]:
     base = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     wavelen = 2 * math.pi / base
     old_ctx = params["original_max_position_embeddings"]
@@ -543,7 +547,7 @@ def _check_type(tensor: ReaderTensor) -> None:
         )
 
 
-def _as_torch(array: np.ndarray) -> torch.Tensor:
+def _as_torch(array: NDArray[Any]) -> torch.Tensor:
     if not array.flags.writeable:  # read-only mmap ("r" mode reader): copy, never alias
         array = np.array(array)
     return torch.from_numpy(array)

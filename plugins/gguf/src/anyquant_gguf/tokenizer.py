@@ -208,7 +208,7 @@ def _wrap(backend: Any, config: Mapping[str, Any], name_or_path: str | None) -> 
         else:
             if tok.backend_tokenizer is backend:
                 return tok
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)  # type: ignore[no-untyped-call]
 
 
 def _builds_here(meta: Mapping[str, Any]) -> bool:
@@ -223,7 +223,7 @@ def _builds_here(meta: Mapping[str, Any]) -> bool:
 def _transformers_converter(meta: Mapping[str, Any], name_or_path: str | None, path: str | None) -> Any:
     """transformers' own GGUF tokenizer converter, fed the metadata already read."""
     try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer
+        from transformers.integrations.gguf import convert_gguf_tokenizer  # type: ignore[attr-defined]
     except ImportError:  # an older transformers: its GGUF path reads the file itself
         if path is None:
             raise
