@@ -219,7 +219,7 @@ class Registry:
         return name in disabled
 
     def _add(self, name: str, plugin: object, *, version: str | None) -> None:
-        pm = self._pm if self._pm is not None else self._building if self._building is not None else self.pm
+        pm = self.pm  # the published manager, or (inside the first use, this thread) the one being filled
         if self._blocked(name):
             log.info("plugin %s disabled by ANYQUANT_DISABLE_PLUGINS", name)
             self._infos[name] = PluginInfo(name, version, error="disabled")
