@@ -676,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     ninja = shutil.which("ninja")
     rep.add(
         "build tools",
-        "INFO" if py_h and cxx and ninja else "FAIL",
+        "INFO" if (py_h and cxx and ninja) or os.environ.get("ANYQUANT_EXL3_EXT") == "prebuilt" else "FAIL",
         f"Python.h {'found' if py_h else 'MISSING'}, C++ compiler {cxx or 'MISSING'}, ninja {ninja or 'MISSING'}, "
         f"CUDA_HOME={os.environ.get('CUDA_HOME')}",
     )
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = wait(build, min(args.build_timeout - (time.perf_counter() - t_build), rep.left() - 30))
     built = rc == 0
     rep.add(
-        "exllamav3 import (JIT build)",
+        f"exllamav3 import ({os.environ.get('ANYQUANT_EXL3_EXT', 'jit')} extension)",
         "PASS" if built else "FAIL",
         tail(build_log, 1)
         if built
@@ -860,5 +860,48 @@ def finish(rep: Report, args: argparse.Namespace, mode: str, rc: int) -> int:
     return rc
 
 
+def cross_build(out: Path, dest: Path) -> int:
+    """exllamav3's extension built without a GPU (``bench/gpu_exl3.sh --cross-build`` sets up the toolchain):
+    the sources and flags of exllamav3's own JIT build (``exllamav3/ext.py``), the library copied to ``dest``."""
+    import importlib.util
+
+    import torch
+    import torch.utils.cpp_extension as ce
+
+    pkg = Path(torch.__file__).parents[1] / "exllamav3"
+    spec = importlib.util.spec_from_file_location("exl3_cuda_flags", pkg / "util" / "cuda_flags.py")
+    assert spec is not None and spec.loader is not None
+    flags = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flags)
+    src = pkg / "exllamav3_ext"
+    t0 = time.perf_counter()
+    try:
+        ce.load(
+            name="exllamav3_ext",
+            sources=flags.extension_sources(str(src)),
+            extra_include_paths=[str(src)],
+            extra_cuda_cflags=flags.cuda_cflags(cuda_home=ce.CUDA_HOME, debug=False, hip=False),
+            extra_cflags=["-Ofast"],
+            build_directory=str(out),
+        )
+    except Exception as exc:  # without a GPU the import after the link can fail; the library is what counts
+        print(f"load: {type(exc).__name__}: {str(exc)[-500:]}")
+    lib = out / "exllamav3_ext.so"
+    if not lib.is_file():
+        print("no exllamav3_ext.so: the build failed (see above)")
+        return 1
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(lib, dest / lib.name)
+    version = next(pkg.parent.glob("exllamav3-*.dist-info"), pkg).name
+    (dest / "BUILD-INFO").write_text(
+        f"{version}, torch {torch.__version__} (CUDA {torch.version.cuda}), python {sys.version.split()[0]}, "
+        f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')}, built without a GPU\n"
+    )
+    print(f"{dest / lib.name}: {lib.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--cross-build"]:
+        sys.exit(cross_build(Path(sys.argv[2]), Path(sys.argv[3])))
     sys.exit(main())

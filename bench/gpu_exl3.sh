@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# GPU checks of anyquant's EXL3 plugin against exllamav3 (run once, 2026-12-04: the extension build did not finish).
+# GPU checks of anyquant's EXL3 plugin against exllamav3 (run once, 2026-12-04: the extension build did not finish;
+# it is prebuilt since: --cross-build).
 #
 #   bench/gpu_exl3.sh [--quick] [--deadline SECONDS] [other bench/gpu_exl3.py options]
 #   bench/gpu_exl3.sh --fetch-wheels     (on a machine with a package index: wheels for a GPU box without one)
+#   bench/gpu_exl3.sh --cross-build      (then, no GPU needed: exllamav3's CUDA extension prebuilt for the H200)
 #
 # Runs from the repository root, offline. Python: .venv/bin/python when it sees a CUDA GPU, else python3 (a
 # GPU image's own torch). anyquant and the EXL3 plugin come from the source tree (PYTHONPATH); exllamav3 and
 # its missing dependencies are installed from .cache/gpu-wheels into a scratch folder when the interpreter
-# lacks them. exllamav3 JIT-compiles its CUDA extension on first import: the build goes to
-# .cache/torch_extensions (TORCH_EXTENSIONS_DIR) and resumes there when a run is cut short.
+# lacks them. exllamav3's CUDA extension: the prebuilt one in .cache/exl3-ext (--cross-build) when it imports
+# here, else exllamav3 JIT-compiles it on first import into .cache/torch_extensions (TORCH_EXTENSIONS_DIR),
+# resuming there when a run is cut short.
 #
 # Exit status: 0 all checks passed, 1 a check failed, 2 the extension build did not finish in time (run again:
 # it resumes), 3 no CUDA GPU ("no CUDA GPU: skipped"). Five minutes or less once the extension is built.
@@ -27,6 +30,18 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$WHEELS" \
         exllamav3==1.6.5 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
         typing-inspection==0.4.5 typing-extensions==4.16.0 marisa-trie==1.4.1
+fi
+
+if [[ "${1:-}" == "--cross-build" ]]; then
+    # exllamav3's CUDA extension compiled here, without a GPU, for the H200 image (bench/cuda_toolchain.sh).
+    # The toolchain and the objects go to .cache/cuda-xbuild; the result, .cache/exl3-ext/exllamav3_ext.so,
+    # travels with `carry: [".cache/exl3-ext", ...]`. The build resumes where it stopped when run again.
+    X="$REPO/.cache/cuda-xbuild"
+    mkdir -p "$X/exl3" "$REPO/.cache/exl3-ext"
+    source "$REPO/bench/cuda_toolchain.sh"
+    cuda_toolchain "$X" || exit 1
+    "$XPY" -m pip install -q --no-deps "$WHEELS"/exllamav3-*.whl || exit 1
+    exec nice -n 19 "$XPY" "$REPO/bench/gpu_exl3.py" --cross-build "$X/exl3" "$REPO/.cache/exl3-ext"
 fi
 
 has_cuda() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
@@ -58,6 +73,20 @@ if [[ -n "$missing" ]]; then
     [[ ":${PYTHONPATH:-}:" == *":$SITE:"* ]] || export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$REPO/core/src:$REPO/plugins/exl3/src${PYTHONPATH:+:$PYTHONPATH}"
+
+# a prebuilt extension (bench/gpu_exl3.sh --cross-build made it on a machine without a GPU, and the call carried
+# .cache/exl3-ext): exllamav3 imports a compiled exllamav3_ext module found on the path instead of building one.
+# Used only when it imports next to this interpreter's torch; otherwise the JIT build below, as before.
+PREBUILT="$REPO/.cache/exl3-ext"
+export ANYQUANT_EXL3_EXT=jit
+if [[ -f "$PREBUILT/exllamav3_ext.so" ]]; then
+    if err=$(PYTHONPATH="$PREBUILT" "$PY" -c 'import torch, exllamav3_ext' 2>&1); then
+        export PYTHONPATH="$PREBUILT:$PYTHONPATH" ANYQUANT_EXL3_EXT=prebuilt
+        echo "exllamav3 extension: prebuilt, $PREBUILT ($(cat "$PREBUILT/BUILD-INFO" 2>/dev/null | head -1))"
+    else
+        echo "exllamav3 extension: the prebuilt one does not import here, JIT build instead: $(echo "$err" | tail -1)"
+    fi
+fi
 
 # the extension build: cached in the repo's ignored .cache, for this GPU's architecture only, all cores
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$REPO/.cache/torch_extensions}"

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -265,10 +266,22 @@ def _weights_exact(m: Any, spec: dict[str, Any], device: str) -> str:
     return f"{ok}/{total}"
 
 
+def preload_marlin() -> None:
+    """A prebuilt Marlin library (``ANYQUANT_MARLIN_PREBUILT``, set by gpu_gptq.sh once it loaded there): its ops
+    registered before GPTQModel looks, GPTQModel finds them and builds nothing."""
+    lib = os.environ.get("ANYQUANT_MARLIN_PREBUILT")
+    if lib:
+        import torch
+
+        torch.ops.load_library(lib)
+
+
 def child(job_file: str) -> int:
     job = json.loads(Path(job_file).read_text())
     os.environ.update(ENV)
     import torch
+
+    preload_marlin()
 
     ids = torch.load(job["ids"])
     out_dir = Path(job["out"])
@@ -340,6 +353,10 @@ def start_marlin_build(work: Path, timeout: float) -> tuple[subprocess.Popen[str
     code = (
         "import json, time, sys\n"
         "t = time.perf_counter()\n"
+        "import os, torch\n"
+        "lib = os.environ.get('ANYQUANT_MARLIN_PREBUILT')\n"
+        "if lib:\n"
+        "    torch.ops.load_library(lib)  # prebuilt (gpu_gptq.sh --cross-build): nothing to compile\n"
         "from gptqmodel import extension\n"
         "ok, err = False, ''\n"
         "try:\n"
@@ -614,5 +631,38 @@ def main() -> int:
     return 0 if ok else 1
 
 
+def cross_build(out: Path, dest: Path) -> int:
+    """GPTQModel's Marlin fp16 extension built without a GPU (``gpu_gptq.sh --cross-build`` sets up the
+    toolchain): GPTQModel's own JIT build (its sources, flags and generated kernels), told that a GPU is there
+    since it checks for one before building; the library copied to ``dest``."""
+    os.environ["GPTQMODEL_MARLIN_FP16_BUILD_ROOT"] = str(out)
+    import torch
+    from gptqmodel.utils.marlin import _MARLIN_FP16_TORCH_OPS_EXTENSION as ext
+
+    # after the imports (torchao takes CUDA-only paths when it sees a GPU): nvcc needs none, and
+    # TORCH_CUDA_ARCH_LIST names the target
+    torch.cuda.is_available = lambda: True
+
+    t0 = time.perf_counter()
+    ok = ext.load()
+    libs = sorted(out.glob("**/gptqmodel_marlin_fp16_ops*.so"), key=lambda f: f.stat().st_mtime)
+    if not libs:
+        print(f"no Marlin library under {out}: load()={ok} {getattr(ext, '_last_error', '')}")
+        return 1
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(libs[-1], dest / "gptqmodel_marlin_fp16_ops.so")
+    import gptqmodel
+
+    (dest / "BUILD-INFO").write_text(
+        f"GPTQModel {gptqmodel.__version__} Marlin fp16, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')}, built without a GPU\n"
+    )
+    size = libs[-1].stat().st_size / 2**20
+    print(f"{dest}/gptqmodel_marlin_fp16_ops.so: {size:.1f} MiB, {time.perf_counter() - t0:.0f} s (load()={ok})")
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--cross-build"]:
+        sys.exit(cross_build(Path(sys.argv[2]), Path(sys.argv[3])))
     sys.exit(main())

@@ -4,6 +4,7 @@
 #
 #   bash bench/gpu_gptq.sh [bench/gpu_gptq.py options]   # on the CUDA machine, from the repo root
 #   bash bench/gpu_gptq.sh --prepare                     # on a machine WITH network, beforehand
+#   bash bench/gpu_gptq.sh --cross-build                 # then, optionally: Marlin prebuilt for the H200 image
 #
 # Exit: 0 pass, 1 fail, 3 "no CUDA GPU: skipped", 4 environment incomplete.
 #
@@ -49,6 +50,19 @@ if [ "${1:-}" = "--prepare" ]; then
     du -sh "$WHEELS"
     ls "$WHEELS" "$WHEELS/anyquant"
     exit 0
+fi
+
+if [ "${1:-}" = "--cross-build" ]; then
+    # GPTQModel's Marlin fp16 extension compiled here, without a GPU, for the H200 image (bench/cuda_toolchain.sh;
+    # after --prepare, whose GPTQModel wheel it installs). The result, .cache/marlin-ext, travels with `carry`
+    # and is loaded instead of building Marlin there.
+    X=$(pwd)/.cache/cuda-xbuild
+    mkdir -p "$X/marlin" .cache/marlin-ext
+    source bench/cuda_toolchain.sh
+    cuda_toolchain "$X" || exit 4
+    [ -d "$WHEELS/lib" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$(cd "$WHEELS/lib" && pwd)"
+    "$XPY" -m pip install -q --find-links "$WHEELS" "$WHEELS"/gptqmodel-*.whl || exit 4
+    exec nice -n 19 "$XPY" bench/gpu_gptq.py --cross-build "$X/marlin" .cache/marlin-ext
 fi
 
 export TORCH_COMPILE_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -115,6 +129,18 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
     export PATH="/usr/local/cuda/bin:$PATH"
 fi
 [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ] && export CUDA_HOME=/usr/local/cuda
+
+# a prebuilt Marlin (--cross-build, .cache/marlin-ext carried): loaded in every process, so GPTQModel builds nothing
+MARLIN_LIB=$(pwd)/.cache/marlin-ext/gptqmodel_marlin_fp16_ops.so
+if [ -f "$MARLIN_LIB" ] && [ -z "$DRY" ]; then
+    if err=$("$PY" -c "import sys, torch; torch.ops.load_library(sys.argv[1])
+assert hasattr(torch.ops.gptqmodel_marlin_fp16, 'gptq_marlin_gemm_fp16')" "$MARLIN_LIB" 2>&1); then
+        export ANYQUANT_MARLIN_PREBUILT="$MARLIN_LIB"
+        echo "Marlin: prebuilt ($(head -1 "$(dirname "$MARLIN_LIB")/BUILD-INFO" 2>/dev/null))"
+    else
+        echo "Marlin: the prebuilt library does not load here, JIT build instead: $(echo "$err" | tail -1)"
+    fi
+fi
 
 t0=$(date +%s)
 timeout 590 "$PY" bench/gpu_gptq.py ${DRY:+--cpu-dry-run} "$@"
