@@ -24,7 +24,7 @@ so ``auto`` would start the same JIT build again and spend the budget on it; rer
 ``--marlin-timeout`` / ``--budget`` or after fixing the build). Exit 0 pass, 1 fail, 3 no CUDA GPU,
 4 environment incomplete.
 
-    python bench/gpu_gptq.py [--work DIR] [--json FILE] [--budget 250] [--marlin-timeout 170]
+    python bench/gpu_gptq.py [--work DIR] [--json FILE] [--budget 250] [--marlin-timeout 170] [--no-marlin | --no-gm]
     python bench/gpu_gptq.py --cpu-dry-run      # the same flow on the CPU (torch kernel, tiny models)
 """
 
@@ -522,6 +522,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (250; 900 on the CPU)")
     ap.add_argument("--marlin-timeout", type=float, default=170.0, help="seconds for the Marlin JIT build")
     ap.add_argument("--no-marlin", action="store_true", help="skip the Marlin build and the marlin/auto rows")
+    ap.add_argument("--no-gm", action="store_true", help="skip the triton/torch kernel rows (Marlin and auto only)")
     ap.add_argument("--checkpoint", action="append", default=[], help="also run this GPTQ/AWQ checkpoint")
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same flow on the CPU (torch kernel, tiny models)")
     args = ap.parse_args()
@@ -585,8 +586,9 @@ def main() -> int:
 
     rows: list[dict[str, Any]] = []
     rows += run_group("ref", plan_rows(ckpts, "ref"), work, ids, device, clock.left() - 100)
-    gm = plan_rows(ckpts, "gm")
-    rows += run_group("gm", gm, work, ids, device, clock.left() - (60 if marlin_wanted else 10))
+    if not args.no_gm:
+        gm = plan_rows(ckpts, "gm")
+        rows += run_group("gm", gm, work, ids, device, clock.left() - (60 if marlin_wanted else 10))
     marlin: dict[str, Any] = {"ok": False, "error": "not built (--no-marlin or CPU)"}
     if marlin_proc is not None:
         marlin = finish_marlin_build(marlin_proc, min(marlin_deadline, time.perf_counter() + clock.left() - 50), work)
