@@ -279,6 +279,34 @@ def convert_cmd(
     ]
 
 
+#: GPTQModel's EXL3 quantizer on the tiny model (4 bpw, mcg, 6-bit head), calibrated on anyquant's offline
+#: calibration texts; prints "All done" as exllamav3's converter does, for :func:`converted_ok`
+GPTQMODEL_EXL3 = """
+import sys
+import torch
+from anyquant.calibration import corpus_documents
+from gptqmodel import GPTQModel
+from gptqmodel.quantization.config import EXL3Config
+src, dst, rows, cols = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+texts = [d[: cols * 4] for d in corpus_documents("wiki")[:rows]]
+model = GPTQModel.load(src, EXL3Config(bits=4.0, head_bits=6.0, codebook="mcg"), dtype=torch.float16)
+model.quantize(texts, batch_size=1)
+model.save(dst)
+print("All done")
+"""
+
+
+def gptqmodel_env() -> dict[str, str] | None:
+    """The environment of a GPTQModel child: its bundle's site folder (gpu_exl3.sh installs it apart from
+    exllamav3's, ``ANYQUANT_GPTQMODEL_SITE``) ahead on the path; None when GPTQModel is not there."""
+    import importlib.util
+
+    site = os.environ.get("ANYQUANT_GPTQMODEL_SITE")
+    if site:
+        return {**os.environ, "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}"}
+    return dict(os.environ) if importlib.util.find_spec("gptqmodel") is not None else None
+
+
 def converted_ok(out: Path, log: Path) -> bool:
     # the converter prints " !! Error: ..." and exits 0 on bad arguments: judge by its output
     return (out / "config.json").is_file() and any(out.glob("*.safetensors")) and "All done" in tail(log, 5)
@@ -751,6 +779,16 @@ def main(argv: list[str] | None = None) -> int:
         eb = 4 if label.endswith("-eb4") else 16
         cmd = convert_cmd(dense, out, work / f"{label}-work", bits, cb, cal, embed_bits=eb)
         jobs[label] = (out, log, start(cmd, log))
+    # GPTQModel's own EXL3 quantizer (CUDA only): a second peer's checkpoint, reconstructed like the others
+    gm_env = gptqmodel_env()
+    if tiny is None or gm_env is None:
+        rep.add("convert tiny-gptqmodel-mcg", "SKIP", "GPTQModel is not installed (bundle: gpu_gptq.sh --prepare)")
+    else:
+        out, log = work / "tiny-gptqmodel-mcg-exl3", work / "tiny-gptqmodel-mcg.log"
+        if out.exists():
+            shutil.rmtree(out)
+        cmd = [sys.executable, "-c", GPTQMODEL_EXL3, str(tiny), str(out), str(cal[0]), str(cal[1])]
+        jobs["tiny-gptqmodel-mcg"] = (out, log, start(cmd, log, env=gm_env))
     converted: dict[str, Path] = {}
     for label, (out, log, proc) in jobs.items():
         rc = wait(proc, min(args.convert_timeout - (time.perf_counter() - t_conv), max(rep.left() - 60, 1)))

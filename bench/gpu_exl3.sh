@@ -74,6 +74,18 @@ if [[ -n "$missing" ]]; then
 fi
 export PYTHONPATH="$REPO/core/src:$REPO/plugins/exl3/src${PYTHONPATH:+:$PYTHONPATH}"
 
+# GPTQModel (for its EXL3 quantizer, a second peer's checkpoint) from gpu_gptq.sh's bundle, in a folder of its
+# own that only that child process puts on its path (its dependencies stay out of exllamav3's processes)
+if ! "$PY" -c 'import importlib.util as u, sys; sys.exit(0 if u.find_spec("gptqmodel") else 1)' 2>/dev/null \
+    && compgen -G "$WHEELS/gptq/gptqmodel-*.whl" >/dev/null; then
+    GM_SITE=/tmp/anyquant-gpu-site-exl3-gptqmodel
+    if [[ -d "$GM_SITE/gptqmodel" ]] || "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$GM_SITE" "$WHEELS"/gptq/*.whl; then
+        export ANYQUANT_GPTQMODEL_SITE="$GM_SITE"
+        [[ -d "$WHEELS/gptq/lib" ]] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$WHEELS/gptq/lib"
+    fi
+fi
+
 # a prebuilt extension (bench/gpu_exl3.sh --cross-build made it on a machine without a GPU, and the call carried
 # .cache/exl3-ext): exllamav3 imports a compiled exllamav3_ext module found on the path instead of building one.
 # Used only when it imports next to this interpreter's torch; otherwise the JIT build below, as before.
