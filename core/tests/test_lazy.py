@@ -171,3 +171,37 @@ def test_fixtures_need_no_pytest(tmp_path) -> None:  # type: ignore[no-untyped-d
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "kit needs pytest", out.stderr
+
+
+def test_public_type_hints_resolve_without_torch() -> None:
+    """Hosts that read annotations at run time (typing.get_type_hints, inspect.signature(eval_str=True):
+    CLI and web frameworks, docs tools) resolve every public function's hints; only torch's own types
+    need torch, passed in by the host, which has it. Resolving them imports no torch."""
+    r = _run(
+        "import inspect, sys, typing, anyquant\n"
+        "bad = []\n"
+        "for name in anyquant.__all__:\n"
+        "    obj = getattr(anyquant, name)\n"
+        "    funcs = [obj] if inspect.isfunction(obj) else []\n"
+        "    if inspect.isclass(obj) and obj.__module__.startswith('anyquant'):\n"
+        "        funcs += [f for _, f in inspect.getmembers(obj, inspect.isfunction) if f.__module__.startswith('anyquant')]\n"
+        "    for f in funcs:\n"
+        "        try:\n"
+        "            typing.get_type_hints(f)\n"
+        "        except NameError as exc:\n"
+        "            bad.append((f.__qualname__, exc.name))\n"
+        "assert 'torch' not in sys.modules, 'resolving hints imported torch'\n"
+        "need_torch = {q for q, n in bad if n in ('torch', 'nn')}\n"
+        "assert {q for q, _ in bad} - need_torch == {'Loader.load'}, bad  # LoadedModel imports protocols\n"
+        "assert 'load' in need_torch\n"
+        "import torch\n"
+        "from torch import nn\n"
+        "for q in need_torch:\n"
+        "    owner, _, attr = q.rpartition('.')\n"
+        "    f = getattr(getattr(anyquant, owner), attr) if owner else getattr(anyquant, q)\n"
+        "    typing.get_type_hints(f, localns={'torch': torch, 'nn': nn})\n"
+        "hints = typing.get_type_hints(anyquant.load, localns={'torch': torch})\n"
+        "assert hints['return'].__name__ == 'LoadedModel', hints\n"
+        "assert typing.get_type_hints(anyquant.inspect)['return'].__name__ == 'Report'\n"
+    )
+    assert r.returncode == 0, r.stderr

@@ -15,12 +15,11 @@ from .errors import AnyquantError, CheckpointError, MissingDependencyError, Plug
 from .probe import Probe
 from .protocols import Detection, Loader, LoadOptions
 from .registry import PluginInfo, Registry, load_spec_object
+from .report import Report  # torch-free: imported so that typing.get_type_hints resolves the public API
+from .runtime.loaded import LoadedModel
 
 if TYPE_CHECKING:
     import torch
-
-    from .report import Report
-    from .runtime.loaded import LoadedModel
 
 __all__ = ["default_model", "default_registry", "detect", "inspect", "list_plugins", "load"]
 

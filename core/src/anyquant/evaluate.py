@@ -29,14 +29,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._memory import release_free_heap
 from .errors import AnyquantError
-
-if TYPE_CHECKING:
-    from .registry import Registry
-    from .runtime.loaded import LoadedModel
+from .registry import Registry  # torch-free: imported so that typing.get_type_hints resolves the public API
+from .runtime.loaded import LoadedModel
 
 __all__ = [
     "EvalResult",

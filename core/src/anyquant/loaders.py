@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from .errors import CheckpointError, UnsupportedBackendError
 from .probe import Probe, thaw
 from .protocols import BackendInfo, Detection, LoadOptions
+from .runtime.loaded import LoadedModel  # torch-free, like TensorSource: resolvable by typing.get_type_hints
+from .runtime.tensors import TensorSource
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-    from .runtime.loaded import LoadedModel
-    from .runtime.tensors import TensorSource
 
 __all__ = [
     "CPU_FAST_OPTIONS",

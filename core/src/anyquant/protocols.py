@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
+from .probe import Probe  # torch-free: imported so that typing.get_type_hints resolves the protocols
+
 if TYPE_CHECKING:
-    from .probe import Probe
-    from .runtime.loaded import LoadedModel
+    from .runtime.loaded import LoadedModel  # which imports this module
 
 __all__ = [
     "BackendInfo",
