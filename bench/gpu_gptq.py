@@ -353,10 +353,9 @@ def start_marlin_build(work: Path, timeout: float) -> tuple[subprocess.Popen[str
     code = (
         "import json, time, sys\n"
         "t = time.perf_counter()\n"
-        "import os, torch\n"
-        "lib = os.environ.get('ANYQUANT_MARLIN_PREBUILT')\n"
-        "if lib:\n"
-        "    torch.ops.load_library(lib)  # prebuilt (gpu_gptq.sh --cross-build): nothing to compile\n"
+        f"sys.path.insert(0, {str(HERE)!r})\n"
+        "from gpu_gptq import preload_marlin\n"
+        "preload_marlin()  # a prebuilt Marlin (gpu_gptq.sh --cross-build): nothing to compile\n"
         "from gptqmodel import extension\n"
         "ok, err = False, ''\n"
         "try:\n"
