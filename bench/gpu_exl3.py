@@ -527,11 +527,13 @@ def direct_greedy_ids(loaded: Any, ids: list[int], n: int) -> list[int]:
 
 
 def ascii_window(text: str, start: int = 3) -> str:
-    """Two printable, non-blank ASCII characters from ``text`` (at ``start`` or later), or ``""``."""
-    for i in range(start, len(text) - 1):
-        pair = text[i : i + 2]
-        if pair.isascii() and pair.isprintable() and pair.strip() == pair:
-            return pair
+    """Two printable, non-blank ASCII characters from ``text`` (at ``start`` or later), else one such
+    character (a random tiny model's text is mostly not ASCII), else ``""``."""
+    for width in (2, 1):
+        for i in range(start, len(text) - width + 1):
+            piece = text[i : i + width]
+            if piece.isascii() and piece.isprintable() and piece.strip() == piece:
+                return piece
     return ""
 
 
@@ -560,7 +562,7 @@ def check_api(path: Path, reg: Any, rep: Report) -> None:
     with rep.step("api: stop string") as emit:
         stop = ascii_window(text)
         if not stop:
-            emit("SKIP", f"no printable ASCII pair in the greedy text to stop on: {text!r}")
+            emit("SKIP", f"no printable ASCII character in the greedy text to stop on: {text!r}")
         else:
             cut = model.generate(PROMPT, max_new_tokens=32, stop=[stop])
             want = text[: text.find(stop)]
@@ -794,7 +796,8 @@ def main(argv: list[str] | None = None) -> int:
         rc = wait(proc, min(args.convert_timeout - (time.perf_counter() - t_conv), max(rep.left() - 60, 1)))
         if rc == 0 and converted_ok(out, log):
             converted[label] = out
-            rep.add(f"convert {label}", "PASS", f"exllamav3 -> {out.name}", time.perf_counter() - t_conv)
+            peer = "GPTQModel" if "gptqmodel" in label else "exllamav3"
+            rep.add(f"convert {label}", "PASS", f"{peer} -> {out.name}", time.perf_counter() - t_conv)
         else:
             print(tail(log, 30))
             why = "timed out" if rc is None else f"exit {rc}: {tail(log, 1)[:200]}"

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -43,3 +44,60 @@ def test_gpu_script_skips_without_a_gpu(script: str) -> None:
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "no CUDA GPU: skipped"
     assert sorted(p.name for p in (REPO / "bench").iterdir()) == before
+
+
+def _bench_module(name: str) -> ModuleType:
+    """A bench script imported as a module (its ``main`` does not run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gptq_check_expects_the_marlin_refusal_on_asymmetric_weights() -> None:
+    """GPTQModel's GPTQ Marlin runs symmetric weights only (seen on an H200): the explicit ``marlin`` row on an
+    asymmetric checkpoint passes on anyquant's typed error and on nothing else; ``auto`` must still load."""
+    g = _bench_module("gpu_gptq")
+    ckpts = {
+        "asym": {"path": "/x", "decode": False, "marlin_error": "UnsupportedBackendError"},
+        "sym": {"path": "/y", "decode": True},
+    }
+    rows = g.plan_rows(ckpts, "marlin")
+    expect = {(r["ckpt"], r["kernel"]): r.get("expect_error") for r in rows}
+    assert expect == {
+        ("asym", "marlin"): "UnsupportedBackendError",
+        ("asym", "auto"): None,
+        ("sym", "marlin"): None,
+        ("sym", "auto"): None,
+    }
+    marlin_row = next(r for r in rows if r["ckpt"] == "asym" and r["kernel"] == "marlin")
+    refused = {**marlin_row, "error": "UnsupportedBackendError: marlin: only supports symmetric"}
+    crashed = {**marlin_row, "error": "RuntimeError: CUDA error"}
+    loaded = {**marlin_row, "rel_diff": 0.0, "top1": 1.0}
+    assert g.verdicts([refused], {"ok": True}) is True
+    assert refused["verdict"].startswith("ok")
+    for row in (crashed, loaded):
+        assert g.verdicts([row], {"ok": True}) is False
+        assert row["verdict"].startswith("FAIL")
+    # without a Marlin build the row is not required
+    assert g.verdicts([{**crashed}], {"ok": False}) is True
+
+
+def test_gptq_check_budget_never_starves_a_step() -> None:
+    g = _bench_module("gpu_gptq")
+    clock = g.Clock(110.0)
+    assert 50 < clock.reserve(100) <= 55  # half of what is left, not the fixed 100 s
+    assert clock.left() - clock.reserve(100) >= 50
+    assert g.Clock(400.0).reserve(100) == 100
+    assert g.Clock(-5.0).reserve(100) == 0
+
+
+def test_exl3_check_finds_a_stop_string_in_mostly_non_ascii_text() -> None:
+    e = _bench_module("gpu_exl3")
+    assert e.ascii_window("abcdef") == "de"
+    assert e.ascii_window("\ufffd\ufffd-i\x05\ufffdW\n") == "i"  # the H200 run's greedy text: one ASCII char
+    assert e.ascii_window("\ufffd\ufffd\ufffd\ufffd") == ""
