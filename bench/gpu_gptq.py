@@ -311,10 +311,11 @@ class Clock:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def reserve(self, seconds: float) -> float:
-        """Seconds to keep for the later steps: ``seconds``, but never more than half of what is left
-        (a short ``--budget`` shrinks every step instead of starving the first one)."""
-        return min(seconds, max(self.left(), 0.0) / 2)
+    def share(self, keep: float) -> float:
+        """Seconds the next step may take: what is left, less ``keep`` seconds for the later steps but never
+        more than half of what is left (a short ``--budget`` shrinks every step instead of starving the first)."""
+        left = self.left()
+        return left - min(keep, max(left, 0.0) / 2)
 
 
 def run_group(name: str, rows: list[dict[str, Any]], work: Path, ids: Path, device: str, timeout: float) -> list[dict]:
@@ -569,9 +570,7 @@ def main() -> int:
     marlin_wanted = not cpu and not args.no_marlin
     marlin_proc = None
     if marlin_wanted:
-        marlin_proc, marlin_deadline = start_marlin_build(
-            work, min(args.marlin_timeout, clock.left() - clock.reserve(90))
-        )
+        marlin_proc, marlin_deadline = start_marlin_build(work, min(args.marlin_timeout, clock.share(90)))
         print(f"[marlin] JIT build started in the background (timeout {args.marlin_timeout:.0f} s)", flush=True)
 
     # checkpoints
@@ -601,15 +600,13 @@ def main() -> int:
     torch.save(torch.randint(0, 256, (1, LOGIT_TOKENS), generator=torch.Generator().manual_seed(0)), ids)
 
     rows: list[dict[str, Any]] = []
-    rows += run_group("ref", plan_rows(ckpts, "ref"), work, ids, device, clock.left() - clock.reserve(100))
+    rows += run_group("ref", plan_rows(ckpts, "ref"), work, ids, device, clock.share(100))
     if not args.no_gm:
         gm = plan_rows(ckpts, "gm")
-        rows += run_group("gm", gm, work, ids, device, clock.left() - clock.reserve(60 if marlin_wanted else 10))
+        rows += run_group("gm", gm, work, ids, device, clock.share(60 if marlin_wanted else 10))
     marlin: dict[str, Any] = {"ok": False, "error": "not built (--no-marlin or CPU)"}
     if marlin_proc is not None:
-        marlin = finish_marlin_build(
-            marlin_proc, min(marlin_deadline, time.perf_counter() + clock.left() - clock.reserve(50)), work
-        )
+        marlin = finish_marlin_build(marlin_proc, min(marlin_deadline, time.perf_counter() + clock.share(50)), work)
         print(f"[marlin] {json.dumps(marlin)[:400]}", flush=True)
     mrows = plan_rows(ckpts, "marlin")
     if cpu:

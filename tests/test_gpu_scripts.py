@@ -90,10 +90,9 @@ def test_gptq_check_expects_the_marlin_refusal_on_asymmetric_weights() -> None:
 def test_gptq_check_budget_never_starves_a_step() -> None:
     g = _bench_module("gpu_gptq")
     clock = g.Clock(110.0)
-    assert 50 < clock.reserve(100) <= 55  # half of what is left, not the fixed 100 s
-    assert clock.left() - clock.reserve(100) >= 50
-    assert g.Clock(400.0).reserve(100) == 100
-    assert g.Clock(-5.0).reserve(100) == 0
+    assert 50 < clock.share(100) <= 55  # half of what is left is kept, not the fixed 100 s
+    assert 299 < g.Clock(400.0).share(100) <= 300  # the full 100 s kept when it is at most half
+    assert g.Clock(-5.0).share(100) <= -5  # nothing kept once the budget is spent
 
 
 def test_exl3_check_finds_a_stop_string_in_mostly_non_ascii_text() -> None:
