@@ -7,6 +7,11 @@ vs. reading and json-parsing every header with nothing else ("bare"), and vs. th
 library's own Rust header parse listing every dtype and shape ("rust"). Goal: within 1.5x of the
 bare cost, and the same time whatever the weight bytes.
 
+Two columns split the probe: "checked" is :func:`anyquant.headers.read_safetensors_header` on
+every shard (the parse plus the per-tensor checks the probe owes: known dtype, integer shape,
+offsets inside the file, byte count, no overlap, no duplicate name) and nothing else; "probe" adds
+the config files, the index, the suffix index and the directory's safety checks.
+
     python bench/detect.py [--repeat 20] [--shards 9]
 """
 
@@ -22,6 +27,7 @@ import time
 from pathlib import Path
 
 from anyquant import Probe, Registry
+from anyquant.headers import read_safetensors_header
 from anyquant.testing.fixtures import write_safetensors
 
 LAYERS, HIDDEN, INTER, VOCAB, KV = 80, 8192, 28672, 128256, 1024
@@ -84,6 +90,11 @@ def bare(root: Path) -> None:
             json.loads(fh.read(n))
 
 
+def checked(root: Path) -> None:
+    for f in sorted(root.glob("*.safetensors")):
+        read_safetensors_header(f, f.name)
+
+
 def rust_reference(root: Path) -> None:
     """The safetensors library's own header parse (Rust), listing every tensor's dtype and shape."""
     from safetensors import safe_open
@@ -121,20 +132,22 @@ def main() -> int:
             n_tensors = len(Probe.open(root).tensors)
             t_bare = timed(lambda root=root: bare(root), args.repeat)
             t_rust = timed(lambda root=root: rust_reference(root), args.repeat)
+            t_checked = timed(lambda root=root: checked(root), args.repeat)
             t_probe = timed(lambda root=root: Probe.open(root), args.repeat)
             t_detect = timed(lambda root=root: reg.detect(Probe.open(root)), args.repeat)
             assert reg.detect(Probe.open(root)).format == "gptq"
-            rows.append((label, size, n_tensors, t_bare, t_rust, t_probe, t_detect))
+            rows.append((label, size, n_tensors, t_bare, t_rust, t_checked, t_probe, t_detect))
     print(
-        f"{'checkpoint':<22} {'bytes':>16} {'tensors':>8} {'bare ms':>9} {'rust ms':>8} {'probe ms':>9} "
-        f"{'detect ms':>10} {'detect/bare':>12} {'detect/rust':>12}"
+        f"{'checkpoint':<22} {'bytes':>16} {'tensors':>8} {'bare ms':>9} {'rust ms':>8} {'checked ms':>11} "
+        f"{'probe ms':>9} {'detect ms':>10} {'checked/bare':>13} {'detect/bare':>12} {'detect/rust':>12}"
     )
-    for label, size, n, tb, tr, tp, td in rows:
+    for label, size, n, tb, tr, tc, tp, td in rows:
         print(
-            f"{label:<22} {size:>16,} {n:>8} {tb * 1e3:>9.2f} {tr * 1e3:>8.2f} {tp * 1e3:>9.2f} "
-            f"{td * 1e3:>10.2f} {td / tb:>11.2f}x {td / tr:>11.2f}x"
+            f"{label:<22} {size:>16,} {n:>8} {tb * 1e3:>9.2f} {tr * 1e3:>8.2f} {tc * 1e3:>11.2f} {tp * 1e3:>9.2f} "
+            f"{td * 1e3:>10.2f} {tc / tb:>12.2f}x {td / tb:>11.2f}x {td / tr:>11.2f}x"
         )
     print("bare: read + json.loads of every header; rust: safetensors.safe_open listing every dtype and shape")
+    print("checked: read_safetensors_header on every shard (parse + per-tensor checks, nothing else)")
     big, tiny = rows[0][-1], rows[1][-1]
     print(
         f"detect time, 70B-shaped vs tiny files: {big / tiny:.2f}x (weight bytes ratio {rows[0][1] / rows[1][1]:,.0f}x)"

@@ -349,6 +349,7 @@ def test_halving_pieces() -> None:
         assert [s for s, _ in pieces] == [sum(c for _, c in pieces[:i]) for i in range(len(pieces))]
 
 
+@needs_bf16_head  # without a bfloat16 head the build keeps no 16-bit embedding for finish() to handle
 @pytest.mark.parametrize("converted", [1, 0], ids=["fast head", "head stays dense"])
 def test_plan_finish_takes_over_or_restores_a_kept_embedding(tmp_path: Any, converted: int) -> None:
     model = _build_tiny(tmp_path, keep=True, tied=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -255,3 +256,98 @@ def test_gguf_tensor_offsets_follow_llama_cpp_layout(tmp_path: Path, offset: int
     _rewrite_gguf_offset(path, "b", offset)
     with pytest.raises(HeaderError, match=r"'b' has data offset \d+, expected 4096"):
         read_gguf_header(path, "m.gguf")
+
+
+def _hub_snapshot(tmp_path: Path, model: Path, repo: str = "models--org--tiny") -> Path:
+    """``model``'s files moved into a Hugging Face hub cache layout: ``<repo>/blobs/<hash>`` holds the
+    bytes, ``<repo>/snapshots/<rev>/<name>`` is a relative link to it (what ``snapshot_download`` makes)."""
+    import hashlib
+
+    blobs = tmp_path / "hub" / repo / "blobs"
+    snap = tmp_path / "hub" / repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(model.iterdir()):
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        f.rename(blobs / digest)
+        (snap / f.name).symlink_to(Path("../../blobs") / digest)
+    return snap
+
+
+def test_hub_cache_snapshot_links_into_its_own_blobs_are_read(tmp_path: Path) -> None:
+    root = FIXTURES["gptq_v2"].build(tmp_path / "m")
+    (root / "tokenizer.json").write_text("{}")
+    expected = Probe.open(root)
+    snap = _hub_snapshot(tmp_path, root)
+    assert all((snap / n).is_symlink() for n in ("config.json", "model.safetensors", "tokenizer.json"))
+    probe = Probe.open(snap)
+    assert probe.root == snap.resolve() and probe.tokenizer_files == ("tokenizer.json",)
+    assert probe.quant_method == "gptq" and dict(probe.tensors) == dict(expected.tensors)
+    assert Probe.open(snap / "model.safetensors").tensors == probe.tensors  # one file of the snapshot
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "../../../models--other--repo/blobs/x",  # another repository's blobs
+        "../../refs/main",  # the repository, but not its blobs
+        "../../blobs/sub/x",  # below blobs, not a blob
+    ],
+)
+def test_hub_cache_links_anywhere_else_are_refused(tmp_path: Path, target: str) -> None:
+    snap = _hub_snapshot(tmp_path, FIXTURES["gptq_v2"].build(tmp_path / "m"))
+    link = snap / "config.json"
+    real = (snap / target).resolve()
+    real.parent.mkdir(parents=True, exist_ok=True)
+    real.write_bytes(link.resolve().read_bytes())
+    link.unlink()
+    link.symlink_to(target)
+    with pytest.raises(UnsafePathError, match=r"config\.json: is a link to"):
+        Probe.open(snap)
+
+
+def test_blobs_are_only_trusted_in_a_models_repository_snapshot(tmp_path: Path) -> None:
+    """The same layout under a directory not named ``models--...``, or a snapshot's folder named otherwise,
+    is an ordinary directory: its links leave it."""
+    snap = _hub_snapshot(tmp_path, FIXTURES["gptq_v2"].build(tmp_path / "m"), repo="weights")
+    with pytest.raises(UnsafePathError, match="outside the model directory"):
+        Probe.open(snap)
+
+
+@pytest.mark.parametrize(
+    "name", ["config.json", "quantize_config.json", "tokenizer.json", "model.safetensors.index.json", "m.gguf"]
+)
+def test_every_file_the_probe_reads_may_not_link_outside(tmp_path: Path, name: str) -> None:
+    model = tmp_path / "model"
+    write_safetensors(model / "model.safetensors", {"w": ("F16", [2])})
+    outside = tmp_path / f"outside-{name}"
+    if name.endswith(".gguf"):
+        write_gguf(outside, {"general.architecture": "llama"}, {"a.weight": (0, [4])})
+    else:
+        outside.write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
+    (model / name).symlink_to(outside)
+    with pytest.raises(UnsafePathError, match=re.escape(f"{name}: is a link to")):
+        Probe.open(model)
+    (model / name).unlink()
+    (model / "sub").mkdir()
+    (model / "sub" / name).symlink_to(outside)
+    (model / name).symlink_to(Path("sub") / name)  # a link to a link: resolved to the end
+    with pytest.raises(UnsafePathError, match=re.escape(f"{name}: is a link to")):
+        Probe.open(model)
+
+
+def test_links_inside_the_directory_and_file_listing(tmp_path: Path) -> None:
+    """Links that stay inside are read; names are matched as ``*.safetensors``, ``*.gguf`` and by
+    pickle suffix, files only (a directory or a dangling link with such a name is not a file)."""
+    model = tmp_path / "model"
+    write_safetensors(model / "store" / "real.safetensors", {"w": ("F16", [2])})
+    (model / "a.safetensors").symlink_to(Path("store") / "real.safetensors")
+    (model / "dir.safetensors").mkdir()
+    (model / "dangling.safetensors").symlink_to(model / "nowhere")
+    (model / "weights.bin").write_bytes(b"x")
+    (model / ".bin").write_bytes(b"x")  # no suffix, as pathlib sees it
+    (model / "b.pt.txt").write_bytes(b"x")
+    probe = Probe.open(model)
+    assert [h.file for h in probe.safetensors] == ["a.safetensors"]
+    assert probe.pickle_files == ("weights.bin",)
+    assert list(probe.tensors) == ["w"]

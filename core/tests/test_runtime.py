@@ -662,3 +662,23 @@ def test_closing_the_model_releases_it_under_a_paused_stream(tiny: Path) -> None
     with pytest.raises(anyquant.ModelClosedError):
         for _ in stream:
             pass
+
+
+def test_hub_cache_snapshot_loads_like_the_directory(tiny: Path, tmp_path: Path) -> None:
+    """A Hugging Face hub cache snapshot (every file a link to ``../../blobs/<hash>``) loads and generates
+    exactly like the plain directory, whole or through its single weights file."""
+    import hashlib
+    import shutil
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(tiny.iterdir()):
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / digest)
+        (snap / f.name).symlink_to(Path("../../blobs") / digest)
+    want = anyquant.load(tiny).generate("Hello, my name is", max_new_tokens=12)
+    for path in (snap, snap / "model.safetensors"):
+        model = anyquant.load(path)
+        assert model.format == "dense" and model.generate("Hello, my name is", max_new_tokens=12) == want

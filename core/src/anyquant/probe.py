@@ -4,6 +4,11 @@
 the tokenizer file names, every ``*.safetensors`` header (found by globbing, not from the index),
 the shard index, and GGUF headers. The result is immutable. Standard library only: never
 imports torch.
+
+Every file it reads must resolve inside the checkpoint directory: a link leaving it is an
+:class:`~anyquant.errors.UnsafePathError`. One layout is allowed besides: a snapshot directory of a
+Hugging Face hub cache (``models--<owner>--<name>/snapshots/<revision>``), whose files are links to
+the same repository's ``blobs/``.
 """
 
 from __future__ import annotations
@@ -105,29 +110,34 @@ class Probe:
         notes: list[str] = []
         if p.is_file():
             root = p.parent.resolve()
-            files = [p.resolve()]  # a single file was asked for: only that file's tensors
+            files = [root / p.name]  # a single file was asked for: only that file's tensors, by the name it is asked by
             if p.suffix not in (".safetensors", ".gguf"):
                 raise ProbeError(f"{p}: expected a directory, a .safetensors file or a .gguf file")
         else:
             root = p.resolve()
             files = []
-        configs = [_read_json(root, name) for name in CONFIG_FILES]
-        tokenizer_files = tuple(n for n in TOKENIZER_FILES if (root / n).is_file())
+        listing = _Listing(root)
+        configs = [_read_json(root, name, listing) for name in CONFIG_FILES]
+        tokenizer_files = tuple(n for n in TOKENIZER_FILES if listing.is_file(n))
         for name in tokenizer_files:  # read by the tokenizer libraries: the same rule as configs and weights
-            _check_inside(root, root / name)
+            listing.check_inside(name)
         if p.is_dir():
-            st_files = _glob(root, "*.safetensors")
-            gguf_files = _glob(root, "*.gguf")
-            pickle_files = tuple(f.name for f in sorted(root.iterdir()) if f.suffix in PICKLE_SUFFIXES and f.is_file())
+            st_files = listing.files(".safetensors")
+            gguf_files = listing.files(".gguf")
+            pickle_files = tuple(
+                n for n in sorted(listing.entries) if _suffix(n) in PICKLE_SUFFIXES and listing.is_file(n)
+            )
+            for f in [*st_files, *gguf_files]:
+                listing.check_inside(f.name)
         else:
             st_files = files if p.suffix == ".safetensors" else []
             gguf_files = files if p.suffix == ".gguf" else []
             pickle_files = ()
-        for f in [*st_files, *gguf_files]:
-            _check_inside(root, f)
+            for f in files:
+                _check_inside(root, f)
         headers = tuple(read_safetensors_header(f, f.name) for f in st_files)
         tensors = _merge_tensors(headers)
-        index = _read_index(root, set(h.file for h in headers), tensors, notes) if p.is_dir() else None
+        index = _read_index(root, set(h.file for h in headers), tensors, notes, listing) if p.is_dir() else None
         ggufs = tuple(read_gguf_header(f, f.name) for f in gguf_files)
         return cls(
             path=p,
@@ -233,21 +243,63 @@ def _suffix_index(tensors: Mapping[str, TensorInfo]) -> Mapping[str, tuple[str, 
     return MappingProxyType({k: tuple(v) for k, v in index.items()})
 
 
-def _glob(root: Path, pattern: str) -> list[Path]:
-    return sorted(f for f in root.glob(pattern) if f.is_file())
+class _Listing:
+    """The checkpoint directory read once (``os.scandir``): which names are files, and which are
+    links that must be resolved to check they stay inside it. A plain file listed in the resolved
+    directory is inside it without a ``realpath`` call (a 70B checkpoint has dozens of shards)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        with os.scandir(root) as it:
+            self.entries = {e.name: e for e in it}
+
+    def is_file(self, name: str) -> bool:
+        entry = self.entries.get(name)
+        return entry is not None and entry.is_file()
+
+    def files(self, suffix: str) -> list[Path]:
+        """The files matching ``*<suffix>`` (links to files included), sorted by name."""
+        return [self.root / n for n in sorted(self.entries) if n.endswith(suffix) and self.entries[n].is_file()]
+
+    def check_inside(self, name: str) -> None:
+        if self.entries[name].is_symlink():
+            _check_inside(self.root, self.root / name)
+
+
+def _suffix(name: str) -> str:
+    return PurePosixPath(name).suffix
 
 
 def _check_inside(root: Path, f: Path) -> None:
+    """``f`` (a file the probe or a loader reads) resolves inside ``root``, or, when ``root`` is a
+    snapshot in a Hugging Face hub cache, to a blob of the same cached repository: every file of a
+    snapshot is a link to ``<repo>/blobs/<hash>``, where the repository keeps its files' bytes."""
     real = f.resolve()
-    if real != root and root not in real.parents:
-        raise UnsafePathError(f"{f.name}: is a link to {real}, outside the model directory {root}")
+    if real == root or root in real.parents or real.parent == _hub_blobs(root):
+        return
+    raise UnsafePathError(f"{f.name}: is a link to {real}, outside the model directory {root}")
 
 
-def _read_json(root: Path, name: str) -> dict[str, Any] | None:
+def _hub_blobs(root: Path) -> Path | None:
+    """``<repo>/blobs`` when ``root`` is ``<repo>/snapshots/<revision>`` (or a folder in it) of a
+    Hugging Face hub cache, ``<repo>`` being named ``models--<owner>--<name>``; otherwise None."""
+    for parent in root.parents:
+        if parent.name == "snapshots":
+            repo = parent.parent
+            return repo / "blobs" if repo.name.startswith("models--") else None
+    return None
+
+
+def _read_json(root: Path, name: str, listing: _Listing | None = None) -> dict[str, Any] | None:
     f = root / name
-    if not f.is_file():
-        return None
-    _check_inside(root, f)
+    if listing is None:
+        if not f.is_file():
+            return None
+        _check_inside(root, f)
+    else:
+        if not listing.is_file(name):
+            return None
+        listing.check_inside(name)
     size = f.stat().st_size
     if size > MAX_JSON_BYTES:
         raise ConfigError(f"{name}: {size} bytes is too large for a config file")
@@ -283,10 +335,10 @@ _name = operator.attrgetter("name")
 
 
 def _read_index(
-    root: Path, shard_names: set[str], tensors: dict[str, TensorInfo], notes: list[str]
+    root: Path, shard_names: set[str], tensors: dict[str, TensorInfo], notes: list[str], listing: _Listing
 ) -> dict[str, Any] | None:
     for name in INDEX_NAMES:
-        index = _read_json(root, name)
+        index = _read_json(root, name, listing)
         if index is None:
             continue
         weight_map = index.get("weight_map")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import add, attrgetter, floordiv, itemgetter, mul
 from typing import Any, NamedTuple
 
 from anyquant.probe import Probe
@@ -32,10 +35,8 @@ class GPTQSignature:
     marlin: list[str] = field(default_factory=list)
 
     def bits_histogram(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for m in self.modules:
-            out[m.bits] = out.get(m.bits, 0) + 1
-        return out
+        """How many modules have each bit width, in order of first appearance."""
+        return dict(Counter(map(_bits, self.modules)))
 
 
 def _bits_from_rows(rows: int, k: int) -> int | None:
@@ -48,38 +49,87 @@ def _bits_from_rows(rows: int, k: int) -> int | None:
 def read_signature(probe: Probe) -> GPTQSignature:
     """Every ``P.qweight`` that has the GPTQ shape ``[K*b/32, N]`` with ``P.g_idx [K]``,
     ``P.scales [G, N]``, ``P.qzeros [G, N*b/32]``; plus Marlin-packed ``P.B``/``P.s`` modules."""
-    sig = GPTQSignature()
     t = probe.tensors
-    for prefix in probe.modules_with("qweight"):
-        qw, qz, sc, gi = (
-            t.get(prefix + ".qweight"),
-            t.get(prefix + ".qzeros"),
-            t.get(prefix + ".scales"),
-            t.get(prefix + ".g_idx"),
-        )
-        if qw is None or gi is None or qz is None or sc is None:
-            continue
-        if len(qw.shape) != 2 or len(gi.shape) != 1 or len(sc.shape) != 2 or len(qz.shape) != 2:
-            sig.problems.append(f"{prefix}: qweight/qzeros/scales/g_idx have unexpected ranks")
-            continue
-        k = gi.shape[0]
-        n = qw.shape[1]
-        bits = _bits_from_rows(qw.shape[0], k) if qw.dtype == "I32" else None
-        if bits is None:
-            sig.problems.append(f"{prefix}: qweight {qw.dtype}{list(qw.shape)} does not pack K={k} at 2/3/4/8 bits")
-            continue
-        groups = sc.shape[0]
-        if sc.shape[1] != n:
-            sig.problems.append(f"{prefix}: scales {list(sc.shape)} do not match N={n}")
-        if qz.shape[0] != groups or qz.shape[1] * 32 != n * bits:
-            sig.problems.append(f"{prefix}: qzeros {list(qz.shape)} do not match [{groups}, {n}*{bits}/32]")
-        if gi.dtype != "I32":
-            sig.problems.append(f"{prefix}: g_idx is {gi.dtype}, expected I32")
-        sig.modules.append(GPTQModule(prefix, k, n, bits, groups, f"{prefix}.bias" in t))
-    for prefix in probe.modules_with("B"):
-        if f"{prefix}.s" in t:
-            sig.marlin.append(prefix)
+    prefixes = tuple(probe.modules_with("qweight"))
+    sig = GPTQSignature(modules=_consistent_modules(prefixes, t))
+    if len(sig.modules) != len(prefixes):
+        sig = GPTQSignature()
+        for prefix in prefixes:
+            _check_module(prefix, t, sig)
+    sig.marlin = [prefix for prefix in probe.modules_with("B") if f"{prefix}.s" in t]
     return sig
+
+
+def _consistent_modules(prefixes: tuple[str, ...], t: Any) -> list[GPTQModule]:
+    """The modules, computed a column at a time, when every prefix has all four tensors with
+    consistent shapes (the usual case: detection time on a 70B checkpoint is dominated by this);
+    an empty list otherwise, and :func:`_check_module` walks the prefixes one by one to say which
+    module is wrong and how."""
+    if not prefixes:
+        return []
+    qw, qz, sc, gi = (list(map(t.get, map(add, prefixes, repeat(s)))) for s in _PARTS)
+    if None in qz or None in sc or None in gi:
+        return []
+    qws, qzs, scs, gis = (list(map(_shape, c)) for c in (qw, qz, sc, gi))
+    if (
+        set(map(len, qws)) != {2}
+        or set(map(len, qzs)) != {2}
+        or set(map(len, scs)) != {2}
+        or set(map(len, gis)) != {1}
+        or set(map(_dtype, qw)) != {"I32"}
+        or set(map(_dtype, gi)) != {"I32"}
+    ):
+        return []
+    k, n, rows, groups = list(map(_first, gis)), list(map(_second, qws)), list(map(_first, qws)), list(map(_first, scs))
+    if 0 in k:
+        return []
+    rows32 = list(map(mul, rows, repeat(32)))
+    bits = list(map(floordiv, rows32, k))
+    if (
+        not _PACKED.issuperset(bits)
+        or list(map(mul, bits, k)) != rows32
+        or list(map(_second, scs)) != n
+        or list(map(_first, qzs)) != groups
+        or list(map(mul, map(_second, qzs), repeat(32))) != list(map(mul, n, bits))
+    ):
+        return []
+    has_bias = map(t.__contains__, map(add, prefixes, repeat(".bias")))
+    return list(map(_new_row, repeat(GPTQModule), zip(prefixes, k, n, bits, groups, has_bias, strict=True)))
+
+
+def _check_module(prefix: str, t: Any, sig: GPTQSignature) -> None:
+    """One module's tensors, checked one at a time: appends the module (with any problem found)
+    or only the problem, or nothing when a tensor is missing."""
+    qw, qz, sc, gi = (t.get(prefix + s) for s in _PARTS)
+    if qw is None or gi is None or qz is None or sc is None:
+        return
+    if len(qw.shape) != 2 or len(gi.shape) != 1 or len(sc.shape) != 2 or len(qz.shape) != 2:
+        sig.problems.append(f"{prefix}: qweight/qzeros/scales/g_idx have unexpected ranks")
+        return
+    k = gi.shape[0]
+    n = qw.shape[1]
+    bits = _bits_from_rows(qw.shape[0], k) if qw.dtype == "I32" else None
+    if bits is None:
+        sig.problems.append(f"{prefix}: qweight {qw.dtype}{list(qw.shape)} does not pack K={k} at 2/3/4/8 bits")
+        return
+    groups = sc.shape[0]
+    if sc.shape[1] != n:
+        sig.problems.append(f"{prefix}: scales {list(sc.shape)} do not match N={n}")
+    if qz.shape[0] != groups or qz.shape[1] * 32 != n * bits:
+        sig.problems.append(f"{prefix}: qzeros {list(qz.shape)} do not match [{groups}, {n}*{bits}/32]")
+    if gi.dtype != "I32":
+        sig.problems.append(f"{prefix}: g_idx is {gi.dtype}, expected I32")
+    sig.modules.append(GPTQModule(prefix, k, n, bits, groups, f"{prefix}.bias" in t))
+
+
+_PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
+_PACKED = frozenset(PACKED_BITS)
+_shape = attrgetter("shape")
+_dtype = attrgetter("dtype")
+_bits = attrgetter("bits")
+_first = itemgetter(0)
+_second = itemgetter(1)
+_new_row = tuple.__new__  # a GPTQModule from a row tuple, without NamedTuple's Python-level __new__
 
 
 def config_summary(qc: Any) -> dict[str, Any]:
