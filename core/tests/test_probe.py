@@ -258,14 +258,17 @@ def test_gguf_tensor_offsets_follow_llama_cpp_layout(tmp_path: Path, offset: int
         read_gguf_header(path, "m.gguf")
 
 
-def _hub_snapshot(tmp_path: Path, model: Path, repo: str = "models--org--tiny") -> Path:
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _hub_snapshot(tmp_path: Path, model: Path, repo: str = "models--org--tiny", rev: str = COMMIT) -> Path:
     """``model``'s files moved into a Hugging Face hub cache layout: ``<repo>/blobs/<hash>`` holds the
     bytes, ``<repo>/snapshots/<rev>/<name>`` is a relative link to it (what ``snapshot_download`` makes)."""
     import hashlib
 
     blobs = tmp_path / "hub" / repo / "blobs"
-    snap = tmp_path / "hub" / repo / "snapshots" / "0123abcd"
-    blobs.mkdir(parents=True)
+    snap = tmp_path / "hub" / repo / "snapshots" / rev
+    blobs.mkdir(parents=True, exist_ok=True)
     snap.mkdir(parents=True)
     for f in sorted(model.iterdir()):
         digest = hashlib.sha256(f.read_bytes()).hexdigest()
@@ -351,3 +354,78 @@ def test_links_inside_the_directory_and_file_listing(tmp_path: Path) -> None:
     assert [h.file for h in probe.safetensors] == ["a.safetensors"]
     assert probe.pickle_files == ("weights.bin",)
     assert list(probe.tensors) == ["w"]
+
+
+@pytest.fixture
+def hub_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "hub"
+
+
+def test_hub_cache_dir_follows_huggingface_hubs_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from anyquant.probe import hub_cache_dir
+
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert hub_cache_dir() == tmp_path / "home" / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hub_cache_dir() == tmp_path / "xdg" / "huggingface" / "hub"
+    monkeypatch.setenv("HF_HOME", "~/hf")
+    assert hub_cache_dir() == tmp_path / "home" / "hf" / "hub"
+    monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(tmp_path / "legacy"))
+    assert hub_cache_dir() == tmp_path / "legacy"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "new"))
+    assert hub_cache_dir() == tmp_path / "new"
+
+
+def test_a_model_id_reads_its_snapshot_in_the_hub_cache(tmp_path: Path, hub_env: Path) -> None:
+    old = _hub_snapshot(tmp_path, FIXTURES["awq_gemm"].build(tmp_path / "old"), rev="f" * 40)
+    snap = _hub_snapshot(tmp_path, FIXTURES["gptq_v2"].build(tmp_path / "m"))
+    repo = snap.parent.parent
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)  # huggingface_hub writes the hash without a newline
+    probe = Probe.open("org/tiny")
+    assert probe.root == snap.resolve() and probe.quant_method == "gptq"
+    assert any("Hugging Face cache" in n for n in probe.notes)
+    from anyquant.probe import display_name, resolve_checkpoint
+
+    assert resolve_checkpoint("org/tiny") == snap
+    assert display_name("org/tiny") == display_name(snap) == "org/tiny"
+    assert display_name(snap / "model.safetensors") == "org/tiny/model.safetensors"
+    assert display_name("org/missing") == "missing" and display_name(tmp_path / "m") == "m"
+    (repo / "refs" / "main").write_text("f" * 40 + "\n")
+    assert Probe.open("org/tiny").quant_method == "awq" and Probe.open("org/tiny").root == old.resolve()
+    (repo / "refs" / "main").unlink()  # no ref: two snapshots are ambiguous, one is not
+    with pytest.raises(ProbeError, match="no refs/main and 2 snapshots"):
+        Probe.open("org/tiny")
+    for f in old.iterdir():
+        f.unlink()
+    old.rmdir()
+    assert Probe.open("org/tiny").root == snap.resolve()
+
+
+@pytest.mark.parametrize(
+    ("ref", "message"),
+    [("../../../../etc", "expected a commit hash"), ("a" * 40, "has no such snapshot"), ("", "expected a commit")],
+)
+def test_a_bad_ref_is_a_probe_error(tmp_path: Path, hub_env: Path, ref: str, message: str) -> None:
+    snap = _hub_snapshot(tmp_path, FIXTURES["gptq_v2"].build(tmp_path / "m"))
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text(ref)
+    with pytest.raises(ProbeError, match=message):
+        Probe.open("org/tiny")
+
+
+def test_a_local_directory_wins_and_other_names_are_paths(tmp_path: Path, hub_env: Path) -> None:
+    _hub_snapshot(tmp_path, FIXTURES["gptq_v2"].build(tmp_path / "m"))
+    FIXTURES["awq_gemm"].build(tmp_path / "org" / "tiny")  # ./org/tiny, relative to the working directory
+    assert Probe.open("org/tiny").quant_method == "awq"
+    with pytest.raises(ProbeError, match=r"nor a model in the Hugging Face cache .*huggingface-cli download org/other"):
+        Probe.open("org/other")
+    for name in ("org/../tiny", "org--x/tiny", "./org/nothing", "org/tiny/extra"):
+        with pytest.raises(ProbeError, match=r"no such file or directory$"):
+            Probe.open(name)

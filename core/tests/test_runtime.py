@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -664,14 +665,21 @@ def test_closing_the_model_releases_it_under_a_paused_stream(tiny: Path) -> None
             pass
 
 
-def test_hub_cache_snapshot_loads_like_the_directory(tiny: Path, tmp_path: Path) -> None:
+def test_hub_cache_snapshot_loads_like_the_directory(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A Hugging Face hub cache snapshot (every file a link to ``../../blobs/<hash>``) loads and generates
-    exactly like the plain directory, whole or through its single weights file."""
+    exactly like the plain directory: as a directory, through its single weights file, or by model id
+    from the cache that ``HF_HUB_CACHE`` names; ``estimate`` reads it too."""
     import hashlib
     import shutil
 
     repo = tmp_path / "hub" / "models--org--tiny"
-    snap = repo / "snapshots" / "0123abcd"
+    snap = repo / "snapshots" / ("0123456789abcdef" * 3)[:40]
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(snap.name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
     (repo / "blobs").mkdir(parents=True)
     snap.mkdir(parents=True)
     for f in sorted(tiny.iterdir()):
@@ -679,6 +687,9 @@ def test_hub_cache_snapshot_loads_like_the_directory(tiny: Path, tmp_path: Path)
         shutil.copyfile(f, repo / "blobs" / digest)
         (snap / f.name).symlink_to(Path("../../blobs") / digest)
     want = anyquant.load(tiny).generate("Hello, my name is", max_new_tokens=12)
-    for path in (snap, snap / "model.safetensors"):
+    for path in (snap, snap / "model.safetensors", "org/tiny"):
         model = anyquant.load(path)
         assert model.format == "dense" and model.generate("Hello, my name is", max_new_tokens=12) == want
+    by_id, by_path = anyquant.estimate("org/tiny", bits=4), anyquant.estimate(tiny, bits=4)
+    assert by_id.model == "org/tiny" and by_id == dataclasses.replace(by_path, model="org/tiny")
+    assert anyquant.estimate(snap, bits=4).model == "org/tiny"

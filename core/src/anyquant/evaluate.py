@@ -33,6 +33,7 @@ from typing import Any
 
 from ._memory import release_free_heap
 from .errors import AnyquantError
+from .probe import display_name
 from .registry import Registry  # torch-free: imported so that typing.get_type_hints resolves the public API
 from .runtime.loaded import LoadedModel
 
@@ -424,7 +425,7 @@ def _evaluate_rounds(
         order = range(len(paths)) if r % 2 == 0 else reversed(range(len(paths)))
         for i in order:
             if progress is not None:
-                name = labels[i] if labels else Path(paths[i]).name
+                name = labels[i] if labels else display_name(paths[i])
                 progress(f"{name} (round {r + 1})", done / visits)
             _one_visit(i, r, paths[i], body, partial, window, max_tokens, prefill_tokens, decode_tokens, load_kwargs)
             done += 1
@@ -433,7 +434,7 @@ def _evaluate_rounds(
     results = []
     for i, path in enumerate(paths):
         p = partial[i]
-        label = labels[i] if labels else Path(path).name
+        label = labels[i] if labels else display_name(path)
         results.append(
             EvalResult(
                 path=str(path),

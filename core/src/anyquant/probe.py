@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -34,7 +35,7 @@ from .headers import (
     read_safetensors_header,
 )
 
-__all__ = ["Probe"]
+__all__ = ["Probe", "display_name", "hub_cache_dir", "resolve_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +105,18 @@ class Probe:
 
     @classmethod
     def _open(cls, path: str | os.PathLike[str]) -> Probe:
-        p = Path(path).expanduser()
-        if not p.exists():
-            raise ProbeError(f"{p}: no such file or directory")
         notes: list[str] = []
+        p = resolve_checkpoint(path)
+        if not p.exists():
+            hint = ""
+            if _repo_id(path) is not None:
+                hint = (
+                    f", nor a model in the Hugging Face cache ({hub_cache_dir()}). anyquant reads local files "
+                    f"and downloads nothing: `huggingface-cli download {os.fspath(path)}` first, or pass a directory"
+                )
+            raise ProbeError(f"{p}: no such file or directory{hint}")
+        if p != Path(path).expanduser():
+            notes.append(f"{os.fspath(path)!r} is the Hugging Face cache's snapshot {p}")
         if p.is_file():
             root = p.parent.resolve()
             files = [root / p.name]  # a single file was asked for: only that file's tensors, by the name it is asked by
@@ -233,6 +242,93 @@ class Probe:
         return "; ".join(parts)
 
 
+# ---------------------------------------------------------------------- Hugging Face cache
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def hub_cache_dir() -> Path:
+    """Where ``huggingface_hub`` keeps downloaded repositories: ``$HF_HUB_CACHE``, else
+    ``$HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``, else
+    ``~/.cache/huggingface/hub`` (huggingface_hub's own order)."""
+    env = os.environ
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(var):
+            return Path(os.path.expandvars(env[var])).expanduser()
+    home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    return Path(os.path.expandvars(home)).expanduser() / "hub"
+
+
+def _repo_id(path: str | os.PathLike[str]) -> str | None:
+    """``path`` as a Hugging Face model id (``owner/name``), or None when it cannot be one."""
+    text = os.fspath(path)
+    if not isinstance(text, str) or not _REPO_ID.fullmatch(text) or "--" in text or ".." in text:
+        return None
+    return text
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """``path`` itself when it exists; else, when it reads as a model id ``owner/name``, that model's
+    snapshot in the local Hugging Face cache (:func:`hub_cache_dir`; the revision ``refs/main`` names,
+    or the only snapshot there is); else ``path`` unchanged. Reads only the local cache: nothing is
+    downloaded. A cache whose ``refs/main`` is not a commit hash, or names no snapshot, or that holds
+    several snapshots and no ``refs/main``, is a :class:`ProbeError`."""
+    p = Path(path).expanduser()
+    repo_id = None if p.exists() else _repo_id(path)
+    if repo_id is None:
+        return p
+    repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        return p
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        with ref.open("rb") as fh:
+            commit = fh.read(256).decode("ascii", "replace").strip()
+        if not _COMMIT.fullmatch(commit):
+            raise ProbeError(f"{ref}: expected a commit hash (40 hexadecimal digits)")
+        if not (snapshots / commit).is_dir():
+            raise ProbeError(
+                f"{repo_id}: the Hugging Face cache's refs/main names {commit}, but {snapshots} has no such snapshot"
+            )
+        return snapshots / commit
+    found = sorted(d.name for d in snapshots.iterdir() if d.is_dir())
+    if len(found) != 1:
+        raise ProbeError(
+            f"{repo_id}: the Hugging Face cache ({repo}) has no refs/main and {len(found)} snapshots "
+            f"({', '.join(found[:4]) or 'none'}): pass the snapshot directory you want"
+        )
+    return snapshots / found[0]
+
+
+def display_name(path: str | os.PathLike[str]) -> str:
+    """A checkpoint's name for tables and reports: ``owner/name`` for a snapshot in a Hugging Face
+    cache (or a model id found there; a file or folder in the snapshot adds its path), otherwise the
+    file or directory name. Never raises."""
+    try:
+        p = Path(os.path.abspath(resolve_checkpoint(path)))  # links not followed: a snapshot's files are links
+    except (OSError, ProbeError):
+        return Path(path).name
+    snap = _hub_snapshot(p)
+    if snap is None:
+        return p.name
+    name = snap.parent.parent.name[len("models--") :].replace("--", "/")
+    rest = p.relative_to(snap).as_posix()
+    return name if rest == "." else f"{name}/{rest}"
+
+
+def _hub_snapshot(p: Path) -> Path | None:
+    """The Hugging Face cache snapshot ``models--<owner>--<name>/snapshots/<revision>`` that ``p`` is
+    or is in, or None."""
+    for snap in (p, *p.parents):
+        if snap.parent.name == "snapshots" and snap.parent.parent.name.startswith("models--"):
+            return snap
+    return None
+
+
 # ---------------------------------------------------------------------- helpers
 
 
@@ -283,11 +379,8 @@ def _check_inside(root: Path, f: Path) -> None:
 def _hub_blobs(root: Path) -> Path | None:
     """``<repo>/blobs`` when ``root`` is ``<repo>/snapshots/<revision>`` (or a folder in it) of a
     Hugging Face hub cache, ``<repo>`` being named ``models--<owner>--<name>``; otherwise None."""
-    for parent in root.parents:
-        if parent.name == "snapshots":
-            repo = parent.parent
-            return repo / "blobs" if repo.name.startswith("models--") else None
-    return None
+    snap = _hub_snapshot(root)
+    return snap.parent.parent / "blobs" if snap is not None else None
 
 
 def _read_json(root: Path, name: str, listing: _Listing | None = None) -> dict[str, Any] | None:

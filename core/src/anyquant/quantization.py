@@ -34,7 +34,7 @@ from typing import Any
 
 from ._staging import check_destination, replace_dir, staging_dir
 from .errors import AnyquantError, QuantizeError
-from .probe import Probe
+from .probe import Probe, resolve_checkpoint
 from .protocols import QuantizeSpec, undeclared_options
 from .registry import Registry, load_spec_object
 
@@ -245,7 +245,7 @@ def quantize(
     from .api import default_registry
 
     reg = registry or default_registry()
-    src, dst = Path(src), Path(dst)
+    src, dst = resolve_checkpoint(src), Path(dst)  # a model id: its snapshot in the local Hugging Face cache
     _check_arguments(
         method=method,
         bits=bits,

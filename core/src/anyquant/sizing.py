@@ -444,12 +444,12 @@ def _embedding_bytes(probe: Any) -> int:
 
 
 def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _Weights:
-    from .probe import Probe
+    from .probe import Probe, display_name
 
     probe = Probe.open(path)
     if probe.gguf and not probe.safetensors:
         g = probe.gguf[0]
-        shape = model_shape(_gguf_config(g), name=path.name)
+        shape = model_shape(_gguf_config(g), name=display_name(path))
         size = _gguf_tensor_bytes(g)
         embd = next((t for t in g.tensors if t.name == "token_embd.weight"), None)
         embed_bytes = _gguf_tensor_bytes(replace(g, tensors=(embd,))) if embd is not None else 0
@@ -459,7 +459,7 @@ def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _We
         raise SizingError(f"{path}: no config.json and no GGUF metadata: cannot tell layers and KV heads")
     from .probe import thaw
 
-    shape = model_shape(thaw(probe.config), name=path.name)
+    shape = model_shape(thaw(probe.config), name=display_name(path))
     fmt = probe.quant_method
     if not probe.tensors:
         return _from_config(shape, bits, head_bits, fmt)
@@ -478,7 +478,9 @@ def _weights(
         return _from_config(
             model_shape(path_or_config, str(path_or_config.get("_name_or_path", "config"))), bits, head_bits, fmt
         )
-    path = Path(path_or_config).expanduser()
+    from .probe import resolve_checkpoint
+
+    path = resolve_checkpoint(path_or_config)  # a model id: its snapshot in the local Hugging Face cache
     if path.is_file() and path.suffix == ".json":
         try:
             cfg = json.loads(path.read_text(encoding="utf-8"))

@@ -163,6 +163,7 @@ def test_close_releases_the_files_and_the_model(root: Path) -> None:
     import gc
     import weakref
 
+    from anyquant.runtime.fastcpu import bf16_head_status
     from anyquant.runtime.tensors import FileRows
 
     path = root / "quantized" / FOUR_BIT[0]
@@ -171,7 +172,8 @@ def test_close_releases_the_files_and_the_model(root: Path) -> None:
     try:
         with anyquant.load(path, backend="cpu-fast") as model:
             tables = [v for m in model.module.modules() for v in vars(m).values() if isinstance(v, FileRows)]
-            assert tables and not any(t._fh.closed for t in tables)
+            # the tables stay in the file only beside a bfloat16 head (AVX512-BF16 or AMX); else they are in memory
+            assert bool(tables) is bf16_head_status()[0] and not any(t._fh.closed for t in tables)
             assert model.generate("Hello", max_new_tokens=3, chat=False) is not None  # builds the decode step
             assert model.module.__dict__.get("_step") is not None
             module = weakref.ref(model.module)
