@@ -76,7 +76,7 @@ def thaw(value: Any) -> Any:
 class Probe:
     """What a checkpoint says about itself, from its config files and headers only."""
 
-    path: Path  # what the caller passed (directory or file)
+    path: Path  # what the caller passed (directory or file); for a model id, its Hugging Face cache snapshot
     root: Path  # the checkpoint directory
     config: Mapping[str, Any] | None
     quantization_config_file: Mapping[str, Any] | None
@@ -93,8 +93,10 @@ class Probe:
     # ------------------------------------------------------------------ construction
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Probe:
-        """Read a checkpoint directory, a single ``.safetensors`` file, or a ``.gguf`` file. A file-system
-        error (a directory without read permission, a name too long) is a :class:`ProbeError`."""
+        """Read a checkpoint directory, a single ``.safetensors`` file, or a ``.gguf`` file; or, for a model
+        id ``owner/name`` that is not a local path, its snapshot in the local Hugging Face cache
+        (:func:`resolve_checkpoint`). A file-system error (a directory without read permission, a name
+        too long) is a :class:`ProbeError`."""
         if not isinstance(path, (str, os.PathLike)):
             raise ProbeError(f"a checkpoint path is a str or os.PathLike, got {type(path).__name__}")
         try:
