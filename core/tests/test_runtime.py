@@ -693,3 +693,31 @@ def test_hub_cache_snapshot_loads_like_the_directory(
     by_id, by_path = anyquant.estimate("org/tiny", bits=4), anyquant.estimate(tiny, bits=4)
     assert by_id.model == "org/tiny" and by_id == dataclasses.replace(by_path, model="org/tiny")
     assert anyquant.estimate(snap, bits=4).model == "org/tiny"
+
+
+def test_a_missing_shard_is_named_when_a_tensor_is_missing(tiny: Path, tmp_path: Path) -> None:
+    """A sharded checkpoint whose second shard never arrived: the probe records the index's missing shard,
+    and the load's MissingTensorError names it (it only said which tensor was missing)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path / "m"
+    shutil.copytree(tiny, root)
+    state = load_file(root / "model.safetensors")
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    (root / "model.safetensors").unlink()
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, root / shard, metadata={"format": "pt"})
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert anyquant.load(root).generate("a", max_new_tokens=4) == anyquant.load(tiny).generate("a", max_new_tokens=4)
+    (root / "model-00002-of-00002.safetensors").unlink()
+    probe = anyquant.Probe.open(root)
+    assert probe.missing_shards == ("model-00002-of-00002.safetensors",)
+    with pytest.raises(
+        anyquant.MissingTensorError,
+        match=r"is not in the checkpoint.*names 1 file\(s\) that are not in .*model-00002-of-00002\.safetensors.*interrupted",
+    ):
+        anyquant.load(root)

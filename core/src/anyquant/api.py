@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._memory import release_free_heap
-from .errors import AnyquantError, CheckpointError, MissingDependencyError, PluginError
+from .errors import AnyquantError, CheckpointError, MissingDependencyError, MissingTensorError, PluginError
 from .probe import Probe
 from .protocols import Detection, Loader, LoadOptions
 from .registry import PluginInfo, Registry, load_spec_object
@@ -101,6 +101,14 @@ def load(
     try:
         loader.validate(probe, detection)
         loaded = loader.load(probe, detection, options)
+    except MissingTensorError as exc:
+        if not probe.missing_shards:
+            raise
+        shards = ", ".join(probe.missing_shards[:3]) + (", ..." if len(probe.missing_shards) > 3 else "")
+        raise MissingTensorError(
+            f"{exc}. The shard index names {len(probe.missing_shards)} file(s) that are not in {probe.root} "
+            f"({shards}): an interrupted download? Fetch the missing shard(s) again"
+        ) from exc
     except ImportError as exc:  # a library the plugin imports on first use (gguf, a kernel package) is broken
         from .registry import PLUGIN_FOR_FORMAT
 

@@ -89,6 +89,8 @@ class Probe:
     pickle_files: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
     by_suffix: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    #: shards the index names that are not in the directory (an interrupted download, a stale index)
+    missing_shards: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -148,7 +150,10 @@ class Probe:
                 _check_inside(root, f)
         headers = tuple(read_safetensors_header(f, f.name) for f in st_files)
         tensors = _merge_tensors(headers)
-        index = _read_index(root, set(h.file for h in headers), tensors, notes, listing) if p.is_dir() else None
+        missing: list[str] = []
+        index = (
+            _read_index(root, set(h.file for h in headers), tensors, notes, listing, missing) if p.is_dir() else None
+        )
         ggufs = tuple(read_gguf_header(f, f.name) for f in gguf_files)
         return cls(
             path=p,
@@ -164,6 +169,7 @@ class Probe:
             pickle_files=pickle_files,
             notes=tuple(notes),
             by_suffix=_suffix_index(tensors),
+            missing_shards=tuple(missing),
         )
 
     # ------------------------------------------------------------------ queries
@@ -430,7 +436,12 @@ _name = operator.attrgetter("name")
 
 
 def _read_index(
-    root: Path, shard_names: set[str], tensors: dict[str, TensorInfo], notes: list[str], listing: _Listing
+    root: Path,
+    shard_names: set[str],
+    tensors: dict[str, TensorInfo],
+    notes: list[str],
+    listing: _Listing,
+    missing_shards: list[str],
 ) -> dict[str, Any] | None:
     for name in INDEX_NAMES:
         index = _read_json(root, name, listing)
@@ -454,6 +465,7 @@ def _read_index(
                 "the index is stale and was ignored: the shard files themselves were read"
             )
             log.info("stale index in %s: missing %s", root, sorted(missing))
+            missing_shards.extend(sorted(missing))
         unlisted = [t for t in tensors if t not in weight_map]
         if unlisted:
             notes.append(f"{name} does not list {len(unlisted)} tensor(s) found in the shards (e.g. {unlisted[0]!r})")
