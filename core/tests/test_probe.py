@@ -429,3 +429,32 @@ def test_a_local_directory_wins_and_other_names_are_paths(tmp_path: Path, hub_en
     for name in ("org/../tiny", "org--x/tiny", "./org/nothing", "org/tiny/extra"):
         with pytest.raises(ProbeError, match=r"no such file or directory$"):
             Probe.open(name)
+
+
+def _with_index(root: Path, weight_map: dict[str, str]) -> None:
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_a_file_the_complete_index_does_not_name_is_ignored(tmp_path: Path) -> None:
+    """Mistral's uploads: transformers shards named by the index, and consolidated.safetensors (the same
+    weights under other names) beside them. Only the index's shards are read, as transformers does."""
+    hf = {"model.embed_tokens.weight": ("F16", [8, 4]), "lm_head.weight": ("F16", [8, 4])}
+    write_safetensors(tmp_path / "model-00001-of-00001.safetensors", hf)
+    write_safetensors(tmp_path / "consolidated.safetensors", {"tok_embeddings.weight": ("F16", [8, 4])})
+    _with_index(tmp_path, dict.fromkeys(hf, "model-00001-of-00001.safetensors"))
+    probe = Probe.open(tmp_path)
+    assert [h.file for h in probe.safetensors] == ["model-00001-of-00001.safetensors"]
+    assert sorted(probe.tensors) == sorted(hf)
+    assert any(n.startswith("consolidated.safetensors: not named by") for n in probe.notes)
+
+
+def test_a_stale_or_partial_index_keeps_every_file(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "a.safetensors", {"x": ("F16", [2]), "y": ("F16", [2])})
+    write_safetensors(tmp_path / "b.safetensors", {"z": ("F16", [2])})
+    _with_index(tmp_path, {"x": "a.safetensors", "w": "gone.safetensors"})  # stale (EXL2 uploads): ignored
+    probe = Probe.open(tmp_path)
+    assert sorted(probe.tensors) == ["x", "y", "z"] and probe.missing_shards == ("gone.safetensors",)
+    _with_index(tmp_path, {"x": "a.safetensors", "z": "b.safetensors"})  # names both files, not every tensor
+    probe = Probe.open(tmp_path)
+    assert sorted(probe.tensors) == ["x", "y", "z"] and probe.missing_shards == ()
+    assert any("does not list 1 tensor(s)" in n for n in probe.notes)

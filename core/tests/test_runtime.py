@@ -721,3 +721,29 @@ def test_a_missing_shard_is_named_when_a_tensor_is_missing(tiny: Path, tmp_path:
         match=r"is not in the checkpoint.*names 1 file\(s\) that are not in .*model-00002-of-00002\.safetensors.*interrupted",
     ):
         anyquant.load(root)
+
+
+def test_consolidated_weights_beside_the_indexed_shards_are_ignored(
+    tiny: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Mistral-style upload: the transformers shard named by the index, and consolidated.safetensors
+    holding the same weights under Mistral's names. load generates as without it, warns of no unused
+    tensors, and inspect counts the parameters once."""
+    import logging
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path / "m"
+    shutil.copytree(tiny, root)
+    state = load_file(root / "model.safetensors")
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(state, "model.safetensors")})
+    )
+    renamed = {k.replace("model.", "").replace("lm_head", "output"): v for k, v in state.items()}
+    save_file(renamed, root / "consolidated.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="anyquant"):
+        got = anyquant.load(root).generate("Hello", max_new_tokens=8)
+    assert got == anyquant.load(tiny).generate("Hello", max_new_tokens=8)
+    assert not [r for r in caplog.records if "not used" in r.getMessage()]
+    assert anyquant.inspect(root).totals["parameters"] == anyquant.inspect(tiny).totals["parameters"]

@@ -149,11 +149,17 @@ class Probe:
             for f in files:
                 _check_inside(root, f)
         headers = tuple(read_safetensors_header(f, f.name) for f in st_files)
-        tensors = _merge_tensors(headers)
         missing: list[str] = []
-        index = (
-            _read_index(root, set(h.file for h in headers), tensors, notes, listing, missing) if p.is_dir() else None
-        )
+        index = _read_index(root, set(h.file for h in headers), notes, listing, missing) if p.is_dir() else None
+        if index is not None and not missing:
+            headers = _listed_shards(headers, index, notes)
+        tensors = _merge_tensors(headers)
+        if index is not None:
+            unlisted = [t for t in tensors if t not in index["weight_map"]]
+            if unlisted:
+                notes.append(
+                    f"{INDEX_NAMES[0]} does not list {len(unlisted)} tensor(s) found in the shards (e.g. {unlisted[0]!r})"
+                )
         ggufs = tuple(read_gguf_header(f, f.name) for f in gguf_files)
         return cls(
             path=p,
@@ -435,10 +441,27 @@ def _merge_tensors(headers: tuple[SafetensorsHeader, ...]) -> dict[str, TensorIn
 _name = operator.attrgetter("name")
 
 
+def _listed_shards(
+    headers: tuple[SafetensorsHeader, ...], index: Mapping[str, Any], notes: list[str]
+) -> tuple[SafetensorsHeader, ...]:
+    """The shards of a complete index: a ``*.safetensors`` file that the index (which names every other
+    file present) does not name at all is another copy of the weights, such as the
+    ``consolidated.safetensors`` in Mistral's uploads beside the transformers shards; transformers reads
+    only the index's shards, and so does anyquant (with a note)."""
+    named = set(index["weight_map"].values())
+    extra = [h.file for h in headers if h.file not in named]
+    if not extra or len(extra) == len(headers):
+        return headers
+    notes.append(
+        f"{', '.join(extra)}: not named by {INDEX_NAMES[0]}, which names the other shard(s); ignored "
+        "(weights in another layout, such as Mistral's consolidated.safetensors, as transformers ignores them)"
+    )
+    return tuple(h for h in headers if h.file in named)
+
+
 def _read_index(
     root: Path,
     shard_names: set[str],
-    tensors: dict[str, TensorInfo],
     notes: list[str],
     listing: _Listing,
     missing_shards: list[str],
@@ -466,8 +489,5 @@ def _read_index(
             )
             log.info("stale index in %s: missing %s", root, sorted(missing))
             missing_shards.extend(sorted(missing))
-        unlisted = [t for t in tensors if t not in weight_map]
-        if unlisted:
-            notes.append(f"{name} does not list {len(unlisted)} tensor(s) found in the shards (e.g. {unlisted[0]!r})")
         return index
     return None

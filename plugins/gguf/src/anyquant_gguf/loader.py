@@ -35,6 +35,8 @@ from anyquant.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext, Tra
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 
+from .plugin import split_part
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -52,6 +54,9 @@ _HEAD = "lm_head.weight"
 
 
 def gguf_path(probe: Probe) -> Path:
+    part = split_part(probe)
+    if part is not None:
+        raise CheckpointError(part)
     if len(probe.gguf) != 1:
         files = [g.file for g in probe.gguf]
         raise CheckpointError(f"{probe.root} holds {len(files)} GGUF files {files}: pass the path of the one to load")

@@ -75,7 +75,10 @@ def anyquant_detect(probe: Probe) -> Claim | None:
         f"{len(g.tensors)} tensors: {types}",
     ]
     problems = []
-    if len(files) > 1:
+    part = split_part(probe)
+    if part is not None:
+        problems.append(part)
+    elif len(files) > 1:
         problems.append(f"{len(files)} .gguf files in one directory: {files}; pass the path of one")
     details = {
         "files": files,
@@ -86,3 +89,18 @@ def anyquant_detect(probe: Probe) -> Claim | None:
         "problems": problems,
     }
     return Claim(FORMAT, evidence=tuple(evidence + problems), variant=ftype_name, details=details)
+
+
+def split_part(probe: Probe) -> str | None:
+    """What to say when a GGUF file is one part of a model split by llama.cpp's ``gguf-split``
+    (metadata ``split.count`` > 1): the parts hold different tensors, and anyquant loads one file."""
+    for g in probe.gguf:
+        count, no = g.metadata.get("split.count"), g.metadata.get("split.no", 0)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 1:
+            number = no + 1 if isinstance(no, int) else "?"
+            return (
+                f"{g.file} is part {number} of a GGUF model split into {count} files (llama.cpp's gguf-split); "
+                f"anyquant loads a GGUF model that is one file: merge the parts with "
+                f"`llama-gguf-split --merge <first part> merged.gguf` and load merged.gguf"
+            )
+    return None
