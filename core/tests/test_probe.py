@@ -396,6 +396,11 @@ def test_a_model_id_reads_its_snapshot_in_the_hub_cache(tmp_path: Path, hub_env:
     assert resolve_checkpoint("org/tiny") == snap
     assert display_name("org/tiny") == display_name(snap) == "org/tiny"
     assert display_name(snap / "model.safetensors") == "org/tiny/model.safetensors"
+    one = Probe.open("org/tiny/model.safetensors")  # a path inside the repository: one file of it
+    assert one.path == snap / "model.safetensors" and dict(one.tensors) == dict(probe.tensors)
+    assert display_name("org/tiny/model.safetensors") == "org/tiny/model.safetensors"
+    with pytest.raises(ProbeError, match=r"in the Hugging Face cache's snapshot of org/tiny: it has no 'q4\.gguf'"):
+        Probe.open("org/tiny/q4.gguf")
     assert display_name("org/missing") == "missing" and display_name(tmp_path / "m") == "m"
     (repo / "refs" / "main").write_text("f" * 40 + "\n")
     assert Probe.open("org/tiny").quant_method == "awq" and Probe.open("org/tiny").root == old.resolve()
@@ -426,7 +431,7 @@ def test_a_local_directory_wins_and_other_names_are_paths(tmp_path: Path, hub_en
     assert Probe.open("org/tiny").quant_method == "awq"
     with pytest.raises(ProbeError, match=r"nor a model in the Hugging Face cache .*huggingface-cli download org/other"):
         Probe.open("org/other")
-    for name in ("org/../tiny", "org--x/tiny", "./org/nothing", "org/tiny/extra"):
+    for name in ("org/../tiny", "org--x/tiny", "./org/nothing", "org/tiny/../../x", "org/tiny//x", "org/tiny/a\\b"):
         with pytest.raises(ProbeError, match=r"no such file or directory$"):
             Probe.open(name)
 

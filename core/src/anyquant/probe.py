@@ -112,11 +112,13 @@ class Probe:
         notes: list[str] = []
         p = resolve_checkpoint(path)
         if not p.exists():
-            hint = ""
-            if _repo_id(path) is not None:
+            model_id, hint = _model_id(path), ""
+            if model_id is not None and p != Path(path).expanduser():  # the model is cached, the file is not
+                hint = f" (in the Hugging Face cache's snapshot of {model_id[0]}: it has no {model_id[1]!r})"
+            elif model_id is not None:
                 hint = (
                     f", nor a model in the Hugging Face cache ({hub_cache_dir()}). anyquant reads local files "
-                    f"and downloads nothing: `huggingface-cli download {os.fspath(path)}` first, or pass a directory"
+                    f"and downloads nothing: `huggingface-cli download {model_id[0]}` first, or pass a directory"
                 )
             raise ProbeError(f"{p}: no such file or directory{hint}")
         if p != Path(path).expanduser():
@@ -258,7 +260,7 @@ class Probe:
 
 # ---------------------------------------------------------------------- Hugging Face cache
 
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+_MODEL_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})(?:/(.+))?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
@@ -276,24 +278,31 @@ def hub_cache_dir() -> Path:
     return Path(os.path.expandvars(home)).expanduser() / "hub"
 
 
-def _repo_id(path: str | os.PathLike[str]) -> str | None:
-    """``path`` as a Hugging Face model id (``owner/name``), or None when it cannot be one."""
+def _model_id(path: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """``path`` as a Hugging Face model id and a path inside the repository (``owner/name``, or
+    ``owner/name/file.gguf``: the id and ``"file.gguf"``), or None when it cannot be one."""
     text = os.fspath(path)
-    if not isinstance(text, str) or not _REPO_ID.fullmatch(text) or "--" in text or ".." in text:
+    m = _MODEL_ID.fullmatch(text) if isinstance(text, str) else None
+    if m is None or "--" in m.group(1) or ".." in m.group(1):
         return None
-    return text
+    inside = m.group(2) or ""
+    if inside and any(part in ("", ".", "..") or "\\" in part or "\0" in part for part in inside.split("/")):
+        return None
+    return m.group(1), inside
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """``path`` itself when it exists; else, when it reads as a model id ``owner/name``, that model's
     snapshot in the local Hugging Face cache (:func:`hub_cache_dir`; the revision ``refs/main`` names,
-    or the only snapshot there is); else ``path`` unchanged. Reads only the local cache: nothing is
+    or the only snapshot there is), and for ``owner/name/<path>`` that path in the snapshot (one
+    ``.gguf`` of a repository that holds several); else ``path`` unchanged. Reads only the local cache: nothing is
     downloaded. A cache whose ``refs/main`` is not a commit hash, or names no snapshot, or that holds
     several snapshots and no ``refs/main``, is a :class:`ProbeError`."""
     p = Path(path).expanduser()
-    repo_id = None if p.exists() else _repo_id(path)
-    if repo_id is None:
+    model_id = None if p.exists() else _model_id(path)
+    if model_id is None:
         return p
+    repo_id, inside = model_id
     repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
@@ -308,14 +317,14 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
             raise ProbeError(
                 f"{repo_id}: the Hugging Face cache's refs/main names {commit}, but {snapshots} has no such snapshot"
             )
-        return snapshots / commit
+        return snapshots / commit / inside
     found = sorted(d.name for d in snapshots.iterdir() if d.is_dir())
     if len(found) != 1:
         raise ProbeError(
             f"{repo_id}: the Hugging Face cache ({repo}) has no refs/main and {len(found)} snapshots "
             f"({', '.join(found[:4]) or 'none'}): pass the snapshot directory you want"
         )
-    return snapshots / found[0]
+    return snapshots / found[0] / inside
 
 
 def display_name(path: str | os.PathLike[str]) -> str:

@@ -5,6 +5,7 @@ part then failed on the tensors held by the others)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,21 @@ def test_one_file_gguf_with_split_count_one_is_not_a_part(tmp_path: Path) -> Non
     path = write_gguf(tmp_path / "one.gguf", {**META, "split.no": 0, "split.count": 1}, {"t.weight": (0, [8])})
     detection = anyquant.detect(path)
     assert detection.format == "gguf" and detection.details["problems"] == []
+
+
+def test_a_cached_repository_with_several_ggufs_is_named_by_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF repository in the Hugging Face cache holds one file per quantization: the error names the
+    model-id form of one file, and that form detects the file alone."""
+    snap = tmp_path / "hub" / "models--org--tiny-GGUF" / "snapshots" / ("ab" * 20)
+    for name in ("tiny.Q4_0.gguf", "tiny.Q8_0.gguf"):
+        write_gguf(snap / name, META, {"t.weight": (0, [8])})
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    hint = "(or by model id: org/tiny-GGUF/tiny.Q4_0.gguf)"
+    assert any(hint in p for p in anyquant.detect("org/tiny-GGUF").details["problems"])
+    with pytest.raises(anyquant.CheckpointError, match=re.escape(hint)):
+        anyquant.load("org/tiny-GGUF")
+    one = anyquant.detect("org/tiny-GGUF/tiny.Q8_0.gguf")
+    assert one.details["files"] == ["tiny.Q8_0.gguf"] and one.details["problems"] == []

@@ -35,7 +35,7 @@ from anyquant.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext, Tra
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
 
-from .plugin import split_part
+from .plugin import split_part, which
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,9 @@ def gguf_path(probe: Probe) -> Path:
         raise CheckpointError(part)
     if len(probe.gguf) != 1:
         files = [g.file for g in probe.gguf]
-        raise CheckpointError(f"{probe.root} holds {len(files)} GGUF files {files}: pass the path of the one to load")
+        raise CheckpointError(
+            f"{probe.root} holds {len(files)} GGUF files {files}: pass the path of the one to load{which(probe)}"
+        )
     return probe.root / probe.gguf[0].file
 
 

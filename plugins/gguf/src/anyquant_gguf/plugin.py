@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from anyquant import hookimpl
-from anyquant.probe import Probe
+from anyquant.probe import Probe, display_name
 from anyquant.protocols import Claim, FormatSpec
 
 FORMAT = "gguf"
@@ -79,7 +79,7 @@ def anyquant_detect(probe: Probe) -> Claim | None:
     if part is not None:
         problems.append(part)
     elif len(files) > 1:
-        problems.append(f"{len(files)} .gguf files in one directory: {files}; pass the path of one")
+        problems.append(f"{len(files)} .gguf files in one directory: {files}; pass the path of one{which(probe)}")
     details = {
         "files": files,
         "architecture": g.architecture,
@@ -104,3 +104,9 @@ def split_part(probe: Probe) -> str | None:
                 f"`llama-gguf-split --merge <first part> merged.gguf` and load merged.gguf"
             )
     return None
+
+
+def which(probe: Probe) -> str:
+    """For a Hugging Face cache snapshot holding several GGUF files: how to name one by model id."""
+    name = display_name(probe.root)
+    return f" (or by model id: {name}/{probe.gguf[0].file})" if "/" in name and probe.gguf else ""
