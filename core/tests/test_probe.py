@@ -396,6 +396,7 @@ def test_a_model_id_reads_its_snapshot_in_the_hub_cache(tmp_path: Path, hub_env:
     assert resolve_checkpoint("org/tiny") == snap
     assert display_name("org/tiny") == display_name(snap) == "org/tiny"
     assert display_name(snap / "model.safetensors") == "org/tiny/model.safetensors"
+    assert Probe.open(repo).root == snap.resolve() and display_name(repo) == "org/tiny"  # the repository's folder
     one = Probe.open("org/tiny/model.safetensors")  # a path inside the repository: one file of it
     assert one.path == snap / "model.safetensors" and dict(one.tensors) == dict(probe.tensors)
     assert display_name("org/tiny/model.safetensors") == "org/tiny/model.safetensors"

@@ -292,21 +292,31 @@ def _model_id(path: str | os.PathLike[str]) -> tuple[str, str] | None:
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """``path`` itself when it exists; else, when it reads as a model id ``owner/name``, that model's
-    snapshot in the local Hugging Face cache (:func:`hub_cache_dir`; the revision ``refs/main`` names,
-    or the only snapshot there is), and for ``owner/name/<path>`` that path in the snapshot (one
-    ``.gguf`` of a repository that holds several); else ``path`` unchanged. Reads only the local cache: nothing is
-    downloaded. A cache whose ``refs/main`` is not a commit hash, or names no snapshot, or that holds
+    """``path`` itself when it exists (a cached repository's own directory, ``.../models--owner--name``,
+    stands for its snapshot); else, when it reads as a model id ``owner/name``, that model's snapshot in
+    the local Hugging Face cache (:func:`hub_cache_dir`), and for ``owner/name/<path>`` that path in the
+    snapshot (one ``.gguf`` of a repository that holds several); else ``path`` unchanged. The snapshot
+    is the revision ``refs/main`` names, or the only one there is. Reads only the local cache: nothing
+    is downloaded. A cache whose ``refs/main`` is not a commit hash, or names no snapshot, or that holds
     several snapshots and no ``refs/main``, is a :class:`ProbeError`."""
     p = Path(path).expanduser()
-    model_id = None if p.exists() else _model_id(path)
+    if p.exists():
+        if p.name.startswith("models--") and (p / "snapshots").is_dir() and not (p / "config.json").exists():
+            return _cached_snapshot(p, p.name[len("models--") :].replace("--", "/"))
+        return p
+    model_id = _model_id(path)
     if model_id is None:
         return p
     repo_id, inside = model_id
     repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
-    snapshots = repo / "snapshots"
-    if not snapshots.is_dir():
+    if not (repo / "snapshots").is_dir():
         return p
+    return _cached_snapshot(repo, repo_id) / inside
+
+
+def _cached_snapshot(repo: Path, repo_id: str) -> Path:
+    """The snapshot of cached repository ``repo`` that ``refs/main`` names, or its only one."""
+    snapshots = repo / "snapshots"
     ref = repo / "refs" / "main"
     if ref.is_file():
         with ref.open("rb") as fh:
@@ -317,14 +327,14 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
             raise ProbeError(
                 f"{repo_id}: the Hugging Face cache's refs/main names {commit}, but {snapshots} has no such snapshot"
             )
-        return snapshots / commit / inside
+        return snapshots / commit
     found = sorted(d.name for d in snapshots.iterdir() if d.is_dir())
     if len(found) != 1:
         raise ProbeError(
             f"{repo_id}: the Hugging Face cache ({repo}) has no refs/main and {len(found)} snapshots "
             f"({', '.join(found[:4]) or 'none'}): pass the snapshot directory you want"
         )
-    return snapshots / found[0] / inside
+    return snapshots / found[0]
 
 
 def display_name(path: str | os.PathLike[str]) -> str:
