@@ -110,10 +110,10 @@ class Probe:
     @classmethod
     def _open(cls, path: str | os.PathLike[str]) -> Probe:
         notes: list[str] = []
-        p = resolve_checkpoint(path)
+        p, asked = resolve_checkpoint(path), Path(path).expanduser()
         if not p.exists():
             model_id, hint = _model_id(path), ""
-            if model_id is not None and p != Path(path).expanduser():  # the model is cached, the file is not
+            if model_id is not None and p != asked:  # the model is cached, the file is not
                 hint = f" (in the Hugging Face cache's snapshot of {model_id[0]}: it has no {model_id[1]!r})"
             elif model_id is not None:
                 hint = (
@@ -121,7 +121,7 @@ class Probe:
                     f"and downloads nothing: `huggingface-cli download {model_id[0]}` first, or pass a directory"
                 )
             raise ProbeError(f"{p}: no such file or directory{hint}")
-        if p != Path(path).expanduser():
+        if p != asked:
             notes.append(f"{os.fspath(path)!r} is the Hugging Face cache's snapshot {p}")
         if p.is_file():
             root = p.parent.resolve()
@@ -142,17 +142,14 @@ class Probe:
             pickle_files = tuple(
                 n for n in sorted(listing.entries) if _suffix(n) in PICKLE_SUFFIXES and listing.is_file(n)
             )
-            for f in [*st_files, *gguf_files]:
-                listing.check_inside(f.name)
         else:
             st_files = files if p.suffix == ".safetensors" else []
             gguf_files = files if p.suffix == ".gguf" else []
             pickle_files = ()
-            for f in files:
-                _check_inside(root, f)
+        for f in [*st_files, *gguf_files]:
+            listing.check_inside(f.name)
         headers = tuple(read_safetensors_header(f, f.name) for f in st_files)
-        missing: list[str] = []
-        index = _read_index(root, set(h.file for h in headers), notes, listing, missing) if p.is_dir() else None
+        index, missing = _read_index(root, set(h.file for h in headers), notes, listing) if p.is_dir() else (None, ())
         if index is not None and not missing:
             headers = _listed_shards(headers, index, notes)
         tensors = _merge_tensors(headers)
@@ -177,7 +174,7 @@ class Probe:
             pickle_files=pickle_files,
             notes=tuple(notes),
             by_suffix=_suffix_index(tensors),
-            missing_shards=tuple(missing),
+            missing_shards=missing,
         )
 
     # ------------------------------------------------------------------ queries
@@ -302,7 +299,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     p = Path(path).expanduser()
     if p.exists():
         if p.name.startswith("models--") and (p / "snapshots").is_dir() and not (p / "config.json").exists():
-            return _cached_snapshot(p, p.name[len("models--") :].replace("--", "/"))
+            return _cached_snapshot(p, _repo_id_of(p))
         return p
     model_id = _model_id(path)
     if model_id is None:
@@ -348,9 +345,14 @@ def display_name(path: str | os.PathLike[str]) -> str:
     snap = _hub_snapshot(p)
     if snap is None:
         return p.name
-    name = snap.parent.parent.name[len("models--") :].replace("--", "/")
+    name = _repo_id_of(snap.parent.parent)
     rest = p.relative_to(snap).as_posix()
     return name if rest == "." else f"{name}/{rest}"
+
+
+def _repo_id_of(repo: Path) -> str:
+    """``owner/name`` of a cached repository's folder ``models--owner--name``."""
+    return repo.name.removeprefix("models--").replace("--", "/")
 
 
 def _hub_snapshot(p: Path) -> Path | None:
@@ -418,14 +420,10 @@ def _hub_blobs(root: Path) -> Path | None:
 
 def _read_json(root: Path, name: str, listing: _Listing | None = None) -> dict[str, Any] | None:
     f = root / name
-    if listing is None:
-        if not f.is_file():
-            return None
-        _check_inside(root, f)
-    else:
-        if not listing.is_file(name):
-            return None
-        listing.check_inside(name)
+    listing = listing if listing is not None else _Listing(root)
+    if not listing.is_file(name):
+        return None
+    listing.check_inside(name)
     size = f.stat().st_size
     if size > MAX_JSON_BYTES:
         raise ConfigError(f"{name}: {size} bytes is too large for a config file")
@@ -479,12 +477,9 @@ def _listed_shards(
 
 
 def _read_index(
-    root: Path,
-    shard_names: set[str],
-    notes: list[str],
-    listing: _Listing,
-    missing_shards: list[str],
-) -> dict[str, Any] | None:
+    root: Path, shard_names: set[str], notes: list[str], listing: _Listing
+) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+    """The shard index, if any, and the shards it names that are not in the directory."""
     for name in INDEX_NAMES:
         index = _read_json(root, name, listing)
         if index is None:
@@ -507,6 +502,5 @@ def _read_index(
                 "the index is stale and was ignored: the shard files themselves were read"
             )
             log.info("stale index in %s: missing %s", root, sorted(missing))
-            missing_shards.extend(sorted(missing))
-        return index
-    return None
+        return index, tuple(sorted(missing))
+    return None, ()

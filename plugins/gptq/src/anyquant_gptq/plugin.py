@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import repeat
-from operator import attrgetter, floordiv
 from typing import Any
 
 from anyquant import hookimpl
 from anyquant.probe import Probe
 from anyquant.protocols import Claim, FormatSpec
 
-from .signature import GPTQSignature, config_summary, read_signature
+from .signature import config_summary, read_signature
 
 FORMAT = "gptq"
 
@@ -63,7 +61,7 @@ def anyquant_detect(probe: Probe) -> Claim | None:
     if "bits" in cfg and not cfg.get("dynamic") and shape_bits and shape_bits != {cfg["bits"]}:
         problems.append(f"config says bits={cfg['bits']}, tensor shapes say {sorted(shape_bits)}")
     gs = cfg.get("group_size")
-    if isinstance(gs, int) and gs > 0 and not cfg.get("dynamic") and not _groups_agree(sig, gs):
+    if isinstance(gs, int) and gs > 0 and not cfg.get("dynamic"):
         bad = [m.name for m in sig.modules if m.in_features % gs == 0 and m.groups != m.in_features // gs]
         if bad:
             problems.append(f"config says group_size={gs}, but {len(bad)} module(s) have other group counts ({bad[0]})")
@@ -74,13 +72,3 @@ def anyquant_detect(probe: Probe) -> Claim | None:
         "problems": problems,
     }
     return Claim(FORMAT, confidence=1.0, evidence=tuple(evidence + problems), variant=variant, details=details)
-
-
-def _groups_agree(sig: GPTQSignature, group_size: int) -> bool:
-    """Every module has ``in_features // group_size`` groups: checked a column at a time, the usual
-    case; only when it fails are the modules looked at one by one."""
-    return list(map(floordiv, map(_in_features, sig.modules), repeat(group_size))) == list(map(_groups, sig.modules))
-
-
-_in_features = attrgetter("in_features")
-_groups = attrgetter("groups")
