@@ -23,12 +23,15 @@ from typing import Any
 from tests.peers.fixtures import peer_fixture_or_skip
 
 __all__ = [
+    "FAMILIES",
+    "FAMILY_VARIANTS",
     "GPTQMODEL_AWQ_VARIANTS",
     "GPTQ_BF16_VARIANT",
     "GPTQ_QUANT_VARIANTS",
     "TINY_LLAMA",
     "gptq_case_name",
     "gptqmodel_awq_quantized_dir",
+    "gptqmodel_family_dir",
     "gptqmodel_gptq_quantized_dir",
 ]
 
@@ -91,4 +94,50 @@ def gptqmodel_gptq_quantized_dir() -> Path:
 def gptqmodel_awq_quantized_dir() -> Path:
     """AWQ GEMM checkpoints of the tiny Llama made by GPTQModel (``AWQConfig``, ``BACKEND.AWQ_TORCH``)."""
     params = {**_COMMON, "method": "awq", "variants": GPTQMODEL_AWQ_VARIANTS}
+    return peer_fixture_or_skip("gptqmodel_worker", params, packages=_PACKAGES)
+
+
+#: tiny random models of the families beyond Llama (``transformers`` model types), as GPTQModel quantizes them
+FAMILIES: dict[str, dict[str, Any]] = {
+    # fused qkv_proj / gate_up_proj in transformers; GPTQModel 7.6 keeps qkv_proj whole, writes gate/up split
+    "phi3": {"model_type": "phi3", **TINY_LLAMA},
+    # per-expert linears mlp.experts.N.{gate,up,down}_proj; transformers 5 fuses them into 3-D parameters
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        **TINY_LLAMA,
+        "head_dim": 32,
+        "moe_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    },
+    # Qwen2-MoE: a shared expert beside the routed ones, gated by a sigmoid (shared_expert_gate)
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        **TINY_LLAMA,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 128,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+    # Mixtral: router softmax then top-k renormalised; transformers 5 calls block_sparse_moe "mlp"
+    "mixtral": {
+        "model_type": "mixtral",
+        **{**TINY_LLAMA, "intermediate_size": 64},
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+}
+#: one 4-bit variant per method (GPTQModel's AWQ cannot quantize Phi-3: KeyError 'q_zeros' in its AWQ packer)
+FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
+    "gptq": {"name": "gptq_b4_g32", "bits": 4, "group_size": 32, "sym": True, "desc_act": False, "format": "gptq"},
+    "awq": {"name": "awq_b4_g32", "bits": 4, "group_size": 32, "sym": False, "desc_act": False, "format": "gemm"},
+}
+
+
+def gptqmodel_family_dir(family: str, method: str) -> Path:
+    """A tiny random ``family`` model quantized by GPTQModel with ``method`` (``gptq`` or ``awq``), its fp16
+    source in ``base/``, GPTQModel's dequantized weights, logits and greedy tokens in ``judges/`` (skips if
+    GPTQModel is unavailable)."""
+    params = {**_COMMON, "model": FAMILIES[family], "method": method, "variants": [FAMILY_VARIANTS[method]]}
     return peer_fixture_or_skip("gptqmodel_worker", params, packages=_PACKAGES)

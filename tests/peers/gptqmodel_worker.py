@@ -205,12 +205,16 @@ def _byte_tokenizer() -> Any:
 
 
 def _build_base(model_params: dict[str, Any], base: Path, seed: int) -> Any:
+    """A tiny random model of ``model_params["model_type"]`` (default ``llama``; the rest are config values)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = _byte_tokenizer()
     vocab = tokenizer.get_vocab()
-    config = LlamaConfig(
+    model_params = dict(model_params)
+    model_type = model_params.pop("model_type", "llama")
+    config = AutoConfig.for_model(
+        model_type,
         vocab_size=len(vocab),
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
@@ -219,7 +223,11 @@ def _build_base(model_params: dict[str, Any], base: Path, seed: int) -> Any:
         **model_params,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float16)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float16)
+    with torch.no_grad():  # random init leaves the norms at 1 (q/k norms, Gemma's extra ones): vary them
+        for name, param in model.named_parameters():
+            if model_type != "llama" and param.dim() == 1 and name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
     model.save_pretrained(str(base))
     tokenizer.save_pretrained(str(base))
     return tokenizer

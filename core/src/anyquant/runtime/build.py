@@ -298,23 +298,22 @@ def build_model(
     tensors = sum(1 for _ in source.keys())
     model: Any = skeleton(config, trust_remote_code=trust_remote_code, runtime=runtime, tensors=tensors)
     device = torch.device(device)
-    src = name_map or (lambda n: n)
-    if make_linear is not None:
-        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        for name, lin in linears:
-            try:
-                replacement = make_linear(name, lin)
-            except CheckpointError as exc:
-                if name in str(exc):
-                    raise
-                raise type(exc)(f"{name}: {exc}") from exc
-            if replacement is not None:
-                bias = getattr(replacement, "bias", None)
-                if isinstance(bias, torch.Tensor) and tuple(bias.shape) != (lin.out_features,):
-                    raise CheckpointError(
-                        f"{name}: a bias of shape {tuple(bias.shape)} for a layer of {lin.out_features} outputs"
-                    )
-                _set_module(model, name, replacement.to(device))
+    stored = _StoredNames(source, config.get("model_type"))
+    src = name_map or stored.resolve
+    layers = _Layers(make_linear, source, src, stored, config, dtype, device)
+    for name, lin in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        replacement = layers.linear(name, lin)
+        if replacement is not None:
+            bias = getattr(replacement, "bias", None)
+            if isinstance(bias, torch.Tensor) and tuple(bias.shape) != (lin.out_features,):
+                raise CheckpointError(
+                    f"{name}: a bias of shape {tuple(bias.shape)} for a layer of {lin.out_features} outputs"
+                )
+            _set_module(model, name, replacement.to(device))
+    for name, module in list(model.named_modules()):
+        experts = layers.experts(name, module)
+        if experts is not None:
+            _set_module(model, name, experts.to(device))
     tie = _tied_head(model)
     head = model.get_output_embeddings() if tie is not None else None
     head_weight = getattr(head, "weight", None)
@@ -376,6 +375,107 @@ def build_model(
     model.requires_grad_(False)
     assembled: nn.Module = model
     return assembled
+
+
+class _StoredNames:
+    """The checkpoint's module names, and the names a model tensor may have there: its own, or transformers'
+    renaming for the architecture run backwards (Mixtral's ``mlp`` is ``block_sparse_moe`` on disk)."""
+
+    def __init__(self, source: TensorSource, model_type: Any) -> None:
+        from .experts import checkpoint_names
+
+        self.source = source
+        self.renames = checkpoint_names(model_type if isinstance(model_type, str) else None)
+        self._modules: set[str] | None = None
+
+    def has_module(self, name: str) -> bool:
+        if self._modules is None:
+            self._modules = {k.rpartition(".")[0] for k in self.source.keys()}
+        return name in self._modules
+
+    def resolve(self, name: str) -> str:
+        if name in self.source:
+            return name
+        return next((n for n in self.renames(name) if n in self.source), name)
+
+
+class _Layers:
+    """The model's linears and MoE experts as the checkpoint stores them: the format's factory's module where it
+    has one, else the dense tensors; a fused projection stored split becomes a
+    :class:`~anyquant.runtime.parts.LinearParts`, transformers' fused 3-D experts stored one linear per expert an
+    :class:`~anyquant.runtime.experts.Experts`."""
+
+    def __init__(
+        self,
+        factory: LinearFactory | None,
+        source: TensorSource,
+        src: Callable[[str], str],
+        stored: _StoredNames,
+        config: Mapping[str, Any],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.factory, self.source, self.src, self.stored = factory, source, src, stored
+        self.config, self.dtype, self.device = config, dtype, device
+
+    def _made(self, name: str, linear: nn.Linear) -> nn.Module | None:
+        if self.factory is None:
+            return None
+        try:
+            return self.factory(name, linear)
+        except CheckpointError as exc:
+            if name in str(exc):
+                raise
+            raise type(exc)(f"{name}: {exc}") from exc
+
+    def linear(self, name: str, linear: nn.Linear) -> nn.Module | None:
+        """The replacement of the model's ``linear`` (``None``: keep it, filled from ``<name>.weight``)."""
+        made = self._made(name, linear)
+        if made is not None or self.src(f"{name}.weight") in self.source:
+            return made
+        from .parts import split_parts
+
+        plan = split_parts(name, linear, self.stored.has_module, self.config)
+        if plan is None:
+            return None
+        return plan.build(lambda part, i, o: self.one(part, i, o, bias=linear.bias is not None), linear)
+
+    def one(self, name: str, in_features: int, out_features: int, *, bias: bool) -> nn.Module:
+        """The checkpoint's linear ``name``: the factory's module, or a dense ``nn.Linear`` of its tensors."""
+        with torch.device("meta"):
+            meta = nn.Linear(in_features, out_features, bias=bias)
+        made = self._made(name, meta)
+        if made is not None:
+            return made
+        for attr in ("weight", "bias") if bias else ("weight",):
+            key = self.src(f"{name}.{attr}")
+            if key not in self.source:
+                _missing(f"{name}.{attr}", key, self.source)
+            _fill(meta, attr, self.source.get(key), self.dtype, self.device, is_param=True)
+        return meta
+
+    def experts(self, name: str, module: nn.Module) -> nn.Module | None:
+        """An :class:`~anyquant.runtime.experts.Experts` for transformers' fused experts module stored one linear
+        per expert (``None``: not such a module, or the checkpoint holds the fused tensors)."""
+        from .experts import Expert, Experts, fused_experts, stored_experts
+
+        sizes = fused_experts(module)
+        if sizes is None:
+            return None
+        count, hidden, inner = sizes
+        where = stored_experts(name, count, self.stored.has_module, self.stored.renames)
+        if where is None:
+            return None
+        prefix, (gate, up, down) = where
+        return Experts(
+            Expert(
+                self.one(f"{prefix}.{e}.{gate}", hidden, inner, bias=False),
+                self.one(f"{prefix}.{e}.{up}", hidden, inner, bias=False),
+                self.one(f"{prefix}.{e}.{down}", inner, hidden, bias=False),
+                module.act_fn,
+            )
+            for e in range(count)
+        )
 
 
 def fill_file_tables(model: nn.Module, tables: Mapping[str, FileRows], dtype: torch.dtype | None) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,6 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from anyquant.runtime.loaded import LoadedModel
+    from anyquant.runtime.parts import PartsPlan
     from anyquant.runtime.qlinear import QuantLinearBase
 
     from .ring import RingTable
@@ -72,36 +72,6 @@ def _modules(probe: Probe) -> dict[str, dict[str, Any]]:
     return out
 
 
-#: fused projections of transformers' classes that exllamav3 / exllamav2 store split (format doc §2.8)
-FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-@dataclass(frozen=True)
-class PartsPlan:
-    """How one linear of the model is stored as several: part names with their (in, out) sizes."""
-
-    parts: tuple[tuple[str, int, int], ...]
-    split_input: bool
-
-    def build(self, one: Callable[[str, int, int], Any], linear: nn.Linear) -> nn.Module:
-        from .qlinear import LinearParts
-
-        built = [one(name, i, o) for name, i, o in self.parts]
-        return LinearParts(built, linear.in_features, linear.out_features, split_input=self.split_input)
-
-
-def fused_sizes(leaf: str, out_features: int, config: Mapping[str, Any]) -> list[int]:
-    """The parts' output sizes of a fused projection: q, k, v from the head counts; gate and up halves."""
-    if leaf == "gate_up_proj":
-        return [out_features // 2] * 2
-    heads = config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads") or heads
-    if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads < 1:
-        raise CheckpointError("config.json lacks num_attention_heads: cannot split the fused q/k/v projection")
-    head_dim = config.get("head_dim") or int(config.get("hidden_size", 0)) // heads
-    return [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-
-
 def stored_parts(name: str, linear: nn.Linear, stored: Mapping[str, Any], probe: Probe) -> PartsPlan | None:
     """How the checkpoint stores the model's linear ``name`` when not under its own name (``None``: it does not):
 
@@ -111,17 +81,11 @@ def stored_parts(name: str, linear: nn.Linear, stored: Mapping[str, Any], probe:
       slices of ``I // n // 128 * 128``, the last taking the rest; ``down_proj`` slices split its input,
       the others their output).
     """
-    parent, _, leaf = name.rpartition(".")
-    members = FUSED_PARTS.get(leaf)
-    if members and all(f"{parent}.{m}" in stored for m in members):
-        sizes = fused_sizes(leaf, linear.out_features, probe.config or {})
-        if sum(sizes) != linear.out_features:
-            raise CheckpointError(
-                f"{name}: split parts of sizes {sizes} (config.json) do not add up to its {linear.out_features} outputs"
-            )
-        return PartsPlan(
-            tuple((f"{parent}.{m}", linear.in_features, n) for m, n in zip(members, sizes, strict=True)), False
-        )
+    from anyquant.runtime.parts import PartsPlan, split_parts
+
+    plan = split_parts(name, linear, stored.__contains__, probe.config or {})
+    if plan is not None:
+        return plan
     slices: list[str] = []
     while f"{name}.slice.{len(slices)}" in stored:
         slices.append(f"{name}.slice.{len(slices)}")

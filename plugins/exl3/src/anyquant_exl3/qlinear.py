@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
+from anyquant.runtime.parts import LinearParts
 from anyquant.runtime.qlinear import QuantLinearBase
 
 from .decode import decode_exl3
@@ -154,58 +153,3 @@ class EXL3TableEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, K={self.k_bits}, ring-coded (exllamav3 --embed_bits)"
-
-
-class LinearParts(nn.Module):
-    """One linear of the model stored as several quantized linears (format doc §2.8), as exllamav3 and
-    exllamav2 write them:
-
-    - ``split_input=False``: the parts' outputs side by side: a fused projection stored split (Phi-3's
-      ``qkv_proj`` as ``q_proj``/``k_proj``/``v_proj``, ``gate_up_proj`` as ``gate_proj``/``up_proj``) or a very
-      wide MLP's ``gate_proj``/``up_proj`` stored as ``.slice.N`` pieces of the intermediate dimension;
-    - ``split_input=True``: ``down_proj.slice.N``: part ``i`` reads its own chunk of the input and the parts'
-      outputs add up.
-    """
-
-    def __init__(self, parts: list[QuantLinearBase], in_features: int, out_features: int, *, split_input: bool) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self._parts = tuple(parts)  # the same modules (moves act on them in place); each has in/out_features,
-        # dequantize() and bias: a QuantLinearBase, or cpu-fast's PrepackedBf16Linear around one
-        self.in_features, self.out_features, self.split_input = in_features, out_features, split_input
-        sizes = [p.in_features if split_input else p.out_features for p in parts]
-        whole, other = (in_features, out_features) if split_input else (out_features, in_features)
-        crossing = {p.out_features if split_input else p.in_features for p in parts}
-        if sum(sizes) != whole or crossing != {other}:
-            raise ValueError(
-                f"parts of sizes {sizes} x {sorted(crossing)} do not make a {out_features}x{in_features} linear"
-            )
-        self.sizes = sizes
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.split_input:
-            return torch.cat([p(x) for p in self._parts], dim=-1)
-        chunks = torch.split(x, self.sizes, dim=-1)
-        out: torch.Tensor = self._parts[0](chunks[0])
-        for part, chunk in zip(self._parts[1:], chunks[1:], strict=True):
-            out = out + part(chunk)
-        return out
-
-    def dequantize(self) -> torch.Tensor:
-        """The whole weight ``[out, in]``: the parts' weights joined (rows, or columns for split inputs)."""
-        return torch.cat([p.dequantize() for p in self._parts], dim=1 if self.split_input else 0)
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        biases: list[Any] = [getattr(p, "bias", None) for p in self._parts]
-        if all(b is None for b in biases):
-            return None
-        if self.split_input:
-            raise ValueError("summed parts with biases are not a format anyquant knows")
-        return torch.cat(
-            [b if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, self._parts, strict=True)]
-        )
-
-    def extra_repr(self) -> str:
-        how = "inputs split, outputs added" if self.split_input else "outputs joined"
-        return f"in_features={self.in_features}, out_features={self.out_features}, parts={self.sizes} ({how})"

@@ -180,7 +180,7 @@ class _Target:
 def _targets(probe: Probe) -> list[_Target]:
     """The linears to encode, with fused projections split as exllamav3 writes them (format doc §2.8:
     Phi-3's ``qkv_proj`` as ``q_proj``/``k_proj``/``v_proj``, ``gate_up_proj`` as ``gate_proj``/``up_proj``)."""
-    from .loader import FUSED_PARTS, fused_sizes
+    from anyquant.runtime.parts import FUSED_PARTS, fused_sizes
 
     out = []
     for name in _linear_weights(probe):
