@@ -213,3 +213,49 @@ def test_mlp_slices_load_as_one_linear(dense: Path, tmp_path: Path, rewrite_chec
         a, b, c = ref.module(IDS).logits, deq.module(IDS).logits, src.module(IDS).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert ((a - c).abs().max() / c.abs().max()).item() < 0.15
+
+
+@pytest.mark.slow
+def test_moe_experts_exl3(tmp_path: Path) -> None:
+    """A Qwen3-MoE quantized by anyquant's encoder: one EXL3 linear per expert (the router stays 16-bit, as
+    exllamav3 keeps it); they load as transformers' MoE block's experts, decode bit-exactly to the stored
+    trellis, and the model computes what transformers computes on the decoded weights (export_dense)."""
+    import transformers
+
+    from anyquant.runtime.experts import Experts
+
+    src = make_tiny_dense(
+        tmp_path / "dense",
+        num_hidden_layers=1,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        moe_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        head_dim=32,
+        norm_topk_prob=True,
+    )
+    q = anyquant.quantize(src, tmp_path / "q", method="exl3", bits=2, ldlq=False, quality=False)
+    stored = load_file(q / "model.safetensors")
+    assert "model.layers.0.mlp.gate.weight" in stored and "model.layers.0.mlp.experts.3.down_proj.trellis" in stored
+    ref, deq = anyquant.load(q, backend="reference"), anyquant.load(q, backend="dequantized")
+    assert ref.info["unused_tensors"] == []
+    experts = ref.module.model.layers[0].mlp.experts
+    assert isinstance(experts, Experts) and len(experts) == 4
+    p = "model.layers.0.mlp.experts.2.down_proj"
+    want = decode_exl3(
+        stored[f"{p}.trellis"],
+        stored[f"{p}.suh"],
+        stored[f"{p}.svh"],
+        codebook="mul1",
+        in_features=128,
+        out_features=128,
+    )
+    assert torch.equal(experts[2].down_proj.dequantize(), want)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(
+        anyquant.export_dense(q, tmp_path / "exported", dtype="float32"), dtype=torch.float32
+    )
+    with torch.no_grad():
+        a, b, c = ref.module(IDS).logits, deq.module(IDS).logits, dense(IDS).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)

@@ -159,11 +159,19 @@ def _encode_device(spec: QuantizeSpec) -> torch.device:
     return device
 
 
+#: MoE routers (``mlp.gate``, Mixtral's ``block_sparse_moe.gate``, Qwen2-MoE's ``shared_expert_gate``): kept in
+#: 16-bit float as exllamav3 keeps them, and transformers' router is no linear that a quantized module could replace
+ROUTERS = frozenset({"gate", "router", "shared_expert_gate"})
+
+
 def _linear_weights(probe: Probe) -> list[str]:
     return [
         name.removesuffix(".weight")
         for name, t in probe.tensors.items()
-        if name.endswith(".weight") and len(t.shape) == 2 and ".layers." in name
+        if name.endswith(".weight")
+        and len(t.shape) == 2
+        and ".layers." in name
+        and name.removesuffix(".weight").rpartition(".")[2] not in ROUTERS
     ]
 
 
