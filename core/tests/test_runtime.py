@@ -248,6 +248,9 @@ def test_broken_tokenizer_is_a_typed_error(tiny: Path, tmp_path: Path, content: 
             },
             "factor must be positive",
         ),  # both loaded before, with every rotary angle 0 (or inf)
+        # per layer type, as transformers 5 writes Gemma3's: each value is checked
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": {"global": 1e6, "local": -1.0}}}, "rope_theta"),
+        ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 0.0}}}, "positive"),
     ],
 )
 @pytest.mark.parametrize("runtime", ["native", "transformers"])
@@ -747,3 +750,20 @@ def test_consolidated_weights_beside_the_indexed_shards_are_ignored(
     assert got == anyquant.load(tiny).generate("Hello", max_new_tokens=8)
     assert not [r for r in caplog.records if "not used" in r.getMessage()]
     assert anyquant.inspect(root).totals["parameters"] == anyquant.inspect(tiny).totals["parameters"]
+
+
+def test_rope_theta_per_layer_type_is_accepted() -> None:
+    """transformers 5 saves Gemma3's rotary bases as {"global": ..., "local": ...} inside rope_parameters, beside
+    one dict per layer type: a valid config, checked value by value."""
+    from anyquant.runtime.build import check_config
+
+    check_config(
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+                "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"},
+                "rope_theta": {"global": 1e6, "local": 1e4},
+                "rope_type": "default",
+            }
+        }
+    )

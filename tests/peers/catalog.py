@@ -128,6 +128,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
     },
 }
+# Gemma2/Gemma3: embedding scaled by sqrt(hidden), extra norms around attention and MLP, soft-capped logits,
+# alternating sliding-window layers (a window of 4 tokens, so the 32-token prompt crosses it)
+FAMILIES["gemma2"] = {"model_type": "gemma2", **TINY_LLAMA, "head_dim": 32, "sliding_window": 4}
+FAMILIES["gemma3_text"] = {
+    "model_type": "gemma3_text",
+    **TINY_LLAMA,
+    "head_dim": 32,
+    "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "final_logit_softcapping": 30.0,
+}
 #: one 4-bit variant per method (GPTQModel's AWQ cannot quantize Phi-3: KeyError 'q_zeros' in its AWQ packer)
 FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
     "gptq": {"name": "gptq_b4_g32", "bits": 4, "group_size": 32, "sym": True, "desc_act": False, "format": "gptq"},

@@ -179,17 +179,27 @@ def check_config(config: Mapping[str, Any], *, tensors: int | None = None, nativ
     if isinstance(head_dim, int) and head_dim > _MAX_HEAD_DIM:
         raise ConfigError(f"config.json: head_dim {head_dim} is larger than any model's ({_MAX_HEAD_DIM})")
     scopes = [config, *(config.get(k) for k in ("rope_parameters", "rope_scaling"))]
+    for rope in scopes[1:]:  # per layer type (Gemma3: {"full_attention": {...}, "sliding_attention": {...}})
+        if isinstance(rope, Mapping):
+            scopes += [v for v in rope.values() if isinstance(v, Mapping)]
     for scope in scopes:
         if not isinstance(scope, Mapping):
             continue
         for key in _NUMBER_KEYS:
-            value = scope.get(key)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"config.json: {key} must be a non-negative number, got {value!r}")
-            if value == 0 and key in _POSITIVE_KEYS:  # a rotary base or scale of 0: every angle 0 or inf
-                raise ConfigError(f"config.json: {key} must be positive, got {value!r}")
+            found = scope.get(key)
+            # a value per layer type: transformers 5 writes Gemma3's rope_theta as {"global": ..., "local": ...}
+            for value in found.values() if isinstance(found, Mapping) else [found]:
+                if value is None:
+                    continue
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not math.isfinite(value)
+                    or value < 0
+                ):
+                    raise ConfigError(f"config.json: {key} must be a non-negative number, got {found!r}")
+                if value == 0 and key in _POSITIVE_KEYS:  # a rotary base or scale of 0: every angle 0 or inf
+                    raise ConfigError(f"config.json: {key} must be positive, got {found!r}")
     layers = config.get("num_hidden_layers")
     if tensors is not None and isinstance(layers, int) and layers > tensors:
         raise ConfigError(f"config.json: num_hidden_layers={layers}, but the checkpoint holds only {tensors} tensor(s)")
