@@ -128,6 +128,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
     },
 }
+# Qwen3: RMS norms on the queries and keys (transformers' class; anyquant's native decoder has none)
+FAMILIES["qwen3"] = {"model_type": "qwen3", **TINY_LLAMA, "head_dim": 32}
 # Gemma2/Gemma3: embedding scaled by sqrt(hidden), extra norms around attention and MLP, soft-capped logits,
 # alternating sliding-window layers (a window of 4 tokens, so the 32-token prompt crosses it)
 FAMILIES["gemma2"] = {"model_type": "gemma2", **TINY_LLAMA, "head_dim": 32, "sliding_window": 4}
