@@ -190,3 +190,64 @@ def test_cpu_fast(family: str, method: str) -> None:
         assert per_position.max() < 2e-2, per_position
     got, want_tokens = _greedy(model, judge)
     assert got == want_tokens
+
+
+HEAD = 32
+RUNTIME_FAMILIES = {
+    # Phi-3 long-context rope: prompts past original_max_position_embeddings take the long factors
+    "phi3_longrope": {
+        "model_type": "phi3",
+        "max_position_embeddings": 1024,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "long_factor": [1.0 + 0.1 * i for i in range(HEAD // 2)],
+            "short_factor": [1.0] * (HEAD // 2),
+            "original_max_position_embeddings": 64,
+        },
+    },
+    "mistral_sliding_window": {"model_type": "mistral", "sliding_window": 16, "head_dim": HEAD},
+    "qwen3": {"model_type": "qwen3", "head_dim": HEAD},
+    "gemma2": {"model_type": "gemma2", "head_dim": HEAD, "sliding_window": 16, "final_logit_softcapping": 3.0},
+    "gemma3_text": {
+        "model_type": "gemma3_text",
+        "head_dim": HEAD,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "head_dim": HEAD,
+        "moe_intermediate_size": 64,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4},
+}
+
+
+@pytest.mark.parametrize("family", sorted(RUNTIME_FAMILIES))
+def test_runtime_families_match_transformers(family: str, tmp_path: Path) -> None:
+    """Dense checkpoints of each family (as transformers 5 saves them) load through transformers' own class with
+    transformers' logits on a 100-token prompt (past the sliding windows and Phi-3's original context), and the
+    same greedy tokens through anyquant's generator as through transformers' generate."""
+    import transformers
+
+    from anyquant.testing.tiny import make_tiny_dense
+
+    cfg = dict(RUNTIME_FAMILIES[family])
+    model_type = cfg.pop("model_type")
+    path = make_tiny_dense(tmp_path / family, model_type=model_type, architectures=[], **cfg)
+    ours = anyquant.load(path)
+    assert ours.info["runtime"] == "transformers"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours.module(ids).logits, theirs(ids).logits
+        want = theirs.generate(
+            ids[:, :70], attention_mask=torch.ones(1, 70, dtype=torch.long), max_new_tokens=8, do_sample=False
+        )
+    assert (a - b).abs().max() / b.abs().max() < 1e-5
+    ours.generator.eos_ids = set()
+    got = ours.generator.generate_ids(ids[0, :70].tolist(), ours.params(max_new_tokens=8))
+    assert got == want[0, 70:].tolist()[: len(got)] and len(got) == 8
