@@ -251,3 +251,16 @@ def test_runtime_families_match_transformers(family: str, tmp_path: Path) -> Non
     ours.generator.eos_ids = set()
     got = ours.generator.generate_ids(ids[0, :70].tolist(), ours.params(max_new_tokens=8))
     assert got == want[0, 70:].tolist()[: len(got)] and len(got) == 8
+
+
+def test_inspect_counts_active_parameters() -> None:
+    """inspect's totals for a MoE checkpoint: experts per layer and per token, and the parameters one token reads
+    (attention, norms, router, embeddings and head, plus top_k of the experts), from the config's sizes."""
+    path, _ = _dirs("qwen3_moe", "gptq")
+    t = anyquant.inspect(path).totals
+    cfg = json.loads((path / "config.json").read_text())
+    e = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers 5 writes Qwen3-MoE's as the latter
+    h, i, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+    expert_params = cfg["num_hidden_layers"] * e * 3 * h * i
+    assert (t["experts"], t["experts_per_token"]) == (e, k)
+    assert t["active_parameters"] == t["parameters"] - expert_params + expert_params * k // e

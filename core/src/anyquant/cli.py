@@ -97,6 +97,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"on disk {_fmt_bytes(t['bytes_on_disk'])}, average bits/weight of quantized linears "
         f"{t['avg_bits_quantized'] if t['avg_bits_quantized'] is not None else '-'}"
     )
+    if "experts" in t:
+        lines.append(
+            f"mixture of experts: {t['experts']} experts a layer, {t['experts_per_token']} per token; "
+            f"parameters one token reads {t['active_parameters']:,} of {t['parameters']:,}"
+        )
     _emit(args, report.to_dict(), "\n".join(lines))
     return 0
 

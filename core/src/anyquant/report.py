@@ -118,7 +118,26 @@ def build_report(probe: Probe, detection: Detection, loader: Any | None) -> Repo
         "avg_bits_quantized": round(8 * qbytes / qparams, 4) if qparams else None,
         "avg_bits_all": round(8 * sum(m.nbytes for m in rows) / params, 4) if params else None,
     }
+    totals.update(_experts(probe, rows, params))
     return Report(detection, rows, totals)
+
+
+def _experts(probe: Probe, rows: list[ModuleInfo], params: int) -> dict[str, Any]:
+    """A mixture-of-experts model's experts per layer, experts per token and the parameters one token reads
+    (every non-expert module and ``experts_per_token / experts`` of the experts'); empty for other models."""
+    cfg = probe.config or {}
+    count = next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)), None)
+    per_token = cfg.get("num_experts_per_tok")
+    if not isinstance(count, int) or not isinstance(per_token, int) or not 0 < per_token <= count:
+        return {}
+    in_experts = sum(_numel(m.shape) for m in rows if ".experts." in m.name)
+    if not in_experts:
+        return {}
+    return {
+        "experts": count,
+        "experts_per_token": per_token,
+        "active_parameters": params - in_experts + in_experts * per_token // count,
+    }
 
 
 def _numel(shape: tuple[int, ...]) -> int:
