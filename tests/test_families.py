@@ -29,8 +29,9 @@ CASES = [
     ("qwen2_moe", "gptq"),
     ("mixtral", "gptq"),
     ("mixtral", "awq"),
+    ("deepseek_v3", "gptq"),
 ]
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 #: fp32 logits against GPTQModel's fp16 forward: 1e-3 as for Llama, but some families' fp16 forwards round more:
 #: Gemma's (its sqrt(hidden) embedding scale, four norms a layer, soft-capping: 2.4e-3 measured) and Qwen3's (the
 #: q/k norms: 1.05e-3); in fp16 every family agrees within 1.1e-3 (test_fp16_logits_within_rounding)
@@ -100,9 +101,12 @@ def test_structure(family: str, method: str) -> None:
     if family not in MOE:
         assert not any(isinstance(m, (LinearParts, Experts)) for m in model.module.modules())
         return
-    experts = layer.mlp.experts
+    experts = model.module.model.layers[-1].mlp.experts  # DeepSeek's first layer is dense
     assert isinstance(experts, Experts)
-    count = model.module.config.num_experts if family != "mixtral" else model.module.config.num_local_experts
+    config = model.module.config
+    count = (
+        getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None) or config.num_local_experts
+    )
     assert len(experts) == count
     assert all(hasattr(experts[e].down_proj, "dequantize") for e in range(count))
 
@@ -121,8 +125,8 @@ def test_decode_reads_only_the_routed_experts(family: str) -> None:
         calls.clear()
         model.module(torch.tensor([[5]]))
     top_k = model.module.config.num_experts_per_tok
-    layers = model.module.config.num_hidden_layers
-    assert len(calls) == 3 * top_k * layers, calls
+    layers = sum(isinstance(m, Experts) for m in model.module.modules())  # DeepSeek's first layer is dense
+    assert layers and len(calls) == 3 * top_k * layers, calls
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -133,7 +137,7 @@ def test_fp16_source_matches_transformers(family: str) -> None:
 
     root = gptqmodel_family_dir(family, "gptq")
     ours = anyquant.load(root / "base")
-    assert isinstance(ours.module.model.layers[0].mlp.experts, Experts)
+    assert isinstance(ours.module.model.layers[-1].mlp.experts, Experts)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
     ids = load_file(root / "judges" / FAMILY_VARIANTS["gptq"]["name"] / "gptqmodel_logits.safetensors")["input_ids"]
     with torch.no_grad():
@@ -264,3 +268,27 @@ def test_inspect_counts_active_parameters() -> None:
     expert_params = cfg["num_hidden_layers"] * e * 3 * h * i
     assert (t["experts"], t["experts_per_token"]) == (e, k)
     assert t["active_parameters"] == t["parameters"] - expert_params + expert_params * k // e
+
+
+def test_router_state_comes_from_the_checkpoint(tmp_path: Path) -> None:
+    """DeepSeek-V3's router holds its expert bias (`e_score_correction_bias`) as a buffer that transformers'
+    class creates as zeros: the checkpoint's values must replace it (routing differs otherwise)."""
+    import transformers
+
+    root = gptqmodel_family_dir("deepseek_v3", "gptq")
+    src = tmp_path / "biased"
+    shutil.copytree(root / "base", src)
+    (file,) = src.glob("*.safetensors")
+    tensors = load_file(file)
+    keys = [k for k in tensors if k.endswith("e_score_correction_bias")]
+    assert keys
+    for k in keys:
+        tensors[k] = torch.linspace(-2.0, 2.0, tensors[k].numel()).reshape(tensors[k].shape).to(tensors[k].dtype)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    ours = anyquant.load(src)
+    assert ours.info["unused_tensors"] == []
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours.module(ids).logits, theirs(ids).logits
+    assert (a - b).abs().max() / b.abs().max() < 1e-5

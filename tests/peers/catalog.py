@@ -128,6 +128,23 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
     },
 }
+# DeepSeek-V3: multi-head latent attention, group-limited sigmoid routing, a shared expert, a dense first layer
+FAMILIES["deepseek_v3"] = {
+    "model_type": "deepseek_v3",
+    **{**TINY_LLAMA, "num_key_value_heads": 4},
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+}
 # Qwen3: RMS norms on the queries and keys (transformers' class; anyquant's native decoder has none)
 FAMILIES["qwen3"] = {"model_type": "qwen3", **TINY_LLAMA, "head_dim": 32}
 # Gemma2/Gemma3: embedding scaled by sqrt(hidden), extra norms around attention and MLP, soft-capped logits,

@@ -310,6 +310,9 @@ def build_model(
     device = torch.device(device)
     stored = _StoredNames(source, config.get("model_type"))
     src = name_map or stored.resolve
+    # state the skeleton made real (DeepSeek's router bias `e_score_correction_bias`): the checkpoint's values
+    # replace it; rotary tables are not persistent and never read
+    kept = [n for n, b in model.named_buffers() if not b.is_meta and _persistent(model, n)]
     layers = _Layers(make_linear, source, src, stored, config, dtype, device)
     for name, lin in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
         replacement = layers.linear(name, lin)
@@ -374,6 +377,9 @@ def build_model(
             if key not in source:
                 raise MissingTensorError(f"buffer {name!r} ({key!r}) is not in the checkpoint")
             _fill(model, name, source.get(key), dtype, device, is_param=False)
+    for name in kept:
+        if src(name) in source:
+            _fill(model, name, source.get(src(name)), dtype, device, is_param=False)
     if head_missing and tie is not None:
         head = model.get_output_embeddings()
         head.weight = model.get_input_embeddings().weight
@@ -486,6 +492,11 @@ class _Layers:
             )
             for e in range(count)
         )
+
+
+def _persistent(model: nn.Module, name: str) -> bool:
+    owner, _, attr = name.rpartition(".")
+    return attr not in (model.get_submodule(owner) if owner else model)._non_persistent_buffers_set
 
 
 def fill_file_tables(model: nn.Module, tables: Mapping[str, FileRows], dtype: torch.dtype | None) -> None:
