@@ -21,6 +21,8 @@ from anyquant_gptq.loader import GPTQLoader
 from anyquant_gptq.quantize import GPTQQuantizer
 
 ROOT = Path(__file__).resolve().parents[1]
+#: what GPTQ and AWQ loaders share (core's int4 base and GPTQModel's kernels)
+INT4 = ("core/src/anyquant/int4/loader.py", "core/src/anyquant/int4/gptqmodel_kernels.py")
 #: ``options.get("name"``, ``extra.get("name"``, ``options["name"]``, ``"name" in spec.options``
 READ = re.compile(r'(?:options|extra)(?:\.get\(|\[)"(\w+)"|"(\w+)" in (?:spec\.)?options\b')
 #: a call of core's ``route_backend`` reads its ``key`` option, ``quantizer_backend`` unless given
@@ -42,10 +44,13 @@ def _reads(*files: str) -> set[str]:
 @pytest.mark.parametrize(
     ("declared", "files"),
     [
-        (GPTQQuantizer.quantize_options, ["plugins/gptq/src/anyquant_gptq/quantize.py"]),
+        (
+            GPTQQuantizer.quantize_options,
+            ["core/src/anyquant/int4/gptqmodel_quantizer.py", "plugins/gptq/src/anyquant_gptq/quantize.py"],
+        ),
         (
             AWQQuantizer.quantize_options,
-            ["plugins/gptq/src/anyquant_gptq/quantize.py", "plugins/awq/src/anyquant_awq/quantize.py"],
+            ["core/src/anyquant/int4/gptqmodel_quantizer.py", "plugins/awq/src/anyquant_awq/quantize.py"],
         ),
         (
             EXL3Quantizer.quantize_options,
@@ -67,11 +72,8 @@ def test_quantizers_declare_what_they_read(declared, files) -> None:  # type: ig
 @pytest.mark.parametrize(
     ("loader", "files"),
     [
-        (
-            GPTQLoader,
-            ["plugins/gptq/src/anyquant_gptq/loader.py", "plugins/gptq/src/anyquant_gptq/gptqmodel_kernels.py"],
-        ),
-        (AWQLoader, ["plugins/awq/src/anyquant_awq/loader.py", "plugins/gptq/src/anyquant_gptq/gptqmodel_kernels.py"]),
+        (GPTQLoader, ["plugins/gptq/src/anyquant_gptq/loader.py", *INT4]),
+        (AWQLoader, ["plugins/awq/src/anyquant_awq/loader.py", *INT4]),
         (GGUFLoader, ["plugins/gguf/src/anyquant_gguf/loader.py"]),
         (EXL3Loader, ["plugins/exl3/src/anyquant_exl3/loader.py", "plugins/exl3/src/anyquant_exl3/cuda_backend.py"]),
         (EXL2Loader, ["plugins/exl3/src/anyquant_exl3/loader.py"]),

@@ -34,6 +34,17 @@ def test_detect_does_not_import_torch(tmp_path) -> None:  # type: ignore[no-unty
     assert r.returncode == 0, r.stderr
 
 
+def test_int4_base_is_lazy() -> None:
+    """``import anyquant`` leaves core's int4 loader base out; the base (what the GPTQ and AWQ loaders import)
+    imports neither torch nor GPTQModel until a load asks for them."""
+    r = _run(
+        "import sys, anyquant\nassert 'anyquant.int4' not in sys.modules\n"
+        "from anyquant.int4.loader import Int4Loader\nfrom anyquant.int4.gptqmodel_quantizer import GPTQModelQuantizer\n"
+        "heavy = [m for m in ('torch', 'transformers', 'gptqmodel') if m in sys.modules]\nassert not heavy, heavy\n"
+    )
+    assert r.returncode == 0, r.stderr
+
+
 def test_cli_help_is_fast_and_light() -> None:
     r = _run(
         "import sys; from anyquant.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules"

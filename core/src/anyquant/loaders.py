@@ -4,6 +4,10 @@ A format plugin subclasses :class:`TransformersLoader` and supplies ``make_linea
 quantized linear for each ``nn.Linear`` of the model); the base class does the rest: device and
 dtype, the meta skeleton, tensor filling, tying, the tokenizer, and core's generator. Importing
 this module does not import torch; :meth:`TransformersLoader.load` does.
+
+One load's state lives on its :class:`LoadContext` (``ctx.state``), never on the loader: :meth:`~TransformersLoader.plan`
+reads what the backend choice needs, :meth:`~TransformersLoader.prepare` makes what the build's hooks share, and
+:meth:`~TransformersLoader.finish` completes the loaded model (see :meth:`TransformersLoader.load` for the order).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,6 +34,7 @@ __all__ = [
     "FLOAT_SCALE_DTYPES",
     "RUNTIME_OPTIONS",
     "LoadContext",
+    "LoadPlan",
     "TransformersLoader",
     "require_dtypes",
 ]
@@ -70,8 +76,18 @@ CPU_FAST_OPTIONS: Mapping[str, str] = MappingProxyType(
 )
 
 
+@dataclass
+class LoadPlan:
+    """What :meth:`TransformersLoader.plan` decides before anything is read: the backend, and the facts the
+    choice was made from (a parsed tensor signature, layer counts) that the load keeps in ``ctx.state``."""
+
+    backend: str
+    state: dict[str, Any] = field(default_factory=dict)
+
+
 class LoadContext:
-    """What ``make_linear`` needs: the probe, detection, tensor source, chosen backend, dtype, device."""
+    """One load: the probe, detection, tensor source, chosen backend, dtype, device and options, and ``state``,
+    what the loader's hooks share during this load (started by :meth:`TransformersLoader.plan`)."""
 
     def __init__(
         self,
@@ -82,9 +98,12 @@ class LoadContext:
         dtype: torch.dtype,
         device: torch.device,
         options: LoadOptions,
+        state: dict[str, Any] | None = None,
     ) -> None:
         self.probe, self.detection, self.source = probe, detection, source
         self.backend, self.dtype, self.device, self.options = backend, dtype, device, options
+        #: per-load state of the loader's hooks (keys are the loader's own)
+        self.state: dict[str, Any] = {} if state is None else state
         #: parameters the build left in the checkpoint file (when :meth:`TransformersLoader.file_tables` says so)
         self.file_tables: dict[str, Any] = {}
 
@@ -129,6 +148,22 @@ class TransformersLoader:
             raise UnsupportedBackendError(f"{self.format} backend {requested!r} cannot run here: {info.reason}")
         return requested
 
+    def plan(self, probe: Probe, detection: Detection, options: LoadOptions, device: torch.device) -> LoadPlan:
+        """The first step of a load, before the tokenizer or any weight is read: the backend
+        (:meth:`choose_backend` of ``options.backend``), and in ``LoadPlan.state`` whatever per-load facts the
+        choice needed, which the load keeps as ``ctx.state`` (read a tensor signature once, here)."""
+        return LoadPlan(self.choose_backend(options.backend, device))
+
+    def prepare(self, ctx: LoadContext) -> None:
+        """Called once, with the tensor source open and before :meth:`make_linear`, :meth:`runtime`,
+        :meth:`keep_embedding_dtype` and :meth:`file_tables` are asked: make what they share (kernel plans)
+        in ``ctx.state``."""
+
+    def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
+        """Called once the model is built and wrapped (the source is closed): install what the build left out
+        (``ctx.file_tables``), record this load in ``loaded.info``; returns the loaded model."""
+        return loaded
+
     def model_config(self, probe: Probe) -> Mapping[str, Any]:
         if probe.config is None:
             from .errors import CheckpointError
@@ -169,13 +204,17 @@ class TransformersLoader:
         return load_tokenizer(probe, trust_remote_code=options.trust_remote_code)
 
     def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel:
+        """Steps, in order: :meth:`plan` (the backend), :meth:`tokenizer`, :meth:`tensor_source`,
+        :meth:`model_config`, :meth:`prepare`, the build (asking :meth:`make_linear`, :meth:`runtime`,
+        :meth:`keep_embedding_dtype`, :meth:`file_tables`), :meth:`finish`."""
         from .runtime.build import build_model, resolve_device, resolve_dtype
         from .runtime.generate import TorchGenerator
         from .runtime.loaded import LoadedModel
 
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device)
-        backend = self.choose_backend(options.backend, device)
+        plan = self.plan(probe, detection, options, device)
+        backend = plan.backend
         from ._memory import release_free_heap
 
         # the tokenizer first: its parse peaks at ~3x what it keeps (SmolLM2's: +41 MiB, then 14), and
@@ -183,9 +222,10 @@ class TransformersLoader:
         tokenizer = self.tokenizer(probe, options)
         release_free_heap()
         source = self.tensor_source(probe, options)
-        ctx = LoadContext(probe, detection, source, backend, dtype, device, options)
+        ctx = LoadContext(probe, detection, source, backend, dtype, device, options, plan.state)
         config = self.model_config(probe)
         try:
+            self.prepare(ctx)
             module = build_model(
                 config,
                 source,
@@ -209,7 +249,7 @@ class TransformersLoader:
             log.warning("%d checkpoint tensors were not used (e.g. %s)", len(unused), unused[:3])
         if backend == "reference":
             check_decodes(module)
-        return LoadedModel(
+        loaded = LoadedModel(
             module=module,
             tokenizer=tokenizer,
             format=detection.format,
@@ -220,6 +260,7 @@ class TransformersLoader:
             dtype=str(dtype).replace("torch.", ""),
             info={"unused_tensors": unused, "runtime": getattr(module, "runtime_name", "transformers")},
         )
+        return self.finish(loaded, ctx)
 
 
 _LAYER_INDEX = re.compile(r"^(.*?(?:layers|blk|h))\.(\d+)\.")

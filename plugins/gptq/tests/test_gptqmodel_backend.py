@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 import anyquant
+from anyquant.int4.gptqmodel_kernels import GPTQModelLinear, KernelPlan
+from anyquant.int4.loader import Int4State
 from anyquant.runtime.packing import pack_cols
 from anyquant.testing.fixtures import gptq_v1
-from anyquant_gptq.gptqmodel_kernels import GPTQModelLinear, KernelPlan, gptq_kernel_tensors
+from anyquant_gptq.dequant import gptq_kernel_tensors
 from anyquant_gptq.loader import GPTQLoader
 
 WORKER = Path(__file__).resolve().parent / "gptqmodel_backend_worker.py"
@@ -77,7 +79,7 @@ def test_kernel_option_is_checked_before_gptqmodel_is_imported(tmp_path: Path, k
 HOST_SIDE_EFFECTS = """
 import json, logging, os, sys
 import torch
-from anyquant_gptq.gptqmodel_kernels import KernelPlan
+from anyquant.int4.gptqmodel_kernels import KernelPlan
 env = dict(os.environ)
 root = logging.getLogger()
 handlers, level = root.handlers[:], root.level
@@ -106,9 +108,9 @@ def test_gptqmodel_import_leaves_the_host_as_it_was() -> None:
 
 def test_declared_options_are_the_ones_read() -> None:
     """load() accepts exactly the option names the gptqmodel backend reads (GPTQ and AWQ)."""
+    from anyquant.int4 import GPTQMODEL_OPTIONS
+    from anyquant.int4 import gptqmodel_kernels as gk
     from anyquant_awq.loader import AWQLoader
-    from anyquant_gptq import gptqmodel_kernels as gk
-    from anyquant_gptq.loader import GPTQMODEL_OPTIONS
 
     assert set(GPTQMODEL_OPTIONS) == {gk.KERNEL_OPTION, gk.COMPILE_OPTION, gk.CPU_TEST_OPTION}
     assert set(GPTQMODEL_OPTIONS) <= set(GPTQLoader.load_options) and AWQLoader.load_options == GPTQLoader.load_options
@@ -310,14 +312,12 @@ def test_gptqmodel_torch_kernels_match_the_reference() -> None:
 @pytest.fixture
 def gpu_visible(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend GPTQModel and a CUDA GPU are there (nothing is loaded in these tests)."""
+    from anyquant.int4 import gptqmodel_kernels
+    from anyquant.int4 import loader as int4_loader
     from anyquant.protocols import BackendInfo
-    from anyquant_awq import loader as awq_loader
-    from anyquant_gptq import gptqmodel_kernels
-    from anyquant_gptq import loader as gptq_loader
 
     info = BackendInfo("gptqmodel", True)
-    monkeypatch.setattr(gptq_loader, "gptqmodel_backend", lambda: info)
-    monkeypatch.setattr(awq_loader, "gptqmodel_backend", lambda: info)
+    monkeypatch.setattr(int4_loader, "gptqmodel_backend", lambda: info)  # GPTQ's and AWQ's (their base's)
     monkeypatch.setattr(gptqmodel_kernels, "gptqmodel_backend_info", lambda: info)
 
 
@@ -328,11 +328,10 @@ def test_auto_picks_gptqmodel_on_cuda_only(gpu_visible: None) -> None:
     gptq, awq = GPTQLoader(), AWQLoader()
     assert gptq.choose_backend("auto", cuda) == "gptqmodel"
     assert gptq.choose_backend("auto", cpu) != "gptqmodel"
-    awq._variant = "gemm"
-    assert awq.choose_backend("auto", cuda) == "gptqmodel"
-    assert awq.choose_backend("auto", cpu) in ("cpu-fast", "dequantized")
-    awq._variant = "gemv"
-    assert awq.choose_backend("auto", cuda) == "dequantized"
+    gemm, gemv = Int4State(layout="gemm"), Int4State(layout="gemv")  # the facts of an AWQ load
+    assert awq.choose_backend("auto", cuda, gemm) == "gptqmodel"
+    assert awq.choose_backend("auto", cpu, gemm) in ("cpu-fast", "dequantized")
+    assert awq.choose_backend("auto", cuda, gemv) == "dequantized"
 
 
 def test_explicit_gptqmodel_on_cuda_and_cpu(gpu_visible: None) -> None:
@@ -342,6 +341,5 @@ def test_explicit_gptqmodel_on_cuda_and_cpu(gpu_visible: None) -> None:
     assert gptq.choose_backend("gptqmodel", torch.device("cuda")) == "gptqmodel"
     with pytest.raises(anyquant.UnsupportedBackendError, match="runs on CUDA, not on cpu"):
         gptq.choose_backend("gptqmodel", torch.device("cpu"))
-    awq._variant = "gemv"
     with pytest.raises(anyquant.UnsupportedBackendError, match="GEMM layout"):
-        awq.choose_backend("gptqmodel", torch.device("cuda"))
+        awq.choose_backend("gptqmodel", torch.device("cuda"), Int4State(layout="gemv"))

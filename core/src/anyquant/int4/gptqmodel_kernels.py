@@ -11,7 +11,8 @@ What this module decides, so the kernels see exactly what anyquant's reference d
 
 - zero points: GPTQ ``qzeros`` are decoded by anyquant's own rules (v1/v2 label checked against
   the tensors, GPTQModel's packed-word ``+1``) and handed over re-packed as v2 (true zeros), which
-  is what GPTQModel's ``REQUIRES_FORMAT_V2`` kernels compute with; v1 ones get ``z - 1``;
+  is what GPTQModel's ``REQUIRES_FORMAT_V2`` kernels compute with; v1 ones get ``z - 1`` (the GPTQ
+  plugin's ``anyquant_gptq.dequant.gptq_kernel_tensors``); AWQ GEMM tensors go over as stored;
 - ``sym`` and ``desc_act`` per layer come from the tensors (all zeros ``2**(b-1)``; ``g_idx`` not
   ``k // group_size``), not from the config, so Marlin never runs a layer it would decode wrong;
 - the bias stays in the wrapper (added after the kernel), so :meth:`GPTQModelLinear.dequantize`
@@ -50,12 +51,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from anyquant.errors import CheckpointError, UnsupportedBackendError
-from anyquant.protocols import BackendInfo
-from anyquant.runtime.packing import pack_cols
-
-from .dequant import gptq_zero_points
-from .loader import COMPILE_OPTION, CPU_TEST_OPTION, KERNEL_OPTION  # declared with the loader's options
+from ..errors import UnsupportedBackendError
+from ..protocols import BackendInfo
+from . import COMPILE_OPTION, CPU_TEST_OPTION, KERNEL_OPTION
 
 __all__ = [
     "AUTO_KERNELS",
@@ -68,7 +66,6 @@ __all__ = [
     "KernelPlan",
     "check_gptqmodel_request",
     "gptqmodel_backend_info",
-    "gptq_kernel_tensors",
 ]
 
 log = logging.getLogger(__name__)
@@ -205,56 +202,6 @@ class GPTQModelLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel_name}, "
             f"dtype={str(self.kernel_dtype).replace('torch.', '')}, bias={self._buffers.get('bias') is not None}"
         )
-
-
-def gptq_kernel_tensors(
-    qzeros: torch.Tensor,
-    g_idx: torch.Tensor | None,
-    *,
-    bits: int,
-    in_features: int,
-    out_features: int,
-    groups: int,
-    checkpoint_format: str,
-    sym: bool | None,
-    group_size: int | None,
-) -> dict[str, Any]:
-    """What a GPTQModel GPTQ kernel needs beyond qweight/scales, decided by the tensors.
-
-    Returns ``qzeros_v2`` (true zeros, packed), ``qzeros_v1`` (``z - 1``, packed), ``g_idx``
-    (``k // group_size`` when the checkpoint has none), ``group_size`` (-1: one group),
-    ``sym`` (every zero is ``2**(b-1)``) and ``desc_act`` (``g_idx`` is not sequential).
-    """
-    zeros = gptq_zero_points(
-        qzeros,
-        bits=bits,
-        checkpoint_format=checkpoint_format,  # type: ignore[arg-type]
-        out_features=out_features,
-        sym=sym,
-    )
-    mask = (1 << bits) - 1
-    half = 1 << (bits - 1)
-    if groups == 1:
-        gs = -1
-    elif group_size is not None and group_size > 0 and -(-in_features // group_size) == groups:
-        gs = group_size
-    elif in_features % groups == 0:
-        gs = in_features // groups
-    else:
-        raise CheckpointError(f"{groups} scale groups do not divide in_features={in_features}; set group_size")
-    step = in_features if gs == -1 else gs
-    sequential = torch.arange(in_features, dtype=torch.int32) // step
-    if g_idx is None:
-        g_idx = sequential
-    desc_act = not torch.equal(g_idx.to(torch.int32), sequential)
-    return {
-        "qzeros_v2": pack_cols(zeros & mask, bits),
-        "qzeros_v1": pack_cols((zeros - 1) & mask, bits),
-        "g_idx": g_idx.to(torch.int32),
-        "group_size": gs,
-        "sym": bool((zeros == half).all()),
-        "desc_act": desc_act,
-    }
 
 
 @dataclass

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from anyquant.errors import CheckpointError, ConfigError, UnsupportedBackendError
-from anyquant.loaders import LoadContext, TransformersLoader, require_dtypes
+from anyquant.int4.loader import QUANT_DTYPES, Int4Loader
+from anyquant.loaders import LoadContext, require_dtypes
 from anyquant.probe import Probe
-from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
+from anyquant.protocols import Detection, ModuleInfo
 from anyquant.report import dense_rows
-from anyquant_gptq.loader import (
-    QUANT_DTYPES,
-    GPTQLoader,
-    cpu_fast_backend,
-    finish_layer_plans,
-    gptqmodel_backend,
-    plan_file_tables,
-    plan_keeps_embedding_dtype,
-    start_layer_plans,
-)
 
 from .plugin import _layout
 
@@ -27,7 +18,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from anyquant.runtime.loaded import LoadedModel
-    from anyquant_gptq.gptqmodel_kernels import KernelPlan
 
 __all__ = ["AWQLoader"]
 
@@ -62,21 +52,14 @@ def _modules(probe: Probe, bits: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-class AWQLoader(TransformersLoader):
-    format = "awq"
-    backend_order = ("gptqmodel", "cpu-fast", "dequantized", "reference")
-    load_options = GPTQLoader.load_options
-    #: the GPTQModel kernels of the last load with backend "gptqmodel"
-    _kernel_plan: KernelPlan | None = None
-    _extra: Mapping[str, Any] = {}
+class AWQLoader(Int4Loader):
+    """AWQ's GEMM and GEMV layouts. Its backend choice counts no layers (every AWQ layer is 4-bit with
+    a group size torch's int4 kernel takes, and auto never picks ``reference``); GPTQModel's kernels run
+    the GEMM layout only."""
 
-    def backends(self) -> list[BackendInfo]:
-        return [
-            gptqmodel_backend(),
-            cpu_fast_backend(),
-            BackendInfo("dequantized", True, description="dequantize once at load; dense speed and memory"),
-            BackendInfo("reference", True, description="pure torch, dequantize on every forward; packed memory"),
-        ]
+    format = "awq"
+    kernel_method = "awq"
+    gptqmodel_layouts = frozenset({"gemm"})
 
     def _bits_group(self, detection: Detection) -> tuple[int, int]:
         d = detection.details
@@ -105,43 +88,14 @@ class AWQLoader(TransformersLoader):
             if m["layout"] == "gemm" and (1 if group == -1 else m["in"] // group) != m["groups"]:
                 raise CheckpointError(f"{name}: {m['groups']} scale groups do not match group_size={group}")
 
-    def choose_backend(self, requested: str, device: Any) -> str:
-        if requested == "cpu-fast" and getattr(device, "type", "cpu") != "cpu":
-            raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
-        if requested == "gptqmodel":
-            from anyquant_gptq.gptqmodel_kernels import check_gptqmodel_request
-
-            check_gptqmodel_request(self.format, device, getattr(self, "_extra", {}))
-            if getattr(self, "_variant", "gemm") != "gemm":
-                raise UnsupportedBackendError(
-                    f"awq backend 'gptqmodel' runs the GEMM layout; this checkpoint is {self._variant}: "
-                    "use backend='dequantized' (or re-export it as GEMM)"
-                )
-            return requested
-        kind = getattr(device, "type", "cpu")
-        if requested == "auto" and kind == "cuda":
-            if getattr(self, "_variant", "gemm") == "gemm" and gptqmodel_backend().available:
-                return "gptqmodel"
-        if requested == "auto" and kind != "cpu":
-            requested = "dequantized"
-        if requested == "auto":  # on the CPU: never GPTQModel's CUDA kernels, even where a GPU is visible
-            available = {b.name: b.available for b in self.backends()}
-            requested = next(n for n in self.backend_order if n != "gptqmodel" and available.get(n))
-        return super().choose_backend(requested, device)
-
-    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
-        return plan_keeps_embedding_dtype(self)
-
-    def file_tables(self, ctx: LoadContext) -> bool:
-        return plan_file_tables(self, ctx)
-
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         from .qlinear import AWQLinear
 
         bits, group = self._bits_group(ctx.detection)
         modules = _modules(ctx.probe, bits)
         src = ctx.source
-        plan, kernels = start_layer_plans(self, ctx, "awq")
+        state = self.state(ctx)
+        plan, kernels = state.fast_plan, state.kernel_plan
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             m = modules.get(name)
@@ -171,14 +125,10 @@ class AWQLoader(TransformersLoader):
 
         return factory
 
-    def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel:
-        self._extra = options.extra
-        self._variant = detection.variant
-        self._kernel_plan = None
-        loaded = super().load(probe, detection, options)
-        _apply_act_scales(loaded.module, probe)
-        finish_layer_plans(self, loaded)
-        return loaded
+    def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
+        """AutoAWQ's scaled activations, then the int4 plans' finish (cpu-fast's head)."""
+        _apply_act_scales(loaded.module, ctx.probe)
+        return super().finish(loaded, ctx)
 
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
         bits, group = self._bits_group(detection)

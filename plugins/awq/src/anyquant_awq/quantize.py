@@ -24,10 +24,10 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from anyquant.errors import QuantizeError
+from anyquant.int4.gptqmodel_quantizer import GPTQModelQuantizer
 from anyquant.probe import Probe
 from anyquant.protocols import QuantizeSpec
 from anyquant.quantization import calibration_texts
-from anyquant_gptq.quantize import GPTQModelQuantizer
 
 __all__ = ["AUTOAWQ_REQUIREMENT", "QUANTIZER_BACKENDS", "AWQQuantizer", "autoawq_calibration", "autoawq_shape_errors"]
 

@@ -44,12 +44,14 @@ Zero points (``checkpoint_format``):
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from anyquant.errors import CheckpointError
 from anyquant.runtime.packing import (
     check_bits,
+    pack_cols,
     packed_length,
     unpack_cols,
     unpack_rows,
@@ -60,6 +62,7 @@ __all__ = [
     "CheckpointFormat",
     "ZeroConvention",
     "dequantize_gptq",
+    "gptq_kernel_tensors",
     "gptq_zero_format_shown",
     "gptq_zero_label_check",
     "gptq_zero_points",
@@ -211,3 +214,53 @@ def gptq_zero_label_check(
     if shown is None or shown == checkpoint_format:
         return None
     return shown
+
+
+def gptq_kernel_tensors(
+    qzeros: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    *,
+    bits: int,
+    in_features: int,
+    out_features: int,
+    groups: int,
+    checkpoint_format: str,
+    sym: bool | None,
+    group_size: int | None,
+) -> dict[str, Any]:
+    """What a GPTQModel GPTQ kernel needs beyond qweight/scales, decided by the tensors.
+
+    Returns ``qzeros_v2`` (true zeros, packed), ``qzeros_v1`` (``z - 1``, packed), ``g_idx``
+    (``k // group_size`` when the checkpoint has none), ``group_size`` (-1: one group),
+    ``sym`` (every zero is ``2**(b-1)``) and ``desc_act`` (``g_idx`` is not sequential).
+    """
+    zeros = gptq_zero_points(
+        qzeros,
+        bits=bits,
+        checkpoint_format=checkpoint_format,  # type: ignore[arg-type]
+        out_features=out_features,
+        sym=sym,
+    )
+    mask = (1 << bits) - 1
+    half = 1 << (bits - 1)
+    if groups == 1:
+        gs = -1
+    elif group_size is not None and group_size > 0 and -(-in_features // group_size) == groups:
+        gs = group_size
+    elif in_features % groups == 0:
+        gs = in_features // groups
+    else:
+        raise CheckpointError(f"{groups} scale groups do not divide in_features={in_features}; set group_size")
+    step = in_features if gs == -1 else gs
+    sequential = torch.arange(in_features, dtype=torch.int32) // step
+    if g_idx is None:
+        g_idx = sequential
+    desc_act = not torch.equal(g_idx.to(torch.int32), sequential)
+    return {
+        "qzeros_v2": pack_cols(zeros & mask, bits),
+        "qzeros_v1": pack_cols((zeros - 1) & mask, bits),
+        "g_idx": g_idx.to(torch.int32),
+        "group_size": gs,
+        "sym": bool((zeros == half).all()),
+        "desc_act": desc_act,
+    }

@@ -1,0 +1,228 @@
+"""The loader base of int4 group-quantized formats (GPTQ, AWQ): backends, the backend choice, and the
+per-load plans of the ``cpu-fast`` and ``gptqmodel`` backends.
+
+A format subclasses :class:`Int4Loader` and supplies ``validate``, ``make_linear`` (its linear, or
+``Int4State.kernel_plan.build(...)`` under backend ``gptqmodel``, passed through ``Int4State.fast_plan.convert``
+under ``cpu-fast``) and ``inspect``; it says what differs in its backend choice with :attr:`Int4Loader.kernel_method`,
+:attr:`Int4Loader.gptqmodel_layouts` and :meth:`Int4Loader.facts`. Importing this module imports neither torch
+nor GPTQModel.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..errors import UnsupportedBackendError
+from ..loaders import (
+    CPU_FAST_OPTIONS,
+    FLOAT_SCALE_DTYPES,
+    RUNTIME_OPTIONS,
+    LoadContext,
+    LoadPlan,
+    TransformersLoader,
+)
+from ..probe import Probe
+from ..protocols import BackendInfo, Detection, LoadOptions
+from . import GPTQMODEL_OPTIONS
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..runtime.fastcpu import FastCPUPlan
+    from ..runtime.loaded import LoadedModel
+    from .gptqmodel_kernels import KernelPlan
+
+__all__ = [
+    "DEQUANT_RAM_SHARE",
+    "INT4_OPTIONS",
+    "QUANT_DTYPES",
+    "Int4Loader",
+    "Int4State",
+    "cpu_fast_backend",
+    "gptqmodel_backend",
+]
+
+#: auto picks "dequantized" over "reference" when the dense weights take less than this share of RAM
+DEQUANT_RAM_SHARE = 0.5
+
+#: packed codes are int32, scales float (GPTQ and AWQ alike; for :func:`anyquant.loaders.require_dtypes`)
+QUANT_DTYPES: Mapping[str, frozenset[str]] = MappingProxyType(
+    {"qweight": frozenset({"I32"}), "qzeros": frozenset({"I32"}), "scales": FLOAT_SCALE_DTYPES}
+)
+
+#: the load options of every :class:`Int4Loader`
+INT4_OPTIONS: Mapping[str, str] = MappingProxyType({**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS, **GPTQMODEL_OPTIONS})
+
+#: the key of :class:`Int4State` in ``ctx.state``
+STATE_KEY = "int4"
+
+
+def _ram_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        return 8 << 30
+
+
+def cpu_fast_backend() -> BackendInfo:
+    """The ``cpu-fast`` backend (torch's int4 CPU kernel; see :mod:`anyquant.runtime.fastcpu`)."""
+    from ..runtime.fastcpu import fast_cpu_capable
+
+    ok, reason = fast_cpu_capable()
+    return BackendInfo(
+        "cpu-fast",
+        ok,
+        reason,
+        description="4-bit layers repacked for torch's int4 CPU kernel (bf16 decode) + on-the-fly "
+        "dequantized GEMM for prompts; packed memory; other layers dequantized",
+    )
+
+
+def gptqmodel_backend() -> BackendInfo:
+    """The ``gptqmodel`` backend (GPTQModel's CUDA kernels; see :mod:`anyquant.int4.gptqmodel_kernels`)."""
+    try:
+        from .gptqmodel_kernels import gptqmodel_backend_info
+    except ImportError:  # pragma: no cover - torch missing
+        return BackendInfo("gptqmodel", False, "torch is not installed")
+    return gptqmodel_backend_info()
+
+
+@dataclass
+class Int4State:
+    """One int4 load: what the backend choice is made from (:meth:`Int4Loader.facts`, read once) and the
+    plans :meth:`Int4Loader.prepare` makes for it; kept in ``ctx.state`` (:meth:`Int4Loader.state`)."""
+
+    #: ``options.extra`` (the ``gptqmodel`` backend's options)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    #: the checkpoint's layout (``detection.variant``), for :attr:`Int4Loader.gptqmodel_layouts` (``None``: not
+    #: known, taken to be one GPTQModel runs)
+    layout: str | None = None
+    #: 4-bit layers torch's int4 CPU kernel takes (``auto`` picks ``cpu-fast`` on the CPU when > 0); ``None``:
+    #: not counted, every layer is taken to
+    fast_layers: int | None = None
+    #: float32 bytes of every quantized layer dequantized (``auto`` picks ``reference`` over ``dequantized``
+    #: when they take :data:`DEQUANT_RAM_SHARE` of RAM or more); ``None``: not counted, they fit
+    dense_bytes: int | None = None
+    #: the format's parsed tensor signature, when :meth:`Int4Loader.facts` read one (GPTQ's)
+    signature: Any = None
+    #: backend ``cpu-fast``: the plan that converts each layer and installs the fast head after the build
+    fast_plan: FastCPUPlan | None = None
+    #: backend ``gptqmodel``: the GPTQModel kernels of each layer
+    kernel_plan: KernelPlan | None = None
+
+
+class Int4Loader(TransformersLoader):
+    """Loads a checkpoint of 4-bit (GPTQ: 2/3/4/8-bit) codes with a scale and zero point per group.
+
+    ``auto`` picks, in order: ``gptqmodel`` on a CUDA device when GPTQModel is installed and runs the
+    layout; ``cpu-fast`` on the CPU when torch's int4 kernel runs here and takes some layers; else
+    ``dequantized`` when the dense weights fit in half of RAM, ``reference`` when they do not.
+    """
+
+    backend_order = ("gptqmodel", "cpu-fast", "dequantized", "reference")
+    load_options: ClassVar[Mapping[str, str]] = INT4_OPTIONS
+    #: GPTQModel's quantization method of this format's kernels (:meth:`KernelPlan.create`): "gptq" or "awq"
+    kernel_method: ClassVar[str] = "gptq"
+    #: the layouts (``detection.variant``) GPTQModel's kernels run; ``None``: every layout this loader loads
+    gptqmodel_layouts: ClassVar[frozenset[str] | None] = None
+
+    def backends(self) -> list[BackendInfo]:
+        return [
+            gptqmodel_backend(),
+            cpu_fast_backend(),
+            BackendInfo("dequantized", True, description="dequantize once at load; dense speed and memory"),
+            BackendInfo("reference", True, description="pure torch, dequantize on every forward; packed memory"),
+        ]
+
+    def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
+        """What the backend choice needs to know of this checkpoint, read once per load (header only). The
+        base counts nothing (``fast_layers`` and ``dense_bytes`` stay ``None``); a format whose layers may not
+        all fit torch's int4 kernel counts them."""
+        return Int4State(extra=options.extra, layout=detection.variant)
+
+    def plan(self, probe: Probe, detection: Detection, options: LoadOptions, device: torch.device) -> LoadPlan:
+        facts = self.facts(probe, detection, options)
+        return LoadPlan(self.choose_backend(options.backend, device, facts), {STATE_KEY: facts})
+
+    def choose_backend(self, requested: str, device: Any, facts: Int4State | None = None) -> str:
+        """The backend for ``requested`` on ``device``; ``facts`` (:meth:`facts`) are this checkpoint's (without
+        them, as in a call outside a load, the layout is taken to run on GPTQModel and every layer to fit cpu-fast and
+        dequantized)."""
+        facts = Int4State() if facts is None else facts
+        kind = getattr(device, "type", "cpu")
+        if requested == "cpu-fast" and kind != "cpu":
+            raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
+        if requested == "gptqmodel":
+            from .gptqmodel_kernels import check_gptqmodel_request
+
+            check_gptqmodel_request(self.format, device, facts.extra)
+            if not self._gptqmodel_runs(facts.layout):
+                layouts = "/".join(sorted(s.upper() for s in self.gptqmodel_layouts or ()))
+                raise UnsupportedBackendError(
+                    f"{self.format} backend 'gptqmodel' runs the {layouts} layout; this checkpoint is {facts.layout}: "
+                    f"use backend='dequantized' (or re-export it as {layouts})"
+                )
+            return requested
+        if requested != "auto":
+            return super().choose_backend(requested, device)
+        # GPTQModel's kernels only on CUDA: on the CPU never, even where a GPU is visible
+        if kind == "cuda" and self._gptqmodel_runs(facts.layout) and gptqmodel_backend().available:
+            return "gptqmodel"
+        # measured (docs/benchmarks.md): cpu-fast decodes faster than dense float32 at a quarter of
+        # its memory wherever torch's int4 kernel is vectorized (AVX2, AVX512)
+        if kind == "cpu" and (facts.fast_layers is None or facts.fast_layers > 0) and cpu_fast_backend().available:
+            return "cpu-fast"
+        fits = facts.dense_bytes is None or facts.dense_bytes < DEQUANT_RAM_SHARE * _ram_bytes()
+        return "dequantized" if fits else "reference"
+
+    def _gptqmodel_runs(self, layout: str | None) -> bool:
+        return self.gptqmodel_layouts is None or layout is None or layout in self.gptqmodel_layouts
+
+    @staticmethod
+    def state(ctx: LoadContext) -> Int4State:
+        """This load's :class:`Int4State` (made by :meth:`plan`)."""
+        state = ctx.state.get(STATE_KEY)
+        if not isinstance(state, Int4State):  # a context this loader's plan did not make
+            state = ctx.state[STATE_KEY] = Int4State(extra=ctx.options.extra, layout=ctx.detection.variant)
+        return state
+
+    def prepare(self, ctx: LoadContext) -> None:
+        """The chosen backend's plan: ``cpu-fast``'s (from its options) or ``gptqmodel``'s kernels (GPTQModel
+        is imported here, and a bad ``gptqmodel_kernel`` refused before any weight is read)."""
+        state = self.state(ctx)
+        state.fast_plan = state.kernel_plan = None
+        if ctx.backend == "cpu-fast":
+            from ..runtime.fastcpu import FastCPUPlan
+
+            state.fast_plan = FastCPUPlan.from_options(ctx.options.extra)
+        elif ctx.backend == "gptqmodel":
+            from .gptqmodel_kernels import KernelPlan
+
+            state.kernel_plan = KernelPlan.create(self.kernel_method, ctx.device, ctx.dtype, ctx.options.extra)
+
+    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
+        """cpu-fast's head replaces the 16-bit embedding the build keeps."""
+        plan = self.state(ctx).fast_plan
+        return plan is not None and plan.keeps_embedding_dtype()
+
+    def file_tables(self, ctx: LoadContext) -> bool:
+        """cpu-fast's head reads the embedding and a dense head from the file (see
+        :meth:`anyquant.runtime.fastcpu.FastCPUPlan.file_tables`)."""
+        plan = self.state(ctx).fast_plan
+        return plan is not None and ctx.device.type == "cpu" and plan.file_tables()
+
+    def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
+        """cpu-fast's LM head, and each plan's record in ``loaded.info``."""
+        state = self.state(ctx)
+        if loaded.backend == "cpu-fast" and state.fast_plan is not None:
+            import torch
+
+            state.fast_plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=ctx.file_tables)
+            loaded.info = {**loaded.info, "cpu_fast": state.fast_plan.summary()}
+        if loaded.backend == "gptqmodel" and state.kernel_plan is not None:
+            loaded.info = {**loaded.info, "gptqmodel": state.kernel_plan.summary()}
+        return loaded
