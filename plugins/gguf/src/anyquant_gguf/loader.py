@@ -1,4 +1,5 @@
-"""The GGUF loader: llama-family GGUF files into transformers modules, packed linears kept packed.
+"""The GGUF loader: GGUF files (llama and Mixtral, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3) into
+transformers modules, packed linears kept packed.
 
 One load opens the file once: the config, the tensors and the tokenizer all come from the same
 memory-mapped ``gguf.GGUFReader``.
@@ -45,7 +46,8 @@ __all__ = ["GGUFLoader", "GGUFSource"]
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+#: equals :data:`anyquant_gguf.reader.SUPPORTED_ARCHITECTURES` (kept here: that module imports torch)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
 EMBEDDING_MODES = ("packed", "dense")
 #: ``embedding=`` when not given, per backend (``dequantized`` is always dense)
 DEFAULT_EMBEDDING = {"packed": "packed", "cpu-fast": "packed", "dequantized": "dense"}
@@ -81,14 +83,22 @@ class GGUFSource:
 
     A name in ``placeholders`` (name -> dtype) is answered with a zero-stride tensor of the
     right shape that holds no memory: the loader replaces its module after the build.
+
+    A MoE file's experts are named one linear each (``model.layers.N.mlp.experts.E.gate_proj.weight``,
+    :func:`~anyquant_gguf.reader.hf_expert_names`), each a slice of its layer's 3-D GGUF tensor: core replaces
+    transformers' fused experts module with per-expert linears made by the loader's factory.
     """
 
     def __init__(self, path: Path, reader: Any = None) -> None:
-        from .reader import hf_tensor_names, open_gguf
+        from .reader import hf_expert_names, hf_tensor_names, open_gguf
 
         self.path = path
         self.reader = open_gguf(path) if reader is None else reader
         self.gguf_names = {hf: g for g, hf in hf_tensor_names(self.reader).items()}
+        #: HF name -> expert index, for the per-expert slices of 3-D expert tensors
+        self.experts: dict[str, int] = {}
+        for hf, (g, expert) in hf_expert_names(self.reader).items():
+            self.gguf_names[hf], self.experts[hf] = g, expert
         self.used: set[str] = set()
         self.placeholders: dict[str, torch.dtype] = {}
         #: copy every tensor out of the map and drop its file pages from RSS (dequantized backend)
@@ -111,7 +121,7 @@ class GGUFSource:
 
             shape = self.shape(name)
             return torch.zeros(1, dtype=self.placeholders[name]).expand(shape)
-        value = load_tensor(self.reader, self.gguf_names[name])
+        value = load_tensor(self.reader, self.gguf_names[name], expert=self.experts.get(name))
         if self.release_after_copy:
             if self._in_map(value):
                 # a float tensor stored as-is (norms): a view would keep the mapping live, and
@@ -130,6 +140,8 @@ class GGUFSource:
         from .reader import get_tensor, release_pages
 
         data = get_tensor(self.reader, self.gguf_names[name]).data
+        if name in self.experts:
+            data = data[self.experts[name]]
         if data.flags.c_contiguous:
             import torch
 
@@ -138,13 +150,14 @@ class GGUFSource:
     def shape(self, name: str) -> tuple[int, ...]:
         from .reader import get_tensor
 
-        return tuple(int(d) for d in reversed(get_tensor(self.reader, self.gguf_names[name]).shape.tolist()))
+        shape = tuple(int(d) for d in reversed(get_tensor(self.reader, self.gguf_names[name]).shape.tolist()))
+        return shape[1:] if name in self.experts else shape
 
     def raw(self, name: str) -> Any:
         from .reader import load_raw
 
         self.used.add(name)
-        return load_raw(self.reader, self.gguf_names[name])
+        return load_raw(self.reader, self.gguf_names[name], expert=self.experts.get(name))
 
     def qtype(self, name: str) -> Any:
         from .reader import get_tensor
@@ -263,7 +276,10 @@ class GGUFLoader(TransformersLoader):
         raw = src.raw(_EMBED)
         head = module.get_output_embeddings()
         data = head.qweight if isinstance(head, GGUFTiedHead) else raw.data  # share the tied head's bytes
-        new = GGUFEmbedding(data, raw.qtype, raw.shape, dtype=weight.dtype)
+        # Gemma's ScaledWordEmbedding multiplies the looked-up rows by its embed_scale buffer (sqrt(hidden))
+        scale = getattr(old, "embed_scale", None)
+        scale = None if scale is None else float(scale)
+        new = GGUFEmbedding(data, raw.qtype, raw.shape, dtype=weight.dtype, scale=scale)
         module.set_input_embeddings(new.to(weight.device))
 
     def choose_backend(self, requested: str, device: Any) -> str:

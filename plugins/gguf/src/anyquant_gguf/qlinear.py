@@ -380,7 +380,8 @@ class GGUFEmbedding(nn.Module):
 
     ``qweight`` is ``uint8`` ``[num_embeddings, bytes_per_row]`` (file-backed when it comes
     from the mmap); the output is float32 rows, bit-identical to indexing the fully
-    dequantized table, cast to ``dtype``.
+    dequantized table, cast to ``dtype``, then multiplied by ``scale`` (in ``dtype``) when one is
+    given: what Gemma's ``ScaledWordEmbedding`` (``embed_scale``, sqrt(hidden)) does.
     """
 
     def __init__(
@@ -390,6 +391,7 @@ class GGUFEmbedding(nn.Module):
         shape: tuple[int, int],
         *,
         dtype: torch.dtype = torch.float32,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         qtype = GGMLQuantizationType(qtype)
@@ -402,21 +404,25 @@ class GGUFEmbedding(nn.Module):
         self.num_embeddings = num
         self.embedding_dim = dim
         self.dtype = dtype
+        self.scale = None if scale is None else float(scale)
         self.qweight: torch.Tensor
         self.register_buffer("qweight", qweight.reshape(num, -1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         rows = self.qweight.index_select(0, flat)
-        values = dequantize_blocks_torch(rows, self.qtype, (flat.numel(), self.embedding_dim))
-        return values.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        values = dequantize_blocks_torch(rows, self.qtype, (flat.numel(), self.embedding_dim)).to(self.dtype)
+        if self.scale is not None:
+            values = values * torch.tensor(self.scale, dtype=self.dtype)
+        return values.reshape(*ids.shape, self.embedding_dim)
 
     def dequantize(self) -> torch.Tensor:
         """The whole table as float32 ``[num_embeddings, embedding_dim]``."""
         return dequantize_blocks_torch(self.qweight, self.qtype, (self.num_embeddings, self.embedding_dim))
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}, dtype={self.dtype}"
+        scale = "" if self.scale is None else f", scale={self.scale}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}, dtype={self.dtype}{scale}"
 
 
 class GGUFTiedHead(nn.Module):

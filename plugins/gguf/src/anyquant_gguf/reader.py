@@ -1,9 +1,11 @@
 """GGUF -> torch loading: config, tensor names, (de)quantized tensors, tokenizer.
 
 Everything here reads a ``.gguf`` file through ``gguf.GGUFReader`` (memory-mapped) and
-returns what a transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` expects: a
-``config.json``-style dict, HF parameter names, and tensors in HF orientation
-(``[out_features, in_features]``).
+returns what the transformers class of its architecture expects (``LlamaForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` (text
+only) or ``Phi3ForCausalLM``): a ``config.json``-style dict, HF parameter names, and tensors in HF
+orientation (``[out_features, in_features]``), undoing what llama.cpp's converter
+(``convert_hf_to_gguf.py``) changed:
 
 llama.cpp's converter permutes the rows of the Q and K projections of "llama"
 architecture models (it uses interleaved-pair RoPE where HF uses rotate-half). Within
@@ -11,7 +13,16 @@ each head of ``head_dim`` rows, GGUF row ``2*i + p`` holds HF row ``p*head_dim/2
 (``p`` in {0, 1}, ``i`` < ``head_dim/2``); Q uses ``num_attention_heads`` heads and K
 ``num_key_value_heads``. :func:`unpermute_qk_rows` undoes it along dim 0, which works
 on dequantized weights, biases and raw quantized rows alike (GGUF blocks never cross a
-row). qwen2 files are not permuted.
+row). The other architectures here (qwen2, qwen3, gemma2, gemma3, phi3) are not permuted: their
+llama.cpp graphs use NeoX-style (rotate-half) RoPE, as HF does.
+
+The converter stores Gemma 2/3 RMSNorm weights as ``w + 1`` (HF's ``GemmaRMSNorm`` computes
+``x * (1 + w)``, llama.cpp ``x * w``): every ``*norm.weight`` of a gemma2/gemma3 file is loaded
+minus 1. Phi-3's fused ``attn_qkv`` (Q, K, V rows) and ``ffn_up`` (gate rows, then up rows) are
+stored as HF's ``qkv_proj`` / ``gate_up_proj`` are; its ``rope_factors_long/short`` become
+``rope_parameters`` (``longrope``). Where llama.cpp's graph reads a value from a hard-coded default
+or from the layer count (Gemma's sliding-window layer pattern, its query scale, Phi-3's disabled
+sliding window), the config says what llama.cpp computes.
 """
 
 from __future__ import annotations
@@ -43,10 +54,12 @@ __all__ = [
     "get_tensor",
     "gguf_architecture",
     "hf_config_from_gguf",
+    "hf_expert_names",
     "hf_state_dict",
     "hf_tensor_names",
     "load_raw",
     "load_tensor",
+    "norm_offset",
     "open_gguf",
     "qk_permutation_heads",
     "tensor_type_name",
@@ -87,8 +100,15 @@ DEQUANTIZABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(
 _HF_CLASSES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_HF_CLASSES)
+#: a "llama" file with experts (``llama.expert_count``) is Mixtral
+_MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
 _GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens",
@@ -106,8 +126,45 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Tensors with no HF parameter: llama3-style RoPE factors (folded into the config instead).
+_QK_NORMS: dict[str, str] = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma 2/3: four norms per layer; llama.cpp's "ffn_norm" is HF's pre_feedforward_layernorm there
+_GEMMA_BLOCK_NAMES: dict[str, str] = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Phi-3: fused projections, stored in HF's row order (Q|K|V rows; gate rows then up rows)
+_PHI3_BLOCK_NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "llama": _BLOCK_NAMES,
+    "qwen2": _BLOCK_NAMES,
+    "qwen3": {**_BLOCK_NAMES, **_QK_NORMS},
+    "gemma2": _GEMMA_BLOCK_NAMES,
+    "gemma3": {**_GEMMA_BLOCK_NAMES, **_QK_NORMS},
+    "phi3": _PHI3_BLOCK_NAMES,
+    "qwen3moe": {**_BLOCK_NAMES, **_QK_NORMS, "ffn_gate_inp": "mlp.gate"},
+}
+#: MoE files: the router, and the experts' 3-D tensors ``[experts, out, in]`` (HF order), served one linear per
+#: expert as ``model.layers.N.mlp.experts.E.<leaf>`` (transformers' fused experts module is replaced by those)
+_ROUTER: dict[str, str] = {"ffn_gate_inp": "mlp.gate"}
+_EXPERT_LEAVES: dict[str, str] = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
+#: architectures whose Q/K rows llama.cpp's converter permutes (``LlamaModel.permute``)
+_PERMUTED_QK: frozenset[str] = frozenset({"llama"})
+#: architectures whose RMSNorm weights the converter stored as ``w + 1`` (every ``*norm.weight``)
+_NORM_PLUS_ONE: frozenset[str] = frozenset({"gemma2", "gemma3"})
+# Tensors with no HF parameter: llama3-style RoPE factors (and Phi-3's LongRoPE factors), folded
+# into the config instead.
 _IGNORED_TENSORS: frozenset[str] = frozenset({"rope_freqs.weight"})
+_LONGROPE_TENSORS: frozenset[str] = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 _QK_RE = re.compile(r"^blk\.\d+\.attn_([qk])\.(weight|bias)$")
@@ -434,13 +491,15 @@ def _rope_parameters(reader: GGUFReader, arch: str, rope_theta: float, head_dim:
 
 
 def hf_config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
-    """A transformers ``config.json``-style dict for a llama/qwen2 GGUF file."""
+    """A transformers ``config.json``-style dict for a GGUF file of a supported architecture."""
     arch = gguf_architecture(reader)
     model_type, hf_class = _HF_CLASSES[arch]
     n_heads = int(_required(reader, arch, "attention.head_count"))
     hidden = int(_required(reader, arch, "embedding_length"))
     rope_theta = float(_arch_value(reader, arch, "rope.freq_base", 10000.0))
     head_dim = _head_dim(reader, arch)
+    if head_dim is None and arch not in ("llama", "qwen2"):
+        head_dim = hidden // n_heads  # llama.cpp's default; the HF classes' own defaults differ (128, 256)
     config: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [hf_class],
@@ -454,24 +513,156 @@ def hf_config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
         "rope_theta": rope_theta,
         "max_position_embeddings": int(_required(reader, arch, "context_length")),
         "hidden_act": "silu",
-        "attention_bias": arch == "qwen2",
+        "attention_bias": arch == "qwen2"
+        or (arch in ("qwen3", "qwen3moe") and _has_tensor(reader, "blk.0.attn_q.bias")),
         "tie_word_embeddings": not _has_tensor(reader, "output.weight"),
     }
     if head_dim is not None:
         config["head_dim"] = head_dim
-    config["rope_parameters"] = _rope_parameters(reader, arch, rope_theta, head_dim or hidden // n_heads)
+    rope_head_dim = head_dim or hidden // n_heads
+    if arch in ("gemma2", "gemma3"):
+        _gemma_config(reader, arch, config, rope_head_dim)
+    elif arch == "phi3":
+        _phi3_config(reader, arch, config, rope_head_dim)
+    else:
+        config["rope_parameters"] = _rope_parameters(reader, arch, rope_theta, rope_head_dim)
+    experts = _expert_count(reader, arch)
+    if experts:
+        _moe_config(reader, arch, config, experts)
     config.update(_token_ids(reader))
     return config
+
+
+def _expert_count(reader: GGUFReader, arch: str) -> int:
+    return int(_arch_value(reader, arch, "expert_count", 0) or 0)
+
+
+def _moe_config(reader: GGUFReader, arch: str, config: dict[str, Any], experts: int) -> None:
+    """Mixtral (a ``llama`` file with experts) and Qwen3-MoE: llama.cpp routes by softmax over the router's
+    logits, keeps the top ``expert_used_count`` and renormalizes their weights (``build_moe_ffn``)."""
+    if arch not in ("llama", "qwen3moe"):
+        raise UnsupportedGGUFArchitecture(f"{arch} with experts is not supported")
+    gating = _arch_value(reader, arch, "expert_gating_func")
+    scale = _arch_value(reader, arch, "expert_weights_scale")
+    if (gating is not None and int(gating) != 1) or (scale is not None and float(scale) not in (0.0, 1.0)):
+        raise UnsupportedGGUFArchitecture(f"{arch} expert gating {gating} / weights scale {scale} is not supported")
+    if _arch_value(reader, arch, "expert_shared_count"):
+        raise UnsupportedGGUFArchitecture(f"{arch} with shared experts is not supported")
+    used = int(_required(reader, arch, "expert_used_count"))
+    if arch == "llama":
+        config["model_type"], config["architectures"] = _MIXTRAL[0], [_MIXTRAL[1]]
+        del config["attention_bias"]  # not a MixtralConfig key (it has no biases)
+        config.update(num_local_experts=experts, num_experts_per_tok=used, sliding_window=None)
+    else:
+        config.update(
+            num_experts=experts,
+            num_experts_per_tok=used,
+            moe_intermediate_size=int(_required(reader, arch, "expert_feed_forward_length")),
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+
+
+def _sliding_layers(reader: GGUFReader, arch: str, layers: int, default_pattern: int) -> list[bool]:
+    """Which layers use the sliding window, as llama.cpp decides (``load_swa_pattern``): the
+    ``attention.sliding_window_pattern`` array (one bool per layer), or its period ``n`` (every
+    ``n``-th layer is global, the others slide; 0: all slide), or the architecture's period."""
+    value = _arch_value(reader, arch, "attention.sliding_window_pattern")
+    if isinstance(value, list):
+        if len(value) != layers:
+            raise UnsupportedGGUFArchitecture(
+                f"{arch}.attention.sliding_window_pattern has {len(value)} entries for {layers} layers"
+            )
+        return [bool(v) for v in value]
+    period = default_pattern if value is None else int(value)
+    return [period == 0 or i % period < period - 1 for i in range(layers)]
+
+
+def _gemma_config(reader: GGUFReader, arch: str, config: dict[str, Any], head_dim: int) -> None:
+    """Gemma 2 / Gemma 3 (text): what llama.cpp's gemma2/gemma3 graphs compute, as HF config keys."""
+    layers, hidden, n_heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    config["hidden_act"] = config["hidden_activation"] = "gelu_pytorch_tanh"
+    # llama.cpp scales queries by 1/sqrt(head_dim), by 1/sqrt(hidden/heads) for the 27B models
+    # (recognised by their layer count: 46 for Gemma 2, 62 for Gemma 3)
+    config["query_pre_attn_scalar"] = hidden // n_heads if layers == {"gemma2": 46, "gemma3": 62}[arch] else head_dim
+    rope_theta = config["rope_theta"]
+    global_rope = _rope_parameters(reader, arch, rope_theta, head_dim)
+    swa_theta = _arch_value(reader, arch, "rope.freq_base_swa")
+    final_cap = _arch_value(reader, arch, "final_logit_softcapping")
+    window = _arch_value(reader, arch, "attention.sliding_window")
+    if arch == "gemma2":
+        # llama.cpp: window 4096 and every other layer sliding unless the file says otherwise; soft-capping
+        # 50 / 30 by default; the sliding layers use the global RoPE unless rope.freq_base_swa is set
+        if swa_theta is not None and float(swa_theta) != rope_theta:
+            raise UnsupportedGGUFArchitecture(
+                f"gemma2 with a sliding-window RoPE base ({swa_theta}) other than the global one ({rope_theta})"
+            )
+        window = 4096 if window is None else int(window)
+        sliding = _sliding_layers(reader, arch, layers, 2)
+        config["attn_logit_softcapping"] = float(_arch_value(reader, arch, "attn_logit_softcapping", 50.0))
+        config["final_logit_softcapping"] = float(30.0 if final_cap is None else final_cap)
+        config["rope_parameters"] = global_rope
+    else:
+        # llama.cpp: no sliding window unless the file gives one; then every 6th layer is global and the
+        # sliding ones use rope.freq_base_swa (10000 by default) without scaling
+        window = None if window is None or int(window) <= 0 else int(window)
+        sliding = [False] * layers if window is None else _sliding_layers(reader, arch, layers, 6)
+        config["attn_logit_softcapping"] = None
+        config["final_logit_softcapping"] = None if not final_cap else float(final_cap)
+        local = {"rope_type": "default", "rope_theta": float(10000.0 if swa_theta is None else swa_theta)}
+        config["rope_parameters"] = {"full_attention": global_rope, "sliding_attention": local}
+    config["sliding_window"] = window
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _phi3_config(reader: GGUFReader, arch: str, config: dict[str, Any], head_dim: int) -> None:
+    """Phi-3: partial rotary, LongRoPE from the ``rope_factors_long/short`` tensors, no sliding window."""
+    del config["attention_bias"]  # not a Phi3Config key (it has no biases)
+    # llama.cpp runs Phi-3 without its sliding window ("Phi SWA is currently disabled"), whatever the file says
+    config["sliding_window"] = None
+    rope_dims = _arch_value(reader, arch, "rope.dimension_count")
+    partial = 1.0 if rope_dims is None else int(rope_dims) / head_dim
+    orig = _arch_value(reader, arch, "rope.scaling.original_context_length")
+    if orig is not None:
+        config["original_max_position_embeddings"] = int(orig)
+    attn_factor = float(_arch_value(reader, arch, "rope.scaling.attn_factor", 1.0))
+    scaling = _arch_value(reader, arch, "rope.scaling.type")
+    has_long, has_short = (_has_tensor(reader, name) for name in sorted(_LONGROPE_TENSORS))
+    params: dict[str, Any]
+    if has_long and has_short:
+        # llama.cpp picks the long factors when the context (n_ctx) exceeds the original one, HF when the
+        # sequence does; both scale cos/sin by the attention factor
+        params = {
+            "rope_type": "longrope",
+            "long_factor": [float(v) for v in load_tensor(reader, "rope_factors_long.weight").tolist()],
+            "short_factor": [float(v) for v in load_tensor(reader, "rope_factors_short.weight").tolist()],
+            "original_max_position_embeddings": int(config["max_position_embeddings"] if orig is None else orig),
+            "attention_factor": attn_factor,
+        }
+    elif has_long or has_short:
+        raise UnsupportedGGUFArchitecture("phi3 with only one of rope_factors_long / rope_factors_short")
+    elif (
+        scaling in (None, "none", "linear", "longrope")
+        and attn_factor == 1.0
+        and not _arch_value(reader, arch, "rope.scaling.factor")
+    ):
+        params = {"rope_type": "default"}
+    else:
+        raise UnsupportedGGUFArchitecture(f"phi3 RoPE scaling {scaling!r} without LongRoPE factor tensors")
+    params["rope_theta"] = config["rope_theta"]
+    params["partial_rotary_factor"] = partial
+    config["rope_parameters"] = params
 
 
 # --------------------------------------------------------------------------- names
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, blocks: dict[str, str] = _BLOCK_NAMES) -> str | None:
     match = _BLOCK_RE.match(gguf_name)
     if match:
         layer, part, kind = match.groups()
-        hf_part = _BLOCK_NAMES.get(part)
+        hf_part = blocks.get(part)
         return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{kind}"
     match = _GLOBAL_RE.match(gguf_name)
     if match and match.group(1) in _GLOBAL_NAMES:
@@ -482,30 +673,70 @@ def _hf_name(gguf_name: str) -> str | None:
 def hf_tensor_names(reader: GGUFReader) -> dict[str, str]:
     """Map every GGUF tensor name to its transformers parameter name.
 
-    ``rope_freqs.weight`` (no HF parameter) is left out; any other unknown tensor raises
-    :class:`UnsupportedGGUFArchitecture`.
+    ``rope_freqs.weight`` (and Phi-3's ``rope_factors_long/short.weight``: no HF parameter, they are
+    in the config) is left out, and so are a MoE file's 3-D expert tensors (see :func:`hf_expert_names`);
+    any other unknown tensor raises :class:`UnsupportedGGUFArchitecture`.
     """
-    gguf_architecture(reader)
+    arch = gguf_architecture(reader)
+    moe = _expert_count(reader, arch) > 0
+    blocks = {**_ARCH_BLOCK_NAMES[arch], **_ROUTER} if moe else _ARCH_BLOCK_NAMES[arch]
+    ignored = _IGNORED_TENSORS | _LONGROPE_TENSORS if arch == "phi3" else _IGNORED_TENSORS
     names: dict[str, str] = {}
     for tensor in reader.tensors:
-        if tensor.name in _IGNORED_TENSORS:
+        if tensor.name in ignored or (moe and _EXPERT_RE.match(tensor.name)):
             continue
-        hf_name = _hf_name(tensor.name)
+        hf_name = _hf_name(tensor.name, blocks)
         if hf_name is None:
-            raise UnsupportedGGUFArchitecture(f"unexpected GGUF tensor {tensor.name!r}")
+            raise UnsupportedGGUFArchitecture(f"unexpected GGUF tensor {tensor.name!r} for architecture {arch!r}")
         names[tensor.name] = hf_name
     return names
 
 
+def hf_expert_names(reader: GGUFReader) -> dict[str, tuple[str, int]]:
+    """A MoE file's experts, one linear each: ``{model.layers.N.mlp.experts.E.gate_proj.weight: (GGUF name, E)}``
+    (``up_proj``, ``down_proj`` alike); empty for a dense file.
+
+    llama.cpp stores a layer's experts as one 3-D tensor (``blk.N.ffn_gate_exps.weight``, GGUF shape
+    ``[in, out, experts]``, i.e. ``[experts, out, in]`` in HF order); expert ``E`` is the contiguous slice
+    ``E`` of its first dimension (:func:`load_raw` with ``expert=E``).
+    """
+    arch = gguf_architecture(reader)
+    count = _expert_count(reader, arch)
+    out: dict[str, tuple[str, int]] = {}
+    if not count:
+        return out
+    for tensor in reader.tensors:
+        match = _EXPERT_RE.match(tensor.name)
+        if match is None:
+            continue
+        shape = _hf_shape(tensor)
+        if len(shape) != 3 or shape[0] != count:
+            raise UnsupportedGGUFArchitecture(f"{tensor.name} has shape {shape}, expected {count} experts first")
+        layer, part = match.groups()
+        for expert in range(count):
+            out[f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_LEAVES[part]}.weight"] = (tensor.name, expert)
+    return out
+
+
 def qk_permutation_heads(reader: GGUFReader, gguf_name: str) -> int | None:
-    """Number of heads whose rows must be un-permuted for this tensor, or ``None``."""
+    """Number of heads whose rows must be un-permuted for this tensor, or ``None``.
+
+    Only llama.cpp's ``llama`` architecture is permuted (``LlamaModel.permute`` in the converter).
+    """
     match = _QK_RE.match(gguf_name)
-    if match is None or gguf_architecture(reader) != "llama":
+    if match is None or gguf_architecture(reader) not in _PERMUTED_QK:
         return None
     n_heads = int(_required(reader, "llama", "attention.head_count"))
     if match.group(1) == "q":
         return n_heads
     return int(_arch_value(reader, "llama", "attention.head_count_kv", n_heads))
+
+
+def norm_offset(reader: GGUFReader, gguf_name: str) -> float:
+    """What llama.cpp's converter added to this tensor (1 for a Gemma 2/3 ``*norm.weight``), else 0."""
+    if not gguf_name.endswith("norm.weight"):
+        return 0.0
+    return 1.0 if gguf_architecture(reader) in _NORM_PLUS_ONE else 0.0
 
 
 def unpermute_qk_rows(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -553,35 +784,52 @@ def _as_torch(array: NDArray[Any]) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def load_raw(reader: GGUFReader, gguf_name: str) -> GGUFRawTensor:
-    """The tensor's stored bytes as a ``uint8`` torch tensor, rows in HF order."""
+def load_raw(reader: GGUFReader, gguf_name: str, *, expert: int | None = None) -> GGUFRawTensor:
+    """The tensor's stored bytes as a ``uint8`` torch tensor, rows in HF order; ``expert``: that expert's
+    slice of a 3-D expert tensor (zero-copy, HF shape ``[out, in]``)."""
     tensor = get_tensor(reader, gguf_name)
     _check_type(tensor)
     shape = _hf_shape(tensor)
-    data = _as_torch(tensor.data.view(np.uint8))  # F32/F16 rows become their bytes
+    array = tensor.data
+    if expert is not None:
+        if len(shape) != 3 or not 0 <= expert < shape[0]:
+            raise ValueError(f"{gguf_name} of shape {shape} has no expert {expert}")
+        array, shape = array[expert], shape[1:]
+    data = _as_torch(array.view(np.uint8))  # F32/F16 rows become their bytes
     heads = qk_permutation_heads(reader, gguf_name)
     if heads is not None:
         data = unpermute_qk_rows(data, heads)
     return GGUFRawTensor(data=data, qtype=tensor.tensor_type, shape=shape)
 
 
-def load_tensor(reader: GGUFReader, gguf_name: str, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def load_tensor(
+    reader: GGUFReader, gguf_name: str, *, dtype: torch.dtype = torch.float32, expert: int | None = None
+) -> torch.Tensor:
     """Dequantize a tensor into HF orientation and order (float32, then ``dtype``).
 
     Uses the torch block dequantizer of :mod:`.qlinear`, which equals ``gguf.quants.dequantize``
     bit for bit but writes the float32 result once (numpy's goes through temporaries of the
     same size: ~3x the tensor transiently). Q/K rows are un-permuted on the raw bytes before
-    dequantizing. F32 tensors alias the (copy-on-write) map when ``dtype`` is float32.
+    dequantizing; Gemma norms get the converter's +1 taken off (:func:`norm_offset`). Other F32
+    tensors alias the (copy-on-write) map when ``dtype`` is float32.
     """
     from .qlinear import dequantize_blocks_torch
 
-    raw = load_raw(reader, gguf_name)
-    return dequantize_blocks_torch(raw.data, raw.qtype, raw.shape).to(dtype)
+    raw = load_raw(reader, gguf_name, expert=expert)
+    value = dequantize_blocks_torch(raw.data, raw.qtype, raw.shape)
+    offset = norm_offset(reader, gguf_name)
+    if offset:
+        value = value - offset  # a new tensor: Gemma's HF norms add the 1 back (x * (1 + w))
+    return value.to(dtype)
 
 
 def hf_state_dict(reader: GGUFReader, *, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Every tensor, dequantized, under its HF name (no ``lm_head.weight`` when tied)."""
-    return {hf: load_tensor(reader, name, dtype=dtype) for name, hf in hf_tensor_names(reader).items()}
+    """Every tensor, dequantized, under its HF name (no ``lm_head.weight`` when tied; a MoE file's experts one
+    linear each, as :func:`hf_expert_names` names them)."""
+    out = {hf: load_tensor(reader, name, dtype=dtype) for name, hf in hf_tensor_names(reader).items()}
+    for hf, (name, expert) in hf_expert_names(reader).items():
+        out[hf] = load_tensor(reader, name, dtype=dtype, expert=expert)
+    return out
 
 
 # --------------------------------------------------------------------------- tokenizer

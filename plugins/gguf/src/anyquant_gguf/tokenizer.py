@@ -107,8 +107,8 @@ def byte_alphabet() -> tuple[str, ...]:
 
 
 def tokenizer_metadata(reader: Any) -> dict[str, Any]:
-    """The ``tokenizer.*`` values of an open ``GGUFReader`` (plus ``general.architecture``)."""
-    keys = ("general.architecture", *_TOKENIZER_KEYS, *_CONFIG_KEYS)
+    """The ``tokenizer.*`` values of an open ``GGUFReader`` (plus ``general.architecture`` and ``general.name``)."""
+    keys = ("general.architecture", "general.name", *_TOKENIZER_KEYS, *_CONFIG_KEYS)
     out = {}
     for key in keys:
         field = reader.fields.get(key)
@@ -186,6 +186,37 @@ def _byte_level_backend(meta: Mapping[str, Any]) -> Any:
     return backend
 
 
+def _llama_cpp_token_attributes(backend: Any, meta: Mapping[str, Any]) -> Any:
+    """Token attributes llama.cpp sets by model name (``llama_vocab::load``), which a GGUF does not store.
+
+    Phi-3 (``general.name`` containing "phi-3" or "phi3"): its control, user-defined and unknown tokens
+    and ``</s>`` strip the whitespace on their right (``<|user|>\nHi`` is ``<|user|>``, ``▁Hi``), all but
+    ``<unk>``, ``<s>`` and ``<|endoftext|>`` -- what Phi-3's own ``tokenizer.json`` says with
+    ``rstrip: true``. The added tokens are re-added with ``rstrip`` (same ids).
+    """
+    from tokenizers import AddedToken
+
+    name = str(meta.get("general.name") or "").lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return backend
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or ()
+    known = backend.get_vocab()
+    keep = {"<unk>", "<s>", "<|endoftext|>"}
+    strip = [
+        token
+        for token, kind in zip(tokens, types, strict=False)
+        if (kind in (2, CONTROL, USER_DEFINED) or token == "</s>") and token not in keep and token in known
+    ]
+    specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+    if strip:
+        backend.add_special_tokens(
+            [AddedToken(t, rstrip=True, normalized=False, special=True) for t in strip if t in specials]
+        )
+        backend.add_tokens([AddedToken(t, rstrip=True, normalized=False) for t in strip if t not in specials])
+    return backend
+
+
 def _wrap(backend: Any, config: Mapping[str, Any], name_or_path: str | None) -> Any:
     """``PreTrainedTokenizerFast`` around ``backend`` (which it takes over).
 
@@ -233,6 +264,7 @@ def _transformers_converter(meta: Mapping[str, Any], name_or_path: str | None, p
         return AutoTokenizer.from_pretrained(folder, gguf_file=filename, local_files_only=True)
     tokenizer_dict = {name: meta[key] for key, name in _TOKENIZER_KEYS.items() if key in meta}
     backend, additional = convert_gguf_tokenizer(meta["general.architecture"], tokenizer_dict)
+    backend = _llama_cpp_token_attributes(backend, meta)
     return _wrap(backend, {**tokenizer_config_from_metadata(meta), **additional}, name_or_path)
 
 
@@ -243,7 +275,8 @@ def tokenizer_from_metadata(
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError("the GGUF file has no tokenizer.ggml.tokens: it carries no tokenizer")
     if _builds_here(meta):
-        return _wrap(_byte_level_backend(meta), tokenizer_config_from_metadata(meta), name_or_path)
+        backend = _llama_cpp_token_attributes(_byte_level_backend(meta), meta)
+        return _wrap(backend, tokenizer_config_from_metadata(meta), name_or_path)
     return _transformers_converter(meta, name_or_path, path)
 
 
