@@ -14,13 +14,14 @@ Rows:
   routing weight, 0 for experts not chosen): what an implementation without sparse dispatch reads;
 - GPTQModel 7.6 on the same GPTQ files: its two fastest CPU backends (``GPTQ_TORCH_FUSED`` fp32,
   ``GPTQ_TORCH_ATEN`` bf16; see bench/gptq.py);
-- ``--gguf FILE`` (a GGUF Q4_K_M of the same shape) with ``--llama-python PY`` (a Python with
-  llama-cpp-python): llama.cpp's decode on it, and anyquant's GGUF loader on the same file.
+- ``--gguf FILE`` (a GGUF Q4_K_M of the same shape; ``--llama-cpp DIR`` makes it from the dense checkpoint with
+  llama.cpp's own converter and quantizer) with ``--llama-python PY`` (a Python with llama-cpp-python):
+  llama.cpp's decode on it, and anyquant's GGUF loader on the same file.
 
 Goals (issue #25): bytes per token within 1.2x of the active parameters' bytes; decode at least 1.5x
 GPTQModel's fastest CPU path and at least 0.7x llama.cpp.
 
-    python bench/moe.py [--threads 2] [--gguf moe.Q4_K_M.gguf --llama-python /path/to/python]
+    python bench/moe.py [--threads 2] [--llama-cpp /path/to/llama.cpp --llama-python /path/to/python]
 """
 
 from __future__ import annotations
@@ -117,6 +118,33 @@ def build(root: Path) -> tuple[Path, Path]:
     return dense, gptq
 
 
+def make_gguf(dense: Path, out: Path, llama_cpp: Path, llama_python: str) -> Path:
+    """The dense model as GGUF Q4_K_M, made by llama.cpp's own converter (F16) and quantizer."""
+    if out.is_file():
+        return out
+    f16 = out.with_suffix(".f16.gguf")
+    code = f"""
+import runpy, sys
+sys.path[:0] = [{str(llama_cpp)!r}, {str(llama_cpp / "gguf-py")!r}]
+sys.argv = ["convert_hf_to_gguf.py", {str(dense)!r}, "--outfile", {str(f16)!r}, "--outtype", "f16"]
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"  # the byte-level vocabulary's hash is unknown to it
+runpy.run_path({str(llama_cpp / "convert_hf_to_gguf.py")!r}, run_name="__main__")
+"""
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    )
+    quantize = f"""
+import ctypes, llama_cpp
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype, p.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 2
+assert llama_cpp.llama_model_quantize({str(f16)!r}.encode(), {str(out)!r}.encode(), ctypes.byref(p)) == 0
+"""
+    subprocess.run([llama_python, "-c", quantize], check=True)
+    f16.unlink()
+    return out
+
+
 def active_bytes(gptq: Path) -> tuple[int, int]:
     """(bytes of all weights, bytes one token needs: every non-expert tensor, top_k / E of the experts', and one
     embedding row instead of the table), from the checkpoint's headers."""
@@ -164,9 +192,11 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg["kind"] == "llama.cpp":
         import llama_cpp
 
-        params = llama_cpp.llama_model_default_params
-        llama_cpp.llama_model_default_params = lambda: _no_extra_bufts(params())
-        llm = llama_cpp.Llama(cfg["path"], n_ctx=256, n_threads=cfg["threads"], n_batch=64, verbose=False)
+        params = llama_cpp.llama_cpp.llama_model_default_params
+        llama_cpp.llama_cpp.llama_model_default_params = lambda: _no_extra_bufts(params())
+        llm = llama_cpp.Llama(
+            cfg["path"], n_ctx=256, n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_batch=64, verbose=False
+        )
         load_s = time.perf_counter() - t0
 
         def generate() -> list[int]:
@@ -270,12 +300,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gguf", type=Path, help="a GGUF Q4_K_M of the same shape")
     parser.add_argument("--llama-python", help="a Python with llama-cpp-python, for the llama.cpp row")
+    parser.add_argument(
+        "--llama-cpp", type=Path, help="a llama.cpp source tree: make the GGUF Q4_K_M (needs --llama-python)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    _dense, gptq = build(CACHE / "moe")
+    dense, gptq = build(CACHE / "moe")
+    if args.llama_cpp and args.llama_python and not args.gguf:
+        args.gguf = make_gguf(dense, CACHE / "moe" / "moe.Q4_K_M.gguf", args.llama_cpp, args.llama_python)
     total, active = active_bytes(gptq)
     common = {"threads": args.threads}
     rows: list[tuple[str, dict[str, Any], str]] = [
