@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _measure import CACHE, ENV, machine
+from _measure import CACHE, ENV, _unshadow, machine
 
 SHAPE: dict[str, Any] = {
     "model_type": "qwen3_moe",
@@ -53,6 +53,7 @@ SHAPE: dict[str, Any] = {
     "max_position_embeddings": 4096,
 }
 GROUP = 128
+VOCAB = 512
 PROMPT, NEW = 32, 64
 
 
@@ -68,7 +69,8 @@ def build(root: Path) -> tuple[Path, Path]:
     from anyquant.runtime.packing import pack_cols, pack_rows
     from anyquant.testing.tiny import make_tiny_dense
 
-    make_tiny_dense(dense, dtype="float16", **SHAPE)
+    make_tiny_dense(dense, dtype="float16", vocab_size=VOCAB, **SHAPE)
+    _tokenizer(dense)
     model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
     state = {}
     for key, value in model.state_dict().items():  # transformers 5: experts as 3-D tensors; split them back
@@ -116,6 +118,37 @@ def build(root: Path) -> tuple[Path, Path]:
         if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             (gptq / f.name).write_bytes(f.read_bytes())
     return dense, gptq
+
+
+def _tokenizer(out: Path) -> None:
+    """A byte-level BPE with merges (llama.cpp refuses a BPE vocabulary without them), trained on a little of the
+    wiki corpus, replacing make_tiny_dense's merge-free one; ids as the model's config expects."""
+    from _measure import corpus_text
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from anyquant.testing.tiny import CHAT_TEMPLATE
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 3,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_text("wiki")[:200_000].splitlines(), trainer)
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    for f in out.glob("tokenizer*"):
+        f.unlink()
+    fast.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    ids = {"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id, "pad_token_id": fast.pad_token_id}
+    (out / "config.json").write_text(json.dumps({**config, **ids}, indent=1))
 
 
 def make_gguf(dense: Path, out: Path, llama_cpp: Path, llama_python: str) -> Path:
@@ -184,10 +217,14 @@ def _leaf_bytes(module: Any) -> int:
 
 
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch
+    _unshadow()  # bench/gguf.py would stand for the gguf package
+    import random
 
-    torch.set_num_threads(cfg["threads"])
-    prompt = torch.randint(0, 256, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = random.Random(0).choices(range(256), k=PROMPT)
+    if cfg["kind"] != "llama.cpp":  # llama.cpp's Python has no torch
+        import torch
+
+        torch.set_num_threads(cfg["threads"])
     t0 = time.perf_counter()
     if cfg["kind"] == "llama.cpp":
         import llama_cpp
@@ -216,6 +253,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         )
         load_s = time.perf_counter() - t0
 
+        @torch.inference_mode()
         def generate() -> list[int]:
             t = torch.tensor([prompt])
             out = model.generate(
@@ -236,15 +274,15 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         m.generator.eos_ids = set()  # always NEW tokens, as the other rows
 
         def generate() -> list[int]:
-            return m.generator.generate_ids(prompt, m.params(max_new_tokens=NEW))
+            with torch.inference_mode():
+                return m.generator.generate_ids(prompt, m.params(max_new_tokens=NEW))
 
-    with torch.inference_mode():
-        generate()  # warm-up
-        best = float("inf")
-        for _ in range(2):
-            t1 = time.perf_counter()
-            tokens = generate()
-            best = min(best, time.perf_counter() - t1)
+    generate()  # warm-up
+    best = float("inf")
+    for _ in range(2):
+        t1 = time.perf_counter()
+        tokens = generate()
+        best = min(best, time.perf_counter() - t1)
     result = {"load_s": load_s, "decode_tok_s": len(tokens) / best, "backend": cfg.get("backend", ""), "tokens": tokens}
     if cfg["kind"] == "anyquant":
         result["bytes_per_token"] = _bytes_per_token(m.module)

@@ -767,3 +767,38 @@ def test_rope_theta_per_layer_type_is_accepted() -> None:
             }
         }
     )
+
+
+def test_experts_one_token_path_equals_the_general_path() -> None:
+    """A decode step's shortcut (one token: its top_k experts in ascending order) sums exactly as the general path
+    does, and the general path computes transformers' fused-experts loop on the same weights."""
+    import torch
+    from torch import nn
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from anyquant.runtime.experts import Expert, Experts
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=6, hidden_act="silu")
+    fused = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        fused.gate_up_proj.normal_()
+        fused.down_proj.normal_()
+    experts = []
+    for e in range(6):
+        gate, up, down = nn.Linear(32, 16, bias=False), nn.Linear(32, 16, bias=False), nn.Linear(16, 32, bias=False)
+        gate.weight.data, up.weight.data = fused.gate_up_proj.data[e].chunk(2)
+        down.weight.data = fused.down_proj.data[e]
+        experts.append(Expert(gate, up, down, fused.act_fn))
+    ours = Experts(experts)
+    x = torch.randn(5, 32)
+    index = torch.tensor([[4, 1], [0, 5], [2, 2 + 1], [5, 0], [1, 4]])
+    weights = torch.rand(5, 2)
+    with torch.no_grad():
+        want = fused(x, index, weights)
+        got = ours(x, index, weights)
+        for i in range(5):  # a row alone: the shortcut and the general path add the same terms in the same order
+            row = (x[i : i + 1], index[i : i + 1], weights[i : i + 1])
+            assert torch.equal(ours(*row), ours._routed(*row))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

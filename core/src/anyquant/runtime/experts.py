@@ -118,6 +118,13 @@ class Experts(nn.ModuleList):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if hidden_states.shape[0] == 1:  # decode: one token, its top_k experts, no gather or scatter
+            return self._one_token(hidden_states, top_k_index[0].tolist(), top_k_weights[0])
+        return self._routed(hidden_states, top_k_index, top_k_weights)
+
+    def _routed(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for e in torch.unique(top_k_index).tolist():
             if not 0 <= e < self.num_experts:
@@ -125,6 +132,14 @@ class Experts(nn.ModuleList):
             token_idx, top_k_pos = torch.where(top_k_index == e)
             h = self[e](hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, h.to(out.dtype))
+        return out
+
+    def _one_token(self, x: torch.Tensor, chosen: list[int], weights: torch.Tensor) -> torch.Tensor:
+        """The same sums as :meth:`forward`'s (0 plus each expert's share, in ascending expert order)."""
+        out = torch.zeros_like(x)
+        for pos, e in sorted(enumerate(chosen), key=lambda item: item[1]):
+            if 0 <= e < self.num_experts:
+                out = out + (self[e](x) * weights[pos]).to(out.dtype)
         return out
 
     def extra_repr(self) -> str:
