@@ -98,7 +98,7 @@ def main() -> int:
 
 
 def quantize_and_compare(gguf: Path, out: Path, samples: int, seq_len: int) -> int:
-    from anyquant.cli import _progress_bar
+    from anyquant.console import progress_bar
     from anyquant.evaluate import compare, plot, to_markdown
 
     out.mkdir(parents=True, exist_ok=True)
@@ -124,7 +124,7 @@ def quantize_and_compare(gguf: Path, out: Path, samples: int, seq_len: int) -> i
                     calibration=mix,
                     calibration_samples=samples,
                     calibration_seq_len=seq_len,
-                    progress=_progress_bar(),
+                    progress=progress_bar(),
                 )
             except sdk.AnyquantError as exc:  # e.g. the quality gate refused a broken result
                 print(f"{method}: not made ({type(exc).__name__}: {str(exc)[-2000:]})")
@@ -135,7 +135,7 @@ def quantize_and_compare(gguf: Path, out: Path, samples: int, seq_len: int) -> i
     section("compare on held-out wiki text")
     paths = [gguf, dense, *made.values()]
     labels = ["GGUF Q4_1 (original)", "dense bf16 export", *(f"{m.upper()} 4-bit g64" for m in made)]
-    results = compare(paths, labels=labels, text="wiki", max_tokens=2048, rounds=1, progress=_progress_bar())
+    results = compare(paths, labels=labels, text="wiki", max_tokens=2048, rounds=1, progress=progress_bar())
     table = to_markdown(results)
     print(table)
     (out / "compare.md").write_text(table)

@@ -56,6 +56,7 @@ def _reads(*files: str) -> set[str]:
             EXL3Quantizer.quantize_options,
             [
                 "plugins/exl3/src/anyquant_exl3/quantize.py",
+                "plugins/exl3/src/anyquant_exl3/options.py",
                 "plugins/exl3/src/anyquant_exl3/exllamav3_convert.py",
                 "plugins/exl3/src/anyquant_exl3/hessian.py",
             ],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 import anyquant
 from anyquant import calibration as cal
 from anyquant.calibration import CalibrationError, CalibrationOverlapError
+from anyquant.cli import build_parser
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -262,8 +262,7 @@ def test_sample_token_ids() -> None:
 
 
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> Any:
-    parser = argparse.ArgumentParser()
-    cal.register_cli(parser.add_subparsers())
+    parser = build_parser(with_plugins=False)  # core's commands (the tool's among them)
     args = parser.parse_args(argv)
     assert args.func(args) == 0
     return json.loads(capsys.readouterr().out)
@@ -283,8 +282,7 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert ok["refused"] is False
     evaluation = tmp_path / "eval.txt"
     evaluation.write_text(cal.evaluation_text("tiny"))
-    parser = argparse.ArgumentParser()
-    cal.register_cli(parser.add_subparsers())
+    parser = build_parser(with_plugins=False)  # core's commands (the tool's among them)
     args = parser.parse_args(["calibration", "sample", str(evaluation), "-n", "4", "--against", str(evaluation)])
     with pytest.raises(CalibrationOverlapError):
         args.func(args)

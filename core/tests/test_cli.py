@@ -69,7 +69,7 @@ def test_generate_streams(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_option_values_are_json_or_strings() -> None:
     import argparse
 
-    from anyquant.cli import _option
+    from anyquant.console import parse_option as _option
 
     assert _option("head_bits=6") == ("head_bits", 6)
     assert _option("ldlq=false") == ("ldlq", False)
@@ -133,7 +133,7 @@ def test_file_system_errors_are_exit_2_with_a_json_error(tmp_path: Path, capsys:
 
 
 def test_json_output_is_strict_json() -> None:
-    from anyquant.cli import json_line
+    from anyquant.console import json_line
 
     line = json_line({"perplexity": float("nan"), "rows": [{"x": float("inf")}, 1.5], "path": Path("/a")})
     assert json.loads(line) == {"perplexity": None, "rows": [{"x": None}, 1.5], "path": "/a"}

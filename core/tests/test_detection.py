@@ -239,3 +239,37 @@ def test_dense_integer_buffers_stay_dense(tmp_path: Path) -> None:
     write_safetensors(root / "model.safetensors", tensors, {"format": "pt"})
     (root / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert Registry(entry_points=False).detect(Probe.open(root)).format == "dense"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("object", r"pytorch_model\.bin: torch\.load\(weights_only=True\) cannot read it"),
+        ("list", r"pytorch_model\.bin: holds a list, not a state dict"),
+        ("garbage", r"pytorch_model\.bin: torch\.load\(weights_only=True\) cannot read it"),
+    ],
+)
+def test_unreadable_pickle_is_a_checkpoint_error(tmp_path: Path, content: str, message: str) -> None:
+    """Issue #27 item 6: with allow_pickle=True, a pickle of other objects raised _pickle.UnpicklingError
+    (whose text advises weights_only=False) and a non-dict one AttributeError."""
+    import argparse
+
+    import torch
+
+    from anyquant.errors import CheckpointError
+    from anyquant.testing.tiny import make_tiny_dense
+
+    root = make_tiny_dense(tmp_path / "m")
+    from safetensors.torch import load_file
+
+    state = load_file(root / "model.safetensors")
+    (root / "model.safetensors").unlink()
+    if content == "object":
+        torch.save({**state, "args": argparse.Namespace(lr=1)}, root / "pytorch_model.bin")
+    elif content == "list":
+        torch.save(list(state.values()), root / "pytorch_model.bin")
+    else:
+        (root / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not a zip" * 10)
+    with pytest.raises(CheckpointError, match=message) as info:
+        anyquant.load(root, allow_pickle=True)
+    assert "weights_only=False" not in str(info.value)

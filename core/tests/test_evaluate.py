@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 
 import anyquant
 from anyquant import evaluate as ev
+from anyquant.cli import build_parser
 from anyquant.evaluate import EvaluationError
 from anyquant.testing.tiny import make_tiny_dense
 
@@ -148,8 +148,7 @@ def test_compare_alternates_and_reports(
 
 
 def test_cli_eval_and_compare(tiny: Path, tiny_b: Path, text_file: Path, tmp_path: Path, capsys: Any) -> None:
-    parser = argparse.ArgumentParser()
-    ev.register_cli(parser.add_subparsers())
+    parser = build_parser(with_plugins=False)  # core's commands (the tool's among them)
     common = ["--text", str(text_file), "--window", "64", "--max-tokens", "256", "--prefill-tokens", "32"]
     args = parser.parse_args(["eval", str(tiny), *common, "--decode-tokens", "2", "--json"])
     assert args.func(args) == 0

@@ -69,6 +69,13 @@ def test_lone_quantize_config_declares_gptq(tmp_path: Path) -> None:
             None,
             "duplicate",
         ),
+        (  # issue #27 item 9: the count shortcut must not count __metadata__ as a tensor
+            b'{"__metadata__": {"format": "pt"},'
+            b' "a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},'
+            b' "a": {"dtype": "F16", "shape": [2], "data_offsets": [4, 8]}}',
+            None,
+            "duplicate",
+        ),
         (
             b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},'
             b' "b": {"dtype": "F16", "shape": [2], "data_offsets": [2, 6]}}',

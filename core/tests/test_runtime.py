@@ -231,6 +231,10 @@ def test_broken_tokenizer_is_a_typed_error(tiny: Path, tmp_path: Path, content: 
         ({"num_key_value_heads": True}, "num_key_value_heads must be"),
         ({"vocab_size": None}, "has no vocab_size"),
         ({"head_dim": 2**30}, "larger than any model"),  # the rotary table is a real tensor
+        # issue #27 item 11: these loaded before
+        ({"max_position_embeddings": -5}, "max_position_embeddings must be a positive integer"),
+        ({"max_position_embeddings": "x"}, "max_position_embeddings must be a positive integer"),
+        ({"max_position_embeddings": 1e300}, "max_position_embeddings must be a positive integer"),
         ({"rms_norm_eps": [1]}, "rms_norm_eps must be a non-negative number"),
         ({"rope_theta": "x"}, "rope_theta must be"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta must be"),
@@ -802,3 +806,125 @@ def test_experts_one_token_path_equals_the_general_path() -> None:
             row = (x[i : i + 1], index[i : i + 1], weights[i : i + 1])
             assert torch.equal(ours(*row), ours._routed(*row))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("failure", "size"),
+    [
+        (
+            RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+                "you tried to allocate 123456789 bytes. Error code 12 (Cannot allocate memory)"
+            ),
+            "117.74 MiB",
+        ),
+        (MemoryError(), None),
+        (RuntimeError("not enough memory: you tried to allocate 2048 bytes."), "2.00 KiB"),
+    ],
+)
+def test_out_of_memory_during_load_says_memory(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException, size: str | None
+) -> None:
+    """Issue #27 item 11: an allocation failure was reported as 'tensors do not fit together ... re-download'."""
+    import anyquant.runtime.build as build
+    from anyquant.errors import InsufficientMemoryError
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise failure
+
+    monkeypatch.setattr(build, "_fill", fail)
+    with pytest.raises(InsufficientMemoryError, match="ran out of memory") as info:
+        anyquant.load(tiny)
+    assert "re-download" not in str(info.value) and "do not fit" not in str(info.value)
+    assert isinstance(info.value, MemoryError) and "on disk" in str(info.value)
+    if size is not None:
+        assert f"allocation of {size} failed" in str(info.value)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_logits_are_a_numerical_error(tiny: Path, temperature: float) -> None:
+    """Issue #27 item 6: sampling from NaN logits raised torch's RuntimeError (multinomial), and greedy
+    decoding picked an arbitrary token (generate returned '')."""
+    from anyquant.errors import NumericalError
+
+    model = anyquant.load(tiny)
+    with torch.no_grad():
+        model.module.model.norm.weight.fill_(float("nan"))  # after the load: its own checks cannot see it
+    with pytest.raises(NumericalError, match="non-finite logits"):
+        model.generate("hello", max_new_tokens=3, temperature=temperature, seed=0)
+
+
+def test_sample_next_refuses_non_finite_rows() -> None:
+    from anyquant.errors import NumericalError
+    from anyquant.protocols import GenerationParams
+    from anyquant.runtime.generate import sample_next
+
+    params = GenerationParams(temperature=1.0)
+    history = torch.zeros((1, 0), dtype=torch.long)
+    ok = torch.tensor([[0.0, float("-inf"), 1.0]])
+    assert int(sample_next(ok, params, history, None)) in (0, 2)  # -inf alone is a masked token, not an error
+    for row, what in [([0.0, float("nan"), 1.0], "1 NaN"), ([float("inf"), 0.0, 0.0], r"1 \+inf")]:
+        with pytest.raises(NumericalError, match=what):
+            sample_next(torch.tensor([row]), params, history, None)
+    with pytest.raises(NumericalError, match="only -inf"):
+        sample_next(torch.full((1, 3), float("-inf")), params, history, None)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "bad"),
+    [
+        ("model.norm.weight", float("nan")),
+        ("model.layers.0.input_layernorm.weight", float("inf")),
+        ("model.embed_tokens.weight", float("nan")),
+    ],
+)
+@pytest.mark.parametrize("runtime", ["native", "transformers"])
+def test_non_finite_weights_are_refused_at_load(tmp_path: Path, tensor: str, bad: float, runtime: str) -> None:
+    """Issue #27 item 7: a NaN/inf norm or embedding loaded silently and generate returned ''."""
+    from safetensors.torch import load_file, save_file
+
+    from anyquant.errors import NumericalError
+
+    root = make_tiny_dense(tmp_path / "m")
+    state = load_file(root / "model.safetensors")
+    state[tensor].view(-1)[3] = bad
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NumericalError, match=rf"{tensor}.* holds 1 (NaN|inf)"):
+        anyquant.load(root, runtime=runtime)
+
+
+def test_float16_overflow_is_named_as_such(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from anyquant.errors import NumericalError
+
+    root = make_tiny_dense(tmp_path / "m")
+    state = {k: v.float() for k, v in load_file(root / "model.safetensors").items()}
+    state["model.norm.weight"][0] = 1e6  # finite in float32, inf in float16
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NumericalError, match=r"model\.norm\.weight' overflows float16"):
+        anyquant.load(root, dtype="float16")
+    assert anyquant.load(root, dtype="float32").generate("hi", max_new_tokens=2) is not None
+
+
+@pytest.mark.parametrize(("fixture", "suffix"), [("gptq_v1", "scales"), ("awq_gemm", "scales"), ("exl3_mul1", "suh")])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_scales_are_refused_at_load(tmp_path: Path, fixture: str, suffix: str, bad: float) -> None:
+    """Issue #27 item 7: NaN/inf scales (EXL3: suh) loaded silently; the error names the layer and tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from anyquant.errors import NumericalError
+    from anyquant.testing.fixtures import FIXTURES
+
+    root = FIXTURES[fixture].build(tmp_path / "m")
+    target = "model.layers.0.self_attn.q_proj"
+    for f in root.glob("*.safetensors"):
+        state = load_file(f)
+        if f"{target}.{suffix}" in state:
+            state[f"{target}.{suffix}"].view(-1)[0] = bad
+            save_file(state, f, metadata={"format": "pt"})
+            break
+    else:
+        pytest.fail(f"{target}.{suffix} is in no shard")
+    with pytest.raises(NumericalError, match=rf"{target}: tensor '{suffix}' holds 1 (NaN|inf)"):
+        anyquant.load(root)

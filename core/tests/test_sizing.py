@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 
 from anyquant import sizing
+from anyquant.cli import build_parser
 from anyquant.sizing import GB, GiB, SizingError, advise, estimate, find_gpu
 
 LLAMA_8B: dict[str, Any] = {
@@ -247,8 +247,7 @@ def test_every_advice_says_why(gpu: str, vram: float | None, users: int, model: 
 
 
 def _run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
-    parser = argparse.ArgumentParser()
-    sizing.register_cli(parser.add_subparsers())
+    parser = build_parser(with_plugins=False)  # core's commands (the tool's among them)
     args = parser.parse_args(argv)
     assert args.func(args) == 0
     return json.loads(capsys.readouterr().out)

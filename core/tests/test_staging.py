@@ -196,3 +196,28 @@ def test_integer_scales_are_refused(tmp_path: Path, fixture: str, suffix: str, d
     write_safetensors(root / "model.safetensors", tensors, {"format": "pt"})
     with pytest.raises(anyquant.CheckpointError, match=rf"wrong dtypes: .*\.{suffix} is {dtype}"):
         anyquant.load(root)
+
+
+def test_written_files_follow_the_umask(tmp_path: Path) -> None:
+    """Issue #27 item 11: export_dense's model.safetensors was 0600 (save_pretrained writes it through a
+    temporary file) while its siblings were 0644; every written file and directory now follows the umask."""
+    import os
+    import stat
+
+    import anyquant
+    from anyquant.testing.tiny import make_tiny_dense
+
+    src = make_tiny_dense(tmp_path / "src")
+    old = os.umask(0o022)
+    try:
+        outs = [
+            anyquant.export_dense(src, tmp_path / "dense", dtype="float32"),
+            anyquant.quantize(src, tmp_path / "gptq", method="gptq", bits=4, group_size=32, quality=False),
+        ]
+    finally:
+        os.umask(old)
+    for out in outs:
+        assert stat.S_IMODE(out.stat().st_mode) == 0o755
+        modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in out.iterdir() if p.is_file()}
+        assert "model.safetensors" in modes
+        assert set(modes.values()) == {"0o644"}, modes

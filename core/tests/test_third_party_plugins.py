@@ -11,6 +11,7 @@ from types import MappingProxyType
 import pytest
 
 import anyquant
+import anyquant.plugin
 from anyquant import Registry, hookimpl
 from anyquant.errors import PluginError
 from anyquant.testing import PluginConformance
@@ -298,3 +299,53 @@ def test_threads_racing_the_first_use_all_see_every_plugin(tmp_path: Path, monke
         formats, detected = got  # type: ignore[misc]
         assert {"gptq", "awq", "exl3", "gguf", "toyslow"} <= set(formats)
         assert detected == "gptq"
+
+
+class ToyQuantizer:
+    """A third party's quantizer with a flag of its own (``--levels``) and a check of it."""
+
+    method = "toyq"
+    quantize_options = MappingProxyType({"levels": "quantization levels per weight"})
+    quantize_flags = (anyquant.plugin.QuantizeFlag("levels", "toyq: levels per weight", "str"),)
+
+    @staticmethod
+    def check_flags(given: dict[str, object]) -> None:
+        if not str(given.get("levels", "1")).isdigit():
+            raise anyquant.plugin.ParameterError("--levels: a whole number")
+
+    def quantize(self, src: Path, dst: Path, spec: object, progress: object) -> Path:  # pragma: no cover
+        raise AssertionError("never reached: the source does not exist")
+
+
+class _ToyQuantizerPlugin:
+    @hookimpl
+    def anyquant_register_formats(self, register) -> None:  # type: ignore[no-untyped-def]
+        register(anyquant.FormatSpec(name="toyq", loader=None, quantizer=f"{__name__}:ToyQuantizer"))
+
+
+def test_quantize_methods_and_their_flags_come_from_the_registry(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`anyquant quantize --method` used to be gptq/awq/exl3 hard-coded in core (a third party's quantizer was
+    unreachable from the CLI), and --zero-point/--desc-act core's flags: both now come from the registered
+    quantizers (``quantize_flags``, ``check_flags``)."""
+    import json
+
+    from anyquant import api
+    from anyquant.cli import main
+
+    monkeypatch.setattr(api, "default_registry", lambda: Registry(entry_points=False, plugins=[_ToyQuantizerPlugin()]))
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "--method {toyq}" in out and "--levels LEVELS" in out and "toyq: levels" in out
+    assert "--desc-act" not in out and "--zero-point" not in out  # no GPTQ or AWQ plugin in this registry
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "a", "b", "--method", "gptq"])
+    assert exc.value.code == 2 and "invalid choice: 'gptq'" in capsys.readouterr().err
+    assert main(["quantize", "a", "b", "--method", "toyq", "--levels", "x", "--json"]) == 2  # its check_flags
+    assert json.loads(capsys.readouterr().out) == {"error": "ParameterError", "message": "--levels: a whole number"}
+    assert main(["quantize", "a", "b", "--method", "toyq", "--levels", "4", "-o", "levels=5", "--json"]) == 2
+    assert "-o levels=...: use --levels" in capsys.readouterr().out
+    assert main(["quantize", "a", "b", "--method", "toyq", "--levels", "4", "--json"]) == 2  # reached quantize()
+    assert "source a does not exist" in json.loads(capsys.readouterr().out)["message"]

@@ -57,7 +57,7 @@ _EXPORTS: dict[str, str] = {
     "Quantizer": "protocols",
     "Generator": "protocols",
     "TransformersLoader": "loaders",
-    "LoadedModel": "runtime.loaded",
+    "LoadedModel": "protocols",
     # errors
     "AnyquantError": "errors",
     "ProbeError": "errors",
@@ -65,6 +65,8 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "errors",
     "UnsafePathError": "errors",
     "CheckpointError": "errors",
+    "NumericalError": "errors",
+    "InsufficientMemoryError": "errors",
     "MissingTensorError": "errors",
     "ModelClosedError": "errors",
     "ParameterError": "errors",
@@ -128,6 +130,8 @@ __all__ = [  # a literal list: type checkers read it (mypy --strict's re-export 
     "ConfigError",
     "UnsafePathError",
     "CheckpointError",
+    "NumericalError",
+    "InsufficientMemoryError",
     "MissingTensorError",
     "ModelClosedError",
     "ParameterError",
@@ -168,9 +172,11 @@ if TYPE_CHECKING:
         FormatConflictError,
         FormatMismatchError,
         HeaderError,
+        InsufficientMemoryError,
         MissingDependencyError,
         MissingTensorError,
         ModelClosedError,
+        NumericalError,
         ParameterError,
         PickleRefusedError,
         PluginError,
@@ -194,6 +200,7 @@ if TYPE_CHECKING:
         GenerationKwargs,
         GenerationParams,
         Generator,
+        LoadedModel,
         Loader,
         LoadOptions,
         ModuleInfo,
@@ -204,5 +211,4 @@ if TYPE_CHECKING:
     from .quantization import quantize
     from .registry import PluginInfo, Registry
     from .report import Report
-    from .runtime.loaded import LoadedModel
     from .sizing import Advice, Estimate, SizingError, advise, estimate

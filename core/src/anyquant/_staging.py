@@ -18,10 +18,18 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["MODEL_FILE_SUFFIXES", "check_destination", "remove_stale", "replace_dir", "staging_dir"]
+__all__ = [
+    "MODEL_FILE_SUFFIXES",
+    "check_destination",
+    "publish_modes",
+    "remove_stale",
+    "replace_dir",
+    "staging_dir",
+]
 
 log = logging.getLogger(__name__)
 
@@ -158,3 +166,33 @@ def staging_dir(target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(target)
     return Path(tempfile.mkdtemp(prefix=f"{_prefix(target)}{_host_tag()}-{os.getpid()}-", dir=target.parent))
+
+
+def umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` would change it for every thread a moment):
+    Linux reports it in /proc; elsewhere the usual 022."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def publish_modes(root: Path) -> None:
+    """Give a finished staging directory, and everything written in it, the modes the umask gives new files
+    (0755 directories, 0644 files under the usual 022): ``mkdtemp`` made the directory 0700, and some writers
+    (transformers' ``save_pretrained`` writes ``model.safetensors`` through a temporary file) leave 0600
+    files beside 0644 siblings. Executable bits are kept; links are not followed."""
+    mask = umask()
+    for path in [root, *root.rglob("*")]:
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            os.chmod(path, 0o777 & ~mask)
+        elif stat.S_ISREG(st.st_mode):
+            os.chmod(path, (0o777 if st.st_mode & 0o111 else 0o666) & ~mask)

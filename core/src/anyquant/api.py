@@ -5,18 +5,25 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._memory import release_free_heap
-from .errors import AnyquantError, CheckpointError, MissingDependencyError, MissingTensorError, PluginError
+from .errors import (
+    AnyquantError,
+    CheckpointError,
+    InsufficientMemoryError,
+    MissingDependencyError,
+    MissingTensorError,
+    PluginError,
+)
 from .probe import Probe
-from .protocols import Detection, Loader, LoadOptions
+from .protocols import Detection, LoadedModel, Loader, LoadOptions
 from .registry import PluginInfo, Registry, load_spec_object
 from .report import Report  # torch-free: imported so that typing.get_type_hints resolves the public API
-from .runtime.loaded import LoadedModel
 
 if TYPE_CHECKING:
     import torch
@@ -116,9 +123,15 @@ def load(
             f"loading {path} as {detection.format} needs {exc.name or 'a module'} ({exc}); reinstall "
             f"{PLUGIN_FOR_FORMAT.get(detection.format, 'the plugin for ' + detection.format)} and its dependencies"
         ) from exc
-    except (ValueError, IndexError, KeyError, ZeroDivisionError, RuntimeError, TypeError) as exc:
-        if isinstance(exc, AnyquantError) or "out of memory" in str(exc).lower():
+    except MemoryError as exc:
+        if isinstance(exc, AnyquantError):
             raise
+        raise _memory_error(exc, path, detection.format, options.device, probe) from exc
+    except (ValueError, IndexError, KeyError, ZeroDivisionError, RuntimeError, TypeError) as exc:
+        if isinstance(exc, AnyquantError):
+            raise
+        if _out_of_memory(exc):  # torch's allocators raise RuntimeError (torch.OutOfMemoryError on a GPU)
+            raise _memory_error(exc, path, detection.format, options.device, probe) from exc
         # a plugin's shape/index arithmetic failing on tensors that contradict each other or config.json
         # (a g_idx past its groups, suh/svh lengths off the trellis, a q_invperm index out of range, ...)
         raise CheckpointError(
@@ -128,6 +141,41 @@ def load(
         ) from exc
     release_free_heap()  # what the load built and dropped leaves the RSS (see anyquant._memory)
     return loaded
+
+
+#: what torch's allocators say when an allocation fails (CPU: DefaultCPUAllocator; CUDA: torch.OutOfMemoryError)
+_OOM_PHRASES = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(phrase in text for phrase in _OOM_PHRASES)
+
+
+def _memory_error(exc: BaseException, path: Any, fmt: str, device: Any, probe: Probe) -> InsufficientMemoryError:
+    """An allocation failure during a load, as what it is: memory, with the size that failed where torch says
+    it ("you tried to allocate 123 bytes", "Tried to allocate 2.00 GiB"), not a damaged checkpoint."""
+    text = " ".join(str(exc).split())
+    found = re.search(r"tried to allocate ([0-9.]+ ?[KMGT]i?B|[0-9]+ bytes)", text, re.IGNORECASE)
+    size = found.group(1) if found else None
+    if size is not None and size.endswith(" bytes"):
+        size = _human_bytes(int(size.split()[0]))
+    what = f"an allocation of {size} failed" if size else f"{type(exc).__name__}: {text[:200] or 'no details'}"
+    weights = f"; its tensors are {_human_bytes(probe.total_tensor_bytes)} on disk"
+    return InsufficientMemoryError(
+        f"loading {path} as {fmt} ran out of memory (device={device}): {what}{weights}. The checkpoint is not "
+        "at fault: free memory (close other models/processes), load with a smaller dtype or onto another "
+        "device, or use a machine with more memory"
+    )
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{n} bytes" if unit == "bytes" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{n} bytes"
 
 
 def _torch_name(value: Any) -> Any:

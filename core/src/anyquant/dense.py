@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import PickleRefusedError
+from .errors import CheckpointError, PickleRefusedError
 from .loaders import TransformersLoader
 from .probe import Probe
 from .protocols import Detection, LoadOptions
@@ -41,6 +41,35 @@ class DenseLoader(TransformersLoader):
 
         tensors: dict[str, torch.Tensor] = {}
         for name in probe.pickle_files:
-            state = torch.load(probe.root / name, map_location="cpu", weights_only=True, mmap=True)
-            tensors.update({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+            state = _load_pickle(probe, name)
+            tensors.update({k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)})
         return DictSource(tensors)
+
+
+def _load_pickle(probe: Probe, name: str) -> dict[object, object]:
+    """One pickle file's state dict through ``torch.load(weights_only=True)``; what it refuses (a pickle of
+    other objects: torch's text then advises ``weights_only=False``, which anyquant never does), what is not a
+    torch file at all, and a file that holds no dict are :class:`~anyquant.errors.CheckpointError` naming it."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    try:
+        state = torch.load(probe.root / name, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
+        if "memory" in str(exc).lower():  # an allocation failure: load() reports it as memory
+            raise
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        raise CheckpointError(
+            f"{name}: torch.load(weights_only=True) cannot read it ({type(exc).__name__}: "
+            f"{first.removeprefix('Weights only load failed.').strip()[:200]}). It is not a plain state dict of "
+            "tensors (or is damaged); anyquant never unpickles arbitrary objects. Convert it to safetensors "
+            "from a trusted environment, or re-download it"
+        ) from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{name}: holds a {type(state).__name__}, not a state dict (tensor names to tensors); "
+            "save the model's state_dict() instead, or convert it to safetensors"
+        )
+    return state

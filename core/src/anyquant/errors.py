@@ -13,9 +13,11 @@ __all__ = [
     "FormatConflictError",
     "FormatMismatchError",
     "HeaderError",
+    "InsufficientMemoryError",
     "MissingDependencyError",
     "MissingTensorError",
     "ModelClosedError",
+    "NumericalError",
     "ParameterError",
     "PickleRefusedError",
     "PluginError",
@@ -103,3 +105,12 @@ class ModelClosedError(AnyquantError):
 class ParameterError(AnyquantError, ValueError):
     """An argument is out of range or of the wrong type (a generation parameter, a load option's value,
     a device torch cannot use). Also a ``ValueError``, as Python's own argument checks raise."""
+
+
+class InsufficientMemoryError(AnyquantError, MemoryError):
+    """Loading needed more memory (RAM, or the device's) than was free. The checkpoint itself is not at fault.
+    Also a ``MemoryError``, as an allocation failure in Python is."""
+
+
+class NumericalError(CheckpointError):
+    """A weight (scale, norm, embedding) is NaN or infinite, or the model produced non-finite logits."""

@@ -16,7 +16,6 @@ torch and matplotlib are imported inside the functions that need them.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import hashlib
 import json
@@ -34,8 +33,8 @@ from typing import Any
 from ._memory import release_free_heap
 from .errors import AnyquantError
 from .probe import display_name
+from .protocols import LoadedModel
 from .registry import Registry  # torch-free: imported so that typing.get_type_hints resolves the public API
-from .runtime.loaded import LoadedModel
 
 __all__ = [
     "EvalResult",
@@ -44,7 +43,6 @@ __all__ = [
     "evaluate",
     "perplexity",
     "plot",
-    "register_cli",
     "to_markdown",
 ]
 
@@ -735,75 +733,3 @@ def plot(results: Sequence[EvalResult], png_path: str | Path, *, title: str | No
     finally:
         plt.close(fig)
     return png_path
-
-
-# ---------------------------------------------------------------------- CLI
-
-
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--text", default=DEFAULT_TEXT, help="corpus name (held-out part), .txt/.jsonl/.parquet, or hf:NAME")
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per perplexity window")
-    p.add_argument(
-        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="cap on tokens read from the text (0: all)"
-    )
-    p.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL)
-    p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE)
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--json", action="store_true")
-
-
-def _common_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        text=args.text,
-        window=args.window,
-        max_tokens=args.max_tokens or None,
-        prefill_tokens=args.prefill_tokens,
-        decode_tokens=args.decode_tokens,
-        backend=args.backend,
-        device=args.device,
-        dtype=args.dtype,
-    )
-
-
-def _cmd_eval(args: argparse.Namespace) -> int:
-    from .api import default_model
-    from .cli import json_line
-
-    path = args.path or default_model()
-    result = evaluate(path, **_common_kwargs(args))
-    print(json_line(result.to_dict()) if args.json else to_table([result]))
-    return 0
-
-
-def _cmd_compare(args: argparse.Namespace) -> int:
-    from .cli import _progress_bar, json_line
-
-    if args.png:
-        check_png_path(args.png)
-    results = compare(args.paths, rounds=args.rounds, progress=_progress_bar(), **_common_kwargs(args))
-    png = plot(results, args.png) if args.png else None
-    if args.json:
-        print(json_line({"results": [r.to_dict() for r in results], "png": str(png) if png else None}))
-    else:
-        print(to_markdown(results) if args.markdown else to_table(results))
-        if png:
-            print(f"\nplot: {png}")
-    return 0
-
-
-def register_cli(subparsers: Any) -> None:
-    """Add ``anyquant eval`` and ``anyquant compare``."""
-    p = subparsers.add_parser("eval", help="perplexity, peak memory, prefill/decode speed and load time")
-    p.add_argument("path", nargs="?", default=None, help="checkpoint (default: the bundled SmolLM2 model)")
-    _add_common(p)
-    p.set_defaults(func=_cmd_eval)
-
-    p = subparsers.add_parser("compare", help="evaluate several checkpoints on the same text; table and PNG")
-    p.add_argument("paths", nargs="+")
-    _add_common(p)
-    p.add_argument("--rounds", type=int, default=2, help="timing rounds, alternating order")
-    p.add_argument("--png", default=None, help="write the perplexity/bits/memory plot here")
-    p.add_argument("--markdown", action="store_true", help="print a markdown table")
-    p.set_defaults(func=_cmd_compare)

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ._staging import check_destination, replace_dir, staging_dir
+from ._staging import check_destination, publish_modes, replace_dir, staging_dir
 from .errors import ParameterError, UnsupportedBackendError
 
 __all__ = ["export_dense"]
@@ -96,23 +96,10 @@ def export_dense(
         module.save_pretrained(tmp)
         if model.tokenizer is not None:
             model.tokenizer.save_pretrained(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it 0700; an output directory gets the usual mode
+        publish_modes(tmp)  # mkdtemp made it 0700 and save_pretrained model.safetensors 0600: the usual modes
         replace_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported %s (%s) to %s as dense %s", path, model.format, out, dtype)
     return out
-
-
-def _umask() -> int:
-    """The process's umask, read without setting it (``os.umask`` would change it for every thread a moment):
-    Linux reports it in /proc; elsewhere the usual 022."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022

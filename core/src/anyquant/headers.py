@@ -158,9 +158,11 @@ def read_safetensors_header(path: Path, rel_name: str) -> SafetensorsHeader:
     parsed = loads_json(blob, f"{rel_name} header", strict_keys=False)
     if not isinstance(parsed, dict):
         raise HeaderError(f"{rel_name}: header is a JSON {type(parsed).__name__}, expected an object")
-    if blob.count(b'"data_offsets"') > len(parsed):
-        # more entries in the text than keys in the object: a duplicate name was collapsed by
-        # json.loads (or "data_offsets" appears inside a string); the strict parse decides.
+    n_tensor_keys = len(parsed) - ("__metadata__" in parsed)
+    if blob.count(b'"data_offsets"') > n_tensor_keys:
+        # more entries in the text than tensor keys in the object (``__metadata__`` has none): a
+        # duplicate name was collapsed by json.loads (or "data_offsets" appears inside a string);
+        # the strict parse decides.
         loads_json(blob, f"{rel_name} header")
     data_size = size - 8 - header_len
     metadata: dict[str, str] = {}

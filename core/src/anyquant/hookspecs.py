@@ -76,7 +76,8 @@ def anyquant_register_calibration(register: CalibrationRegistrar) -> None:
 @hookspec
 def anyquant_register_commands(cli: CommandRegistrar) -> None:
     """Add CLI subcommands. ``cli.add_command(name, help, configure, run)``: ``configure(parser)``
-    adds arguments to an ``argparse`` parser, ``run(args) -> int`` executes.
+    adds arguments to an ``argparse`` parser (called only when the command is the one being run),
+    ``run(args) -> int`` executes. anyquant's own commands register this way too (:mod:`anyquant.commands`).
 
     .. versionadded:: 0.1
     """

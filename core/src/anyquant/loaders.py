@@ -21,8 +21,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .errors import CheckpointError, UnsupportedBackendError
 from .probe import Probe, thaw
-from .protocols import BackendInfo, Detection, LoadOptions
-from .runtime.loaded import LoadedModel  # torch-free, like TensorSource: resolvable by typing.get_type_hints
+from .protocols import (
+    BackendInfo,
+    Detection,
+    LoadedModel,  # torch-free, like TensorSource: resolvable by typing.get_type_hints
+    LoadOptions,
+)
 from .runtime.tensors import TensorSource
 
 if TYPE_CHECKING:
@@ -207,9 +211,9 @@ class TransformersLoader:
         """Steps, in order: :meth:`plan` (the backend), :meth:`tokenizer`, :meth:`tensor_source`,
         :meth:`model_config`, :meth:`prepare`, the build (asking :meth:`make_linear`, :meth:`runtime`,
         :meth:`keep_embedding_dtype`, :meth:`file_tables`), :meth:`finish`."""
+        from .protocols import LoadedModel
         from .runtime.build import build_model, resolve_device, resolve_dtype
         from .runtime.generate import TorchGenerator
-        from .runtime.loaded import LoadedModel
 
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device)

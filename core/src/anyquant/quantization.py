@@ -32,7 +32,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ._staging import check_destination, replace_dir, staging_dir
+from ._staging import check_destination, publish_modes, replace_dir, staging_dir
 from .errors import AnyquantError, QuantizeError
 from .probe import Probe, resolve_checkpoint
 from .protocols import QuantizeSpec, undeclared_options
@@ -323,6 +323,7 @@ def quantize(
             qr = quality_check(src, out, max_ratio=max_ppl_ratio, registry=reg)
             log.info("quality: perplexity %.4g -> %.4g (%.2fx)", qr.source_ppl, qr.result_ppl, qr.ratio)
             (out / "anyquant_quality.json").write_text(json.dumps(qr.to_dict(), indent=1))
+        publish_modes(out)  # a quantizer's files (and the 0700 staging directory) get the umask's modes
         replace_dir(out, dst)
         report_progress("done", 1.0)
         log.info("quantized %s -> %s (%s) in %.1fs", src, dst, spec.method, time.monotonic() - started)

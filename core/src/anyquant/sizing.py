@@ -13,7 +13,6 @@ store a 16-bit scale per 32 values (exllamav3's ``CacheLayer_quant``, llama.cpp 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -36,7 +35,6 @@ __all__ = [
     "estimate",
     "find_gpu",
     "model_shape",
-    "register_cli",
 ]
 
 log = logging.getLogger(__name__)
@@ -1327,55 +1325,3 @@ def advise(
     if found is not None:
         return found
     return _too_big(ctx, f"even EXL3 at {EXL3_BPW[-1]:g} bpw with a q4 cache does not fit in {gpus} x {vram:g} GB")
-
-
-# ---------------------------------------------------------------------- CLI
-
-
-def _cmd_estimate(args: argparse.Namespace) -> int:
-    from .cli import json_line
-
-    e = estimate(
-        args.model,
-        bits=args.bits,
-        context=args.context,
-        batch=args.batch,
-        kv_dtype=args.kv_dtype,
-        head_bits=args.head_bits,
-        format=args.format,
-    )
-    print(json_line(e.to_dict()) if args.json else e.summary())
-    return 0
-
-
-def _cmd_advise(args: argparse.Namespace) -> int:
-    from .cli import json_line
-
-    a = advise(args.gpu, args.vram, args.users, args.model, args.gpus, context=args.context, ram_gb=args.ram)
-    print(json_line(a.to_dict()) if args.json else a.summary())
-    return 0
-
-
-def register_cli(subparsers: Any) -> None:
-    """Add ``anyquant estimate`` and ``anyquant advise``."""
-    p = subparsers.add_parser("estimate", help="memory for weights + KV cache at a context length")
-    p.add_argument("model", metavar="PATH_OR_CONFIG", help="checkpoint dir/.gguf (exact) or config.json (needs --bits)")
-    p.add_argument("--bits", type=float, default=None, help="bits per weight of the decoder linears")
-    p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--kv-dtype", default="fp16", help=f"one of {', '.join(KV_BITS)}")
-    p.add_argument("--head-bits", type=float, default=16.0, help="LM head bits for config estimates (EXL3: 6)")
-    p.add_argument("--format", default=None, help="format of a config estimate: exl3 counts its padding to 128")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd_estimate)
-
-    p = subparsers.add_parser("advise", help="format, bits and engine for a GPU, memory and number of users")
-    p.add_argument("--gpu", required=True, help='e.g. "RTX 4090", "A100 80GB", "T4", "Apple M3 Max", "CPU"')
-    p.add_argument("--vram", type=float, default=None, help="GB per GPU (unified memory / RAM for Apple / CPU)")
-    p.add_argument("--users", type=int, default=1, help="concurrent users")
-    p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--ram", type=float, default=None, help="system RAM in GB (for offload plans)")
-    p.add_argument("--model", required=True, metavar="PATH_OR_CONFIG")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd_advise)

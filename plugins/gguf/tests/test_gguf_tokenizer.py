@@ -296,3 +296,20 @@ def test_missing_vocabulary(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="no tokenizer"):
         tokenizer_from_gguf(tmp_path / "novocab.gguf")
+
+
+def test_merges_naming_unknown_tokens_are_a_checkpoint_error(tmp_path: Path) -> None:
+    """Issue #27 item 6: tokenizers' bare Exception (a merge of tokens not in the vocabulary) escaped load."""
+    from anyquant.errors import CheckpointError
+
+    tokens, types, merges = _byte_level_vocab()
+    path = _write_tokenizer_gguf(
+        tmp_path / "badmerges.gguf",
+        model="gpt2",
+        pre="llama-bpe",
+        tokens=tokens,
+        types=types,
+        merges=[*merges, "nosuch token"],
+    )
+    with pytest.raises(CheckpointError, match=r"badmerges\.gguf: its tokenizer metadata"):
+        tokenizer_from_gguf(path)

@@ -32,8 +32,8 @@ from . import GPTQMODEL_OPTIONS
 if TYPE_CHECKING:
     import torch
 
+    from ..protocols import LoadedModel
     from ..runtime.fastcpu import FastCPUPlan
-    from ..runtime.loaded import LoadedModel
     from .gptqmodel_kernels import KernelPlan
 
 __all__ = [

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ParameterError
-from .tensors import FileRows
+from .tensors import FileRows, fill_file_tables
 
 __all__ = [
     "DEFAULT_SMALL_ROWS",
@@ -727,7 +727,7 @@ def install_fast_head(
     (:func:`anyquant.runtime.build.build_model`'s ``file_tables``): the head and embedding then read
     them from the file. Returns what was done, for ``LoadedModel.info``; leaves the model alone (and
     says why) when the head is not a plain float ``nn.Linear`` on the CPU or the prepacked kernel is
-    not usable (the caller then fills what the build left: :func:`~anyquant.runtime.build.fill_file_tables`).
+    not usable (the caller then fills what the build left: :func:`~anyquant.runtime.tensors.fill_file_tables`).
     """
     tables = tables or {}
     ok, reason = bf16_head_status()
@@ -871,7 +871,6 @@ class FastCPUPlan:
         16-bit by the build is cast to it when no fast head takes it over). ``tables``: what the build
         left in the file (:meth:`file_tables`); read into memory here when no fast head takes it."""
         from .._memory import release_free_heap
-        from .build import fill_file_tables
 
         release_free_heap()  # the tokenizer's parse left ~2x its size free in the heap: not under the head's peak
         if self.head and self.converted == 0:

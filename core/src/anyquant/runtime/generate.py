@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ModelClosedError, ParameterError
+from ..errors import CheckpointError, ModelClosedError, NumericalError, ParameterError
 from ..protocols import GenerationParams, Prompt
 from .chat import render_chat
 
@@ -93,8 +93,19 @@ def sample_next(
     history: torch.Tensor,
     rng: torch.Generator | Sequence[torch.Generator] | None,
 ) -> torch.Tensor:
-    """Pick the next token per row from ``logits`` [B, V] (fp32). ``history`` [B, T] for the penalty."""
+    """Pick the next token per row from ``logits`` [B, V] (fp32). ``history`` [B, T] for the penalty.
+
+    :class:`~anyquant.errors.NumericalError` when a row holds NaN or +inf, or nothing but -inf: the model's
+    output is not a distribution (NaN/inf weights, or an overflow in a narrow dtype), and sampling from it
+    would fail in torch or pick an arbitrary token."""
     logits = logits.float()
+    top = logits.amax(dim=-1)  # NaN anywhere in a row propagates; +inf shows; an all -inf row shows
+    if not bool(torch.isfinite(top).all()):
+        raise NumericalError(
+            f"the model produced non-finite logits ({_non_finite(logits)}): its weights hold NaN/inf or its "
+            "computation overflowed in this dtype. Load it in float32 or bfloat16; if that does not help, the "
+            "checkpoint is damaged: re-download or re-export it"
+        )
     if params.repetition_penalty != 1.0 and history.numel():
         seen = torch.gather(logits, 1, history)
         seen = torch.where(seen > 0, seen / params.repetition_penalty, seen * params.repetition_penalty)
@@ -117,6 +128,14 @@ def sample_next(
     if isinstance(rng, Sequence):  # one generator per row: a row samples as it would alone
         return torch.cat([torch.multinomial(probs[i : i + 1], 1, generator=g) for i, g in enumerate(rng)]).squeeze(-1)
     return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+
+
+def _non_finite(logits: torch.Tensor) -> str:
+    nan = int(torch.isnan(logits).sum())
+    pos = int(torch.isposinf(logits).sum())
+    parts = [f"{nan} NaN"] if nan else []
+    parts += [f"{pos} +inf"] if pos else []
+    return ", ".join(parts) or "a row of only -inf"
 
 
 def row_generators(seed: int | None, rows: int, device: Any) -> list[torch.Generator]:

@@ -25,14 +25,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from .fastcpu import FastInt4Linear
+from .layers import RMSNorm, _joint, _rotary
 
 __all__ = ["NativeCache", "NativeCausalLM", "NativeConfig", "native_runtime_reason"]
 
@@ -162,110 +161,6 @@ class NativeOutput:
     @property
     def past_key_values(self) -> NativeCache | None:
         return self.cache
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one op instead of six; bitwise transformers' float32 arithmetic (tests compare)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype)
-
-
-def _rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, computed as
-    ``roll(x, half) * cat(-sin1, sin2)``: one op instead of four, bitwise the same (negation is exact)."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
-
-
-class FusedInt4:
-    """One int4 kernel call, on the decode path, for cpu-fast linears that share their input (q/k/v, gate/up).
-
-    The members' packed weights are concatenated along the output dimension (the kernel's blocked layout is
-    per block of output rows, so this is exact) and each member's ``packed`` and ``scales_and_zeros`` buffers
-    become views of the joint ones: no second copy. Prompts (more rows than ``small_rows``) still run each member's own exact path.
-    """
-
-    def __init__(self, members: list[FastInt4Linear]) -> None:
-        self.members = members
-        first = members[0]
-        self.in_features, self.kernel_group, self.small_rows = first.in_features, first.kernel_group, first.small_rows
-        self.packed = torch.cat([m.packed for m in members])
-        self.scales_and_zeros = torch.cat([m.scales_and_zeros for m in members], dim=1).contiguous()
-        self.slices: list[tuple[int, int]] = []
-        offset = 0
-        for m in members:
-            # views of the joint buffers: no second copy (a member's own kernel call makes its scales contiguous)
-            m.scales_and_zeros = self.scales_and_zeros[:, offset : offset + m.padded_out]
-            m.packed = self.packed[offset : offset + m.padded_out]
-            self.slices.append((offset, offset + m.out_features))
-            offset += m.padded_out
-        # no padding and no bias (the common case): the outputs are one split of the kernel's result
-        self.sizes = [m.out_features for m in members]
-        self.plain = all(m.padded_out == m.out_features and m.bias is None for m in members)
-
-    @staticmethod
-    def build(members: list[nn.Module]) -> FusedInt4 | None:
-        from .fastcpu import FastInt4Linear
-
-        first = members[0]
-        if not all(
-            isinstance(m, FastInt4Linear)
-            and type(m).forward is FastInt4Linear.forward
-            and m.perm is None
-            and m.in_features == first.in_features
-            and m.kernel_group == first.kernel_group
-            and m.small_rows == first.small_rows
-            and m.block_n == first.block_n
-            and m.packed.device.type == "cpu"
-            for m in members
-        ):
-            return None
-        return FusedInt4(cast("list[FastInt4Linear]", members))
-
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] > self.small_rows:
-            return None
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.to(torch.bfloat16), self.packed, self.kernel_group, self.scales_and_zeros
-        ).to(x.dtype)
-        if self.plain:
-            return list(y.view(*x.shape[:-1], y.shape[-1]).split(self.sizes, -1))
-        outs = []
-        for (start, end), m in zip(self.slices, self.members, strict=True):
-            o = y[:, start:end]
-            if m.bias is not None:
-                o = o + m.bias.to(x.dtype)
-            outs.append(o.reshape(*x.shape[:-1], end - start))
-        return outs
-
-
-def fusion(module: nn.Module, names: tuple[str, ...]) -> FusedInt4 | None:
-    """The :class:`FusedInt4` of ``module``'s linears ``names`` (built on first use, after the loader placed
-    its modules; ``None`` when they cannot run as one call)."""
-    if "_fusion" not in module.__dict__:
-        module.__dict__["_fusion"] = FusedInt4.build([getattr(module, n) for n in names])
-    fused: FusedInt4 | None = module.__dict__["_fusion"]
-    return fused
-
-
-def _joint(module: nn.Module, names: tuple[str, ...], h: torch.Tensor) -> list[torch.Tensor]:
-    """``module``'s linears ``names`` applied to ``h``: one fused int4 call where :func:`fusion` gives one,
-    else each linear in turn."""
-    fused = fusion(module, names)
-    outs = fused(h) if fused is not None else None
-    if outs is not None:
-        return outs
-    return [getattr(module, n)(h) for n in names]
 
 
 class Attention(nn.Module):

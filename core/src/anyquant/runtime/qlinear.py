@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .finite import check_finite
+
 __all__ = ["QuantLinearBase"]
 
 MODES = ("reference", "dequantized")
@@ -50,6 +52,8 @@ class QuantLinearBase(nn.Module):
         if unknown:
             raise ValueError(f"{type(self).__name__} has no packed tensor {sorted(unknown)}")
         for name, tensor in tensors.items():
+            if tensor is not None:
+                check_finite(name, tensor)  # scales, EXL3's suh/svh: a NaN or inf one makes the layer's output NaN
             self.register_buffer(name, tensor)
         self.set_bias(bias)
         return self.finalize()

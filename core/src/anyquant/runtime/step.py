@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .native import FusedInt4, RMSNorm, _rotary, fusion  # _rotary: the module path's own, compiled in
+from .layers import FusedInt4, RMSNorm, _rotary, fusion  # _rotary: the module path's own, compiled in
 
 __all__ = ["LAYER_FUNCTIONS", "DecodeStep", "bf16_layer", "int4_layer"]
 
@@ -112,7 +112,7 @@ def int4_layer(
     float32), writing its key and value at position ``start`` of ``keys``/``values`` (``[b, kv_heads,
     room, head_dim]``); ``mask``: the native model's boolean ``[b, 1, 1, start + 1]`` for padded batches,
     else ``None``. The ops and their order are :class:`~anyquant.runtime.native.DecoderLayer`'s with
-    :class:`~anyquant.runtime.native.FusedInt4` q/k/v and gate/up (``sin`` signed as for :func:`~anyquant.runtime.native._rotary`)."""
+    :class:`~anyquant.runtime.layers.FusedInt4` q/k/v and gate/up (``sin`` signed as for :func:`~anyquant.runtime.layers._rotary`)."""
     b, hidden = h.shape[0], h.shape[-1]
     y = _int4(F.rms_norm(h, [hidden], norm1, eps).view(b, hidden), qkv, qkv_group, qkv_scales)
     rotated = (heads + kv_heads) * head_dim

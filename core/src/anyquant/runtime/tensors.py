@@ -9,17 +9,18 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import CheckpointError, MissingTensorError
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from ..probe import Probe
 
-__all__ = ["DictSource", "FileRows", "SafetensorsSource", "TensorSource"]
+__all__ = ["DictSource", "FileRows", "SafetensorsSource", "TensorSource", "fill_file_tables"]
 
 
 class TensorSource(Protocol):
@@ -249,3 +250,25 @@ class DictSource:
 
     def unused(self) -> list[str]:
         return sorted(set(self._t) - self.used)
+
+
+def fill_file_tables(model: nn.Module, tables: Mapping[str, FileRows], dtype: torch.dtype | None) -> None:
+    """Read into memory the parameters ``build_model`` left in the file (``file_tables``) that are still on
+    the meta device, in ``dtype`` (``None``: the file's), keeping tied parameters tied. (Here, beside
+    :class:`FileRows`, so that the cpu-fast plan needs no import of the build: an import circle.)"""
+    from torch import nn
+
+    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), (p, []))[1].append(name)
+    for param, names in groups.values():
+        if not param.is_meta:
+            continue
+        table = next((tables[n] for n in names if n in tables), None)
+        if table is None:
+            continue
+        value = table.read_all()
+        filled = nn.Parameter(value if dtype is None else value.to(dtype), requires_grad=False)
+        for name in names:
+            mod_name, _, attr = name.rpartition(".")
+            (model.get_submodule(mod_name) if mod_name else model)._parameters[attr] = filled

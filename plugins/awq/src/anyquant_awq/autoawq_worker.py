@@ -47,8 +47,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from anyquant.probe import TOKENIZER_FILES
-from anyquant.quantization import emit_progress, emit_result, watch_parent
+from anyquant.plugin import TOKENIZER_FILES, emit_progress, emit_result, watch_parent
 
 #: the AutoAWQ this worker was written against (its last release).
 AUTOAWQ_VERSION = "0.2.9"

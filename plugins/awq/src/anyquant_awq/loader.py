@@ -5,19 +5,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from anyquant.errors import CheckpointError, ConfigError, UnsupportedBackendError
 from anyquant.int4.loader import QUANT_DTYPES, Int4Loader
-from anyquant.loaders import LoadContext, require_dtypes
-from anyquant.probe import Probe
-from anyquant.protocols import Detection, ModuleInfo
-from anyquant.report import dense_rows
+from anyquant.plugin import (
+    CheckpointError,
+    ConfigError,
+    Detection,
+    LoadContext,
+    ModuleInfo,
+    Probe,
+    UnsupportedBackendError,
+    dense_rows,
+    require_dtypes,
+)
 
 from .plugin import _layout
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from anyquant.runtime.loaded import LoadedModel
+    from anyquant.plugin import LoadedModel
 
 __all__ = ["AWQLoader"]
 

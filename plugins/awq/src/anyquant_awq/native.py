@@ -42,9 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from anyquant.errors import QuantizeError
-from anyquant.probe import TOKENIZER_FILES
-from anyquant.quantization import calibration_batch
+from anyquant.plugin import TOKENIZER_FILES, QuantizeError, calibration_batch
 
 from .dequant import pack_awq_gemm_cols
 

@@ -23,11 +23,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from anyquant.errors import QuantizeError
 from anyquant.int4.gptqmodel_quantizer import GPTQModelQuantizer
-from anyquant.probe import Probe
-from anyquant.protocols import QuantizeSpec
-from anyquant.quantization import calibration_texts
+from anyquant.plugin import ParameterError, Probe, QuantizeError, QuantizeFlag, QuantizeSpec, calibration_texts
 
 __all__ = ["AUTOAWQ_REQUIREMENT", "QUANTIZER_BACKENDS", "AWQQuantizer", "autoawq_calibration", "autoawq_shape_errors"]
 
@@ -173,11 +170,23 @@ class AWQQuantizer(GPTQModelQuantizer):
         }
     )
 
+    #: ``anyquant quantize``'s AWQ flags (``--format`` too, which GPTQ declares as well)
+    quantize_flags: ClassVar[Sequence[QuantizeFlag]] = (
+        QuantizeFlag("zero_point", "AWQ: zero points on/off (true/false)", "bool"),
+        QuantizeFlag("format", "the checkpoint layout: 'gemm' (the only one anyquant writes)", "str"),
+    )
+
+    @staticmethod
+    def check_flags(given: Mapping[str, Any]) -> None:
+        """``--asym`` with ``--zero-point false`` asks for two opposite things."""
+        if given.get("sym") is False and given.get("zero_point") is False:
+            raise ParameterError("--asym asks for zero points and --zero-point false for none: pass one of them")
+
     def backend(self, spec: QuantizeSpec) -> str:
         """The quantizer that runs: ``quantizer_backend`` resolved (see the module docstring). An option that only
         some quantizers read (:data:`BACKEND_OPTIONS`) is never dropped: under ``"auto"`` it picks one that reads
         it (``n_grid`` on CUDA: anyquant's own), and naming a quantizer that does not is a QuantizeError."""
-        from anyquant.quantization import route_backend
+        from anyquant.plugin import route_backend
 
         # "auto" never picks AutoAWQ (deprecated upstream); anyquant's own reads every option
         return route_backend(
@@ -292,7 +301,7 @@ class AWQQuantizer(GPTQModelQuantizer):
         self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None] | None = None
     ) -> Path:
         """AutoAWQ's own quantizer in ``anyquant_awq.autoawq_worker``; writes ``dst / "model"``."""
-        from anyquant.quantization import run_worker
+        from anyquant.plugin import run_worker
 
         log.warning(
             "quantizer_backend='autoawq': AutoAWQ is deprecated upstream (0.2.9 is its last release, tested "

@@ -42,22 +42,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anyquant.errors import (
+from anyquant.plugin import (
     AnyquantError,
+    BackendInfo,
+    GenerationParams,
+    LoadOptions,
     MissingDependencyError,
     ModelClosedError,
     ParameterError,
     UnsupportedBackendError,
 )
-from anyquant.protocols import BackendInfo, GenerationParams, LoadOptions
 from anyquant.runtime.generate import TorchGenerator
 
-from .loader import EXLLAMAV3_OPTIONS
+from .options import EXLLAMAV3_OPTIONS
 
 if TYPE_CHECKING:
-    from anyquant.probe import Probe
-    from anyquant.protocols import Detection, Prompt
-    from anyquant.runtime.loaded import LoadedModel
+    from anyquant.plugin import Detection, LoadedModel, Probe, Prompt
 
 __all__ = [
     "BACKEND",
@@ -81,7 +81,7 @@ BACKEND = "exllamav3"
 PAGE_SIZE = 256
 #: Default KV-cache size in tokens, shared by every job of a batch (``cache_tokens=`` to change).
 DEFAULT_CACHE_TOKENS = 8192
-#: ``LoadOptions.extra`` keys this backend reads (declared once, in the loader's ``EXLLAMAV3_OPTIONS``).
+#: ``LoadOptions.extra`` keys this backend reads (declared once, in ``EXLLAMAV3_OPTIONS``, which the loader's ``load_options`` include).
 EXTRA_OPTIONS = tuple(EXLLAMAV3_OPTIONS)
 INSTALL_HINT = "pip install exllamav3 (needs an Ampere or newer NVIDIA GPU and a CUDA toolkit for its JIT build)"
 
@@ -498,7 +498,7 @@ def load_exllamav3(
     all jobs, default 8192; exllamav3 caps ``max_new_tokens`` to what fits), ``max_batch_size`` (default 16),
     ``max_chunk_size`` (prefill chunk, default 2048).
     """
-    from anyquant.runtime.loaded import LoadedModel
+    from anyquant.plugin import LoadedModel
     from anyquant.runtime.tokenizer import load_tokenizer
 
     extra = dict(options.extra)

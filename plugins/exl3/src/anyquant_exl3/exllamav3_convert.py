@@ -28,10 +28,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from anyquant.errors import QuantizeError
-from anyquant.protocols import QuantizeSpec
+from anyquant.plugin import QuantizeError, QuantizeSpec
 
-from .quantize import embed_bits
+from .options import embed_bits
 
 __all__ = ["converter_command", "converted_ok", "job", "layer_progress", "write_calibration"]
 
@@ -119,7 +118,7 @@ def write_calibration(tokenizer: Any, texts: Sequence[str], seq_len: int, path: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Worker entry point: ``python -m anyquant_exl3.exllamav3_convert job.json``."""
-    from anyquant.quantization import emit_progress, emit_result
+    from anyquant.plugin import emit_progress, emit_result
 
     args = list(sys.argv[1:] if argv is None else argv)
     spec = json.loads(Path(args[0]).read_text())

@@ -7,33 +7,40 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from anyquant.errors import CheckpointError, UnsupportedBackendError, UnsupportedFormatError
-from anyquant.loaders import (
+from anyquant.plugin import (
     CPU_FAST_OPTIONS,
     FLOAT_SCALE_DTYPES,
     RUNTIME_OPTIONS,
+    BackendInfo,
+    CheckpointError,
+    Detection,
     LoadContext,
+    LoadOptions,
+    ModuleInfo,
+    Probe,
     TransformersLoader,
+    UnsupportedBackendError,
+    UnsupportedFormatError,
+    dense_rows,
     require_dtypes,
+    tensors_by_module,
 )
-from anyquant.probe import Probe
-from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
-from anyquant.report import dense_rows, tensors_by_module
 from anyquant.runtime.tensors import SafetensorsSource
 
+from .options import EXLLAMAV3_OPTIONS
 from .plugin import RING_GROUP, RingTableInfo, ring_tables
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from anyquant.runtime.loaded import LoadedModel
+    from anyquant.plugin import LoadedModel
     from anyquant.runtime.parts import PartsPlan
     from anyquant.runtime.qlinear import QuantLinearBase
 
     from .ring import RingTable
 
-__all__ = ["EXL2Loader", "EXL3Loader"]
+__all__ = ["EXLLAMAV3_OPTIONS", "EXL2Loader", "EXL3Loader"]
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +116,7 @@ def _logical_shapes(probe: Probe) -> dict[str, tuple[int, int]]:
     holds each padded to multiples of 128 (SmolLM2's k_proj, 64 x 576, is stored as 128 x 640), and inspect
     reports the logical shape, as ModuleInfo documents and every other format does. Empty without a usable
     config."""
-    from anyquant.sizing import SizingError, model_shape
+    from anyquant.plugin import SizingError, model_shape
 
     try:
         m = model_shape(probe.config or {})
@@ -249,19 +256,6 @@ class BF16CpuFast:
         if isinstance(loaded.module.get_output_embeddings(), PrepackedBf16Linear):
             head = {"head": "bfloat16 prepacked (a quantized head)"}
         loaded.info = {**loaded.info, "cpu_fast": {"linears": "bfloat16 prepacked", "lm_head": head}}
-
-
-#: the ``exllamav3`` backend's load options (read in :mod:`anyquant_exl3.cuda_backend`)
-EXLLAMAV3_OPTIONS: Mapping[str, str] = MappingProxyType(
-    {
-        "tensor_parallel": "exllamav3's tensor-parallel load over every visible GPU (2 or more; default False)",
-        "tp_backend": "with tensor_parallel: exllamav3's tp_backend, passed through",
-        "autosplit": "split the layers over the visible GPUs (exllamav3's autosplit loader)",
-        "cache_tokens": "KV-cache size in tokens, shared by the jobs of a batch (default 8192)",
-        "max_chunk_size": "prompt tokens per forward (default 2048)",
-        "max_batch_size": "the generator's batch size (default 16)",
-    }
-)
 
 
 class EXL3Loader(BF16CpuFast, TransformersLoader):

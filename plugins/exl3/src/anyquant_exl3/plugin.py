@@ -6,9 +6,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from anyquant import hookimpl
-from anyquant.probe import Probe
-from anyquant.protocols import Claim, FormatSpec
+from anyquant.plugin import Claim, FormatSpec, Probe, hookimpl
 
 #: the codebook markers' int32 values (uint32 0xCBAC1FED / 0x83DCD12D viewed as int32).
 CODEBOOK_MARKERS = {"mcg": "mcg", "mul1": "mul1"}

@@ -35,9 +35,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from anyquant.errors import QuantizeError
-from anyquant.probe import Probe
-from anyquant.protocols import QuantizeSpec
+from anyquant.plugin import ParameterError, Probe, QuantizeError, QuantizeSpec
+
+from .options import embed_bits
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +49,7 @@ __all__ = [
     "QUANTIZER_BACKENDS",
     "EXL3Quantizer",
     "allocate_bits",
+    "embed_bits",
     "quantizer_backend",
 ]
 
@@ -213,14 +214,6 @@ def _embedding_weight(probe: Probe) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def embed_bits(spec: QuantizeSpec) -> int:
-    """Option ``embed_bits``: 16 (the default: the embedding stays unquantized) or a whole K in 1..8."""
-    value = spec.options.get("embed_bits", 16)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value not in (16, *range(1, 9)):
-        raise QuantizeError(f"embed_bits must be a whole number of bits in 1..8, or 16 (unquantized), got {value!r}")
-    return int(value)
-
-
 def _hessians(
     src: Path, names: list[str], spec: QuantizeSpec, progress: Callable[[float], None]
 ) -> dict[str, torch.Tensor] | None:
@@ -230,7 +223,7 @@ def _hessians(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from anyquant.quantization import calibration_batch, calibration_texts
+    from anyquant.plugin import calibration_batch, calibration_texts
 
     from .hessian import capture_hessians
 
@@ -263,7 +256,7 @@ def quantizer_backend(spec: QuantizeSpec) -> str:
     ``batch_tiles``: anyquant's; ``devices``, ``out_scales``, ``scaled_hessian``: exllamav3's), which choose it.
     Options of the quantizer not chosen are a :class:`QuantizeError`, and so is exllamav3's converter where
     it cannot run. Never imports exllamav3 (that JIT-builds its extension)."""
-    from anyquant.quantization import route_backend
+    from anyquant.plugin import route_backend
 
     from .cuda_backend import backend_info
 
@@ -298,6 +291,12 @@ class EXL3Quantizer:
             "devices": "exllamav3's converter: the GPUs to use (default '0')",
         }
     )
+
+    @staticmethod
+    def check_flags(given: Mapping[str, Any]) -> None:
+        """``anyquant quantize --method exl3``: ``--group-size`` is refused, not ignored."""
+        if "group_size" in given:
+            raise ParameterError("--group-size: exl3 has no groups (its scales are per channel); drop the flag")
 
     def validate(self, probe: Probe, spec: QuantizeSpec) -> None:
         if not 1 <= spec.bits <= 8:
@@ -427,7 +426,7 @@ class EXL3Quantizer:
         """exllamav3's converter in a worker subprocess, on anyquant's calibration texts."""
         from transformers import AutoTokenizer
 
-        from anyquant.quantization import calibration_texts, run_worker
+        from anyquant.plugin import calibration_texts, run_worker
 
         from . import exllamav3_convert as conv
 
@@ -448,8 +447,7 @@ class EXL3Quantizer:
     def _write_config(
         self, probe: Probe, out: Path, ks: list[float], sizes: list[int], codebook: str, method: str, ebits: int = 16
     ) -> None:
-        from anyquant import __version__
-        from anyquant.probe import thaw
+        from anyquant.plugin import __version__, thaw
 
         cfg: dict[str, Any] = thaw(probe.config) if probe.config is not None else {}
         avg = sum(k * n for k, n in zip(ks, sizes, strict=True)) / sum(sizes)

@@ -274,10 +274,24 @@ def tokenizer_from_metadata(
     """A ``PreTrainedTokenizerFast`` from :func:`tokenizer_metadata`'s dict (see module doc)."""
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError("the GGUF file has no tokenizer.ggml.tokens: it carries no tokenizer")
-    if _builds_here(meta):
-        backend = _llama_cpp_token_attributes(_byte_level_backend(meta), meta)
-        return _wrap(backend, tokenizer_config_from_metadata(meta), name_or_path)
-    return _transformers_converter(meta, name_or_path, path)
+    try:
+        if _builds_here(meta):
+            backend = _llama_cpp_token_attributes(_byte_level_backend(meta), meta)
+            return _wrap(backend, tokenizer_config_from_metadata(meta), name_or_path)
+        return _transformers_converter(meta, name_or_path, path)
+    except (ImportError, MemoryError):
+        raise
+    except Exception as exc:  # tokenizers raises a bare Exception (a merge naming a token not in the vocabulary)
+        from anyquant.errors import AnyquantError, CheckpointError
+
+        if isinstance(exc, AnyquantError):
+            raise
+        where = os.path.basename(path) if path else (name_or_path or "the GGUF file")
+        raise CheckpointError(
+            f"{where}: its tokenizer metadata (tokenizer.ggml.*) cannot be built into a tokenizer: "
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}. The file is damaged or was written "
+            "wrongly; re-download or re-convert it"
+        ) from exc
 
 
 def tokenizer_from_reader(reader: Any) -> Any:

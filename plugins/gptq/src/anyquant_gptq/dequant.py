@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 import torch
 
-from anyquant.errors import CheckpointError
+from anyquant.plugin import CheckpointError
 from anyquant.runtime.packing import (
     check_bits,
     pack_cols,

@@ -7,12 +7,18 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from anyquant.errors import CheckpointError, UnsupportedBackendError
 from anyquant.int4.loader import QUANT_DTYPES, Int4Loader, Int4State
-from anyquant.loaders import LoadContext, require_dtypes
-from anyquant.probe import Probe
-from anyquant.protocols import Detection, LoadOptions, ModuleInfo
-from anyquant.report import dense_rows
+from anyquant.plugin import (
+    CheckpointError,
+    Detection,
+    LoadContext,
+    LoadOptions,
+    ModuleInfo,
+    Probe,
+    UnsupportedBackendError,
+    dense_rows,
+    require_dtypes,
+)
 
 from .signature import GPTQSignature, read_signature
 

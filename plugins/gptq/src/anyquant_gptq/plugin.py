@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from anyquant import hookimpl
-from anyquant.probe import Probe
-from anyquant.protocols import Claim, FormatSpec
+from anyquant.plugin import Claim, FormatSpec, Probe, hookimpl
 
 from .signature import config_summary, read_signature
 

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import ClassVar
+
 from anyquant.int4.gptqmodel_quantizer import GPTQModelQuantizer
+from anyquant.plugin import QuantizeFlag
 
 __all__ = ["GPTQQuantizer"]
 
@@ -12,3 +16,8 @@ class GPTQQuantizer(GPTQModelQuantizer):
     method = "gptq"
     formats = ("gptq", "gptq_v2")
     bits_allowed = (2, 3, 4, 8)
+    #: ``anyquant quantize``'s GPTQ flags
+    quantize_flags: ClassVar[Sequence[QuantizeFlag]] = (
+        QuantizeFlag("desc_act", "GPTQ act-order", "switch"),
+        QuantizeFlag("format", "checkpoint format, e.g. gptq (v1) or gptq_v2", "str"),
+    )

@@ -8,7 +8,7 @@ from itertools import repeat
 from operator import add, attrgetter, floordiv, itemgetter, mul
 from typing import Any, NamedTuple
 
-from anyquant.probe import Probe
+from anyquant.plugin import Probe
 
 __all__ = ["GPTQModule", "GPTQSignature", "read_signature"]
 

@@ -1,0 +1,20 @@
+"""anyquant's built-in commands, shipped as default plugins: each module here implements
+``anyquant_register_commands`` exactly as a third party's plugin does (``cli.add_command(name, help, configure,
+run)``). :mod:`anyquant.cli` calls these first, in this order, without any plugin discovery (so ``anyquant
+--help`` lists them and stays fast), then, for a command that is not one of them, every installed plugin's.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_COMMANDS"]
+
+#: the modules of the built-in commands, in the order ``anyquant --help`` lists them
+DEFAULT_COMMANDS = (
+    "anyquant.commands.checkpoint",  # detect, inspect, plugins, backends
+    "anyquant.commands.generate",  # generate
+    "anyquant.commands.quantize",  # quantize
+    "anyquant.commands.export",  # export
+    "anyquant.commands.evaluate",  # eval, compare
+    "anyquant.commands.sizing",  # estimate, advise
+    "anyquant.commands.calibration",  # calibration list|sample|check
+)

@@ -1,0 +1,203 @@
+"""The plugin API: everything a format plugin may import from anyquant's core, in one place.
+
+    from anyquant.plugin import Claim, FormatSpec, Probe, hookimpl
+
+A plugin imports from here, from :mod:`anyquant.int4` (the shared int4 loader base), from the runtime's
+modules (``anyquant.runtime.*``) and from :mod:`anyquant.testing`; nothing else of core (the tool modules
+``sizing``, ``calibration``, ``evaluate``, ``cli`` ... are not an API and may change). What is here is kept
+stable. Names are imported lazily, as in :mod:`anyquant`: importing this module imports neither torch nor
+any tool module, and a name costs only its own module. Each name is the object of its home module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import __version__
+
+_EXPORTS: dict[str, str] = {
+    # the hooks
+    "hookimpl": "hookspecs",
+    "CalibrationRegistrar": "hookspecs",
+    "CommandRegistrar": "hookspecs",
+    # detection
+    "Probe": "probe",
+    "TOKENIZER_FILES": "probe",
+    "display_name": "probe",
+    "thaw": "probe",
+    # the contract's types
+    "Claim": "protocols",
+    "Detection": "protocols",
+    "FormatSpec": "protocols",
+    "BackendInfo": "protocols",
+    "ModuleInfo": "protocols",
+    "LoadOptions": "protocols",
+    "QuantizeSpec": "protocols",
+    "QuantizeFlag": "protocols",
+    "GenerationParams": "protocols",
+    "Prompt": "protocols",
+    "LoadedModel": "protocols",
+    "Loader": "protocols",
+    "Quantizer": "protocols",
+    "Generator": "protocols",
+    # errors
+    "AnyquantError": "errors",
+    "CheckpointError": "errors",
+    "ConfigError": "errors",
+    "MissingDependencyError": "errors",
+    "MissingTensorError": "errors",
+    "ModelClosedError": "errors",
+    "ParameterError": "errors",
+    "PickleRefusedError": "errors",
+    "QuantizeError": "errors",
+    "UnsupportedBackendError": "errors",
+    "UnsupportedFormatError": "errors",
+    # loaders: the transformers-skeleton base and its option declarations
+    "TransformersLoader": "loaders",
+    "LoadContext": "loaders",
+    "LoadPlan": "loaders",
+    "require_dtypes": "loaders",
+    "CPU_FAST_OPTIONS": "loaders",
+    "FLOAT_SCALE_DTYPES": "loaders",
+    "RUNTIME_OPTIONS": "loaders",
+    # inspect rows
+    "dense_rows": "report",
+    "tensors_by_module": "report",
+    # header tables
+    "GGUF_TYPE_SIZES": "headers",
+    # quantizers: calibration, backend routing, worker subprocesses
+    "calibration_texts": "quantization",
+    "calibration_batch": "quantization",
+    "route_backend": "quantization",
+    "run_worker": "quantization",
+    "emit_progress": "quantization",
+    "emit_result": "quantization",
+    "watch_parent": "quantization",
+    # a decoder's shape from its config
+    "model_shape": "sizing",
+    "SizingError": "sizing",
+}
+
+__all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_imports.py pins it)
+    "AnyquantError",
+    "BackendInfo",
+    "CPU_FAST_OPTIONS",
+    "CalibrationRegistrar",
+    "CheckpointError",
+    "Claim",
+    "CommandRegistrar",
+    "ConfigError",
+    "Detection",
+    "FLOAT_SCALE_DTYPES",
+    "FormatSpec",
+    "GGUF_TYPE_SIZES",
+    "GenerationParams",
+    "Generator",
+    "LoadContext",
+    "LoadOptions",
+    "LoadPlan",
+    "LoadedModel",
+    "Loader",
+    "MissingDependencyError",
+    "MissingTensorError",
+    "ModelClosedError",
+    "ModuleInfo",
+    "ParameterError",
+    "PickleRefusedError",
+    "Probe",
+    "Prompt",
+    "QuantizeError",
+    "QuantizeFlag",
+    "QuantizeSpec",
+    "Quantizer",
+    "RUNTIME_OPTIONS",
+    "SizingError",
+    "TOKENIZER_FILES",
+    "TransformersLoader",
+    "UnsupportedBackendError",
+    "UnsupportedFormatError",
+    "__version__",
+    "calibration_batch",
+    "calibration_texts",
+    "dense_rows",
+    "display_name",
+    "emit_progress",
+    "emit_result",
+    "hookimpl",
+    "model_shape",
+    "require_dtypes",
+    "route_backend",
+    "run_worker",
+    "tensors_by_module",
+    "thaw",
+    "watch_parent",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'anyquant.plugin' has no attribute {name!r}")
+    # looked up in its home module each time, never copied here: a test that patches the home module
+    # (``anyquant.quantization.run_worker``) patches what plugins get from here too
+    return getattr(importlib.import_module(f"anyquant.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:
+    from .errors import (
+        AnyquantError,
+        CheckpointError,
+        ConfigError,
+        MissingDependencyError,
+        MissingTensorError,
+        ModelClosedError,
+        ParameterError,
+        PickleRefusedError,
+        QuantizeError,
+        UnsupportedBackendError,
+        UnsupportedFormatError,
+    )
+    from .headers import GGUF_TYPE_SIZES
+    from .hookspecs import CalibrationRegistrar, CommandRegistrar, hookimpl
+    from .loaders import (
+        CPU_FAST_OPTIONS,
+        FLOAT_SCALE_DTYPES,
+        RUNTIME_OPTIONS,
+        LoadContext,
+        LoadPlan,
+        TransformersLoader,
+        require_dtypes,
+    )
+    from .probe import TOKENIZER_FILES, Probe, display_name, thaw
+    from .protocols import (
+        BackendInfo,
+        Claim,
+        Detection,
+        FormatSpec,
+        GenerationParams,
+        Generator,
+        LoadedModel,
+        Loader,
+        LoadOptions,
+        ModuleInfo,
+        Prompt,
+        QuantizeFlag,
+        Quantizer,
+        QuantizeSpec,
+    )
+    from .quantization import (
+        calibration_batch,
+        calibration_texts,
+        emit_progress,
+        emit_result,
+        route_backend,
+        run_worker,
+        watch_parent,
+    )
+    from .report import dense_rows, tensors_by_module
+    from .sizing import SizingError, model_shape

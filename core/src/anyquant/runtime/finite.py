@@ -1,0 +1,35 @@
+"""Finiteness checks at load: a NaN or infinite weight (a scale, a norm, an embedding row) otherwise loads
+silently and every forward then gives NaN logits."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import NumericalError
+
+__all__ = ["check_finite"]
+
+
+def check_finite(name: str, value: torch.Tensor, *, source: torch.Tensor | None = None) -> None:
+    """:class:`~anyquant.errors.NumericalError` naming tensor ``name`` if floating ``value`` holds NaN or
+    ±inf. ``source``: what ``value`` was converted from; when that is finite the message says the conversion
+    overflowed (a float32 value past float16's range) rather than that the checkpoint is damaged."""
+    if not value.is_floating_point() or value.is_meta or value.numel() == 0:
+        return
+    # one pass, no temporary: any NaN or inf element makes the sum NaN or inf (a finite sum past the dtype's
+    # range falls through to the exact check). 4 ms for a 49152x576 float32 embedding, against 70 for isfinite.
+    if bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all()):
+        return
+    nan = int(torch.isnan(value).sum())
+    inf = int(torch.isinf(value).sum())
+    found = ", ".join(p for p in (f"{nan} NaN" if nan else "", f"{inf} inf" if inf else "") if p)
+    dtype = str(value.dtype).removeprefix("torch.")
+    if source is not None and source.dtype != value.dtype and bool(torch.isfinite(source).all()):
+        raise NumericalError(
+            f"tensor {name!r} overflows {dtype} ({found} after the conversion from "
+            f"{str(source.dtype).removeprefix('torch.')}): load it with dtype='float32' or 'bfloat16'"
+        )
+    raise NumericalError(
+        f"tensor {name!r} holds {found} of its {value.numel()} values: the checkpoint is damaged or was "
+        "quantized/converted wrongly (every output would be NaN). Re-download or re-export it"
+    )
