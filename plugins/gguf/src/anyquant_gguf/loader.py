@@ -31,10 +31,21 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from anyquant.errors import CheckpointError, MissingTensorError, UnsupportedBackendError, UnsupportedFormatError
-from anyquant.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext, TransformersLoader
-from anyquant.probe import Probe
-from anyquant.protocols import BackendInfo, Detection, LoadOptions, ModuleInfo
+from anyquant.plugin import (
+    CPU_FAST_OPTIONS,
+    RUNTIME_OPTIONS,
+    BackendInfo,
+    CheckpointError,
+    Detection,
+    LoadContext,
+    LoadOptions,
+    MissingTensorError,
+    ModuleInfo,
+    Probe,
+    TransformersLoader,
+    UnsupportedBackendError,
+    UnsupportedFormatError,
+)
 
 from .plugin import split_part, which
 
@@ -371,7 +382,7 @@ class GGUFLoader(TransformersLoader):
         return factory
 
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
-        from anyquant.headers import GGUF_TYPE_SIZES
+        from anyquant.plugin import GGUF_TYPE_SIZES
 
         g = probe.gguf[0]
         rows = []

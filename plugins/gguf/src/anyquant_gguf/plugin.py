@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from anyquant import hookimpl
-from anyquant.probe import Probe, display_name
-from anyquant.protocols import Claim, FormatSpec
+from anyquant.plugin import Claim, FormatSpec, Probe, display_name, hookimpl
 
 FORMAT = "gguf"
 

@@ -42,7 +42,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from numpy.typing import NDArray
 
-from anyquant.errors import CheckpointError
+from anyquant.plugin import CheckpointError
 
 __all__ = [
     "DEQUANTIZABLE_TYPES",

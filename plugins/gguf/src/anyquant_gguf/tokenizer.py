@@ -282,7 +282,7 @@ def tokenizer_from_metadata(
     except (ImportError, MemoryError):
         raise
     except Exception as exc:  # tokenizers raises a bare Exception (a merge naming a token not in the vocabulary)
-        from anyquant.errors import AnyquantError, CheckpointError
+        from anyquant.plugin import AnyquantError, CheckpointError
 
         if isinstance(exc, AnyquantError):
             raise
