@@ -310,7 +310,7 @@ def build_model(
     tensors = sum(1 for _ in source.keys())
     model: Any = skeleton(config, trust_remote_code=trust_remote_code, runtime=runtime, tensors=tensors)
     device = torch.device(device)
-    stored = _StoredNames(source, config.get("model_type"))
+    stored = _StoredNames(source, config.get("model_type"), native=getattr(model, "runtime_name", "") == "native")
     src = name_map or stored.resolve
     # state the skeleton made real (DeepSeek's router bias `e_score_correction_bias`): the checkpoint's values
     # replace it; rotary tables are not persistent and never read
@@ -400,11 +400,14 @@ class _StoredNames:
     """The checkpoint's module names, and the names a model tensor may have there: its own, or transformers'
     renaming for the architecture run backwards (Mixtral's ``mlp`` is ``block_sparse_moe`` on disk)."""
 
-    def __init__(self, source: TensorSource, model_type: Any) -> None:
+    def __init__(self, source: TensorSource, model_type: Any, *, native: bool) -> None:
         from .experts import checkpoint_names
 
         self.source = source
-        self.renames = checkpoint_names(model_type if isinstance(model_type, str) else None)
+        # the native decoder's families (Llama, Mistral, Qwen2) have no renamings, and asking for them would import
+        # transformers' conversion tables (0.7 s) that a native build otherwise never loads
+        known = model_type if isinstance(model_type, str) and not native else None
+        self.renames = checkpoint_names(known)
         self._modules: set[str] | None = None
 
     def has_module(self, name: str) -> bool:

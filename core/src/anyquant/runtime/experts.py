@@ -46,15 +46,17 @@ def fused_experts(module: nn.Module) -> tuple[int, int, int] | None:
 def checkpoint_names(model_type: str | None) -> Callable[[str], list[str]]:
     """The names a model's tensor may have in a checkpoint, besides its own: transformers' plain renamings for
     ``model_type`` run backwards (Mixtral's ``.mlp.`` is ``.block_sparse_moe.`` on disk). Renamings that are
-    regular expressions beyond escaped dots are not reversed."""
+    regular expressions beyond escaped dots are not reversed. ``None``: no renamings (nothing is imported)."""
     pairs: list[tuple[str, str]] = []
+    if model_type is None:
+        return lambda name: []
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
     except ImportError:  # a transformers without conversion mappings: no renamings
         rules: Any = ()
     else:
-        rules = (get_checkpoint_conversion_mapping(model_type) if model_type else None) or ()  # type: ignore[no-untyped-call]
+        rules = get_checkpoint_conversion_mapping(model_type) or ()  # type: ignore[no-untyped-call]
     for rule in rules:
         if not isinstance(rule, WeightRenaming) or isinstance(rule, WeightConverter):
             continue
