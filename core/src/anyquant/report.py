@@ -125,9 +125,11 @@ def build_report(probe: Probe, detection: Detection, loader: Any | None) -> Repo
 def _experts(probe: Probe, rows: list[ModuleInfo], params: int) -> dict[str, Any]:
     """A mixture-of-experts model's experts per layer, experts per token and the parameters one token reads
     (every non-expert module and ``experts_per_token / experts`` of the experts'); empty for other models."""
+    from .sizing import EXPERTS_KEYS, EXPERTS_PER_TOKEN_KEYS
+
     cfg = probe.config or {}
-    count = next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)), None)
-    per_token = cfg.get("num_experts_per_tok")
+    count = next((cfg[k] for k in EXPERTS_KEYS if cfg.get(k)), None)
+    per_token = next((cfg[k] for k in EXPERTS_PER_TOKEN_KEYS if cfg.get(k)), None)
     if not isinstance(count, int) or not isinstance(per_token, int) or not 0 < per_token <= count:
         return {}
     in_experts = sum(_numel(m.shape) for m in rows if ".experts." in m.name)

@@ -82,6 +82,11 @@ class SizingError(AnyquantError):
 # ---------------------------------------------------------------------- model shapes
 
 
+#: a MoE config's routed experts per layer, and experts per token, under the names families use
+EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Parameter counts and attention geometry of a decoder-only model."""
@@ -170,7 +175,7 @@ def model_shape(config: Mapping[str, Any], name: str = "model") -> ModelShape:
     if not isinstance(tie, bool):
         raise SizingError(f"config's tie_word_embeddings must be true or false, got {tie!r}")
     tied = tie
-    experts = _int(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0)
+    experts = _int(cfg, *EXPERTS_KEYS, default=0)
 
     mlp_mats = 2 if model_type in NON_GATED else 3
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
@@ -181,7 +186,7 @@ def model_shape(config: Mapping[str, Any], name: str = "model") -> ModelShape:
         expert_inter = _int(cfg, "moe_intermediate_size", default=intermediate, minimum=1)
         shared_inter = _int(cfg, "shared_expert_intermediate_size", default=0)
         shared_inter += _int(cfg, "n_shared_experts", default=0) * expert_inter
-        per_token = _int(cfg, "num_experts_per_tok", "moe_topk", "num_experts_per_token", default=2, minimum=1)
+        per_token = _int(cfg, *EXPERTS_PER_TOKEN_KEYS, default=2, minimum=1)
         expert = sum(i * o for i, o in _linears(hidden, 0, 0, expert_inter, mlp_mats)[4:])
         expert_pad = sum(_pad128(i) * _pad128(o) for i, o in _linears(hidden, 0, 0, expert_inter, mlp_mats)[4:])
         shared = mlp_mats * hidden * shared_inter
