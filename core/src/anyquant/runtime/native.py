@@ -115,13 +115,15 @@ def rope_inv_freq(config: NativeConfig) -> torch.Tensor:
 class NativeCache:
     """Per layer, the keys and values seen so far ``[batch, kv_heads, tokens, head_dim]``.
 
-    Stored in buffers with spare room (doubled when full), so a decode step writes one position instead
-    of concatenating the whole history."""
+    Stored in buffers with spare room, so a decode step writes one position instead of concatenating the
+    whole history. With ``capacity`` (the positions the caller will use: prompt plus new tokens) the first
+    buffer holds all of them and is never copied; without it a full buffer is doubled."""
 
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, capacity: int | None = None) -> None:
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.lengths = [0] * layers
+        self.capacity = capacity
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self.lengths[layer]
@@ -134,7 +136,8 @@ class NativeCache:
         kb, vb = self.keys[layer], self.values[layer]
         if kb is None or vb is None or kb.shape[2] < end:
             start = self.lengths[layer]
-            room = max(end, 2 * (kb.shape[2] if kb is not None else 0), 64)
+            held = kb.shape[2] if kb is not None else 0
+            room = max(end, self.capacity) if self.capacity is not None and held == 0 else max(end, 2 * held, 64)
             grown_k = like.new_empty((batch, kv_heads, room, head_dim))
             grown_v = like.new_empty((batch, kv_heads, room, head_dim))
             if kb is not None and vb is not None and start:
@@ -306,6 +309,10 @@ class NativeCausalLM(nn.Module):
             mask = mask & (valid | (key == query)[None, None])
         return mask
 
+    def new_cache(self, capacity: int | None = None) -> NativeCache:
+        """An empty cache for ``capacity`` positions (prompt plus new tokens; see :class:`NativeCache`)."""
+        return NativeCache(self.config.num_hidden_layers, capacity)
+
     def unload(self) -> None:
         """Drop the compiled decode step (it refers back to this module: without this, ``LoadedModel.close()``
         would leave the pair to the cycle collector; it is rebuilt on the next decode step)."""
@@ -329,8 +336,12 @@ class NativeCausalLM(nn.Module):
         cache: NativeCache | None = None,
         use_cache: bool = False,
         past_key_values: NativeCache | None = None,
+        logits_to_keep: int = 0,
         **_: Any,
     ) -> NativeOutput:
+        """``logits_to_keep``: logits for the last that many positions only (0: every position), as
+        transformers' models take it: a generator's prefill asks for 1 (an 8,000-token prompt's logits would
+        be 8,000 x the vocabulary in float32, 1.6 GB for SmolLM2)."""
         cache = cache if cache is not None else past_key_values
         if cache is None and use_cache:
             cache = NativeCache(self.config.num_hidden_layers)
@@ -351,6 +362,8 @@ class NativeCausalLM(nn.Module):
         else:
             for layer in self.model.layers:
                 h = layer(h, cos, sin, mask, cache)
+        if logits_to_keep > 0:
+            h = h[:, -logits_to_keep:]
         logits = self.lm_head(self.model.norm(h))
         return NativeOutput(logits=logits, cache=cache if use_cache else None)
 
