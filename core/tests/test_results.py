@@ -439,3 +439,9 @@ def test_cli_system_and_cap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["generate", str(path), "--prompt", long_prompt, "--max-new-tokens", "40"]) == 0
     err = capsys.readouterr().err
     assert err.startswith(f"note: max_new_tokens capped at {65 - n} (asked 40)"), err
+
+
+def test_parameters_stay_hashable_and_equal_by_value() -> None:
+    a, b = GenerationParams(logit_bias={1: 2}), GenerationParams(logit_bias={1: 2.0})
+    assert a == b and hash(a) == hash(b) and a.logit_bias == {1: 2.0}
+    assert a != GenerationParams(logit_bias={1: 3.0})

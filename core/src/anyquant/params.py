@@ -40,7 +40,7 @@ class GenerationParams:
     #: subtracted from a token's logit once per time it was generated (OpenAI's, in [-2, 2]; 0 = off)
     frequency_penalty: float = 0.0
     #: added to the logits of these token ids before anything else (OpenAI's, values in [-100, 100])
-    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)  # params stay hashable
     #: ``complete``/``complete_stream``: report each generated token's log-probability
     logprobs: bool = False
     #: with ``logprobs``: also the ``top_logprobs`` most likely tokens at each step (0-20)

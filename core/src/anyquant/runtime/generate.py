@@ -620,18 +620,12 @@ class TorchGenerator:
             rows = order[start : start + batch_size]
             width = len(inputs[rows[0]][0])
             x = torch.zeros((len(rows), width), dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
             for r, i in enumerate(rows):
                 seq = inputs[i][0]
                 x[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-                mask[r, : len(seq)] = 1
-            positions = torch.arange(width).expand(len(rows), width)
-            logits = self._forward(
-                input_ids=x.to(self.device),
-                attention_mask=mask.to(self.device),
-                position_ids=positions.to(self.device),
-                use_cache=False,
-            ).logits
+            # right padding needs neither a mask nor positions: a causal model's real tokens never see the pads after
+            # them (and a module without padding support, exllamav3's, takes the batch as it is)
+            logits = self._forward(input_ids=x.to(self.device), use_cache=False).logits
             for r, i in enumerate(rows):
                 seq, n = inputs[i]
                 cont = pairs[i][1]
