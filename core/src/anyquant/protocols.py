@@ -361,12 +361,14 @@ class LoadedModel:
             yield chunk
 
     async def _in_thread(self, start: Callable[[], Iterable[_T]]) -> AsyncIterator[_T]:
-        """Run ``start()`` and iterate it in a worker thread under :attr:`lock`, handing items to the event loop."""
+        """Run ``start()`` and iterate it in a worker thread under :attr:`lock`, handing items to the event loop; the
+        worker runs at most :data:`ASYNC_AHEAD` items ahead of the consumer (a slow client holds the decode)."""
         import asyncio
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         cancelled = threading.Event()
+        ahead = threading.Semaphore(ASYNC_AHEAD)
 
         def put(kind: str, value: Any) -> None:
             try:
@@ -376,16 +378,16 @@ class LoadedModel:
 
         def work() -> None:
             with self.lock:
-                if cancelled.is_set():
-                    put("end", None)
-                    return
                 try:
-                    items = iter(start())
+                    items = iter(start()) if not cancelled.is_set() else iter(())
                     try:
                         for item in items:
-                            put("item", item)
+                            while not ahead.acquire(timeout=0.05):
+                                if cancelled.is_set():
+                                    return
                             if cancelled.is_set():
-                                break
+                                return
+                            put("item", item)
                     finally:
                         close = getattr(items, "close", None)
                         if callable(close):
@@ -401,6 +403,7 @@ class LoadedModel:
             while True:
                 kind, value = await queue.get()
                 if kind == "item":
+                    ahead.release()
                     yield value
                 elif kind == "error":
                     raise value
@@ -468,6 +471,9 @@ class LoadedModel:
             f"device={self.device!r}, dtype={self.dtype!r}{', closed' if self.closed else ''})"
         )
 
+
+#: how many items (stream pieces, chunks) an async call's worker thread may run ahead of its consumer
+ASYNC_AHEAD = 8
 
 #: the methods :meth:`LoadedModel.complete` and the scoring methods need of a generator
 _RESULT_METHODS = ("complete_stream", "loglikelihood", "loglikelihood_rolling")
