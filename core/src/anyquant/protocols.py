@@ -7,16 +7,17 @@ need not inherit from anything: the protocols are structural.
 
 from __future__ import annotations
 
-import math
-import numbers
 import sys
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+import threading
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from .errors import ModelClosedError, ParameterError
+from .params import GenerationKwargs, GenerationParams, Prompt, _is_int
 from .probe import Probe  # torch-free: imported so that typing.get_type_hints resolves the protocols
+from .results import GenerationResult, StreamChunk, collect
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -40,10 +41,6 @@ __all__ = [
     "QuantizeSpec",
     "Quantizer",
 ]
-
-#: a plain prompt, or chat messages (``[{"role": "user", "content": "..."}]``; a message's content may be
-#: anything its chat template reads: a string, a list of parts, ``None``).
-Prompt = str | Sequence[Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -105,72 +102,6 @@ class LoadOptions:
     allow_pickle: bool = False
     trust_remote_code: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """How to generate. Out-of-range or mistyped values are a :class:`~anyquant.errors.ParameterError`
-    when the object is made (``temperature=-1``, ``top_p=2``, ``max_new_tokens="5"``, ``stop=[1]``)."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    chat: bool | None = None  # None: apply the chat template to message lists only
-
-    def __post_init__(self) -> None:
-        def bad(name: str, want: str) -> ParameterError:
-            return ParameterError(f"{name}={getattr(self, name)!r}: expected {want}")
-
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
-            raise bad("max_new_tokens", "an integer >= 0")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "a number >= 0 (0 = greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", "an integer >= 0 (0 = off)")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "a number in (0, 1] (1 = off)")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "a number > 0 (1 = off)")
-        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "non-empty strings")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise bad("seed", "an integer in [0, 2**63) or None")
-        if self.chat is not None and not isinstance(self.chat, bool):
-            raise bad("chat", "True, False or None")
-        # numpy scalars (np.int64(5), np.float32(0.5)) pass the checks above; keep plain Python values
-        for name, kind in (("max_new_tokens", int), ("top_k", int), ("temperature", float), ("top_p", float)):
-            object.__setattr__(self, name, kind(getattr(self, name)))
-        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
-        if self.seed is not None:
-            object.__setattr__(self, "seed", int(self.seed))
-
-
-class GenerationKwargs(TypedDict, total=False):
-    """The keywords of ``generate``/``stream``/``generate_batch``: :class:`GenerationParams`' fields, so a
-    type checker flags a misspelt ``max_tokens`` as the runtime does; ``stop`` may also be one string."""
-
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    repetition_penalty: float
-    stop: str | Sequence[str] | None
-    seed: int | None
-    chat: bool | None
-
-
-def _is_int(value: object) -> bool:
-    """An integer, numpy's included (``numbers.Integral``), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    """A finite real number, numpy's included (``numbers.Real``), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -283,15 +214,28 @@ class Generator(Protocol):
 
 
 def _check_prompt(prompt: Any) -> Prompt:
-    """A string, or chat messages (a list/tuple of mappings); anything else is a ParameterError here rather
-    than a TypeError deep inside the tokenizer."""
+    """A string, token ids (a list/tuple of integers), or chat messages (a list/tuple of mappings); anything else is
+    a ParameterError here rather than a TypeError deep inside the tokenizer."""
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, (list, tuple)):  # each message is checked where the chat template is applied
+        ints = [_is_int(p) for p in prompt]
+        if any(ints) and not all(ints):
+            raise ParameterError("a prompt list is token ids (integers) or chat messages (mappings), not a mix")
         return prompt
     raise ParameterError(
-        f"a prompt is a string or a list of chat messages ({{'role': ..., 'content': ...}}), got {type(prompt).__name__}"
+        "a prompt is a string, a list of token ids or a list of chat messages ({'role': ..., 'content': ...}), "
+        f"got {type(prompt).__name__}"
     )
+
+
+_T = TypeVar("_T")
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ParameterError(f"batch_size={batch_size!r}: expected an integer >= 1")
+    return int(batch_size)
 
 
 @dataclass
@@ -317,6 +261,9 @@ class LoadedModel:
     dtype: str = "float32"
     info: Mapping[str, Any] = field(default_factory=dict)
     closed: bool = field(default=False, init=False)
+    #: held by the async methods while they run the model in their worker thread (one at a time per model)
+    lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _fallback: Any = field(default=None, init=False, repr=False, compare=False)
 
     @staticmethod
     def params(**kwargs: Unpack[GenerationKwargs]) -> GenerationParams:
@@ -351,6 +298,133 @@ class LoadedModel:
             )
         return self._open_generator().generate_batch([_check_prompt(p) for p in prompts], self.params(**kwargs))
 
+    # ------------------------------------------------------------ results, scoring, async
+    def complete(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> GenerationResult:
+        """Generate, and return a :class:`~anyquant.results.GenerationResult`: the text with its token ids,
+        ``finish_reason``, ``usage``, ``timings``, the ``capped`` note, and with ``logprobs=True`` (and
+        ``top_logprobs=k``) each token's log-probability. The same tokens as :meth:`generate` for the same
+        parameters."""
+        return collect(self.complete_stream(prompt, **kwargs))
+
+    def complete_stream(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> Iterator[StreamChunk]:
+        """:meth:`complete` as it happens: one :class:`~anyquant.results.StreamChunk` per token, the last with
+        ``finish_reason``, ``usage`` and ``timings`` (:func:`anyquant.results.collect` joins them)."""
+        return self._result_generator().complete_stream(_check_prompt(prompt), self.params(**kwargs))  # type: ignore[no-any-return]
+
+    def loglikelihood(
+        self, requests: Iterable[tuple[str | Sequence[int], str | Sequence[int]]], *, batch_size: int = 8
+    ) -> list[tuple[float, bool]]:
+        """For each ``(context, continuation)`` (strings or token ids): the natural-log probability of the
+        continuation's tokens given the context, summed, and whether greedy decoding would produce exactly them
+        (lm-eval's ``loglikelihood``; strings are split into tokens as lm-eval does)."""
+        pairs = list(requests) if not isinstance(requests, (str, bytes)) else None
+        if pairs is None or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+            raise ParameterError("loglikelihood takes a list of (context, continuation) pairs")
+        gen = self._result_generator()
+        return gen.loglikelihood(pairs, _check_batch_size(batch_size))  # type: ignore[no-any-return]
+
+    def loglikelihood_rolling(
+        self, texts: Iterable[str | Sequence[int]], *, window: int | None = None, batch_size: int = 8
+    ) -> list[float]:
+        """The log-likelihood of each whole text (for perplexity: ``exp(-total / tokens)``), every token predicted
+        once with up to ``window`` tokens before it (default: the model's context), the first from the BOS (else
+        EOS) token: lm-eval's ``loglikelihood_rolling``."""
+        if isinstance(texts, (str, bytes)):
+            raise ParameterError("loglikelihood_rolling takes a list of texts; for one text pass [text]")
+        if window is not None and (not _is_int(window) or window < 1):
+            raise ParameterError(f"window={window!r}: expected an integer >= 1 or None (the model's context)")
+        gen = self._result_generator()
+        return gen.loglikelihood_rolling(list(texts), window, _check_batch_size(batch_size))  # type: ignore[no-any-return]
+
+    async def agenerate(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> str:
+        """:meth:`generate` without blocking the event loop (see :meth:`astream`)."""
+        return "".join([piece async for piece in self.astream(prompt, **kwargs)])
+
+    async def astream(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> AsyncIterator[str]:
+        """:meth:`stream` for asyncio: the model runs in a worker thread holding :attr:`lock` (the async calls on
+        one model run one at a time); the parameters are checked before anything starts. Cancelling the consumer
+        (or closing the iterator) stops the decode at the next token and releases the lock."""
+        prompt, params = _check_prompt(prompt), self.params(**kwargs)
+        generator = self._open_generator()
+        async for piece in self._in_thread(lambda: generator.stream(prompt, params)):
+            yield piece
+
+    async def acomplete(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> GenerationResult:
+        """:meth:`complete` without blocking the event loop (see :meth:`astream`)."""
+        return collect([chunk async for chunk in self.acomplete_stream(prompt, **kwargs)])
+
+    async def acomplete_stream(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> AsyncIterator[StreamChunk]:
+        """:meth:`complete_stream` for asyncio (see :meth:`astream`)."""
+        prompt, params = _check_prompt(prompt), self.params(**kwargs)
+        generator = self._result_generator()
+        async for chunk in self._in_thread(lambda: generator.complete_stream(prompt, params)):
+            yield chunk
+
+    async def _in_thread(self, start: Callable[[], Iterable[_T]]) -> AsyncIterator[_T]:
+        """Run ``start()`` and iterate it in a worker thread under :attr:`lock`, handing items to the event loop; the
+        worker runs at most :data:`ASYNC_AHEAD` items ahead of the consumer (a slow client holds the decode)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        cancelled = threading.Event()
+        ahead = threading.Semaphore(ASYNC_AHEAD)
+
+        def put(kind: str, value: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+            except RuntimeError:  # the loop is closed: nobody is listening
+                cancelled.set()
+
+        def work() -> None:
+            with self.lock:
+                try:
+                    items = iter(start()) if not cancelled.is_set() else iter(())
+                    try:
+                        for item in items:
+                            while not ahead.acquire(timeout=0.05):
+                                if cancelled.is_set():
+                                    return
+                            if cancelled.is_set():
+                                return
+                            put("item", item)
+                    finally:
+                        close = getattr(items, "close", None)
+                        if callable(close):
+                            close()
+                except BaseException as exc:  # handed to the consumer, raised there
+                    put("error", exc)
+                    return
+            put("end", None)
+
+        worker = threading.Thread(target=work, name="anyquant-generate", daemon=True)
+        worker.start()
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "item":
+                    ahead.release()
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            cancelled.set()
+
+    def _result_generator(self) -> Any:
+        """The generator, when it has ``complete_stream``, ``loglikelihood`` and ``loglikelihood_rolling``
+        (core's does); else core's ``TorchGenerator`` over this model's module and tokenizer (a plugin's generator
+        need not implement them)."""
+        generator = self._open_generator()
+        if all(callable(getattr(generator, name, None)) for name in _RESULT_METHODS):
+            return generator
+        if self._fallback is None:
+            from .runtime.generate import TorchGenerator
+
+            self._fallback = TorchGenerator(self.module, self.tokenizer, device=self.device)
+        return self._fallback
+
     def _open_generator(self) -> Generator:
         if self.closed:
             raise ModelClosedError(f"{self!r} was closed; load the checkpoint again")
@@ -376,6 +450,9 @@ class LoadedModel:
             for value in vars(sub).values():
                 if isinstance(value, FileRows):
                     value.close()
+        if self._fallback is not None:
+            self._fallback.close()
+            self._fallback = None
         self.closed = True
         self.module = self.tokenizer = None
         self.generator = None  # type: ignore[assignment]  # it holds the module too
@@ -393,6 +470,13 @@ class LoadedModel:
             f"LoadedModel(format={self.format!r}, variant={self.detection.variant!r}, backend={self.backend!r}, "
             f"device={self.device!r}, dtype={self.dtype!r}{', closed' if self.closed else ''})"
         )
+
+
+#: how many items (stream pieces, chunks) an async call's worker thread may run ahead of its consumer
+ASYNC_AHEAD = 8
+
+#: the methods :meth:`LoadedModel.complete` and the scoring methods need of a generator
+_RESULT_METHODS = ("complete_stream", "loglikelihood", "loglikelihood_rolling")
 
 
 def undeclared_options(

@@ -129,6 +129,16 @@ def test_sampler_spec_mapping() -> None:
             cb.sampler_spec(GenerationParams(temperature=1.0, **bad))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "given", [{"min_p": 0.1}, {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}, {"logit_bias": {3: 1.0}}]
+)
+def test_sampler_spec_refuses_what_it_cannot_map(given: dict[str, object]) -> None:
+    """exllamav3's sampler here carries repetition penalty, temperature, top-k and top-p only: the other fields are
+    refused by name rather than silently ignored."""
+    with pytest.raises(anyquant.ParameterError, match=f"{next(iter(given))}: not supported by the exllamav3"):
+        cb.sampler_spec(GenerationParams(temperature=1.0, **given))  # type: ignore[arg-type]
+
+
 def test_make_sampler_picks_argmax_or_combo() -> None:
     xl = SimpleNamespace(ArgmaxSampler=lambda: ("argmax",), ComboSampler=lambda **kw: ("combo", kw))
     assert cb.make_sampler(xl, cb.SamplerSpec("argmax")) == ("argmax",)

@@ -187,7 +187,18 @@ class SamplerSpec:
 
 
 def sampler_spec(params: GenerationParams) -> SamplerSpec:
-    """Map the sampling fields onto exllamav3's samplers (:class:`GenerationParams` checked their ranges)."""
+    """Map the sampling fields onto exllamav3's samplers (:class:`GenerationParams` checked their ranges). The fields
+    this mapping does not carry (``min_p``, presence/frequency penalties, ``logit_bias``) are refused, never ignored."""
+    unmapped = [
+        name
+        for name, off in (("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("logit_bias", {}))
+        if getattr(params, name, off) != off
+    ]
+    if unmapped:
+        raise ParameterError(
+            f"{', '.join(unmapped)}: not supported by the exllamav3 CUDA backend's sampler; "
+            "leave them at their defaults, or load with another backend (anyquant info lists them)"
+        )
     rep_p = float(params.repetition_penalty)
     if params.temperature <= 0 or params.top_k == 1:
         return SamplerSpec("argmax", rep_p=rep_p)

@@ -1,0 +1,118 @@
+"""An lm-eval (``lm_eval``, EleutherAI's evaluation harness) model over anyquant: ``AnyquantLM``, registered with
+lm-eval as ``"anyquant"`` when this module is imported.
+
+    import anyquant.lmeval, lm_eval
+    lm_eval.simple_evaluate(model="anyquant", model_args="pretrained=./model-GPTQ,batch_size=8", tasks=[...])
+    lm_eval.simple_evaluate(model=anyquant.lmeval.AnyquantLM(model=sdk.load(path)), tasks=[...])
+
+``loglikelihood``, ``loglikelihood_rolling`` and ``generate_until`` go through :meth:`LoadedModel.loglikelihood`,
+:meth:`LoadedModel.loglikelihood_rolling` and :meth:`LoadedModel.complete`. Needs ``pip install anyquant[lmeval]``
+(``lm-eval``); importing this module without it is a :class:`~anyquant.errors.MissingDependencyError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import MissingDependencyError, ParameterError
+from .protocols import LoadedModel
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError as exc:  # pragma: no cover - the extra is not installed
+    raise MissingDependencyError(
+        "anyquant.lmeval needs lm-eval: pip install 'anyquant[lmeval]' (or lm-eval==0.4.13)"
+    ) from exc
+
+__all__ = ["AnyquantLM"]
+
+#: ``generate_until``'s ``max_gen_toks`` when a task gives none (lm-eval's own default)
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+class AnyquantLM(LM):  # type: ignore[misc]  # lm-eval is untyped
+    """An lm-eval ``LM`` over a :class:`~anyquant.protocols.LoadedModel`: pass ``model=`` (a loaded model) or
+    ``pretrained=`` (what :func:`anyquant.load` takes) with ``backend``/``device``/``dtype``. ``batch_size`` is the
+    scoring batch; ``max_length`` the rolling window (default: the model's context)."""
+
+    def __init__(
+        self,
+        pretrained: str | Path | None = None,
+        *,
+        model: LoadedModel | None = None,
+        batch_size: int | str = 8,
+        max_length: int | None = None,
+        backend: str = "auto",
+        device: str = "auto",
+        dtype: str | None = None,
+        **load_options: Any,
+    ) -> None:
+        super().__init__()
+        if (model is None) == (pretrained is None):
+            raise ParameterError("AnyquantLM takes pretrained=PATH or model=<a loaded model>, one of them")
+        if model is None:
+            from .api import load
+
+            assert pretrained is not None
+
+            model = load(pretrained, backend=backend, device=device, dtype=dtype, **load_options)
+        self.model: LoadedModel = model
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # lm-eval's "auto" is not ours
+        self.max_length = None if max_length is None else int(max_length)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: Mapping[str, Any] | None = None) -> AnyquantLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        args = dict(simple_parse_args_string(arg_string))
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k in ("batch_size", "device")}
+        return cls(**{**args, **extra})
+
+    # ------------------------------------------------------------------ lm-eval's three requests
+    def loglikelihood(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return self.model.loglikelihood([tuple(r.args) for r in requests], batch_size=self.batch_size)
+
+    def loglikelihood_rolling(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[float]:
+        texts = [r.args[0] for r in requests]
+        return self.model.loglikelihood_rolling(texts, window=self.max_length, batch_size=self.batch_size)
+
+    def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for request in requests:
+            context, gen_kwargs = request.args
+            out.append(self.model.complete(context, **generation_keywords(gen_kwargs)).text)
+        return out
+
+    # ------------------------------------------------------------------ chat templates, caching
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        from .runtime.chat import render_chat
+
+        return render_chat(self.model.tokenizer, chat_history, add_generation_prompt=add_generation_prompt)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.model.tokenizer, "name_or_path", "") or self.model.detection.path).replace("/", "__")
+
+
+def generation_keywords(gen_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """lm-eval's ``generation_kwargs`` (``until``, ``max_gen_toks``, ``do_sample``, ``temperature``, ``top_p``,
+    ``top_k``) as :class:`~anyquant.params.GenerationParams` keywords; anything else is a ParameterError."""
+    kwargs = dict(gen_kwargs)
+    until = kwargs.pop("until", None)
+    stop = [until] if isinstance(until, str) else list(until or [])
+    out: dict[str, Any] = {"stop": stop, "max_new_tokens": int(kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))}
+    do_sample = bool(kwargs.pop("do_sample", False))
+    temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
+    out["temperature"] = temperature if do_sample else 0.0
+    for key in ("top_p", "top_k", "seed", "min_p", "repetition_penalty"):
+        if key in kwargs:
+            out[key] = kwargs.pop(key)
+    if kwargs:
+        raise ParameterError(f"generation_kwargs {sorted(kwargs)}: not read by anyquant's lm-eval model")
+    return out
+
+
+register_model("anyquant")(AnyquantLM)
