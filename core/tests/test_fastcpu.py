@@ -242,6 +242,8 @@ def test_fast_head_paths() -> None:
     assert head(x).shape == (2, 5, 20000) and _rel(head(x), ref) < MANY_ROWS_TOL
     few = head(x[:, :2])  # 4 rows: bfloat16
     assert _rel(few, ref[:, :2]) < FEW_ROWS_TOL and not torch.equal(few, ref[:, :2])
+    top = ref[:, :2].topk(fastcpu.FastHead.EXACT_TOP // 2, dim=-1).indices  # recomputed from the exact weight
+    torch.testing.assert_close(few.gather(-1, top), ref[:, :2].gather(-1, top), rtol=1e-5, atol=1e-5)
     assert head.half() is head and head.exact.dtype == torch.float16  # casts leave it alone
     with pytest.raises(RuntimeError, match="CPU only"):
         head.to("meta")

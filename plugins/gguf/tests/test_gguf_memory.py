@@ -23,6 +23,7 @@ from anyquant_gguf import qlinear
 from anyquant_gguf.qlinear import (
     GGUFEmbedding,
     GGUFLinear,
+    GGUFRows,
     GGUFTiedHead,
     chunked_linear,
     dequantize_blocks_torch,
@@ -334,6 +335,35 @@ def test_real_model_packed_embedding_and_cpu_fast(gguf_path: Path) -> None:
     assert fast.info["cpu_fast"]["converted"] == 210 and not fast.info["cpu_fast"]["dequantized"]
     text = fast.generate([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=12)
     assert "Paris" in text
+
+
+@pytest.mark.model
+def test_cpu_fast_tied_head_is_prepacked_and_keeps_the_exact_greedy_path(gguf_path: Path) -> None:
+    """cpu-fast's tied Q8_0 head: a bfloat16 copy prepacked for decode (over the embedding's GGUF bytes,
+    decoded a slice at a time for prompts) whose largest logits are recomputed exactly: the greedy tokens
+    are the exact backend's (with the bare bfloat16 product, the France prompt answered "L'Étoile")."""
+    from anyquant.runtime.fastcpu import FastHead, bf16_head_status
+
+    if not bf16_head_status()[0]:
+        pytest.skip(bf16_head_status()[1])
+    fast = anyquant.load(gguf_path, backend="cpu-fast")
+    head, emb = fast.module.get_output_embeddings(), fast.module.get_input_embeddings()
+    assert isinstance(head, FastHead) and isinstance(head.source, GGUFRows) and head.tied_to_input_embedding
+    assert isinstance(emb, GGUFEmbedding) and emb.qweight.data_ptr() == head.source.qweight.data_ptr()  # one table
+    exact = GGUFTiedHead(head.source.qweight, head.source.qtype, head.source.shape)
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(0)) * 3
+    with torch.no_grad():
+        got, want = head(x), exact(x)
+    top = want.topk(8, dim=-1).indices
+    torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), rtol=1e-5, atol=1e-4)
+    assert (got - want).abs().max() < 0.02 * want.abs().max()  # the rest: bfloat16's class
+    # the same cpu-fast body with the exact head: the head changes no greedy token
+    ref = anyquant.load(gguf_path, backend="cpu-fast")
+    ref.module.set_output_embeddings(exact)
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+    for prompt in prompts:
+        chat = [{"role": "user", "content": prompt}]
+        assert fast.generate(chat, max_new_tokens=24) == ref.generate(chat, max_new_tokens=24), prompt
 
 
 _PEAK_SCRIPT = textwrap.dedent(

@@ -55,6 +55,7 @@ __all__ = [
     "FastInt4Linear",
     "Int4PackStatus",
     "PrepackedBf16Linear",
+    "RowTable",
     "bf16_gemm_is_fast",
     "bf16_head_status",
     "install_fast_head",
@@ -472,17 +473,33 @@ def _compact(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def _rows(table: torch.Tensor | FileRows, start: int, count: int) -> torch.Tensor:
-    """Rows ``start .. start + count`` of an in-memory table or a :class:`FileRows`."""
+class RowTable(Protocol):
+    """A 2-D table outside memory, read a slice of rows at a time: a :class:`FileRows`, or a plugin's packed
+    table decoded on demand (GGUF's tied Q8_0 head: ``anyquant_gguf.qlinear.GGUFRows``)."""
+
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+    def slice(self, start: int, count: int) -> torch.Tensor: ...
+
+    def read_all(self) -> torch.Tensor: ...
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``table[ids]``, ``[*ids.shape, dim]``."""
+        ...
+
+
+def _rows(table: torch.Tensor | RowTable, start: int, count: int) -> torch.Tensor:
+    """Rows ``start .. start + count`` of an in-memory table or a :class:`RowTable`."""
     return table[start : start + count] if isinstance(table, torch.Tensor) else table.slice(start, count)
 
 
-def _whole(table: torch.Tensor | FileRows) -> torch.Tensor:
+def _whole(table: torch.Tensor | RowTable) -> torch.Tensor:
     """An in-memory table itself, or a :class:`FileRows` read whole (a copy)."""
     return table if isinstance(table, torch.Tensor) else table.read_all()
 
 
-def _where(table: torch.Tensor | FileRows) -> str:
+def _where(table: torch.Tensor | RowTable) -> str:
     return "memory" if isinstance(table, torch.Tensor) else "file"
 
 
@@ -527,19 +544,25 @@ class FastHead(nn.Module):
     """The output projection (LM head) for the ``cpu-fast`` backend.
 
     - few rows (``<= small_rows``; decode): bfloat16 activations times a bfloat16 copy of the weight
-      prepacked for oneDNN (see :func:`bf16_head_status`); bfloat16 tolerance, like the int4 layers;
+      prepacked for oneDNN (see :func:`bf16_head_status`); bfloat16 tolerance, like the int4 layers,
+      except for the ``EXACT_TOP`` largest logits of each row, computed again from the exact weight: the
+      greedy token is the exact head's (oneDNN rounds its output to bfloat16, 0.125 at a logit of 25, so
+      near-ties were broken at random: SmolLM2's Q4_1 GGUF answered "L'Étoile" instead of "Paris");
     - many rows (prompts, perplexity): the exact weight, upcast to the compute dtype one slice of
       ``CHUNK_ROWS`` vocabulary rows at a time, and a float GEMM, as the dense head computes it.
 
     The exact weight is kept in the narrowest dtype that holds it exactly (a float16 checkpoint's
     head or tied embedding: half of float32) and may be shared with a :class:`CompactEmbedding`, or
-    left in the checkpoint file (a :class:`~anyquant.runtime.tensors.FileRows`, read a slice at a
-    time: then the prepacked copy, ~2 bytes per weight, is all the head holds in memory; it is built
+    left outside memory (a :class:`RowTable`: a :class:`~anyquant.runtime.tensors.FileRows`, or a GGUF
+    table decoded from its blocks), read a slice at a time: then the prepacked copy, ~2 bytes per weight, is all the head holds in memory; it is built
     in ``FILE_PIECES`` pieces of halving size, so the load holds at most a sixteenth of a bfloat16 copy
     besides it).
     """
 
     CHUNK_ROWS = 8192
+    #: logits per row recomputed exactly after the bfloat16 product (its error on SmolLM2's head: ~0.1,
+    #: where the 64th largest logit lies several units below the largest)
+    EXACT_TOP = 64
     #: prepacked pieces of a file-backed head, each half the rows left (the last two equal: 1/2, 1/4, 1/8,
     #: 1/16, 1/16), so the load's peak is the prepacked head plus one sixteenth of it in bfloat16 (equal
     #: quarters: one quarter; SmolLM2's head: 3.4 MiB, where four pieces left 6.8). One call each per decode
@@ -548,7 +571,7 @@ class FastHead(nn.Module):
 
     def __init__(
         self,
-        exact: torch.Tensor | FileRows,
+        exact: torch.Tensor | RowTable,
         bias: torch.Tensor | None = None,
         *,
         compute_dtype: torch.dtype = torch.float32,
@@ -591,18 +614,34 @@ class FastHead(nn.Module):
             linear = torch.ops.mkldnn._linear_pointwise
             parts = [linear(xb, packed, None, "none", [], "") for packed in self.packed]
             y = (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(x.dtype)
+            self._exact_top(x2, y)
         else:
             y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
             for start in range(0, self.out_features, self.CHUNK_ROWS):
                 w = _rows(self.source, start, self.CHUNK_ROWS).to(x.dtype)
                 torch.mm(x2, w.t(), out=y[:, start : start + w.shape[0]])
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
+    def _exact_top(self, x2: torch.Tensor, y: torch.Tensor) -> None:
+        """Overwrite each row's ``EXACT_TOP`` largest logits of ``y`` (bias included) with exact ones."""
+        k = min(self.EXACT_TOP, self.out_features)
+        if k == 0:
+            return
+        top = torch.topk(y, k, dim=-1, sorted=False).indices  # [rows, k]
+        source = self.source
+        weight = source[top] if isinstance(source, torch.Tensor) else source.rows(top)  # [rows, k, in]
+        exact = torch.bmm(weight.to(x2.dtype), x2[:, :, None])[..., 0]
+        if self.bias is not None:
+            exact = exact + self.bias.to(x2.dtype)[top]
+        y.scatter_(-1, top, exact.to(y.dtype))
+
     @property
-    def source(self) -> torch.Tensor | FileRows:
-        """The exact weight: the buffer, or the :class:`FileRows` it is read from."""
+    def source(self) -> torch.Tensor | RowTable:
+        """The exact weight: the buffer, or the :class:`RowTable` it is read from."""
         return self.file if self.file is not None else self.exact  # type: ignore[return-value]
 
     def dequantize(self) -> torch.Tensor:

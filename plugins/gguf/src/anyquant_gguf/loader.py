@@ -278,7 +278,7 @@ class GGUFLoader(TransformersLoader):
 
     @staticmethod
     def _install_packed_embedding(module: Any, src: GGUFSource) -> None:
-        from .qlinear import GGUFEmbedding, GGUFTiedHead
+        from .qlinear import GGUFEmbedding, GGUFRows, GGUFTiedHead
 
         old = module.get_input_embeddings()
         weight = getattr(old, "weight", None)
@@ -286,7 +286,11 @@ class GGUFLoader(TransformersLoader):
             raise CheckpointError("the model's input embedding is not the GGUF token_embd placeholder")
         raw = src.raw(_EMBED)
         head = module.get_output_embeddings()
-        data = head.qweight if isinstance(head, GGUFTiedHead) else raw.data  # share the tied head's bytes
+        source = getattr(head, "source", None)  # cpu-fast's FastHead over GGUFRows
+        tied = (
+            head.qweight if isinstance(head, GGUFTiedHead) else source.qweight if isinstance(source, GGUFRows) else None
+        )
+        data = raw.data if tied is None else tied  # share the tied head's bytes
         # Gemma's ScaledWordEmbedding multiplies the looked-up rows by its embed_scale buffer (sqrt(hidden))
         scale = getattr(old, "embed_scale", None)
         scale = None if scale is None else float(scale)
@@ -322,7 +326,7 @@ class GGUFLoader(TransformersLoader):
         return tokenizer_from_gguf(self._reader(gguf_path(probe)))
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
-        from .qlinear import INT4_TYPES, PACKED_TYPES, GGUFLinear, GGUFTiedHead, gguf_int4_linear
+        from .qlinear import INT4_TYPES, PACKED_TYPES, GGUFLinear, GGUFTiedHead, fast_tied_head, gguf_int4_linear
 
         src = ctx.source
         assert isinstance(src, GGUFSource)
@@ -353,8 +357,12 @@ class GGUFLoader(TransformersLoader):
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             key = f"{name}.weight"
             if packed_embedding and key == _HEAD and key not in src:
-                # tied head: a packed linear over the embedding's own bytes
+                # tied head: a packed linear over the embedding's own bytes (cpu-fast: prepacked for decode)
                 raw = src.raw(_EMBED)
+                if self._fast is not None:
+                    fast = fast_tied_head(raw.data, raw.qtype, raw.shape, small_rows=fast_kwargs["small_rows"])
+                    if fast is not None:
+                        return fast
                 return GGUFTiedHead(raw.data, raw.qtype, raw.shape)
             if key not in src or src.qtype(key) not in PACKED_TYPES:
                 return None  # F32/F16/BF16: a dense nn.Linear filled from the source

@@ -31,7 +31,9 @@ __all__ = [
     "CHUNK_WEIGHTS",
     "GGUFEmbedding",
     "GGUFLinear",
+    "GGUFRows",
     "GGUFTiedHead",
+    "fast_tied_head",
     "INT4_TYPES",
     "PACKED_TYPES",
     "gguf_int4_linear",
@@ -461,6 +463,49 @@ class GGUFTiedHead(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, tied"
+
+
+class GGUFRows:
+    """A GGUF-packed ``[rows, dim]`` table read as float32 a slice of rows at a time (decoded from its
+    blocks on each read; the bytes stay where they are, file-backed): the exact source of a ``cpu-fast``
+    :class:`~anyquant.runtime.fastcpu.FastHead` over a tied embedding (a ``RowTable``)."""
+
+    dtype = torch.float32
+
+    def __init__(self, qweight: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, int]) -> None:
+        self.qtype = GGMLQuantizationType(qtype)
+        self.shape: tuple[int, int] = (int(shape[0]), int(shape[1]))
+        self.qweight = qweight.reshape(self.shape[0], -1)
+
+    def slice(self, start: int, count: int) -> torch.Tensor:
+        start = max(0, int(start))
+        stop = max(start, min(start + int(count), self.shape[0]))
+        return dequantize_blocks_torch(self.qweight[start:stop], self.qtype, (stop - start, self.shape[1]))
+
+    def read_all(self) -> torch.Tensor:
+        return self.slice(0, self.shape[0])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        values = dequantize_blocks_torch(self.qweight[flat], self.qtype, (flat.numel(), self.shape[1]))
+        return values.reshape(*ids.shape, self.shape[1])
+
+
+def fast_tied_head(
+    qweight: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, int], *, small_rows: int
+) -> nn.Module | None:
+    """``cpu-fast``'s LM head tied to a packed token embedding: a bfloat16 copy prepacked for oneDNN for
+    decode (the format's tolerance class, as every ``cpu-fast`` head), the GGUF bytes decoded a slice at a
+    time for prompts; ``None`` where the prepacked kernel cannot run (no AMX or AVX512-BF16: the caller
+    keeps a :class:`GGUFTiedHead`). A :class:`GGUFTiedHead` decodes the whole table on every decode step
+    (SmolLM2's 49152 x 576 Q8_0 head: about half of a step)."""
+    from anyquant.runtime.fastcpu import FastHead, bf16_head_status
+
+    if not bf16_head_status()[0]:
+        return None
+    head = FastHead(GGUFRows(qweight, qtype, shape), small_rows=small_rows)
+    head.tied_to_input_embedding = True  # type: ignore[assignment]  # export_dense ties the copies again
+    return head
 
 
 # --------------------------------------------------------------------------- int4 CPU kernel
