@@ -302,6 +302,14 @@ def test_load_downloads_only_when_asked(hub: FakeHub, tmp_path: Path) -> None:
     assert hub.log == []  # the default never downloads
     with pytest.raises(DownloadError, match="3 GGUF files"):
         load("org/tiny-GGUF", download=True)
+    with load("org/tiny-GGUF/tiny-Q4_K_M.gguf", download=True) as model:  # fetched, then loaded as a local file
+        assert model.format == "gguf"
+    assert [g.split("/")[-1] for g in hub.resolve_gets()] == ["tiny-Q4_K_M.gguf"]
+    hub.log.clear()
+    local = next((tmp_path / "hf" / "hub").rglob("tiny-Q4_K_M.gguf"))
+    with load(local, download=True) as model:  # a local path: nothing asked of the Hub
+        assert model.format == "gguf"
+    assert hub.log == []
 
 
 def test_cli_download(hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

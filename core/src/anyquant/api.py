@@ -106,7 +106,7 @@ def load(
       :class:`~anyquant.errors.ParameterError`.
     """
     reg = registry or default_registry()
-    if download:
+    if download and not Path(path).expanduser().exists():  # a local path is read as it is
         from .hub import download as fetch
 
         path, revision = fetch(os.fspath(path), revision=revision), None
