@@ -319,4 +319,13 @@ def test_cli_download(hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out.strip()
     assert out.endswith("tiny-Q4_K_M.gguf") and os.path.isfile(out)
     assert main(["detect", "org/tiny-GGUF/tiny-Q4_K_M.gguf"]) == 0
+    capsys.readouterr()
+    assert main(["download", "org/tiny", "--revision", "4bit/awq", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"].endswith(_commit("org/tiny@4bit/awq"))
+    assert main(["detect", "org/tiny@4bit/awq", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "awq"
+    assert main(["inspect", "org/tiny", "--revision", "4bit/awq", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["detection"]["format"] == "awq"
+    assert main(["detect", "org/tiny@nope"]) != 0
+    assert "`hf download org/tiny --revision nope`" in capsys.readouterr().err
     shutil.rmtree(tmp_path / "hf")
