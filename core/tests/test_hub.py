@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from anyquant import detect
+from anyquant import Probe, detect
 from anyquant.errors import DownloadError, ProbeError, RevisionNotFoundError
 from anyquant.testing import fixtures
 
@@ -141,6 +141,13 @@ def repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[
     # org/tiny: main is a GPTQ checkpoint, branch "4bit/awq" an AWQ one (detection tells which was fetched);
     # both carry a pickle copy of the weights and a modeling file that must never be fetched
     main, awq = _dir_files(fixtures.gptq_v1(base / "main")), _dir_files(fixtures.awq_gemm(base / "awq"))
+    # main has a shard index, and beside its shard another copy of the weights the index does not name
+    # (Mistral's consolidated.safetensors): only the index and the shard it names are fetched
+    names = Probe.open(base / "main").tensors
+    main["model.safetensors.index.json"] = json.dumps(
+        {"weight_map": dict.fromkeys(names, "model.safetensors")}
+    ).encode()
+    main["consolidated.safetensors"] = main["model.safetensors"]
     for files in (main, awq):
         files["pytorch_model.bin"] = b"pickle copy of the weights"
         files["modeling_tiny.py"] = b"raise SystemExit('remote code ran')\n"
@@ -199,8 +206,11 @@ def test_download_fetches_the_revision_and_only_the_files_its_format_needs(hub: 
     assert download("org/tiny", revision="4bit/awq") == path
     assert hub.resolve_gets() == []  # a second call fetches nothing
 
+    hub.log.clear()
     main = download("org/tiny")
     assert detect(main).format == "gptq"
+    needed = ("config.json", "model.safetensors", "model.safetensors.index.json")
+    assert sorted(hub.resolve_gets()) == ["org/tiny@" + _commit("org/tiny@main") + "/" + n for n in needed]
     assert detect("org/tiny").format == "gptq"  # refs/main
     assert detect("org/tiny@4bit/awq").format == "awq"
     commit = _commit("org/tiny@4bit/awq")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from .errors import AnyquantError, DownloadError, ParameterError, ProbeError
+from .headers import MAX_JSON_BYTES
 from .probe import (
     CONFIG_FILES,
     INDEX_NAMES,
@@ -67,6 +68,14 @@ def download(model: str, *, revision: str | None = None, include: str | None = N
         info = HfApi(endpoint=endpoint).model_info(mid.repo_id, revision=mid.revision)
         files = [s.rfilename for s in info.siblings or ()]
         chosen = select_files(files, mid, include)
+        index = next((f for f in chosen if PurePosixPath(f).name in INDEX_NAMES), None)
+        if index is not None:  # the shards the index names: not a consolidated.safetensors copy beside them
+            from huggingface_hub import hf_hub_download
+
+            named = _index_shards(
+                hf_hub_download(mid.repo_id, index, revision=info.sha, cache_dir=cache, endpoint=endpoint), index
+            )
+            chosen = select_files(files, mid, include, index_shards=named)
         log.info("downloading %s (%s): %s", mid, info.sha, chosen)
         snapshot = snapshot_download(
             mid.repo_id, revision=mid.revision, allow_patterns=chosen, cache_dir=cache, endpoint=endpoint
@@ -102,8 +111,27 @@ def _cached(mid: ModelId, include: str | None) -> Path:
     return path
 
 
-def select_files(files: Sequence[str], mid: ModelId, include: str | None = None) -> list[str]:
-    """The files of a repository (its listing ``files``) that loading ``mid`` needs; see :func:`download`."""
+def _index_shards(path: str, name: str) -> set[str]:
+    """The shard files ``model.safetensors.index.json`` names (its ``weight_map``'s values)."""
+    from .headers import loads_json
+
+    data = Path(path).read_bytes()
+    if len(data) > MAX_JSON_BYTES:
+        raise DownloadError(f"{name}: {len(data)} bytes is too large for a shard index")
+    value = loads_json(data, name, error=DownloadError)
+    weight_map = value.get("weight_map") if isinstance(value, dict) else None
+    if not isinstance(weight_map, dict):
+        raise DownloadError(f"{name}: weight_map must be an object")
+    return {v for v in weight_map.values() if isinstance(v, str)}
+
+
+def select_files(
+    files: Sequence[str], mid: ModelId, include: str | None = None, *, index_shards: set[str] | None = None
+) -> list[str]:
+    """The files of a repository (its listing ``files``) that loading ``mid`` needs; see :func:`download`.
+    ``index_shards``: the shards the repository's ``model.safetensors.index.json`` names; when the
+    repository has them all, no other ``.safetensors`` file is taken (as :class:`~anyquant.probe.Probe`
+    reads only those)."""
     names = list(files)
     if mid.inside:
         if mid.inside in names:
@@ -112,8 +140,9 @@ def select_files(files: Sequence[str], mid: ModelId, include: str | None = None)
         if not under:
             raise DownloadError(f"{mid}: the repository has no {mid.inside!r}; its weight files: {_listing(names)}")
         prefix = mid.inside + "/"
+        inner = [f[len(prefix) :] for f in under]
         return [
-            prefix + f for f in select_files([f[len(prefix) :] for f in under], ModelId(mid.repo_id, "", None), include)
+            prefix + f for f in select_files(inner, ModelId(mid.repo_id, "", None), include, index_shards=index_shards)
         ]
     top = [f for f in names if "/" not in f]
     meta = [f for f in top if f in CONFIG_FILES or f in TOKENIZER_FILES or f in INDEX_NAMES or f.endswith(".json")]
@@ -130,6 +159,8 @@ def select_files(files: Sequence[str], mid: ModelId, include: str | None = None)
             return weights
         return sorted(set(meta) | set(weights))
     safetensors = [f for f in top if f.endswith(".safetensors")]
+    if index_shards and index_shards <= set(safetensors):
+        safetensors = [f for f in safetensors if f in index_shards]
     if safetensors:
         return sorted(set(meta) | set(safetensors))
     ggufs = [f for f in names if f.endswith(".gguf")]
