@@ -61,7 +61,7 @@ def download(model: str, *, revision: str | None = None, include: str | None = N
     except ImportError as exc:
         from .errors import MissingDependencyError
 
-        raise MissingDependencyError(f"downloading {mid} needs huggingface_hub: pip install huggingface_hub") from exc
+        raise MissingDependencyError(f"downloading {mid} needs huggingface_hub: pip install 'anyquant[hub]'") from exc
     endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, as offline() is
     cache = hub_cache_dir()
     try:
