@@ -436,6 +436,10 @@ def test_a_revision_is_a_ref_or_a_commit_of_the_cache(tmp_path: Path, hub_env: P
     assert Probe.open("org/tiny@v1").quant_method == "gptq"
     assert Probe.open("org/tiny@" + COMMIT).root == gptq.resolve()
     assert Probe.open("org/tiny@0123456").root == gptq.resolve()  # a unique prefix of 7+ hex digits
+    from anyquant import estimate, inspect
+
+    assert estimate("org/tiny", revision="exl3/4.0bpw").format == "awq"
+    assert inspect("org/tiny", revision="v1").detection.format == "gptq"
     assert resolve_checkpoint("org/tiny/model.safetensors@fffffff") == awq / "model.safetensors"
     with pytest.raises(RevisionNotFoundError) as err:
         Probe.open("org/tiny@main")
