@@ -440,6 +440,11 @@ def test_a_revision_is_a_ref_or_a_commit_of_the_cache(tmp_path: Path, hub_env: P
 
     assert estimate("org/tiny", revision="exl3/4.0bpw").format == "awq"
     assert inspect("org/tiny", revision="v1").detection.format == "gptq"
+    from anyquant.probe import display_name
+
+    assert display_name("org/tiny@v1") == "org/tiny@v1"  # two branches of one model, told apart in tables
+    assert display_name("org/tiny/model.safetensors@v1") == "org/tiny/model.safetensors@v1"
+    assert display_name(gptq) == "org/tiny"
     assert resolve_checkpoint("org/tiny/model.safetensors@fffffff") == awq / "model.safetensors"
     with pytest.raises(RevisionNotFoundError) as err:
         Probe.open("org/tiny@main")

@@ -477,8 +477,8 @@ def _present(repo: Path) -> str:
 
 def display_name(path: str | os.PathLike[str]) -> str:
     """A checkpoint's name for tables and reports: ``owner/name`` for a snapshot in a Hugging Face
-    cache (or a model id found there; a file or folder in the snapshot adds its path), otherwise the
-    file or directory name. Never raises."""
+    cache (or a model id found there; a file or folder in the snapshot adds its path, and a revision
+    asked for, ``owner/name@4.0bpw``, is kept), otherwise the file or directory name. Never raises."""
     try:
         p = Path(os.path.abspath(resolve_checkpoint(path)))  # links not followed: a snapshot's files are links
     except (OSError, ProbeError):
@@ -488,7 +488,9 @@ def display_name(path: str | os.PathLike[str]) -> str:
         return p.name
     name = _repo_id_of(snap.parent.parent)
     rest = p.relative_to(snap).as_posix()
-    return name if rest == "." else f"{name}/{rest}"
+    mid = _model_id(path) if not Path(path).expanduser().exists() else None
+    at = f"@{mid.revision}" if mid is not None and mid.revision else ""
+    return (name if rest == "." else f"{name}/{rest}") + at
 
 
 def _repo_id_of(repo: Path) -> str:
