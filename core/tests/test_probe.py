@@ -421,6 +421,56 @@ def test_a_model_id_reads_its_snapshot_in_the_hub_cache(tmp_path: Path, hub_env:
     assert Probe.open("org/tiny").root == snap.resolve()
 
 
+def test_a_revision_is_a_ref_or_a_commit_of_the_cache(tmp_path: Path, hub_env: Path) -> None:
+    from anyquant.errors import RevisionNotFoundError
+    from anyquant.probe import parse_model_id, resolve_checkpoint
+
+    awq = _hub_snapshot(tmp_path, FIXTURES["awq_gemm"].build(tmp_path / "a"), rev="f" * 40)
+    gptq = _hub_snapshot(tmp_path, FIXTURES["gptq_v2"].build(tmp_path / "m"))
+    refs = awq.parent.parent / "refs"
+    (refs / "exl3" / "4.0bpw").parent.mkdir(parents=True)
+    (refs / "exl3" / "4.0bpw").write_text("f" * 40)  # a branch name with "/": a file under refs/
+    (refs / "v1").write_text(COMMIT)
+    assert Probe.open("org/tiny@exl3/4.0bpw").quant_method == "awq"
+    assert Probe.open("org/tiny", revision="exl3/4.0bpw").root == awq.resolve()
+    assert Probe.open("org/tiny@v1").quant_method == "gptq"
+    assert Probe.open("org/tiny@" + COMMIT).root == gptq.resolve()
+    assert Probe.open("org/tiny@0123456").root == gptq.resolve()  # a unique prefix of 7+ hex digits
+    from anyquant import estimate, inspect
+
+    assert estimate("org/tiny", revision="exl3/4.0bpw").format == "awq"
+    assert inspect("org/tiny", revision="v1").detection.format == "gptq"
+    from anyquant.probe import display_name
+
+    assert display_name("org/tiny@v1") == "org/tiny@v1"  # two branches of one model, told apart in tables
+    assert display_name("org/tiny/model.safetensors@v1") == "org/tiny/model.safetensors@v1"
+    assert display_name(gptq) == "org/tiny"
+    assert resolve_checkpoint("org/tiny/model.safetensors@fffffff") == awq / "model.safetensors"
+    with pytest.raises(RevisionNotFoundError) as err:
+        Probe.open("org/tiny@main")
+    text = str(err.value)
+    assert "exl3/4.0bpw -> ffffffffffff" in text and "v1 -> 0123456789ab" in text and COMMIT in text
+    assert "`hf download org/tiny --revision main`" in text
+    with pytest.raises(RevisionNotFoundError, match=r"no refs/main and 2 snapshots.*Pick one"):
+        Probe.open("org/tiny")
+    with pytest.raises(ProbeError, match="names revision 'v1' and revision='v2' was passed"):
+        Probe.open("org/tiny@v1", revision="v2")
+    for bad in ("org/tiny@../x", "org/tiny@", "org/tiny@a//b"):
+        with pytest.raises(ProbeError, match="is not a revision"):
+            Probe.open(bad)
+    with pytest.raises(ProbeError, match="applies to a Hugging Face model id"):
+        Probe.open(tmp_path / "hub", revision="v1")
+    mid = parse_model_id("org/tiny/q.gguf@exl3/4.0bpw")
+    assert mid is not None and (mid.repo_id, mid.inside, mid.revision) == ("org/tiny", "q.gguf", "exl3/4.0bpw")
+    for f in awq.iterdir():
+        f.unlink()
+    awq.rmdir()
+    (refs / "v1").unlink()  # one snapshot, named by another branch only: not taken for main
+    (refs / "exl3" / "4.0bpw").write_text(COMMIT)
+    with pytest.raises(RevisionNotFoundError, match=r"revision 'main' is not in .*refs \[exl3/4.0bpw"):
+        Probe.open("org/tiny")
+
+
 @pytest.mark.parametrize(
     ("ref", "message"),
     [("../../../../etc", "expected a commit hash"), ("a" * 40, "has no such snapshot"), ("", "expected a commit")],
@@ -437,7 +487,7 @@ def test_a_local_directory_wins_and_other_names_are_paths(tmp_path: Path, hub_en
     _hub_snapshot(tmp_path, FIXTURES["gptq_v2"].build(tmp_path / "m"))
     FIXTURES["awq_gemm"].build(tmp_path / "org" / "tiny")  # ./org/tiny, relative to the working directory
     assert Probe.open("org/tiny").quant_method == "awq"
-    with pytest.raises(ProbeError, match=r"nor a model in the Hugging Face cache .*huggingface-cli download org/other"):
+    with pytest.raises(ProbeError, match=r"nor a model in the Hugging Face cache .*`hf download org/other`"):
         Probe.open("org/other")
     for name in ("org/../tiny", "org--x/tiny", "./org/nothing", "org/tiny/../../x", "org/tiny//x", "org/tiny/a\\b"):
         with pytest.raises(ProbeError, match=r"no such file or directory$"):

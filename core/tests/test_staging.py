@@ -152,7 +152,7 @@ def test_overwrite_replaces_a_previous_model_output(tmp_path: Path) -> None:
 
     src = make_tiny_dense(tmp_path / "src")
     out = anyquant.export_dense(src, tmp_path / "out", dtype="float32")
-    (out / ".cache").mkdir()  # what huggingface-cli download --local-dir leaves: still a model directory
+    (out / ".cache").mkdir()  # what hf download --local-dir leaves: still a model directory
     for name in ("LICENSE", ".gitattributes", "quant_log.csv", "README.md"):  # a hub upload's, GPTQModel's log
         (out / name).write_text("x")
     assert anyquant.export_dense(src, out, dtype="float32", overwrite=True) == out

@@ -48,10 +48,17 @@ def default_registry() -> Registry:
         return _default
 
 
-def detect(path: str | os.PathLike[str], *, format: str | None = None, registry: Registry | None = None) -> Detection:
-    """Decide a checkpoint's format from its headers; exactly one plugin must claim it."""
+def detect(
+    path: str | os.PathLike[str],
+    *,
+    format: str | None = None,
+    revision: str | None = None,
+    registry: Registry | None = None,
+) -> Detection:
+    """Decide a checkpoint's format from its headers; exactly one plugin must claim it. ``revision``: a
+    model id's branch, tag or commit in the local Hugging Face cache (as ``owner/name@revision``)."""
     reg = registry or default_registry()
-    return reg.detect(Probe.open(path), format=format)
+    return reg.detect(Probe.open(path, revision=revision), format=format)
 
 
 def get_loader(detection: Detection, registry: Registry) -> Loader:
@@ -71,6 +78,8 @@ def load(
     dtype: str | torch.dtype | None = None,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
+    revision: str | None = None,
+    download: bool = False,
     registry: Registry | None = None,
     **extra: Any,
 ) -> LoadedModel:
@@ -78,7 +87,12 @@ def load(
 
     Never falls back to a dense load of a quantized checkpoint: every disagreement is an error.
 
-    - ``path``: a checkpoint directory, one ``.safetensors`` file or a ``.gguf`` file.
+    - ``path``: a checkpoint directory, one ``.safetensors`` file or a ``.gguf`` file; or a Hugging Face
+      model id (``owner/name``, ``owner/name/file.gguf``, ``owner/name@revision``), read from the local
+      Hugging Face cache.
+    - ``revision``: the model id's branch, tag or commit hash (the cache's ``refs/``), default ``main``.
+    - ``download``: fetch the model id's files that its format needs from the Hub first, through
+      huggingface_hub (:func:`anyquant.hub.download`); default ``False``: nothing is downloaded.
     - ``format``: insist on a format id (``"gptq"``...); the tensors must agree (``FormatMismatchError``).
     - ``backend``: ``"auto"`` (the fastest that runs here; ``LoadedModel.backend`` says which) or one of
       ``anyquant backends --format F``.
@@ -92,7 +106,11 @@ def load(
       :class:`~anyquant.errors.ParameterError`.
     """
     reg = registry or default_registry()
-    probe = Probe.open(path)
+    if download and not Path(path).expanduser().exists():  # a local path is read as it is
+        from .hub import download as fetch
+
+        path, revision = fetch(os.fspath(path), revision=revision), None
+    probe = Probe.open(path, revision=revision)
     detection = reg.detect(probe, format=format)
     loader = get_loader(detection, reg)
     _check_options(loader, extra, detection.format)
@@ -200,12 +218,12 @@ def _check_options(loader: Any, extra: Mapping[str, Any], fmt: str) -> None:
         )
 
 
-def inspect(path: str | os.PathLike[str], *, registry: Registry | None = None) -> Report:
-    """Per-module table and totals, from headers only."""
+def inspect(path: str | os.PathLike[str], *, revision: str | None = None, registry: Registry | None = None) -> Report:
+    """Per-module table and totals, from headers only. ``revision`` as for :func:`detect`."""
     from .report import build_report
 
     reg = registry or default_registry()
-    probe = Probe.open(path)
+    probe = Probe.open(path, revision=revision)
     detection = reg.detect(probe)
     loader = None
     spec = reg.format(detection.format)

@@ -9,6 +9,7 @@ __all__ = [
     "AmbiguousFormatError",
     "AnyquantError",
     "CheckpointError",
+    "DownloadError",
     "ConfigError",
     "FormatConflictError",
     "FormatMismatchError",
@@ -23,6 +24,7 @@ __all__ = [
     "PluginError",
     "ProbeError",
     "QuantizeError",
+    "RevisionNotFoundError",
     "UnknownFormatError",
     "UnsafePathError",
     "UnsupportedBackendError",
@@ -36,6 +38,15 @@ class AnyquantError(Exception):
 
 class ProbeError(AnyquantError):
     """A checkpoint's files could not be read as a checkpoint."""
+
+
+class RevisionNotFoundError(ProbeError):
+    """A model id's revision (branch, tag or commit) is not in the local Hugging Face cache."""
+
+
+class DownloadError(ProbeError):
+    """An explicit download from the Hugging Face Hub failed, was refused (offline mode), or would fetch
+    more than one quantization of a repository."""
 
 
 class HeaderError(ProbeError):

@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
-from .errors import ConfigError, HeaderError, ProbeError, UnsafePathError
+from .errors import ConfigError, HeaderError, ProbeError, RevisionNotFoundError, UnsafePathError
 from .headers import (
     MAX_JSON_BYTES,
     GGUFHeader,
@@ -35,7 +35,16 @@ from .headers import (
     read_safetensors_header,
 )
 
-__all__ = ["Probe", "display_name", "hub_cache_dir", "resolve_checkpoint"]
+__all__ = [
+    "ModelId",
+    "Probe",
+    "display_name",
+    "download_command",
+    "hub_cache_dir",
+    "parse_model_id",
+    "resolve_checkpoint",
+    "with_revision",
+]
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +103,15 @@ class Probe:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> Probe:
+    def open(cls, path: str | os.PathLike[str], *, revision: str | None = None) -> Probe:
         """Read a checkpoint directory, a single ``.safetensors`` file, or a ``.gguf`` file; or, for a model
         id ``owner/name`` that is not a local path, its snapshot in the local Hugging Face cache
         (:func:`resolve_checkpoint`). A file-system error (a directory without read permission, a name
-        too long) is a :class:`ProbeError`."""
+        too long) is a :class:`ProbeError`. ``revision``: a model id's branch, tag or commit
+        (as ``owner/name@revision``)."""
         if not isinstance(path, (str, os.PathLike)):
             raise ProbeError(f"a checkpoint path is a str or os.PathLike, got {type(path).__name__}")
+        path = with_revision(path, revision)
         try:
             return cls._open(path)
         except OSError as exc:
@@ -114,11 +125,12 @@ class Probe:
         if not p.exists():
             model_id, hint = _model_id(path), ""
             if model_id is not None and p != asked:  # the model is cached, the file is not
-                hint = f" (in the Hugging Face cache's snapshot of {model_id[0]}: it has no {model_id[1]!r})"
+                hint = f" (in the Hugging Face cache's snapshot of {model_id.repo_id}: it has no {model_id.inside!r})"
             elif model_id is not None:
                 hint = (
-                    f", nor a model in the Hugging Face cache ({hub_cache_dir()}). anyquant reads local files "
-                    f"and downloads nothing: `huggingface-cli download {model_id[0]}` first, or pass a directory"
+                    f", nor a model in the Hugging Face cache ({hub_cache_dir()}). anyquant reads local files and "
+                    f"downloads only when asked: `{download_command(model_id)}` (or load(..., download=True), "
+                    f"`anyquant download {model_id}`) first, or pass a directory"
                 )
             raise ProbeError(f"{p}: no such file or directory{hint}")
         if p != asked:
@@ -259,6 +271,7 @@ class Probe:
 
 _MODEL_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})(?:/(.+))?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+_COMMIT_PREFIX = re.compile(r"[0-9a-f]{7,40}")
 
 
 def hub_cache_dir() -> Path:
@@ -275,69 +288,197 @@ def hub_cache_dir() -> Path:
     return Path(os.path.expandvars(home)).expanduser() / "hub"
 
 
-def _model_id(path: str | os.PathLike[str]) -> tuple[str, str] | None:
-    """``path`` as a Hugging Face model id and a path inside the repository (``owner/name``, or
-    ``owner/name/file.gguf``: the id and ``"file.gguf"``), or None when it cannot be one."""
+@dataclass(frozen=True)
+class ModelId:
+    """A Hugging Face model id as anyquant reads it: ``owner/name[/path][@revision]``."""
+
+    repo_id: str  # owner/name
+    inside: str  # a path inside the repository ("" for the whole repository)
+    revision: str | None  # a branch, tag or commit (hash or prefix); None: main
+
+    def __str__(self) -> str:
+        text = self.repo_id + (f"/{self.inside}" if self.inside else "")
+        return text + (f"@{self.revision}" if self.revision else "")
+
+
+def parse_model_id(path: str | os.PathLike[str], revision: str | None = None) -> ModelId | None:
+    """``path`` as a Hugging Face model id (``owner/name``, ``owner/name/file.gguf``, either with
+    ``@revision``: everything after the last ``@``, so a branch may hold ``/``), or None when it cannot
+    be one. ``revision`` (the ``revision=`` argument) must agree with one written in the id."""
     text = os.fspath(path)
-    m = _MODEL_ID.fullmatch(text) if isinstance(text, str) else None
+    if not isinstance(text, str):
+        return None
+    name, at, rev = text.rpartition("@")
+    if not at:
+        name, rev = text, ""
+    m = _MODEL_ID.fullmatch(name)
     if m is None or "--" in m.group(1) or ".." in m.group(1):
         return None
     inside = m.group(2) or ""
     if inside and any(part in ("", ".", "..") or "\\" in part or "\0" in part for part in inside.split("/")):
         return None
-    return m.group(1), inside
+    if at:
+        _check_revision(rev, text)
+    if revision is not None:
+        _check_revision(revision, text)
+        if at and rev != revision:
+            raise ProbeError(f"{text}: names revision {rev!r} and revision={revision!r} was passed: give one")
+        rev = revision
+    return ModelId(m.group(1), inside, rev or None)
 
 
-def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+def _check_revision(rev: str, text: str) -> None:
+    parts = rev.split("/")
+    if not rev or len(rev) > 255 or any(p in ("", ".", "..") for p in parts) or "\\" in rev or "\0" in rev:
+        raise ProbeError(f"{text}: {rev!r} is not a revision (a branch, tag or commit hash)")
+
+
+def with_revision(path: str | os.PathLike[str], revision: str | None) -> str | os.PathLike[str]:
+    """``path`` with ``revision=`` folded into it (``owner/name@revision``) for the functions that take a
+    model id; ``path`` itself when ``revision`` is None. A revision for a path that is not a model id
+    (a local directory) is a :class:`ProbeError`."""
+    if revision is None:
+        return path
+    if not isinstance(revision, str):
+        raise ProbeError(f"revision= is a str (a branch, tag or commit hash), got {type(revision).__name__}")
+    mid = parse_model_id(path, revision)
+    if mid is None or Path(path).expanduser().exists():
+        raise ProbeError(
+            f"{os.fspath(path)}: revision={revision!r} applies to a Hugging Face model id (owner/name), "
+            "not to a local path"
+        )
+    return str(mid)
+
+
+def download_command(mid: ModelId, include: str | None = None) -> str:
+    """The ``hf download`` command (huggingface_hub's CLI) that fetches ``mid`` into the cache anyquant reads."""
+    parts = ["hf download", mid.repo_id]
+    if mid.inside:
+        parts.append(_quote(mid.inside))
+    if mid.revision:
+        parts += ["--revision", _quote(mid.revision)]
+    if include:
+        parts += ["--include", _quote(include)]
+    return " ".join(parts)
+
+
+def _quote(text: str) -> str:
+    return text if re.fullmatch(r"[A-Za-z0-9_./@:+=-]+", text) else '"' + text.replace('"', '\\"') + '"'
+
+
+def _model_id(path: str | os.PathLike[str]) -> ModelId | None:
+    try:
+        return parse_model_id(path)
+    except ProbeError:
+        return None
+
+
+def resolve_checkpoint(path: str | os.PathLike[str], revision: str | None = None) -> Path:
     """``path`` itself when it exists (a cached repository's own directory, ``.../models--owner--name``,
-    stands for its snapshot); else, when it reads as a model id ``owner/name``, that model's snapshot in
-    the local Hugging Face cache (:func:`hub_cache_dir`), and for ``owner/name/<path>`` that path in the
-    snapshot (one ``.gguf`` of a repository that holds several); else ``path`` unchanged. The snapshot
-    is the revision ``refs/main`` names, or the only one there is. Reads only the local cache: nothing
-    is downloaded. A cache whose ``refs/main`` is not a commit hash, or names no snapshot, or that holds
-    several snapshots and no ``refs/main``, is a :class:`ProbeError`."""
+    stands for its snapshot); else, when it reads as a model id ``owner/name`` (:func:`parse_model_id`),
+    that model's snapshot in the local Hugging Face cache (:func:`hub_cache_dir`), and for
+    ``owner/name/<path>`` that path in the snapshot (one ``.gguf`` of a repository that holds several);
+    else ``path`` unchanged. The snapshot is the revision asked for (``@revision`` or ``revision=``: a
+    branch or tag the cache's ``refs/`` names, or a commit hash or a unique prefix of one), else the one
+    ``refs/main`` names, or the only one there is. Reads only the local cache: nothing is downloaded. A
+    revision the cache does not hold is a :class:`~anyquant.errors.RevisionNotFoundError` listing those
+    it holds; a ref that is not a commit hash, or names no snapshot, or several snapshots and no
+    ``refs/main`` and no revision asked, are a :class:`ProbeError`."""
     p = Path(path).expanduser()
     if p.exists():
         if p.name.startswith("models--") and (p / "snapshots").is_dir() and not (p / "config.json").exists():
-            return _cached_snapshot(p, _repo_id_of(p))
+            return _cached_snapshot(p, ModelId(_repo_id_of(p), "", revision))
+        if revision is not None:
+            with_revision(path, revision)  # raises: a revision for a local path
         return p
-    model_id = _model_id(path)
-    if model_id is None:
+    mid = parse_model_id(path, revision)
+    if mid is None:
         return p
-    repo_id, inside = model_id
-    repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    repo = hub_cache_dir() / ("models--" + mid.repo_id.replace("/", "--"))
     if not (repo / "snapshots").is_dir():
         return p
-    return _cached_snapshot(repo, repo_id) / inside
+    return _cached_snapshot(repo, mid) / mid.inside
 
 
-def _cached_snapshot(repo: Path, repo_id: str) -> Path:
-    """The snapshot of cached repository ``repo`` that ``refs/main`` names, or its only one."""
+def _cached_snapshot(repo: Path, mid: ModelId) -> Path:
+    """The snapshot of cached repository ``repo`` for ``mid.revision``; without one, the snapshot
+    ``refs/main`` names, or its only one."""
     snapshots = repo / "snapshots"
+    if mid.revision is not None:
+        return _revision_snapshot(repo, mid)
     ref = repo / "refs" / "main"
     if ref.is_file():
-        with ref.open("rb") as fh:
-            commit = fh.read(256).decode("ascii", "replace").strip()
-        if not _COMMIT.fullmatch(commit):
-            raise ProbeError(f"{ref}: expected a commit hash (40 hexadecimal digits)")
-        if not (snapshots / commit).is_dir():
-            raise ProbeError(
-                f"{repo_id}: the Hugging Face cache's refs/main names {commit}, but {snapshots} has no such snapshot"
-            )
-        return snapshots / commit
+        return _ref_snapshot(repo, ref, mid)
     found = sorted(d.name for d in snapshots.iterdir() if d.is_dir())
+    if len(found) == 1 and _named_refs(repo):  # only other branches were downloaded (hf download --revision X)
+        return _revision_snapshot(repo, ModelId(mid.repo_id, mid.inside, "main"))
     if len(found) != 1:
-        raise ProbeError(
-            f"{repo_id}: the Hugging Face cache ({repo}) has no refs/main and {len(found)} snapshots "
-            f"({', '.join(found[:4]) or 'none'}): pass the snapshot directory you want"
+        raise RevisionNotFoundError(
+            f"{mid.repo_id}: the Hugging Face cache ({repo}) has no refs/main and {len(found)} snapshots: "
+            f"{_present(repo)}. Pick one: revision=... in Python, {mid.repo_id}@<revision> on the command line"
         )
     return snapshots / found[0]
 
 
+def _ref_snapshot(repo: Path, ref: Path, mid: ModelId) -> Path:
+    with ref.open("rb") as fh:
+        commit = fh.read(256).decode("ascii", "replace").strip()
+    if not _COMMIT.fullmatch(commit):
+        raise ProbeError(f"{ref}: expected a commit hash (40 hexadecimal digits)")
+    snapshots = repo / "snapshots"
+    if not (snapshots / commit).is_dir():
+        name = ref.relative_to(repo / "refs").as_posix()
+        raise ProbeError(
+            f"{mid.repo_id}: the Hugging Face cache's refs/{name} names {commit}, but {snapshots} has no such snapshot"
+        )
+    return snapshots / commit
+
+
+def _revision_snapshot(repo: Path, mid: ModelId) -> Path:
+    """The snapshot of a branch or tag (a file under ``refs/``, whose name may hold ``/``) or of a
+    commit hash (or a unique prefix of at least 7 hexadecimal digits)."""
+    rev = mid.revision or "main"
+    refs, snapshots = repo / "refs", repo / "snapshots"
+    ref = refs / rev
+    if ref.is_file() and refs.resolve() in ref.resolve().parents:
+        return _ref_snapshot(repo, ref, mid)
+    if _COMMIT_PREFIX.fullmatch(rev):
+        found = sorted(d.name for d in snapshots.iterdir() if d.is_dir() and d.name.startswith(rev))
+        if len(found) == 1:
+            return snapshots / found[0]
+        if len(found) > 1:
+            raise RevisionNotFoundError(
+                f"{mid.repo_id}@{rev}: the prefix matches {len(found)} snapshots ({', '.join(found)}): give more digits"
+            )
+    raise RevisionNotFoundError(
+        f"{mid.repo_id}: revision {rev!r} is not in the Hugging Face cache ({repo}), which holds {_present(repo)}. "
+        f"Download it: `{download_command(ModelId(mid.repo_id, mid.inside, rev))}` (or load(..., download=True), "
+        f"`anyquant download {mid.repo_id}@{rev}`)"
+    )
+
+
+def _named_refs(repo: Path) -> list[Path]:
+    refs = repo / "refs"
+    return sorted(f for f in refs.rglob("*") if f.is_file() and not f.is_symlink()) if refs.is_dir() else []
+
+
+def _present(repo: Path) -> str:
+    """The revisions a cached repository holds: its refs (branch or tag -> commit) and snapshot hashes."""
+    refs, snapshots = repo / "refs", repo / "snapshots"
+    named: list[str] = []
+    for f in _named_refs(repo):
+        with f.open("rb") as fh:
+            commit = fh.read(64).decode("ascii", "replace").strip()
+        named.append(f"{f.relative_to(refs).as_posix()} -> {commit[:12]}")
+    hashes = sorted(d.name for d in snapshots.iterdir() if d.is_dir()) if snapshots.is_dir() else []
+    text = f"refs [{', '.join(named)}]" if named else "no refs"
+    return text + f" and snapshots [{', '.join(hashes) or 'none'}]"
+
+
 def display_name(path: str | os.PathLike[str]) -> str:
     """A checkpoint's name for tables and reports: ``owner/name`` for a snapshot in a Hugging Face
-    cache (or a model id found there; a file or folder in the snapshot adds its path), otherwise the
-    file or directory name. Never raises."""
+    cache (or a model id found there; a file or folder in the snapshot adds its path, and a revision
+    asked for, ``owner/name@4.0bpw``, is kept), otherwise the file or directory name. Never raises."""
     try:
         p = Path(os.path.abspath(resolve_checkpoint(path)))  # links not followed: a snapshot's files are links
     except (OSError, ProbeError):
@@ -347,7 +488,9 @@ def display_name(path: str | os.PathLike[str]) -> str:
         return p.name
     name = _repo_id_of(snap.parent.parent)
     rest = p.relative_to(snap).as_posix()
-    return name if rest == "." else f"{name}/{rest}"
+    mid = _model_id(path) if not Path(path).expanduser().exists() else None
+    at = f"@{mid.revision}" if mid is not None and mid.revision else ""
+    return (name if rest == "." else f"{name}/{rest}") + at
 
 
 def _repo_id_of(repo: Path) -> str:

@@ -234,18 +234,21 @@ def quantize(
     max_ppl_ratio: float = 3.0,
     quality: bool = True,
     progress: Progress | None = None,
+    revision: str | None = None,
     registry: Registry | None = None,
     **options: Any,
 ) -> Path:
     """Quantize the dense checkpoint ``src`` into ``dst`` with ``method`` (``gptq``, ``awq``, ``exl3``).
 
     Returns ``dst``. Raises :class:`QuantizeError` (nothing written) on bad parameters, a failed
-    quantizer, a result that does not detect as ``method``, or a quality gate failure.
+    quantizer, a result that does not detect as ``method``, or a quality gate failure. ``src`` may be a
+    model id in the local Hugging Face cache, ``revision`` its branch, tag or commit.
     """
     from .api import default_registry
 
     reg = registry or default_registry()
-    src, dst = resolve_checkpoint(src), Path(dst)  # a model id: its snapshot in the local Hugging Face cache
+    # a model id (owner/name[@revision]): its snapshot in the local Hugging Face cache
+    src, dst = resolve_checkpoint(src, revision), Path(dst)
     _check_arguments(
         method=method,
         bits=bits,

@@ -506,6 +506,7 @@ def estimate(
     kv_dtype: str = "fp16",
     head_bits: float = 16.0,
     format: str | None = None,
+    revision: str | None = None,
 ) -> Estimate:
     """Memory to run a model: weights + KV cache for ``context`` tokens x ``batch`` + a margin.
 
@@ -514,8 +515,13 @@ def estimate(
     estimates it quantized. ``kv_dtype``: ``fp16``/``bf16``/``fp32``/``fp8`` or ``q2``..``q8``.
     ``head_bits``: the LM head's bits for config estimates (16 for GPTQ/AWQ; exllamav3 defaults to 6; a tied
     head below 16 bits is stored as its own tensor). ``format="exl3"`` counts EXL3's padding of linear
-    dimensions to multiples of 128 in config estimates.
+    dimensions to multiples of 128 in config estimates. ``revision``: a model id's branch, tag or commit in
+    the local Hugging Face cache (as ``owner/name@revision``).
     """
+    if revision is not None and not isinstance(path_or_config, Mapping):
+        from .probe import with_revision
+
+        path_or_config = with_revision(path_or_config, revision)  # type: ignore[assignment]
     _check_count("context", context)
     _check_count("batch", batch)
     if bits is not None:

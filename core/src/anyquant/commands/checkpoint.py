@@ -1,4 +1,5 @@
-"""``anyquant detect``, ``inspect``, ``plugins`` and ``backends``: what a checkpoint is, and what is installed."""
+"""``anyquant detect``, ``inspect``, ``download``, ``plugins`` and ``backends``: what a checkpoint is, fetching
+one from the Hugging Face Hub when asked, and what is installed."""
 
 from __future__ import annotations
 
@@ -17,21 +18,52 @@ def anyquant_register_commands(cli: CommandRegistrar) -> None:
     cli.add_command(
         "inspect", "per-module table: format, bits, group size, shape, bytes", _configure_inspect, _cmd_inspect
     )
+    cli.add_command(
+        "download",
+        "fetch a Hugging Face Hub model's files its format needs into the Hugging Face cache (huggingface_hub)",
+        _configure_download,
+        _cmd_download,
+    )
     cli.add_command("plugins", "installed plugins and the formats they register", _configure_json, _cmd_plugins)
     cli.add_command(
         "backends", "each loadable format's backends: available here or why not", _configure_backends, _cmd_backends
     )
 
 
+_REVISION_HELP = "a model id's branch, tag or commit in the Hugging Face cache (same as ID@REVISION)"
+
+
 def _configure_detect(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
     p.add_argument("--format", default=None, help="assert this format (error if the tensors disagree)")
+    p.add_argument("--revision", default=None, help=_REVISION_HELP)
     p.add_argument("--json", action="store_true")
 
 
 def _configure_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
+    p.add_argument("--revision", default=None, help=_REVISION_HELP)
     p.add_argument("--json", action="store_true")
+
+
+def _configure_download(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="owner/name, owner/name@REVISION, or owner/name/file.gguf")
+    p.add_argument("--revision", default=None, help="branch, tag or commit (default main)")
+    p.add_argument(
+        "--include",
+        default=None,
+        metavar="PATTERN",
+        help='which weights, a glob: "*Q4_K_M*" (one file of a GGUF repository)',
+    )
+    p.add_argument("--json", action="store_true")
+
+
+def _cmd_download(args: argparse.Namespace) -> int:
+    from ..hub import download
+
+    path = download(args.model, revision=args.revision, include=args.include)
+    emit(args, {"model": args.model, "path": str(path)}, str(path))
+    return 0
 
 
 def _configure_json(p: argparse.ArgumentParser) -> None:
@@ -46,7 +78,7 @@ def _configure_backends(p: argparse.ArgumentParser) -> None:
 def _cmd_detect(args: argparse.Namespace) -> int:
     from ..api import detect
 
-    d = detect(args.path, format=args.format)
+    d = detect(args.path, format=args.format, revision=args.revision)
     lines = [f"{d.path}: {d.format}" + (f" ({d.variant})" if d.variant else "") + f"  [plugin {d.plugin}]"]
     lines += [f"  - {e}" for e in d.evidence]
     lines += [f"  note: {n}" for n in d.notes]
@@ -57,7 +89,7 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from ..api import inspect
 
-    report = inspect(args.path)
+    report = inspect(args.path, revision=args.revision)
     d = report.detection
     lines = [f"{d.path}: {d.format}" + (f" ({d.variant})" if d.variant else "")]
     header = f"{'module':<48} {'format':<8} {'bits':>6} {'group':>6} {'shape':<16} {'bytes':>11}"

@@ -1,0 +1,183 @@
+"""The explicit download of a model from the Hugging Face Hub (``load(..., download=True)``,
+``anyquant download``), through huggingface_hub's own ``snapshot_download``: its cache layout (the cache
+:func:`~anyquant.probe.hub_cache_dir` reads), its authentication (``HF_TOKEN``), its resume and locking,
+its progress bars. Only the files the format needs are fetched: for a GGUF repository the one
+quantization asked for, for a safetensors repository the configs, tokenizer files, the shard index and
+its shards (never ``*.bin``/``*.pt``/``*.pth`` copies of the same weights, never code). huggingface_hub is
+imported here only, on the first download.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+
+from .errors import AnyquantError, DownloadError, ParameterError, ProbeError
+from .headers import MAX_JSON_BYTES
+from .probe import (
+    CONFIG_FILES,
+    INDEX_NAMES,
+    TOKENIZER_FILES,
+    ModelId,
+    download_command,
+    hub_cache_dir,
+    parse_model_id,
+    resolve_checkpoint,
+)
+
+__all__ = ["download", "offline", "select_files"]
+
+log = logging.getLogger(__name__)
+
+_WEIGHTS = (".safetensors", ".gguf")
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def offline() -> bool:
+    """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set, read now (huggingface_hub reads it once,
+    at its import)."""
+    env = os.environ
+    return (env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE") or "").strip().upper() in _TRUE
+
+
+def download(model: str, *, revision: str | None = None, include: str | None = None) -> Path:
+    """Fetch the files of Hub model ``model`` (``owner/name``, ``owner/name/file.gguf``, with
+    ``@revision`` or ``revision=``) that its format needs into the Hugging Face cache, and return the
+    path to load: the snapshot directory, or the one ``.gguf`` file chosen. ``include``: a glob over the
+    repository's files choosing the weights (``"*Q4_K_M*"``); a GGUF repository with several ``.gguf``
+    files and none chosen is a :class:`DownloadError` listing them. Files already in the cache are not
+    fetched again; an interrupted file resumes. With ``HF_HUB_OFFLINE=1`` nothing is fetched: the cached
+    copy is returned, or a :class:`DownloadError` says it is missing."""
+    mid = parse_model_id(model, revision)
+    if mid is None or Path(model).expanduser().exists():
+        raise ParameterError(f"{model}: not a Hugging Face model id (owner/name): only a Hub model is downloaded")
+    if offline():
+        return _cached(mid, include)
+    try:
+        from huggingface_hub import HfApi, snapshot_download
+    except ImportError as exc:
+        from .errors import MissingDependencyError
+
+        raise MissingDependencyError(f"downloading {mid} needs huggingface_hub: pip install 'anyquant[hub]'") from exc
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, as offline() is
+    cache = hub_cache_dir()
+    try:
+        info = HfApi(endpoint=endpoint).model_info(mid.repo_id, revision=mid.revision)
+        files = [s.rfilename for s in info.siblings or ()]
+        chosen = select_files(files, mid, include)
+        index = next((f for f in chosen if PurePosixPath(f).name in INDEX_NAMES), None)
+        if index is not None:  # the shards the index names: not a consolidated.safetensors copy beside them
+            from huggingface_hub import hf_hub_download
+
+            named = _index_shards(
+                hf_hub_download(mid.repo_id, index, revision=info.sha, cache_dir=cache, endpoint=endpoint), index
+            )
+            chosen = select_files(files, mid, include, index_shards=named)
+        log.info("downloading %s (%s): %s", mid, info.sha, chosen)
+        snapshot = snapshot_download(
+            mid.repo_id, revision=mid.revision, allow_patterns=chosen, cache_dir=cache, endpoint=endpoint
+        )
+    except AnyquantError:
+        raise
+    except Exception as exc:  # huggingface_hub's HTTP errors (not found, gated, 5xx), a dropped connection, a full disk
+        raise DownloadError(
+            f"{mid}: the download failed: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}. Run it again "
+            f"(a partial file resumes), or `{download_command(mid, include)}`"
+        ) from exc
+    weights = [f for f in chosen if f.endswith(".gguf")]
+    if mid.inside:
+        return Path(snapshot) / mid.inside
+    return Path(snapshot) / weights[0] if len(weights) == 1 else Path(snapshot)
+
+
+def _cached(mid: ModelId, include: str | None) -> Path:
+    """Offline: the cached copy, or a DownloadError."""
+    try:
+        path = resolve_checkpoint(str(mid))
+    except ProbeError as exc:
+        raise DownloadError(f"HF_HUB_OFFLINE is set, so nothing is downloaded, and {exc}") from exc
+    if not path.exists():
+        raise DownloadError(
+            f"{mid}: HF_HUB_OFFLINE is set, so nothing is downloaded, and the Hugging Face cache ({hub_cache_dir()}) "
+            f"does not hold it: unset HF_HUB_OFFLINE, or `{download_command(mid, include)}` where the Hub is reachable"
+        )
+    if include is not None and path.is_dir():
+        found = sorted(str(f.relative_to(path)) for f in path.glob(include) if f.suffix == ".gguf")
+        if len(found) == 1:
+            return path / found[0]
+    return path
+
+
+def _index_shards(path: str, name: str) -> set[str]:
+    """The shard files ``model.safetensors.index.json`` names (its ``weight_map``'s values)."""
+    from .headers import loads_json
+
+    data = Path(path).read_bytes()
+    if len(data) > MAX_JSON_BYTES:
+        raise DownloadError(f"{name}: {len(data)} bytes is too large for a shard index")
+    value = loads_json(data, name, error=DownloadError)
+    weight_map = value.get("weight_map") if isinstance(value, dict) else None
+    if not isinstance(weight_map, dict):
+        raise DownloadError(f"{name}: weight_map must be an object")
+    return {v for v in weight_map.values() if isinstance(v, str)}
+
+
+def select_files(
+    files: Sequence[str], mid: ModelId, include: str | None = None, *, index_shards: set[str] | None = None
+) -> list[str]:
+    """The files of a repository (its listing ``files``) that loading ``mid`` needs; see :func:`download`.
+    ``index_shards``: the shards the repository's ``model.safetensors.index.json`` names; when the
+    repository has them all, no other ``.safetensors`` file is taken (as :class:`~anyquant.probe.Probe`
+    reads only those)."""
+    names = list(files)
+    if mid.inside:
+        if mid.inside in names:
+            return [mid.inside]
+        under = [f for f in names if f.startswith(mid.inside + "/")]
+        if not under:
+            raise DownloadError(f"{mid}: the repository has no {mid.inside!r}; its weight files: {_listing(names)}")
+        prefix = mid.inside + "/"
+        inner = [f[len(prefix) :] for f in under]
+        return [
+            prefix + f for f in select_files(inner, ModelId(mid.repo_id, "", None), include, index_shards=index_shards)
+        ]
+    top = [f for f in names if "/" not in f]
+    meta = [f for f in top if f in CONFIG_FILES or f in TOKENIZER_FILES or f in INDEX_NAMES or f.endswith(".json")]
+    if include is not None:
+        matched = [
+            f for f in names if fnmatch.fnmatchcase(f, include) or fnmatch.fnmatchcase(PurePosixPath(f).name, include)
+        ]
+        weights = [f for f in matched if f.endswith(_WEIGHTS)]
+        if not weights:
+            raise DownloadError(
+                f"{mid}: --include {include!r} matches no weight file; the repository has {_listing(names)}"
+            )
+        if all(f.endswith(".gguf") for f in weights):
+            return weights
+        return sorted(set(meta) | set(weights))
+    safetensors = [f for f in top if f.endswith(".safetensors")]
+    if index_shards and index_shards <= set(safetensors):
+        safetensors = [f for f in safetensors if f in index_shards]
+    if safetensors:
+        return sorted(set(meta) | set(safetensors))
+    ggufs = [f for f in names if f.endswith(".gguf")]
+    if len(ggufs) == 1:
+        return ggufs
+    if ggufs:
+        raise DownloadError(
+            f"{mid}: the repository holds {len(ggufs)} GGUF files ({', '.join(ggufs)}); choose one: "
+            f'{mid.repo_id}/{ggufs[0]} as the id, or include="*Q4_K_M*" (--include on the command line)'
+        )
+    raise DownloadError(
+        f"{mid}: the repository has no .safetensors or .gguf weights ({_listing(names)}); anyquant downloads no "
+        "pickle (.bin/.pt) weights: fetch them yourself with `hf download` and load with allow_pickle=True"
+    )
+
+
+def _listing(names: Sequence[str]) -> str:
+    weights = [f for f in names if f.endswith(_WEIGHTS)]
+    shown = weights or list(names)
+    return ", ".join(shown[:20]) + (f", ... ({len(shown)} in all)" if len(shown) > 20 else "") if shown else "no files"
