@@ -63,6 +63,7 @@ VLLM_QUANTIZATION = {
     "awq": "awq_marlin",
     "compressed-tensors": "compressed-tensors",
     "bnb": "bitsandbytes",
+    "fp8": "fp8",
     "dense": None,
     "gguf": None,  # vLLM reads GGUF from the file itself; no --quantization
 }
