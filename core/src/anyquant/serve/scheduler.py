@@ -258,7 +258,10 @@ class Scheduler:
 
         from ..runtime.generate import sample_next
 
-        history = torch.tensor([row.request.ids + row.generated], dtype=torch.long, device=logits.device)
+        if row.request.params.repetition_penalty == 1.0:  # the history is read for the penalty only
+            history = torch.empty((1, 0), dtype=torch.long, device=logits.device)
+        else:
+            history = torch.tensor([row.request.ids + row.generated], dtype=torch.long, device=logits.device)
         return int(sample_next(logits, row.request.params, history, row.rng)[0])
 
 
