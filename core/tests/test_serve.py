@@ -85,13 +85,22 @@ def server() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def local() -> Iterator[Any]:
+    import anyquant
+
+    with anyquant.load(anyquant.default_model()) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
 def client(server: str) -> Any:
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
 def _chat(client: Any, question: str, max_tokens: int = 16, **kw: Any) -> Any:
+    kw.setdefault("temperature", 0)
     return client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0, **kw
+        model=NAME, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, **kw
     )
 
 
@@ -101,13 +110,10 @@ def test_models_and_health(server: str, client: Any) -> None:
         assert json.loads(r.read())["status"] == "ok"
 
 
-def test_chat_equals_generate(client: Any) -> None:
-    import anyquant
-
-    with anyquant.load(anyquant.default_model()) as model:
-        want = model.generate([{"role": "user", "content": QUESTIONS[0]}], max_new_tokens=16)
-        n_prompt = len(model.generator.encode([{"role": "user", "content": QUESTIONS[0]}], model.params()))
-        n_out = len(model.tokenizer(want, add_special_tokens=False)["input_ids"])
+def test_chat_equals_generate(client: Any, local: Any) -> None:
+    want = local.generate([{"role": "user", "content": QUESTIONS[0]}], max_new_tokens=16)
+    n_prompt = len(local.generator.encode([{"role": "user", "content": QUESTIONS[0]}], local.params()))
+    n_out = len(local.tokenizer(want, add_special_tokens=False)["input_ids"])
     r = _chat(client, QUESTIONS[0])
     assert r.choices[0].message.content == want
     assert r.choices[0].message.role == "assistant"
@@ -140,13 +146,10 @@ def test_length_stop_and_stream(client: Any) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
-def test_completions_text_and_token_ids(client: Any) -> None:
+def test_completions_text_and_token_ids(client: Any, local: Any) -> None:
     a = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=6, temperature=0)
-    import anyquant
-
-    with anyquant.load(anyquant.default_model()) as model:
-        ids = model.tokenizer("The capital of France is")["input_ids"]
-        want = model.generate("The capital of France is", max_new_tokens=6)
+    ids = local.tokenizer("The capital of France is")["input_ids"]
+    want = local.generate("The capital of France is", max_new_tokens=6)
     assert a.choices[0].text == want and a.usage.prompt_tokens == len(ids)
     b = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0)
     assert b.choices[0].text == want
@@ -161,10 +164,12 @@ def test_errors(server: str, client: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e400:
         client.chat.completions.create(model=NAME, messages=[], max_tokens=2)
     assert e400.value.status_code == 400
-    with pytest.raises(openai.BadRequestError):
-        _chat(client, "hi", temperature=5) if False else client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=7
-        )
+    with pytest.raises(openai.BadRequestError) as temp:
+        _chat(client, "hi", max_tokens=2, top_p=7)
+    assert temp.value.code == "invalid_value" and temp.value.param == "top_p"
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        _chat(client, "hi", max_tokens=2, logprobs=True)
+    assert unsupported.value.code == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(model=NAME, prompt=[1] * 9000, max_tokens=2)
     assert long.value.code == "context_length_exceeded"
@@ -188,6 +193,27 @@ def test_errors(server: str, client: Any) -> None:
     with pytest.raises(urllib.error.HTTPError) as e413:
         urllib.request.urlopen(big)
     assert e413.value.code == 413
+
+
+def test_disconnect_cancels_the_work(server: str, client: Any) -> None:
+    stream = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": QUESTIONS[6]}], max_tokens=4000, stream=True
+    )
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()  # the client goes away mid-answer
+    deadline = time.monotonic() + 60
+    while json.loads(urllib.request.urlopen(server + "/health").read())["running"]:
+        assert time.monotonic() < deadline, "the abandoned request kept decoding"
+        time.sleep(0.1)
+
+
+def test_sampling_with_a_seed_repeats(client: Any) -> None:
+    one, two = (
+        _chat(client, QUESTIONS[1], temperature=0.9, seed=7, extra_body={"top_k": 40}).choices[0].message
+        for _ in range(2)
+    )
+    assert one.content == two.content
 
 
 def test_eight_concurrent_clients_answer_as_one(client: Any) -> None:
