@@ -14,7 +14,8 @@ import pytest
 
 from anyquant import detect
 from anyquant.errors import AnyquantError, MissingDependencyError
-from anyquant.serve.engines import VLLM_FLAGS, VLLM_VERSION, EngineError, vllm_command
+from anyquant.serve.detected import vllm_command
+from anyquant.serve.engines import VLLM_FLAGS, VLLM_VERSION, EngineError
 from anyquant.testing.fixtures import FIXTURES
 
 #: the flags of ``vllm serve`` in vLLM 0.11.0's documentation (docs/cli/serve.md, "vllm serve --help=all"), as

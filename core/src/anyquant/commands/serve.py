@@ -61,6 +61,11 @@ def _run(args: argparse.Namespace) -> int:
     path = str(args.path or default_model())
     api_key = args.api_key or os.environ.get("ANYQUANT_API_KEY") or None
     name = args.model_name or Path(path).name
+    if args.engine != "anyquant":
+        given = [f for f, v in (("--backend", args.backend), ("--device", args.device)) if v != "auto"]
+        given += ["-o"] if args.option else []
+        if given:
+            raise ParameterError(f"--engine {args.engine} does not take {', '.join(given)} (the built-in server's)")
     if args.engine == "vllm":
         return _run_vllm(args, path, name, api_key)
     if args.print_command:
@@ -121,7 +126,7 @@ def _need_http_stack() -> None:
 
 
 def _run_vllm(args: argparse.Namespace, path: str, name: str, api_key: str | None) -> int:
-    from ..serve.engines import vllm_command
+    from ..serve.detected import vllm_command
 
     plan = vllm_command(
         path,

@@ -1,10 +1,11 @@
 """Handing a detected checkpoint to the engine that serves it at scale (standard library only).
 
-- **vLLM** (``--engine vllm``): :func:`vllm_command` builds the ``vllm serve`` command line that detection
+- **vLLM** (``--engine vllm``): :func:`vllm_plan` (and :func:`anyquant.serve.detected.vllm_command`, from a
+  checkpoint on disk) builds the ``vllm serve`` command line that detection
   implies: ``--quantization`` for the format (GPTQ ``gptq_marlin``, AWQ ``awq_marlin``, compressed-tensors),
   GGUF's ``--tokenizer``, ``--dtype``, ``--max-model-len`` from the checkpoint. Flags are those of vLLM
   :data:`VLLM_VERSION`'s ``vllm serve`` (``vllm/engine/arg_utils.py``, ``vllm/entrypoints/openai/cli_args.py``).
-  vLLM cannot read EXL3 or EXL2: :func:`vllm_command` refuses them with the way out.
+  vLLM cannot read EXL3 or EXL2: :func:`vllm_plan` refuses them with the way out.
 - **exllamav3** (``--engine exllamav3``, CUDA): EXL3 through exllamav3's own batching generator, behind the
   same OpenAI API as the built-in server (:mod:`anyquant.serve.exl3`), tensor parallel over the visible GPUs.
 """
@@ -26,17 +27,18 @@ __all__ = [
     "VLLM_VERSION",
     "EngineError",
     "VllmPlan",
-    "vllm_command",
+    "exllamav3_available",
+    "gpu_split",
     "vllm_plan",
 ]
 
 #: the engines ``anyquant serve --engine`` knows
 ENGINES = ("anyquant", "vllm", "exllamav3")
 
-#: the vLLM release whose ``vllm serve`` flags :func:`vllm_command` writes
+#: the vLLM release whose ``vllm serve`` flags :func:`vllm_plan` writes
 VLLM_VERSION = "0.11.0"
 
-#: every flag :func:`vllm_command` may write, as vLLM :data:`VLLM_VERSION` spells it (its documented engine and
+#: every flag :func:`vllm_plan` may write, as vLLM :data:`VLLM_VERSION` spells it (its documented engine and
 #: server arguments); the tests check each command against this list
 VLLM_FLAGS = frozenset(
     {
@@ -191,34 +193,6 @@ def vllm_plan(
     if api_key is not None:
         flags.append(("--api-key", api_key))
     return VllmPlan(path, tuple(flags), tuple(notes))
-
-
-def vllm_command(path: str | Path, **kwargs: Any) -> VllmPlan:
-    """:func:`vllm_plan` for a checkpoint on disk: its format detected, its config and GGUF header read."""
-    from ..api import detect
-    from ..probe import Probe
-
-    detection = detect(path)
-    probe = Probe.open(path)
-    context = None
-    if probe.gguf:
-        context = _gguf_context(probe)
-    return vllm_plan(
-        path,
-        detection.format,
-        config=probe.config,
-        quantization_config=probe.quantization_config,
-        gguf_context=context,
-        **kwargs,
-    )
-
-
-def _gguf_context(probe: Any) -> int | None:
-    header = probe.gguf[0]
-    meta = getattr(header, "metadata", {}) or {}
-    arch = meta.get("general.architecture")
-    value = meta.get(f"{arch}.context_length") if arch else None
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def exllamav3_available() -> str | None:

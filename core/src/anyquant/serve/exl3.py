@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import MissingDependencyError, ParameterError
+from ..errors import MissingDependencyError
 from .engines import exllamav3_available, gpu_split
 from .scheduler import Finished, QueueFull, Request
 
@@ -112,11 +112,7 @@ class Exl3Scheduler:
         sampler = self.exl.ComboSampler(
             rep_p=p.repetition_penalty, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p
         )
-        stops: list[Any] = (
-            [*p.stop, *self.exl_tokenizer.eos_token_id_list()]
-            if hasattr(self.exl_tokenizer, "eos_token_id_list")
-            else [*p.stop, self.exl_tokenizer.eos_token_id]
-        )
+        stops: list[Any] = [*p.stop, *sorted(_eos_ids(self.exl_tokenizer))]
         return self.exl.Job(
             input_ids=torch.tensor([request.ids], dtype=torch.long),
             max_new_tokens=request.max_tokens,
@@ -174,8 +170,15 @@ class Exl3Scheduler:
                     request.finish(Finished(reason, len(request.ids), int(r.get("new_tokens", count))))
 
 
-def check_engine_options(engine: str, options: Mapping[str, Any]) -> None:
-    """Refuse the built-in server's load options on an engine that does not read them."""
-    given = sorted(k for k, v in options.items() if v not in (None, "auto"))
-    if engine != "anyquant" and given:
-        raise ParameterError(f"--engine {engine} does not take {', '.join(given)} (the built-in server's load options)")
+def _eos_ids(tokenizer: Any) -> set[int]:
+    """exllamav3's tokenizer's end-of-sequence id and those of the checkpoint's ``generation_config.json``."""
+    ids: set[int] = set()
+    for value in (
+        getattr(tokenizer, "eos_token_id", None),
+        (getattr(tokenizer, "generation_config_dict", None) or {}).get("eos_token_id"),
+    ):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
