@@ -253,3 +253,37 @@ def test_queue_full_is_503() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_scheduler_timeout_cancel_and_length(local: Any) -> None:
+    """The scheduler in-process: a request past its deadline ends as ``timeout``, a cancelled one as ``cancelled``
+    (neither decodes), and a budget of 3 tokens ends as ``length`` with 3 tokens counted."""
+    import threading
+
+    from anyquant.serve.scheduler import Finished, ModelAdapter, Request, Scheduler
+
+    adapter = ModelAdapter(local)
+    scheduler = Scheduler(adapter, max_batch=4, max_queue=4)
+    ids = adapter.encode([{"role": "user", "content": QUESTIONS[2]}], chat=True)
+    ends: dict[str, Finished] = {}
+    done = threading.Event()
+
+    def request(name: str, max_tokens: int, deadline: float | None = None) -> Request:
+        def finish(f: Finished) -> None:
+            ends[name] = f
+            if len(ends) == 3:
+                done.set()
+
+        return Request(ids, local.params(), max_tokens, lambda text: None, finish, deadline)
+
+    late = request("late", 50, deadline=time.monotonic() - 1)
+    gone = request("gone", 50)
+    gone.cancel()
+    for r in (late, gone, request("short", 3)):
+        scheduler.submit(r)
+    assert done.wait(120)
+    scheduler.close(30)
+    assert ends["late"].reason == "timeout" and ends["late"].completion_tokens == 0
+    assert ends["gone"].reason == "cancelled" and ends["gone"].completion_tokens == 0
+    assert ends["short"].reason == "length" and ends["short"].completion_tokens == 3
+    assert ends["short"].prompt_tokens == len(ids)
