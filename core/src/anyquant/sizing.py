@@ -577,7 +577,7 @@ class GpuSpec:
     arch: str
     compute_capability: tuple[int, int] | None
     bandwidth_gbs: float
-    kind: str = "cuda"  # "cuda", "apple" or "cpu"
+    kind: str = "cuda"  # "cuda", "rocm" (AMD: vLLM, no EXL3/Marlin kernels), "apple" or "cpu"
     aliases: tuple[str, ...] = ()
 
     @property
@@ -599,6 +599,19 @@ GPUS: tuple[GpuSpec, ...] = (
     GpuSpec("H100", 80, "Hopper", (9, 0), 3350, aliases=("h100", "h10080gb", "h100sxm")),
     GpuSpec("H200", 141, "Hopper", (9, 0), 4800, aliases=("h200", "h200141gb")),
     GpuSpec("L4", 24, "Ada Lovelace", (8, 9), 300, aliases=("l4",)),
+    GpuSpec("L40S", 48, "Ada Lovelace", (8, 9), 864, aliases=("l40s",)),
+    GpuSpec("L40", 48, "Ada Lovelace", (8, 9), 864, aliases=("l40",)),
+    GpuSpec("RTX 6000 Ada", 48, "Ada Lovelace", (8, 9), 960, aliases=("rtx6000ada", "6000ada")),
+    GpuSpec("RTX A6000", 48, "Ampere", (8, 6), 768, aliases=("rtxa6000", "a6000")),
+    GpuSpec("RTX A5000", 24, "Ampere", (8, 6), 768, aliases=("rtxa5000", "a5000")),
+    GpuSpec("RTX A4000", 16, "Ampere", (8, 6), 448, aliases=("rtxa4000", "a4000")),
+    GpuSpec("A40", 48, "Ampere", (8, 6), 696, aliases=("a40",)),
+    GpuSpec("A10", 24, "Ampere", (8, 6), 600, aliases=("a10", "a10g")),
+    GpuSpec("RTX 4080", 16, "Ada Lovelace", (8, 9), 717, aliases=("rtx4080", "4080", "rtx4080super", "4080super")),
+    GpuSpec("RTX 4070 Ti", 12, "Ada Lovelace", (8, 9), 504, aliases=("rtx4070ti", "4070ti")),
+    GpuSpec("RTX 3080", 10, "Ampere", (8, 6), 760, aliases=("rtx3080", "3080")),
+    GpuSpec("MI300X", 192, "CDNA 3", None, 5300, "rocm", ("mi300x", "amdmi300x", "instinctmi300x")),
+    GpuSpec("MI250X", 128, "CDNA 2", None, 3277, "rocm", ("mi250x", "amdmi250x", "instinctmi250x")),
     GpuSpec("T4", 16, "Turing", (7, 5), 320, aliases=("t4",)),
     GpuSpec("V100 16GB", 16, "Volta", (7, 0), 900, aliases=("v100", "v10016gb", "v10016")),
     GpuSpec("V100 32GB", 32, "Volta", (7, 0), 900, aliases=("v100", "v10032gb", "v10032")),
@@ -606,13 +619,15 @@ GPUS: tuple[GpuSpec, ...] = (
     GpuSpec("Apple M-series", None, "Apple silicon", None, 200, "apple", ("apple", "applemseries", "mseries", "mac")),
     GpuSpec("CPU", None, "CPU", None, 60, "cpu", ("cpu", "none", "ram")),
 )
+#: the memory bandwidth assumed for a GPU that is not in :data:`GPUS` (named with ``--vram``)
+UNKNOWN_GPU_BANDWIDTH_GBS = 900.0
 #: unified-memory bandwidth (GB/s) of Apple chips by tier (base/Pro/Max/Ultra, M1..M4)
 APPLE_BANDWIDTH = {"": 100, "pro": 200, "max": 400, "ultra": 800}
 
 
 def _norm(name: str) -> str:
     s = name.lower()
-    for word in ("nvidia", "geforce", "tesla", "pcie", "sxm5", "sxm4"):
+    for word in ("nvidia", "geforce", "tesla", "pcie", "sxm5", "sxm4", "amd", "instinct", "radeon"):
         s = s.replace(word, "")
     return re.sub(r"[^a-z0-9]", "", s)
 
@@ -620,7 +635,8 @@ def _norm(name: str) -> str:
 def find_gpu(name: str, vram_gb: float | None = None) -> GpuSpec:
     """Look ``name`` up in :data:`GPUS` ("RTX 4090", "nvidia a100 40gb", "Apple M3 Max", "cpu").
 
-    Where a name has several memory sizes (A100, V100), ``vram_gb`` picks the closest.
+    Where a name has several memory sizes (A100, V100), ``vram_gb`` picks the closest. A name the table does not
+    know, given with ``vram_gb``, is a label: a CUDA GPU of Ampere or newer with that memory is assumed.
     """
     key = _norm(name)
     apple = re.fullmatch(r"(apple)?m([1-9])(pro|max|ultra)?", key)
@@ -633,9 +649,13 @@ def find_gpu(name: str, vram_gb: float | None = None) -> GpuSpec:
             bandwidth_gbs=APPLE_BANDWIDTH[tier],
         )
     matches = [g for g in GPUS if key in g.aliases or key == _norm(g.name)]
+    if not matches and vram_gb is not None:  # with --vram the name is a label: a CUDA GPU of Ampere or newer
+        return GpuSpec(name, vram_gb, "unknown (assumed Ampere or newer)", (8, 0), UNKNOWN_GPU_BANDWIDTH_GBS)
     if not matches:
         known = ", ".join(g.name for g in GPUS)
-        raise SizingError(f"unknown GPU {name!r}; known: {known} (Apple: 'Apple M3 Max' etc.)")
+        raise SizingError(
+            f"unknown GPU {name!r}; known: {known} (Apple: 'Apple M3 Max' etc.); or give its memory with --vram"
+        )
     if vram_gb is not None and len(matches) > 1:
         matches.sort(key=lambda g: abs((g.vram_gb or 0) - vram_gb))
     return matches[0]
@@ -861,19 +881,20 @@ def _advise_exl3(ctx: _Ctx) -> Advice | None:
         reasons.append(
             f"a {kv} KV cache (exllamav3 CacheLayer_quant) buys the higher bpw; fp16 cache would force lower"
         )
-    commands = [
-        _quantize_command(_model_args(ctx), out, "exl3", bpw) + "   # needs an Ampere+ GPU",
-        f"python convert.py -i {_model_args(ctx)} -o {out} -w /tmp/exl3-work -b {bpw:g} -hb 6   # or exllamav3's own",
-    ]
+    if ctx.checkpoint_format == "exl3":
+        out = _model_args(ctx)
+    serve = f"anyquant serve {_q(out)} --engine exllamav3 --max-model-len {ctx.context} --max-batch {ctx.users}"
+    commands = _from_source(ctx, out, "exl3", bpw, [serve], reasons)
     if kv != "fp16":
-        bits = kv[1:]
-        commands.append(
-            f"# cache: Cache(model, max_num_tokens={_pages(ctx.context * ctx.users)}, layer_type=CacheLayer_quant, k_bits={bits}, v_bits={bits})"
+        reasons.append(
+            f"exllamav3's quantized cache (CacheLayer_quant, {kv[1:]} bits, {_pages(ctx.context * ctx.users)} tokens) is "
+            "what fits; anyquant serve --engine exllamav3 allocates an fp16 cache, so lower --max-model-len there"
         )
     if ctx.gpus > 1:
-        reasons.append(f"{ctx.gpus} GPUs: exllamav3 tensor parallel splits weights and cache across them")
-        commands.append("# load: model.load(tensor_p=True)   # exllamav3 tensor parallel")
-    commands.append(f'anyquant generate {out} --prompt "Hello"')
+        reasons.append(
+            f"{ctx.gpus} GPUs: exllamav3 tensor parallel splits weights and cache across them "
+            "(anyquant serve --engine exllamav3 uses every visible GPU)"
+        )
     alternatives = []
     if bpw < 3.0:
         off = _offload_plan(ctx)
@@ -903,7 +924,31 @@ def _advise_exl3(ctx: _Ctx) -> Advice | None:
 
 def _quantize_command(src: str, dst: str, method: str, bits: float) -> str:
     group = " --group-size 128" if method in ("gptq", "awq") else ""
-    return f'anyquant quantize {src} {dst} --method {method} --bits {bits:g}{group} --calibration "{CALIBRATION_MIX}"'
+    return f"anyquant quantize {_q(src)} {_q(dst)} --method {method} --bits {bits:g}{group} --calibration {CALIBRATION_MIX}"
+
+
+def _q(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+def _from_source(ctx: _Ctx, out: str, method: str, bits: float, then: list[str], reasons: list[str]) -> list[str]:
+    """The commands that make ``out`` (``method`` at ``bits``) from the model and then run ``then``: every one
+    runs as printed. ``anyquant quantize`` reads an unquantized checkpoint: from a quantized one (a GGUF file, a
+    GPTQ folder) the steps go into ``reasons``, from the model it was made from, and no command is printed."""
+    if ctx.checkpoint_format == method:
+        return list(then)  # the checkpoint is already what is served
+    if ctx.checkpoint_format in (None, "dense"):
+        return [_quantize_command(_model_args(ctx), out, method, bits), *then]
+    steps = [_quantize_command("ORIGINAL_MODEL", out, method, bits), *then]
+    reasons.append(
+        f"the checkpoint is {str(ctx.checkpoint_format).upper()}, and anyquant quantize reads an unquantized model: "
+        "from the model it was made from (ORIGINAL_MODEL), run: "
+        + "; then ".join(f"`{c}`" for c in steps)
+        + "; meanwhile the checkpoint as it is runs on anyquant's own server (the command below)"
+    )
+    return [f"anyquant serve {_q(_model_args(ctx))}"]
 
 
 def _pages(tokens: int) -> int:
@@ -956,8 +1001,11 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
             alternatives=["more GPUs (tensor parallel)", "a shorter --max-model-len", "a smaller model"],
         )
     tp, kv, seqs, e = choice
+    rocm = ctx.gpu.kind == "rocm"
     reasons = [
-        f"{ctx.users} concurrent users: vLLM's continuous batching and paged KV cache serve them; "
+        f"{ctx.gpu.name} is AMD (ROCm): vLLM serves it; exllamav3's kernels are CUDA only"
+        if rocm and ctx.users < MANY_USERS
+        else f"{ctx.users} concurrent users: vLLM's continuous batching and paged KV cache serve them; "
         "single-user engines (exllamav3, llama.cpp) would queue them",
         f"vLLM loads {method.upper()} 4-bit ({'zero point' if method == 'awq' else 'symmetric'}, group 128) directly"
         + (" — the checkpoint already is" if existing else "")
@@ -965,6 +1013,8 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
         + (
             " (Marlin kernels, Ampere+)"
             if q.endswith("_marlin")
+            else " (the Marlin kernels are CUDA only)"
+            if rocm
             else f" (Marlin needs sm_80+; {ctx.gpu.name} is sm_{cc[0]}{cc[1]})"
         ),
         f"weights {_gb(e.weight_bytes).strip()}; each {ctx.context}-token sequence needs {_gb(e.kv_bytes).strip()} of "
@@ -978,22 +1028,24 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
         reasons.append(
             f"an fp8 KV cache halves its size ({per_seq_fp16 / GB:.2f} -> {e.kv_bytes / GB:.2f} GB a sequence)"
         )
-    if not ctx.gpu.ampere_or_newer:
+    if not ctx.gpu.ampere_or_newer and not rocm:
         reasons.append(f"{ctx.gpu.arch} has no bf16: run in float16")
-    commands = []
-    served = _model_args(ctx)
-    if not existing:
-        served = f"{_model_args(ctx)}-{method}-4bit"
-        commands.append(_quantize_command(_model_args(ctx), served, method, 4))
-    cmd = (
-        f"vllm serve {served} --quantization {q} --dtype float16 --max-model-len {ctx.context} "
-        f"--max-num-seqs {ctx.users} --gpu-memory-utilization {VLLM_GPU_UTIL:.2f}"
+    from .serve.engines import vllm_plan
+
+    served = _model_args(ctx) if existing else f"{_model_args(ctx)}-{method}-4bit"
+    plan = vllm_plan(
+        served,
+        method,
+        dtype="float16",
+        max_model_len=ctx.context,
+        tensor_parallel_size=tp,
+        max_num_seqs=ctx.users,
+        gpu_memory_utilization=VLLM_GPU_UTIL,
+        kv_cache_dtype="fp8" if kv == "fp8" else None,
+        ampere_or_newer=ctx.gpu.ampere_or_newer,
     )
-    if tp > 1:
-        cmd += f" --tensor-parallel-size {tp}"
-    if kv == "fp8":
-        cmd += " --kv-cache-dtype fp8"
-    commands.append(cmd)
+    assert ("--quantization", q) in plan.flags or not ctx.gpu.ampere_or_newer
+    commands = _from_source(ctx, served, method, 4, [plan.command()], reasons)
     return _advice(
         ctx,
         format=method,
@@ -1024,13 +1076,19 @@ def _largest_gguf(ctx: _Ctx, usable: int, kv: str = "fp16") -> tuple[str, float,
 
 
 def _gguf_commands(ctx: _Ctx, qtype: str, ngl: int | None) -> list[str]:
+    """llama.cpp's steps to a ``qtype`` GGUF and its server: from an unquantized model (its converter), from a
+    GGUF (requantized); a checkpoint of another quantized format runs as it is on anyquant's server."""
     m = _model_args(ctx)
     offload = f" -ngl {ngl}" if ngl is not None else ""
+    serve = [f"llama-server -m model-{qtype}.gguf {_llama_slots(ctx)}{offload}", f"anyquant serve model-{qtype}.gguf"]
+    if ctx.checkpoint_format == "gguf":
+        return [f"llama-quantize --allow-requantize {_q(m)} model-{qtype}.gguf {qtype}", *serve]
+    if ctx.checkpoint_format not in (None, "dense"):  # llama.cpp cannot convert it; anyquant runs it as it is
+        return [f"anyquant serve {_q(m)}"]
     return [
-        f"python convert_hf_to_gguf.py {m} --outtype f16 --outfile model-f16.gguf   # llama.cpp",
+        f"python convert_hf_to_gguf.py {_q(m)} --outtype f16 --outfile model-f16.gguf",
         f"llama-quantize model-f16.gguf model-{qtype}.gguf {qtype}",
-        f"llama-server -m model-{qtype}.gguf {_llama_slots(ctx)}{offload}",
-        f'anyquant generate model-{qtype}.gguf --prompt "Hello"',
+        *serve,
     ]
 
 
@@ -1121,8 +1179,8 @@ def _gguf_as_is(ctx: _Ctx, usable: int, where: str, engine: str) -> Advice | Non
         expected_decode_tok_s=_tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs),
         reasons=reasons,
         commands=[
-            f"llama-server -m {ctx.model} {_llama_slots(ctx)}",
-            f'anyquant generate {ctx.model} --prompt "Hello"',
+            f"llama-server -m {_q(str(ctx.model))} {_llama_slots(ctx)}",
+            f"anyquant serve {_q(str(ctx.model))}",
         ],
     )
 
@@ -1218,10 +1276,9 @@ def _advise_pre_ampere(ctx: _Ctx) -> Advice:
     gguf = _largest_gguf(ctx, usable)
     if e.total_bytes <= usable:
         m = _model_args(ctx)
-        commands = [
-            _quantize_command(m, f"{m}-gptq-4bit", "gptq", 4),
-            f'anyquant generate {m}-gptq-4bit --prompt "Hello"',
-        ]
+        out = m if ctx.checkpoint_format == "gptq" else f"{m}-gptq-4bit"
+        notes: list[str] = []
+        commands = _from_source(ctx, out, "gptq", 4, [f"anyquant serve {_q(out)}"], notes)
         alternatives = (
             [f"GGUF {gguf[0]} on llama.cpp (CUDA) also fits ({_gb(gguf[2].total_bytes).strip()})"] if gguf else []
         )
@@ -1241,6 +1298,7 @@ def _advise_pre_ampere(ctx: _Ctx) -> Advice:
                 f"GPTQ 4-bit g128 fits: {_gb(e.total_bytes).strip()} of {ctx.gpus} x {ctx.vram_gb:g} GB; "
                 "symmetric 4-bit g128 without act-order is the most portable GPTQ (vLLM, transformers, gptqmodel)",
                 f"{ctx.gpu.arch} has no bf16: run in float16",
+                *notes,
             ],
             commands=commands,
             alternatives=alternatives,
@@ -1317,7 +1375,7 @@ def advise(
         gpu=spec,
         vram_bytes=int(vram * GiB),
         vram_gb=vram,
-        gpus=gpus if spec.kind == "cuda" else 1,
+        gpus=gpus if spec.kind in ("cuda", "rocm") else 1,
         users=users,
         context=context,
         shape=shape,
@@ -1326,9 +1384,21 @@ def advise(
         checkpoint_format=fmt,
         ram_bytes=int(ram_gb * GiB) if ram_gb is not None else None,
     )
+    advice = _decide(ctx)
+    if spec.name not in {g.name for g in GPUS} and spec.kind == "cuda":
+        advice.reasons.insert(
+            0,
+            f"{spec.name!r} is not in anyquant's GPU table: taken as a CUDA GPU of Ampere or newer with the "
+            f"{vram:g} GB given, ~{spec.bandwidth_gbs:g} GB/s assumed",
+        )
+    return advice
+
+
+def _decide(ctx: _Ctx) -> Advice:
+    spec, users, gpus, vram = ctx.gpu, ctx.users, ctx.gpus, ctx.vram_gb
     if spec.kind in ("apple", "cpu"):
         return _advise_local(ctx)
-    if users >= MANY_USERS:
+    if users >= MANY_USERS or spec.kind == "rocm":  # ROCm: vLLM (no EXL3 kernels there)
         return _advise_vllm(ctx)
     if not spec.ampere_or_newer:
         return _advise_pre_ampere(ctx)

@@ -1,0 +1,158 @@
+"""``anyquant serve``: an OpenAI-compatible HTTP server for a checkpoint (built in), or the hand-off to vLLM or
+exllamav3 (``--engine``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..console import add_option_flag, options_from
+from ..errors import MissingDependencyError, ParameterError
+from ..hookspecs import CommandRegistrar, hookimpl
+
+__all__ = ["anyquant_register_commands", "build_parser_for_tests"]
+
+log = logging.getLogger(__name__)
+
+INSTALL = "pip install 'anyquant[serve]'"
+
+
+@hookimpl
+def anyquant_register_commands(cli: CommandRegistrar) -> None:
+    cli.add_command("serve", "serve a checkpoint over an OpenAI-compatible HTTP API", _configure, _run)
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", nargs="?", default=None, help="checkpoint (default: the bundled SmolLM2 model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $ANYQUANT_API_KEY)")
+    p.add_argument("--model-name", default=None, help="the model id clients ask for (default: the file/folder name)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running batch (then 503)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queueing included")
+    p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted")
+    p.add_argument("--engine", choices=("anyquant", "vllm", "exllamav3"), default="anyquant")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs per model replica")
+    p.add_argument("--max-model-len", type=int, default=None, help="vllm/exllamav3: context (default: the model's)")
+    p.add_argument("--tokenizer", default=None, help="vllm, GGUF: the base model's tokenizer (folder or id)")
+    p.add_argument("--print-command", action="store_true", help="vllm: print the engine command, do not run it")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--format", default=None, help="assert this format (error if the tensors disagree)")
+    add_option_flag(p, "a load option of the format's loader", "-o cpu_fast_tables=memory")
+
+
+def build_parser_for_tests() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="anyquant serve")
+    _configure(p)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..api import default_model
+
+    path = str(args.path or default_model())
+    api_key = args.api_key or os.environ.get("ANYQUANT_API_KEY") or None
+    name = args.model_name or Path(path).name
+    if args.engine != "anyquant":
+        given = [f for f, v in (("--backend", args.backend), ("--device", args.device)) if v != "auto"]
+        given += ["-o"] if args.option else []
+        if given:
+            raise ParameterError(f"--engine {args.engine} does not take {', '.join(given)} (the built-in server's)")
+    if args.engine == "vllm":
+        return _run_vllm(args, path, name, api_key)
+    if args.print_command:
+        raise ParameterError("--print-command prints an engine's command: use it with --engine vllm")
+    for flag, value in (("--max-queue", args.max_queue), ("--max-batch", args.max_batch - 1), ("--port", args.port)):
+        if value < 0:
+            raise ParameterError(f"{flag}: expected a positive number")
+    if args.timeout <= 0 or args.max_body_kb <= 0:
+        raise ParameterError("--timeout and --max-body-kb must be positive")
+    _need_http_stack()
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use it", args.host)
+    scheduler: Any
+    if args.engine == "exllamav3":
+        from ..api import detect
+        from ..serve.exl3 import Exl3Scheduler
+
+        fmt = detect(path).format
+        if fmt != "exl3":
+            raise ParameterError(f"--engine exllamav3 serves EXL3 checkpoints; {path} is {fmt}")
+        scheduler = Exl3Scheduler(path, max_batch=args.max_batch, max_queue=args.max_queue, context=args.max_model_len)
+    else:
+        from ..api import load
+        from ..serve.scheduler import ModelAdapter, Scheduler
+
+        flags = {"backend": "--backend", "device": "--device", "dtype": "--dtype", "format": "--format"}
+        options = options_from(args.option, {**flags, "registry": "the Python API"})
+        model = load(path, format=args.format, backend=args.backend, device=args.device, dtype=args.dtype, **options)
+        scheduler = Scheduler(ModelAdapter(model), max_batch=args.max_batch, max_queue=args.max_queue)
+    from ..serve.app import ServerConfig, build_app
+
+    config = ServerConfig(name, api_key, args.timeout, args.max_body_kb * 1024)
+    return _serve(build_app(scheduler, config), scheduler, args.host, args.port, args.timeout)
+
+
+def _serve(app: Any, scheduler: Any, host: str, port: int, timeout: float) -> int:
+    import uvicorn
+
+    # SIGTERM / Ctrl-C: uvicorn stops accepting, lets in-flight requests finish (up to --timeout), then exits
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(timeout) + 5, lifespan="off"
+    )
+    server = uvicorn.Server(config)
+    print(f"anyquant serve: http://{host}:{port}/v1 (Ctrl-C or SIGTERM to stop)", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        scheduler.close(timeout)
+    return 0
+
+
+def _need_http_stack() -> None:
+    import importlib.util
+
+    missing = [m for m in ("starlette", "uvicorn", "sse_starlette") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingDependencyError(f"anyquant serve needs {', '.join(missing).replace('_', '-')}: {INSTALL}")
+
+
+def _run_vllm(args: argparse.Namespace, path: str, name: str, api_key: str | None) -> int:
+    from ..serve.detected import vllm_command
+
+    plan = vllm_command(
+        path,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        served_model_name=name,
+    )
+    for note in plan.notes:
+        print(f"note: {note}", file=sys.stderr)
+    shown = plan.command() if api_key is None else plan.command().replace(shlex.quote(api_key), "***")
+    if args.print_command:
+        print(shown)
+        return 0
+    import shutil
+
+    exe = shutil.which("vllm")
+    if exe is None:
+        raise MissingDependencyError(
+            "vllm is not installed (it needs a CUDA machine: pip install vllm); "
+            f"the command would be:\n  {shown}\n(--print-command prints it without running)"
+        )
+    print(f"$ {shown}", file=sys.stderr, flush=True)
+    os.execv(exe, plan.argv())
+    return 0  # not reached

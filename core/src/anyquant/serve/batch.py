@@ -1,0 +1,134 @@
+"""Batched decode across requests for the served model (imports torch).
+
+Each request is prefilled alone, exactly as :meth:`anyquant.LoadedModel.generate` runs it (the same rows, so the
+same kernels and the same numbers), and keeps its own KV cache. A decode step then runs every request of the
+batch through one pass of the linears (the weights are read once for all rows), while attention runs row by row
+over each request's own cache, with no padding and no mask: a request's tokens do not depend on which others
+share its steps (padding shifts the summation order inside attention, and this model's bfloat16 activations
+turn such last-bit differences into different greedy tokens). Requests join and leave between steps
+(continuous batching).
+
+The shared pass needs anyquant's native Llama-family decoder (:class:`~anyquant.runtime.native.NativeCausalLM`);
+any other module is stepped one request at a time (still interleaved, so every client streams).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["DecodeBatch", "Slot"]
+
+
+@dataclass
+class Slot:
+    """One request's place in a :class:`DecodeBatch`."""
+
+    key: object
+    position: int  # the position id of the next token fed
+    cache: Any
+    history: list[int] = field(default_factory=list)  # the prompt and every token fed (repetition penalty)
+
+
+class DecodeBatch:
+    """The requests decoding together, each with its own cache."""
+
+    def __init__(self, module: Any, cache_keyword: str, device: torch.device) -> None:
+        from ..runtime.native import NativeCausalLM
+
+        self.module = module
+        self.cache_kw = cache_keyword
+        self.device = device
+        self.slots: list[Slot] = []
+        #: one shared pass per step (the native decoder), else one forward per request
+        self.shared = isinstance(module, NativeCausalLM)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @torch.inference_mode()
+    def prefill(self, key: object, ids: Sequence[int]) -> torch.Tensor:
+        """Run ``ids`` alone (as a single-request generation does), add the request to the batch and return its
+        next-token logits ``[vocab]``."""
+        n = len(ids)
+        out = self.module(
+            input_ids=torch.tensor([list(ids)], dtype=torch.long, device=self.device),
+            attention_mask=torch.ones((1, n), dtype=torch.long, device=self.device),
+            position_ids=torch.arange(n, device=self.device)[None],
+            use_cache=True,
+        )
+        self.slots.append(Slot(key, n, getattr(out, self.cache_kw), list(ids)))
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
+
+    @torch.inference_mode()
+    def step(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed each slot its next token (``tokens[i]`` for ``slots[i]``); the next-token logits ``[rows, vocab]``."""
+        for slot, token in zip(self.slots, tokens, strict=True):
+            slot.history.append(token)
+        if self.shared:
+            logits = self._shared_step(tokens)
+        else:
+            rows = []
+            for slot, token in zip(self.slots, tokens, strict=True):
+                out = self.module(
+                    input_ids=torch.tensor([[token]], dtype=torch.long, device=self.device),
+                    attention_mask=torch.ones((1, slot.position + 1), dtype=torch.long, device=self.device),
+                    position_ids=torch.tensor([[slot.position]], device=self.device),
+                    use_cache=True,
+                    **{self.cache_kw: slot.cache},
+                )
+                slot.cache = getattr(out, self.cache_kw)
+                rows.append(out.logits[0, -1])
+            logits = torch.stack(rows)
+        for slot in self.slots:
+            slot.position += 1
+        return logits
+
+    def _shared_step(self, tokens: Sequence[int]) -> torch.Tensor:
+        """The native decoder's forward for one new token per row (its ops, in its order), with attention per
+        row over the row's own cache."""
+        from ..runtime.layers import _joint, _rotary
+
+        model = self.module
+        ids = torch.tensor([[t] for t in tokens], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[s.position] for s in self.slots], device=self.device)
+        h = model.model.embed_tokens(ids)
+        freqs = positions[..., None].float() * model.inv_freq.to(h.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(h.dtype)[:, None]
+        half_sin = freqs.sin()
+        sin = torch.cat((-half_sin, half_sin), dim=-1).to(h.dtype)[:, None]
+        b = h.shape[0]
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            q, k, v = _joint(attn, ("q_proj", "k_proj", "v_proj"), layer.input_layernorm(h))
+            q = _rotary(q.view(b, 1, attn.heads, attn.head_dim).transpose(1, 2), cos, sin)
+            k = _rotary(k.view(b, 1, attn.kv_heads, attn.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(b, 1, attn.kv_heads, attn.head_dim).transpose(1, 2)
+            rows = []
+            for i, slot in enumerate(self.slots):
+                keys, values = slot.cache.update(attn.index, k[i : i + 1], v[i : i + 1])
+                rows.append(
+                    F.scaled_dot_product_attention(
+                        q[i : i + 1],
+                        keys,
+                        values,
+                        scale=attn.scaling,
+                        enable_gqa=attn.kv_heads != attn.heads,
+                    )
+                )
+            out = torch.cat(rows)
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(b, 1, attn.heads * attn.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits: torch.Tensor = model.lm_head(model.model.norm(h))[:, -1]
+        return logits
+
+    def remove(self, keys: Sequence[object]) -> None:
+        """Drop the slots of ``keys`` (their caches go with them)."""
+        gone = set(map(id, keys))
+        self.slots = [s for s in self.slots if id(s.key) not in gone]

@@ -1,0 +1,281 @@
+"""The request queue and the decode loop of ``anyquant serve`` (imports torch).
+
+One thread owns the model. Requests wait in a bounded queue; between decode steps the thread admits waiting
+requests (up to ``max_batch`` running at once), prefills each alone and adds it to the running
+:class:`~anyquant.serve.batch.DecodeBatch`, then runs one step for every running request, samples each row with
+its own parameters, and hands each request its text as it becomes final (stop strings held back until decided)
+through a callback the HTTP side gives. A request that finishes, is cancelled (its client went away) or passes
+its deadline leaves the batch at once.
+
+:class:`ModelAdapter` is the one place that reads the loaded model (tokens in, text out, counts); it is what
+switches to anyquant's generation-result API when there is one.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import AnyquantError, ParameterError
+
+__all__ = ["Finished", "ModelAdapter", "QueueFull", "Request", "Scheduler"]
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(AnyquantError):
+    """The server's queue of waiting requests is full (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How a request ended: ``reason`` is ``stop`` (end of sequence or a stop string), ``length`` (max_tokens or
+    the context), ``cancelled``, ``timeout`` or ``error`` (then ``error`` says what)."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: BaseException | None = None
+
+
+class ModelAdapter:
+    """What the scheduler needs of a :class:`~anyquant.LoadedModel` driven by core's torch generator: prompts
+    to token ids, token ids to text, the end-of-sequence ids and the context length."""
+
+    def __init__(self, model: Any) -> None:
+        gen = model.generator
+        for name in ("encode", "decode", "eos_ids", "stop_ids", "cache_kw"):
+            if not hasattr(gen, name):
+                raise ParameterError(
+                    f"{model.format} on backend {model.backend} generates through {type(gen).__name__}, which "
+                    "anyquant serve cannot batch; use --engine (vllm, exllamav3) for this checkpoint"
+                )
+        self.model = model
+        self.generator = gen
+        self.context: int | None = gen.context
+        self.eos_ids: frozenset[int] = frozenset(gen.eos_ids)
+
+    def encode(self, prompt: str | Sequence[Mapping[str, Any]], chat: bool) -> list[int]:
+        from ..protocols import GenerationParams
+
+        return list(self.generator.encode(prompt, GenerationParams(chat=chat)))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.generator.decode(ids))
+
+    def stop_ids(self, stops: Sequence[str]) -> frozenset[int]:
+        return frozenset(self.generator.stop_ids(tuple(stops)))
+
+    def vocab_size(self) -> int:
+        return len(self.model.tokenizer)
+
+
+@dataclass
+class Request:
+    """One completion: token ids in; ``emit(text)`` for each final piece of text and ``finish(Finished)`` once,
+    both called from the scheduler's thread."""
+
+    ids: list[int]
+    params: Any  # GenerationParams: temperature, top_k, top_p, repetition_penalty, seed, stop
+    max_tokens: int
+    emit: Callable[[str], None]
+    finish: Callable[[Finished], None]
+    deadline: float | None = None  # time.monotonic() after which the request ends with ``timeout``
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class _Live:
+    """A running request's decode state: tokens, text emitted, stop strings."""
+
+    def __init__(self, request: Request, adapter: ModelAdapter) -> None:
+        self.request = request
+        self.adapter = adapter
+        self.ends = adapter.eos_ids | adapter.stop_ids(request.params.stop)
+        self.generated: list[int] = []
+        self.emitted = 0
+        self.last = -1
+        self.done: Finished | None = None
+        self.counted = 0  # tokens sampled: the generated ones, and an end-of-sequence token (as vLLM counts)
+        self.rng: Any = None
+        if request.params.temperature > 0:
+            from ..runtime.generate import row_generators
+
+            self.rng = row_generators(request.params.seed, 1, adapter.generator.device)
+
+    def end(self, reason: str, error: BaseException | None = None) -> None:
+        if self.done is None:
+            self.done = Finished(reason, len(self.request.ids), self.counted, error)
+
+    def take(self, token: int) -> None:
+        """One sampled token: the text it makes final goes out; the end of sequence, a stop string or the
+        token budget ends the request."""
+        stops = self.request.params.stop
+        self.counted += 1
+        if token in self.ends:
+            self._flush()
+            self.end("stop")
+            return
+        self.last = token
+        self.generated.append(token)
+        text = self.adapter.decode(self.generated).rstrip("\ufffd")
+        cut = _find_stop(text, stops)
+        if cut is not None:
+            self._send(text[:cut])
+            self.end("stop")
+            return
+        self._send(text[: len(text) - _held_back(text, stops)])
+        if len(self.generated) >= self.request.max_tokens:
+            self._flush()
+            self.end("length")
+
+    def _flush(self) -> None:
+        text = self.adapter.decode(self.generated)
+        cut = _find_stop(text, self.request.params.stop)
+        self._send(text if cut is None else text[:cut])
+
+    def _send(self, text: str) -> None:
+        if len(text) > self.emitted:
+            self.request.emit(text[self.emitted :])
+            self.emitted = len(text)
+
+
+class Scheduler:
+    """The bounded queue and the thread that decodes: ``submit`` from any thread, ``close`` to stop."""
+
+    def __init__(self, adapter: ModelAdapter, *, max_batch: int = 16, max_queue: int = 64) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise ParameterError(f"max_batch={max_batch} and max_queue={max_queue}: expected >= 1 and >= 0")
+        self.adapter = adapter
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.running = 0
+        self._thread = threading.Thread(target=self._loop, name="anyquant-serve", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            free = max(0, self.max_batch - self.running)  # places in the running batch, taken at its next step
+            if len(self._waiting) >= self.max_queue + free:
+                raise QueueFull(
+                    f"{len(self._waiting)} requests are waiting (--max-queue {self.max_queue}); retry later"
+                )
+            self._waiting.append(request)
+            self._cond.notify()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the requests admitted or waiting, then stop the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        from .batch import DecodeBatch
+
+        gen = self.adapter.generator
+        batch = DecodeBatch(self.adapter.model.module, gen.cache_kw, gen.device)
+        live: list[_Live] = []
+        while True:
+            with self._cond:
+                while not self._waiting and not live and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not self._waiting and not live:
+                    return
+                joining: list[Request] = []
+                while self._waiting and len(live) + len(joining) < self.max_batch:
+                    joining.append(self._waiting.popleft())
+            for request in joining:
+                row = _Live(request, self.adapter)
+                if self._ended(row):
+                    continue
+                try:
+                    logits = batch.prefill(request, request.ids)
+                    live.append(row)
+                    row.take(self._sample(row, logits[None]))
+                except Exception as exc:  # this request's failure, not the server's
+                    log.exception("request failed in prefill")
+                    row.end("error", exc)
+            live = self._retire(batch, live)
+            self.running = len(live)
+            if not live:
+                continue
+            try:
+                logits = batch.step([row.last for row in live])
+                for i, row in enumerate(live):
+                    row.take(self._sample(row, logits[i : i + 1]))
+            except Exception as exc:
+                log.exception("decode step failed")
+                for row in live:
+                    row.end("error", exc)
+            live = self._retire(batch, live)
+            self.running = len(live)
+
+    def _ended(self, row: _Live) -> bool:
+        """Ends (and reports) a request that was cancelled or timed out before it ran."""
+        if self._check(row):
+            row.request.finish(row.done)  # type: ignore[arg-type]
+            return True
+        return False
+
+    def _check(self, row: _Live) -> bool:
+        if row.done is None and row.request.cancelled.is_set():
+            row.end("cancelled")
+        elif row.done is None and row.request.deadline is not None and time.monotonic() > row.request.deadline:
+            row.end("timeout")
+        return row.done is not None
+
+    def _retire(self, batch: Any, live: list[_Live]) -> list[_Live]:
+        gone = [row for row in live if self._check(row)]
+        if gone:
+            batch.remove([row.request for row in gone])
+            for row in gone:
+                try:
+                    row.request.finish(row.done)  # type: ignore[arg-type]
+                except Exception:  # the client's side failed: nothing left to tell it
+                    log.exception("finishing a request failed")
+        return [row for row in live if row.done is None]
+
+    def _sample(self, row: _Live, logits: Any) -> int:
+        import torch
+
+        from ..runtime.generate import sample_next
+
+        if row.request.params.repetition_penalty == 1.0:  # the history is read for the penalty only
+            history = torch.empty((1, 0), dtype=torch.long, device=logits.device)
+        else:
+            history = torch.tensor([row.request.ids + row.generated], dtype=torch.long, device=logits.device)
+        return int(sample_next(logits, row.request.params, history, row.rng)[0])
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters of ``text`` might still become a stop string."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:n]):
+                hold = max(hold, n)
+                break
+    return hold

@@ -1,0 +1,289 @@
+"""``anyquant serve``: a real server process on the bundled model, driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("sse_starlette")
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+KEY = "test-key"
+NAME = "smol"
+QUESTIONS = [
+    "What is 2+2?",
+    "Name a color.",
+    "Write a haiku about the sea and the wind at night.",
+    "Hi",
+    "What is the capital of France? Answer briefly.",
+    "Count to five.",
+    "Tell me a joke.",
+    "Why is the sky blue?",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(*extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [
+            str(root / "core" / "src"),
+            *[str(p / "src") for p in sorted((root / "plugins").iterdir())],
+            env.get("PYTHONPATH", ""),
+        ]
+    )
+    cmd = [sys.executable, "-m", "anyquant.cli", "serve", "--port", str(port), "--model-name", NAME, *extra]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    proc, base = _start("--api-key", KEY, "--max-batch", "8", "--max-queue", "16")
+    yield base
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[Any]:
+    import anyquant
+
+    with anyquant.load(anyquant.default_model()) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> Any:
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def _chat(client: Any, question: str, max_tokens: int = 16, **kw: Any) -> Any:
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, **kw
+    )
+
+
+def test_models_and_health(server: str, client: Any) -> None:
+    assert [m.id for m in client.models.list().data] == [NAME]
+    with urllib.request.urlopen(server + "/health") as r:
+        assert json.loads(r.read())["status"] == "ok"
+
+
+def test_chat_equals_generate(client: Any, local: Any) -> None:
+    want = local.generate([{"role": "user", "content": QUESTIONS[0]}], max_new_tokens=16)
+    n_prompt = len(local.generator.encode([{"role": "user", "content": QUESTIONS[0]}], local.params()))
+    n_out = len(local.tokenizer(want, add_special_tokens=False)["input_ids"])
+    r = _chat(client, QUESTIONS[0])
+    assert r.choices[0].message.content == want
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == n_prompt
+    assert r.choices[0].finish_reason == "stop"  # the answer ends before 16 tokens
+    assert r.usage.completion_tokens == n_out + 1  # its tokens and the end of sequence
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_length_stop_and_stream(client: Any) -> None:
+    r = _chat(client, QUESTIONS[2], max_tokens=5)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    whole = _chat(client, QUESTIONS[2], max_tokens=12).choices[0].message.content
+    word = whole.split()[2]
+    cut = _chat(client, QUESTIONS[2], max_tokens=12, stop=[word]).choices[0].message
+    assert cut.content == whole[: whole.index(word)]
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": QUESTIONS[2]}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_text_and_token_ids(client: Any, local: Any) -> None:
+    a = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=6, temperature=0)
+    ids = local.tokenizer("The capital of France is")["input_ids"]
+    want = local.generate("The capital of France is", max_new_tokens=6)
+    assert a.choices[0].text == want and a.usage.prompt_tokens == len(ids)
+    b = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0)
+    assert b.choices[0].text == want
+    streamed = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+
+
+def test_errors(server: str, client: Any) -> None:
+    with pytest.raises(openai.NotFoundError) as e404:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert e404.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e400:
+        client.chat.completions.create(model=NAME, messages=[], max_tokens=2)
+    assert e400.value.status_code == 400
+    with pytest.raises(openai.BadRequestError) as temp:
+        _chat(client, "hi", max_tokens=2, top_p=7)
+    assert temp.value.code == "invalid_value" and temp.value.param == "top_p"
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        _chat(client, "hi", max_tokens=2, logprobs=True)
+    assert unsupported.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model=NAME, prompt=[1] * 9000, max_tokens=2)
+    assert long.value.code == "context_length_exceeded"
+    bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    req = urllib.request.Request(
+        server + "/v1/chat/completions",
+        data=b"{not json",
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as raw:
+        urllib.request.urlopen(req)
+    body = json.loads(raw.value.read())
+    assert raw.value.code == 400 and body["error"]["code"] == "invalid_json" and "Traceback" not in json.dumps(body)
+    big = urllib.request.Request(
+        server + "/v1/completions",
+        data=b'{"prompt": "' + b"a" * (2 << 20) + b'"}',
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e413:
+        urllib.request.urlopen(big)
+    assert e413.value.code == 413
+
+
+def test_disconnect_cancels_the_work(server: str, client: Any) -> None:
+    stream = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": QUESTIONS[6]}], max_tokens=4000, stream=True
+    )
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()  # the client goes away mid-answer
+    deadline = time.monotonic() + 60
+    while json.loads(urllib.request.urlopen(server + "/health").read())["running"]:
+        assert time.monotonic() < deadline, "the abandoned request kept decoding"
+        time.sleep(0.1)
+
+
+def test_sampling_with_a_seed_repeats(client: Any) -> None:
+    one, two = (
+        _chat(client, QUESTIONS[1], temperature=0.9, seed=7, extra_body={"top_k": 40}).choices[0].message
+        for _ in range(2)
+    )
+    assert one.content == two.content
+
+
+def test_eight_concurrent_clients_answer_as_one(client: Any) -> None:
+    """Greedy answers under 8 concurrent clients (one batched decode) equal the answers one client gets alone."""
+    alone = [_chat(client, q, max_tokens=20).choices[0].message.content for q in QUESTIONS]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda q: _chat(client, q, max_tokens=20).choices[0].message.content, QUESTIONS))
+    assert together == alone
+    assert len(set(alone)) == len(alone)
+
+
+def test_queue_full_is_503() -> None:
+    proc, base = _start("--max-batch", "1", "--max-queue", "0")
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=300)
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(_chat, c, "Count to fifty.", 48) for _ in range(3)]
+            outcomes = []
+            for f in futures:
+                try:
+                    f.result()
+                    outcomes.append("ok")
+                except openai.InternalServerError as exc:
+                    outcomes.append(exc.status_code)
+        assert 503 in outcomes and "ok" in outcomes
+        # SIGTERM while a request runs: it finishes, then the server stops (uvicorn re-raises the signal)
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_chat, c, "Count to fifty.", 32)
+            deadline = time.monotonic() + 60
+            while json.loads(urllib.request.urlopen(base + "/health").read())["running"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            answer = running.result()
+        assert answer.usage.completion_tokens == 32
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_scheduler_timeout_cancel_and_length(local: Any) -> None:
+    """The scheduler in-process: a request past its deadline ends as ``timeout``, a cancelled one as ``cancelled``
+    (neither decodes), and a budget of 3 tokens ends as ``length`` with 3 tokens counted."""
+    import threading
+
+    from anyquant.serve.scheduler import Finished, ModelAdapter, Request, Scheduler
+
+    adapter = ModelAdapter(local)
+    scheduler = Scheduler(adapter, max_batch=4, max_queue=4)
+    ids = adapter.encode([{"role": "user", "content": QUESTIONS[2]}], chat=True)
+    ends: dict[str, Finished] = {}
+    done = threading.Event()
+
+    def request(name: str, max_tokens: int, deadline: float | None = None) -> Request:
+        def finish(f: Finished) -> None:
+            ends[name] = f
+            if len(ends) == 3:
+                done.set()
+
+        return Request(ids, local.params(), max_tokens, lambda text: None, finish, deadline)
+
+    late = request("late", 50, deadline=time.monotonic() - 1)
+    gone = request("gone", 50)
+    gone.cancel()
+    for r in (late, gone, request("short", 3)):
+        scheduler.submit(r)
+    assert done.wait(120)
+    scheduler.close(30)
+    assert ends["late"].reason == "timeout" and ends["late"].completion_tokens == 0
+    assert ends["gone"].reason == "cancelled" and ends["gone"].completion_tokens == 0
+    assert ends["short"].reason == "length" and ends["short"].completion_tokens == 3
+    assert ends["short"].prompt_tokens == len(ids)
