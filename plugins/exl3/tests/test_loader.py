@@ -215,6 +215,7 @@ needs_bf16 = pytest.mark.skipif(
 
 @needs_bf16
 def test_cpu_fast_prepacks_bfloat16_and_is_the_cpu_default(exl3: Path) -> None:
+    from anyquant.api import default_registry, get_loader
     from anyquant.errors import UnsupportedBackendError
     from anyquant.runtime.fastcpu import FastHead, PrepackedBf16Linear
     from anyquant_exl3.loader import EXL3Loader
@@ -235,6 +236,8 @@ def test_cpu_fast_prepacks_bfloat16_and_is_the_cpu_default(exl3: Path) -> None:
     # a random tiny model has near-ties: most, not all, positions pick the same token
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.8
     assert isinstance(fast.generate("Hello", max_new_tokens=8), str)
+    loader = get_loader(anyquant.detect(exl3), default_registry())
+    assert isinstance(loader, EXL3Loader) and vars(loader) == {}  # a load's state lives in its ctx.state
     with pytest.raises(UnsupportedBackendError, match="CPU"):
         EXL3Loader().choose_backend("cpu-fast", torch.device("cuda"))
     assert EXL3Loader().choose_backend("auto", torch.device("meta")) == "dequantized"

@@ -210,8 +210,6 @@ class BF16CpuFast:
     :class:`~anyquant.runtime.fastcpu.PrepackedBf16Linear`, a 16-bit LM head prepacked as GPTQ/AWQ's cpu-fast
     does (its exact table and the embedding left in the checkpoint file)."""
 
-    _file_tables: dict[str, Any] | None = None
-
     @staticmethod
     def cpu_fast_choice(order: tuple[str, ...], available: set[str], requested: str, kind: str) -> str | None:
         """``auto`` off CUDA: the first available backend of ``order`` that runs on this device (``None``: let the
@@ -237,21 +235,19 @@ class BF16CpuFast:
 
     def file_tables(self, ctx: LoadContext) -> bool:
         """cpu-fast: a 16-bit head and the embedding stay in the file, read by the fast head and embedding."""
-        self._file_tables = ctx.file_tables
         return ctx.backend == "cpu-fast" and ctx.device.type == "cpu"
 
-    def finish_cpu_fast(self, loaded: LoadedModel, options: LoadOptions) -> None:
+    def finish_cpu_fast(self, loaded: LoadedModel, ctx: LoadContext) -> None:
         """After the build: cpu-fast's head (a quantized head is a PrepackedBf16Linear already), and the record."""
-        tables, self._file_tables = self._file_tables, None
         if loaded.backend != "cpu-fast":
             return
         import torch
 
         from anyquant.runtime.fastcpu import FastCPUPlan, PrepackedBf16Linear
 
-        plan = FastCPUPlan.from_options(options.extra)
+        plan = FastCPUPlan.from_options(ctx.options.extra)
         plan.converted = 1
-        plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=tables)
+        plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=ctx.file_tables)
         head = plan.head_info
         if isinstance(loaded.module.get_output_embeddings(), PrepackedBf16Linear):
             head = {"head": "bfloat16 prepacked (a quantized head)"}
@@ -267,10 +263,6 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
     #: exllamav3's loader ties whenever lm_head is absent, and 1.6.x writes tie_word_embeddings: false always
     #: (format doc, "Tied embeddings"): the tensors decide, not the flag
     tie_absent_head: ClassVar[bool] = True
-
-    def __init__(self) -> None:
-        self._source: EXL3Source | None = None
-        self._file_tables = None
 
     def backends(self) -> list[BackendInfo]:
         return [
@@ -307,15 +299,14 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
                 from .cuda_backend import load_exllamav3
 
                 return load_exllamav3(probe, detection, options, tensor_parallel=tensor_parallel)
-        self._source = None
-        try:
-            loaded = super().load(probe, detection, options)
-            src = self._source
-        finally:
-            self._source = None
-        if src is not None and src.tables:
+        return super().load(probe, detection, options)
+
+    def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
+        """The ring-coded embedding installed (when the checkpoint has one), then cpu-fast's head."""
+        src = ctx.source
+        if isinstance(src, EXL3Source) and src.tables:
             loaded.info = {**loaded.info, "embedding": self._install_tables(loaded.module, src)}
-        self.finish_cpu_fast(loaded, options)
+        self.finish_cpu_fast(loaded, ctx)
         return loaded
 
     @staticmethod
@@ -383,8 +374,7 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
             )
 
     def tensor_source(self, probe: Probe, options: LoadOptions) -> SafetensorsSource:
-        self._source = EXL3Source(probe, ring_tables(probe)[0])
-        return self._source
+        return EXL3Source(probe, ring_tables(probe)[0])
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         from .qlinear import EXL3Linear
@@ -536,10 +526,8 @@ class EXL2Loader(BF16CpuFast, TransformersLoader):
         chosen = self.cpu_fast_choice(self.backend_order, available, requested, getattr(device, "type", "cpu"))
         return chosen if chosen is not None else super().choose_backend(requested, device)
 
-    def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel:
-        self._file_tables = None
-        loaded = super().load(probe, detection, options)
-        self.finish_cpu_fast(loaded, options)
+    def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
+        self.finish_cpu_fast(loaded, ctx)
         return loaded
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
