@@ -399,3 +399,15 @@ def test_load_peak_rss(gguf_path: Path) -> None:
     packed, dense = delta("packed"), delta("dequantized")
     assert packed < 160 and dense < 700
     assert packed < 0.3 * dense
+
+
+@pytest.mark.model
+def test_the_loader_keeps_nothing_of_a_load(gguf_path: Path) -> None:
+    """One load's state (the cpu-fast record, the tensor source, the backend's facts) lives in its context:
+    the registry's loader, shared by every load, holds only the reader cache, empty between loads."""
+    from anyquant.api import default_registry, get_loader
+
+    fast = anyquant.load(gguf_path)
+    assert fast.backend == "cpu-fast" and fast.info["cpu_fast"]["converted"] == 210
+    assert anyquant.load(gguf_path, backend="dequantized").info["embedding"] == "dense"
+    assert vars(get_loader(anyquant.detect(gguf_path), default_registry())) == {"_readers": None}

@@ -38,7 +38,9 @@ from anyquant.plugin import (
     CheckpointError,
     Detection,
     LoadContext,
+    LoadedModel,
     LoadOptions,
+    LoadPlan,
     MissingTensorError,
     ModuleInfo,
     Probe,
@@ -208,11 +210,9 @@ class GGUFLoader(TransformersLoader):
     )
 
     def __init__(self) -> None:
-        #: linears of the file being loaded that torch's int4 kernel can take (auto picks cpu-fast)
-        self._int4_linears = 0
+        #: the open readers of the file being loaded, shared by the hooks that take a probe, not the load's
+        #: context (tokenizer, tensor_source, model_config): one header parse per load
         self._readers: dict[Path, Any] | None = None
-        self._source: GGUFSource | None = None
-        self._fast: dict[str, Any] | None = None
 
     def backends(self) -> list[BackendInfo]:
         return [
@@ -255,17 +255,24 @@ class GGUFLoader(TransformersLoader):
         embedding = options.extra.get("embedding", "packed")
         if embedding not in EMBEDDING_MODES:
             raise UnsupportedFormatError(f"embedding={embedding!r}: choose one of {EMBEDDING_MODES}")
-        self._readers, self._source, self._fast = {}, None, None
-        self._int4_linears = _int4_linears(probe)
+        self._readers = {}
         try:
-            loaded = super().load(probe, detection, options)
-            src, fast = self._source, self._fast
+            return super().load(probe, detection, options)
         finally:
-            self._readers, self._source, self._fast = None, None, None
+            self._readers = None
+
+    def plan(self, probe: Probe, detection: Detection, options: LoadOptions, device: Any) -> LoadPlan:
+        """The backend, from the file's linears that torch's int4 kernel can take (``auto`` picks cpu-fast)."""
+        return LoadPlan(self.choose_backend(options.backend, device, int4_linears=_int4_linears(probe)))
+
+    def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
+        """The packed token embedding installed, the file's pages released after a dequantized load, and the
+        record (``info["cpu_fast"]``: which linears took the int4 kernel)."""
+        src = ctx.source
         info: dict[str, Any] = {"embedding": "dense"}
-        if fast is not None:
-            info["cpu_fast"] = fast
-        if src is not None:
+        if "cpu_fast" in ctx.state:
+            info["cpu_fast"] = ctx.state["cpu_fast"]
+        if isinstance(src, GGUFSource):
             if src.placeholders:
                 self._install_packed_embedding(loaded.module, src)
                 info["embedding"] = "packed"
@@ -297,7 +304,8 @@ class GGUFLoader(TransformersLoader):
         new = GGUFEmbedding(data, raw.qtype, raw.shape, dtype=weight.dtype, scale=scale)
         module.set_input_embeddings(new.to(weight.device))
 
-    def choose_backend(self, requested: str, device: Any) -> str:
+    def choose_backend(self, requested: str, device: Any, *, int4_linears: int = 0) -> str:
+        """``int4_linears``: how many of the file's linears torch's int4 kernel takes (:meth:`plan` counts)."""
         if requested == "cpu-fast" and getattr(device, "type", "cpu") != "cpu":
             raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
         if requested != "auto":
@@ -306,14 +314,13 @@ class GGUFLoader(TransformersLoader):
         # SmolLM2-135M Q4_1, 1 thread (docs/benchmarks.md): against transformers' gguf load,
         # cpu-fast (packed embedding) loads in 0.04x the time, peaks at 0.44x the memory above the
         # runtime and decodes 1.67x as fast; dequantized: 0.06x, 0.78x, 1.07x
-        if getattr(device, "type", "cpu") == "cpu" and self._int4_linears and cpu_fast_backend().available:
+        if getattr(device, "type", "cpu") == "cpu" and int4_linears and cpu_fast_backend().available:
             return "cpu-fast"
         return "dequantized"
 
     def tensor_source(self, probe: Probe, options: LoadOptions) -> GGUFSource:
         path = gguf_path(probe)
-        self._source = GGUFSource(path, self._reader(path))
-        return self._source
+        return GGUFSource(path, self._reader(path))
 
     def model_config(self, probe: Probe) -> Mapping[str, Any]:
         from .reader import hf_config_from_gguf
@@ -343,6 +350,7 @@ class GGUFLoader(TransformersLoader):
             src.placeholders[_EMBED] = ctx.dtype
         src.release_after_copy = ctx.backend in ("dequantized", "cpu-fast")
         fast_kwargs: dict[str, Any] = {}
+        fast: dict[str, Any] | None = None  # cpu-fast's record: which linears took the int4 kernel
         if ctx.backend == "cpu-fast":
             from anyquant.runtime.fastcpu import FastCPUPlan
 
@@ -352,17 +360,17 @@ class GGUFLoader(TransformersLoader):
                 "prefill_dtype": plan.prefill_dtype,
                 "compute_dtype": ctx.dtype,
             }
-            self._fast = {"converted": 0, "dequantized": {}}
+            fast = ctx.state["cpu_fast"] = {"converted": 0, "dequantized": {}}
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             key = f"{name}.weight"
             if packed_embedding and key == _HEAD and key not in src:
                 # tied head: a packed linear over the embedding's own bytes (cpu-fast: prepacked for decode)
                 raw = src.raw(_EMBED)
-                if self._fast is not None:
-                    fast = fast_tied_head(raw.data, raw.qtype, raw.shape, small_rows=fast_kwargs["small_rows"])
-                    if fast is not None:
-                        return fast
+                if fast is not None:
+                    head = fast_tied_head(raw.data, raw.qtype, raw.shape, small_rows=fast_kwargs["small_rows"])
+                    if head is not None:
+                        return head
                 return GGUFTiedHead(raw.data, raw.qtype, raw.shape)
             if key not in src or src.qtype(key) not in PACKED_TYPES:
                 return None  # F32/F16/BF16: a dense nn.Linear filled from the source
@@ -371,16 +379,16 @@ class GGUFLoader(TransformersLoader):
                 raise CheckpointError(f"{name}: GGUF weight {raw.shape} does not fit the model's linear")
             bias = src.get(f"{name}.bias") if f"{name}.bias" in src else None
             module: nn.Module | None = None
-            if self._fast is not None:
+            if fast is not None:
                 reason = "" if raw.qtype in INT4_TYPES else f"{raw.qtype.name} has no int4 kernel"
                 if not reason:
                     try:
                         module = gguf_int4_linear(raw.data, raw.qtype, raw.shape, bias, **fast_kwargs)
-                        self._fast["converted"] += 1
+                        fast["converted"] += 1
                     except ValueError as exc:
                         reason = str(exc)
                 if reason:
-                    self._fast["dequantized"][name] = reason
+                    fast["dequantized"][name] = reason
             if module is None:
                 module = GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode=mode)
             if src.release_after_copy:
