@@ -10,6 +10,7 @@ __all__ = [
     "AnyquantError",
     "CheckpointError",
     "ConfigError",
+    "DestinationLockedError",
     "FormatConflictError",
     "FormatMismatchError",
     "HeaderError",
@@ -96,6 +97,11 @@ class PluginError(AnyquantError):
 
 class QuantizeError(AnyquantError):
     """Quantization was refused or failed; nothing was written at the destination."""
+
+
+class DestinationLockedError(AnyquantError):
+    """Another ``quantize`` or ``export_dense`` job (named in the message: its process and host) is writing
+    the same destination; nothing was written. Wait for it to finish, or choose another destination."""
 
 
 class ModelClosedError(AnyquantError):
