@@ -59,3 +59,17 @@ def test_inside_links_and_extra_files_still_reach_it(tiny: Path, tmp_path: Path)
     tok = load_tokenizer(Probe.open(model))
     assert isinstance(tok.chat_template, dict) and tok.chat_template.get("inside", "").startswith("INSIDE")
     assert tok("hello world")["input_ids"]
+
+
+def test_allow_symlinks_follows_outside_tokenizer_files(tiny: Path, tmp_path: Path) -> None:
+    """A shared tree: tokenizer.json linked from outside is refused by default, followed when asked."""
+    from anyquant.errors import UnsafePathError
+
+    shared = _copy(tiny, tmp_path / "shared")
+    model = _copy(tiny, tmp_path / "model")
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").symlink_to(shared / "tokenizer.json")
+    with pytest.raises(UnsafePathError, match="allow_symlinks"):
+        Probe.open(model, allow_symlinks=False)
+    tok = load_tokenizer(Probe.open(model, allow_symlinks=True))
+    assert tok("hello world")["input_ids"] == load_tokenizer(Probe.open(shared))("hello world")["input_ids"]

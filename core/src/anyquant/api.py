@@ -48,10 +48,16 @@ def default_registry() -> Registry:
         return _default
 
 
-def detect(path: str | os.PathLike[str], *, format: str | None = None, registry: Registry | None = None) -> Detection:
+def detect(
+    path: str | os.PathLike[str],
+    *,
+    format: str | None = None,
+    registry: Registry | None = None,
+    allow_symlinks: bool | None = None,
+) -> Detection:
     """Decide a checkpoint's format from its headers; exactly one plugin must claim it."""
     reg = registry or default_registry()
-    return reg.detect(Probe.open(path), format=format)
+    return reg.detect(Probe.open(path, allow_symlinks=allow_symlinks), format=format)
 
 
 def get_loader(detection: Detection, registry: Registry) -> Loader:
@@ -72,6 +78,7 @@ def load(
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     registry: Registry | None = None,
+    allow_symlinks: bool | None = None,
     **extra: Any,
 ) -> LoadedModel:
     """Detect ``path``'s format, hand it to the one plugin that owns it, and load it.
@@ -88,11 +95,13 @@ def load(
     - ``allow_pickle``: read ``.bin``/``.pt`` weights (through ``torch.load(weights_only=True)``).
     - ``trust_remote_code``: let transformers run the checkpoint's own code (config, tokenizer).
     - ``registry``: an isolated :class:`Registry` instead of the process-wide one.
+    - ``allow_symlinks``: follow links that leave the checkpoint directory when they end at a regular file
+      (default: ``ANYQUANT_ALLOW_SYMLINKS=1`` in the environment, else such a link is an ``UnsafePathError``).
     - ``**extra``: the format's load options (``anyquant backends`` lists them); an unknown one is a
       :class:`~anyquant.errors.ParameterError`.
     """
     reg = registry or default_registry()
-    probe = Probe.open(path)
+    probe = Probe.open(path, allow_symlinks=allow_symlinks)
     detection = reg.detect(probe, format=format)
     loader = get_loader(detection, reg)
     _check_options(loader, extra, detection.format)
@@ -200,12 +209,14 @@ def _check_options(loader: Any, extra: Mapping[str, Any], fmt: str) -> None:
         )
 
 
-def inspect(path: str | os.PathLike[str], *, registry: Registry | None = None) -> Report:
-    """Per-module table and totals, from headers only."""
+def inspect(
+    path: str | os.PathLike[str], *, registry: Registry | None = None, allow_symlinks: bool | None = None
+) -> Report:
+    """Per-module table and totals, from headers only (``allow_symlinks``: as :func:`load`'s)."""
     from .report import build_report
 
     reg = registry or default_registry()
-    probe = Probe.open(path)
+    probe = Probe.open(path, allow_symlinks=allow_symlinks)
     detection = reg.detect(probe)
     loader = None
     spec = reg.format(detection.format)

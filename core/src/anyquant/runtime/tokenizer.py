@@ -77,7 +77,7 @@ def _vetted_dir(probe: Probe, into: str) -> None:
 
     def link(src: os.DirEntry[str], dest_dir: str) -> None:
         try:
-            _check_inside(root, root / os.path.relpath(src.path, root))
+            _check_inside(root, root / os.path.relpath(src.path, root), probe.allow_symlinks)
             real = os.path.realpath(src.path)
             if not os.path.isfile(real) or os.path.getsize(real) > MAX_TOKENIZER_FILE_BYTES:
                 raise UnsafePathError(f"{src.name}: not a regular file of a size a tokenizer file may have")
@@ -91,7 +91,7 @@ def _vetted_dir(probe: Probe, into: str) -> None:
     for e in entries:
         if e.name in _TOKENIZER_SUBDIRS:
             try:
-                _check_inside(root, root / e.name)
+                _check_inside(root, root / e.name, probe.allow_symlinks)
             except UnsafePathError as exc:
                 log.warning("%s: left out of what the tokenizer may read (%s)", e.path, exc)
                 continue
