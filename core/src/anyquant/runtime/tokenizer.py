@@ -84,7 +84,12 @@ def _vetted_dir(probe: Probe, into: str) -> None:
         except (UnsafePathError, OSError) as exc:
             log.warning("%s: left out of what the tokenizer may read (%s)", src.path, exc)
             return
-        os.symlink(real, os.path.join(dest_dir, src.name))
+        try:
+            os.symlink(real, os.path.join(dest_dir, src.name))
+        except OSError:  # no symlinks here (Windows without the privilege): a copy of the vetted file
+            import shutil
+
+            shutil.copyfile(real, os.path.join(dest_dir, src.name))
 
     with os.scandir(root) as it:
         entries = list(it)
