@@ -80,6 +80,7 @@ _EXPORTS: dict[str, str] = {
     "MissingDependencyError": "errors",
     "PluginError": "errors",
     "QuantizeError": "errors",
+    "DestinationLockedError": "errors",
 }
 
 __all__ = [  # a literal list: type checkers read it (mypy --strict's re-export rule); a test keeps it = _EXPORTS
@@ -145,6 +146,7 @@ __all__ = [  # a literal list: type checkers read it (mypy --strict's re-export 
     "MissingDependencyError",
     "PluginError",
     "QuantizeError",
+    "DestinationLockedError",
 ]
 
 
@@ -169,6 +171,7 @@ if TYPE_CHECKING:
         AnyquantError,
         CheckpointError,
         ConfigError,
+        DestinationLockedError,
         FormatConflictError,
         FormatMismatchError,
         HeaderError,
