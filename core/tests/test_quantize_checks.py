@@ -118,6 +118,9 @@ def test_replacing_a_directory_never_loses_both(tmp_path: Path, monkeypatch: pyt
             raise OSError(28, "No space left on device")
         real(a, b)
 
+    from anyquant import _staging
+
+    monkeypatch.setattr(_staging, "_exchange", lambda a, b: False)  # the two-rename fallback (no renameat2)
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(OSError, match="No space"):
         replace_dir(new, dst)

@@ -84,6 +84,7 @@ _EXPORTS: dict[str, str] = {
     "MissingDependencyError": "errors",
     "PluginError": "errors",
     "QuantizeError": "errors",
+    "DestinationLockedError": "errors",
 }
 
 __all__ = [  # a literal list: type checkers read it (mypy --strict's re-export rule); a test keeps it = _EXPORTS
@@ -153,6 +154,7 @@ __all__ = [  # a literal list: type checkers read it (mypy --strict's re-export 
     "MissingDependencyError",
     "PluginError",
     "QuantizeError",
+    "DestinationLockedError",
 ]
 
 
@@ -177,6 +179,7 @@ if TYPE_CHECKING:
         AnyquantError,
         CheckpointError,
         ConfigError,
+        DestinationLockedError,
         DownloadError,
         FormatConflictError,
         FormatMismatchError,

@@ -54,11 +54,13 @@ def detect(
     format: str | None = None,
     revision: str | None = None,
     registry: Registry | None = None,
+    allow_symlinks: bool | None = None,
 ) -> Detection:
     """Decide a checkpoint's format from its headers; exactly one plugin must claim it. ``revision``: a
-    model id's branch, tag or commit in the local Hugging Face cache (as ``owner/name@revision``)."""
+    model id's branch, tag or commit in the local Hugging Face cache (as ``owner/name@revision``);
+    ``allow_symlinks``: as :func:`load`'s."""
     reg = registry or default_registry()
-    return reg.detect(Probe.open(path, revision=revision), format=format)
+    return reg.detect(Probe.open(path, revision=revision, allow_symlinks=allow_symlinks), format=format)
 
 
 def get_loader(detection: Detection, registry: Registry) -> Loader:
@@ -81,6 +83,7 @@ def load(
     revision: str | None = None,
     download: bool = False,
     registry: Registry | None = None,
+    allow_symlinks: bool | None = None,
     **extra: Any,
 ) -> LoadedModel:
     """Detect ``path``'s format, hand it to the one plugin that owns it, and load it.
@@ -102,6 +105,8 @@ def load(
     - ``allow_pickle``: read ``.bin``/``.pt`` weights (through ``torch.load(weights_only=True)``).
     - ``trust_remote_code``: let transformers run the checkpoint's own code (config, tokenizer).
     - ``registry``: an isolated :class:`Registry` instead of the process-wide one.
+    - ``allow_symlinks``: follow links that leave the checkpoint directory when they end at a regular file
+      (default: ``ANYQUANT_ALLOW_SYMLINKS=1`` in the environment, else such a link is an ``UnsafePathError``).
     - ``**extra``: the format's load options (``anyquant backends`` lists them); an unknown one is a
       :class:`~anyquant.errors.ParameterError`.
     """
@@ -110,7 +115,7 @@ def load(
         from .hub import download as fetch
 
         path, revision = fetch(os.fspath(path), revision=revision), None
-    probe = Probe.open(path, revision=revision)
+    probe = Probe.open(path, revision=revision, allow_symlinks=allow_symlinks)
     detection = reg.detect(probe, format=format)
     loader = get_loader(detection, reg)
     _check_options(loader, extra, detection.format)
@@ -218,12 +223,19 @@ def _check_options(loader: Any, extra: Mapping[str, Any], fmt: str) -> None:
         )
 
 
-def inspect(path: str | os.PathLike[str], *, revision: str | None = None, registry: Registry | None = None) -> Report:
-    """Per-module table and totals, from headers only. ``revision`` as for :func:`detect`."""
+def inspect(
+    path: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    registry: Registry | None = None,
+    allow_symlinks: bool | None = None,
+) -> Report:
+    """Per-module table and totals, from headers only. ``revision`` as for :func:`detect`, ``allow_symlinks``
+    as :func:`load`'s."""
     from .report import build_report
 
     reg = registry or default_registry()
-    probe = Probe.open(path, revision=revision)
+    probe = Probe.open(path, revision=revision, allow_symlinks=allow_symlinks)
     detection = reg.detect(probe)
     loader = None
     spec = reg.format(detection.format)

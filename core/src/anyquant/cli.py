@@ -44,15 +44,25 @@ class _Commands:
         run: Callable[[argparse.Namespace], int],
     ) -> None:
         parser = self._sub.add_parser(name, help=help)
+        parser.add_argument(  # here too, so it may follow the command (SUPPRESS: the global one's value stays)
+            "--allow-symlinks", action="store_true", default=argparse.SUPPRESS, help=_ALLOW_SYMLINKS_HELP
+        )
         self.names.append(name)
         if self._configure_all or name == self._command:
             configure(parser)
         parser.set_defaults(func=run)
 
 
+_ALLOW_SYMLINKS_HELP = (
+    "follow links that leave the model directory when they end at a regular file "
+    "(a shared model tree, a linked .gguf); also ANYQUANT_ALLOW_SYMLINKS=1"
+)
+
+
 def _build(command: str | None, configure_all: bool) -> tuple[argparse.ArgumentParser, _Commands]:
     parser = argparse.ArgumentParser(prog="anyquant", description="Load any quantized LLM checkpoint.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    parser.add_argument("--allow-symlinks", action="store_true", help=_ALLOW_SYMLINKS_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     cli = _Commands(sub, command, configure_all)
     for module in DEFAULT_COMMANDS:  # core's default plugins, as a plugin's hook is called
@@ -121,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 0
+        if args.allow_symlinks:  # the CLI process's own setting: every probe (and worker) it starts follows it
+            os.environ["ANYQUANT_ALLOW_SYMLINKS"] = "1"
         with _console_logging(args.verbose):
             return int(args.func(args))
     except (AnyquantError, OSError) as exc:

@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointError",
     "DownloadError",
     "ConfigError",
+    "DestinationLockedError",
     "FormatConflictError",
     "FormatMismatchError",
     "HeaderError",
@@ -107,6 +108,11 @@ class PluginError(AnyquantError):
 
 class QuantizeError(AnyquantError):
     """Quantization was refused or failed; nothing was written at the destination."""
+
+
+class DestinationLockedError(AnyquantError):
+    """Another ``quantize`` or ``export_dense`` job (named in the message: its process and host) is writing
+    the same destination; nothing was written. Wait for it to finish, or choose another destination."""
 
 
 class ModelClosedError(AnyquantError):

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ._staging import check_destination, publish_modes, replace_dir, staging_dir
+from ._staging import check_destination, lock_destination, publish_modes, replace_dir, staging_dir
 from .errors import ParameterError, UnsupportedBackendError
 
 __all__ = ["export_dense"]
@@ -91,15 +91,19 @@ def export_dense(
     for attr in ("quantization_config", "compression_config"):
         if hasattr(config, attr):
             delattr(config, attr)
-    tmp = staging_dir(out)
+    lock = lock_destination(out)  # one writer at a time; the commit rechecks overwrite
     try:
-        module.save_pretrained(tmp)
-        if model.tokenizer is not None:
-            model.tokenizer.save_pretrained(tmp)
-        publish_modes(tmp)  # mkdtemp made it 0700 and save_pretrained model.safetensors 0600: the usual modes
-        replace_dir(tmp, out)
+        tmp = staging_dir(out)
+        try:
+            module.save_pretrained(tmp)
+            if model.tokenizer is not None:
+                model.tokenizer.save_pretrained(tmp)
+            publish_modes(tmp)  # mkdtemp made it 0700 and save_pretrained model.safetensors 0600: the usual modes
+            replace_dir(tmp, out, overwrite=overwrite, error=ParameterError)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        lock.release()
     log.info("exported %s (%s) to %s as dense %s", path, model.format, out, dtype)
     return out

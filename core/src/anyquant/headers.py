@@ -22,6 +22,8 @@ __all__ = [
     "GGUF_TYPE_SIZES",
     "GGUFHeader",
     "GGUFTensorInfo",
+    "MAX_GGUF_ARRAY",
+    "MAX_GGUF_HEADER",
     "MAX_JSON_BYTES",
     "MAX_SAFETENSORS_HEADER",
     "SAFETENSORS_DTYPE_BITS",
@@ -280,6 +282,12 @@ _end = operator.attrgetter("end")
 GGUF_MAGIC = b"GGUF"
 MAX_GGUF_STRING = 16 * 1024 * 1024
 MAX_GGUF_DIMS = 8
+#: the most bytes a GGUF header (magic to the end of the tensor infos) may span; real headers,
+#: vocabulary and merges included, are under 20 MiB. Reading a header never goes past it,
+#: whatever counts and lengths the file declares.
+MAX_GGUF_HEADER = 128 * 1024 * 1024
+#: the most items one GGUF metadata array may hold (real vocabularies and merges: under 1M).
+MAX_GGUF_ARRAY = 2 * 1024 * 1024
 #: metadata arrays longer than this are summarised (length only) rather than kept.
 GGUF_KEEP_ARRAY = 64
 
@@ -333,6 +341,7 @@ _GGUF_SCALARS: dict[int, tuple[str, int]] = {
     12: ("<d", 8),
 }
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -369,12 +378,23 @@ class _Reader:
     def __init__(self, fh: BinaryIO, size: int, name: str) -> None:
         self.fh, self.size, self.name = fh, size, name
         self.pos = 0
+        self.key = ""  # the metadata key (or tensor) being read, for errors
         self._buf = b""
         self._buf_start = 0
 
-    def read(self, n: int) -> bytes:
+    def _check(self, n: int) -> None:
+        """``n`` more bytes fit in the file and in the header budget (checked before reading)."""
+        where = f" (in {self.key!r})" if self.key else ""
         if n < 0 or self.pos + n > self.size:
-            raise HeaderError(f"{self.name}: GGUF header runs past the end of the file at byte {self.pos}")
+            raise HeaderError(f"{self.name}: GGUF header runs past the end of the file at byte {self.pos}{where}")
+        if self.pos + n > MAX_GGUF_HEADER:
+            raise HeaderError(
+                f"{self.name}: GGUF header{where} runs past {MAX_GGUF_HEADER} bytes, "
+                f"the most a header may span (the file claims more than any real header holds)"
+            )
+
+    def read(self, n: int) -> bytes:
+        self._check(n)
         end_in_buf = self.pos - self._buf_start + n
         if self.pos < self._buf_start or end_in_buf > len(self._buf):
             self.fh.seek(self.pos)
@@ -398,14 +418,30 @@ class _Reader:
         except UnicodeDecodeError:
             raise HeaderError(f"{self.name}: GGUF string at byte {self.pos - length} is not UTF-8") from None
 
-    def skip_string(self) -> None:
-        """Move past a string (bounds checked, not decoded: its bytes are never looked at)."""
-        length = self.unpack("<Q", 8)
-        if length > MAX_GGUF_STRING:
-            raise HeaderError(f"{self.name}: GGUF string of {length} bytes at byte {self.pos}")
-        if self.pos + length > self.size:
-            raise HeaderError(f"{self.name}: GGUF header runs past the end of the file at byte {self.pos}")
-        self.pos += length
+    def skip_strings(self, count: int) -> None:
+        """Move past ``count`` strings, not decoded (their bytes are never looked at), in one tight loop (a
+        vocabulary has 100k-250k): each length read from the buffer, bounds and budget checked as it goes."""
+        unpack_from = _U64.unpack_from
+        limit = min(self.size, MAX_GGUF_HEADER)
+        for _ in range(count):
+            start = self.pos - self._buf_start
+            if start < 0 or start + 8 > len(self._buf):
+                self._check(8)
+                self.fh.seek(self.pos)
+                self._buf, self._buf_start, start = self.fh.read(1 << 20), self.pos, 0
+            (length,) = unpack_from(self._buf, start)
+            if length > MAX_GGUF_STRING:
+                raise HeaderError(
+                    f"{self.name}: GGUF string of {length} bytes at byte {self.pos + 8} (in {self.key!r})"
+                )
+            if self.pos + 8 + length > limit:
+                self._check(8 + length)  # raises, naming the key and which bound
+            self.pos += 8 + length
+
+    def skip(self, n: int) -> None:
+        """Move past ``n`` bytes without reading them (bounds and budget checked)."""
+        self._check(n)
+        self.pos += n
 
     def value(self, vtype: int, key: str, lengths: dict[str, int]) -> Any:
         if vtype in _GGUF_SCALARS:
@@ -421,17 +457,23 @@ class _Reader:
                 raise HeaderError(f"{self.name}: GGUF key {key!r} has an array of unsupported type {item_type}")
             if count * min_item > self.size - self.pos:
                 raise HeaderError(f"{self.name}: GGUF array {key!r} claims {count} items, more than the file holds")
+            if count > MAX_GGUF_ARRAY:
+                raise HeaderError(
+                    f"{self.name}: GGUF array {key!r} claims {count} items, more than the {MAX_GGUF_ARRAY} "
+                    f"a header array may hold"
+                )
+            self._check(count * min_item)  # the budget, before walking it
             lengths[key] = count
             if item_type in _GGUF_SCALARS and item_type != _GGUF_STRING:
                 fmt, n = _GGUF_SCALARS[item_type]
-                raw = self.read(n * count)
-                if count > GGUF_KEEP_ARRAY:
+                if count > GGUF_KEEP_ARRAY:  # only summarised: skipped, never read
+                    self.skip(n * count)
                     return None
+                raw = self.read(n * count)
                 return list(struct.unpack("<" + fmt[1] * count, raw))
             if count <= GGUF_KEEP_ARRAY:
                 return [self.string() for _ in range(count)]
-            for _ in range(count):  # a vocabulary or merges list: only summarised, so not decoded
-                self.skip_string()
+            self.skip_strings(count)  # a vocabulary or merges list: only summarised, so not decoded
             return None
         raise HeaderError(f"{self.name}: GGUF key {key!r} has unknown value type {vtype}")
 
@@ -465,7 +507,9 @@ def _parse_gguf(r: _Reader, rel_name: str, size: int) -> GGUFHeader:
     metadata: dict[str, Any] = {}
     lengths: dict[str, int] = {}
     for _ in range(n_kv):
+        r.key = ""
         key = r.string()
+        r.key = key
         vtype = r.unpack("<I", 4)
         if key in metadata:
             raise HeaderError(f"{rel_name}: duplicate GGUF key {key!r}")
@@ -473,7 +517,9 @@ def _parse_gguf(r: _Reader, rel_name: str, size: int) -> GGUFHeader:
     tensors: list[GGUFTensorInfo] = []
     seen: set[str] = set()
     for _ in range(n_tensors):
+        r.key = ""
         name = r.string()
+        r.key = name
         if name in seen:
             raise HeaderError(f"{rel_name}: duplicate GGUF tensor {name!r}")
         seen.add(name)
@@ -484,6 +530,7 @@ def _parse_gguf(r: _Reader, rel_name: str, size: int) -> GGUFHeader:
         type_id = r.unpack("<I", 4)
         offset = r.unpack("<Q", 8)
         tensors.append(GGUFTensorInfo(name, shape, type_id, offset))
+    r.key = ""
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise HeaderError(f"{rel_name}: general.alignment {alignment!r} is not a power of two")

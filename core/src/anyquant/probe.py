@@ -8,7 +8,9 @@ imports torch.
 Every file it reads must resolve inside the checkpoint directory: a link leaving it is an
 :class:`~anyquant.errors.UnsafePathError`. One layout is allowed besides: a snapshot directory of a
 Hugging Face hub cache (``models--<owner>--<name>/snapshots/<revision>``), whose files are links to
-the same repository's ``blobs/``.
+the same repository's ``blobs/``. With ``allow_symlinks=True`` (or ``ANYQUANT_ALLOW_SYMLINKS=1``) a link
+may leave the directory when it ends at a regular file (never a device, fifo or directory), whose
+content is then checked as any other file's (:func:`_check_inside` is the one place that decides).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import operator
 import os
 import re
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -100,26 +103,31 @@ class Probe:
     by_suffix: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
     #: shards the index names that are not in the directory (an interrupted download, a stale index)
     missing_shards: tuple[str, ...] = ()
+    #: links leaving the directory were allowed when they end at a regular file (:func:`allow_symlinks`)
+    allow_symlinks: bool = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, revision: str | None = None) -> Probe:
+    def open(
+        cls, path: str | os.PathLike[str], *, revision: str | None = None, allow_symlinks: bool | None = None
+    ) -> Probe:
         """Read a checkpoint directory, a single ``.safetensors`` file, or a ``.gguf`` file; or, for a model
         id ``owner/name`` that is not a local path, its snapshot in the local Hugging Face cache
         (:func:`resolve_checkpoint`). A file-system error (a directory without read permission, a name
         too long) is a :class:`ProbeError`. ``revision``: a model id's branch, tag or commit
-        (as ``owner/name@revision``)."""
+        (as ``owner/name@revision``). ``allow_symlinks``: follow links that leave the directory when
+        they end at a regular file (default: ``ANYQUANT_ALLOW_SYMLINKS=1`` in the environment, else no)."""
         if not isinstance(path, (str, os.PathLike)):
             raise ProbeError(f"a checkpoint path is a str or os.PathLike, got {type(path).__name__}")
         path = with_revision(path, revision)
         try:
-            return cls._open(path)
+            return cls._open(path, allow_symlinks_opt(allow_symlinks))
         except OSError as exc:
             where = exc.filename if exc.filename is not None else path
             raise ProbeError(f"{where}: cannot read ({exc.strerror or exc})") from None
 
     @classmethod
-    def _open(cls, path: str | os.PathLike[str]) -> Probe:
+    def _open(cls, path: str | os.PathLike[str], allow_symlinks: bool = False) -> Probe:
         notes: list[str] = []
         p, asked = resolve_checkpoint(path), Path(path).expanduser()
         if not p.exists():
@@ -143,7 +151,7 @@ class Probe:
         else:
             root = p.resolve()
             files = []
-        listing = _Listing(root)
+        listing = _Listing(root, allow_symlinks)
         configs = [_read_json(root, name, listing) for name in CONFIG_FILES]
         tokenizer_files = tuple(n for n in TOKENIZER_FILES if listing.is_file(n))
         for name in tokenizer_files:  # read by the tokenizer libraries: the same rule as configs and weights
@@ -187,6 +195,7 @@ class Probe:
             notes=tuple(notes),
             by_suffix=_suffix_index(tensors),
             missing_shards=missing,
+            allow_symlinks=allow_symlinks,
         )
 
     # ------------------------------------------------------------------ queries
@@ -522,8 +531,8 @@ class _Listing:
     links that must be resolved to check they stay inside it. A plain file listed in the resolved
     directory is inside it without a ``realpath`` call (a 70B checkpoint has dozens of shards)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, allow_symlinks: bool = False) -> None:
+        self.root, self.allow_symlinks = root, allow_symlinks
         with os.scandir(root) as it:
             self.entries = {e.name: e for e in it}
 
@@ -537,21 +546,44 @@ class _Listing:
 
     def check_inside(self, name: str) -> None:
         if self.entries[name].is_symlink():
-            _check_inside(self.root, self.root / name)
+            _check_inside(self.root, self.root / name, self.allow_symlinks)
+
+
+def allow_symlinks_opt(value: bool | None) -> bool:
+    """``allow_symlinks`` as asked, or, when not (``None``), from ``ANYQUANT_ALLOW_SYMLINKS`` (``1``, ``true``,
+    ``yes``)."""
+    if value is not None:
+        return bool(value)
+    return os.environ.get("ANYQUANT_ALLOW_SYMLINKS", "").strip().lower() in ("1", "true", "yes")
 
 
 def _suffix(name: str) -> str:
     return PurePosixPath(name).suffix
 
 
-def _check_inside(root: Path, f: Path) -> None:
+def _check_inside(root: Path, f: Path, allow_symlinks: bool = False) -> None:
     """``f`` (a file the probe or a loader reads) resolves inside ``root``, or, when ``root`` is a
     snapshot in a Hugging Face hub cache, to a blob of the same cached repository: every file of a
-    snapshot is a link to ``<repo>/blobs/<hash>``, where the repository keeps its files' bytes."""
+    snapshot is a link to ``<repo>/blobs/<hash>``, where the repository keeps its files' bytes.
+    With ``allow_symlinks`` a link may end anywhere at a regular file (its size and content are checked
+    by whatever reads it, as any file's); never at a directory, device, fifo or socket."""
     real = f.resolve()
     if real == root or root in real.parents or real.parent == _hub_blobs(root):
         return
-    raise UnsafePathError(f"{f.name}: is a link to {real}, outside the model directory {root}")
+    if allow_symlinks:
+        try:
+            mode = os.stat(real).st_mode
+        except OSError as exc:
+            raise UnsafePathError(f"{f.name}: is a link to {real}, which cannot be read ({exc.strerror})") from None
+        if stat.S_ISREG(mode):
+            return
+        raise UnsafePathError(
+            f"{f.name}: is a link to {real}, which is not a regular file; allow_symlinks follows links to files only"
+        )
+    raise UnsafePathError(
+        f"{f.name}: is a link to {real}, outside the model directory {root}. To follow links to files outside "
+        "it (a shared model tree), pass allow_symlinks=True (CLI: --allow-symlinks; or ANYQUANT_ALLOW_SYMLINKS=1)"
+    )
 
 
 def _hub_blobs(root: Path) -> Path | None:

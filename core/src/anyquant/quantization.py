@@ -32,7 +32,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ._staging import check_destination, publish_modes, replace_dir, staging_dir
+from ._staging import check_destination, lock_destination, publish_modes, replace_dir, staging_dir
 from .errors import AnyquantError, QuantizeError
 from .probe import Probe, resolve_checkpoint
 from .protocols import QuantizeSpec, undeclared_options
@@ -313,6 +313,7 @@ def quantize(
     check = getattr(quantizer, "validate", None)
     if callable(check):
         check(source_probe, spec)
+    lock = lock_destination(dst)  # one writer at a time, released below; the commit rechecks overwrite
     tmp = staging_dir(dst)
     report_progress = progress or (lambda stage, frac: log.info("quantize: %s (%.0f%%)", stage, 100 * frac))
     try:
@@ -327,7 +328,7 @@ def quantize(
             log.info("quality: perplexity %.4g -> %.4g (%.2fx)", qr.source_ppl, qr.result_ppl, qr.ratio)
             (out / "anyquant_quality.json").write_text(json.dumps(qr.to_dict(), indent=1))
         publish_modes(out)  # a quantizer's files (and the 0700 staging directory) get the umask's modes
-        replace_dir(out, dst)
+        replace_dir(out, dst, overwrite=overwrite, error=QuantizeError)
         report_progress("done", 1.0)
         log.info("quantized %s -> %s (%s) in %.1fs", src, dst, spec.method, time.monotonic() - started)
         return dst
@@ -340,6 +341,7 @@ def quantize(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        lock.release()
 
 
 #: the ``quantize(..., **options)`` keywords core itself reads, for every method

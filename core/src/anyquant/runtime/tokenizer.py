@@ -57,16 +57,83 @@ def load_tokenizer(probe: Probe, *, trust_remote_code: bool = False) -> Any:
         ) from exc
 
 
+#: what the tokenizer libraries never read: left out of the vetted directory (no need to link gigabytes)
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".npz", ".h5", ".msgpack")
+#: the subdirectories transformers' tokenizer loading reads (``additional_chat_templates/*.jinja``)
+_TOKENIZER_SUBDIRS = ("additional_chat_templates",)
+
+
+def _vetted_dir(probe: Probe, into: str) -> None:
+    """Fill ``into`` with links to the checkpoint's files that the tokenizer libraries may read, each link
+    pointing at its file's real path, vetted: a regular file inside the checkpoint directory (or, for a
+    Hugging Face cache snapshot, a blob of the same repository). A file that resolves elsewhere (a link
+    leaving the directory) or is no regular file is left out, so its content never reaches the tokenizer:
+    transformers reads files the probe does not list (``added_tokens.json``, ``additional_chat_templates/``,
+    a tokenizer class's own vocabulary names), and this covers every one of them."""
+    from ..errors import UnsafePathError
+    from ..probe import _check_inside
+
+    root = probe.root
+
+    def link(src: os.DirEntry[str], dest_dir: str) -> None:
+        try:
+            _check_inside(root, root / os.path.relpath(src.path, root), probe.allow_symlinks)
+            real = os.path.realpath(src.path)
+            if not os.path.isfile(real) or os.path.getsize(real) > MAX_TOKENIZER_FILE_BYTES:
+                raise UnsafePathError(f"{src.name}: not a regular file of a size a tokenizer file may have")
+        except (UnsafePathError, OSError) as exc:
+            log.warning("%s: left out of what the tokenizer may read (%s)", src.path, exc)
+            return
+        try:
+            os.symlink(real, os.path.join(dest_dir, src.name))
+        except OSError:  # no symlinks here (Windows without the privilege): a copy of the vetted file
+            import shutil
+
+            shutil.copyfile(real, os.path.join(dest_dir, src.name))
+
+    with os.scandir(root) as it:
+        entries = list(it)
+    for e in entries:
+        if e.name in _TOKENIZER_SUBDIRS:
+            try:
+                _check_inside(root, root / e.name, probe.allow_symlinks)
+            except UnsafePathError as exc:
+                log.warning("%s: left out of what the tokenizer may read (%s)", e.path, exc)
+                continue
+            if e.is_dir():
+                sub = os.path.join(into, e.name)
+                os.mkdir(sub)
+                with os.scandir(e.path) as it:
+                    for f in it:
+                        link(f, sub)
+        elif not e.name.endswith(_WEIGHT_SUFFIXES) and e.is_file():
+            link(e, into)
+
+
 def _load(probe: Probe, trust_remote_code: bool) -> Any:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="anyquant-tokenizer-") as vetted:
+        _vetted_dir(probe, vetted)
+        tokenizer = _from_pretrained(probe, vetted, trust_remote_code)
+    try:  # the name it was loaded by is the checkpoint's, not the vetted directory's
+        tokenizer.name_or_path = str(probe.root)
+        tokenizer.init_kwargs["name_or_path"] = str(probe.root)
+    except (AttributeError, TypeError):  # pragma: no cover - a remote-code tokenizer without the attribute
+        pass
+    return tokenizer
+
+
+def _from_pretrained(probe: Probe, path: str, trust_remote_code: bool) -> Any:
     if not trust_remote_code and _generic_fast(probe):
         # what AutoTokenizer would build, without its AutoConfig round trip (which imports the model's
         # configuration module and, through it, torch.distributed.tensor: ~1 s of a ~2 s load)
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-        return TokenizersBackend.from_pretrained(str(probe.root), local_files_only=True)
+        return TokenizersBackend.from_pretrained(path, local_files_only=True)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(probe.root), trust_remote_code=trust_remote_code, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
 
 
 #: ``tokenizer_class`` values AutoTokenizer (transformers 5) resolves to the generic ``TokenizersBackend``.
