@@ -353,7 +353,8 @@ def main() -> int:
     load = os.getloadavg()
     print(
         f"# {args.threads} threads; bandwidth {bw / 1e9:.1f} GB/s (torch copy, other CPU {bw_other:.0%}); "
-        f"load average {load[0]:.2f}; samples {args.samples}, other-CPU limit {args.max_other:.0%}"
+        f"load average {load[0]:.2f}; samples {args.samples}, other-CPU limit {args.max_other:.0%}",
+        flush=True,
     )
 
     kinds = [{}] + ([{"long": True}] if args.long else [])
@@ -361,6 +362,7 @@ def main() -> int:
         "| model | row | llama.cpp | anyquant | anyquant / llama.cpp | other CPU (max of used samples) |",
         "|---|---|---|---|---|---|",
     ]
+    bound_rows: list[tuple[int, int, int, dict[str, float | None]]] = []
     for label, file, own in models:
         common = {"threads": args.threads, "decode": args.decode, "ids": str(ids)}
         engines = [("anyquant", {**common, "engine": "anyquant", "path": str(own or file)}, sys.executable)]
@@ -398,13 +400,8 @@ def main() -> int:
             first = f" {label}, anyquant `{backend}` " if key == "decode_tok_s" else " "
             table.append(f"|{first}| {title}{note} | {lt} | {at} | {ratio} | {max(lo, ao):.1%} |")
         if per_token:
-            shares = [
-                f"{v * per_token / bw:.0%}" if v else "-" for v in (decode.get("llama.cpp"), decode.get("anyquant"))
-            ]
-            table.append(
-                f"| | decode: file bytes read per token {per_token / 1e6:.0f} MB (of {total / 1e6:.0f} MB), "
-                f"% of the {bw / 1e9:.1f} GB/s bound | {shares[0]} | {shares[1]} | | |"
-            )
+            bound_rows.append((len(table), per_token, total, decode))
+            table.append("")  # filled once the bandwidth is measured again
         ll = next((s["tokens"] for s in samples.get("llama.cpp", []) if s.get("tokens")), None)
         aq = next((s["tokens"] for s in samples["anyquant"] if s.get("tokens")), None)
         if ll and aq and own is None:
@@ -412,7 +409,17 @@ def main() -> int:
             while agree < min(len(ll), len(aq)) and ll[agree] == aq[agree]:
                 agree += 1
             table.append(f"| | greedy tokens the same as llama.cpp's (of the first 16) | {agree} | | | |")
-    print()
+    before = cpu_times()
+    again = bandwidth(args.threads)  # once more after the samples: the bound is the better of the two
+    if again > bw:
+        bw, bw_other = again, other_share(before, cpu_times())
+    for at, per_token, total, decode in bound_rows:
+        shares = [f"{v * per_token / bw:.0%}" if v else "-" for v in (decode.get("llama.cpp"), decode.get("anyquant"))]
+        table[at] = (
+            f"| | decode: file bytes read per token {per_token / 1e6:.0f} MB (of {total / 1e6:.0f} MB), "
+            f"% of the {bw / 1e9:.1f} GB/s bound | {shares[0]} | {shares[1]} | | |"
+        )
+    print(f"\n# bandwidth bound {bw / 1e9:.1f} GB/s (the better of two copies; other CPU {bw_other:.0%} in it)\n")
     print("\n".join(table))
     print(f"\n# {time.perf_counter() - t_start:.0f} s in all; load average at the end {os.getloadavg()[0]:.2f}")
     return 0
