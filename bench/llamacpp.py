@@ -315,7 +315,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--samples", type=int, default=3, help="fresh processes per engine and row")
     ap.add_argument("--decode", type=int, default=64, help="greedy tokens per decode sample")
-    ap.add_argument("--long", action="store_true", help="also the 8,000-token prompt's peak RSS and seconds (slow)")
+    ap.add_argument(
+        "--long",
+        action="store_true",
+        help="also the 8,000-token prompt's peak RSS and seconds (slow; half as many samples, at least one)",
+    )
     ap.add_argument("--max-other", type=float, default=0.05, help="discard samples where other processes used more")
     ap.add_argument("--models", default="smollm2,1b", help="comma-separated: smollm2, 1b")
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python")
