@@ -299,6 +299,49 @@ def measure(cfg: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
     return dict(json.loads(lines[-1]))
 
 
+# ---------------------------------------------------------------------- other load, llama.cpp
+
+
+def cpu_times() -> tuple[int, int, int]:
+    """(busy ticks of every CPU, all ticks of every CPU, this process's own ticks), from ``/proc/stat`` and
+    ``/proc/self/stat``; zeros where they cannot be read. Two snapshots give :func:`other_share`."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+        return busy, sum(fields), int(own[11]) + int(own[12])  # utime + stime, every thread
+    except (OSError, IndexError, ValueError):
+        return 0, 0, 0
+
+
+def other_share(before: tuple[int, int, int], after: tuple[int, int, int]) -> float:
+    """The share of all the machine's CPU time that other processes used between two :func:`cpu_times`
+    snapshots taken in one process (0.0 to 1.0; its own threads left out)."""
+    total = after[1] - before[1]
+    if total <= 0:
+        return 0.0
+    return max(0.0, ((after[0] - before[0]) - (after[2] - before[2])) / total)
+
+
+def llama_cpp_model(path: str | Path, **kwargs: Any) -> Any:
+    """``llama_cpp.Llama(path, **kwargs)`` with ``use_extra_bufts`` off: llama.cpp's AMX buffer type segfaults
+    on these hosts (ggml-org/llama.cpp#20824), so its CPU backend runs its other (repacked) kernels."""
+    import llama_cpp
+
+    default = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(str(path), verbose=False, **kwargs)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = default
+
+
 # ---------------------------------------------------------------------- tables for the bench scripts
 
 

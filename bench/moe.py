@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _measure import CACHE, ENV, _unshadow, machine
+from _measure import CACHE, ENV, _unshadow, llama_cpp_model, machine
 
 SHAPE: dict[str, Any] = {
     "model_type": "qwen3_moe",
@@ -227,12 +227,8 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(cfg["threads"])
     t0 = time.perf_counter()
     if cfg["kind"] == "llama.cpp":
-        import llama_cpp
-
-        params = llama_cpp.llama_cpp.llama_model_default_params
-        llama_cpp.llama_cpp.llama_model_default_params = lambda: _no_extra_bufts(params())
-        llm = llama_cpp.Llama(
-            cfg["path"], n_ctx=256, n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_batch=64, verbose=False
+        llm = llama_cpp_model(
+            cfg["path"], n_ctx=256, n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_batch=64
         )
         load_s = time.perf_counter() - t0
 
@@ -287,11 +283,6 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg["kind"] == "anyquant":
         result["bytes_per_token"] = _bytes_per_token(m.module)
     return result
-
-
-def _no_extra_bufts(params: Any) -> Any:
-    params.use_extra_bufts = False  # llama.cpp's AMX buffer type segfaults on these hosts (ggml-org/llama.cpp#20824)
-    return params
 
 
 def _bytes_per_token(module: Any) -> float:
