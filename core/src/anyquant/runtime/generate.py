@@ -22,6 +22,7 @@ from ..errors import CheckpointError, ModelClosedError, NumericalError, Paramete
 from ..params import GenerationParams, Prompt
 from ..results import Cap, GenerationResult, StreamChunk, Timings, TokenLogprob, Usage, collect
 from .chat import render_chat
+from .stops import find_stop, held_back, stable
 
 __all__ = ["TorchGenerator", "context_length", "sample_next"]
 
@@ -169,25 +170,6 @@ def row_generators(seed: int | None, rows: int, device: Any) -> list[torch.Gener
     neither read nor reseeded (``torch.seed()`` would reset an application's ``manual_seed``)."""
     base = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
     return [torch.Generator(device=device).manual_seed((base + i) % 2**63) for i in range(rows)]
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of ``text`` (a stable text: :func:`_stable`) might still become a stop string."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:n]):
-                hold = max(hold, n)
-                break
-    return hold
-
-
-def _stable(text: str) -> str:
-    """``text`` without its trailing U+FFFD: a character whose bytes are split across tokens decodes as one
-    U+FFFD (byte-level BPE) or one per byte (SentencePiece's byte fallback) until its last byte arrives, and
-    then as itself; nothing up to it is streamed or searched for stop strings before then. (The final text,
-    once generation ends, keeps any U+FFFD the model really produced.)"""
-    return text.rstrip("\ufffd")
 
 
 class TorchGenerator:
@@ -422,18 +404,18 @@ class TorchGenerator:
             if token is None or token in ends:
                 break
             generated.append(token)
-            text = _stable(self.decode(generated))
-            cut = _find_stop(text, params.stop)
+            text = stable(self.decode(generated))
+            cut = find_stop(text, params.stop)
             if cut is not None:
                 if cut > emitted:
                     yield text[emitted:cut]
                 return
-            safe = len(text) - _held_back(text, params.stop)
+            safe = len(text) - held_back(text, params.stop)
             if safe > emitted:
                 yield text[emitted:safe]
                 emitted = safe
         text = self.decode(generated)
-        cut = _find_stop(text, params.stop)
+        cut = find_stop(text, params.stop)
         end = cut if cut is not None else len(text)
         if end > emitted:
             yield text[emitted:end]
@@ -457,14 +439,14 @@ class TorchGenerator:
                     finished[i] = True
                     continue
                 generated[i].append(token)
-                if params.stop and _find_stop(_stable(self.decode(generated[i])), params.stop) is not None:
+                if params.stop and find_stop(stable(self.decode(generated[i])), params.stop) is not None:
                     finished[i] = True
             if all(finished):
                 break
         results = []
         for ids in generated:
             text = self.decode(ids)
-            cut = _find_stop(text, params.stop)
+            cut = find_stop(text, params.stop)
             results.append(text if cut is None else text[:cut])
         return results
 
@@ -513,11 +495,11 @@ class TorchGenerator:
                 if token in ends:
                     finish, stop_string, last = "stop", token_stop.get(token), (token, lp)
                     break
-                text = _stable(self.decode(generated))
-                if _find_stop(text, params.stop) is not None:
+                text = stable(self.decode(generated))
+                if find_stop(text, params.stop) is not None:
                     finish, last = "stop", (token, lp)
                     break
-                safe = len(text) - _held_back(text, params.stop)
+                safe = len(text) - held_back(text, params.stop)
                 chunk = StreamChunk(
                     text[emitted:safe] if safe > emitted else "",
                     (token,),
@@ -749,11 +731,6 @@ def _which_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     """Where the first stop string in ``text`` starts, and which (the earliest; the first listed at a tie)."""
     hits = [(i, s) for s in stops if s for i in (text.find(s),) if i >= 0]
     return min(hits, key=lambda h: h[0]) if hits else None
-
-
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(hits) if hits else None
 
 
 def _is_special(tokenizer: Any, token_id: int) -> bool:

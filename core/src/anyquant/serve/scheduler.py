@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import AnyquantError, ParameterError
+from ..runtime.stops import find_stop, held_back, stable
 
 __all__ = ["Finished", "ModelAdapter", "QueueFull", "Request", "Scheduler"]
 
@@ -125,20 +126,20 @@ class _Live:
             return
         self.last = token
         self.generated.append(token)
-        text = self.adapter.decode(self.generated).rstrip("\ufffd")
-        cut = _find_stop(text, stops)
+        text = stable(self.adapter.decode(self.generated))
+        cut = find_stop(text, stops)
         if cut is not None:
             self._send(text[:cut])
             self.end("stop")
             return
-        self._send(text[: len(text) - _held_back(text, stops)])
+        self._send(text[: len(text) - held_back(text, stops)])
         if len(self.generated) >= self.request.max_tokens:
             self._flush()
             self.end("length")
 
     def _flush(self) -> None:
         text = self.adapter.decode(self.generated)
-        cut = _find_stop(text, self.request.params.stop)
+        cut = find_stop(text, self.request.params.stop)
         self._send(text if cut is None else text[:cut])
 
     def _send(self, text: str) -> None:
@@ -263,19 +264,3 @@ class Scheduler:
         else:
             history = torch.tensor([row.request.ids + row.generated], dtype=torch.long, device=logits.device)
         return int(sample_next(logits, row.request.params, history, row.rng)[0])
-
-
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of ``text`` might still become a stop string."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:n]):
-                hold = max(hold, n)
-                break
-    return hold
