@@ -710,13 +710,7 @@ def _takes(module: Any, name: str) -> bool:
 
 def _cache_keyword(module: Any) -> str:
     """Recent transformers call the KV cache argument ``cache``; older ones ``past_key_values``."""
-    import inspect
-
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
+    return "cache" if _takes(module, "cache") else "past_key_values"
 
 
 def _is_token_ids(prompt: Any) -> bool:
