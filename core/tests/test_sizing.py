@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from anyquant import sizing
 from anyquant.cli import build_parser
-from anyquant.sizing import GB, GiB, SizingError, advise, estimate, find_gpu
+from anyquant.tools import estimate as sizing
+from anyquant.tools.estimate import GB, GiB, SizingError, advise, estimate, find_gpu
 
 LLAMA_8B: dict[str, Any] = {
     "model_type": "llama",
@@ -265,7 +265,7 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_import_does_not_pull_torch() -> None:
-    code = "import sys, anyquant.sizing, anyquant.calibration; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, anyquant.tools.estimate, anyquant.tools.calibration; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

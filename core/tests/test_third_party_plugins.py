@@ -119,7 +119,7 @@ class _BadCalibration:
 
 
 def test_strict_mode_reads_the_same_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    from anyquant.calibration import sources
+    from anyquant.tools.calibration import sources
 
     reg = Registry(entry_points=False, plugins=[("cal", _BadCalibration())])
     assert "wiki" in sources(reg)  # logged and skipped

@@ -23,7 +23,7 @@ from .errors import (
 from .probe import Probe
 from .protocols import Detection, LoadedModel, Loader, LoadOptions
 from .registry import PluginInfo, Registry, load_spec_object
-from .report import Report  # torch-free: imported so that typing.get_type_hints resolves the public API
+from .tools.report import Report  # torch-free: imported so that typing.get_type_hints resolves the public API
 
 if TYPE_CHECKING:
     import torch
@@ -232,7 +232,7 @@ def inspect(
 ) -> Report:
     """Per-module table and totals, from headers only. ``revision`` as for :func:`detect`, ``allow_symlinks``
     as :func:`load`'s."""
-    from .report import build_report
+    from .tools.report import build_report
 
     reg = registry or default_registry()
     probe = Probe.open(path, revision=revision, allow_symlinks=allow_symlinks)

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 import anyquant
 from anyquant.errors import QuantizeError
 from anyquant.protocols import QuantizeSpec
-from anyquant.quantization import WorkerError, run_worker
 from anyquant.testing.tiny import make_tiny_dense, make_tokenizer
+from anyquant.tools.quantize import WorkerError, run_worker
 from anyquant_exl3 import cuda_backend
 from anyquant_exl3.exllamav3_convert import (
     MODULE,

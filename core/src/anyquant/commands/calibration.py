@@ -6,7 +6,8 @@ import argparse
 import hashlib
 import json
 
-from ..calibration import (
+from ..hookspecs import CommandRegistrar, hookimpl
+from ..tools.calibration import (
     DEFAULT_NGRAM,
     DEFAULT_THRESHOLD,
     CalibrationError,
@@ -17,7 +18,6 @@ from ..calibration import (
     sample,
     sources,
 )
-from ..hookspecs import CommandRegistrar, hookimpl
 
 __all__ = ["anyquant_register_commands"]
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import AnyquantError
+from ..errors import AnyquantError
 
 __all__ = [
     "GPUS",
@@ -279,7 +279,7 @@ def _gguf_config(header: Any) -> dict[str, Any]:
 
 
 def _gguf_tensor_bytes(header: Any) -> int:
-    from .headers import GGUF_TYPE_SIZES
+    from ..headers import GGUF_TYPE_SIZES
 
     total = 0
     for t in header.tensors:
@@ -447,7 +447,7 @@ def _embedding_bytes(probe: Any) -> int:
 
 
 def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _Weights:
-    from .probe import Probe, display_name
+    from ..probe import Probe, display_name
 
     probe = Probe.open(path)
     if probe.gguf and not probe.safetensors:
@@ -460,7 +460,7 @@ def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _We
         return _Weights(shape, "headers", "gguf", round(8 * size / shape.parameters, 3), size, embed_bytes, notes)
     if probe.config is None:
         raise SizingError(f"{path}: no config.json and no GGUF metadata: cannot tell layers and KV heads")
-    from .probe import thaw
+    from ..probe import thaw
 
     shape = model_shape(thaw(probe.config), name=display_name(path))
     fmt = probe.quant_method
@@ -481,7 +481,7 @@ def _weights(
         return _from_config(
             model_shape(path_or_config, str(path_or_config.get("_name_or_path", "config"))), bits, head_bits, fmt
         )
-    from .probe import resolve_checkpoint
+    from ..probe import resolve_checkpoint
 
     path = resolve_checkpoint(path_or_config)  # a model id: its snapshot in the local Hugging Face cache
     if path.is_file() and path.suffix == ".json":
@@ -519,7 +519,7 @@ def estimate(
     the local Hugging Face cache (as ``owner/name@revision``).
     """
     if revision is not None and not isinstance(path_or_config, Mapping):
-        from .probe import with_revision
+        from ..probe import with_revision
 
         path_or_config = with_revision(path_or_config, revision)  # type: ignore[assignment]
     _check_count("context", context)
@@ -1030,7 +1030,7 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
         )
     if not ctx.gpu.ampere_or_newer and not rocm:
         reasons.append(f"{ctx.gpu.arch} has no bf16: run in float16")
-    from .serve.engines import vllm_plan
+    from ..serve.engines import vllm_plan
 
     served = _model_args(ctx) if existing else f"{_model_args(ctx)}-{method}-4bit"
     plan = vllm_plan(

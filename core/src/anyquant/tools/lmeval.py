@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import MissingDependencyError, ParameterError
-from .protocols import LoadedModel
+from ..errors import MissingDependencyError, ParameterError
+from ..protocols import LoadedModel
 
 try:
     from lm_eval.api.model import LM
@@ -54,7 +54,7 @@ class AnyquantLM(LM):  # type: ignore[misc]  # lm-eval is untyped
         if (model is None) == (pretrained is None):
             raise ParameterError("AnyquantLM takes pretrained=PATH or model=<a loaded model>, one of them")
         if model is None:
-            from .api import load
+            from ..api import load
 
             assert pretrained is not None
 
@@ -88,7 +88,7 @@ class AnyquantLM(LM):  # type: ignore[misc]  # lm-eval is untyped
 
     # ------------------------------------------------------------------ chat templates, caching
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        from .runtime.chat import render_chat
+        from ..runtime.chat import render_chat
 
         return render_chat(self.model.tokenizer, chat_history, add_generation_prompt=add_generation_prompt)
 

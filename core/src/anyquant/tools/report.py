@@ -6,9 +6,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .headers import SAFETENSORS_DTYPE_BITS
-from .probe import Probe
-from .protocols import Detection, ModuleInfo
+from ..headers import SAFETENSORS_DTYPE_BITS
+from ..probe import Probe
+from ..protocols import Detection, ModuleInfo
 
 __all__ = ["Report", "build_report", "coded_rows", "dense_rows", "tensors_by_module"]
 
@@ -75,7 +75,7 @@ def coded_rows(probe: Probe, detection: Detection) -> list[ModuleInfo]:
     """Rows for a loader without ``inspect()``: modules holding integer codes are the detected format's
     (bits and group size unknown, shape of the largest code tensor as stored), the rest dense. Never a
     quantized module shown as dense because its plugin describes nothing."""
-    from .builtin import integer_tensors
+    from ..builtin import integer_tensors
 
     if detection.format == "dense":
         return dense_rows(probe)
@@ -125,7 +125,7 @@ def build_report(probe: Probe, detection: Detection, loader: Any | None) -> Repo
 def _experts(probe: Probe, rows: list[ModuleInfo], params: int) -> dict[str, Any]:
     """A mixture-of-experts model's experts per layer, experts per token and the parameters one token reads
     (every non-expert module and ``experts_per_token / experts`` of the experts'); empty for other models."""
-    from .sizing import EXPERTS_KEYS, EXPERTS_PER_TOKEN_KEYS
+    from .estimate import EXPERTS_KEYS, EXPERTS_PER_TOKEN_KEYS
 
     cfg = probe.config or {}
     count = next((cfg[k] for k in EXPERTS_KEYS if cfg.get(k)), None)
