@@ -29,9 +29,9 @@ _EXPORTS: dict[str, str] = {
     "EvalResult": "tools.evaluate",
     "EvaluationError": "tools.evaluate",
     "estimate": "tools.estimate",
-    "advise": "tools.estimate",
+    "advise": "tools.advise",
     "Estimate": "tools.estimate",
-    "Advice": "tools.estimate",
+    "Advice": "tools.advise",
     "SizingError": "tools.estimate",
     "CalibrationError": "tools.calibration",
     "CalibrationOverlapError": "tools.calibration",
@@ -219,8 +219,9 @@ if TYPE_CHECKING:
         QuantizeSpec,
     )
     from .registry import PluginInfo, Registry
+    from .tools.advise import Advice, advise
     from .tools.calibration import CalibrationError, CalibrationOverlapError
-    from .tools.estimate import Advice, Estimate, SizingError, advise, estimate
+    from .tools.estimate import Estimate, SizingError, estimate
     from .tools.evaluate import EvalResult, EvaluationError, compare, perplexity
     from .tools.export import export_dense
     from .tools.quantize import quantize

@@ -59,7 +59,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
-    from ..tools.estimate import advise
+    from ..tools.advise import advise
 
     a = advise(args.gpu, args.vram, args.users, args.model, args.gpus, context=args.context, ram_gb=args.ram)
     print(json_line(a.to_dict()) if args.json else a.summary())
