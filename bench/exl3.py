@@ -112,7 +112,7 @@ def decode_table(size: int, repeat: int) -> str:
     """Weights/s of the reference decoder on a random ``size`` x ``size`` K=4 layer."""
     import torch
 
-    from anyquant_exl3.decode import decode_exl3
+    from anyquant_exl3.dequant import decode_exl3
     from anyquant_exl3.qlinear import EXL3Linear
 
     gen = torch.Generator().manual_seed(0)

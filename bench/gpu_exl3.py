@@ -339,7 +339,7 @@ def check_reconstruction(path: Path, label: str, rep: Report) -> None:
     import torch
     from exllamav3.modules.quant.exl3 import LinearEXL3
 
-    from anyquant_exl3.decode import decode_exl3, decode_what
+    from anyquant_exl3.dequant import decode_exl3, decode_what
 
     layers = exl3_layers(path)
     if not layers:

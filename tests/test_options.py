@@ -76,7 +76,10 @@ def test_quantizers_declare_what_they_read(declared, files) -> None:  # type: ig
         (GPTQLoader, ["plugins/gptq/src/anyquant_gptq/loader.py", *INT4]),
         (AWQLoader, ["plugins/awq/src/anyquant_awq/loader.py", *INT4]),
         (GGUFLoader, ["plugins/gguf/src/anyquant_gguf/loader.py"]),
-        (EXL3Loader, ["plugins/exl3/src/anyquant_exl3/loader.py", "plugins/exl3/src/anyquant_exl3/cuda_backend.py"]),
+        (
+            EXL3Loader,
+            ["plugins/exl3/src/anyquant_exl3/loader.py", "plugins/exl3/src/anyquant_exl3/exllamav3_kernels.py"],
+        ),
         (EXL2Loader, ["plugins/exl3/src/anyquant_exl3/loader.py"]),
     ],
     ids=lambda v: getattr(v, "__name__", "files"),

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import anyquant
 from anyquant.testing.tiny import make_tiny_dense
 from anyquant_exl3 import encode as enc
-from anyquant_exl3.decode import decode_exl3
+from anyquant_exl3.dequant import decode_exl3
 from anyquant_exl3.encode import (
     HessianError,
     TileEncoder,

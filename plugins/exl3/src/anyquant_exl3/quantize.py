@@ -258,7 +258,7 @@ def quantizer_backend(spec: QuantizeSpec) -> str:
     it cannot run. Never imports exllamav3 (that JIT-builds its extension)."""
     from anyquant.plugin import route_backend
 
-    from .cuda_backend import backend_info
+    from .exllamav3_kernels import backend_info
 
     chosen = route_backend(
         spec.options, BACKEND_OPTIONS, lambda: "exllamav3" if backend_info().available else "anyquant"
