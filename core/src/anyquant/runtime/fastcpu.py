@@ -74,10 +74,10 @@ log = logging.getLogger(__name__)
 
 #: group sizes ``_weight_int4pack_mm_for_cpu`` accepts, largest first.
 KERNEL_GROUPS = (256, 128, 64, 32)
-#: ``rows <= DEFAULT_SMALL_ROWS`` use the int4 kernel, more rows the dequantize + GEMM path. Measured
-#: on SmolLM2's shapes (1 thread, AVX512 + AMX): the int4 kernel costs ~8 us (576x576) to ~21 us
-#: (576x1536) per row, a float32 GEMM ~4 to ~10.5 us per row plus ~0.45 to ~1.2 ms to dequantize
-#: the weight, so the paths cross near 100 rows; 64 keeps prompts of a chat turn on the kernel.
+#: ``rows <= DEFAULT_SMALL_ROWS`` use the int4 kernel, more rows the dequantize + GEMM path: the kernel
+#: costs more per row than a float32 GEMM, which pays a fixed dequantization of the weight first, so the
+#: paths cross at some row count (near 100 on SmolLM2's shapes, docs/benchmarks.md); 64 keeps prompts of a
+#: chat turn on the kernel.
 DEFAULT_SMALL_ROWS = 64
 _LAYOUT_BLOCKS = (64, 32, 16)
 _INNER_K_TILES = 2
@@ -159,9 +159,9 @@ def bf16_gemm_is_fast() -> bool:
     return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
 
 
-#: CPU capabilities where the int4 kernel is vectorized and measured faster than a dense float32
-#: weight for one row (AVX512 here; AVX2 with ATEN_CPU_CAPABILITY=avx2). "DEFAULT" (no SIMD) runs a
-#: scalar loop ~80x slower.
+#: CPU capabilities where the int4 kernel is vectorized and faster than a dense float32 weight for
+#: one row (AVX512; AVX2 with ATEN_CPU_CAPABILITY=avx2). "DEFAULT" (no SIMD) runs a scalar loop, far
+#: slower than either.
 FAST_CAPABILITIES = ("AVX2", "AVX512")
 
 
@@ -565,8 +565,8 @@ class FastHead(nn.Module):
     EXACT_TOP = 64
     #: prepacked pieces of a file-backed head, each half the rows left (the last two equal: 1/2, 1/4, 1/8,
     #: 1/16, 1/16), so the load's peak is the prepacked head plus one sixteenth of it in bfloat16 (equal
-    #: quarters: one quarter; SmolLM2's head: 3.4 MiB, where four pieces left 6.8). One call each per decode
-    #: step: ~0.1-0.15 ms more per step for SmolLM2's 49152x576 head than one piece; bitwise the same result.
+    #: quarters: one quarter). One call each per decode step, a little slower than one piece; bitwise the same
+    #: result.
     FILE_PIECES = 5
 
     def __init__(
@@ -911,7 +911,7 @@ class FastCPUPlan:
         left in the file (:meth:`file_tables`); read into memory here when no fast head takes it."""
         from .._memory import release_free_heap
 
-        release_free_heap()  # the tokenizer's parse left ~2x its size free in the heap: not under the head's peak
+        release_free_heap()  # the tokenizer's parse left freed memory in the heap: not under the head's peak
         if self.head and self.converted == 0:
             self.head_info = {"head": "dense", "reason": "no layer runs the int4 kernel: the model stays exact"}
         elif self.head:

@@ -439,7 +439,7 @@ def _evaluate_rounds(
                 label=label,
                 text=text_name,
                 # load time and memory: the least over the rounds. The process's first load also pays one-time
-                # costs (imports: ~57 MiB and ~0.3 s), which went to whichever checkpoint was listed first.
+                # costs (imports), which went to whichever checkpoint was listed first.
                 load_s=min(p["load_s"], default=0.0),
                 peak_memory_bytes=min((v for v in p["peak"] if v is not None), default=None),
                 memory_delta_bytes=min((v for v in p["delta"] if v is not None), default=None),
