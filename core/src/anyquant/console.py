@@ -16,6 +16,8 @@ from typing import Any
 from .errors import ParameterError
 
 __all__ = [
+    "JSON_HELP",
+    "add_load_flags",
     "add_option_flag",
     "emit",
     "fmt_bytes",
@@ -25,6 +27,10 @@ __all__ = [
     "parse_option",
     "progress_bar",
 ]
+
+
+#: the ``--json`` flag's help, the same on every command
+JSON_HELP = "print one line of JSON instead of text"
 
 
 def json_line(payload: Any) -> str:
@@ -92,6 +98,15 @@ def parse_option(text: str) -> tuple[str, Any]:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(name)  # NaN / Infinity stay strings
+
+
+def add_load_flags(parser: argparse.ArgumentParser) -> None:
+    """``--backend``, ``--device`` and ``--dtype``: how a command that loads a model loads it."""
+    parser.add_argument(
+        "--backend", default="auto", help="kernel backend (default auto; `anyquant backends` lists them)"
+    )
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default=None, help="compute dtype, e.g. float16 (default: the loader's choice)")
 
 
 def add_option_flag(parser: argparse.ArgumentParser, what: str, examples: str) -> None:
