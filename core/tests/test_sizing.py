@@ -163,6 +163,25 @@ def test_find_gpu() -> None:
         find_gpu("Voodoo 5")
 
 
+def test_table_has_the_workstation_and_datacenter_cards() -> None:
+    """The cards of issue #27's reports are in the table, under their usual spellings, with their memory."""
+    for name, vram in (("RTX A6000", 48), ("NVIDIA L40S", 48), ("GeForce RTX 4080", 16), ("AMD Instinct MI300X", 192)):
+        assert find_gpu(name).vram_gb == vram, name
+
+
+def test_any_gpu_name_is_a_label_with_vram(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``advise --gpu NAME --vram GB``: a name the table does not know is a label (CUDA, Ampere or newer, the
+    memory given); the advice says so. Without ``--vram`` the same name is an error that names the remedy."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    out = _run_cli(["advise", "--gpu", "Voodoo 5 Ultra", "--vram", "48", "--model", str(cfg), "--json"], capsys)
+    assert out["gpu"]["name"] == "Voodoo 5 Ultra" and out["vram_gb"] == 48
+    assert out["format"] == "exl3" and out["fits"]
+    assert "not in anyquant's GPU table" in out["reasons"][0]
+    with pytest.raises(SizingError, match="--vram"):
+        advise("Voodoo 5 Ultra", None, 1, LLAMA_8B)
+
+
 # ---------------------------------------------------------------------- advise
 
 
