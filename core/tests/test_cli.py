@@ -248,3 +248,22 @@ def test_version_prints_the_version_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.splitlines()[0] == f"anyquant {anyquant.__version__}"
     assert "HEAVY []" in out.stdout
+
+
+@pytest.mark.parametrize("problem", ["missing source", "existing destination", "bad bits"])
+def test_quantize_failing_validation_prints_no_progress_bar(
+    problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A quantize refused before any work (its arguments checked in well under a second) prints its error
+    line and nothing else: no empty progress bar on stderr."""
+    src = FIXTURES["dense"].build(tmp_path / "src") if problem != "missing source" else tmp_path / "nowhere"
+    dst = tmp_path / "dst"
+    bits = "99" if problem == "bad bits" else "4"
+    if problem == "existing destination":
+        dst.mkdir()
+        (dst / "keep.txt").write_text("mine")
+    code = main(["quantize", str(src), str(dst), "--method", "gptq", "--bits", bits, "--no-quality-check"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("anyquant: ") and err.count("\n") == 1, err  # the error line only
+    assert "%|" not in err and "\r" not in err

@@ -66,14 +66,18 @@ def fmt_bytes(n: float) -> str:
 
 
 def progress_bar() -> Any:
-    """A stage progress bar on stderr (tqdm when installed)."""
+    """A stage progress bar on stderr (tqdm when installed), drawn at the first stage reported: a command that
+    fails its checks before any work prints its error and no empty bar."""
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         return lambda stage, frac: print(f"[{frac:4.0%}] {stage}", file=sys.stderr)
-    bar = tqdm(total=100, unit="%", file=sys.stderr, bar_format="{l_bar}{bar}| {elapsed}")
+    bars: list[Any] = []
 
     def update(stage: str, frac: float) -> None:
+        if not bars:
+            bars.append(tqdm(total=100, unit="%", file=sys.stderr, bar_format="{l_bar}{bar}| {elapsed}"))
+        bar = bars[0]
         bar.set_description(stage[:40])
         bar.update(max(0, round(100 * frac) - bar.n))
         if frac >= 1.0:
