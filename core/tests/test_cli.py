@@ -267,3 +267,19 @@ def test_quantize_failing_validation_prints_no_progress_bar(
     assert code == 2
     assert err.startswith("anyquant: ") and err.count("\n") == 1, err  # the error line only
     assert "%|" not in err and "\r" not in err
+
+
+def test_inspect_sorts_layers_naturally(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rows in layer order, ``layers.2`` before ``layers.10`` (not the string order 0, 1, 10, 11, 2)."""
+    from anyquant.testing.fixtures import write_safetensors
+
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    write_safetensors(
+        root / "model.safetensors", {f"model.layers.{i}.mlp.down_proj.weight": ("F16", [8, 8]) for i in range(12)}
+    )
+    code, out = _json(capsys, ["inspect", str(root), "--json"])
+    assert code == 0
+    layers = [int(m["name"].split(".")[2]) for m in out["modules"]]
+    assert layers == list(range(12))

@@ -430,3 +430,29 @@ def test_notes_for_what_is_not_modelled() -> None:
     assert any("beyond the model's max_position_embeddings (8192)" in n for n in e.notes)
     no_inter = {k: v for k, v in LLAMA_8B.items() if k != "intermediate_size"}
     assert any("assumed 4 x hidden" in n for n in estimate(no_inter, bits=4.0).notes)
+
+
+# ---------------------------------------------------------------------- one bits/weight for inspect and estimate
+
+
+@pytest.mark.parametrize("name", ["gptq_v2", "awq_gemm", "exl3_mul1", "exl2"])
+def test_inspect_and_estimate_report_the_same_bits_per_weight(name: str, tmp_path: Path) -> None:
+    """``inspect``'s average bits of the quantized modules and ``estimate``'s bits/weight are one figure: every
+    byte a quantized module stores (codes, scales, zero points, group indices), over the weights it stands for.
+    Before, estimate divided the whole checkpoint's bytes (embeddings, norms, the fp16 head) by every
+    parameter: 5.744 where inspect said 5.7368."""
+    from anyquant.api import inspect
+    from anyquant.probe import Probe
+    from anyquant.testing.fixtures import FIXTURES
+
+    root = FIXTURES[name].build(tmp_path / "m")
+    report = inspect(root)
+    quant = [m for m in report.modules if m.format != "dense"]
+    assert quant
+    probe = Probe.open(root)
+    stored = sum(t.nbytes for t in probe.tensors.values() if t.name.rsplit(".", 1)[0] in {m.name for m in quant})
+    weights = sum(math.prod(m.shape) for m in quant)
+    by_hand = round(8 * stored / weights, 4)
+    assert report.totals["avg_bits_quantized"] == by_hand
+    assert estimate(root).bits == by_hand
+    assert sizing.bits_per_weight(report.modules) == by_hand
