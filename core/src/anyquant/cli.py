@@ -135,7 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.allow_symlinks:  # the CLI process's own setting: every probe (and worker) it starts follows it
             os.environ["ANYQUANT_ALLOW_SYMLINKS"] = "1"
-        with _console_logging(args.verbose):
+        from .runtime.quiet import quiet_dependencies
+
+        with _console_logging(args.verbose), quiet_dependencies():  # no dependency's import-time notices
             return int(args.func(args))
     except (AnyquantError, OSError) as exc:
         if isinstance(exc, BrokenPipeError):
