@@ -17,7 +17,7 @@ import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TextIO
 
 __all__ = ["NOISY_LOGGERS", "NOISY_WARNING_MODULES", "quiet_dependencies"]
 
@@ -60,9 +60,16 @@ def quiet_dependencies() -> Iterator[None]:
             # warns: its notice is dropped where it is shown
             show = warnings.showwarning
 
-            def showwarning(message: Warning | str, category: type[Warning], filename: str, *args: Any) -> None:
+            def showwarning(
+                message: Warning | str,
+                category: type[Warning],
+                filename: str,
+                lineno: int,
+                file: TextIO | None = None,
+                line: str | None = None,
+            ) -> None:
                 if not (issubclass(category, (DeprecationWarning, FutureWarning)) and _NOISY_FILE.search(filename)):
-                    show(message, category, filename, *args)
+                    show(message, category, filename, lineno, file, line)
 
             warnings.showwarning = showwarning
             yield
