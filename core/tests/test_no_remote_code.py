@@ -11,9 +11,10 @@ import pytest
 import anyquant
 from anyquant.testing.tiny import make_tiny_dense
 
+#: the checkpoint's module: leaves a mark at an absolute path (transformers runs a copy from its module cache)
 EVIL = """
 from pathlib import Path
-Path(__file__).with_name("RAN").write_text("the checkpoint's code ran")
+Path({mark!r}).write_text("the checkpoint's code ran")
 raise SystemExit("remote code ran")
 """
 
@@ -21,7 +22,8 @@ raise SystemExit("remote code ran")
 @pytest.mark.parametrize("runtime", ["native", "transformers"])
 def test_auto_map_code_is_not_run(tmp_path: Path, runtime: str) -> None:
     root = make_tiny_dense(tmp_path / "m")
-    (root / "evil.py").write_text(EVIL)
+    mark = tmp_path / "RAN"
+    (root / "evil.py").write_text(EVIL.format(mark=str(mark)))
     cfg = json.loads((root / "config.json").read_text())
     cfg["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
     (root / "config.json").write_text(json.dumps(cfg))
@@ -31,4 +33,4 @@ def test_auto_map_code_is_not_run(tmp_path: Path, runtime: str) -> None:
     with anyquant.load(root, runtime=runtime) as model:
         assert model.tokenizer is not None and type(model.tokenizer).__module__.startswith("transformers")
         assert isinstance(model.generate("Hi", max_new_tokens=2), str)
-    assert not (root / "RAN").exists()
+    assert not mark.exists()
