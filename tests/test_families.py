@@ -1,5 +1,6 @@
-"""Families beyond Llama, quantized by GPTQModel itself: Phi-3 (fused projections stored split), Qwen3-MoE,
-Qwen2-MoE (shared expert) and Mixtral (experts one linear each). GPTQModel is the judge for the quantized
+"""Families beyond Llama, quantized by GPTQModel itself (GPTQ, and AWQ where GPTQModel's AWQ runs on the family):
+Phi-3 (fused projections stored split), Qwen3, Gemma2/3, Qwen3-MoE, Qwen2-MoE (shared expert), Mixtral and
+DeepSeek-V3 (experts one linear each). GPTQModel is the judge for the quantized
 checkpoints, transformers for their fp16 sources; tolerances as for the Llama fixtures (plugins/gptq/tests)."""
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ pytestmark = pytest.mark.peer
 CASES = [
     ("phi3", "gptq"),
     ("qwen3", "gptq"),
+    ("qwen3", "awq"),
     ("gemma2", "gptq"),
     ("gemma3_text", "gptq"),
     ("qwen3_moe", "gptq"),
     ("qwen3_moe", "awq"),
     ("qwen2_moe", "gptq"),
+    ("qwen2_moe", "awq"),
     ("mixtral", "gptq"),
     ("mixtral", "awq"),
     ("deepseek_v3", "gptq"),
