@@ -151,13 +151,13 @@ class Experts(nn.ModuleList):
         ``block_sparse_moe`` mixed with transformers 5's leaf names would not load back). Every expert's linears
         must be dense ``nn.Linear`` without bias (``export_dense`` has made them so)."""
         linears = [(e.gate_proj, e.up_proj, e.down_proj) for e in self]
-        if not all(isinstance(m, nn.Linear) and m.bias is None for trio in linears for m in trio):
+        dense = [trio for trio in linears if all(isinstance(m, nn.Linear) and m.bias is None for m in trio)]
+        if len(dense) != len(linears):
             raise ValueError("Experts.fused needs dense nn.Linear experts without bias")
+        weights = [tuple(m.weight for m in trio if isinstance(m, nn.Linear)) for trio in dense]
         holder = nn.Module()
-        holder.gate_up_proj = nn.Parameter(
-            torch.stack([torch.cat([g.weight, u.weight]) for g, u, _ in linears]), requires_grad=False
-        )
-        holder.down_proj = nn.Parameter(torch.stack([d.weight for _, _, d in linears]), requires_grad=False)
+        holder.gate_up_proj = nn.Parameter(torch.stack([torch.cat([g, u]) for g, u, _ in weights]), requires_grad=False)
+        holder.down_proj = nn.Parameter(torch.stack([d for _, _, d in weights]), requires_grad=False)
         return holder
 
     def extra_repr(self) -> str:
