@@ -1,7 +1,159 @@
-"""``anyquant.lmeval``: the lm-eval adapter's public module path (lm-eval users import it by name); the adapter lives
-in :mod:`anyquant.tools.lmeval`. Importing either registers the lm-eval model ``"anyquant"``.
+"""An lm-eval (``lm_eval``, EleutherAI's evaluation harness) model over anyquant: ``AnyquantLM``, registered with
+lm-eval as ``"anyquant"`` when this module is imported.
+
+    import anyquant.lmeval, lm_eval
+    lm_eval.simple_evaluate(model="anyquant", model_args="pretrained=./model-GPTQ,batch_size=8", tasks=[...])
+    lm_eval.simple_evaluate(model=anyquant.lmeval.AnyquantLM(model=sdk.load(path)), tasks=[...])
+
+``loglikelihood``, ``loglikelihood_rolling`` and ``generate_until`` go through :meth:`LoadedModel.loglikelihood`,
+:meth:`LoadedModel.loglikelihood_rolling` and :meth:`LoadedModel.complete`. Needs ``pip install anyquant[lmeval]``
+(``lm-eval``); importing this module without it is a :class:`~anyquant.errors.MissingDependencyError`.
 """
 
-from .tools.lmeval import AnyquantLM, generation_keywords
+from __future__ import annotations
 
-__all__ = ["AnyquantLM", "generation_keywords"]
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import MissingDependencyError, ParameterError
+from .protocols import LoadedModel
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError as exc:  # pragma: no cover - the extra is not installed
+    raise MissingDependencyError(
+        "anyquant.lmeval needs lm-eval: pip install 'anyquant[lmeval]' (or lm-eval==0.4.13)"
+    ) from exc
+
+__all__ = ["AnyquantLM", "main"]
+
+log = logging.getLogger(__name__)
+
+#: ``generate_until``'s ``max_gen_toks`` when a task gives none (lm-eval's own default)
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+class AnyquantLM(LM):  # type: ignore[misc]  # lm-eval is untyped
+    """An lm-eval ``LM`` over a :class:`~anyquant.protocols.LoadedModel`: pass ``model=`` (a loaded model) or
+    ``pretrained=`` (what :func:`anyquant.load` takes) with ``backend``/``device``/``dtype``. ``batch_size`` is the
+    scoring batch; ``max_length`` the rolling window (default: the model's context)."""
+
+    def __init__(
+        self,
+        pretrained: str | Path | None = None,
+        *,
+        model: LoadedModel | None = None,
+        batch_size: int | str = 8,
+        max_length: int | None = None,
+        backend: str = "auto",
+        device: str = "auto",
+        dtype: str | None = None,
+        **load_options: Any,
+    ) -> None:
+        super().__init__()
+        if (model is None) == (pretrained is None):
+            raise ParameterError("AnyquantLM takes pretrained=PATH or model=<a loaded model>, one of them")
+        if model is None:
+            from .api import load
+
+            assert pretrained is not None
+
+            model = load(pretrained, backend=backend, device=device, dtype=dtype, **load_options)
+        self.model: LoadedModel = model
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # lm-eval's "auto" is not ours
+        self.max_length = None if max_length is None else int(max_length)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: Mapping[str, Any] | None = None) -> AnyquantLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(dict(simple_parse_args_string(arg_string)), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: Mapping[str, Any], additional_config: Mapping[str, Any] | None = None
+    ) -> AnyquantLM:
+        args = dict(arg_dict)
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k in ("batch_size", "device")}
+        if "device" in extra and "device" not in args and not _device_available(str(extra["device"])):
+            # lm-eval's own default is "cuda:0" whether or not the user asked for it (its HFLM falls back the same
+            # way); a device in model_args is the user's and stays strict
+            log.info("lm-eval's device %r is not available here: anyquant picks the device ('auto')", extra["device"])
+            extra["device"] = "auto"
+        return cls(**{**args, **extra})
+
+    # ------------------------------------------------------------------ lm-eval's three requests
+    def loglikelihood(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return self.model.loglikelihood([tuple(r.args) for r in requests], batch_size=self.batch_size)
+
+    def loglikelihood_rolling(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[float]:
+        texts = [r.args[0] for r in requests]
+        return self.model.loglikelihood_rolling(texts, window=self.max_length, batch_size=self.batch_size)
+
+    def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for request in requests:
+            context, gen_kwargs = request.args
+            out.append(self.model.complete(context, **generation_keywords(gen_kwargs)).text)
+        return out
+
+    # ------------------------------------------------------------------ chat templates, caching
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        from .runtime.chat import render_chat
+
+        return render_chat(self.model.tokenizer, chat_history, add_generation_prompt=add_generation_prompt)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.model.tokenizer, "name_or_path", "") or self.model.detection.path).replace("/", "__")
+
+
+def _device_available(device: str) -> bool:
+    if not device.startswith("cuda"):
+        return True
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def generation_keywords(gen_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """lm-eval's ``generation_kwargs`` (``until``, ``max_gen_toks``, ``do_sample``, ``temperature``, ``top_p``,
+    ``top_k``) as :class:`~anyquant.params.GenerationParams` keywords; anything else is a ParameterError."""
+    kwargs = dict(gen_kwargs)
+    until = kwargs.pop("until", None)
+    stop = [until] if isinstance(until, str) else list(until or [])
+    out: dict[str, Any] = {"stop": stop, "max_new_tokens": int(kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))}
+    do_sample = bool(kwargs.pop("do_sample", False))
+    temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
+    out["temperature"] = temperature if do_sample else 0.0
+    for key in ("top_p", "top_k", "seed", "min_p", "repetition_penalty"):
+        if key in kwargs:
+            out[key] = kwargs.pop(key)
+    if kwargs:
+        raise ParameterError(f"generation_kwargs {sorted(kwargs)}: not read by anyquant's lm-eval model")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m anyquant.lmeval run --model anyquant --model_args pretrained=PATH --tasks ...``: lm-eval's own
+    command line with anyquant's model registered (lm-eval 0.4.13's ``lm-eval`` command imports only its own
+    models and has no plugin entry points, so ``lm-eval run --model anyquant`` cannot find it)."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    # run as a script this file is ``__main__``: register (and run) the importable module's class, not this copy's
+    from anyquant.lmeval import main as _main
+
+    _main()
+else:
+    register_model("anyquant")(AnyquantLM)
