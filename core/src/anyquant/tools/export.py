@@ -70,7 +70,7 @@ def export_dense(
         parent, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, dense)
         replaced.append(name)
-    from .runtime.experts import Experts
+    from ..runtime.experts import Experts
 
     for name, child in list(module.named_modules()):
         if isinstance(child, Experts):  # back to transformers' fused form, which save_pretrained knows how to write
