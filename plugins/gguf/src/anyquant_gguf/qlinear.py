@@ -594,7 +594,7 @@ def _int4_class() -> type[nn.Module]:
             bias: torch.Tensor | None = None,
             **kwargs: Any,
         ) -> None:
-            out_features, in_features = shape_out_in
+            out_features = shape_out_in[0]
             b = qweight.reshape(-1, GGML_QUANT_SIZES[qtype][1])
             block = int4pack_status().block_n
             direct = block > 0 and out_features % block == 0
