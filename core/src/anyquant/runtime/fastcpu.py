@@ -369,7 +369,8 @@ class FastInt4Linear(nn.Module):
                 self.scale_residual, self.scales = None, scales.clone()
         else:
             self.scales = scales.clone()
-        if zeros.numel() and bool((zeros == zeros[0, 0]).all()):  # indexed, not flattened: zeros may be expanded
+        # one value expanded (stride 0: GGUF's) is uniform without a look; indexed, not flattened (no copy)
+        if zeros.numel() and (zeros.stride() == (0, 0) or bool((zeros == zeros[0, 0]).all())):
             self.zeros = zeros[:1, :1].clone(memory_format=torch.contiguous_format)
         elif not torch.equal(self.exact_zeros(), zeros):
             self.zeros = zeros.contiguous()

@@ -540,9 +540,10 @@ def int4_codes_scales_offsets(
 
 
 def _int4_scales_offsets(
-    b: torch.Tensor, qtype: GGMLQuantizationType, out_features: int
+    b: torch.Tensor, qtype: GGMLQuantizationType, out_features: int, *, offsets: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks' ``(scales, offsets)``, float32 ``[out, in/32]`` (see :func:`int4_codes_scales_offsets`)."""
+    """The blocks' ``(scales, offsets)``, float32 ``[out, in/32]`` (see :func:`int4_codes_scales_offsets`);
+    Q4_0 with ``offsets=False``: the scales twice (its offsets are ``-8 d``: the caller writes them)."""
     if qtype == Q.Q4_K:
         scale, offset = _k_scales(b)  # [n, 8, 1]: per 32-weight sub-block
         return scale.reshape(out_features, -1), offset.neg().reshape(out_features, -1)
@@ -550,7 +551,7 @@ def _int4_scales_offsets(
     if qtype == Q.Q4_1:
         return scales, _f16(b, 2).reshape(out_features, -1)
     if qtype == Q.Q4_0:
-        return scales, scales * -8.0
+        return scales, scales * -8.0 if offsets else scales
     raise _unsupported(qtype)
 
 
@@ -599,7 +600,7 @@ def _int4_class() -> type[nn.Module]:
             block = int4pack_status().block_n
             direct = block > 0 and out_features % block == 0
             if direct:
-                scales_og, offsets_og = _int4_scales_offsets(b, qtype, out_features)
+                scales_og, offsets_og = _int4_scales_offsets(b, qtype, out_features, offsets=qtype != Q.Q4_0)
                 codes = None
                 packed = pack_int4_pairs(_int4_pairs(b, qtype, out_features), block)
             else:
@@ -608,7 +609,10 @@ def _int4_class() -> type[nn.Module]:
             scales = scales_og.t()  # [G, out]
             groups = scales.shape[0]
             offsets = torch.empty(groups, out_features)
-            offsets.copy_(offsets_og.t())
+            if qtype == Q.Q4_0:  # -8 d, as _int4_scales_offsets gives it, written straight in [G, out] order
+                torch.mul(scales, -8.0, out=offsets)
+            else:
+                offsets.copy_(offsets_og.t())
             # the kernel's (s, m = offset + 8 s); s stays what the base keeps as the exact scale (bf16(s) in
             # the kernel's column: the many-rows path recovers s bit for bit from the base's buffers)
             pairs = torch.empty(groups, out_features, 2)
