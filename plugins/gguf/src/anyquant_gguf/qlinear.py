@@ -562,7 +562,7 @@ def _int4_pairs(b: torch.Tensor, qtype: GGMLQuantizationType, out_features: int)
     header = {Q.Q4_0: 2, Q.Q4_1: 4, Q.Q4_K: 16}[qtype]
     half = 32 if qtype == Q.Q4_K else 16
     blocks = b.view(out_features, -1, b.shape[-1])[:, :, header:]
-    return blocks.unflatten(2, (-1, half))
+    return blocks.view(out_features, blocks.shape[1], -1, half)
 
 
 @functools.cache
