@@ -79,7 +79,9 @@ def test_a_plugin_crashing_in_detect_is_named_as_the_cause(tmp_path: Path) -> No
         raise anyquant.errors.ConfigError("config.json: toyq_levels is not a list")
 
     typed = Registry(entry_points=False, builtin=False, plugins=[("toyq", _plugin(refuse))])
-    with pytest.raises(UnknownFormatError, match=r"toyq's anyquant_detect raised ConfigError: config.json: toyq_levels"):
+    with pytest.raises(
+        UnknownFormatError, match=r"toyq's anyquant_detect raised ConfigError: config.json: toyq_levels"
+    ):
         typed.detect(Probe.open(root))
 
 
