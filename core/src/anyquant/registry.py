@@ -6,6 +6,7 @@ until first use, and nothing at all happens at ``import anyquant``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata as md
 import logging
@@ -381,7 +382,7 @@ class Registry:
                 if name == CORE_PLUGIN or name in FIRST_PARTY_PLUGINS:  # anyquant's own code: inline
                     claim = impl.function(probe=probe)
                 else:
-                    claim = _bounded(lambda f=impl.function: f(probe=probe), DETECT_SECONDS)
+                    claim = _bounded(functools.partial(impl.function, probe=probe), DETECT_SECONDS)
             except Exception as exc:
                 if _strict() or name == CORE_PLUGIN:
                     if isinstance(exc, _Late):
