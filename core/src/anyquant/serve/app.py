@@ -241,7 +241,9 @@ def _sampling(app: _Server, body: Mapping[str, Any], chat: bool) -> tuple[dict[s
         logprobs = (top or 0) if asked else None
     else:
         logprobs = _bounded(body, "logprobs", 20)
-    unsupported = [name for name in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias") if name in extras]
+    unsupported: list[str] = [
+        n for n in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias") if n in extras
+    ]
     unsupported += ["logprobs"] if logprobs is not None else []
     if unsupported and not getattr(app.scheduler, "full_sampling", False):
         name = unsupported[0]
