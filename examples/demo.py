@@ -145,4 +145,7 @@ def quantize_and_compare(gguf: Path, out: Path, samples: int, seq_len: int) -> i
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from anyquant.runtime.quiet import quiet_dependencies
+
+    with quiet_dependencies():  # the dependencies' import-time notices are not the demo's output
+        sys.exit(main())

@@ -1,5 +1,6 @@
-"""Families beyond Llama, quantized by GPTQModel itself: Phi-3 (fused projections stored split), Qwen3-MoE,
-Qwen2-MoE (shared expert) and Mixtral (experts one linear each). GPTQModel is the judge for the quantized
+"""Families beyond Llama, quantized by GPTQModel itself (GPTQ, and AWQ where GPTQModel's AWQ runs on the family):
+Phi-3 (fused projections stored split), Qwen3, Gemma2/3, Qwen3-MoE, Qwen2-MoE (shared expert), Mixtral and
+DeepSeek-V3 (experts one linear each). GPTQModel is the judge for the quantized
 checkpoints, transformers for their fp16 sources; tolerances as for the Llama fixtures (plugins/gptq/tests)."""
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ pytestmark = pytest.mark.peer
 CASES = [
     ("phi3", "gptq"),
     ("qwen3", "gptq"),
+    ("qwen3", "awq"),
     ("gemma2", "gptq"),
     ("gemma3_text", "gptq"),
     ("qwen3_moe", "gptq"),
     ("qwen3_moe", "awq"),
     ("qwen2_moe", "gptq"),
+    ("qwen2_moe", "awq"),
     ("mixtral", "gptq"),
     ("mixtral", "awq"),
     ("deepseek_v3", "gptq"),
@@ -255,6 +258,13 @@ def test_runtime_families_match_transformers(family: str, tmp_path: Path) -> Non
     ours.generator.eos_ids = set()
     got = ours.generator.generate_ids(ids[0, :70].tolist(), ours.params(max_new_tokens=8))
     assert got == want[0, 70:].tolist()[: len(got)] and len(got) == 8
+    # export_dense writes what transformers writes (Mixtral's experts as block_sparse_moe.experts.N.w1/w3/w2, not
+    # a mix of old and new names that transformers would skip, initialising the experts at random)
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        anyquant.export_dense(path, tmp_path / "exported", dtype="float32"), dtype=torch.float32
+    )
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, b)
 
 
 def test_inspect_counts_active_parameters() -> None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -201,3 +206,80 @@ def test_verbose_touches_only_anyquants_loggers_and_only_for_the_command(
         assert logging.getLogger("anyquant").handlers == []
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
+
+
+def _walk(parser: Any, prefix: str = "anyquant") -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    yield prefix, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, f"{prefix} {name}")
+
+
+def test_every_flag_and_argument_has_help() -> None:
+    """Every command's flags and positional arguments, core's and the installed plugins' alike, say what they
+    are in ``--help`` (argparse's own ``--help`` and the subcommand choosers aside)."""
+    from anyquant.cli import build_parser
+
+    missing = [
+        f"{where}: {'/'.join(a.option_strings) or a.dest}"
+        for where, parser in _walk(build_parser(with_plugins=True))
+        for a in parser._actions
+        if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+        and (a.help is None or not str(a.help).strip())
+    ]
+    assert not missing, "no help text: " + ", ".join(missing)
+
+
+def test_version_prints_the_version_without_torch() -> None:
+    """``anyquant --version`` prints anyquant's version and imports neither torch nor any plugin."""
+    import anyquant
+
+    code = (
+        "import sys\n"
+        "from anyquant.cli import main\n"
+        "try:\n"
+        "    main(['--version'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code in (0, None), exc.code\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'anyquant_gptq', 'anyquant_awq') if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.splitlines()[0] == f"anyquant {anyquant.__version__}"
+    assert "HEAVY []" in out.stdout
+
+
+@pytest.mark.parametrize("problem", ["missing source", "existing destination", "bad bits"])
+def test_quantize_failing_validation_prints_no_progress_bar(
+    problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A quantize refused before any work (its arguments checked in well under a second) prints its error
+    line and nothing else: no empty progress bar on stderr."""
+    src = FIXTURES["dense"].build(tmp_path / "src") if problem != "missing source" else tmp_path / "nowhere"
+    dst = tmp_path / "dst"
+    bits = "99" if problem == "bad bits" else "4"
+    if problem == "existing destination":
+        dst.mkdir()
+        (dst / "keep.txt").write_text("mine")
+    code = main(["quantize", str(src), str(dst), "--method", "gptq", "--bits", bits, "--no-quality-check"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("anyquant: ") and err.count("\n") == 1, err  # the error line only
+    assert "%|" not in err and "\r" not in err
+
+
+def test_inspect_sorts_layers_naturally(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rows in layer order, ``layers.2`` before ``layers.10`` (not the string order 0, 1, 10, 11, 2)."""
+    from anyquant.testing.fixtures import write_safetensors
+
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    write_safetensors(
+        root / "model.safetensors", {f"model.layers.{i}.mlp.down_proj.weight": ("F16", [8, 8]) for i in range(12)}
+    )
+    code, out = _json(capsys, ["inspect", str(root), "--json"])
+    assert code == 0
+    layers = [int(m["name"].split(".")[2]) for m in out["modules"]]
+    assert layers == list(range(12))

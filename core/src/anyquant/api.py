@@ -232,10 +232,14 @@ def inspect(
 ) -> Report:
     """Per-module table and totals, from headers only. ``revision`` as for :func:`detect`, ``allow_symlinks``
     as :func:`load`'s."""
+    return report_of(Probe.open(path, revision=revision, allow_symlinks=allow_symlinks), registry)
+
+
+def report_of(probe: Probe, registry: Registry | None = None) -> Report:
+    """:func:`inspect`'s report of a checkpoint already opened."""
     from .report import build_report
 
     reg = registry or default_registry()
-    probe = Probe.open(path, revision=revision, allow_symlinks=allow_symlinks)
     detection = reg.detect(probe)
     loader = None
     spec = reg.format(detection.format)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from . import __version__
 from .commands import DEFAULT_COMMANDS
 from .errors import AnyquantError
 
@@ -62,6 +63,7 @@ _ALLOW_SYMLINKS_HELP = (
 def _build(command: str | None, configure_all: bool) -> tuple[argparse.ArgumentParser, _Commands]:
     parser = argparse.ArgumentParser(prog="anyquant", description="Load any quantized LLM checkpoint.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    parser.add_argument("--version", action="version", version=f"anyquant {__version__}", help="print the version")
     parser.add_argument("--allow-symlinks", action="store_true", help=_ALLOW_SYMLINKS_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     cli = _Commands(sub, command, configure_all)
@@ -133,7 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.allow_symlinks:  # the CLI process's own setting: every probe (and worker) it starts follows it
             os.environ["ANYQUANT_ALLOW_SYMLINKS"] = "1"
-        with _console_logging(args.verbose):
+        from .runtime.quiet import quiet_dependencies
+
+        with _console_logging(args.verbose), quiet_dependencies():  # no dependency's import-time notices
             return int(args.func(args))
     except (AnyquantError, OSError) as exc:
         if isinstance(exc, BrokenPipeError):

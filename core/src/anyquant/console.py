@@ -16,6 +16,8 @@ from typing import Any
 from .errors import ParameterError
 
 __all__ = [
+    "JSON_HELP",
+    "add_load_flags",
     "add_option_flag",
     "emit",
     "fmt_bytes",
@@ -25,6 +27,10 @@ __all__ = [
     "parse_option",
     "progress_bar",
 ]
+
+
+#: the ``--json`` flag's help, the same on every command
+JSON_HELP = "print one line of JSON instead of text"
 
 
 def json_line(payload: Any) -> str:
@@ -60,14 +66,18 @@ def fmt_bytes(n: float) -> str:
 
 
 def progress_bar() -> Any:
-    """A stage progress bar on stderr (tqdm when installed)."""
+    """A stage progress bar on stderr (tqdm when installed), drawn at the first stage reported: a command that
+    fails its checks before any work prints its error and no empty bar."""
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         return lambda stage, frac: print(f"[{frac:4.0%}] {stage}", file=sys.stderr)
-    bar = tqdm(total=100, unit="%", file=sys.stderr, bar_format="{l_bar}{bar}| {elapsed}")
+    bars: list[Any] = []
 
     def update(stage: str, frac: float) -> None:
+        if not bars:
+            bars.append(tqdm(total=100, unit="%", file=sys.stderr, bar_format="{l_bar}{bar}| {elapsed}"))
+        bar = bars[0]
         bar.set_description(stage[:40])
         bar.update(max(0, round(100 * frac) - bar.n))
         if frac >= 1.0:
@@ -92,6 +102,15 @@ def parse_option(text: str) -> tuple[str, Any]:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(name)  # NaN / Infinity stay strings
+
+
+def add_load_flags(parser: argparse.ArgumentParser) -> None:
+    """``--backend``, ``--device`` and ``--dtype``: how a command that loads a model loads it."""
+    parser.add_argument(
+        "--backend", default="auto", help="kernel backend (default auto; `anyquant backends` lists them)"
+    )
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default=None, help="compute dtype, e.g. float16 (default: the loader's choice)")
 
 
 def add_option_flag(parser: argparse.ArgumentParser, what: str, examples: str) -> None:

@@ -70,6 +70,12 @@ def export_dense(
         parent, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, dense)
         replaced.append(name)
+    from .runtime.experts import Experts
+
+    for name, child in list(module.named_modules()):
+        if isinstance(child, Experts):  # back to transformers' fused form, which save_pretrained knows how to write
+            parent, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, attr, child.fused())
     if retie:  # a head that read the input embedding's table (GGUF's packed tied head)
         module.config.tie_word_embeddings = True
     if getattr(module.config, "tie_word_embeddings", False):

@@ -12,6 +12,7 @@ lm-eval as ``"anyquant"`` when this module is imported.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
         "anyquant.lmeval needs lm-eval: pip install 'anyquant[lmeval]' (or lm-eval==0.4.13)"
     ) from exc
 
-__all__ = ["AnyquantLM"]
+__all__ = ["AnyquantLM", "main"]
+
+log = logging.getLogger(__name__)
 
 #: ``generate_until``'s ``max_gen_toks`` when a task gives none (lm-eval's own default)
 DEFAULT_MAX_GEN_TOKS = 256
@@ -67,8 +70,19 @@ class AnyquantLM(LM):  # type: ignore[misc]  # lm-eval is untyped
     def create_from_arg_string(cls, arg_string: str, additional_config: Mapping[str, Any] | None = None) -> AnyquantLM:
         from lm_eval.utils import simple_parse_args_string
 
-        args = dict(simple_parse_args_string(arg_string))
+        return cls.create_from_arg_obj(dict(simple_parse_args_string(arg_string)), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: Mapping[str, Any], additional_config: Mapping[str, Any] | None = None
+    ) -> AnyquantLM:
+        args = dict(arg_dict)
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k in ("batch_size", "device")}
+        if "device" in extra and "device" not in args and not _device_available(str(extra["device"])):
+            # lm-eval's own default is "cuda:0" whether or not the user asked for it (its HFLM falls back the same
+            # way); a device in model_args is the user's and stays strict
+            log.info("lm-eval's device %r is not available here: anyquant picks the device ('auto')", extra["device"])
+            extra["device"] = "auto"
         return cls(**{**args, **extra})
 
     # ------------------------------------------------------------------ lm-eval's three requests
@@ -89,12 +103,26 @@ class AnyquantLM(LM):  # type: ignore[misc]  # lm-eval is untyped
     # ------------------------------------------------------------------ chat templates, caching
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         from .runtime.chat import render_chat
+        from .runtime.generate import context_length
 
-        return render_chat(self.model.tokenizer, chat_history, add_generation_prompt=add_generation_prompt)
+        return render_chat(
+            self.model.tokenizer,
+            chat_history,
+            context_length=context_length(getattr(self.model, "module", None)),
+            add_generation_prompt=add_generation_prompt,
+        )
 
     @property
     def tokenizer_name(self) -> str:
         return str(getattr(self.model.tokenizer, "name_or_path", "") or self.model.detection.path).replace("/", "__")
+
+
+def _device_available(device: str) -> bool:
+    if not device.startswith("cuda"):
+        return True
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def generation_keywords(gen_kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -115,4 +143,23 @@ def generation_keywords(gen_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-register_model("anyquant")(AnyquantLM)
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m anyquant.lmeval run --model anyquant --model_args pretrained=PATH --tasks ...``: lm-eval's own
+    command line with anyquant's model registered (lm-eval 0.4.13's ``lm-eval`` command imports only its own
+    models and has no plugin entry points, so ``lm-eval run --model anyquant`` cannot find it)."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    # run as a script this file is ``__main__``: register (and run) the importable module's class, not this copy's
+    from anyquant.lmeval import main as _main
+
+    _main()
+else:
+    register_model("anyquant")(AnyquantLM)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import re
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,7 +11,21 @@ from .headers import SAFETENSORS_DTYPE_BITS
 from .probe import Probe
 from .protocols import Detection, ModuleInfo
 
-__all__ = ["Report", "build_report", "coded_rows", "dense_rows", "tensors_by_module"]
+__all__ = [
+    "EXPERTS_KEYS",
+    "EXPERTS_PER_TOKEN_KEYS",
+    "Report",
+    "bits_per_weight",
+    "build_report",
+    "coded_rows",
+    "dense_rows",
+    "natural_key",
+    "tensors_by_module",
+]
+
+#: a MoE config's routed experts per layer, and experts per token, under the names families use
+EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
 
 
 @dataclass
@@ -101,13 +116,28 @@ def coded_rows(probe: Probe, detection: Detection) -> list[ModuleInfo]:
     return rows + dense_rows(probe, skip=set(coded), groups=groups)
 
 
+def bits_per_weight(modules: Iterable[Any]) -> float | None:
+    """Bits per weight of a checkpoint's quantized modules: every byte they store (codes, scales, zero points,
+    group indices) x 8, over the number of weights they stand for (their logical shapes), to 4 decimals. Dense
+    rows (embeddings, norms, an unquantized head) do not count, nor a row whose bits its plugin does not know
+    (its shape is the packed tensor's). ``anyquant inspect`` and ``anyquant estimate`` both report this; it is
+    the quantity ``estimate --bits`` takes. ``None`` when no module is quantized."""
+    rows = [m for m in modules if m.format != "dense" and m.bits is not None]
+    weights = sum(_numel(m.shape) for m in rows)
+    return round(8 * sum(m.nbytes for m in rows) / weights, 4) if weights else None
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that reads the numbers in a name as numbers: ``blk.2`` before ``blk.10``."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part)
+
+
 def build_report(probe: Probe, detection: Detection, loader: Any | None) -> Report:
     describe = getattr(loader, "inspect", None)
     rows: list[ModuleInfo] = list(describe(probe, detection)) if callable(describe) else coded_rows(probe, detection)
+    rows.sort(key=lambda m: natural_key(m.name))
     quant = [m for m in rows if m.format != "dense"]
     params = sum(_numel(m.shape) for m in rows)
-    qparams = sum(_numel(m.shape) for m in quant)
-    qbytes = sum(m.nbytes for m in quant)
     files = [h.size for h in probe.safetensors] + [g.size for g in probe.gguf]
     totals = {
         "modules": len(rows),
@@ -115,7 +145,7 @@ def build_report(probe: Probe, detection: Detection, loader: Any | None) -> Repo
         "parameters": params,
         "bytes_on_disk": sum(files),
         "tensor_bytes": sum(m.nbytes for m in rows),
-        "avg_bits_quantized": round(8 * qbytes / qparams, 4) if qparams else None,
+        "avg_bits_quantized": bits_per_weight(rows),
         "avg_bits_all": round(8 * sum(m.nbytes for m in rows) / params, 4) if params else None,
     }
     totals.update(_experts(probe, rows, params))
@@ -125,8 +155,6 @@ def build_report(probe: Probe, detection: Detection, loader: Any | None) -> Repo
 def _experts(probe: Probe, rows: list[ModuleInfo], params: int) -> dict[str, Any]:
     """A mixture-of-experts model's experts per layer, experts per token and the parameters one token reads
     (every non-expert module and ``experts_per_token / experts`` of the experts'); empty for other models."""
-    from .sizing import EXPERTS_KEYS, EXPERTS_PER_TOKEN_KEYS
-
     cfg = probe.config or {}
     count = next((cfg[k] for k in EXPERTS_KEYS if cfg.get(k)), None)
     per_token = next((cfg[k] for k in EXPERTS_PER_TOKEN_KEYS if cfg.get(k)), None)

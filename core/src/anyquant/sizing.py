@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import AnyquantError
+from .report import EXPERTS_KEYS, EXPERTS_PER_TOKEN_KEYS, bits_per_weight
 
 __all__ = [
     "GPUS",
@@ -32,6 +33,7 @@ __all__ = [
     "ModelShape",
     "SizingError",
     "advise",
+    "bits_per_weight",
     "estimate",
     "find_gpu",
     "model_shape",
@@ -80,11 +82,6 @@ class SizingError(AnyquantError):
 
 
 # ---------------------------------------------------------------------- model shapes
-
-
-#: a MoE config's routed experts per layer, and experts per token, under the names families use
-EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token")
 
 
 @dataclass(frozen=True)
@@ -446,6 +443,18 @@ def _embedding_bytes(probe: Any) -> int:
     return sum(int(t.nbytes) for t in probe.tensors.values() if _EMBEDDING_NAME.search(t.name))
 
 
+def _measured_bits(probe: Any) -> float | None:
+    """:func:`bits_per_weight` of the checkpoint behind ``probe``, from its plugin's module table (headers
+    only): the same figure as ``anyquant inspect``'s."""
+    from .api import report_of
+
+    try:
+        return bits_per_weight(report_of(probe).modules)
+    except AnyquantError as exc:  # no plugin claims it: the bytes are exact all the same, the bits unknown
+        log.info("%s: bits per weight unknown: %s", probe.root, exc)
+        return None
+
+
 def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _Weights:
     from .probe import Probe, display_name
 
@@ -457,7 +466,7 @@ def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _We
         embd = next((t for t in g.tensors if t.name == "token_embd.weight"), None)
         embed_bytes = _gguf_tensor_bytes(replace(g, tensors=(embd,))) if embd is not None else 0
         notes = ("bits ignored: the GGUF file is already quantized",) if bits is not None else ()
-        return _Weights(shape, "headers", "gguf", round(8 * size / shape.parameters, 3), size, embed_bytes, notes)
+        return _Weights(shape, "headers", "gguf", _measured_bits(probe), size, embed_bytes, notes)
     if probe.config is None:
         raise SizingError(f"{path}: no config.json and no GGUF metadata: cannot tell layers and KV heads")
     from .probe import thaw
@@ -470,8 +479,7 @@ def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _We
         return _from_dense_headers(probe, shape, bits, head_bits)
     size = probe.total_tensor_bytes
     notes = (f"bits ignored: the checkpoint is already {fmt}",) if bits is not None and fmt else ()
-    measured = round(8 * size / shape.parameters, 3) if shape.parameters else None
-    return _Weights(shape, "headers", fmt or "dense", measured, size, _embedding_bytes(probe), notes)
+    return _Weights(shape, "headers", fmt or "dense", _measured_bits(probe), size, _embedding_bytes(probe), notes)
 
 
 def _weights(

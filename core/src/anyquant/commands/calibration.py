@@ -17,6 +17,7 @@ from ..calibration import (
     sample,
     sources,
 )
+from ..console import JSON_HELP
 from ..hookspecs import CommandRegistrar, hookimpl
 
 __all__ = ["anyquant_register_commands"]
@@ -31,33 +32,36 @@ def _no_action(args: argparse.Namespace) -> int:  # pragma: no cover - argparse 
     return 2
 
 
+_THRESHOLD_HELP = f"largest share of shared n-grams accepted (default {DEFAULT_THRESHOLD})"
+
+
 def _configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="calibration_command", metavar="ACTION", required=True)
 
     p = sub.add_parser("list", help="named calibration sources")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_list)
 
     p = sub.add_parser("sample", help="draw calibration texts from a source or a mix")
     p.add_argument("spec", help='a source, file or mix, e.g. "c4:0.5,code:0.25,wiki:0.25"')
     p.add_argument("-n", "--n", type=int, default=8, help="number of samples")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (about 4 characters a token)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed for drawing the samples")
     p.add_argument("--against", default=None, help="evaluation text (corpus name or file): refuse overlap")
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD)
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help=_THRESHOLD_HELP)
     p.add_argument("--output", default=None, help="write the samples as JSONL")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_sample)
 
     p = sub.add_parser("check", help="n-gram overlap between calibration and evaluation text")
-    p.add_argument("calibration")
+    p.add_argument("calibration", help='calibration source, file or mix, e.g. "c4:0.5,code:0.5"')
     p.add_argument("evaluation", help="corpus name (its held-out part) or file")
-    p.add_argument("-n", "--n", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM)
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("-n", "--n", type=int, default=128, help="number of calibration samples drawn (default 128)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
+    p.add_argument("--seed", type=int, default=0, help="seed for drawing the samples")
+    p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, help=f"n-gram length compared (default {DEFAULT_NGRAM})")
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help=_THRESHOLD_HELP)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=_cmd_check)
 
 

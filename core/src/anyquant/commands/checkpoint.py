@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..console import emit, fmt_bytes
+from ..console import JSON_HELP, emit, fmt_bytes
 from ..hookspecs import CommandRegistrar, hookimpl
 
 __all__ = ["anyquant_register_commands"]
@@ -33,17 +33,20 @@ def anyquant_register_commands(cli: CommandRegistrar) -> None:
 _REVISION_HELP = "a model id's branch, tag or commit in the Hugging Face cache (same as ID@REVISION)"
 
 
+_PATH_HELP = "checkpoint folder, .gguf file or Hugging Face model id"
+
+
 def _configure_detect(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path")
+    p.add_argument("path", help=_PATH_HELP)
     p.add_argument("--format", default=None, help="assert this format (error if the tensors disagree)")
     p.add_argument("--revision", default=None, help=_REVISION_HELP)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def _configure_inspect(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path")
+    p.add_argument("path", help=_PATH_HELP)
     p.add_argument("--revision", default=None, help=_REVISION_HELP)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def _configure_download(p: argparse.ArgumentParser) -> None:
@@ -55,7 +58,7 @@ def _configure_download(p: argparse.ArgumentParser) -> None:
         metavar="PATTERN",
         help='which weights, a glob: "*Q4_K_M*" (one file of a GGUF repository)',
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def _cmd_download(args: argparse.Namespace) -> int:
@@ -67,12 +70,12 @@ def _cmd_download(args: argparse.Namespace) -> int:
 
 
 def _configure_json(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def _configure_backends(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default=None, help="one format (default: every loadable one)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def _cmd_detect(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..console import json_line, progress_bar
+from ..console import JSON_HELP, add_load_flags, json_line, progress_bar
 from ..hookspecs import CommandRegistrar, hookimpl
 
 __all__ = ["anyquant_register_commands"]
@@ -25,7 +25,7 @@ def _configure_eval(p: argparse.ArgumentParser) -> None:
 
 
 def _configure_compare(p: argparse.ArgumentParser) -> None:
-    p.add_argument("paths", nargs="+")
+    p.add_argument("paths", nargs="+", help="checkpoints to compare")
     _add_common(p)
     p.add_argument("--rounds", type=int, default=2, help="timing rounds, alternating order")
     p.add_argument("--png", default=None, help="write the perplexity/bits/memory plot here")
@@ -40,12 +40,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="cap on tokens read from the text (0: all)"
     )
-    p.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL)
-    p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE)
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL, help="prompt tokens of the speed test")
+    p.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE, help="new tokens of the speed test")
+    add_load_flags(p)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def _common_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..console import emit
+from ..console import JSON_HELP, emit
 from ..hookspecs import CommandRegistrar, hookimpl
 
 __all__ = ["anyquant_register_commands"]
@@ -16,12 +16,17 @@ def anyquant_register_commands(cli: CommandRegistrar) -> None:
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path")
-    p.add_argument("out")
-    p.add_argument("--to", default="dense", choices=["dense"])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("path", help="checkpoint to export (any loadable format)")
+    p.add_argument("out", help="folder to write (must not exist unless --overwrite)")
+    p.add_argument("--to", default="dense", choices=["dense"], help="output format (dense: a Hugging Face folder)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="weights' dtype (default bfloat16)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..console import add_option_flag, emit, options_from
+from ..console import add_load_flags, add_option_flag, emit, options_from
 from ..hookspecs import CommandRegistrar, hookimpl
 
 __all__ = ["anyquant_register_commands"]
@@ -32,9 +32,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (repeatable results)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
+    add_load_flags(p)
     p.add_argument("--format", default=None, help="assert this format (error if the tensors disagree)")
     add_option_flag(p, "a load option of the format's loader", "-o cpu_fast_tables=memory, -o allow_pickle=true")
     p.add_argument(

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from ..console import add_option_flag, emit, on_off, options_from, progress_bar
+from ..console import JSON_HELP, add_option_flag, emit, on_off, options_from, progress_bar
 from ..hookspecs import CommandRegistrar, hookimpl
 from ..protocols import QuantizeFlag, QuantizeSpec
 
@@ -89,26 +89,42 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
     quantizers = quantizer_classes(default_registry())
     flags = method_flags(quantizers)
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--method", required=True, choices=list(quantizers))
-    p.add_argument("--bits", type=float, default=4)
+    p.add_argument("src", help="dense checkpoint to quantize (folder or Hugging Face model id)")
+    p.add_argument("dst", help="folder to write (must not exist unless --overwrite)")
+    p.add_argument("--method", required=True, choices=list(quantizers), help="quantization method")
+    p.add_argument("--bits", type=float, default=4, help="bits per weight (default 4)")
     p.add_argument("--group-size", type=int, default=None, help="for methods with groups (default 128)")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero points)")
     for flag, declarers in flags.values():
         helps = {m: f.help for m, cls in quantizers.items() if cls in declarers for f in _declared(cls, flag.name)}
         text = "; ".join(f"{m}: {h}" for m, h in helps.items() if h) if len(set(helps.values())) > 1 else flag.help
         if flag.kind == "switch":
-            p.add_argument(flag.flag, dest=flag.name, action="store_true", help=text or None)
+            p.add_argument(
+                flag.flag,
+                dest=flag.name,
+                action="store_true",
+                help=text or f"a flag of {', '.join(m for m, c in quantizers.items() if c in declarers)}",
+            )
         else:
             kind = on_off if flag.kind == "bool" else str
-            p.add_argument(flag.flag, dest=flag.name, type=kind, default=None, help=text or None)
+            p.add_argument(
+                flag.flag,
+                dest=flag.name,
+                type=kind,
+                default=None,
+                help=text or f"a flag of {', '.join(m for m, c in quantizers.items() if c in declarers)}",
+            )
     p.add_argument("--calibration", default=None, help="named source, mix (c4:0.5,code:0.5) or a file")
-    p.add_argument("--samples", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--max-ppl-ratio", type=float, default=3.0)
-    p.add_argument("--no-quality-check", action="store_true")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--samples", type=int, default=128, help="calibration samples (default 128)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sample (default 512)")
+    p.add_argument(
+        "--max-ppl-ratio",
+        type=float,
+        default=3.0,
+        help="refuse a result whose perplexity is above this multiple of the source's (default 3.0)",
+    )
+    p.add_argument("--no-quality-check", action="store_true", help="skip the perplexity check of the result")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     reads = "; ".join(
         f"{method}: {', '.join(sorted(cls.quantize_options))}"
         for method, cls in quantizers.items()
@@ -121,7 +137,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
         + (f"; the methods read {reads}" if reads else "")
         + "; an option the method does not read is an error that lists those it does",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(quantize_flags=flags, quantizers=quantizers)
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..console import add_option_flag, options_from
+from ..console import add_load_flags, add_option_flag, options_from
 from ..errors import MissingDependencyError, ParameterError
 from ..hookspecs import CommandRegistrar, hookimpl
 
@@ -30,21 +30,24 @@ def anyquant_register_commands(cli: CommandRegistrar) -> None:
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", nargs="?", default=None, help="checkpoint (default: the bundled SmolLM2 model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $ANYQUANT_API_KEY)")
     p.add_argument("--model-name", default=None, help="the model id clients ask for (default: the file/folder name)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running batch (then 503)")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queueing included")
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted")
-    p.add_argument("--engine", choices=("anyquant", "vllm", "exllamav3"), default="anyquant")
+    p.add_argument(
+        "--engine",
+        choices=("anyquant", "vllm", "exllamav3"),
+        default="anyquant",
+        help="anyquant's own server (default) or a peer engine's",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs per model replica")
     p.add_argument("--max-model-len", type=int, default=None, help="vllm/exllamav3: context (default: the model's)")
     p.add_argument("--tokenizer", default=None, help="vllm, GGUF: the base model's tokenizer (folder or id)")
     p.add_argument("--print-command", action="store_true", help="vllm: print the engine command, do not run it")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
+    add_load_flags(p)
     p.add_argument("--format", default=None, help="assert this format (error if the tensors disagree)")
     add_option_flag(p, "a load option of the format's loader", "-o cpu_fast_tables=memory")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..console import json_line
+from ..console import JSON_HELP, json_line
 from ..hookspecs import CommandRegistrar, hookimpl
 
 __all__ = ["anyquant_register_commands"]
@@ -23,23 +23,25 @@ def _configure_estimate(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", metavar="PATH_OR_CONFIG", help="checkpoint dir/.gguf (exact) or config.json (needs --bits)")
     p.add_argument("--bits", type=float, default=None, help="bits per weight of the decoder linears")
-    p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=8192, help="context length in tokens (default 8192)")
+    p.add_argument("--batch", type=int, default=1, help="sequences in the KV cache (default 1)")
     p.add_argument("--kv-dtype", default="fp16", help=f"one of {', '.join(KV_BITS)}")
     p.add_argument("--head-bits", type=float, default=16.0, help="LM head bits for config estimates (EXL3: 6)")
     p.add_argument("--format", default=None, help="format of a config estimate: exl3 counts its padding to 128")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def _configure_advise(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", required=True, help='e.g. "RTX 4090", "A100 80GB", "T4", "Apple M3 Max", "CPU"')
     p.add_argument("--vram", type=float, default=None, help="GB per GPU (unified memory / RAM for Apple / CPU)")
     p.add_argument("--users", type=int, default=1, help="concurrent users")
-    p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    p.add_argument("--context", type=int, default=8192, help="context length in tokens (default 8192)")
     p.add_argument("--ram", type=float, default=None, help="system RAM in GB (for offload plans)")
-    p.add_argument("--model", required=True, metavar="PATH_OR_CONFIG")
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--model", required=True, metavar="PATH_OR_CONFIG", help="checkpoint dir/.gguf or config.json to size"
+    )
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:

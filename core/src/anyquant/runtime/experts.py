@@ -144,5 +144,21 @@ class Experts(nn.ModuleList):
                 out = out + (self[e](x) * weights[pos]).to(out.dtype)
         return out
 
+    def fused(self) -> nn.Module:
+        """transformers' form of these experts, for saving: a module holding the 3-D ``gate_up_proj``
+        ``[E, 2I, H]`` (gate rows, then up rows) and ``down_proj`` ``[E, H, I]`` of each expert's dense weights, so
+        ``save_pretrained`` writes what transformers itself writes for the model (Mixtral's per-expert names under
+        ``block_sparse_moe`` mixed with transformers 5's leaf names would not load back). Every expert's linears
+        must be dense ``nn.Linear`` without bias (``export_dense`` has made them so)."""
+        linears = [(e.gate_proj, e.up_proj, e.down_proj) for e in self]
+        dense = [trio for trio in linears if all(isinstance(m, nn.Linear) and m.bias is None for m in trio)]
+        if len(dense) != len(linears):
+            raise ValueError("Experts.fused needs dense nn.Linear experts without bias")
+        weights = [tuple(m.weight for m in trio if isinstance(m, nn.Linear)) for trio in dense]
+        holder = nn.Module()
+        holder.gate_up_proj = nn.Parameter(torch.stack([torch.cat([g, u]) for g, u, _ in weights]), requires_grad=False)
+        holder.down_proj = nn.Parameter(torch.stack([d for _, _, d in weights]), requires_grad=False)
+        return holder
+
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, one linear each"

@@ -530,21 +530,39 @@ def int4_codes_scales_offsets(
     """
     out_features, in_features = shape_out_in
     b = qweight.reshape(-1, GGML_QUANT_SIZES[qtype][1])
-    groups = in_features // 32
+    scales, offsets = _int4_scales_offsets(b, qtype, out_features)
+    if qtype == Q.Q4_K:
+        codes = _unpack(b[:, 16:], 32, _NIBBLE, 0x0F).reshape(-1, _QK_K)
+    else:
+        qs = b[:, 4:] if qtype == Q.Q4_1 else b[:, 2:]
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=1)
+    return codes.reshape(out_features, in_features), scales.contiguous(), offsets.contiguous()
+
+
+def _int4_scales_offsets(
+    b: torch.Tensor, qtype: GGMLQuantizationType, out_features: int, *, offsets: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' ``(scales, offsets)``, float32 ``[out, in/32]`` (see :func:`int4_codes_scales_offsets`);
+    Q4_0 with ``offsets=False``: the scales twice (its offsets are ``-8 d``: the caller writes them)."""
     if qtype == Q.Q4_K:
         scale, offset = _k_scales(b)  # [n, 8, 1]: per 32-weight sub-block
-        codes = _unpack(b[:, 16:], 32, _NIBBLE, 0x0F).reshape(-1, _QK_K)
-        scales, offsets = scale.reshape(out_features, groups), offset.neg().reshape(out_features, groups)
-    elif qtype == Q.Q4_1:
-        codes = torch.cat([b[:, 4:] & 0x0F, b[:, 4:] >> 4], dim=1)
-        scales, offsets = _f16(b, 0).reshape(out_features, groups), _f16(b, 2).reshape(out_features, groups)
-    elif qtype == Q.Q4_0:
-        codes = torch.cat([b[:, 2:] & 0x0F, b[:, 2:] >> 4], dim=1)
-        scales = _f16(b, 0).reshape(out_features, groups)
-        offsets = scales * -8.0
-    else:
-        raise _unsupported(qtype)
-    return codes.reshape(out_features, in_features), scales.contiguous(), offsets.contiguous()
+        return scale.reshape(out_features, -1), offset.neg().reshape(out_features, -1)
+    scales = _f16(b, 0).reshape(out_features, -1)
+    if qtype == Q.Q4_1:
+        return scales, _f16(b, 2).reshape(out_features, -1)
+    if qtype == Q.Q4_0:
+        return scales, scales * -8.0 if offsets else scales
+    raise _unsupported(qtype)
+
+
+def _int4_pairs(b: torch.Tensor, qtype: GGMLQuantizationType, out_features: int) -> torch.Tensor:
+    """The blocks' nibble bytes as :func:`~anyquant.runtime.fastcpu.pack_int4_pairs` reads them (a view):
+    Q4_0/Q4_1 hold weights ``i`` and ``16 + i`` of a 32-weight block in byte ``i``; Q4_K weights ``64c + i``
+    and ``64c + 32 + i`` of a 256-weight super-block in byte ``32c + i``."""
+    header = {Q.Q4_0: 2, Q.Q4_1: 4, Q.Q4_K: 16}[qtype]
+    half = 32 if qtype == Q.Q4_K else 16
+    blocks = b.view(out_features, -1, b.shape[-1])[:, :, header:]
+    return blocks.view(out_features, blocks.shape[1], -1, half)
 
 
 @functools.cache
@@ -556,11 +574,16 @@ def _int4_class() -> type[nn.Module]:
     ``scales_and_zeros`` (``m = offset + 8 s``, bfloat16 like the base's) and the exact dense
     weight of the many-rows path (``s * q + offset`` in float32) differ.
     """
-    from anyquant.runtime.fastcpu import FastInt4Linear
+    from anyquant.runtime.fastcpu import FastInt4Linear, int4pack_status, pack_int4_pairs
 
     class GGUFInt4Linear(FastInt4Linear):
         """A Q4_0/Q4_1/Q4_K linear repacked for torch's int4 CPU kernel (decode: bfloat16
-        activations; prompts: exact float32 weight, dequantized per forward, and GEMM)."""
+        activations; prompts: exact float32 weight, dequantized per forward, and GEMM).
+
+        The kernel's layout is written straight from the blocks' nibble bytes
+        (:func:`~anyquant.runtime.fastcpu.pack_int4_pairs`: no unpacked codes, a few whole-tensor
+        ops per layer) when the rows fill the kernel's blocks, else from unpacked, padded codes.
+        """
 
         offsets: torch.Tensor
 
@@ -572,18 +595,35 @@ def _int4_class() -> type[nn.Module]:
             bias: torch.Tensor | None = None,
             **kwargs: Any,
         ) -> None:
-            codes, scales, offsets = int4_codes_scales_offsets(qweight, qtype, shape_out_in)
-            zeros = torch.zeros(scales.shape[::-1], dtype=torch.uint8)
-            super().__init__(codes.t(), zeros, scales.t(), bias=bias, **kwargs)
-            del codes
+            out_features = shape_out_in[0]
+            b = qweight.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+            block = int4pack_status().block_n
+            direct = block > 0 and out_features % block == 0
+            if direct:
+                scales_og, offsets_og = _int4_scales_offsets(b, qtype, out_features, offsets=qtype != Q.Q4_0)
+                codes = None
+                packed = pack_int4_pairs(_int4_pairs(b, qtype, out_features), block)
+            else:
+                codes_oi, scales_og, offsets_og = int4_codes_scales_offsets(qweight, qtype, shape_out_in)
+                codes, packed = codes_oi.t(), None
+            scales = scales_og.t()  # [G, out]
+            groups = scales.shape[0]
+            offsets = torch.empty(groups, out_features)
+            if qtype == Q.Q4_0:  # -8 d, as _int4_scales_offsets gives it, written straight in [G, out] order
+                torch.mul(scales, -8.0, out=offsets)
+            else:
+                offsets.copy_(offsets_og.t())
+            # the kernel's (s, m = offset + 8 s); s stays what the base keeps as the exact scale (bf16(s) in
+            # the kernel's column: the many-rows path recovers s bit for bit from the base's buffers)
+            pairs = torch.empty(groups, out_features, 2)
+            pairs[..., 0].copy_(scales)
+            torch.mul(scales, 8.0, out=pairs[..., 1])
+            pairs[..., 1].add_(offsets)
+            zeros = torch.zeros((1, 1), dtype=torch.uint8).expand(groups, out_features)
+            super().__init__(codes, zeros, scales, bias=bias, packed=packed, kernel_pairs=pairs, **kwargs)
+            del codes, packed, pairs
             self.qtype = qtype
-            self.register_buffer("offsets", offsets.t().contiguous())
-            exact = self.exact_scales()  # the kernel's scale column stays bf16(scales): what the base keeps holds
-            sz = torch.stack([exact, self.offsets + 8.0 * exact], -1)
-            pad = self.padded_out - self.out_features
-            if pad:
-                sz = F.pad(sz, (0, 0, 0, pad))
-            self.scales_and_zeros = sz.to(torch.bfloat16).contiguous()
+            self.register_buffer("offsets", offsets)
 
         def weight_kn(self, dtype: torch.dtype | None = None) -> torch.Tensor:
             k, n = self.in_features, self.out_features
