@@ -23,6 +23,29 @@ VARIANTS = {
     "llama-gqa-tied": {"num_hidden_layers": 2, "tie_word_embeddings": True},
     "llama-untied-bias": {"num_hidden_layers": 2, "tie_word_embeddings": False, "attention_bias": True},
     "qwen2": {"model_type": "qwen2", "num_hidden_layers": 2, "tie_word_embeddings": False},
+    # Qwen3: RMSNorm of each query and key head (head_dim not hidden / heads)
+    "qwen3": {"model_type": "qwen3", "num_hidden_layers": 2, "tie_word_embeddings": False, "head_dim": 32},
+    # Qwen3-MoE: top-2 of 4 experts, renormalised; layer 0 dense (mlp_only_layers)
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 2,
+        "head_dim": 32,
+        "moe_intermediate_size": 48,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [0],
+    },
+    # every second layer sparse, the top-3 weights not renormalised
+    "qwen3_moe-step2": {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 2,
+        "moe_intermediate_size": 48,
+        "num_experts": 5,
+        "num_experts_per_tok": 3,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 2,
+    },
     "llama3-rope": {
         "num_hidden_layers": 1,
         "rope_parameters": {
