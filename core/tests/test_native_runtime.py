@@ -161,7 +161,9 @@ def _int4_model(
     gen = torch.Generator().manual_seed(5)
     for index, layer in enumerate(model.module.model.layers):
         mlp_names = ("gate_proj", "up_proj") if index in dense_down else ("gate_proj", "up_proj", "down_proj")
-        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (layer.mlp, mlp_names)):
+        mlps = list(layer.mlp.experts) if hasattr(layer.mlp, "experts") else [layer.mlp]  # Qwen3-MoE: each expert
+        parents = [(layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), *((m, mlp_names) for m in mlps)]
+        for parent, names in parents:
             for name in names:
                 lin = getattr(parent, name)
                 k, n = lin.in_features, lin.out_features
@@ -248,6 +250,54 @@ def test_compiled_decode_step_is_bitwise_the_module_path(
     del model.module.__dict__["_step"]  # rebuilt on the next decode step
     assert model.generate_batch(prompts, max_new_tokens=8) == slow_batch
     assert calls.take() == 2 and isinstance(model.module.__dict__["_step"], DecodeStep)  # only the prompt's
+
+
+MOE = {
+    "model_type": "qwen3_moe",
+    "head_dim": 32,
+    "moe_intermediate_size": 64,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [0],
+}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """Qwen3's per-head q/k norms and Qwen3-MoE's routed experts (one row: its experts in order; a batch: each
+    expert on the rows that chose it) in the compiled step, the same logits as the modules; each expert's
+    gate/up one int4 call on both paths."""
+    import os
+
+    from anyquant.runtime.experts import Experts
+    from anyquant.runtime.step import DecodeStep, compiled_layer
+
+    overrides = MOE if family == "qwen3_moe" else {"model_type": "qwen3", "head_dim": 32}
+    model = _int4_model(tmp_path / "m", bias=False, **overrides)
+    kinds = ["int4", "int4_moe"] if family == "qwen3_moe" else ["int4", "int4"]
+    calls = _LayerCalls(monkeypatch)
+    for ids in (
+        torch.randint(0, 200, (1, 30), generator=torch.Generator().manual_seed(12)),
+        torch.randint(0, 200, (3, 16), generator=torch.Generator().manual_seed(13)),
+    ):
+        fast = _decode(model, ids, 8)
+        step = model.module.__dict__["_step"]
+        assert isinstance(step, DecodeStep) and calls.take() == 2
+        assert [function for function, _ in step.layers] == [compiled_layer(k) for k in kinds]
+        if os.environ.get("PYTORCH_JIT", "1") != "0":
+            assert all(isinstance(function, torch.jit.ScriptFunction) for function, _ in step.layers)
+        model.module.__dict__["_step"] = None  # the module path
+        assert torch.equal(_decode(model, ids, 8), fast)
+        assert calls.take() == 2 * (ids.shape[1] - 8 + 1)
+        del model.module.__dict__["_step"]
+    if family == "qwen3_moe":
+        experts = model.module.model.layers[1].mlp.experts
+        assert isinstance(experts, Experts)
+        assert all(e.__dict__.get("_fusion") is not None for e in experts)  # gate/up fused on the module path too
+        assert model.module.model.layers[0].mlp.__class__.__name__ == "MLP"  # mlp_only_layers
 
 
 @pytest.mark.parametrize("kind", ["int4", "bf16"])
