@@ -136,9 +136,7 @@ class NativeConfig:
     def sparse(self, index: int) -> bool:
         """Whether layer ``index`` has a MoE block (Qwen3-MoE's rule) rather than a dense MLP."""
         return (
-            self.num_experts > 0
-            and index not in self.mlp_only_layers
-            and (index + 1) % self.decoder_sparse_step == 0
+            self.num_experts > 0 and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -236,10 +236,9 @@ def int4_moe_layer(
         chosen: List[int] = index[0].tolist()  # noqa: UP006
         weights = top[0]
         for e in sorted(chosen):
-            pos = chosen.index(e)
             gu = _int4(x, gate_up[e], gate_up_group, gate_up_scales[e])
             m = F.silu(gu[:, :intermediate]) * gu[:, intermediate:]
-            out = out + _int4(m, down[e], down_group, down_scales[e]) * weights[pos]
+            out = out + _int4(m, down[e], down_group, down_scales[e]) * weights[chosen.index(e)]
     else:
         experts: List[int] = torch.unique(index).tolist()  # noqa: UP006
         for e in experts:
@@ -441,12 +440,12 @@ def _plan_layer(layer: Any) -> _Layer | None:
         return None
     attn, mlp = layer.self_attn, layer.mlp
     eps = float(norm1.variance_epsilon)
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    if (q_norm is None) != (k_norm is None):
-        return None
-    if q_norm is not None and not all(plain_norm(m) and float(m.variance_epsilon) == eps for m in (q_norm, k_norm)):
-        return None
-    qk_norms = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
+    norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    qk_norms: tuple[Any, ...] = (None, None)
+    if norms != [None, None]:
+        if not all(m is not None and plain_norm(m) and float(m.variance_epsilon) == eps for m in norms):
+            return None
+        qk_norms = tuple(m.weight for m in norms if m is not None)
     common: tuple[Any, ...] = (norm1.weight, norm2.weight, eps)
     common += (attn.heads, attn.kv_heads, attn.head_dim, float(attn.scaling))
     attention = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
@@ -468,12 +467,19 @@ def _plan_layer(layer: Any) -> _Layer | None:
         if not planned or any(p is None for p in planned):
             return None
         mlps = [p for p in planned if p is not None]
-        groups = {(g.kernel_group, d.kernel_group, experts[0].gate_proj.out_features) for g, d in mlps}
-        if len(groups) != 1 or any(e.gate_proj.out_features != experts[0].gate_proj.out_features for e in experts):
-            return None
-        gate_group, down_group, intermediate = groups.pop()
-        moe = (router, top_k, norm_topk, [g.packed for g, _ in mlps], [g.scales_and_zeros for g, _ in mlps])
-        moe += (gate_group, [d.packed for _, d in mlps], [d.scales_and_zeros for _, d in mlps], down_group)
+        intermediate = experts[0].gate_proj.out_features
+        groups = {(g.kernel_group, d.kernel_group) for g, d in mlps}
+        if len(groups) != 1 or any(g.sizes != [intermediate, intermediate] for g, _ in mlps):
+            return None  # one kernel group per kind of linear and one size: the function takes each once
+        gate_group, down_group = groups.pop()
+        moe: tuple[Any, ...] = (router, top_k, norm_topk, [g.packed for g, _ in mlps])
+        moe += (
+            [g.scales_and_zeros for g, _ in mlps],
+            gate_group,
+            [d.packed for _, d in mlps],
+            [d.scales_and_zeros for _, d in mlps],
+            down_group,
+        )
         small_rows = min([qkv.small_rows, o.small_rows] + [min(g.small_rows, d.small_rows) for g, d in mlps])
         return _Layer("int4_moe", common + int4 + moe + (intermediate,), small_rows)
     dense = _plan_mlp(mlp, plain_int4)
@@ -509,6 +515,8 @@ def _sparse(mlp: Any) -> tuple[torch.Tensor, int, bool, list[Any]] | None:
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or (Expert.forward, Experts.forward) != FORWARDS:
         return None
     experts = list(mlp.experts)
+    if len(experts) != weight.shape[0]:  # the router's every choice must index an expert
+        return None
     if not all(type(e) is Expert and e.act_fn is F.silu for e in experts):
         return None
     return weight, int(mlp.gate.top_k), bool(mlp.gate.norm_topk_prob), experts
