@@ -112,7 +112,7 @@ def decode_table(size: int, repeat: int) -> str:
     """Weights/s of the reference decoder on a random ``size`` x ``size`` K=4 layer."""
     import torch
 
-    from anyquant_exl3.decode import decode_exl3
+    from anyquant_exl3.dequant import decode_exl3
     from anyquant_exl3.qlinear import EXL3Linear
 
     gen = torch.Generator().manual_seed(0)
@@ -222,7 +222,7 @@ def subset_names(layers: list[int], projs: list[str]) -> list[str]:
 def subset_hessians(model: Any, names: list[str]) -> dict[str, torch.Tensor]:
     """The subset's input Hessians from the calibration GPTQ used (``CALIBRATION``), as ``quantize`` collects them."""
     from anyquant.protocols import QuantizeSpec
-    from anyquant.quantization import calibration_batch, calibration_texts
+    from anyquant.tools.quantize import calibration_batch, calibration_texts
     from anyquant_exl3.hessian import capture_hessians
 
     spec = QuantizeSpec(

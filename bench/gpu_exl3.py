@@ -284,7 +284,7 @@ def convert_cmd(
 GPTQMODEL_EXL3 = """
 import sys
 import torch
-from anyquant.calibration import corpus_documents
+from anyquant.tools.calibration import corpus_documents
 from gptqmodel import GPTQModel
 from gptqmodel.quantization.config import EXL3Config
 src, dst, rows, cols = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -339,7 +339,7 @@ def check_reconstruction(path: Path, label: str, rep: Report) -> None:
     import torch
     from exllamav3.modules.quant.exl3 import LinearEXL3
 
-    from anyquant_exl3.decode import decode_exl3, decode_what
+    from anyquant_exl3.dequant import decode_exl3, decode_what
 
     layers = exl3_layers(path)
     if not layers:

@@ -99,7 +99,7 @@ def main() -> int:
 
 def quantize_and_compare(gguf: Path, out: Path, samples: int, seq_len: int) -> int:
     from anyquant.console import progress_bar
-    from anyquant.evaluate import compare, plot, to_markdown
+    from anyquant.tools.evaluate import compare, plot, to_markdown
 
     out.mkdir(parents=True, exist_ok=True)
     dense = out / "smollm2-dense"

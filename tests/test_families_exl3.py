@@ -45,7 +45,7 @@ def _module_name(stored: str) -> str:
 def test_family_exl3_decodes_bit_exactly_and_equals_transformers(family: str, tmp_path: Path) -> None:
     import transformers
 
-    from anyquant_exl3.decode import decode_exl3
+    from anyquant_exl3.dequant import decode_exl3
 
     src = make_tiny_dense(tmp_path / "dense", **FAMILIES[family])
     q = anyquant.quantize(src, tmp_path / "q", method="exl3", bits=3, ldlq=False, quality=False)

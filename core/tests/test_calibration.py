@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 import anyquant
-from anyquant import calibration as cal
-from anyquant.calibration import CalibrationError, CalibrationOverlapError
 from anyquant.cli import build_parser
+from anyquant.tools import calibration as cal
+from anyquant.tools.calibration import CalibrationError, CalibrationOverlapError
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,7 +37,7 @@ def _source_of(sample: str) -> list[str]:
 
 def test_corpus_read_without_importing_exllamav3() -> None:
     code = (
-        "import sys\nfrom anyquant import calibration as c\n"
+        "import sys\nfrom anyquant.tools import calibration as c\n"
         "assert len(c.sample('wiki', 2, 64, 0)) == 2\n"
         "assert 'exllamav3' not in sys.modules and 'torch' not in sys.modules"
     )
@@ -115,14 +115,14 @@ def test_text_shorter_than_one_sample_is_said(tmp_path: Path, caplog: pytest.Log
     N times the compute); now a warning says so. Text that only overlaps is an INFO line; enough text, nothing."""
     f = tmp_path / "short.txt"
     f.write_text("one short line of calibration text")
-    with caplog.at_level("INFO", logger="anyquant.calibration"):
+    with caplog.at_level("INFO", logger="anyquant.tools.calibration"):
         texts = cal.sample(str(f), 4, 64, seed=0)
     assert len(set(texts)) == 1
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "all 4 samples are that same text" in caplog.text
     caplog.clear()
     (tmp_path / "some.txt").write_text(TEXT)  # ~26,000 characters: 20 samples of 64 tokens (~256) fit
-    with caplog.at_level("INFO", logger="anyquant.calibration"):
+    with caplog.at_level("INFO", logger="anyquant.tools.calibration"):
         cal.sample(str(tmp_path / "some.txt"), 20, 64, seed=0)
         assert not caplog.records
         cal.sample(str(tmp_path / "some.txt"), 200, 64, seed=0)

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from anyquant import _staging
-from anyquant._staging import _host_tag, check_destination, lock_destination, replace_dir, staging_dir
 from anyquant.errors import DestinationLockedError, ParameterError, QuantizeError
+from anyquant.tools import _staging
+from anyquant.tools._staging import _host_tag, check_destination, lock_destination, replace_dir, staging_dir
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="flock and process liveness are POSIX here")
 
 HOLD = (
     "import sys\n"
     "from pathlib import Path\n"
-    "from anyquant._staging import lock_destination\n"
+    "from anyquant.tools._staging import lock_destination\n"
     "lock = lock_destination(Path(sys.argv[1]))\n"
     "print('held', flush=True)\n"
     "sys.stdin.read()\n"  # until the test closes stdin, or kills it

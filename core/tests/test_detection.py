@@ -15,6 +15,7 @@ from anyquant.errors import (
     FormatConflictError,
     FormatMismatchError,
     PickleRefusedError,
+    PluginError,
     UnknownFormatError,
     UnsupportedFormatError,
 )
@@ -136,10 +137,8 @@ def test_broken_plugin_is_skipped_and_reported(tmp_path: Path, monkeypatch: pyte
     assert reg.detect(Probe.open(root)).format == "gptq"
     assert "boom" in (next(p for p in reg.plugins() if p.name == "broken").error or "")
     alone = Registry(entry_points=False, plugins=[("broken", broken)])
-    with pytest.raises(
-        UnknownFormatError, match="On this checkpoint broken's anyquant_detect raised RuntimeError: boom"
-    ):
-        alone.detect(Probe.open(root))  # the likely cause, quoted
+    with pytest.raises(PluginError, match="plugin broken's anyquant_detect failed with RuntimeError: boom"):
+        alone.detect(Probe.open(root))  # the likely cause, named
     monkeypatch.setenv("ANYQUANT_STRICT_PLUGINS", "1")
     with pytest.raises(RuntimeError, match="boom"):
         reg.detect(Probe.open(root))

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import anyquant
-from anyquant import evaluate as ev
 from anyquant.cli import build_parser
-from anyquant.evaluate import EvaluationError
 from anyquant.testing.tiny import make_tiny_dense
+from anyquant.tools import evaluate as ev
+from anyquant.tools.evaluate import EvaluationError
 
 TEXT = (
     "Once upon a time there was a small robot who liked to count the stars. Every night it climbed the hill, "

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-# anyquant_gguf is left out for now (its reader <-> qlinear circle is being taken apart): add it here then
-PACKAGES = ("anyquant", "anyquant_gptq", "anyquant_awq", "anyquant_exl3")
+PACKAGES = ("anyquant", "anyquant_gptq", "anyquant_awq", "anyquant_exl3", "anyquant_gguf")
 FIRST_PARTY_PLUGINS = ("anyquant_gptq", "anyquant_awq", "anyquant_exl3", "anyquant_gguf")
 #: what of core a plugin may import: the plugin API, the shared int4 base, the runtime, the test kit
 PLUGIN_MAY_IMPORT = ("anyquant.plugin", "anyquant.int4", "anyquant.runtime", "anyquant.testing")

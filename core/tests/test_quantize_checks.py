@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 import anyquant
-from anyquant._staging import check_destination, replace_dir, staging_dir
 from anyquant.testing.tiny import make_tiny_dense
+from anyquant.tools._staging import check_destination, replace_dir, staging_dir
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_replacing_a_directory_never_loses_both(tmp_path: Path, monkeypatch: pyt
             raise OSError(28, "No space left on device")
         real(a, b)
 
-    from anyquant import _staging
+    from anyquant.tools import _staging
 
     monkeypatch.setattr(_staging, "_exchange", lambda a, b: False)  # the two-rename fallback (no renameat2)
     monkeypatch.setattr(os, "replace", failing)
@@ -154,7 +154,7 @@ def test_workers_exit_with_their_parent(tmp_path: Path) -> None:
     pid_file = tmp_path / "worker.pid"
     worker = (
         "import os, sys, time\n"
-        "from anyquant.quantization import watch_parent\n"
+        "from anyquant.tools.quantize import watch_parent\n"
         "watch_parent(0.1)\n"
         f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
         "time.sleep(60)\n"
@@ -188,7 +188,7 @@ def test_workers_exit_with_their_parent(tmp_path: Path) -> None:
 
 
 def test_perplexity_arguments(tiny: Path) -> None:
-    from anyquant.evaluate import EvaluationError
+    from anyquant.tools.evaluate import EvaluationError
 
     model = anyquant.load(tiny)  # max_position_embeddings 512, vocabulary 259
     ids = list(range(100, 164))
@@ -214,7 +214,7 @@ def test_perplexity_arguments(tiny: Path) -> None:
 
 def test_compare_checks_the_plot_path_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from anyquant.cli import main
-    from anyquant.evaluate import EvaluationError, check_png_path, plot
+    from anyquant.tools.evaluate import EvaluationError, check_png_path, plot
 
     (tmp_path / "file").write_text("x")
     for bad, message in [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from anyquant.errors import QuantizeError
-from anyquant.quantization import route_backend
+from anyquant.tools.quantize import route_backend
 
 READERS = {"ours": frozenset({"grid", "clip"}), "peer": frozenset(), "old": frozenset({"clip", "legacy"})}
 

@@ -488,6 +488,7 @@ def test_runaway_chat_templates_are_stopped(loaded, monkeypatch: pytest.MonkeyPa
     assert time.monotonic() - t0 < 5
     monkeypatch.setattr(loaded.tokenizer, "chat_template", GROWING_TEMPLATE)
     monkeypatch.setattr(chat, "CHAT_TEMPLATE_SECONDS", 60.0)
+    monkeypatch.setattr(chat, "CHAT_TEMPLATE_MIN_CHARS", 1 << 40)  # the memory budget, not the output's, is tested
     with pytest.raises(anyquant.CheckpointError, match=r"chat template grew the process's memory by \d+ MiB"):
         loaded.generate(messages, max_new_tokens=2)
     monkeypatch.setattr(loaded.tokenizer, "chat_template", HUGE_TEMPLATE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -168,8 +169,26 @@ def test_errors(server: str, client: Any) -> None:
         _chat(client, "hi", max_tokens=2, top_p=7)
     assert temp.value.code == "invalid_value" and temp.value.param == "top_p"
     with pytest.raises(openai.BadRequestError) as unsupported:
-        _chat(client, "hi", max_tokens=2, logprobs=True)
-    assert unsupported.value.code == "unsupported_parameter"
+        client.completions.create(model=NAME, prompt="hi", max_tokens=2, suffix="x")
+    assert unsupported.value.code == "unsupported_parameter" and unsupported.value.param == "suffix"
+    bad_values: list[tuple[dict[str, Any], str]] = [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"extra_body": {"min_p": 1}}, "min_p"),
+        ({"seed": -1}, "seed"),
+    ]
+    for kw, param in bad_values:
+        with pytest.raises(openai.BadRequestError) as bad_value:
+            _chat(client, "hi", max_tokens=2, **kw)
+        assert bad_value.value.code == "invalid_value" and bad_value.value.param == param, kw
+    with pytest.raises(openai.BadRequestError) as legacy:
+        client.completions.create(model=NAME, prompt="hi", max_tokens=2, logprobs=21)
+    assert legacy.value.param == "logprobs"
     with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(model=NAME, prompt=[1] * 9000, max_tokens=2)
     assert long.value.code == "context_length_exceeded"
@@ -185,14 +204,20 @@ def test_errors(server: str, client: Any) -> None:
         urllib.request.urlopen(req)
     body = json.loads(raw.value.read())
     assert raw.value.code == 400 and body["error"]["code"] == "invalid_json" and "Traceback" not in json.dumps(body)
-    big = urllib.request.Request(
-        server + "/v1/completions",
-        data=b'{"prompt": "' + b"a" * (2 << 20) + b'"}',
-        headers={"Authorization": f"Bearer {KEY}"},
-    )
-    with pytest.raises(urllib.error.HTTPError) as e413:
-        urllib.request.urlopen(big)
-    assert e413.value.code == 413
+    # a body declared over --max-body: 413 as soon as the headers arrive. Only the headers are sent: a client
+    # still writing the body when the server answers and closes can see a broken pipe instead of the answer
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Authorization", f"Bearer {KEY}")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(2 << 20))
+        conn.endheaders()
+        answer = conn.getresponse()
+        assert answer.status == 413 and json.loads(answer.read())["error"]["code"] == "request_too_large"
+    finally:
+        conn.close()
 
 
 def test_disconnect_cancels_the_work(server: str, client: Any) -> None:
@@ -287,3 +312,103 @@ def test_scheduler_timeout_cancel_and_length(local: Any) -> None:
     assert ends["gone"].reason == "cancelled" and ends["gone"].completion_tokens == 0
     assert ends["short"].reason == "length" and ends["short"].completion_tokens == 3
     assert ends["short"].prompt_tokens == len(ids)
+
+
+def _close(got: list[tuple[str, float]], want: list[tuple[str, float]]) -> None:
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert max((abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True)), default=0.0) < 2e-3
+
+
+def _want(local: Any, question: str, max_tokens: int, top: int) -> tuple[Any, list[tuple[str, float]]]:
+    r = local.complete(
+        [{"role": "user", "content": question}], max_new_tokens=max_tokens, logprobs=True, top_logprobs=top
+    )
+    return r, [(lp.text, lp.logprob) for lp in r.logprobs]
+
+
+def _chat_pairs(logprobs: Any) -> list[tuple[str, float]]:
+    return [(c.token, c.logprob) for c in logprobs.content]
+
+
+def test_chat_logprobs_equal_complete(client: Any, local: Any) -> None:
+    """``logprobs``/``top_logprobs`` in OpenAI's chat shape: the tokens and log-probabilities ``complete`` reports
+    (the end-of-sequence token included), whole and streamed."""
+    want, pairs = _want(local, QUESTIONS[0], 16, 3)
+    r = _chat(client, QUESTIONS[0], logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    _close(_chat_pairs(r.choices[0].logprobs), pairs)
+    assert r.choices[0].message.content == want.text
+    for got, lp in zip(content, want.logprobs, strict=True):
+        assert got.bytes == list(got.token.encode())
+        assert [t.token for t in got.top_logprobs] == [t for _, t, _ in lp.top]
+        assert all(abs(t.logprob - v) < 2e-3 for t, (_, _, v) in zip(got.top_logprobs, lp.top, strict=True))
+        assert got.top_logprobs[0].logprob >= got.logprob - 2e-3  # greedy: the token is the best one
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": QUESTIONS[0]}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            top_logprobs=3,
+        )
+    )
+    streamed = [p for c in chunks if c.choices and c.choices[0].logprobs for p in _chat_pairs(c.choices[0].logprobs)]
+    _close(streamed, pairs)
+    assert _chat(client, QUESTIONS[0]).choices[0].logprobs is None  # not asked: none
+
+
+def test_concurrent_logprobs_equal_complete(client: Any, local: Any) -> None:
+    """Several clients at once (rows of one batched decode step): each gets ``complete``'s log-probabilities."""
+    questions = QUESTIONS[:6]
+    wants = [_want(local, q, 12, 2)[1] for q in questions]
+    with ThreadPoolExecutor(len(questions)) as pool:
+        answers = list(pool.map(lambda q: _chat(client, q, 12, logprobs=True, top_logprobs=2), questions))
+    for answer, want in zip(answers, wants, strict=True):
+        _close(_chat_pairs(answer.choices[0].logprobs), want)
+
+
+def test_completions_logprobs_legacy_shape(client: Any, local: Any) -> None:
+    prompt = "The capital of France is"
+    want = local.complete(prompt, max_new_tokens=6, logprobs=True, top_logprobs=2)
+    a = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    lp = a.choices[0].logprobs
+    _close(list(zip(lp.tokens, lp.token_logprobs, strict=True)), [(x.text, x.logprob) for x in want.logprobs])
+    assert [list(d) for d in lp.top_logprobs] == [[t for _, t, _ in x.top] for x in want.logprobs]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=0, stream=True
+    )
+    tokens, offsets = [], []
+    for c in streamed:
+        if c.choices and c.choices[0].logprobs:
+            tokens += c.choices[0].logprobs.tokens
+            offsets += c.choices[0].logprobs.text_offset
+    assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+def test_logit_bias_penalties_min_p_and_seed_as_complete(client: Any, local: Any) -> None:
+    """``logit_bias``, the presence/frequency penalties and ``min_p`` (an extension) with a seed give the text
+    ``complete`` gives with the same parameters."""
+    forced = local.tokenizer(" blue", add_special_tokens=False)["input_ids"][0]
+    r = _chat(client, QUESTIONS[3], max_tokens=3, logit_bias={str(forced): 100})
+    assert r.choices[0].message.content == local.tokenizer.decode([forced] * 3)
+    msgs = [{"role": "user", "content": "Repeat the word cat ten times."}]
+    plain = local.complete(msgs, max_new_tokens=24).text
+    kw = {"presence_penalty": 1.5, "frequency_penalty": 1.0}
+    penalised = local.complete(msgs, max_new_tokens=24, **kw).text
+    assert penalised != plain  # the penalties matter on this prompt
+    got = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=24, temperature=0, **kw)
+    assert got.choices[0].message.content == penalised
+    sampled = local.complete(msgs, max_new_tokens=16, temperature=1.0, seed=11, min_p=0.2).text
+    with ThreadPoolExecutor(3) as pool:  # batched rows sample as one row alone does
+        outs = list(
+            pool.map(
+                lambda _: client.chat.completions.create(
+                    model=NAME, messages=msgs, max_tokens=16, temperature=1.0, seed=11, extra_body={"min_p": 0.2}
+                ),
+                range(3),
+            )
+        )
+    assert [o.choices[0].message.content for o in outs] == [sampled] * 3

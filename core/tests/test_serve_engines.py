@@ -208,7 +208,7 @@ def _check_runs(command: str, model: Path, made: set[str], parser: Any) -> None:
 
 def test_advise_prints_only_commands_that_run(tmp_path: Path) -> None:
     from anyquant.cli import build_parser
-    from anyquant.sizing import advise
+    from anyquant.tools.advise import advise
 
     parser = build_parser()
     for label, model in _models(tmp_path).items():
@@ -223,7 +223,8 @@ def test_advise_prints_only_commands_that_run(tmp_path: Path) -> None:
 
 
 def test_advise_gpu_name_is_a_label_with_vram() -> None:
-    from anyquant.sizing import GPUS, SizingError, advise, find_gpu
+    from anyquant.tools.advise import GPUS, advise, find_gpu
+    from anyquant.tools.estimate import SizingError
 
     for name in ("RTX A6000", "L40S", "RTX 4080", "MI300X", "NVIDIA RTX A6000", "AMD Instinct MI300X"):
         assert find_gpu(name).name in {g.name for g in GPUS}  # in the table: known without --vram

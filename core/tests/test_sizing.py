@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
-from anyquant import sizing
 from anyquant.cli import build_parser
-from anyquant.sizing import GB, GiB, SizingError, advise, estimate, find_gpu
+from anyquant.tools import advise as advising
+from anyquant.tools import estimate as sizing
+from anyquant.tools.advise import advise, find_gpu
+from anyquant.tools.estimate import GB, GiB, SizingError, estimate
 
 LLAMA_8B: dict[str, Any] = {
     "model_type": "llama",
@@ -194,7 +196,7 @@ def test_ampere_single_user_exl3_largest_fitting_bpw() -> None:
     assert big.memory_bytes <= 24 * GiB
     assert any("KL divergence" in r for r in big.reasons)  # the cost of the lower bpw is stated
     # the next bpw step up does not fit: "largest that fits"
-    step = sizing.EXL3_BPW[sizing.EXL3_BPW.index(big.bits) - 1]
+    step = advising.EXL3_BPW[advising.EXL3_BPW.index(big.bits) - 1]
     over = sizing.estimate(LLAMA_70B, bits=step, head_bits=6, kv_dtype="q4")
     assert over.total_bytes - over.embedding_bytes > 24 * GiB
     two = advise("RTX 4090", None, 1, LLAMA_70B, gpus=2)
@@ -285,7 +287,7 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_import_does_not_pull_torch() -> None:
-    code = "import sys, anyquant.sizing, anyquant.calibration; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, anyquant.tools.estimate, anyquant.tools.advise, anyquant.tools.calibration; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

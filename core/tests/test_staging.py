@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from anyquant._staging import _host_tag, remove_stale, staging_dir
+from anyquant.tools._staging import _host_tag, remove_stale, staging_dir
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="process liveness is not probed on Windows")
 
@@ -20,7 +20,7 @@ def _left_by_killed_process(target: Path) -> Path:
     code = (
         "import os, sys\n"
         "from pathlib import Path\n"
-        "from anyquant._staging import staging_dir\n"
+        "from anyquant.tools._staging import staging_dir\n"
         "d = staging_dir(Path(sys.argv[1]))\n"
         "(d / 'model.safetensors').write_bytes(b'partial')\n"
         "print(d, flush=True)\n"

@@ -119,7 +119,7 @@ class _BadCalibration:
 
 
 def test_strict_mode_reads_the_same_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    from anyquant.calibration import sources
+    from anyquant.tools.calibration import sources
 
     reg = Registry(entry_points=False, plugins=[("cal", _BadCalibration())])
     assert "wiki" in sources(reg)  # logged and skipped
@@ -224,7 +224,8 @@ def test_messages_say_what_helps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     dense = FIXTURES["dense"].build(tmp_path / "d")
     reg = Registry(entry_points=False, plugins=[("second", _SecondDense())])
     with pytest.raises(
-        AmbiguousFormatError, match=r"They name the same format: disable all but one .*\(anyquant, second\)"
+        AmbiguousFormatError,
+        match=r"They name the same format: third-party plugin second .*ANYQUANT_DISABLE_PLUGINS=second\.",
     ):
         reg.detect(anyquant.Probe.open(dense), format="dense")
     exl3 = FIXTURES["exl3_mul1"].build(tmp_path / "e")

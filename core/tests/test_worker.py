@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from anyquant.quantization import WorkerError, run_worker
+from anyquant.tools.quantize import WorkerError, run_worker
 
 WORKER = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from anyquant.quantization import emit_progress, emit_result
+    from anyquant.tools.quantize import emit_progress, emit_result
     job = json.loads(Path(sys.argv[1]).read_text())
     emit_progress("halfway", 0.5)
     if job.get("fail"):

@@ -22,19 +22,19 @@ _EXPORTS: dict[str, str] = {
     "list_plugins": "api",
     "default_model": "api",
     "default_registry": "api",
-    "quantize": "quantization",
-    "export_dense": "export",
-    "perplexity": "evaluate",
-    "compare": "evaluate",
-    "EvalResult": "evaluate",
-    "EvaluationError": "evaluate",
-    "estimate": "sizing",
-    "advise": "sizing",
-    "Estimate": "sizing",
-    "Advice": "sizing",
-    "SizingError": "sizing",
-    "CalibrationError": "calibration",
-    "CalibrationOverlapError": "calibration",
+    "quantize": "tools.quantize",
+    "export_dense": "tools.export",
+    "perplexity": "tools.evaluate",
+    "compare": "tools.evaluate",
+    "EvalResult": "tools.evaluate",
+    "EvaluationError": "tools.evaluate",
+    "estimate": "tools.estimate",
+    "advise": "tools.advise",
+    "Estimate": "tools.estimate",
+    "Advice": "tools.advise",
+    "SizingError": "tools.estimate",
+    "CalibrationError": "tools.calibration",
+    "CalibrationOverlapError": "tools.calibration",
     # registry and hooks
     "Registry": "registry",
     "PluginInfo": "registry",
@@ -51,7 +51,7 @@ _EXPORTS: dict[str, str] = {
     "Prompt": "protocols",
     "GenerationResult": "results",
     "StreamChunk": "results",
-    "Report": "report",
+    "Report": "tools.report",
     "QuantizeSpec": "protocols",
     "BackendInfo": "protocols",
     "ModuleInfo": "protocols",
@@ -173,7 +173,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .api import default_model, default_registry, detect, inspect, list_plugins, load
-    from .calibration import CalibrationError, CalibrationOverlapError
     from .errors import (
         AmbiguousFormatError,
         AnyquantError,
@@ -200,8 +199,6 @@ if TYPE_CHECKING:
         UnsupportedBackendError,
         UnsupportedFormatError,
     )
-    from .evaluate import EvalResult, EvaluationError, compare, perplexity
-    from .export import export_dense
     from .hookspecs import hookimpl, hookspec
     from .loaders import TransformersLoader
     from .probe import Probe
@@ -221,7 +218,11 @@ if TYPE_CHECKING:
         Quantizer,
         QuantizeSpec,
     )
-    from .quantization import quantize
     from .registry import PluginInfo, Registry
-    from .report import Report
-    from .sizing import Advice, Estimate, SizingError, advise, estimate
+    from .tools.advise import Advice, advise
+    from .tools.calibration import CalibrationError, CalibrationOverlapError
+    from .tools.estimate import Estimate, SizingError, estimate
+    from .tools.evaluate import EvalResult, EvaluationError, compare, perplexity
+    from .tools.export import export_dense
+    from .tools.quantize import quantize
+    from .tools.report import Report

@@ -23,7 +23,7 @@ from .errors import (
 from .probe import Probe
 from .protocols import Detection, LoadedModel, Loader, LoadOptions
 from .registry import PluginInfo, Registry, load_spec_object
-from .report import Report  # torch-free: imported so that typing.get_type_hints resolves the public API
+from .tools.report import Report  # torch-free: imported so that typing.get_type_hints resolves the public API
 
 if TYPE_CHECKING:
     import torch
@@ -237,7 +237,7 @@ def inspect(
 
 def report_of(probe: Probe, registry: Registry | None = None) -> Report:
     """:func:`inspect`'s report of a checkpoint already opened."""
-    from .report import build_report
+    from .tools.report import build_report
 
     reg = registry or default_registry()
     detection = reg.detect(probe)

@@ -103,8 +103,14 @@ class AnyquantLM(LM):  # type: ignore[misc]  # lm-eval is untyped
     # ------------------------------------------------------------------ chat templates, caching
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         from .runtime.chat import render_chat
+        from .runtime.generate import context_length
 
-        return render_chat(self.model.tokenizer, chat_history, add_generation_prompt=add_generation_prompt)
+        return render_chat(
+            self.model.tokenizer,
+            chat_history,
+            context_length=context_length(getattr(self.model, "module", None)),
+            add_generation_prompt=add_generation_prompt,
+        )
 
     @property
     def tokenizer_name(self) -> str:

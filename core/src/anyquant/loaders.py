@@ -221,7 +221,7 @@ class TransformersLoader:
         backend = plan.backend
         from ._memory import release_free_heap
 
-        # the tokenizer first: its parse peaks at ~3x what it keeps (SmolLM2's: +41 MiB, then 14), and
+        # the tokenizer first: its parse peaks at several times what it keeps, and
         # that transient then lands before the weights, not on top of them; nothing is open yet if it fails
         tokenizer = self.tokenizer(probe, options)
         release_free_heap()

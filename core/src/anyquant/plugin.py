@@ -62,21 +62,21 @@ _EXPORTS: dict[str, str] = {
     "FLOAT_SCALE_DTYPES": "loaders",
     "RUNTIME_OPTIONS": "loaders",
     # inspect rows
-    "dense_rows": "report",
-    "tensors_by_module": "report",
+    "dense_rows": "tools.report",
+    "tensors_by_module": "tools.report",
     # header tables
     "GGUF_TYPE_SIZES": "headers",
     # quantizers: calibration, backend routing, worker subprocesses
-    "calibration_texts": "quantization",
-    "calibration_batch": "quantization",
-    "route_backend": "quantization",
-    "run_worker": "quantization",
-    "emit_progress": "quantization",
-    "emit_result": "quantization",
-    "watch_parent": "quantization",
+    "calibration_texts": "tools.quantize",
+    "calibration_batch": "tools.quantize",
+    "route_backend": "tools.quantize",
+    "run_worker": "tools.quantize",
+    "emit_progress": "tools.quantize",
+    "emit_result": "tools.quantize",
+    "watch_parent": "tools.quantize",
     # a decoder's shape from its config
-    "model_shape": "sizing",
-    "SizingError": "sizing",
+    "model_shape": "tools.estimate",
+    "SizingError": "tools.estimate",
 }
 
 __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_imports.py pins it)
@@ -140,7 +140,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'anyquant.plugin' has no attribute {name!r}")
     # looked up in its home module each time, never copied here: a test that patches the home module
-    # (``anyquant.quantization.run_worker``) patches what plugins get from here too
+    # (``anyquant.tools.quantize.run_worker``) patches what plugins get from here too
     return getattr(importlib.import_module(f"anyquant.{module}"), name)
 
 
@@ -190,7 +190,8 @@ if TYPE_CHECKING:
         Quantizer,
         QuantizeSpec,
     )
-    from .quantization import (
+    from .tools.estimate import SizingError, model_shape
+    from .tools.quantize import (
         calibration_batch,
         calibration_texts,
         emit_progress,
@@ -199,5 +200,4 @@ if TYPE_CHECKING:
         run_worker,
         watch_parent,
     )
-    from .report import dense_rows, tensors_by_module
-    from .sizing import SizingError, model_shape
+    from .tools.report import dense_rows, tensors_by_module

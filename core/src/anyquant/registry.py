@@ -6,6 +6,7 @@ until first use, and nothing at all happens at ``import anyquant``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata as md
 import logging
@@ -22,6 +23,7 @@ import pluggy
 from . import hookspecs
 from .errors import (
     AmbiguousFormatError,
+    AnyquantError,
     FormatConflictError,
     FormatMismatchError,
     MissingDependencyError,
@@ -33,7 +35,9 @@ from .probe import Probe
 from .protocols import Claim, Detection, FormatSpec
 
 __all__ = [
+    "DETECT_SECONDS",
     "ENTRY_POINT_GROUP",
+    "IMPORT_SECONDS",
     "FIRST_PARTY_PLUGINS",
     "PluginInfo",
     "Registry",
@@ -47,6 +51,40 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "anyquant"
 CORE_PLUGIN = "anyquant"
+
+#: seconds a third-party plugin's ``anyquant_detect`` may take on one checkpoint before it is abandoned
+DETECT_SECONDS = 10.0
+#: seconds importing a third-party plugin's entry point may take before the plugin is skipped
+IMPORT_SECONDS = 30.0
+
+
+class _Late(Exception):
+    """A third-party plugin's call did not return within its deadline (its thread is left running)."""
+
+
+def _bounded(fn: Callable[[], Any], seconds: float) -> Any:
+    """``fn()`` in a daemon thread, waited for ``seconds``: its result or exception, or :class:`_Late`.
+
+    A hung plugin cannot be stopped from outside in Python; the daemon thread is left to finish (or not)
+    on its own and never holds up the interpreter's exit."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # handed to the caller's thread, where it is judged
+            box.append((False, exc))
+
+    worker = threading.Thread(target=run, name="anyquant-plugin", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if not box:
+        raise _Late(f"did not return within {seconds:g} s and was abandoned")
+    ok, value = box[0]
+    if ok:
+        return value
+    raise value
+
 
 #: config ``quant_method`` spellings -> anyquant format ids.
 QUANT_METHOD_ALIASES: dict[str, str] = {
@@ -99,6 +137,10 @@ def strict_plugins() -> bool:
 
 def _strict() -> bool:
     return os.environ.get("ANYQUANT_STRICT_PLUGINS", "") not in ("", "0", "false", "no")
+
+
+def _disable_hint(name: str) -> str:
+    return f"disable it with ANYQUANT_DISABLE_PLUGINS={name}"
 
 
 def _disabled() -> set[str]:
@@ -253,7 +295,15 @@ class Registry:
                 self._infos[ep.name] = PluginInfo(ep.name, version, error="disabled")
                 continue
             try:
-                module = ep.load()
+                # anyquant's own plugins import inline; a third party's import (arbitrary code) is bounded
+                module = ep.load() if _entry_point_order(ep)[0] == 0 else _bounded(ep.load, IMPORT_SECONDS)
+            except _Late as exc:
+                info = PluginInfo(ep.name, version, error=f"importing {ep.value} {exc} ({_disable_hint(ep.name)})")
+                self._infos[ep.name] = info
+                if _strict():
+                    raise PluginError(f"anyquant plugin {ep.name}: {info.error}") from None
+                log.warning("anyquant plugin %s was skipped: %s", ep.name, info.error)
+                continue
             except Exception as exc:
                 info = PluginInfo(ep.name, version, error=f"{type(exc).__name__}: {exc}")
                 self._infos[ep.name] = info
@@ -315,38 +365,58 @@ class Registry:
         return self._formats[name][1]
 
     # ------------------------------------------------------------------ detection
-    def claims(self, probe: Probe, failures: list[str] | None = None) -> list[tuple[str, Claim]]:
+    def claims(
+        self, probe: Probe, failures: list[str] | None = None, broken: list[str] | None = None
+    ) -> list[tuple[str, Claim]]:
         """Ask every plugin; return ``(plugin name, claim)`` for each that claimed. A plugin whose hook raises
         is skipped for this checkpoint (logged, shown by :meth:`plugins` with the checkpoint's path, and
         collected in ``failures``, which the "unknown format" message quotes first); later checkpoints still
-        ask it."""
+        ask it. A third-party plugin's hook runs under :data:`DETECT_SECONDS`; one that overruns is abandoned
+        for this checkpoint like one that raised. A failure other than a typed :class:`AnyquantError` (the
+        plugin's own bug, or a hang) is also collected in ``broken``: :meth:`detect` raises it as a
+        :class:`PluginError` when no other plugin claimed the checkpoint."""
         out: list[tuple[str, Claim]] = []
         for impl in self.pm.hook.anyquant_detect.get_hookimpls():
+            name = impl.plugin_name
             try:
-                claim = impl.function(probe=probe)
+                if name == CORE_PLUGIN or name in FIRST_PARTY_PLUGINS:  # anyquant's own code: inline
+                    claim = impl.function(probe=probe)
+                else:
+                    claim = _bounded(functools.partial(impl.function, probe=probe), DETECT_SECONDS)
             except Exception as exc:
-                if _strict() or impl.plugin_name == CORE_PLUGIN:
+                if _strict() or name == CORE_PLUGIN:
+                    if isinstance(exc, _Late):
+                        raise PluginError(f"anyquant plugin {name}'s anyquant_detect {exc}") from None
                     raise
-                log.warning("anyquant plugin %s failed in anyquant_detect and was skipped: %s", impl.plugin_name, exc)
-                failure = f"anyquant_detect raised {type(exc).__name__}: {exc}"
-                self._infos.setdefault(
-                    impl.plugin_name, PluginInfo(impl.plugin_name, None)
-                ).error = f"{failure} (on {probe.path})"
+                if isinstance(exc, _Late):
+                    failure = f"anyquant_detect {exc} ({_disable_hint(name)})"
+                elif isinstance(exc, AnyquantError):  # the plugin's own verdict on the checkpoint (a field it names)
+                    failure = f"anyquant_detect raised {type(exc).__name__}: {exc}"
+                else:
+                    failure = (
+                        f"anyquant_detect failed with {type(exc).__name__}: {exc} (a bug in the plugin, or input "
+                        f"it does not check; {_disable_hint(name)})"
+                    )
+                log.warning("anyquant plugin %s failed in anyquant_detect and was skipped: %s", name, failure)
+                self._infos.setdefault(name, PluginInfo(name, None)).error = f"{failure} (on {probe.path})"
                 if failures is not None:
-                    failures.append(f"{impl.plugin_name}'s {failure}")
+                    failures.append(f"{name}'s {failure}")
+                if broken is not None and not isinstance(exc, AnyquantError):
+                    broken.append(f"{name}'s {failure}")
                 continue
             if claim is None:
                 continue
             if not isinstance(claim, Claim):
-                log.warning("plugin %s returned %r from anyquant_detect, not a Claim; ignored", impl.plugin_name, claim)
+                log.warning("plugin %s returned %r from anyquant_detect, not a Claim; ignored", name, claim)
                 continue
-            out.append((impl.plugin_name, claim))
+            out.append((name, claim))
         return out
 
     def detect(self, probe: Probe, *, format: str | None = None) -> Detection:
         """Resolve detection to exactly one format, or raise a typed error (see ARCHITECTURE.md)."""
         failures: list[str] = []
-        claims = self.claims(probe, failures)
+        broken: list[str] = []
+        claims = self.claims(probe, failures, broken)
         declared = probe.quant_method
         declared_id = QUANT_METHOD_ALIASES.get(declared, declared) if declared else None
         if format is not None:
@@ -360,6 +430,11 @@ class Registry:
                     f"Seen: {probe.describe()}. Drop format= or pass the right one."
                 )
             claims = matching
+        if not claims and broken:  # a plugin crashed or hung where it might have claimed: it is named, first
+            raise PluginError(
+                f"on {probe.path}, plugin {'; plugin '.join(broken)}. Without it: "
+                + self._unknown_message(probe, declared_id, [f for f in failures if f not in broken])
+            )
         if not claims:
             from .builtin import looks_dense
 
@@ -374,7 +449,17 @@ class Registry:
         if len(claims) > 1:
             who = ", ".join(f"{plugin} -> {c.format}" for plugin, c in claims)
             names = sorted({c.format for _, c in claims})
-            disable = f"disable all but one with ANYQUANT_DISABLE_PLUGINS ({', '.join(p for p, _ in claims)})"
+            own = {CORE_PLUGIN, *FIRST_PARTY_PLUGINS}
+            outsiders = [p for p, _ in claims if p not in own]
+            if outsiders and len(outsiders) < len(claims):  # anyquant's own plugin claims it too: name the others
+                many = len(outsiders) > 1
+                disable = (
+                    f"third-party plugin{'s' if many else ''} {', '.join(outsiders)} also claim{'' if many else 's'} "
+                    f"what anyquant's own plugins recognise; if {'they are' if many else 'it is'} wrong, disable "
+                    f"{'them' if many else 'it'} with ANYQUANT_DISABLE_PLUGINS={','.join(outsiders)}"
+                )
+            else:
+                disable = f"disable all but one with ANYQUANT_DISABLE_PLUGINS ({', '.join(p for p, _ in claims)})"
             raise AmbiguousFormatError(
                 f"{len(claims)} plugins claim {probe.path}: {who}. "
                 + (
@@ -420,7 +505,7 @@ class Registry:
                 lines.append(f"It looks like {guess!r}, which no installed plugin loads: {hint}.")
         elif guess and not failures:
             lines.append(f"It looks like {guess!r}, but its tensors do not match that format's signature.")
-        else:
+        elif not failures:
             from .builtin import integer_tensors
 
             codes = integer_tensors(probe)

@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import anyquant
-from anyquant.calibration import CalibrationError
 from anyquant.errors import QuantizeError
 from anyquant.protocols import QuantizeSpec
-from anyquant.quantization import WorkerError
 from anyquant.testing.tiny import make_tiny_dense
+from anyquant.tools.calibration import CalibrationError
+from anyquant.tools.quantize import WorkerError
 from anyquant_awq.native import pseudo_quantize
 from anyquant_awq.quantize import AWQQuantizer
 
@@ -122,7 +122,7 @@ def no_worker(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """run_worker recorded, not run."""
     jobs: list[dict[str, Any]] = []
     monkeypatch.setattr(
-        "anyquant.quantization.run_worker", lambda module, job, **kw: jobs.append({**job, "module": module})
+        "anyquant.tools.quantize.run_worker", lambda module, job, **kw: jobs.append({**job, "module": module})
     )
     return jobs
 

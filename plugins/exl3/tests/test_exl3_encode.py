@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from anyquant_exl3.codebook import codebook_lut
-from anyquant_exl3.decode import decode_exl3, decode_what
+from anyquant_exl3.dequant import decode_exl3, decode_what
 from anyquant_exl3.encode import (
     encode_exl3,
     matrix_to_stream_tiles,

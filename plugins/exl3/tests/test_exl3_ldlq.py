@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import anyquant
 from anyquant.testing.tiny import make_tiny_dense
 from anyquant_exl3 import encode as enc
-from anyquant_exl3.decode import decode_exl3
+from anyquant_exl3.dequant import decode_exl3
 from anyquant_exl3.encode import (
     HessianError,
     TileEncoder,
@@ -148,7 +148,7 @@ def test_capture_hessians_matches_the_inputs(tmp_path: Path) -> None:
 def test_quantize_with_ldlq_lowers_every_linears_output_error(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from anyquant.quantization import calibration_batch
+    from anyquant.tools.quantize import calibration_batch
 
     dense = make_tiny_dense(tmp_path / "tiny", num_hidden_layers=1)
     texts = [

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _exl3_testlib import max_rel_err, peer_available, random_layer, run_peer
 
-from anyquant_exl3.decode import decode_exl3, decode_states, decode_what
+from anyquant_exl3.dequant import decode_exl3, decode_states, decode_what
 
 pytestmark = [
     pytest.mark.peer,

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 import anyquant
 from anyquant.errors import QuantizeError
 from anyquant.protocols import QuantizeSpec
-from anyquant.quantization import WorkerError, run_worker
 from anyquant.testing.tiny import make_tiny_dense, make_tokenizer
-from anyquant_exl3 import cuda_backend
+from anyquant.tools.quantize import WorkerError, run_worker
+from anyquant_exl3 import exllamav3_kernels
 from anyquant_exl3.exllamav3_convert import (
     MODULE,
     converted_ok,
@@ -59,8 +59,8 @@ def test_backend_specific_options_choose_or_conflict(monkeypatch: pytest.MonkeyP
     """An option only one quantizer reads is never silently dropped: with "auto" it picks that quantizer (so
     ``encode_device="cuda"`` runs anyquant's encoder on the GPU even where exllamav3's converter could run), and
     naming the other quantizer with it is an error."""
-    available = cuda_backend.BackendInfo("exllamav3", True)
-    monkeypatch.setattr(cuda_backend, "backend_info", lambda: available)
+    available = exllamav3_kernels.BackendInfo("exllamav3", True)
+    monkeypatch.setattr(exllamav3_kernels, "backend_info", lambda: available)
     assert quantizer_backend(_spec()) == "exllamav3"  # auto, where the converter can run
     for option in ("encode_device", "ldlq", "batch_tiles"):
         assert quantizer_backend(_spec(**{option: "cpu"})) == "anyquant"
@@ -77,8 +77,8 @@ def test_backend_specific_options_choose_or_conflict(monkeypatch: pytest.MonkeyP
     with pytest.raises(QuantizeError, match=r"'devices' by 'exllamav3'; 'encode_device' by 'anyquant'\): one runs"):
         quantizer_backend(_spec(encode_device="cuda", devices="0"))
     # where the converter cannot run, its own options say so instead of falling back to anyquant's encoder
-    missing = cuda_backend.BackendInfo("exllamav3", False, "no CUDA device")
-    monkeypatch.setattr(cuda_backend, "backend_info", lambda: missing)
+    missing = exllamav3_kernels.BackendInfo("exllamav3", False, "no CUDA device")
+    monkeypatch.setattr(exllamav3_kernels, "backend_info", lambda: missing)
     assert quantizer_backend(_spec()) == "anyquant"
     with pytest.raises(QuantizeError, match=r"options \['scaled_hessian'\] \(exllamav3's converter\) cannot run here"):
         quantizer_backend(_spec(scaled_hessian=True))
@@ -92,7 +92,7 @@ def test_head_bits_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(QuantizeError, match="head_bits=16 only"):
         EXL3Quantizer().validate(probe, _spec(quantizer_backend="anyquant", head_bits=6))
     # where exllamav3 can run, its converter quantizes the head: 1..8 or 16
-    monkeypatch.setattr(cuda_backend, "backend_info", lambda: cuda_backend.BackendInfo("exllamav3", True))
+    monkeypatch.setattr(exllamav3_kernels, "backend_info", lambda: exllamav3_kernels.BackendInfo("exllamav3", True))
     EXL3Quantizer().validate(probe, _spec(quantizer_backend="exllamav3", head_bits=6))
     EXL3Quantizer().validate(probe, _spec(head_bits=16))  # auto -> exllamav3 here
     with pytest.raises(QuantizeError, match="head_bits must be"):

@@ -105,7 +105,7 @@ def test_quantized_source_is_refused(quantized: Path, tmp_path: Path) -> None:
 
 
 def test_worker_failure_leaves_nothing(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from anyquant._staging import _host_tag
+    from anyquant.tools._staging import _host_tag
     from anyquant_gptq.quantize import GPTQQuantizer
 
     job = GPTQQuantizer.job  # a dtype the worker cannot use, past validate (which refuses it now)

@@ -6,7 +6,9 @@ import argparse
 import hashlib
 import json
 
-from ..calibration import (
+from ..console import JSON_HELP
+from ..hookspecs import CommandRegistrar, hookimpl
+from ..tools.calibration import (
     DEFAULT_NGRAM,
     DEFAULT_THRESHOLD,
     CalibrationError,
@@ -17,8 +19,6 @@ from ..calibration import (
     sample,
     sources,
 )
-from ..console import JSON_HELP
-from ..hookspecs import CommandRegistrar, hookimpl
 
 __all__ = ["anyquant_register_commands"]
 

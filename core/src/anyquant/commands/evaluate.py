@@ -33,7 +33,7 @@ def _configure_compare(p: argparse.ArgumentParser) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    from ..evaluate import DEFAULT_DECODE, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL, DEFAULT_TEXT, DEFAULT_WINDOW
+    from ..tools.evaluate import DEFAULT_DECODE, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL, DEFAULT_TEXT, DEFAULT_WINDOW
 
     p.add_argument("--text", default=DEFAULT_TEXT, help="corpus name (held-out part), .txt/.jsonl/.parquet, or hf:NAME")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per perplexity window")
@@ -61,7 +61,7 @@ def _common_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from ..api import default_model
-    from ..evaluate import evaluate, to_table
+    from ..tools.evaluate import evaluate, to_table
 
     path = args.path or default_model()
     result = evaluate(path, **_common_kwargs(args))
@@ -70,7 +70,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from ..evaluate import check_png_path, compare, plot, to_markdown, to_table
+    from ..tools.evaluate import check_png_path, compare, plot, to_markdown, to_table
 
     if args.png:
         check_png_path(args.png)

@@ -30,7 +30,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..export import export_dense
+    from ..tools.export import export_dense
 
     out = export_dense(args.path, args.out, dtype=args.dtype, overwrite=args.overwrite)
     emit(args, {"out": str(out), "to": args.to, "dtype": args.dtype}, f"wrote {out} ({args.to}, {args.dtype})")

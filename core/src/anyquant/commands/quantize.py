@@ -156,7 +156,7 @@ def _given(args: argparse.Namespace, flags: Mapping[str, tuple[QuantizeFlag, lis
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..quantization import quantize
+    from ..tools.quantize import quantize
 
     flags: Mapping[str, tuple[QuantizeFlag, list[Any]]] = args.quantize_flags
     given = _given(args, flags)

@@ -19,7 +19,7 @@ def anyquant_register_commands(cli: CommandRegistrar) -> None:
 
 
 def _configure_estimate(p: argparse.ArgumentParser) -> None:
-    from ..sizing import KV_BITS
+    from ..tools.estimate import KV_BITS
 
     p.add_argument("model", metavar="PATH_OR_CONFIG", help="checkpoint dir/.gguf (exact) or config.json (needs --bits)")
     p.add_argument("--bits", type=float, default=None, help="bits per weight of the decoder linears")
@@ -45,7 +45,7 @@ def _configure_advise(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from ..sizing import estimate
+    from ..tools.estimate import estimate
 
     e = estimate(
         args.model,
@@ -61,7 +61,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
-    from ..sizing import advise
+    from ..tools.advise import advise
 
     a = advise(args.gpu, args.vram, args.users, args.model, args.gpus, context=args.context, ram_gb=args.ram)
     print(json_line(a.to_dict()) if args.json else a.summary())

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from ..errors import QuantizeError
 from ..probe import Probe
 from ..protocols import QuantizeSpec
-from ..quantization import calibration_texts
+from ..tools.quantize import calibration_texts
 
 __all__ = ["GPTQModelQuantizer", "linear_in_features"]
 
@@ -93,7 +93,7 @@ class GPTQModelQuantizer:
     def quantize(
         self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None] | None = None
     ) -> Path:
-        from ..quantization import run_worker
+        from ..tools.quantize import run_worker
 
         scratch = dst / ".scratch"
         scratch.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Worker process: quantize a dense checkpoint with GPTQModel (GPTQ or AWQ) and save it.
 
-Run by :func:`anyquant.quantization.run_worker` as ``python -m anyquant.int4.gptqmodel_worker job.json``
+Run by :func:`anyquant.tools.quantize.run_worker` as ``python -m anyquant.int4.gptqmodel_worker job.json``
 for :class:`anyquant.int4.gptqmodel_quantizer.GPTQModelQuantizer` (the GPTQ and AWQ plugins' quantizers).
 It lives in its own process because importing gptqmodel patches transformers globally.
 """
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..quantization import emit_progress, emit_result, watch_parent
+from ..tools.quantize import emit_progress, emit_result, watch_parent
 
 
 def _config(job: dict[str, Any]) -> Any:

@@ -172,8 +172,8 @@ class Int4Loader(TransformersLoader):
         # GPTQModel's kernels only on CUDA: on the CPU never, even where a GPU is visible
         if kind == "cuda" and self._gptqmodel_runs(facts.layout) and gptqmodel_backend().available:
             return "gptqmodel"
-        # measured (docs/benchmarks.md): cpu-fast decodes faster than dense float32 at a quarter of
-        # its memory wherever torch's int4 kernel is vectorized (AVX2, AVX512)
+        # cpu-fast decodes faster than dense float32 at a quarter of its memory wherever torch's int4
+        # kernel is vectorized (AVX2, AVX512; docs/benchmarks.md)
         if kind == "cpu" and (facts.fast_layers is None or facts.fast_layers > 0) and cpu_fast_backend().available:
             return "cpu-fast"
         fits = facts.dense_bytes is None or facts.dense_bytes < DEQUANT_RAM_SHARE * _ram_bytes()

@@ -331,7 +331,9 @@ def build_model(
             _set_module(model, name, experts.to(device))
     tie = _tied_head(model)
     head = model.get_output_embeddings() if tie is not None else None
-    head_weight = getattr(head, "weight", None)
+    # the registered parameter, not getattr: a replacement head's ``weight`` may be a property that decodes
+    # the whole table (cpu-fast's FastHead over a file-backed one)
+    head_weight = head._parameters.get("weight") if isinstance(head, nn.Module) else None
     head_missing = (
         tie is not None
         and isinstance(head_weight, torch.Tensor)

@@ -67,6 +67,7 @@ __all__ = [
     "int4pack_status",
     "kernel_group_size",
     "pack_int4_blocked",
+    "pack_int4_pairs",
     "unsupported_reason",
 ]
 
@@ -74,10 +75,10 @@ log = logging.getLogger(__name__)
 
 #: group sizes ``_weight_int4pack_mm_for_cpu`` accepts, largest first.
 KERNEL_GROUPS = (256, 128, 64, 32)
-#: ``rows <= DEFAULT_SMALL_ROWS`` use the int4 kernel, more rows the dequantize + GEMM path. Measured
-#: on SmolLM2's shapes (1 thread, AVX512 + AMX): the int4 kernel costs ~8 us (576x576) to ~21 us
-#: (576x1536) per row, a float32 GEMM ~4 to ~10.5 us per row plus ~0.45 to ~1.2 ms to dequantize
-#: the weight, so the paths cross near 100 rows; 64 keeps prompts of a chat turn on the kernel.
+#: ``rows <= DEFAULT_SMALL_ROWS`` use the int4 kernel, more rows the dequantize + GEMM path: the kernel
+#: costs more per row than a float32 GEMM, which pays a fixed dequantization of the weight first, so the
+#: paths cross at some row count (near 100 on SmolLM2's shapes, docs/benchmarks.md); 64 keeps prompts of a
+#: chat turn on the kernel.
 DEFAULT_SMALL_ROWS = 64
 _LAYOUT_BLOCKS = (64, 32, 16)
 _INNER_K_TILES = 2
@@ -99,6 +100,31 @@ def pack_int4_blocked(codes: torch.Tensor, block: int) -> torch.Tensor:
     halves = codes.to(torch.uint8).reshape(k, n // block, 2, block // 2)
     packed = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [K, N/B, B/2]
     return packed.permute(1, 0, 2).contiguous().view(n, k // 2)
+
+
+def pack_int4_pairs(pairs: torch.Tensor, block: int) -> torch.Tensor:
+    """Bytes that each hold two codes of one row -> the int4 kernel's ``[N, K/2]`` layout
+    (:func:`pack_int4_blocked`'s), with no unpacked copy of the codes in between.
+
+    ``pairs`` is uint8 ``[N, A, C, H]`` (any strides): byte ``(n, a, c, i)`` holds ``q[n, k]`` in its low
+    nibble and ``q[n, k + H]`` in its high one, ``k = 2H (a C + c) + i`` (GGUF's Q4_0/Q4_1 blocks:
+    ``[N, K/32, 1, 16]`` past each block's header; Q4_K: ``[N, K/256, 4, 32]``). ``N % block == 0``.
+    Each output byte pairs rows ``n`` and ``n + block/2`` of the same column: two whole-tensor
+    nibble merges written straight into the kernel's order (a few large ops: each op costs a
+    thread-pool round trip, which a loaded machine makes slow).
+    """
+    n, a, c, h = pairs.shape
+    if n % block:
+        raise ValueError(f"{n} rows are not a multiple of the kernel's block of {block}")
+    k = 2 * h * a * c
+    out = torch.empty(n // block, k, block // 2, dtype=torch.uint8)
+    # out[b, k, j] with k split as (a, c, nibble, i), viewed in the source's order [b, j, a, c, nibble, i]
+    dst = out.view(n // block, a, c, 2, h, block // 2).permute(0, 5, 1, 2, 3, 4)
+    src = pairs.view(n // block, 2, block // 2, a, c, h)
+    first, second = src[:, 0], src[:, 1]  # rows b*B + j and b*B + B/2 + j
+    torch.bitwise_or(first & 0x0F, second << 4, out=dst[..., 0, :])
+    torch.bitwise_or(first >> 4, second & 0xF0, out=dst[..., 1, :])
+    return out.view(n, k // 2)
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -159,9 +185,9 @@ def bf16_gemm_is_fast() -> bool:
     return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
 
 
-#: CPU capabilities where the int4 kernel is vectorized and measured faster than a dense float32
-#: weight for one row (AVX512 here; AVX2 with ATEN_CPU_CAPABILITY=avx2). "DEFAULT" (no SIMD) runs a
-#: scalar loop ~80x slower.
+#: CPU capabilities where the int4 kernel is vectorized and faster than a dense float32 weight for
+#: one row (AVX512; AVX2 with ATEN_CPU_CAPABILITY=avx2). "DEFAULT" (no SIMD) runs a scalar loop, far
+#: slower than either.
 FAST_CAPABILITIES = ("AVX2", "AVX512")
 
 
@@ -224,6 +250,11 @@ class FastInt4Linear(nn.Module):
     Built from integer codes ``q`` ``[in, out]`` (0..15, any integer dtype), zero points ``z`` ``[G, out]``,
     scales ``s`` ``[G, out]`` and ``g_idx`` ``[in]`` (``None``: ``k // (in / G)``). See the module
     docstring for the two paths and their tolerances.
+
+    A format that can write the kernel's layout straight from its own bytes passes ``packed`` (uint8
+    ``[padded_out, in/2]``, e.g. from :func:`pack_int4_pairs`; ``codes`` is then ``None`` and ``g_idx`` must
+    be too); one whose kernel offsets are not ``(8 - z) s`` passes ``kernel_pairs``, float32 ``[G, out, 2]``
+    of ``(s, m)`` for the kernel's ``(q - 8) s + m``.
     """
 
     packed: torch.Tensor
@@ -236,7 +267,7 @@ class FastInt4Linear(nn.Module):
 
     def __init__(
         self,
-        codes: torch.Tensor,
+        codes: torch.Tensor | None,
         zeros: torch.Tensor,
         scales: torch.Tensor,
         g_idx: torch.Tensor | None = None,
@@ -245,10 +276,17 @@ class FastInt4Linear(nn.Module):
         compute_dtype: torch.dtype = torch.float32,
         small_rows: int = DEFAULT_SMALL_ROWS,
         prefill_dtype: torch.dtype | None = None,
+        packed: torch.Tensor | None = None,
+        kernel_pairs: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         status = int4pack_status()
-        in_features, out_features = codes.shape
+        if packed is None:
+            if codes is None:
+                raise ValueError("FastInt4Linear needs codes or packed")
+            in_features, out_features = codes.shape
+        else:
+            in_features, out_features = 2 * packed.shape[-1], scales.shape[-1]
         num_groups = scales.shape[0]
         if scales.shape != (num_groups, out_features) or zeros.shape != (num_groups, out_features):
             raise ValueError(f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not match {out_features}")
@@ -268,27 +306,38 @@ class FastInt4Linear(nn.Module):
         self.padded_out = -(-out_features // self.block_n) * self.block_n
 
         perm = group_permutation(g_idx, group_size)
-        codes = codes.to(torch.uint8)
-        if perm is not None:
-            codes = codes.index_select(0, perm)
         pad = self.padded_out - out_features
-        if pad:
-            codes = F.pad(codes, (0, pad))
-        # the layout _convert_weight_to_int4pack_for_cpu writes on this CPU (int4pack_status checked it),
-        # built from uint8 codes: the op itself wants an int32 [N, K] copy (4 bytes per weight)
-        self.register_buffer("packed", pack_int4_blocked(codes, self.block_n))
-        del codes
-        # the kernel's m = (8 - z) * s, per kernel group (larger groups repeat their values)
-        s32, z32 = scales.to(torch.float32), zeros.to(torch.float32)
-        sz = torch.stack([s32, (8.0 - z32) * s32], -1)
+        if packed is not None:
+            if perm is not None or packed.dtype != torch.uint8 or packed.shape != (self.padded_out, in_features // 2):
+                raise ValueError(f"packed must be the kernel's uint8 [{self.padded_out}, {in_features // 2}] layout")
+            self.register_buffer("packed", packed)
+        else:
+            assert codes is not None
+            codes = codes.to(torch.uint8)
+            if perm is not None:
+                codes = codes.index_select(0, perm)
+            if pad:
+                codes = F.pad(codes, (0, pad))
+            # the layout _convert_weight_to_int4pack_for_cpu writes on this CPU (int4pack_status checked it),
+            # built from uint8 codes: the op itself wants an int32 [N, K] copy (4 bytes per weight)
+            self.register_buffer("packed", pack_int4_blocked(codes, self.block_n))
+            del codes
+        if kernel_pairs is not None:
+            if kernel_pairs.shape != (num_groups, out_features, 2):
+                raise ValueError(f"kernel_pairs {tuple(kernel_pairs.shape)} is not [{num_groups}, {out_features}, 2]")
+            sz = kernel_pairs
+        else:  # the kernel's m = (8 - z) * s, per kernel group (larger groups repeat their values)
+            s32, z32 = scales.to(torch.float32), zeros.to(torch.float32)
+            sz = torch.stack([s32, (8.0 - z32) * s32], -1)
+            del s32, z32
         if pad:
             sz = F.pad(sz, (0, 0, 0, pad))
         repeat = group_size // kernel_group
         if repeat > 1:
             sz = sz.repeat_interleave(repeat, dim=0)
         self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16).contiguous())
-        del sz, s32, z32
-        if bool(((zeros < 0) | (zeros > 255)).any()):
+        del sz
+        if zeros.dtype != torch.uint8 and bool(((zeros < 0) | (zeros > 255)).any()):
             raise ValueError("zero points must lie in [0, 255]")
         self._keep_exact(scales, zeros.to(torch.uint8))
         self.register_buffer("perm", perm)
@@ -320,8 +369,9 @@ class FastInt4Linear(nn.Module):
                 self.scale_residual, self.scales = None, scales.clone()
         else:
             self.scales = scales.clone()
-        if zeros.numel() and bool((zeros == zeros.flatten()[0]).all()):
-            self.zeros = zeros.flatten()[:1].view(1, 1).clone()
+        # one value expanded (stride 0: GGUF's) is uniform without a look; indexed, not flattened (no copy)
+        if zeros.numel() and (zeros.stride() == (0, 0) or bool((zeros == zeros[0, 0]).all())):
+            self.zeros = zeros[:1, :1].clone(memory_format=torch.contiguous_format)
         elif not torch.equal(self.exact_zeros(), zeros):
             self.zeros = zeros.contiguous()
 
@@ -565,8 +615,8 @@ class FastHead(nn.Module):
     EXACT_TOP = 64
     #: prepacked pieces of a file-backed head, each half the rows left (the last two equal: 1/2, 1/4, 1/8,
     #: 1/16, 1/16), so the load's peak is the prepacked head plus one sixteenth of it in bfloat16 (equal
-    #: quarters: one quarter; SmolLM2's head: 3.4 MiB, where four pieces left 6.8). One call each per decode
-    #: step: ~0.1-0.15 ms more per step for SmolLM2's 49152x576 head than one piece; bitwise the same result.
+    #: quarters: one quarter). One call each per decode step, a little slower than one piece; bitwise the same
+    #: result.
     FILE_PIECES = 5
 
     def __init__(
@@ -911,7 +961,7 @@ class FastCPUPlan:
         left in the file (:meth:`file_tables`); read into memory here when no fast head takes it."""
         from .._memory import release_free_heap
 
-        release_free_heap()  # the tokenizer's parse left ~2x its size free in the heap: not under the head's peak
+        release_free_heap()  # the tokenizer's parse left freed memory in the heap: not under the head's peak
         if self.head and self.converted == 0:
             self.head_info = {"head": "dense", "reason": "no layer runs the int4 kernel: the model stays exact"}
         elif self.head:

@@ -17,7 +17,7 @@ def check_finite(name: str, value: torch.Tensor, *, source: torch.Tensor | None 
     if not value.is_floating_point() or value.is_meta or value.numel() == 0:
         return
     # one pass, no temporary: any NaN or inf element makes the sum NaN or inf (a finite sum past the dtype's
-    # range falls through to the exact check). 4 ms for a 49152x576 float32 embedding, against 70 for isfinite.
+    # range falls through to the exact check), far cheaper than isfinite's full boolean tensor (docs/benchmarks.md).
     if bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all()):
         return
     nan = int(torch.isnan(value).sum())

@@ -204,7 +204,7 @@ class TorchGenerator:
             _check_messages(messages)
             if not getattr(tok, "chat_template", None):
                 raise CheckpointError("this model's tokenizer has no chat template; pass a plain string prompt")
-            text = render_chat(tok, messages, add_generation_prompt=True)
+            text = render_chat(tok, messages, context_length=self.context, add_generation_prompt=True)
             return list(tok(text, add_special_tokens=False)["input_ids"])
         if not isinstance(prompt, str):
             raise ParameterError("chat=False needs a string prompt")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AnyquantError
+from ..results import TokenLogprob
 from .scheduler import Finished, QueueFull, Request
 
 __all__ = ["ApiError", "ServerConfig", "build_app"]
@@ -56,6 +57,7 @@ class _Job:
     max_tokens: int
     stream: bool
     include_usage: bool
+    logprobs: bool = False  # report each token's log-probability (params.top_logprobs alternatives with it)
 
 
 def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -141,11 +143,7 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
         )
     if _integer(body, "n", 1) not in (None, 1):
         raise ApiError(400, "n: only n=1 is supported", "unsupported_parameter", "n")
-    for name in ("presence_penalty", "frequency_penalty", "min_p"):
-        _unsupported(body, name, (0, 0.0))
-    _unsupported(body, "logit_bias", ({},))
-    _unsupported(body, "logprobs", (False, 0))
-    _unsupported(body, "top_logprobs", (0,))
+    extras, logprobs = _sampling(app, body, chat)
     _unsupported(body, "echo", (False,))
     _unsupported(body, "best_of", (1,))
     _unsupported(body, "suffix", ("",))
@@ -171,6 +169,9 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
             repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 10.0),
             seed=_integer(body, "seed", 0),
             stop=stops,
+            logprobs=logprobs is not None,
+            top_logprobs=logprobs or 0,
+            **extras,
         )
     except AnyquantError as exc:
         raise ApiError(400, str(exc), "invalid_value") from None
@@ -191,7 +192,72 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
             raise ApiError(400, "max_tokens is required: this model's context length is unknown", "invalid_value")
         asked = room
     max_tokens = min(asked, room) if room is not None else asked
-    return _Job(ids, params, max_tokens, stream, bool(options.get("include_usage")))
+    return _Job(ids, params, max_tokens, stream, bool(options.get("include_usage")), logprobs is not None)
+
+
+def _sampling(app: _Server, body: Mapping[str, Any], chat: bool) -> tuple[dict[str, Any], int | None]:
+    """The sampling and log-probability parameters beyond the basic ones: ``GenerationParams`` keywords for the
+    non-neutral ones, and how many alternatives to report per token (``None``: no log-probabilities). Chat takes
+    ``logprobs: true`` with ``top_logprobs: k``, completions ``logprobs: k`` (OpenAI's two shapes); k in [0, 20]."""
+    extras: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name, 0.0, -2.0, 2.0)
+        if value:
+            extras[name] = value
+    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    if min_p >= 1:
+        raise ApiError(400, f"min_p={min_p!r}: expected a number in [0, 1)", "invalid_value", "min_p")
+    if min_p:
+        extras["min_p"] = min_p
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, Mapping):
+            raise ApiError(400, "logit_bias: expected an object of token ids to numbers", "invalid_value", "logit_bias")
+        vocab = app.adapter.vocab_size()
+        table: dict[int, float] = {}
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isdigit() and int(key) < vocab):
+                raise ApiError(
+                    400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", "invalid_value", "logit_bias"
+                )
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ApiError(
+                    400,
+                    f"logit_bias[{key!r}]={value!r}: expected a number in [-100, 100]",
+                    "invalid_value",
+                    "logit_bias",
+                )
+            table[int(key)] = float(value)
+        if table:
+            extras["logit_bias"] = table
+    logprobs: int | None = None
+    if chat:
+        asked = body.get("logprobs")
+        if asked is not None and not isinstance(asked, bool):
+            raise ApiError(400, f"logprobs={asked!r}: expected true or false", "invalid_value", "logprobs")
+        top = _bounded(body, "top_logprobs", 20)
+        if top and not asked:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "invalid_value", "top_logprobs")
+        logprobs = (top or 0) if asked else None
+    else:
+        logprobs = _bounded(body, "logprobs", 20)
+    unsupported: list[str] = [
+        n for n in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias") if n in extras
+    ]
+    unsupported += ["logprobs"] if logprobs is not None else []
+    if unsupported and not getattr(app.scheduler, "full_sampling", False):
+        name = unsupported[0]
+        raise ApiError(400, f"{name} is not supported by this server's engine", "unsupported_parameter", name)
+    return extras, logprobs
+
+
+def _bounded(body: Mapping[str, Any], name: str, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+        raise ApiError(400, f"{name}={value!r}: expected an integer in [0, {hi}]", "invalid_value", name)
+    return value
 
 
 # ---------------------------------------------------------------------- the app
@@ -210,10 +276,13 @@ class _Run:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[str | Finished] = asyncio.Queue()
+        self.queue: asyncio.Queue[str | TokenLogprob | Finished] = asyncio.Queue()
 
     def emit(self, text: str) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, text)
+
+    def logprob(self, item: TokenLogprob) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     def finish(self, done: Finished) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, done)
@@ -293,6 +362,8 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
             run = _Run(asyncio.get_running_loop())
             deadline = time.monotonic() + config.timeout
             work = Request(job.ids, job.params, job.max_tokens, run.emit, run.finish, deadline)
+            if job.logprobs:
+                work.logprob = run.logprob
             try:
                 scheduler.submit(work)
             except QueueFull as exc:
@@ -306,12 +377,12 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
         head = {"id": ident, "created": int(time.time()), "model": config.model_name}
         if job.stream:
             return EventSourceResponse(
-                _sse(run, work, head, chat, job.include_usage),
+                _sse(run, work, head, chat, job.include_usage, job.logprobs),
                 ping=15,
                 shutdown_event=None,
                 shutdown_grace_period=config.timeout,
             )
-        answer: Response = await _whole(request, run, work, head, chat, error)
+        answer: Response = await _whole(request, run, work, head, chat, error, job.logprobs)
         return answer
 
     async def chat_completions(request: HttpRequest) -> Response:
@@ -339,11 +410,43 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, 500: internal})
 
 
-async def _whole(request: Any, run: _Run, work: Request, head: dict[str, Any], chat: bool, error: Any) -> Any:
+def _chat_logprobs(items: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's chat shape: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = [
+        {**entry(lp.text, lp.logprob), "top_logprobs": [entry(text, value) for _, text, value in lp.top]}
+        for lp in items
+    ]
+    return {"content": content, "refusal": None}
+
+
+def _legacy_logprobs(items: Sequence[TokenLogprob], offset: int) -> tuple[dict[str, Any], int]:
+    """The completions shape (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``: each token's
+    character offset in the answer from ``offset``) and the offset after the last token."""
+    offsets = []
+    for lp in items:
+        offsets.append(offset)
+        offset += len(lp.text)
+    shape = {
+        "tokens": [lp.text for lp in items],
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [{text: value for _, text, value in lp.top} for lp in items],
+        "text_offset": offsets,
+    }
+    return shape, offset
+
+
+async def _whole(
+    request: Any, run: _Run, work: Request, head: dict[str, Any], chat: bool, error: Any, logprobs: bool
+) -> Any:
     """A non-streamed answer: wait for the end (cancelling the work if the client goes away)."""
     from starlette.responses import JSONResponse
 
     pieces: list[str] = []
+    lps: list[TokenLogprob] = []
     try:
         while True:
             try:
@@ -354,7 +457,10 @@ async def _whole(request: Any, run: _Run, work: Request, head: dict[str, Any], c
                 continue
             if isinstance(item, Finished):
                 break
-            pieces.append(item)
+            if isinstance(item, TokenLogprob):
+                lps.append(item)
+            else:
+                pieces.append(item)
     finally:
         work.cancel()  # a no-op once finished; stops the work when this handler is cancelled
     bad = _ended_badly(item)
@@ -367,25 +473,37 @@ async def _whole(request: Any, run: _Run, work: Request, head: dict[str, Any], c
         obj = "chat.completion"
     else:
         choice, obj = {"index": 0, "text": text}, "text_completion"
-    choice.update(finish_reason=reason, logprobs=None)
+    shape = None if not logprobs else _chat_logprobs(lps) if chat else _legacy_logprobs(lps, 0)[0]
+    choice.update(finish_reason=reason, logprobs=shape)
     return JSONResponse({**head, "object": obj, "choices": [choice], "usage": _usage(item)})
 
 
-async def _sse(run: _Run, work: Request, head: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(
+    run: _Run, work: Request, head: dict[str, Any], chat: bool, include_usage: bool, logprobs: bool
+) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
+    pending: list[TokenLogprob] = []  # the tokens since the last chunk: they go out with the next one
+    offset = 0
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return json.dumps({**head, "object": obj, "choices": choices, **extra}, ensure_ascii=False)
 
     def piece(text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+        nonlocal offset
+        shape = None
+        if logprobs and not first:
+            shape = _chat_logprobs(pending) if chat else None
+            if not chat:
+                shape, offset = _legacy_logprobs(pending, offset)
+            pending.clear()
         if chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-        return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": shape}
+        return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": shape}
 
     try:
         if chat:
@@ -394,6 +512,9 @@ async def _sse(run: _Run, work: Request, head: dict[str, Any], chat: bool, inclu
             item = await run.queue.get()
             if isinstance(item, Finished):
                 break
+            if isinstance(item, TokenLogprob):
+                pending.append(item)
+                continue
             yield chunk([piece(item, None)])
         bad = _ended_badly(item)
         if bad is not None:

@@ -1,5 +1,5 @@
 """The engine command for a checkpoint on disk: its format detected, its config and GGUF header read (this module
-imports detection; :mod:`anyquant.serve.engines`, which :mod:`anyquant.sizing` uses, does not)."""
+imports detection; :mod:`anyquant.serve.engines`, which :mod:`anyquant.tools.advise` uses, does not)."""
 
 from __future__ import annotations
 

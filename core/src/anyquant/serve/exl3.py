@@ -54,6 +54,10 @@ class Exl3Adapter:
 class Exl3Scheduler:
     """exllamav3's ``Generator`` driven from one thread: jobs in, text pieces out."""
 
+    #: exllamav3's sampler takes temperature, top_k, top_p, the repetition penalty and a seed only; the HTTP side
+    #: refuses logprobs, logit_bias, presence/frequency penalties and min_p for this engine
+    full_sampling = False
+
     def __init__(
         self, path: str | Path, *, max_batch: int = 16, max_queue: int = 64, context: int | None = None
     ) -> None:

@@ -75,6 +75,10 @@ class ModelAdapter:
     def vocab_size(self) -> int:
         return len(self.model.tokenizer)
 
+    def token_logprob(self, logits: Any, token: int, top: int) -> Any:
+        """``token``'s :class:`~anyquant.results.TokenLogprob` under ``logits`` [1, vocab], with the ``top`` best."""
+        return self.generator._token_logprob(logits, token, top)
+
 
 @dataclass
 class Request:
@@ -82,12 +86,15 @@ class Request:
     both called from the scheduler's thread."""
 
     ids: list[int]
-    params: Any  # GenerationParams: temperature, top_k, top_p, repetition_penalty, seed, stop
+    params: Any  # GenerationParams
     max_tokens: int
     emit: Callable[[str], None]
     finish: Callable[[Finished], None]
     deadline: float | None = None  # time.monotonic() after which the request ends with ``timeout``
     cancelled: threading.Event = field(default_factory=threading.Event)
+    #: with ``params.logprobs``: called with each sampled token's :class:`~anyquant.results.TokenLogprob`, before
+    #: the text that token makes final is emitted
+    logprob: Callable[[Any], None] | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -115,11 +122,13 @@ class _Live:
         if self.done is None:
             self.done = Finished(reason, len(self.request.ids), self.counted, error)
 
-    def take(self, token: int) -> None:
-        """One sampled token: the text it makes final goes out; the end of sequence, a stop string or the
-        token budget ends the request."""
+    def take(self, token: int, logprob: Any = None) -> None:
+        """One sampled token (and its log-probability when asked for): the text it makes final goes out; the end
+        of sequence, a stop string or the token budget ends the request."""
         stops = self.request.params.stop
         self.counted += 1
+        if logprob is not None and self.request.logprob is not None:
+            self.request.logprob(logprob)
         if token in self.ends:
             self._flush()
             self.end("stop")
@@ -150,6 +159,10 @@ class _Live:
 
 class Scheduler:
     """The bounded queue and the thread that decodes: ``submit`` from any thread, ``close`` to stop."""
+
+    #: every row of a batched step is sampled with its own parameters, as ``LoadedModel.complete`` samples it
+    #: (logit bias, penalties, min_p, seed) and reports log-probabilities: the HTTP side accepts all of them
+    full_sampling = True
 
     def __init__(self, adapter: ModelAdapter, *, max_batch: int = 16, max_queue: int = 64) -> None:
         if max_batch < 1 or max_queue < 0:
@@ -210,7 +223,7 @@ class Scheduler:
                 try:
                     logits = batch.prefill(request, request.ids)
                     live.append(row)
-                    row.take(self._sample(row, logits[None]))
+                    row.take(*self._sample(row, logits[None]))
                 except Exception as exc:  # this request's failure, not the server's
                     log.exception("request failed in prefill")
                     row.end("error", exc)
@@ -221,7 +234,7 @@ class Scheduler:
             try:
                 logits = batch.step([row.last for row in live])
                 for i, row in enumerate(live):
-                    row.take(self._sample(row, logits[i : i + 1]))
+                    row.take(*self._sample(row, logits[i : i + 1]))
             except Exception as exc:
                 log.exception("decode step failed")
                 for row in live:
@@ -254,13 +267,23 @@ class Scheduler:
                     log.exception("finishing a request failed")
         return [row for row in live if row.done is None]
 
-    def _sample(self, row: _Live, logits: Any) -> int:
+    def _sample(self, row: _Live, logits: Any) -> tuple[int, Any]:
+        """The row's next token from its logits ``[1, vocab]`` and, when asked for, its log-probability (under
+        the model's own distribution, as ``complete`` reports it)."""
         import torch
 
         from ..runtime.generate import sample_next
 
-        if row.request.params.repetition_penalty == 1.0:  # the history is read for the penalty only
-            history = torch.empty((1, 0), dtype=torch.long, device=logits.device)
+        params = row.request.params
+        device = logits.device
+        if params.repetition_penalty == 1.0:  # the history is read for the penalty only
+            history = torch.empty((1, 0), dtype=torch.long, device=device)
         else:
-            history = torch.tensor([row.request.ids + row.generated], dtype=torch.long, device=logits.device)
-        return int(sample_next(logits, row.request.params, history, row.rng)[0])
+            history = torch.tensor([row.request.ids + row.generated], dtype=torch.long, device=device)
+        generated = None
+        if params.presence_penalty or params.frequency_penalty:
+            generated = torch.tensor([row.generated], dtype=torch.long, device=device).reshape(1, -1)
+        token = int(sample_next(logits, params, history, row.rng, generated)[0])
+        if not params.logprobs:
+            return token, None
+        return token, self.adapter.token_logprob(logits, token, params.top_logprobs)

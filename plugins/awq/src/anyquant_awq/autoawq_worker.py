@@ -1,6 +1,6 @@
 """Worker process: quantize a dense checkpoint with AutoAWQ 0.2.9's own quantizer and save AWQ GEMM.
 
-Run by :func:`anyquant.quantization.run_worker` as ``python -m anyquant_awq.autoawq_worker job.json``
+Run by :func:`anyquant.tools.quantize.run_worker` as ``python -m anyquant_awq.autoawq_worker job.json``
 (``quantizer_backend="autoawq"``). It lives in its own process because ``import awq`` calls
 ``warnings.simplefilter`` globally, prints a deprecation notice and pulls in transformers model code.
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from anyquant.plugin import Claim, FormatSpec, Probe, hookimpl
+from anyquant.plugin import CheckpointError, Claim, ConfigError, FormatSpec, Probe, hookimpl
 
 FORMAT = "awq"
 
@@ -29,6 +29,8 @@ def _layout(probe: Probe, prefix: str, bits: int) -> str | None:
     qw, qz, sc = (t.get(f"{prefix}.{s}") for s in ("qweight", "qzeros", "scales"))
     if qw is None or qz is None or sc is None or len(qw.shape) != 2 or len(sc.shape) != 2:
         return None
+    if len(qz.shape) != 2:  # qweight and scales are AWQ's: a malformed AWQ checkpoint, not another format
+        raise CheckpointError(f"{qz.file}: {qz.name} has shape {list(qz.shape)}; AWQ qzeros are 2-D")
     pf = 32 // bits
     if qw.dtype == "I16" and qz.dtype == "F16":
         return "gemv_fast"
@@ -61,6 +63,11 @@ def config_summary(qc: Any) -> dict[str, Any]:
     if isinstance(version, str):
         out["version"] = version.lower()
     mtnc = qc.get("modules_to_not_convert")
+    if mtnc is not None and (not isinstance(mtnc, (list, tuple)) or not all(isinstance(m, str) for m in mtnc)):
+        shown = dict(mtnc) if isinstance(mtnc, Mapping) else mtnc
+        raise ConfigError(
+            f"config.json: quantization_config.modules_to_not_convert is {shown!r}; expected a list of module names"
+        )
     if mtnc:
         out["modules_to_not_convert"] = list(mtnc)
     return out

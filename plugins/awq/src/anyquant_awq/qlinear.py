@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from anyquant.runtime.fastcpu import FastInt4Linear, int4_codes_from_cols, unsupported_reason
@@ -78,7 +80,7 @@ class AWQLinear(QuantLinearBase):
             zeros = None if self.qzeros is None else unpack_cols(self.qzeros, self.bits, count=groups).t()
         if zeros is None:  # zero_point=False: the implicit 2**(b-1), as the reference dequantizer
             zeros = torch.full((groups, self.out_features), 1 << (self.bits - 1), dtype=torch.int32)
-        extra = {} if small_rows is None else {"small_rows": small_rows}
+        extra: dict[str, Any] = {} if small_rows is None else {"small_rows": small_rows}
         return FastInt4Linear(
             codes,
             zeros,

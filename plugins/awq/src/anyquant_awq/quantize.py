@@ -146,7 +146,7 @@ BACKEND_OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
         "autoawq": frozenset({"duo_scaling", "apply_clip"}),
     }
 )
-#: what ``quantizer_backend`` accepts (:func:`anyquant.quantization.route_backend` checks it)
+#: what ``quantizer_backend`` accepts (:func:`anyquant.tools.quantize.route_backend` checks it)
 QUANTIZER_BACKENDS = ("auto", *BACKEND_OPTIONS)
 
 

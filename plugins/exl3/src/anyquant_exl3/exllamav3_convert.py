@@ -1,6 +1,6 @@
 """exllamav3's own converter as anyquant's EXL3 quantizer on CUDA (``quantizer_backend="exllamav3"``).
 
-``anyquant.quantize(src, dst, method="exl3", ...)`` runs, through :func:`anyquant.quantization.run_worker`,
+``anyquant.quantize(src, dst, method="exl3", ...)`` runs, through :func:`anyquant.tools.quantize.run_worker`,
 ``python -m anyquant_exl3.exllamav3_convert job.json``; this worker starts
 ``python -m exllamav3.conversion.convert_model`` (exllamav3 1.6 CLI: ``-i -o -w -b -hb -cb -cd -cr -cc``),
 passes its output to the worker log, turns its `` -- Quantized: <module>`` lines into progress, and

@@ -50,7 +50,7 @@ LOCKED_MARKERS = {"mcg": -877912083, "mul1": -2082680531}
 
 def _exllamav3_backend() -> BackendInfo:
     """Cheap availability check (never imports exllamav3: its import JIT-compiles a CUDA extension)."""
-    from .cuda_backend import backend_info
+    from .exllamav3_kernels import backend_info
 
     return backend_info()
 
@@ -285,10 +285,10 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
 
     def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel:
         """``backend="exllamav3"`` (the ``auto`` choice on a CUDA device when exllamav3 can run) hands the
-        checkpoint to exllamav3's kernels and generator (:mod:`anyquant_exl3.cuda_backend`);
+        checkpoint to exllamav3's kernels and generator (:mod:`anyquant_exl3.exllamav3_kernels`);
         ``tensor_parallel=True`` loads it tensor-parallel over 2+ GPUs there. The other backends build the
         transformers model with :class:`~anyquant_exl3.qlinear.EXL3Linear` layers."""
-        from .cuda_backend import check_tensor_parallel
+        from .exllamav3_kernels import check_tensor_parallel
 
         tensor_parallel = check_tensor_parallel(options)  # typed error before anything heavy
         requested = "exllamav3" if tensor_parallel else options.backend
@@ -296,7 +296,7 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
             from anyquant.runtime.build import resolve_device
 
             if self.choose_backend(requested, resolve_device(options.device)) == "exllamav3":
-                from .cuda_backend import load_exllamav3
+                from .exllamav3_kernels import load_exllamav3
 
                 return load_exllamav3(probe, detection, options, tensor_parallel=tensor_parallel)
         return super().load(probe, detection, options)

@@ -1,6 +1,6 @@
 """Option declarations that a loader or quantizer shares with its backend or worker module, kept here so that
-each imports them without importing the other (``cuda_backend`` read the loader's ``EXLLAMAV3_OPTIONS`` and
-the loader imports ``cuda_backend``; ``exllamav3_convert`` read ``quantize.embed_bits`` and the quantizer
+each imports them without importing the other (``exllamav3_kernels`` read the loader's ``EXLLAMAV3_OPTIONS`` and
+the loader imports ``exllamav3_kernels``; ``exllamav3_convert`` read ``quantize.embed_bits`` and the quantizer
 imports ``exllamav3_convert``: two import circles)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from anyquant.plugin import QuantizeError, QuantizeSpec
 
 __all__ = ["EXLLAMAV3_OPTIONS", "embed_bits"]
 
-#: the ``exllamav3`` backend's load options (read in :mod:`anyquant_exl3.cuda_backend`)
+#: the ``exllamav3`` backend's load options (read in :mod:`anyquant_exl3.exllamav3_kernels`)
 EXLLAMAV3_OPTIONS: Mapping[str, str] = MappingProxyType(
     {
         "tensor_parallel": "exllamav3's tensor-parallel load over every visible GPU (2 or more; default False)",

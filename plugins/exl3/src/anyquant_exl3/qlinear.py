@@ -8,7 +8,7 @@ from torch import nn
 from anyquant.runtime.parts import LinearParts
 from anyquant.runtime.qlinear import QuantLinearBase
 
-from .decode import decode_exl3
+from .dequant import decode_exl3
 from .exl2 import decode_exl2
 from .ring import RingTable
 

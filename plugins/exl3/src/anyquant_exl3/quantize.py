@@ -242,11 +242,11 @@ ANYQUANT_ONLY_OPTIONS = ("batch_tiles", "encode_device", "ldlq")
 EXLLAMAV3_ONLY_OPTIONS = ("devices", "out_scales", "scaled_hessian")
 
 
-#: the options of each quantizer that the other does not read (:func:`anyquant.quantization.route_backend`)
+#: the options of each quantizer that the other does not read (:func:`anyquant.tools.quantize.route_backend`)
 BACKEND_OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {"anyquant": frozenset(ANYQUANT_ONLY_OPTIONS), "exllamav3": frozenset(EXLLAMAV3_ONLY_OPTIONS)}
 )
-#: what ``quantizer_backend`` accepts (:func:`anyquant.quantization.route_backend` checks it)
+#: what ``quantizer_backend`` accepts (:func:`anyquant.tools.quantize.route_backend` checks it)
 QUANTIZER_BACKENDS = ("auto", *BACKEND_OPTIONS)
 
 
@@ -258,7 +258,7 @@ def quantizer_backend(spec: QuantizeSpec) -> str:
     it cannot run. Never imports exllamav3 (that JIT-builds its extension)."""
     from anyquant.plugin import route_backend
 
-    from .cuda_backend import backend_info
+    from .exllamav3_kernels import backend_info
 
     chosen = route_backend(
         spec.options, BACKEND_OPTIONS, lambda: "exllamav3" if backend_info().available else "anyquant"

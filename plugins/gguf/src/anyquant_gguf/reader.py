@@ -44,6 +44,8 @@ from numpy.typing import NDArray
 
 from anyquant.plugin import CheckpointError
 
+from .dequant import UnsupportedGGUFType, dequantize_blocks_torch
+
 __all__ = [
     "DEQUANTIZABLE_TYPES",
     "GGUFRawTensor",
@@ -70,10 +72,6 @@ __all__ = [
 
 class UnsupportedGGUFArchitecture(CheckpointError, ValueError):
     """The GGUF file's ``general.architecture`` (or one of its features) is not supported."""
-
-
-class UnsupportedGGUFType(CheckpointError, ValueError):
-    """A tensor uses a GGML storage type this package cannot dequantize."""
 
 
 Q = GGMLQuantizationType
@@ -807,14 +805,12 @@ def load_tensor(
 ) -> torch.Tensor:
     """Dequantize a tensor into HF orientation and order (float32, then ``dtype``).
 
-    Uses the torch block dequantizer of :mod:`.qlinear`, which equals ``gguf.quants.dequantize``
+    Uses the torch block dequantizer of :mod:`.dequant`, which equals ``gguf.quants.dequantize``
     bit for bit but writes the float32 result once (numpy's goes through temporaries of the
     same size: ~3x the tensor transiently). Q/K rows are un-permuted on the raw bytes before
     dequantizing; Gemma norms get the converter's +1 taken off (:func:`norm_offset`). Other F32
     tensors alias the (copy-on-write) map when ``dtype`` is float32.
     """
-    from .qlinear import dequantize_blocks_torch
-
     raw = load_raw(reader, gguf_name, expert=expert)
     value = dequantize_blocks_torch(raw.data, raw.qtype, raw.shape)
     offset = norm_offset(reader, gguf_name)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from anyquant.plugin import Claim, FormatSpec, Probe, hookimpl
+from anyquant.plugin import Claim, ConfigError, FormatSpec, Probe, hookimpl
 
 from .signature import config_summary, read_signature
 
@@ -27,8 +27,15 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
 
 
 def _gptq_config(probe: Probe) -> Any:
-    for qc in (probe.quantization_config, probe.quantize_config_file):
+    for qc, where in (
+        (probe.quantization_config, "config.json quantization_config"),
+        (probe.quantize_config_file, "quantize_config.json"),
+    ):
         if qc is not None:
+            bits = qc.get("bits")
+            if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):  # compared with shapes' bits
+                shown = dict(bits) if isinstance(bits, Mapping) else bits
+                raise ConfigError(f"{where}: bits is {shown!r}; expected an integer (2, 3, 4 or 8)")
             return qc
     return None
 

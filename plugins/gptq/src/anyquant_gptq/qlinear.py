@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from anyquant.runtime.fastcpu import FastInt4Linear, contiguous_group_size, int4_codes_from_rows, unsupported_reason
@@ -77,7 +79,7 @@ class GPTQLinear(QuantLinearBase):
             out_features=self.out_features,
             sym=self.sym,
         )
-        extra = {} if small_rows is None else {"small_rows": small_rows}
+        extra: dict[str, Any] = {} if small_rows is None else {"small_rows": small_rows}
         return FastInt4Linear(
             codes,
             zeros,

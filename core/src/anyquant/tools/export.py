@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ..errors import ParameterError, UnsupportedBackendError
 from ._staging import check_destination, lock_destination, publish_modes, replace_dir, staging_dir
-from .errors import ParameterError, UnsupportedBackendError
 
 __all__ = ["export_dense"]
 
@@ -26,8 +26,8 @@ def export_dense(
     import torch
     from torch import nn
 
-    from .api import load
-    from .runtime.build import resolve_dtype
+    from ..api import load
+    from ..runtime.build import resolve_dtype
 
     out = Path(out)
     if isinstance(path, (str, os.PathLike)):
@@ -70,7 +70,7 @@ def export_dense(
         parent, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, dense)
         replaced.append(name)
-    from .runtime.experts import Experts
+    from ..runtime.experts import Experts
 
     for name, child in list(module.named_modules()):
         if isinstance(child, Experts):  # back to transformers' fused form, which save_pretrained knows how to write

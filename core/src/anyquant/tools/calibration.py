@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import AnyquantError
+from ..errors import AnyquantError
 
 if TYPE_CHECKING:
-    from .registry import Registry
+    from ..registry import Registry
 
 __all__ = [
     "CORPUS_NAMES",
@@ -486,11 +486,11 @@ def sources(registry: Registry | None = None) -> dict[str, Source]:
 
     A plugin that registers a name already taken is logged and skipped.
     """
-    from .registry import strict_plugins
+    from ..registry import strict_plugins
 
     found = builtin_sources()
     if registry is None:
-        from .api import default_registry
+        from ..api import default_registry
 
         registry = default_registry()
     for impl in registry.pm.hook.anyquant_register_calibration.get_hookimpls():

@@ -7,9 +7,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .headers import SAFETENSORS_DTYPE_BITS
-from .probe import Probe
-from .protocols import Detection, ModuleInfo
+from ..headers import SAFETENSORS_DTYPE_BITS
+from ..probe import Probe
+from ..protocols import Detection, ModuleInfo
 
 __all__ = [
     "EXPERTS_KEYS",
@@ -90,7 +90,7 @@ def coded_rows(probe: Probe, detection: Detection) -> list[ModuleInfo]:
     """Rows for a loader without ``inspect()``: modules holding integer codes are the detected format's
     (bits and group size unknown, shape of the largest code tensor as stored), the rest dense. Never a
     quantized module shown as dense because its plugin describes nothing."""
-    from .builtin import integer_tensors
+    from ..builtin import integer_tensors
 
     if detection.format == "dense":
         return dense_rows(probe)

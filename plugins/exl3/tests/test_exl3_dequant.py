@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _exl3_testlib import random_layer, sim_codebook
 
 from anyquant_exl3.codebook import codebook_lut
-from anyquant_exl3.decode import decode_exl3, decode_states, decode_what, unpack_signs
+from anyquant_exl3.dequant import decode_exl3, decode_states, decode_what, unpack_signs
 from anyquant_exl3.hadamard import had_left, had_right
 from anyquant_exl3.trellis import tensor_core_perm
 

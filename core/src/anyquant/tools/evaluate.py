@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._memory import release_free_heap
-from .errors import AnyquantError
-from .probe import display_name
-from .protocols import LoadedModel
-from .registry import Registry  # torch-free: imported so that typing.get_type_hints resolves the public API
+from .._memory import release_free_heap
+from ..errors import AnyquantError
+from ..probe import display_name
+from ..protocols import LoadedModel
+from ..registry import Registry  # torch-free: imported so that typing.get_type_hints resolves the public API
 
 __all__ = [
     "EvalResult",
@@ -128,7 +128,7 @@ def _vocab_size(model: LoadedModel) -> int | None:
 
 
 def _context(model: LoadedModel) -> int | None:
-    from .runtime.generate import context_length
+    from ..runtime.generate import context_length
 
     return context_length(model.module)
 
@@ -329,7 +329,7 @@ def _text_and_name(text: str) -> tuple[str, str]:
 
 
 def _static_info(path: str | Path, registry: Registry | None) -> dict[str, Any]:
-    from .api import inspect
+    from ..api import inspect
 
     try:
         totals = inspect(path, registry=registry).totals
@@ -358,7 +358,7 @@ class _Run:
 
 
 def _open(path: str | Path, load_kwargs: dict[str, Any]) -> _Run:
-    from .api import load
+    from ..api import load
 
     _release_memory()
     meter = _MemoryMeter(_expected_device(str(load_kwargs.get("device", "auto"))))
@@ -439,7 +439,7 @@ def _evaluate_rounds(
                 label=label,
                 text=text_name,
                 # load time and memory: the least over the rounds. The process's first load also pays one-time
-                # costs (imports: ~57 MiB and ~0.3 s), which went to whichever checkpoint was listed first.
+                # costs (imports), which went to whichever checkpoint was listed first.
                 load_s=min(p["load_s"], default=0.0),
                 peak_memory_bytes=min((v for v in p["peak"] if v is not None), default=None),
                 memory_delta_bytes=min((v for v in p["delta"] if v is not None), default=None),

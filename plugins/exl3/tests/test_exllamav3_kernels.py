@@ -20,7 +20,7 @@ import anyquant
 from anyquant.protocols import GenerationParams, LoadOptions
 from anyquant.testing.fixtures import exl3_mul1
 from anyquant.testing.tiny import make_tokenizer
-from anyquant_exl3 import cuda_backend as cb
+from anyquant_exl3 import exllamav3_kernels as cb
 from anyquant_exl3 import loader as loader_module
 from anyquant_exl3.loader import EXL3Loader
 

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import DestinationLockedError
+from ..errors import DestinationLockedError
 
 try:
     import fcntl

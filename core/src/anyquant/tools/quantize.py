@@ -32,11 +32,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ..errors import AnyquantError, QuantizeError
+from ..probe import Probe, resolve_checkpoint
+from ..protocols import QuantizeSpec, undeclared_options
+from ..registry import Registry, load_spec_object
 from ._staging import check_destination, lock_destination, publish_modes, replace_dir, staging_dir
-from .errors import AnyquantError, QuantizeError
-from .probe import Probe, resolve_checkpoint
-from .protocols import QuantizeSpec, undeclared_options
-from .registry import Registry, load_spec_object
 
 __all__ = [
     "CORE_QUANTIZE_OPTIONS",
@@ -124,7 +124,7 @@ DEFAULT_CALIBRATION = "c4:0.5,code:0.25,wiki:0.25"
 
 def calibration_texts(spec: QuantizeSpec) -> list[str]:
     """A quantizer's calibration samples: explicit texts (``options["texts"]``), or a named source / mix / file
-    via :mod:`anyquant.calibration` (default :data:`DEFAULT_CALIBRATION`).
+    via :mod:`anyquant.tools.calibration` (default :data:`DEFAULT_CALIBRATION`).
 
     Either way they are checked against the whole held-out evaluation text (n-gram overlap): the quality
     gate's, and what ``anyquant eval``/``compare`` score (the check covered only the gate's 12,000
@@ -163,7 +163,7 @@ def quality_check(
     src: Path, result: Path, *, max_ratio: float, max_tokens: int = 1024, registry: Registry | None = None
 ) -> QualityReport:
     """Perplexity of ``result`` vs ``src`` on a short held-out text; raises when the ratio is too high."""
-    from .api import load
+    from ..api import load
     from .evaluate import perplexity
 
     text = eval_text()
@@ -244,7 +244,7 @@ def quantize(
     quantizer, a result that does not detect as ``method``, or a quality gate failure. ``src`` may be a
     model id in the local Hugging Face cache, ``revision`` its branch, tag or commit.
     """
-    from .api import default_registry
+    from ..api import default_registry
 
     reg = registry or default_registry()
     # a model id (owner/name[@revision]): its snapshot in the local Hugging Face cache
