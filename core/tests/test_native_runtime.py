@@ -393,3 +393,24 @@ def test_without_torchscript_the_step_runs_as_python(tmp_path: Path, monkeypatch
     python = _decode(model, ids, 6)
     assert all(function is step.int4_layer for function, _ in model.module.__dict__["_step"].layers)
     assert torch.equal(python, compiled)
+
+
+def test_fused_experts_compute_what_the_per_expert_linears_compute(tmp_path: Path) -> None:
+    """A dense checkpoint in transformers' fused form (3-D ``gate_up_proj``/``down_proj``) fills the native
+    decoder's FusedExperts: the same outputs as the per-expert linears it holds, on rows routed to every expert."""
+    from anyquant.runtime.native import FusedExperts, NativeConfig
+
+    path = make_tiny_dense(tmp_path / "m", **{k: v for k, v in MOE.items() if k != "mlp_only_layers"})
+    model = anyquant.load(path, runtime="native")
+    experts = model.module.model.layers[0].mlp.experts
+    fused = FusedExperts(NativeConfig(model.module.config.to_dict()))
+    held = experts.fused()
+    fused.gate_up_proj, fused.down_proj = held.gate_up_proj, held.down_proj
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(6, experts[0].gate_proj.in_features, generator=gen)
+    index = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2, generator=gen)
+    with torch.no_grad():
+        want = experts(x, index, weights)
+        torch.testing.assert_close(fused(x, index, weights), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fused(x[:1], index[:1], weights[:1]), want[:1], rtol=1e-5, atol=1e-6)
