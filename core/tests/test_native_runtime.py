@@ -414,3 +414,20 @@ def test_fused_experts_compute_what_the_per_expert_linears_compute(tmp_path: Pat
         want = experts(x, index, weights)
         torch.testing.assert_close(fused(x, index, weights), want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(fused(x[:1], index[:1], weights[:1]), want[:1], rtol=1e-5, atol=1e-6)
+
+
+def test_hooks_on_an_experts_linears_fire_on_the_fused_path(tmp_path: Path) -> None:
+    """An expert's gate/up run as one int4 call, except when one of them has a hook: then each runs, and its hook
+    fires (a decode step runs top_k experts: top_k calls)."""
+    model = _int4_model(tmp_path / "m", bias=False, **MOE)
+    experts = model.module.model.layers[1].mlp.experts
+    calls: list[int] = []
+    for e, expert in enumerate(experts):
+        expert.gate_proj.register_forward_pre_hook(lambda m, i, e=e: calls.append(e))
+    ids = torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        out = model.module(ids[:, :5], use_cache=True)
+        calls.clear()
+        model.module(ids[:, 5:], use_cache=True, cache=out.cache)  # one decode step: top_k = 2 experts
+    assert len(calls) == 2 and len(set(calls)) == 2
+    assert all(e.__dict__.get("_fusion") is not None for e in experts)
