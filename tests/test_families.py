@@ -233,6 +233,10 @@ RUNTIME_FAMILIES = {
 }
 
 
+#: the families runtime="auto" builds with anyquant's native decoder (the others: transformers' class)
+NATIVE_FAMILIES = ("qwen3", "qwen3_moe")
+
+
 @pytest.mark.parametrize("family", sorted(RUNTIME_FAMILIES))
 def test_runtime_families_match_transformers(family: str, tmp_path: Path) -> None:
     """Dense checkpoints of each family (as transformers 5 saves them) load through transformers' own class with
@@ -246,7 +250,7 @@ def test_runtime_families_match_transformers(family: str, tmp_path: Path) -> Non
     model_type = cfg.pop("model_type")
     path = make_tiny_dense(tmp_path / family, model_type=model_type, architectures=[], **cfg)
     ours = anyquant.load(path)
-    assert ours.info["runtime"] == "transformers"
+    assert ours.info["runtime"] == ("native" if model_type in NATIVE_FAMILIES else "transformers")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -23,6 +23,29 @@ VARIANTS = {
     "llama-gqa-tied": {"num_hidden_layers": 2, "tie_word_embeddings": True},
     "llama-untied-bias": {"num_hidden_layers": 2, "tie_word_embeddings": False, "attention_bias": True},
     "qwen2": {"model_type": "qwen2", "num_hidden_layers": 2, "tie_word_embeddings": False},
+    # Qwen3: RMSNorm of each query and key head (head_dim not hidden / heads)
+    "qwen3": {"model_type": "qwen3", "num_hidden_layers": 2, "tie_word_embeddings": False, "head_dim": 32},
+    # Qwen3-MoE: top-2 of 4 experts, renormalised; layer 0 dense (mlp_only_layers)
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 2,
+        "head_dim": 32,
+        "moe_intermediate_size": 48,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [0],
+    },
+    # every second layer sparse, the top-3 weights not renormalised
+    "qwen3_moe-step2": {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 2,
+        "moe_intermediate_size": 48,
+        "num_experts": 5,
+        "num_experts_per_tok": 3,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 2,
+    },
     "llama3-rope": {
         "num_hidden_layers": 1,
         "rope_parameters": {
@@ -138,7 +161,9 @@ def _int4_model(
     gen = torch.Generator().manual_seed(5)
     for index, layer in enumerate(model.module.model.layers):
         mlp_names = ("gate_proj", "up_proj") if index in dense_down else ("gate_proj", "up_proj", "down_proj")
-        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (layer.mlp, mlp_names)):
+        mlps = list(layer.mlp.experts) if hasattr(layer.mlp, "experts") else [layer.mlp]  # Qwen3-MoE: each expert
+        parents = [(layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), *((m, mlp_names) for m in mlps)]
+        for parent, names in parents:
             for name in names:
                 lin = getattr(parent, name)
                 k, n = lin.in_features, lin.out_features
@@ -225,6 +250,54 @@ def test_compiled_decode_step_is_bitwise_the_module_path(
     del model.module.__dict__["_step"]  # rebuilt on the next decode step
     assert model.generate_batch(prompts, max_new_tokens=8) == slow_batch
     assert calls.take() == 2 and isinstance(model.module.__dict__["_step"], DecodeStep)  # only the prompt's
+
+
+MOE = {
+    "model_type": "qwen3_moe",
+    "head_dim": 32,
+    "moe_intermediate_size": 64,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [0],
+}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """Qwen3's per-head q/k norms and Qwen3-MoE's routed experts (one row: its experts in order; a batch: each
+    expert on the rows that chose it) in the compiled step, the same logits as the modules; each expert's
+    gate/up one int4 call on both paths."""
+    import os
+
+    from anyquant.runtime.experts import Experts
+    from anyquant.runtime.step import DecodeStep, compiled_layer
+
+    overrides = MOE if family == "qwen3_moe" else {"model_type": "qwen3", "head_dim": 32}
+    model = _int4_model(tmp_path / "m", bias=False, **overrides)
+    kinds = ["int4", "int4_moe"] if family == "qwen3_moe" else ["int4", "int4"]
+    calls = _LayerCalls(monkeypatch)
+    for ids in (
+        torch.randint(0, 200, (1, 30), generator=torch.Generator().manual_seed(12)),
+        torch.randint(0, 200, (3, 16), generator=torch.Generator().manual_seed(13)),
+    ):
+        fast = _decode(model, ids, 8)
+        step = model.module.__dict__["_step"]
+        assert isinstance(step, DecodeStep) and calls.take() == 2
+        assert [function for function, _ in step.layers] == [compiled_layer(k) for k in kinds]
+        if os.environ.get("PYTORCH_JIT", "1") != "0":
+            assert all(isinstance(function, torch.jit.ScriptFunction) for function, _ in step.layers)
+        model.module.__dict__["_step"] = None  # the module path
+        assert torch.equal(_decode(model, ids, 8), fast)
+        assert calls.take() == 2 * (ids.shape[1] - 8 + 1)
+        del model.module.__dict__["_step"]
+    if family == "qwen3_moe":
+        experts = model.module.model.layers[1].mlp.experts
+        assert isinstance(experts, Experts)
+        assert all(e.__dict__.get("_fusion") is not None for e in experts)  # gate/up fused on the module path too
+        assert model.module.model.layers[0].mlp.__class__.__name__ == "MLP"  # mlp_only_layers
 
 
 @pytest.mark.parametrize("kind", ["int4", "bf16"])
@@ -320,3 +393,41 @@ def test_without_torchscript_the_step_runs_as_python(tmp_path: Path, monkeypatch
     python = _decode(model, ids, 6)
     assert all(function is step.int4_layer for function, _ in model.module.__dict__["_step"].layers)
     assert torch.equal(python, compiled)
+
+
+def test_fused_experts_compute_what_the_per_expert_linears_compute(tmp_path: Path) -> None:
+    """A dense checkpoint in transformers' fused form (3-D ``gate_up_proj``/``down_proj``) fills the native
+    decoder's FusedExperts: the same outputs as the per-expert linears it holds, on rows routed to every expert."""
+    from anyquant.runtime.native import FusedExperts, NativeConfig
+
+    path = make_tiny_dense(tmp_path / "m", **{k: v for k, v in MOE.items() if k != "mlp_only_layers"})
+    model = anyquant.load(path, runtime="native")
+    experts = model.module.model.layers[0].mlp.experts
+    fused = FusedExperts(NativeConfig(model.module.config.to_dict()))
+    held = experts.fused()
+    fused.gate_up_proj, fused.down_proj = held.gate_up_proj, held.down_proj
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(6, experts[0].gate_proj.in_features, generator=gen)
+    index = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2, generator=gen)
+    with torch.no_grad():
+        want = experts(x, index, weights)
+        torch.testing.assert_close(fused(x, index, weights), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fused(x[:1], index[:1], weights[:1]), want[:1], rtol=1e-5, atol=1e-6)
+
+
+def test_hooks_on_an_experts_linears_fire_on_the_fused_path(tmp_path: Path) -> None:
+    """An expert's gate/up run as one int4 call, except when one of them has a hook: then each runs, and its hook
+    fires (a decode step runs top_k experts: top_k calls)."""
+    model = _int4_model(tmp_path / "m", bias=False, **MOE)
+    experts = model.module.model.layers[1].mlp.experts
+    calls: list[int] = []
+    for e, expert in enumerate(experts):
+        expert.gate_proj.register_forward_pre_hook(lambda m, i, e=e: calls.append(e))
+    ids = torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        out = model.module(ids[:, :5], use_cache=True)
+        calls.clear()
+        model.module(ids[:, 5:], use_cache=True, cache=out.cache)  # one decode step: top_k = 2 experts
+    assert len(calls) == 2 and len(set(calls)) == 2
+    assert all(e.__dict__.get("_fusion") is not None for e in experts)

@@ -111,11 +111,20 @@ def fusion(module: nn.Module, names: tuple[str, ...]) -> FusedInt4 | None:
     return fused
 
 
+def _hooked(members: list[FastInt4Linear]) -> bool:
+    """Hooks on one of ``members`` or global ones: the members then run one by one, so that the hooks fire."""
+    from torch.nn.modules import module as module_mod
+
+    if getattr(module_mod, "_global_forward_hooks", None) or getattr(module_mod, "_global_forward_pre_hooks", None):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in members)
+
+
 def _joint(module: nn.Module, names: tuple[str, ...], h: torch.Tensor) -> list[torch.Tensor]:
     """``module``'s linears ``names`` applied to ``h``: one fused int4 call where :func:`fusion` gives one,
     else each linear in turn."""
     fused = fusion(module, names)
-    outs = fused(h) if fused is not None else None
+    outs = fused(h) if fused is not None and not _hooked(fused.members) else None
     if outs is not None:
         return outs
     return [getattr(module, n)(h) for n in names]

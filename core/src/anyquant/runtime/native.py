@@ -13,10 +13,13 @@ it: see :func:`native_runtime_reason`). It exists for speed on the CPU:
 
 The module tree and parameter names are transformers' (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``model.layers.N.mlp.gate_proj``, ``model.norm``, ``lm_head`` ...), so the loaders' linear factories, tensor
-filling, head tying and cpu-fast head work unchanged. The arithmetic follows transformers' Llama/Qwen2/Mistral
+filling, head tying and cpu-fast head work unchanged. The arithmetic follows transformers' Llama/Qwen2/Mistral/Qwen3
 code in the same order (RMSNorm in float32 then the weight, ``rotate_half`` rotary embedding (computed with a roll), causal attention
 with the padding mask, SiLU-gated MLP): with float32 weights the logits equal transformers' to float rounding
-(tests compare them). Supported: ``llama``, ``mistral`` and ``qwen2`` configs with SiLU, default or ``llama3``
+(tests compare them). Supported: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (RMSNorm of each query and key
+head before rotary) and ``qwen3_moe`` (its sparse blocks: router softmax in float32, top-k, ``norm_topk_prob``,
+``decoder_sparse_step``, ``mlp_only_layers``; a checkpoint's per-expert linears become
+:class:`~anyquant.runtime.experts.Experts`, only the routed experts run) configs with SiLU, default or ``llama3``
 rotary scaling and no active sliding window; anything else stays on transformers' class.
 """
 
@@ -35,7 +38,9 @@ from .layers import RMSNorm, _joint, _rotary
 
 __all__ = ["NativeCache", "NativeCausalLM", "NativeConfig", "native_runtime_reason"]
 
-_TYPES = ("llama", "mistral", "qwen2")
+_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+#: the families whose attention normalises each query and key head (RMSNorm over ``head_dim``) before rotary
+_QK_NORM = ("qwen3", "qwen3_moe")
 
 
 def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -62,6 +67,36 @@ def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
         return "sliding-window attention is not supported"
     if config.get("pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1 is not supported"
+    if model_type == "qwen3_moe":
+        return _moe_reason(config)
+    return None
+
+
+def _num_experts(config: Mapping[str, Any]) -> Any:
+    """Qwen3-MoE's expert count: ``num_experts`` in Qwen's configs, ``num_local_experts`` as transformers 5 saves it
+    (its attribute map's name); ``None`` when both are there and disagree."""
+    found = {config.get(k) for k in ("num_experts", "num_local_experts")} - {None}
+    return found.pop() if len(found) == 1 else None
+
+
+def _moe_reason(config: Mapping[str, Any]) -> str | None:
+    """Why the native decoder cannot run a Qwen3-MoE ``config`` (``None``: it can)."""
+    experts = _num_experts(config)
+    for key, value in (
+        ("num_experts", experts),
+        ("num_experts_per_tok", config.get("num_experts_per_tok")),
+        ("moe_intermediate_size", config.get("moe_intermediate_size")),
+    ):
+        if type(value) is not int or value < 1:
+            return f"{key} {value!r} is not one positive integer"
+    if config["num_experts_per_tok"] > experts:
+        return "num_experts_per_tok is larger than num_experts"
+    step = config.get("decoder_sparse_step", 1)
+    if type(step) is not int or step < 1:
+        return f"decoder_sparse_step {step!r} is not a positive integer"
+    only = config.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(type(i) is int for i in only):
+        return f"mlp_only_layers {only!r} is not a list of layer indices"
     return None
 
 
@@ -89,6 +124,20 @@ class NativeConfig:
         self.mlp_bias: bool = bool(c.get("mlp_bias", False))
         self.rope: dict[str, Any] = _rope(c)
         self.rope_theta: float = float(self.rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+        self.qk_norm: bool = self.model_type in _QK_NORM
+        # Qwen3-MoE: which layers hold a sparse MoE block, as transformers decides it
+        self.num_experts: int = int(_num_experts(c) or 0) if self.model_type == "qwen3_moe" else 0
+        self.num_experts_per_tok: int = int(c.get("num_experts_per_tok") or 0)
+        self.moe_intermediate_size: int = int(c.get("moe_intermediate_size") or 0)
+        self.norm_topk_prob: bool = bool(c.get("norm_topk_prob", False))
+        self.decoder_sparse_step: int = int(c.get("decoder_sparse_step") or 1)
+        self.mlp_only_layers: list[int] = list(c.get("mlp_only_layers") or [])
+
+    def sparse(self, index: int) -> bool:
+        """Whether layer ``index`` has a MoE block (Qwen3-MoE's rule) rather than a dense MLP."""
+        return (
+            self.num_experts > 0 and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.raw)
@@ -181,6 +230,9 @@ class Attention(nn.Module):
         self.k_proj: nn.Module = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj: nn.Module = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj: nn.Module = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        # Qwen3: RMSNorm over each query and key head before the rotary embedding
+        self.q_norm: RMSNorm | None = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(
         self,
@@ -193,8 +245,11 @@ class Attention(nn.Module):
         """``sin``: with the sign of its first half flipped (see :func:`_rotary`)."""
         b, t, _ = h.shape
         q, k, v = _joint(self, ("q_proj", "k_proj", "v_proj"), h)
-        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q = _rotary(q, cos, sin)
         k = _rotary(k, cos, sin)
@@ -226,11 +281,70 @@ class MLP(nn.Module):
         return y
 
 
+class Router(nn.Module):
+    """Qwen3-MoE's router: its ``weight`` ``[experts, hidden]`` (a parameter, as transformers holds it: no
+    quantized linear is swapped in), the routing computed by :class:`SparseMoe`."""
+
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(top_k_weights, top_k_index)`` of rows ``x`` ``[T, hidden]``: transformers' arithmetic (the softmax in
+        float32, top-k, renormalised when ``norm_topk_prob``, back to the logits' dtype)."""
+        logits = F.linear(x, self.weight)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top /= top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), index
+
+
+class FusedExperts(nn.Module):
+    """transformers' fused experts (3-D ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``): what a
+    dense checkpoint fills. The loader replaces it with :class:`~anyquant.runtime.experts.Experts` when the
+    checkpoint stores one linear per expert (every quantized checkpoint); both are called the same way."""
+
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__()
+        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act_fn = F.silu
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert on the rows that chose it, added in ascending expert order (transformers' order)."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(top_k_index).tolist():
+            pos, token_idx = torch.where((top_k_index == e).T)  # transformers' row order
+            gate, up = F.linear(x[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[token_idx, pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+class SparseMoe(nn.Module):
+    """Qwen3-MoE's sparse block: the router's top-k experts per token, their outputs weighted and summed."""
+
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__()
+        self.gate = Router(c)
+        self.experts: nn.Module = FusedExperts(c)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, h.shape[-1])
+        weights, index = self.gate(x)
+        out: torch.Tensor = self.experts(x, index, weights)
+        return out.view(h.shape)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, c: NativeConfig, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(c, index)
-        self.mlp = MLP(c)
+        self.mlp: nn.Module = SparseMoe(c) if c.sparse(index) else MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

@@ -52,13 +52,21 @@ def _attention(
     kv_heads: int,
     head_dim: int,
     scaling: float,
+    q_norm: Optional[torch.Tensor],  # noqa: UP045
+    k_norm: Optional[torch.Tensor],  # noqa: UP045
+    eps: float,
 ) -> torch.Tensor:
     """Rotary embedding of the queries and keys ``qk`` (``[b, (heads + kv_heads) * head_dim]``: rotated
-    together, elementwise, so bitwise the module path's separate q and k), the KV write at ``start``, and
-    attention: ``[b, heads * head_dim]``."""
+    together, elementwise, so bitwise the module path's separate q and k; first each head normalised by
+    ``q_norm``/``k_norm`` where given, Qwen3's), the KV write at ``start``, and attention: ``[b, heads * head_dim]``."""
     b = qk.shape[0]
     rotated = heads + kv_heads
-    qk = qk.view(b, 1, rotated, head_dim).transpose(1, 2)
+    if q_norm is not None and k_norm is not None:
+        q = F.rms_norm(qk[:, : heads * head_dim].view(b, 1, heads, head_dim), [head_dim], q_norm, eps)
+        k = F.rms_norm(qk[:, heads * head_dim :].view(b, 1, kv_heads, head_dim), [head_dim], k_norm, eps)
+        qk = torch.cat([q, k], 2).transpose(1, 2)
+    else:
+        qk = qk.view(b, 1, rotated, head_dim).transpose(1, 2)
     qk = _rotary(qk, cos, sin)
     keys.narrow(2, start, 1).copy_(qk[:, heads:])
     values.narrow(2, start, 1).copy_(v.view(b, 1, kv_heads, head_dim).transpose(1, 2))
@@ -77,6 +85,53 @@ def _int4(x: torch.Tensor, packed: torch.Tensor, group: int, scales: torch.Tenso
     """:class:`~anyquant.runtime.fastcpu.FastInt4Linear`'s decode path on float32 rows ``x``."""
     y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, group, scales)
     return y.to(x.dtype)
+
+
+def int4_attention(
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
+    norm1: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+    qkv: torch.Tensor,
+    qkv_scales: torch.Tensor,
+    qkv_group: int,
+    o: torch.Tensor,
+    o_scales: torch.Tensor,
+    o_group: int,
+    q_norm: Optional[torch.Tensor],  # noqa: UP045
+    k_norm: Optional[torch.Tensor],  # noqa: UP045
+) -> torch.Tensor:
+    """The attention half of :func:`int4_layer`: ``h`` plus the attention of its normalised rows."""
+    b, hidden = h.shape[0], h.shape[-1]
+    y = _int4(F.rms_norm(h, [hidden], norm1, eps).view(b, hidden), qkv, qkv_group, qkv_scales)
+    rotated = (heads + kv_heads) * head_dim
+    a = _attention(
+        y[:, :rotated],
+        y[:, rotated:],
+        cos,
+        sin,
+        keys,
+        values,
+        start,
+        mask,
+        heads,
+        kv_heads,
+        head_dim,
+        scaling,
+        q_norm,
+        k_norm,
+        eps,
+    )
+    return h + _int4(a, o, o_group, o_scales).view(b, 1, hidden)
 
 
 def int4_layer(
@@ -100,6 +155,8 @@ def int4_layer(
     o: torch.Tensor,
     o_scales: torch.Tensor,
     o_group: int,
+    q_norm: Optional[torch.Tensor],  # noqa: UP045
+    k_norm: Optional[torch.Tensor],  # noqa: UP045
     gate_up: torch.Tensor,
     gate_up_scales: torch.Tensor,
     gate_up_group: int,
@@ -111,18 +168,87 @@ def int4_layer(
     """One decoder layer of cpu-fast int4 linears for one new token per sequence (``h`` ``[b, 1, hidden]``
     float32), writing its key and value at position ``start`` of ``keys``/``values`` (``[b, kv_heads,
     room, head_dim]``); ``mask``: the native model's boolean ``[b, 1, 1, start + 1]`` for padded batches,
-    else ``None``. The ops and their order are :class:`~anyquant.runtime.native.DecoderLayer`'s with
-    :class:`~anyquant.runtime.layers.FusedInt4` q/k/v and gate/up (``sin`` signed as for :func:`~anyquant.runtime.layers._rotary`)."""
+    else ``None``; ``q_norm``/``k_norm``: Qwen3's per-head norms, else ``None``. The ops and their order are
+    :class:`~anyquant.runtime.native.DecoderLayer`'s with :class:`~anyquant.runtime.layers.FusedInt4` q/k/v and
+    gate/up (``sin`` signed as for :func:`~anyquant.runtime.layers._rotary`)."""
     b, hidden = h.shape[0], h.shape[-1]
-    y = _int4(F.rms_norm(h, [hidden], norm1, eps).view(b, hidden), qkv, qkv_group, qkv_scales)
-    rotated = (heads + kv_heads) * head_dim
-    a = _attention(
-        y[:, :rotated], y[:, rotated:], cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling
-    )
-    h = h + _int4(a, o, o_group, o_scales).view(b, 1, hidden)
+    h = int4_attention(
+        h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling,
+        qkv, qkv_scales, qkv_group, o, o_scales, o_group, q_norm, k_norm,
+    )  # fmt: skip
     gu = _int4(F.rms_norm(h, [hidden], norm2, eps).view(b, hidden), gate_up, gate_up_group, gate_up_scales)
     m = F.silu(gu[:, :intermediate]) * gu[:, intermediate:]
     return h + _int4(m, down, down_group, down_scales).view(b, 1, hidden)
+
+
+def int4_moe_layer(
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
+    norm1: torch.Tensor,
+    norm2: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+    qkv: torch.Tensor,
+    qkv_scales: torch.Tensor,
+    qkv_group: int,
+    o: torch.Tensor,
+    o_scales: torch.Tensor,
+    o_group: int,
+    q_norm: Optional[torch.Tensor],  # noqa: UP045
+    k_norm: Optional[torch.Tensor],  # noqa: UP045
+    router: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    gate_up: List[torch.Tensor],  # noqa: UP006
+    gate_up_scales: List[torch.Tensor],  # noqa: UP006
+    gate_up_group: int,
+    down: List[torch.Tensor],  # noqa: UP006
+    down_scales: List[torch.Tensor],  # noqa: UP006
+    down_group: int,
+    intermediate: int,
+) -> torch.Tensor:
+    """:func:`int4_layer` for a Qwen3-MoE sparse layer: the router's top-k experts of each row, each expert's
+    gate/up one int4 call; the ops and their order are :class:`~anyquant.runtime.native.SparseMoe`'s with
+    :class:`~anyquant.runtime.experts.Experts` (one row: its experts in ascending order, else each chosen expert
+    on the rows that chose it, gathered and added back)."""
+    b, hidden = h.shape[0], h.shape[-1]
+    h = int4_attention(
+        h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling,
+        qkv, qkv_scales, qkv_group, o, o_scales, o_group, q_norm, k_norm,
+    )  # fmt: skip
+    x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
+    logits = F.linear(x, router)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+    top, index = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top /= top.sum(dim=-1, keepdim=True)
+    top = top.to(logits.dtype)
+    out = torch.zeros_like(x)
+    if b == 1:
+        chosen: List[int] = index[0].tolist()  # noqa: UP006
+        weights = top[0]
+        for e in sorted(chosen):
+            gu = _int4(x, gate_up[e], gate_up_group, gate_up_scales[e])
+            m = F.silu(gu[:, :intermediate]) * gu[:, intermediate:]
+            out = out + _int4(m, down[e], down_group, down_scales[e]) * weights[chosen.index(e)]
+    else:
+        experts: List[int] = torch.unique(index).tolist()  # noqa: UP006
+        for e in experts:
+            found = torch.where(index == e)
+            rows, pos = found[0], found[1]
+            gu = _int4(x[rows], gate_up[e], gate_up_group, gate_up_scales[e])
+            m = F.silu(gu[:, :intermediate]) * gu[:, intermediate:]
+            y = _int4(m, down[e], down_group, down_scales[e]) * top[rows, pos].unsqueeze(1)
+            out.index_add_(0, rows, y)
+    return h + out.view(b, 1, hidden)
 
 
 def _bf16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -154,18 +280,26 @@ def bf16_layer(
     gate: torch.Tensor,
     up: torch.Tensor,
     down: torch.Tensor,
+    q_norm: Optional[torch.Tensor],  # noqa: UP045
+    k_norm: Optional[torch.Tensor],  # noqa: UP045
 ) -> torch.Tensor:
     """:func:`int4_layer` for layers of cpu-fast bfloat16 prepacked linears (EXL3, EXL2): seven oneDNN calls."""
     b, hidden = h.shape[0], h.shape[-1]
     x = F.rms_norm(h, [hidden], norm1, eps).view(b, hidden)
     qk = torch.cat([_bf16(x, q), _bf16(x, k)], 1)
-    a = _attention(qk, _bf16(x, v), cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling)
+    a = _attention(
+        qk, _bf16(x, v), cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps
+    )
     h = h + _bf16(a, o).view(b, 1, hidden)
     x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
     return h + _bf16(F.silu(_bf16(x, gate)) * _bf16(x, up), down).view(b, 1, hidden)
 
 
-LAYER_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {"int4": int4_layer, "bf16": bf16_layer}
+LAYER_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "int4": int4_layer,
+    "int4_moe": int4_moe_layer,
+    "bf16": bf16_layer,
+}
 _compiled: dict[str, Callable[..., torch.Tensor]] = {}
 _compile_lock = threading.Lock()
 
@@ -242,12 +376,17 @@ class DecodeStep:
             if planned is None:
                 continue
             attn, mlp = layer.self_attn, layer.mlp
-            for parent, names in (
+            parents: list[tuple[nn.Module, tuple[str, ...]]] = [
                 (layer, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")),
-                (attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                (mlp, ("gate_proj", "up_proj", "down_proj")),
-            ):
-                watched += [(parent, name, parent._modules[name]) for name in names]
+                (attn, ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")),
+            ]
+            if planned.kind == "int4_moe":
+                parents += [(mlp, ("gate", "experts")), (mlp.experts, tuple(mlp.experts._modules))]
+                parents += [(e, ("gate_proj", "up_proj", "down_proj")) for e in mlp.experts]
+            else:
+                parents.append((mlp, ("gate_proj", "up_proj", "down_proj")))
+            for parent, names in parents:
+                watched += [(parent, name, parent._modules[name]) for name in names if name in parent._modules]
         return DecodeStep(model, layers, watched)
 
     def usable(self, h: torch.Tensor) -> bool:
@@ -300,33 +439,84 @@ def _plan_layer(layer: Any) -> _Layer | None:
     if not (plain_norm(norm1) and plain_norm(norm2) and norm1.variance_epsilon == norm2.variance_epsilon):
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    common: tuple[Any, ...] = (norm1.weight, norm2.weight, float(norm1.variance_epsilon))
+    eps = float(norm1.variance_epsilon)
+    norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    qk_norms: tuple[Any, ...] = (None, None)
+    if norms != [None, None]:
+        if not all(m is not None and plain_norm(m) and float(m.variance_epsilon) == eps for m in norms):
+            return None
+        qk_norms = tuple(m.weight for m in norms if m is not None)
+    common: tuple[Any, ...] = (norm1.weight, norm2.weight, eps)
     common += (attn.heads, attn.kv_heads, attn.head_dim, float(attn.scaling))
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if all(plain_bf16(m) for m in linears):
-        return _Layer("bf16", common + tuple(m.packed for m in linears), 2**62)
+    attention = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+    sparse = _sparse(mlp)
+    if sparse is None and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return None  # an MLP of another make
+    if sparse is None and all(plain_bf16(m) for m in (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        packs = tuple(m.packed for m in (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        return _Layer("bf16", common + packs + qk_norms, 2**62)
     qkv = fusion(attn, ("q_proj", "k_proj", "v_proj"))
-    gate_up = fusion(mlp, ("gate_proj", "up_proj"))
-    o, down = attn.o_proj, mlp.down_proj
-    if not (
-        isinstance(qkv, FusedInt4)
-        and isinstance(gate_up, FusedInt4)
-        and qkv.plain
-        and gate_up.plain
-        and all(plain_int4(m) for m in (o, down))  # the fused members: FusedInt4.build and .plain checked them
-        and o.scales_and_zeros.is_contiguous()  # fused members' are views; these are used as they are
-        and down.scales_and_zeros.is_contiguous()
-    ):
+    o = attn.o_proj
+    if not (isinstance(qkv, FusedInt4) and qkv.plain and plain_int4(o) and o.scales_and_zeros.is_contiguous()):
+        return None  # the fused members: FusedInt4.build and .plain checked them; o's scales are used as they are
+    int4: tuple[Any, ...] = (qkv.packed, qkv.scales_and_zeros, qkv.kernel_group)
+    int4 += (o.packed, o.scales_and_zeros, o.kernel_group, *qk_norms)
+    if sparse is not None:
+        router, top_k, norm_topk, experts = sparse
+        planned = [_plan_mlp(expert, plain_int4) for expert in experts]
+        if not planned or any(p is None for p in planned):
+            return None
+        mlps = [p for p in planned if p is not None]
+        intermediate = experts[0].gate_proj.out_features
+        groups = {(g.kernel_group, d.kernel_group) for g, d in mlps}
+        if len(groups) != 1 or any(g.sizes != [intermediate, intermediate] for g, _ in mlps):
+            return None  # one kernel group per kind of linear and one size: the function takes each once
+        gate_group, down_group = groups.pop()
+        moe: tuple[Any, ...] = (router, top_k, norm_topk, [g.packed for g, _ in mlps])
+        moe += (
+            [g.scales_and_zeros for g, _ in mlps],
+            gate_group,
+            [d.packed for _, d in mlps],
+            [d.scales_and_zeros for _, d in mlps],
+            down_group,
+        )
+        small_rows = min([qkv.small_rows, o.small_rows] + [min(g.small_rows, d.small_rows) for g, d in mlps])
+        return _Layer("int4_moe", common + int4 + moe + (intermediate,), small_rows)
+    dense = _plan_mlp(mlp, plain_int4)
+    if dense is None:
         return None
-    int4: tuple[Any, ...] = (
-        qkv.packed,
-        qkv.scales_and_zeros,
-        qkv.kernel_group,
-        o.packed,
-        o.scales_and_zeros,
-        o.kernel_group,
-    )
+    gate_up, down = dense
     int4 += (gate_up.packed, gate_up.scales_and_zeros, gate_up.kernel_group)
     int4 += (down.packed, down.scales_and_zeros, down.kernel_group, mlp.gate_proj.out_features)
     small_rows = min(qkv.small_rows, gate_up.small_rows, o.small_rows, down.small_rows)
     return _Layer("int4", common + int4, small_rows)
+
+
+def _plan_mlp(mlp: Any, plain_int4: Callable[[nn.Module], bool]) -> tuple[FusedInt4, Any] | None:
+    """The fused gate/up and the down linear of a SiLU-gated MLP (a dense layer's or one expert's) of cpu-fast
+    int4 linears, or ``None``."""
+    gate_up, down = fusion(mlp, ("gate_proj", "up_proj")), mlp.down_proj
+    if not (isinstance(gate_up, FusedInt4) and gate_up.plain and plain_int4(down)):
+        return None
+    if not down.scales_and_zeros.is_contiguous():  # used as it is
+        return None
+    return gate_up, down
+
+
+def _sparse(mlp: Any) -> tuple[torch.Tensor, int, bool, list[Any]] | None:
+    """``(router weight, top_k, norm_topk_prob, experts)`` of the native decoder's Qwen3-MoE block whose experts are
+    :class:`~anyquant.runtime.experts.Experts` with SiLU (what :func:`int4_moe_layer` computes), else ``None``."""
+    from .experts import FORWARDS, Expert, Experts
+    from .native import Router, SparseMoe
+
+    if type(mlp) is not SparseMoe or type(mlp.gate) is not Router or type(mlp.experts) is not Experts:
+        return None
+    weight = mlp.gate.weight
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or (Expert.forward, Experts.forward) != FORWARDS:
+        return None
+    experts = list(mlp.experts)
+    if len(experts) != weight.shape[0]:  # the router's every choice must index an expert
+        return None
+    if not all(type(e) is Expert and e.act_fn is F.silu for e in experts):
+        return None
+    return weight, int(mlp.gate.top_k), bool(mlp.gate.norm_topk_prob), experts
