@@ -4,7 +4,6 @@ error names the field and file, or the plugin and how to disable it, never only 
 from __future__ import annotations
 
 import json
-import textwrap
 import time
 import types
 from pathlib import Path
@@ -16,6 +15,7 @@ from anyquant import Claim, Probe, Registry, hookimpl, registry
 from anyquant.errors import AmbiguousFormatError, PluginError, UnknownFormatError
 from anyquant.testing import fixtures
 from anyquant.testing.fixtures import FIXTURES
+from core.tests.test_third_party_plugins import _install  # the same fake distribution the third-party tests install
 
 
 def _set_qc(root: Path, **changes: object) -> Path:
@@ -119,19 +119,10 @@ def test_a_plugin_claiming_everything_is_named_in_the_ambiguity(tmp_path: Path) 
             reg.detect(Probe.open(FIXTURES[name].build(tmp_path / name)))
 
 
-def _install(site: Path, dist: str, module: str, code: str) -> None:
-    site.mkdir(exist_ok=True)
-    (site / f"{module}.py").write_text(textwrap.dedent(code))
-    info = site / f"{dist}-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(f"[anyquant]\n{dist} = {module}\n")
-
-
 def test_a_plugin_whose_import_hangs_is_skipped_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "IMPORT_SECONDS", 0.05)
     site = tmp_path / "site"
-    _install(site, "slowq", "slowq_plugin", "import time\ntime.sleep(5)\n")
+    _install(site, "slowq", "1.0", "slowq", "slowq_plugin", "import time\ntime.sleep(5)\n")
     monkeypatch.syspath_prepend(str(site))
     reg = Registry()
     info = {p.name: p for p in reg.plugins()}
