@@ -398,12 +398,14 @@ def test_without_torchscript_the_step_runs_as_python(tmp_path: Path, monkeypatch
 def test_fused_experts_compute_what_the_per_expert_linears_compute(tmp_path: Path) -> None:
     """A dense checkpoint in transformers' fused form (3-D ``gate_up_proj``/``down_proj``) fills the native
     decoder's FusedExperts: the same outputs as the per-expert linears it holds, on rows routed to every expert."""
-    from anyquant.runtime.native import FusedExperts, NativeConfig
+    from anyquant.runtime.layers import FusedExperts
+    from anyquant.runtime.native import NativeConfig
 
     path = make_tiny_dense(tmp_path / "m", **{k: v for k, v in MOE.items() if k != "mlp_only_layers"})
     model = anyquant.load(path, runtime="native")
     experts = model.module.model.layers[0].mlp.experts
-    fused = FusedExperts(NativeConfig(model.module.config.to_dict()))
+    c = NativeConfig(model.module.config.to_dict())
+    fused = FusedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
     held = experts.fused()
     fused.gate_up_proj, fused.down_proj = held.gate_up_proj, held.down_proj
     gen = torch.Generator().manual_seed(14)

@@ -14,7 +14,7 @@ from torch import nn
 if TYPE_CHECKING:
     from .fastcpu import FastInt4Linear
 
-__all__ = ["FusedInt4", "RMSNorm", "fusion"]
+__all__ = ["FusedExperts", "FusedInt4", "RMSNorm", "Router", "SparseMoe", "fusion"]
 
 
 class RMSNorm(nn.Module):
@@ -128,3 +128,62 @@ def _joint(module: nn.Module, names: tuple[str, ...], h: torch.Tensor) -> list[t
     if outs is not None:
         return outs
     return [getattr(module, n)(h) for n in names]
+
+
+class Router(nn.Module):
+    """Qwen3-MoE's router: its ``weight`` ``[experts, hidden]`` (a parameter, as transformers holds it: no
+    quantized linear is swapped in), the routing computed by :class:`SparseMoe`."""
+
+    def __init__(self, experts: int, hidden: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(experts, hidden))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(top_k_weights, top_k_index)`` of rows ``x`` ``[T, hidden]``: transformers' arithmetic (the softmax in
+        float32, top-k, renormalised when ``norm_topk_prob``, back to the logits' dtype)."""
+        logits = F.linear(x, self.weight)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top /= top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), index
+
+
+class FusedExperts(nn.Module):
+    """transformers' fused experts (3-D ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``): what a
+    dense checkpoint fills. The loader replaces it with :class:`~anyquant.runtime.experts.Experts` when the
+    checkpoint stores one linear per expert (every quantized checkpoint); both are called the same way."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        e, h, i = experts, hidden, intermediate
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act_fn = F.silu
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert on the rows that chose it, added in ascending expert order (transformers' order)."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(top_k_index).tolist():
+            pos, token_idx = torch.where((top_k_index == e).T)  # transformers' row order
+            gate, up = F.linear(x[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[token_idx, pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+class SparseMoe(nn.Module):
+    """Qwen3-MoE's sparse block: the router's top-k experts per token, their outputs weighted and summed."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.gate = Router(experts, hidden, top_k, norm_topk_prob)
+        self.experts: nn.Module = FusedExperts(experts, hidden, intermediate)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, h.shape[-1])
+        weights, index = self.gate(x)
+        out: torch.Tensor = self.experts(x, index, weights)
+        return out.view(h.shape)

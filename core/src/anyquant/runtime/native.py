@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import RMSNorm, _joint, _rotary
+from .layers import RMSNorm, SparseMoe, _joint, _rotary
 
 __all__ = ["NativeCache", "NativeCausalLM", "NativeConfig", "native_runtime_reason"]
 
@@ -281,70 +281,15 @@ class MLP(nn.Module):
         return y
 
 
-class Router(nn.Module):
-    """Qwen3-MoE's router: its ``weight`` ``[experts, hidden]`` (a parameter, as transformers holds it: no
-    quantized linear is swapped in), the routing computed by :class:`SparseMoe`."""
-
-    def __init__(self, c: NativeConfig) -> None:
-        super().__init__()
-        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
-        self.weight = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(top_k_weights, top_k_index)`` of rows ``x`` ``[T, hidden]``: transformers' arithmetic (the softmax in
-        float32, top-k, renormalised when ``norm_topk_prob``, back to the logits' dtype)."""
-        logits = F.linear(x, self.weight)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float)
-        top, index = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            top /= top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), index
-
-
-class FusedExperts(nn.Module):
-    """transformers' fused experts (3-D ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``): what a
-    dense checkpoint fills. The loader replaces it with :class:`~anyquant.runtime.experts.Experts` when the
-    checkpoint stores one linear per expert (every quantized checkpoint); both are called the same way."""
-
-    def __init__(self, c: NativeConfig) -> None:
-        super().__init__()
-        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
-        self.num_experts = e
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        self.act_fn = F.silu
-
-    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Each chosen expert on the rows that chose it, added in ascending expert order (transformers' order)."""
-        out = torch.zeros_like(x)
-        for e in torch.unique(top_k_index).tolist():
-            pos, token_idx = torch.where((top_k_index == e).T)  # transformers' row order
-            gate, up = F.linear(x[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[token_idx, pos, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        return out
-
-
-class SparseMoe(nn.Module):
-    """Qwen3-MoE's sparse block: the router's top-k experts per token, their outputs weighted and summed."""
-
-    def __init__(self, c: NativeConfig) -> None:
-        super().__init__()
-        self.gate = Router(c)
-        self.experts: nn.Module = FusedExperts(c)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        x = h.reshape(-1, h.shape[-1])
-        weights, index = self.gate(x)
-        out: torch.Tensor = self.experts(x, index, weights)
-        return out.view(h.shape)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, c: NativeConfig, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(c, index)
-        self.mlp: nn.Module = SparseMoe(c) if c.sparse(index) else MLP(c)
+        self.mlp: nn.Module = (
+            SparseMoe(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.norm_topk_prob)
+            if c.sparse(index)
+            else MLP(c)
+        )
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

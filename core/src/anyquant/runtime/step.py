@@ -32,7 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import FusedInt4, RMSNorm, _rotary, fusion  # _rotary: the module path's own, compiled in
+from .layers import (  # _rotary: the module path's own, compiled in
+    FusedInt4,
+    RMSNorm,
+    Router,
+    SparseMoe,
+    _rotary,
+    fusion,
+)
 
 __all__ = ["LAYER_FUNCTIONS", "DecodeStep", "bf16_layer", "int4_layer"]
 
@@ -216,7 +223,7 @@ def int4_moe_layer(
     intermediate: int,
 ) -> torch.Tensor:
     """:func:`int4_layer` for a Qwen3-MoE sparse layer: the router's top-k experts of each row, each expert's
-    gate/up one int4 call; the ops and their order are :class:`~anyquant.runtime.native.SparseMoe`'s with
+    gate/up one int4 call; the ops and their order are :class:`~anyquant.runtime.layers.SparseMoe`'s with
     :class:`~anyquant.runtime.experts.Experts` (one row: its experts in ascending order, else each chosen expert
     on the rows that chose it, gathered and added back)."""
     b, hidden = h.shape[0], h.shape[-1]
@@ -507,7 +514,6 @@ def _sparse(mlp: Any) -> tuple[torch.Tensor, int, bool, list[Any]] | None:
     """``(router weight, top_k, norm_topk_prob, experts)`` of the native decoder's Qwen3-MoE block whose experts are
     :class:`~anyquant.runtime.experts.Experts` with SiLU (what :func:`int4_moe_layer` computes), else ``None``."""
     from .experts import FORWARDS, Expert, Experts
-    from .native import Router, SparseMoe
 
     if type(mlp) is not SparseMoe or type(mlp.gate) is not Router or type(mlp.experts) is not Experts:
         return None
