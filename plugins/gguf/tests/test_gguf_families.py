@@ -253,7 +253,7 @@ def test_packed_equals_dequantized(family: str) -> None:
 
 def test_default_backend(family: str) -> None:
     """The default load (cpu-fast where torch's int4 kernel runs: Q4_K linears in bfloat16 for short prompts,
-    Q6_K ones dequantized) stays within 5e-2 of llama.cpp's logits (measured: 1.1-1.3e-2, 2-3e-3 from the exact
+    Q6_K ones bfloat16 prepacked where AMX/AVX512-BF16 runs it, else dequantized) stays within 5e-2 of llama.cpp's logits (measured: 1.1-1.3e-2, 2-3e-3 from the exact
     backend) and generates llama.cpp's greedy tokens up to the first near-tie: a step whose recorded top-2 margin is
     under 0.5% of the largest logit (gemma2's sixth, 0.24%), where bfloat16 rounding on another CPU may pick the
     other token (all 8 agree on the host that recorded them)."""

@@ -8,8 +8,9 @@ Backends:
 
 * ``cpu-fast`` (auto on a CPU with torch's vectorized int4 kernel, for files whose linears are
   Q4_0/Q4_1/Q4_K): those linears repacked for torch's int4 CPU kernel (decode and prompts of up to
-  64 tokens in bfloat16, longer prompts exact in float32), other quantized linears dequantized at
-  load; the token embedding and a tied LM head stay packed unless ``embedding="dense"`` (faster
+  64 tokens in bfloat16, longer prompts exact in float32); other quantized linears (Q5_K, Q6_K,
+  Q8_0, ...) as bfloat16 weights prepacked for oneDNN where AMX or AVX512-BF16 runs them (the same
+  split: longer prompts exact from the file's blocks), else dequantized at load; the token embedding and a tied LM head stay packed unless ``embedding="dense"`` (faster
   decode, more memory). Greedy text can leave the exact path's at a near-tie, as llama.cpp's own
   CPU path (8-bit activations) can.
 * ``dequantized`` (auto elsewhere; the exact choice): every weight dequantized to the compute
@@ -192,8 +193,9 @@ def cpu_fast_backend() -> BackendInfo:
         "cpu-fast",
         ok,
         reason,
-        description="Q4_0/Q4_1/Q4_K linears repacked for torch's int4 CPU kernel (bfloat16 decode, "
-        "exact float32 prompts over 64 tokens); other quantized linears dequantized at load; the "
+        description="Q4_0/Q4_1/Q4_K linears repacked for torch's int4 CPU kernel, other quantized linears "
+        "as bfloat16 prepacked for oneDNN where AMX/AVX512-BF16 runs it (else dequantized at load) "
+        "(bfloat16 decode, exact float32 prompts over 64 tokens); the "
         "embedding and a tied head stay packed (embedding='dense': faster decode, more memory)",
     )
 
@@ -351,7 +353,7 @@ class GGUFLoader(TransformersLoader):
         fast_kwargs: dict[str, Any] = {}
         fast: dict[str, Any] | None = None  # cpu-fast's record: which linears took the int4 kernel
         if ctx.backend == "cpu-fast":
-            from anyquant.runtime.fastcpu import FastCPUPlan
+            from anyquant.runtime.fastcpu import FastCPUPlan, PrepackedBf16Linear, bf16_head_status
 
             plan = FastCPUPlan.from_options(ctx.options.extra)
             fast_kwargs = {
@@ -359,7 +361,8 @@ class GGUFLoader(TransformersLoader):
                 "prefill_dtype": plan.prefill_dtype,
                 "compute_dtype": ctx.dtype,
             }
-            fast = ctx.state["cpu_fast"] = {"converted": 0, "dequantized": {}}
+            fast = ctx.state["cpu_fast"] = {"converted": 0, "bf16": {}, "dequantized": {}}
+            bf16_ok, bf16_reason = bf16_head_status()
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             key = f"{name}.weight"
@@ -386,8 +389,14 @@ class GGUFLoader(TransformersLoader):
                         fast["converted"] += 1
                     except ValueError as exc:
                         reason = str(exc)
-                if reason:
-                    fast["dequantized"][name] = reason
+                if reason and bf16_ok:
+                    # no int4 layout (Q5_K, Q6_K, Q8_0, ...): a bfloat16 copy prepacked for oneDNN for decode
+                    # (2 bytes per weight, not float32's 4); prompts over small_rows exact from the file's blocks
+                    exact = GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode="on-the-fly")
+                    module = PrepackedBf16Linear(exact, small_rows=fast_kwargs["small_rows"])
+                    fast["bf16"][name] = raw.qtype.name
+                elif reason:
+                    fast["dequantized"][name] = f"{reason}; {bf16_reason}"
             if module is None:
                 module = GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode=mode)
             if src.release_after_copy:
