@@ -489,3 +489,30 @@ def test_logprob_bytes_of_a_partial_character(client: Any, local: Any) -> None:
     got = r.choices[0].logprobs.content[0]
     raw = token_bytes(tok, partial)
     assert got.bytes == list(raw) and got.token == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def test_a_failed_prefill_is_answered(local: Any) -> None:
+    """A request whose prefill raises (a token id past the embedding) ends as ``error`` at once; it used to be
+    dropped without a word, its client waiting until its timeout. The next request runs as usual."""
+    import threading
+
+    from anyquant.serve.scheduler import Finished, ModelAdapter, Request, Scheduler
+
+    adapter = ModelAdapter(local)
+    scheduler = Scheduler(adapter, max_batch=2, max_queue=2)
+    ends: list[Finished] = []
+    done = threading.Event()
+
+    def finish(f: Finished) -> None:
+        ends.append(f)
+        if len(ends) == 2:
+            done.set()
+
+    bad = Request([1, 10**8], local.params(), 3, lambda text: None, finish, time.monotonic() + 300)
+    good = Request([1, 2, 3], local.params(), 2, lambda text: None, finish, time.monotonic() + 300)
+    scheduler.submit(bad)
+    scheduler.submit(good)
+    assert done.wait(60)
+    scheduler.close(30)
+    assert ends[0].reason == "error" and ends[0].error is not None
+    assert ends[1].reason == "length" and ends[1].completion_tokens == 2
