@@ -1,4 +1,4 @@
-"""The GGUF loader: GGUF files (llama and Mixtral, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3) into
+"""The GGUF loader: GGUF files (llama and Mixtral, qwen2, qwen3, qwen3moe, qwen2moe, gemma2, gemma3, phi3) into
 transformers modules, packed linears kept packed.
 
 One load opens the file once: the config, the tensors and the tokenizer all come from the same
@@ -61,7 +61,7 @@ __all__ = ["GGUFLoader", "GGUFSource"]
 log = logging.getLogger(__name__)
 
 #: equals :data:`anyquant_gguf.reader.SUPPORTED_ARCHITECTURES` (kept here: that module imports torch)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "qwen2moe")
 EMBEDDING_MODES = ("packed", "dense")
 #: ``embedding=`` when not given, per backend (``dequantized`` is always dense)
 DEFAULT_EMBEDDING = {"packed": "packed", "cpu-fast": "packed", "dequantized": "dense"}
