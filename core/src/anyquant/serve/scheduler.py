@@ -270,10 +270,10 @@ class Scheduler:
                         continue
                     first = prefilled.get(prompt)
                     if first is not None and batch.fork(request, first[0]):
-                        logits = first[1].clone()  # sampling may work on its logits in place
+                        logits = first[1].clone()
                     else:
                         logits = batch.prefill(request, request.ids)
-                        prefilled[prompt] = (request, logits)
+                        prefilled[prompt] = (request, logits.clone())  # kept apart from what its sampling reads
                     live.append(row)
                     row.take(*self._sample(row, logits[None]))
                 except Exception as exc:  # this request's failure, not the server's
