@@ -570,3 +570,25 @@ def test_choices_share_one_prefill(local: Any, monkeypatch: pytest.MonkeyPatch) 
         assert "".join(texts[seed]) == local.generate(messages, max_new_tokens=8, temperature=1.0, seed=seed)
         assert [lp and lp.logprob for lp in scored[seed]] == [lp and lp.logprob for lp in scored[7]]
     assert len({"".join(t) for t in texts.values()}) > 1  # three seeds, not one answer copied
+
+
+def test_logprob_bytes_concatenate_to_the_answer(client: Any) -> None:
+    """An answer of emoji (each split across byte-level tokens): the ``bytes`` of its tokens, whole and streamed,
+    concatenate to the UTF-8 of its text; the partial tokens are spelled ``bytes:\\x..``, and every alternative's
+    ``bytes`` is its text's UTF-8 unless it too is spelled that way."""
+    kw: dict[str, Any] = {"max_tokens": 12, "logprobs": True, "top_logprobs": 2}
+    r = _chat(client, "Repeat: 🙂🙂🙂", **kw)
+    choice = r.choices[0]
+    content = choice.logprobs.content
+    tokens = content[:-1] if choice.finish_reason == "stop" else content  # the end-of-sequence token
+    assert "🙂" in choice.message.content and any(t.token.startswith("bytes:") for t in tokens)
+    assert b"".join(bytes(t.bytes) for t in tokens) == choice.message.content.encode()
+    for t in content:
+        for alt in [t, *t.top_logprobs]:
+            if not alt.token.startswith("bytes:"):
+                assert bytes(alt.bytes) == alt.token.encode()
+    streamed = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Repeat: 🙂🙂🙂"}], temperature=0, stream=True, **kw
+    )
+    pieces = [c.choices[0].logprobs.content for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [bytes(t.bytes) for p in pieces for t in p] == [bytes(t.bytes) for t in content]
