@@ -254,6 +254,10 @@ def test_queue_full_is_503() -> None:
     proc, base = _start("--max-batch", "1", "--max-queue", "0")
     try:
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=300)
+        # n choices past what the batch and the queue hold together: never servable, a 400 naming n (was a 503)
+        with pytest.raises(openai.BadRequestError) as too_many:
+            _chat(c, "hi", 2, n=2)
+        assert too_many.value.param == "n"
         with ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(_chat, c, "Count to fifty.", 48) for _ in range(3)]
             outcomes = []

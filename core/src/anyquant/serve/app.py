@@ -152,6 +152,14 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
     n = _integer(body, "n", 1) or 1
     if n > MAX_CHOICES:
         raise ApiError(400, f"n={n}: at most {MAX_CHOICES} choices per request", "invalid_value", "n")
+    capacity = getattr(app.scheduler, "capacity", None)
+    if capacity is not None and n > capacity:  # a 503 "retry later" that no retry could satisfy
+        raise ApiError(
+            400,
+            f"n={n}: this server takes at most {capacity} requests at once (--max-batch and --max-queue)",
+            "invalid_value",
+            "n",
+        )
     extras, logprobs = _sampling(app, body, chat)
     echo = body.get("echo", False)
     if chat or not isinstance(echo, bool):

@@ -97,6 +97,11 @@ class Exl3Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def capacity(self) -> int:
+        """The most requests taken at once (its queue; the generator takes them from there)."""
+        return self.max_queue
+
     def submit(self, request: Request) -> None:
         with self._cond:
             if self._stopping or len(self._waiting) >= self.max_queue:

@@ -234,6 +234,12 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def capacity(self) -> int:
+        """The most requests taken at once when idle (the batch and the queue): more ``n`` choices would always be
+        refused as a full queue."""
+        return self.max_batch + self.max_queue
+
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
         from .batch import DecodeBatch
