@@ -14,9 +14,13 @@ import threading
 import time
 from typing import Any
 
-import anyquant
-from anyquant.serve.batch import DecodeBatch
-from anyquant.serve.scheduler import ModelAdapter, Request, Scheduler
+from _measure import _unshadow
+
+_unshadow()  # bench/gguf.py would shadow the gguf package the bundled model loads with
+
+import anyquant  # noqa: E402
+from anyquant.serve.batch import DecodeBatch  # noqa: E402
+from anyquant.serve.scheduler import ModelAdapter, Request, Scheduler  # noqa: E402
 
 
 def _round(scheduler: Scheduler, model: Any, ids: list[int], n: int) -> float:
