@@ -62,8 +62,9 @@ def _integer_reference(type_name: str, raw: torch.Tensor, x: torch.Tensor, rows:
 @pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6])
-def test_exact_against_integer_reference(type_name: str, isa: int, m: int) -> None:
-    rows, cols = 96, 320
+@pytest.mark.parametrize("cols", [320, 352])  # an even and an odd number of blocks per row
+def test_exact_against_integer_reference(type_name: str, isa: int, m: int, cols: int) -> None:
+    rows = 96
     raw, _ = _blocks(type_name, rows, cols, seed=m)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
     x[0, :32] = 0  # an all-zero block: scale 0

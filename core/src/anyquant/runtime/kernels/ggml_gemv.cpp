@@ -41,7 +41,37 @@ struct QX {
   std::vector<float> d;       // [rows, blocks]
   std::vector<float> dsum;    // [rows, blocks]: d * sum(q)
   std::vector<int32_t> part;  // [rows, blocks, 8]: offset * sum of q[4j..4j+3]
+  // the same per pair of blocks (b, b+1) in the 512-bit path's order: codes [b 0..15, b+1 0..15, b 16..31,
+  // b+1 16..31], and 16 lanes each of partial sums, scales and d * sum(q) / 4 (lanes 0-3, 8-11: b)
+  std::vector<int8_t> q2;
+  std::vector<int32_t> part2;
+  std::vector<float> d2, dsum2;
 };
+
+void pair_layout(QX& out) {
+  const int64_t pairs = out.blocks / 2;
+  out.q2.resize(out.rows * pairs * 64);
+  out.part2.resize(out.rows * pairs * 16);
+  out.d2.resize(out.rows * pairs * 16);
+  out.dsum2.resize(out.rows * pairs * 16);
+  for (int64_t m = 0; m < out.rows; ++m) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t o = m * pairs + p;
+      for (int h = 0; h < 2; ++h) {      // which half of each block: elements 0..15 or 16..31
+        for (int s = 0; s < 2; ++s) {    // block b or b+1
+          const int64_t i = m * out.blocks + 2 * p + s;
+          const int quarter = 2 * h + s;  // 16-byte quarter of the 512-bit vector
+          std::memcpy(out.q2.data() + o * 64 + quarter * 16, out.q.data() + i * QK + h * 16, 16);
+          for (int l = 0; l < 4; ++l) {
+            out.part2[o * 16 + quarter * 4 + l] = out.part[i * 8 + h * 4 + l];
+            out.d2[o * 16 + quarter * 4 + l] = out.d[i];
+            out.dsum2[o * 16 + quarter * 4 + l] = out.dsum[i] * 0.125f;  // 8 lanes per block
+          }
+        }
+      }
+    }
+  }
+}
 
 void quantize_x(const float* x, int64_t rows, int64_t cols, int32_t offset, QX& out) {
   const int64_t nb = cols / QK;
@@ -190,13 +220,86 @@ AQ_TARGET_VNNI void rows_vnni(const uint8_t* w, const QX& qx, int64_t m0, float*
   AQ_ROWS_BODY(AQ_DOT_VNNI)
 #undef AQ_DOT_VNNI
 }
+
+#define AQ_TARGET_VNNI512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+
+AQ_TARGET_VNNI512 inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// Q4_0 / Q4_1, two blocks per step in 512 bits (x in QX's pair layout), an odd last block in 256 bits.
+template <int64_t TYPE, int M>
+AQ_TARGET_VNNI512 void rows_vnni512(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t n_rows,
+                                    int64_t n0, int64_t n1) {
+  const int64_t nb = qx.blocks, pairs = nb / 2;
+  constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : 20;
+  constexpr int qoff = TYPE == TYPE_Q4_0 ? 2 : 4;
+  const __m512i lowmask = _mm512_set1_epi8(15);
+  // scale lanes: block b's d in lanes 0-3 and 8-11, b+1's in 4-7 and 12-15 (Q4_1: its m as well)
+  const __m512i idx_d = TYPE == TYPE_Q4_0 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                          : _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0);
+  const __m512i idx_m = _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * nb * bs;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint8_t* b0 = row + 2 * p * bs;
+      const uint8_t* b1 = b0 + bs;
+      const __m256i t = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qoff)),
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qoff)));
+      const __m512i wq = _mm512_and_si512(
+          _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1), lowmask);
+      __m128i h;
+      if (TYPE == TYPE_Q4_0) {
+        uint16_t d0, d1;
+        std::memcpy(&d0, b0, 2);
+        std::memcpy(&d1, b1, 2);
+        h = _mm_cvtsi32_si128(static_cast<int>(d0 | (static_cast<uint32_t>(d1) << 16)));
+      } else {
+        uint32_t dm0, dm1;
+        std::memcpy(&dm0, b0, 4);
+        std::memcpy(&dm1, b1, 4);
+        h = _mm_cvtsi64_si128(static_cast<long long>(dm0 | (static_cast<uint64_t>(dm1) << 32)));
+      }
+      const __m512 hw = _mm512_castps128_ps512(_mm_cvtph_ps(h));
+      const __m512 dw = _mm512_permutexvar_ps(idx_d, hw);
+      for (int m = 0; m < M; ++m) {
+        const int64_t o = (m0 + m) * pairs + p;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(qx.q2.data() + o * 64));
+        if (TYPE == TYPE_Q4_0) dot = _mm512_sub_epi32(dot, _mm512_loadu_si512(qx.part2.data() + o * 16));
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(qx.d2.data() + o * 16)),
+                                 _mm512_cvtepi32_ps(dot), acc[m]);
+        if (TYPE == TYPE_Q4_1) {
+          acc[m] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx_m, hw), _mm512_loadu_ps(qx.dsum2.data() + o * 16),
+                                   acc[m]);
+        }
+      }
+    }
+    float tail[M] = {};
+    if (nb % 2) {
+      const uint8_t* blk = row + (nb - 1) * bs;
+      const float dwt = half_at(blk);
+      for (int m = 0; m < M; ++m) {
+        const int64_t i = (m0 + m) * nb + nb - 1;
+        const int8_t* q = qx.q.data() + i * QK;
+        int32_t dot = 0, sum = 0;
+        for (int j = 0; j < 16; ++j) {
+          dot += (blk[qoff + j] & 15) * q[j] + (blk[qoff + j] >> 4) * q[j + 16];
+          sum += q[j] + q[j + 16];
+        }
+        tail[m] = TYPE == TYPE_Q4_0 ? dwt * (qx.d[i] * static_cast<float>(dot - 8 * sum))
+                                    : dwt * (qx.d[i] * static_cast<float>(dot)) + half_at(blk + 2) * qx.dsum[i];
+      }
+    }
+    for (int m = 0; m < M; ++m) y[(m0 + m) * n_rows + n] = hsum16(acc[m]) + tail[m];
+  }
+}
 #endif  // AQ_X86
 
 int64_t best_isa() {
 #ifdef AQ_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     return ISA_VNNI;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
@@ -220,7 +323,9 @@ void run_rows(int64_t isa, const uint8_t* w, const QX& qx, float* y, int64_t n_r
     case 2: FN<TYPE, 2>(w, qx, m0, y, n_rows, n0, n1); break; \
     default: FN<TYPE, 1>(w, qx, m0, y, n_rows, n0, n1); break; \
   }
-      if (isa == ISA_VNNI) {
+      if (isa == ISA_VNNI && TYPE != TYPE_Q8_0) {
+        AQ_CALL(rows_vnni512)
+      } else if (isa == ISA_VNNI) {
         AQ_CALL(rows_vnni)
       } else {
         AQ_CALL(rows_avx2)
@@ -258,6 +363,7 @@ at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type
   const int32_t offset = type == TYPE_Q4_0 ? 8 : (type == TYPE_Q8_0 && isa == ISA_VNNI) ? 128 : 0;
   QX qx;
   quantize_x(xf.data_ptr<float>(), m, cols, offset, qx);
+  if (isa == ISA_VNNI && type != TYPE_Q8_0) pair_layout(qx);
   at::Tensor y = at::empty({m, rows}, xf.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
