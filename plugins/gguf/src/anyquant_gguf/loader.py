@@ -332,7 +332,16 @@ class GGUFLoader(TransformersLoader):
         return tokenizer_from_gguf(self._reader(gguf_path(probe)))
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
-        from .qlinear import INT4_TYPES, PACKED_TYPES, GGUFLinear, GGUFTiedHead, fast_tied_head, gguf_int4_linear
+        from .qlinear import (
+            INT4_TYPES,
+            PACKED_TYPES,
+            GGUFLinear,
+            GGUFTiedHead,
+            block_kernel_head,
+            fast_tied_head,
+            gguf_block_linear,
+            gguf_int4_linear,
+        )
 
         src = ctx.source
         assert isinstance(src, GGUFSource)
@@ -367,7 +376,12 @@ class GGUFLoader(TransformersLoader):
                 # tied head: a packed linear over the embedding's own bytes (cpu-fast: prepacked for decode)
                 raw = src.raw(_EMBED)
                 if fast is not None:
-                    head = fast_tied_head(raw.data, raw.qtype, raw.shape, small_rows=fast_kwargs["small_rows"])
+                    rows = fast_kwargs["small_rows"]
+                    head = block_kernel_head(raw.data, raw.qtype, raw.shape, small_rows=rows)
+                    if head is None:
+                        head = fast_tied_head(raw.data, raw.qtype, raw.shape, small_rows=rows)
+                    else:
+                        head.tied_to_input_embedding = True  # export_dense ties the copies again
                     if head is not None:
                         return head
                 return GGUFTiedHead(raw.data, raw.qtype, raw.shape)
@@ -378,7 +392,17 @@ class GGUFLoader(TransformersLoader):
                 raise CheckpointError(f"{name}: GGUF weight {raw.shape} does not fit the model's linear")
             bias = src.get(f"{name}.bias") if f"{name}.bias" in src else None
             module: nn.Module | None = None
-            if fast is not None:
+            in_place = False  # read by the GGUF-block kernel from the file's bytes: no copy to release them for
+            if fast is not None and bias is None and key == _HEAD:
+                module = block_kernel_head(raw.data, raw.qtype, raw.shape, small_rows=fast_kwargs["small_rows"])
+            elif fast is not None:
+                module = gguf_block_linear(raw.data, raw.qtype, raw.shape, bias, **fast_kwargs)
+            if module is not None:
+                assert fast is not None
+                fast["converted"] += 1
+                fast["in_place"] = fast.get("in_place", 0) + 1
+                in_place = True
+            elif fast is not None:
                 reason = "" if raw.qtype in INT4_TYPES else f"{raw.qtype.name} has no int4 kernel"
                 if not reason:
                     try:
@@ -390,7 +414,7 @@ class GGUFLoader(TransformersLoader):
                     fast["dequantized"][name] = reason
             if module is None:
                 module = GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode=mode)
-            if src.release_after_copy:
+            if src.release_after_copy and not in_place:
                 src.release(key)  # a copy exists (dense or int4); the GGUF bytes stay valid, file-backed
             return module
 

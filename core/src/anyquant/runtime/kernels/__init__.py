@@ -1,10 +1,14 @@
 """An optional compiled kernel: GEMV on raw GGUF Q4_0 / Q4_1 / Q8_0 blocks with int8 activations.
 
-``torch.ops.anyquant.ggml_gemv(x, blocks, type, rows, cols, isa=-1)`` computes ``x @ W.T`` (float32
-result, in ``x``'s dtype) for ``W`` ``[rows, cols]`` stored as GGUF blocks (``blocks``: a contiguous
-uint8 tensor of ``rows * cols/32`` blocks, e.g. a zero-copy view of the mmapped file). Each row of ``x``
-is quantized to int8 per block of 32 inside the op (scale ``max|x| / 127``, round half to even, as
-GGUF's Q8_0), each weight block is dotted with it in integers, then scaled: llama.cpp's CPU approach.
+``torch.ops.anyquant.ggml_gemv(x, blocks, type, rows, cols, isa=-1, passes=2)`` computes ``x @ W.T``
+(float32, returned in ``x``'s dtype) for ``W`` ``[rows, cols]`` stored as GGUF blocks (``blocks``: a
+contiguous uint8 tensor of ``rows * cols/32`` blocks, e.g. a zero-copy view of the mmapped file). Each row
+of ``x`` is quantized per block of 32 inside the op, each weight block is dotted with it in integers, then
+scaled: llama.cpp's CPU approach. ``passes=1``: int8 codes ``round(x / d)``, ``d = max|x| / 127`` (round half
+to even), llama.cpp's Q8_0 activations; ``passes=2`` (the default): the residual's int8 code as well,
+``c = 256 round(x / d) + round((x - d round(x / d)) * 256 / d)`` with scale ``d / 256`` (about 15 bits per
+activation, one more integer dot product per block): int8 activations alone flip near-tied greedy tokens
+(SmolLM2's "capital of France" answer, as llama.cpp's own), two passes follow the exact weights' path.
 ``isa``: -1 the best path this CPU has (:func:`isa_names`: AVX512-VNNI, AVX2, scalar), or a lower one.
 
 The kernel is compiled only by an explicit step (``python -m anyquant.runtime.kernels build``, run by
@@ -69,7 +73,7 @@ def build(verbose: bool = False) -> Path:
         name=_NAME,
         sources=[str(_SOURCE)],
         build_directory=str(out),
-        extra_cflags=["-O3", "-fno-math-errno"],
+        extra_cflags=["-O3", "-fno-math-errno", "-ffp-contract=off"],
         is_python_module=False,
         verbose=verbose,
     )
@@ -119,8 +123,8 @@ def isa() -> int:
     return int(torch.ops.anyquant.kernel_isa()) if available() else -1
 
 
-def gemv(x: object, blocks: object, type_name: str, rows: int, cols: int, isa: int = -1) -> object:
+def gemv(x: object, blocks: object, type_name: str, rows: int, cols: int, isa: int = -1, passes: int = 2) -> object:
     """``torch.ops.anyquant.ggml_gemv`` with the type by name (``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``)."""
     import torch
 
-    return torch.ops.anyquant.ggml_gemv(x, blocks, GGML_TYPES[type_name][0], rows, cols, isa)
+    return torch.ops.anyquant.ggml_gemv(x, blocks, GGML_TYPES[type_name][0], rows, cols, isa, passes)

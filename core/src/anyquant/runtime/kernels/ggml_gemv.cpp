@@ -33,24 +33,75 @@ int block_bytes(int64_t type) {
   return type == TYPE_Q4_0 ? 18 : type == TYPE_Q4_1 ? 20 : 34;
 }
 
-// The activations, quantized: per row m and block b, 32 int8 codes, the scale d, and the 8 partial sums
-// of 4 consecutive codes (the lanes the vector dot products produce) times the weight type's offset.
+// The activations, quantized per row m and block b of 32: codes c with x ~ d * c. One pass (``fine`` off,
+// llama.cpp's Q8_0 activations): c = round(x / d), d = max|x| / 127, held as int8 q. Two passes (``fine``):
+// c = 256 q + l, with l = round((x - d q) * 256 / d) the int8 code of the first pass's residual (|l| <= 128,
+// clamped to 127), and the scale d / 256: about 15 bits per activation for one more integer dot product per
+// block. Also per block: d * sum(c), and the 8 partial sums of 4 consecutive c (the lanes the vector dot
+// products produce) times the weight type's offset.
 struct QX {
   int64_t rows = 0, blocks = 0;
-  std::vector<int8_t> q;      // [rows, blocks, 32]
-  std::vector<float> d;       // [rows, blocks]
-  std::vector<float> dsum;    // [rows, blocks]: d * sum(q)
-  std::vector<int32_t> part;  // [rows, blocks, 8]: offset * sum of q[4j..4j+3]
+  bool fine = false;
+  std::vector<int8_t> q, l;   // [rows, blocks, 32]: the high and (fine) low int8 codes
+  std::vector<int32_t> c;     // [rows, blocks, 32]: the codes
+  std::vector<float> d;       // [rows, blocks]: the scale of c
+  std::vector<float> dsum;    // [rows, blocks]: d * sum(c)
+  std::vector<int32_t> part;  // [rows, blocks, 8]: offset * sum of c[4j..4j+3]
   // the same per pair of blocks (b, b+1) in the 512-bit path's order: codes [b 0..15, b+1 0..15, b 16..31,
-  // b+1 16..31], and 16 lanes each of partial sums, scales and d * sum(q) / 4 (lanes 0-3, 8-11: b)
-  std::vector<int8_t> q2;
+  // b+1 16..31], and 16 lanes each of partial sums, scales and d * sum(c) / 8 (lanes 0-3, 8-11: b)
+  std::vector<int8_t> q2, l2;
   std::vector<int32_t> part2;
   std::vector<float> d2, dsum2;
 };
 
+void quantize_x(const float* x, int64_t rows, int64_t cols, int32_t offset, bool fine, QX& out) {
+  const int64_t nb = cols / QK;
+  out.rows = rows;
+  out.blocks = nb;
+  out.fine = fine;
+  out.q.resize(rows * nb * QK);
+  out.l.resize(fine ? rows * nb * QK : 0);
+  out.c.resize(rows * nb * QK);
+  out.d.resize(rows * nb);
+  out.dsum.resize(rows * nb);
+  out.part.resize(rows * nb * 8);
+  for (int64_t i = 0; i < rows * nb; ++i) {
+    const float* src = x + i * QK;  // rows are contiguous and cols % 32 == 0: block i of the flat array
+    float amax = 0.f;
+    for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(src[j]));
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    int8_t* q = out.q.data() + i * QK;
+    int32_t* c = out.c.data() + i * QK;
+    int32_t sum = 0;
+    for (int j = 0; j < QK; ++j) {
+      // nearbyint: round half to even under the default rounding mode, as torch.round
+      const int v = static_cast<int>(std::nearbyint(src[j] * id));
+      q[j] = static_cast<int8_t>(v);
+      int code = v;
+      if (fine) {
+        const float r = src[j] - static_cast<float>(v) * d;
+        int lo = static_cast<int>(std::nearbyint(r * id * 256.f));
+        lo = lo > 127 ? 127 : lo < -127 ? -127 : lo;
+        out.l[i * QK + j] = static_cast<int8_t>(lo);
+        code = 256 * v + lo;
+      }
+      c[j] = code;
+      sum += code;
+    }
+    for (int k = 0; k < 8; ++k) {
+      out.part[i * 8 + k] = offset * (c[4 * k] + c[4 * k + 1] + c[4 * k + 2] + c[4 * k + 3]);
+    }
+    const float dc = fine ? d * (1.f / 256.f) : d;
+    out.d[i] = dc;
+    out.dsum[i] = dc * static_cast<float>(sum);
+  }
+}
+
 void pair_layout(QX& out) {
   const int64_t pairs = out.blocks / 2;
   out.q2.resize(out.rows * pairs * 64);
+  out.l2.resize(out.fine ? out.rows * pairs * 64 : 0);
   out.part2.resize(out.rows * pairs * 16);
   out.d2.resize(out.rows * pairs * 16);
   out.dsum2.resize(out.rows * pairs * 16);
@@ -62,6 +113,7 @@ void pair_layout(QX& out) {
           const int64_t i = m * out.blocks + 2 * p + s;
           const int quarter = 2 * h + s;  // 16-byte quarter of the 512-bit vector
           std::memcpy(out.q2.data() + o * 64 + quarter * 16, out.q.data() + i * QK + h * 16, 16);
+          if (out.fine) std::memcpy(out.l2.data() + o * 64 + quarter * 16, out.l.data() + i * QK + h * 16, 16);
           for (int l = 0; l < 4; ++l) {
             out.part2[o * 16 + quarter * 4 + l] = out.part[i * 8 + h * 4 + l];
             out.d2[o * 16 + quarter * 4 + l] = out.d[i];
@@ -73,37 +125,28 @@ void pair_layout(QX& out) {
   }
 }
 
-void quantize_x(const float* x, int64_t rows, int64_t cols, int32_t offset, QX& out) {
-  const int64_t nb = cols / QK;
-  out.rows = rows;
-  out.blocks = nb;
-  out.q.resize(rows * nb * QK);
-  out.d.resize(rows * nb);
-  out.dsum.resize(rows * nb);
-  out.part.resize(rows * nb * 8);
-  for (int64_t i = 0; i < rows * nb; ++i) {
-    const float* src = x + i * QK;  // rows are contiguous and cols % 32 == 0: block i of the flat array
-    float amax = 0.f;
-    for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(src[j]));
-    const float d = amax / 127.f;
-    const float id = d > 0.f ? 1.f / d : 0.f;
-    int8_t* q = out.q.data() + i * QK;
-    int32_t sum = 0;
-    for (int j = 0; j < QK; ++j) {
-      // nearbyint: round half to even under the default rounding mode, as torch.round
-      const int v = static_cast<int>(std::nearbyint(src[j] * id));
-      q[j] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    for (int l = 0; l < 8; ++l) {
-      out.part[i * 8 + l] = offset * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
-    }
-    out.d[i] = d;
-    out.dsum[i] = d * static_cast<float>(sum);
+// ---------------------------------------------------------------------------------------------- scalar
+// one weight block times activation block i, from the codes c
+template <int64_t TYPE>
+inline float block_dot(const uint8_t* blk, const QX& qx, int64_t i) {
+  const int32_t* c = qx.c.data() + i * QK;
+  const float dw = half_at(blk);
+  int32_t dot = 0;
+  if (TYPE == TYPE_Q8_0) {
+    const int8_t* wq = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int j = 0; j < QK; ++j) dot += wq[j] * c[j];
+    return dw * (qx.d[i] * static_cast<float>(dot));
   }
+  const uint8_t* qs = blk + (TYPE == TYPE_Q4_0 ? 2 : 4);
+  int32_t sum = 0;
+  for (int j = 0; j < 16; ++j) {
+    dot += (qs[j] & 15) * c[j] + (qs[j] >> 4) * c[j + 16];
+    sum += c[j] + c[j + 16];
+  }
+  if (TYPE == TYPE_Q4_0) return dw * (qx.d[i] * static_cast<float>(dot - 8 * sum));
+  return dw * (qx.d[i] * static_cast<float>(dot)) + half_at(blk + 2) * qx.dsum[i];
 }
 
-// ---------------------------------------------------------------------------------------------- scalar
 template <int64_t TYPE>
 void rows_scalar(const uint8_t* w, const QX& qx, float* y, int64_t n_rows, int64_t n0, int64_t n1) {
   const int64_t nb = qx.blocks;
@@ -113,28 +156,7 @@ void rows_scalar(const uint8_t* w, const QX& qx, float* y, int64_t n_rows, int64
     for (int64_t m = 0; m < qx.rows; ++m) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * bs;
-        const int8_t* q = qx.q.data() + (m * nb + b) * QK;
-        const float dx = qx.d[m * nb + b];
-        const float dw = half_at(blk);
-        int32_t dot = 0;
-        if (TYPE == TYPE_Q8_0) {
-          const int8_t* wq = reinterpret_cast<const int8_t*>(blk + 2);
-          for (int j = 0; j < QK; ++j) dot += wq[j] * q[j];
-          acc += dw * (dx * static_cast<float>(dot));
-        } else {
-          const uint8_t* qs = blk + (TYPE == TYPE_Q4_0 ? 2 : 4);
-          int32_t sum = 0;
-          for (int j = 0; j < 16; ++j) {
-            dot += (qs[j] & 15) * q[j] + (qs[j] >> 4) * q[j + 16];
-            sum += q[j] + q[j + 16];
-          }
-          if (TYPE == TYPE_Q4_0) {
-            acc += dw * (dx * static_cast<float>(dot - 8 * sum));
-          } else {
-            acc += dw * (dx * static_cast<float>(dot)) + half_at(blk + 2) * qx.dsum[m * nb + b];
-          }
-        }
+        acc += block_dot<TYPE>(row + b * bs, qx, m * nb + b);
       }
       y[m * n_rows + n] = acc;
     }
@@ -162,6 +184,7 @@ AQ_TARGET_AVX2 inline float hsum8(__m256 v) {
   const int64_t nb = qx.blocks;                                                                          \
   constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : TYPE == TYPE_Q4_1 ? 20 : 34;                               \
   const __m256i lowmask = _mm256_set1_epi8(15);                                                          \
+  const bool fine = qx.fine;                                                                             \
   for (int64_t n = n0; n < n1; ++n) {                                                                    \
     const uint8_t* row = w + n * nb * bs;                                                                \
     __m256 acc[M];                                                                                       \
@@ -183,8 +206,12 @@ AQ_TARGET_AVX2 inline float hsum8(__m256 v) {
       const float mw = TYPE == TYPE_Q4_1 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2)) : 0.f; \
       for (int m = 0; m < M; ++m) {                                                                      \
         const int64_t i = (m0 + m) * nb + b;                                                             \
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q.data() + i * QK));   \
+        __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q.data() + i * QK));         \
         __m256i dot = DOT;                                                                               \
+        if (fine) {                                                                                      \
+          xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.l.data() + i * QK));               \
+          dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), DOT);                                        \
+        }                                                                                                \
         if (TYPE == TYPE_Q4_0 || (TYPE == TYPE_Q8_0 && VNNI)) {                                          \
           dot = _mm256_sub_epi32(dot, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.part.data() + i * 8))); \
         }                                                                                                \
@@ -233,6 +260,7 @@ AQ_TARGET_VNNI512 void rows_vnni512(const uint8_t* w, const QX& qx, int64_t m0, 
   constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : 20;
   constexpr int qoff = TYPE == TYPE_Q4_0 ? 2 : 4;
   const __m512i lowmask = _mm512_set1_epi8(15);
+  const bool fine = qx.fine;
   // scale lanes: block b's d in lanes 0-3 and 8-11, b+1's in 4-7 and 12-15 (Q4_1: its m as well)
   const __m512i idx_d = TYPE == TYPE_Q4_0 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
                                           : _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0);
@@ -265,6 +293,10 @@ AQ_TARGET_VNNI512 void rows_vnni512(const uint8_t* w, const QX& qx, int64_t m0, 
       for (int m = 0; m < M; ++m) {
         const int64_t o = (m0 + m) * pairs + p;
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(qx.q2.data() + o * 64));
+        if (fine) {
+          dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8),
+                                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(qx.l2.data() + o * 64)));
+        }
         if (TYPE == TYPE_Q4_0) dot = _mm512_sub_epi32(dot, _mm512_loadu_si512(qx.part2.data() + o * 16));
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(qx.d2.data() + o * 16)),
                                  _mm512_cvtepi32_ps(dot), acc[m]);
@@ -276,19 +308,7 @@ AQ_TARGET_VNNI512 void rows_vnni512(const uint8_t* w, const QX& qx, int64_t m0, 
     }
     float tail[M] = {};
     if (nb % 2) {
-      const uint8_t* blk = row + (nb - 1) * bs;
-      const float dwt = half_at(blk);
-      for (int m = 0; m < M; ++m) {
-        const int64_t i = (m0 + m) * nb + nb - 1;
-        const int8_t* q = qx.q.data() + i * QK;
-        int32_t dot = 0, sum = 0;
-        for (int j = 0; j < 16; ++j) {
-          dot += (blk[qoff + j] & 15) * q[j] + (blk[qoff + j] >> 4) * q[j + 16];
-          sum += q[j] + q[j + 16];
-        }
-        tail[m] = TYPE == TYPE_Q4_0 ? dwt * (qx.d[i] * static_cast<float>(dot - 8 * sum))
-                                    : dwt * (qx.d[i] * static_cast<float>(dot)) + half_at(blk + 2) * qx.dsum[i];
-      }
+      for (int m = 0; m < M; ++m) tail[m] = block_dot<TYPE>(row + (nb - 1) * bs, qx, (m0 + m) * nb + nb - 1);
     }
     for (int m = 0; m < M; ++m) y[(m0 + m) * n_rows + n] = hsum16(acc[m]) + tail[m];
   }
@@ -340,7 +360,8 @@ void run_rows(int64_t isa, const uint8_t* w, const QX& qx, float* y, int64_t n_r
 }
 
 at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols,
-                     int64_t isa) {
+                     int64_t isa, int64_t passes) {
+  TORCH_CHECK(passes == 1 || passes == 2, "anyquant::ggml_gemv: passes is 1 or 2, not ", passes);
   TORCH_CHECK(type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0,
               "anyquant::ggml_gemv: GGUF type ", type, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
   TORCH_CHECK(cols % QK == 0 && cols > 0 && rows > 0, "anyquant::ggml_gemv: cols ", cols,
@@ -362,7 +383,7 @@ at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type
   const int64_t m = xf.size(0);
   const int32_t offset = type == TYPE_Q4_0 ? 8 : (type == TYPE_Q8_0 && isa == ISA_VNNI) ? 128 : 0;
   QX qx;
-  quantize_x(xf.data_ptr<float>(), m, cols, offset, qx);
+  quantize_x(xf.data_ptr<float>(), m, cols, offset, passes == 2, qx);
   if (isa == ISA_VNNI && type != TYPE_Q8_0) pair_layout(qx);
   at::Tensor y = at::empty({m, rows}, xf.options());
   float* yp = y.data_ptr<float>();
@@ -380,7 +401,7 @@ int64_t kernel_isa() { return best_isa(); }
 }  // namespace
 
 TORCH_LIBRARY(anyquant, m) {
-  m.def("ggml_gemv(Tensor x, Tensor blocks, int type, int rows, int cols, int isa=-1) -> Tensor");
+  m.def("ggml_gemv(Tensor x, Tensor blocks, int type, int rows, int cols, int isa=-1, int passes=2) -> Tensor");
   m.def("kernel_isa() -> int", &kernel_isa);
 }
 
