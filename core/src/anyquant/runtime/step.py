@@ -303,9 +303,9 @@ def bf16_layer(
     return h + _bf16(F.silu(_bf16(x, gate)) * _bf16(x, up), down).view(b, 1, hidden)
 
 
-def _ggml(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int) -> torch.Tensor:
+def _ggml(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int, passes: int) -> torch.Tensor:
     """:class:`~anyquant.runtime.kernels.linear.BlockLinear`'s decode path on float32 rows ``x``."""
-    y: torch.Tensor = torch.ops.anyquant.ggml_gemv(x, blocks, kind, rows, x.shape[-1])
+    y: torch.Tensor = torch.ops.anyquant.ggml_gemv(x, blocks, kind, rows, x.shape[-1], -1, passes)
     return y
 
 
@@ -327,19 +327,20 @@ def ggml_layer(
     blocks: List[torch.Tensor],  # noqa: UP006 - q, k, v, o, gate, up, down
     kinds: List[int],  # noqa: UP006 - their GGUF types
     rows: List[int],  # noqa: UP006 - their output features
+    passes: List[int],  # noqa: UP006 - their activation passes
     q_norm: Optional[torch.Tensor],  # noqa: UP045
     k_norm: Optional[torch.Tensor],  # noqa: UP045
 ) -> torch.Tensor:
     """:func:`int4_layer` for layers of GGUF-block linears (Q4_0, Q4_1, Q8_0 read in place): seven kernel calls."""
     b, hidden = h.shape[0], h.shape[-1]
     x = F.rms_norm(h, [hidden], norm1, eps).view(b, hidden)
-    qk = torch.cat([_ggml(x, blocks[0], kinds[0], rows[0]), _ggml(x, blocks[1], kinds[1], rows[1])], 1)
-    v = _ggml(x, blocks[2], kinds[2], rows[2])
+    qk = torch.cat([_ggml(x, blocks[0], kinds[0], rows[0], passes[0]), _ggml(x, blocks[1], kinds[1], rows[1], passes[1])], 1)
+    v = _ggml(x, blocks[2], kinds[2], rows[2], passes[2])
     a = _attention(qk, v, cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps)
-    h = h + _ggml(a, blocks[3], kinds[3], rows[3]).view(b, 1, hidden)
+    h = h + _ggml(a, blocks[3], kinds[3], rows[3], passes[3]).view(b, 1, hidden)
     x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
-    m = F.silu(_ggml(x, blocks[4], kinds[4], rows[4])) * _ggml(x, blocks[5], kinds[5], rows[5])
-    return h + _ggml(m, blocks[6], kinds[6], rows[6]).view(b, 1, hidden)
+    m = F.silu(_ggml(x, blocks[4], kinds[4], rows[4], passes[4])) * _ggml(x, blocks[5], kinds[5], rows[5], passes[5])
+    return h + _ggml(m, blocks[6], kinds[6], rows[6], passes[6]).view(b, 1, hidden)
 
 
 LAYER_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
@@ -511,6 +512,7 @@ def _plan_layer(layer: Any) -> _Layer | None:
     linears = (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj) if sparse is None else ()
     if linears and all(plain_ggml(m) for m in linears):
         ggml = ([m.blocks for m in linears], [m.ggml_type for m in linears], [m.out_features for m in linears])
+        ggml += ([m.passes for m in linears],)
         return _Layer("ggml", common + ggml + qk_norms, min(m.small_rows for m in linears))
     qkv = fusion(attn, ("q_proj", "k_proj", "v_proj"))
     o = attn.o_proj

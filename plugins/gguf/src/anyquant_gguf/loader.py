@@ -48,6 +48,7 @@ from anyquant.plugin import (
     UnsupportedBackendError,
     UnsupportedFormatError,
 )
+from anyquant.errors import ParameterError
 
 from .plugin import split_part, which
 
@@ -206,6 +207,8 @@ class GGUFLoader(TransformersLoader):
             **RUNTIME_OPTIONS,
             **CPU_FAST_OPTIONS,
             "embedding": "'packed' (cpu-fast's default: looked-up rows decoded from the GGUF blocks) or 'dense'",
+            "cpu_fast_activation_passes": "2 (default) or 1: int8 passes over the activations of the compiled "
+            "GGUF-block kernel (1: llama.cpp's int8 arithmetic, faster, may flip near-tied greedy tokens)",
         }
     )
 
@@ -369,6 +372,10 @@ class GGUFLoader(TransformersLoader):
                 "compute_dtype": ctx.dtype,
             }
             fast = ctx.state["cpu_fast"] = {"converted": 0, "dequantized": {}}
+            passes = ctx.options.extra.get("cpu_fast_activation_passes", 2)
+            if passes not in (1, 2, "1", "2") or isinstance(passes, bool):
+                raise ParameterError(f"cpu_fast_activation_passes={passes!r} is not 1 or 2")
+            block_kwargs = {**fast_kwargs, "passes": int(passes)}
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             key = f"{name}.weight"
@@ -396,7 +403,7 @@ class GGUFLoader(TransformersLoader):
             if fast is not None and bias is None and key == _HEAD:
                 module = block_kernel_head(raw.data, raw.qtype, raw.shape, small_rows=fast_kwargs["small_rows"])
             elif fast is not None:
-                module = gguf_block_linear(raw.data, raw.qtype, raw.shape, bias, **fast_kwargs)
+                module = gguf_block_linear(raw.data, raw.qtype, raw.shape, bias, **block_kwargs)
             if module is not None:
                 assert fast is not None
                 fast["converted"] += 1

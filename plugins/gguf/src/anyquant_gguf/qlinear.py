@@ -522,7 +522,8 @@ def _block_head_class() -> type[nn.Module]:
             x2 = x.reshape(-1, self.in_features)
             if x2.shape[0] > self.small_rows:
                 return super().forward(x)
-            y = torch.ops.anyquant.ggml_gemv(x2, self.blocks, self.ggml_type, self.out_features, self.in_features)
+            # one pass: the top logits are computed again exactly, the rest keep the int8 activations' error
+            y = torch.ops.anyquant.ggml_gemv(x2, self.blocks, self.ggml_type, self.out_features, self.in_features, -1, 1)
             y = y.to(x.dtype)
             self._exact_top(x2, y)
             return y.reshape(*x.shape[:-1], self.out_features)

@@ -1,13 +1,15 @@
 """``cpu-fast``'s linear over a weight kept as raw GGUF blocks (Q4_0, Q4_1, Q8_0), read in place.
 
-- few rows (``<= small_rows``: decode): :func:`torch.ops.anyquant.ggml_gemv` on the blocks as stored (int8
-  activations per block of 32, integer dot products: llama.cpp's arithmetic; tolerance below);
+- few rows (``<= small_rows``: decode): :func:`torch.ops.anyquant.ggml_gemv` on the blocks as stored
+  (activations quantized per block of 32 in ``passes`` int8 passes, integer dot products: llama.cpp's
+  arithmetic with ``passes=1``; tolerance below);
 - many rows (prompts): the exact weight, dequantized from the blocks per forward by the format
   (:meth:`BlockLinear.dequantize`), and a float GEMM in ``prefill_dtype`` (default: the input's dtype).
 
 No copy of the weight is made at load: the blocks may be a view of the mmapped file. Tolerance against
-the exact weight (few rows): the activations' int8 rounding, half a step of ``max|x| / 127`` per block
-of 32, about 2e-3 of the largest output on random data (``core/tests/test_kernels.py`` allows 1e-2).
+the exact weight (few rows): the activations' rounding, half a step of ``max|x| / 127`` per block of 32
+with one pass (about 2e-3 of the largest output on random data; ``core/tests/test_kernels.py`` allows
+1e-2), 256 times less with two (tests allow 1e-4).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class BlockLinear(nn.Module):
         small_rows: int,
         prefill_dtype: torch.dtype | None = None,
         compute_dtype: torch.dtype = torch.float32,
+        passes: int = 2,
     ) -> None:
         super().__init__()
         if type_name not in GGML_TYPES:
@@ -50,7 +53,9 @@ class BlockLinear(nn.Module):
             raise ValueError(
                 f"{type_name} blocks of {blocks.numel()} bytes ({blocks.dtype}) do not hold [{out_features}, {in_features}]"
             )
-        self.type_name, self.ggml_type = type_name, code
+        if passes not in (1, 2):
+            raise ValueError(f"passes={passes!r} is not 1 or 2")
+        self.type_name, self.ggml_type, self.passes = type_name, code, passes
         self.out_features, self.in_features = out_features, in_features
         self.small_rows, self.prefill_dtype = small_rows, prefill_dtype
         self.register_buffer("blocks", blocks.reshape(-1).contiguous())
@@ -65,8 +70,9 @@ class BlockLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         y: torch.Tensor
         if x2.shape[0] <= self.small_rows:
-            y = torch.ops.anyquant.ggml_gemv(x2, self.blocks, self.ggml_type, self.out_features, self.in_features)
-            y = y.to(x.dtype)
+            y = torch.ops.anyquant.ggml_gemv(
+                x2, self.blocks, self.ggml_type, self.out_features, self.in_features, -1, self.passes
+            ).to(x.dtype)
         else:
             dtype = self.prefill_dtype or x.dtype
             y = torch.mm(x2.to(dtype), self.dequantize().to(dtype).t()).to(x.dtype)
@@ -92,5 +98,5 @@ class BlockLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, type={self.type_name} "
-            f"(blocks read in place), small_rows={self.small_rows}, bias={self.bias is not None}"
+            f"(blocks read in place), passes={self.passes}, small_rows={self.small_rows}, bias={self.bias is not None}"
         )
