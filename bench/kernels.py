@@ -71,12 +71,19 @@ def case(name: str, n: int, k: int, type_name: str, rows: int, bw: float) -> lis
     x = torch.randn(rows, k, generator=gen)
     code = kernels.GGML_TYPES[type_name][0]
     out = []
+    times = {}
     for passes in (2, 1):
-        t = timed(lambda i: torch.ops.anyquant.ggml_gemv(x, pool[i % copies], code, n, k, -1, passes), 2 * copies)
-        ours = t if passes == 2 else ours
-        out.append(f"| {name if passes == 2 else ''} {type_name} | ggml_gemv passes={passes} | {t * 1e6:.0f} | "
-                   f"{nbytes / t / 1e9:.1f} | {nbytes / t / bw:.0%} |")
-    del pool
+
+        def ggml(i: int, passes: int = passes) -> None:
+            torch.ops.anyquant.ggml_gemv(x, pool[i % copies], code, n, k, -1, passes)
+
+        t = times[passes] = timed(ggml, 2 * copies)
+        out.append(
+            f"| {name if passes == 2 else ''} {type_name} | ggml_gemv passes={passes} | {t * 1e6:.0f} | "
+            f"{nbytes / t / 1e9:.1f} | {nbytes / t / bw:.0%} |"
+        )
+    pool.clear()
+    ours = times[2]
     if type_name in ("Q4_0", "Q4_1"):
         codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
@@ -91,8 +98,10 @@ def case(name: str, n: int, k: int, type_name: str, rows: int, bw: float) -> lis
             torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, 32, s).float()
 
         t = timed(torch_int4, 2 * tcopies)
-        out.append(f"| | torch int4pack (bf16 x) | {t * 1e6:.0f} | {tbytes / t / 1e9:.1f} | {tbytes / t / bw:.0%} |"
-                   f" {t / ours:.2f}x passes=2's time |")
+        out.append(
+            f"| | torch int4pack (bf16 x) | {t * 1e6:.0f} | {tbytes / t / 1e9:.1f} | {tbytes / t / bw:.0%} |"
+            f" {t / ours:.2f}x passes=2's time |"
+        )
     return out
 
 
@@ -106,8 +115,10 @@ def main() -> None:
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         bw = bandwidth()
-        print(f"\n## {threads} thread(s), {args.rows} row(s); copy bandwidth {bw / 1e9:.1f} GB/s; "
-              f"path {kernels.ISA_NAMES[kernels.isa()]}\n")
+        print(
+            f"\n## {threads} thread(s), {args.rows} row(s); copy bandwidth {bw / 1e9:.1f} GB/s; "
+            f"path {kernels.ISA_NAMES[kernels.isa()]}\n"
+        )
         print("| shape | op | us | GB/s | % bound | |\n|---|---|---|---|---|---|")
         for name, n, k, type_name in SHAPES:
             print("\n".join(case(name, n, k, type_name, args.rows, bw)), flush=True)

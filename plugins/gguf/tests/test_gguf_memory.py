@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from anyquant.runtime import kernels
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 import anyquant
+from anyquant.runtime import kernels
 from anyquant_gguf import qlinear
 from anyquant_gguf.qlinear import (
     GGUFEmbedding,
@@ -274,7 +274,6 @@ def test_block_kernel_reads_the_file_in_place(tiny_tied: tuple[Path, torch.nn.Mo
     from anyquant.runtime.fastcpu import FastHead
     from anyquant.runtime.kernels.linear import BlockLinear
     from anyquant.runtime.step import DecodeStep
-
     from anyquant_gguf.reader import load_raw
 
     path, _ = tiny_tied

@@ -334,7 +334,9 @@ def ggml_layer(
     """:func:`int4_layer` for layers of GGUF-block linears (Q4_0, Q4_1, Q8_0 read in place): seven kernel calls."""
     b, hidden = h.shape[0], h.shape[-1]
     x = F.rms_norm(h, [hidden], norm1, eps).view(b, hidden)
-    qk = torch.cat([_ggml(x, blocks[0], kinds[0], rows[0], passes[0]), _ggml(x, blocks[1], kinds[1], rows[1], passes[1])], 1)
+    qk = torch.cat(
+        [_ggml(x, blocks[0], kinds[0], rows[0], passes[0]), _ggml(x, blocks[1], kinds[1], rows[1], passes[1])], 1
+    )
     v = _ggml(x, blocks[2], kinds[2], rows[2], passes[2])
     a = _attention(qk, v, cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps)
     h = h + _ggml(a, blocks[3], kinds[3], rows[3], passes[3]).view(b, 1, hidden)
@@ -511,8 +513,8 @@ def _plan_layer(layer: Any) -> _Layer | None:
         return _Layer("bf16", common + packs + qk_norms, 2**62)
     linears = (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj) if sparse is None else ()
     if linears and all(plain_ggml(m) for m in linears):
-        ggml = ([m.blocks for m in linears], [m.ggml_type for m in linears], [m.out_features for m in linears])
-        ggml += ([m.passes for m in linears],)
+        ggml: tuple[Any, ...] = ([m.blocks for m in linears], [m.ggml_type for m in linears])
+        ggml += ([m.out_features for m in linears], [m.passes for m in linears])
         return _Layer("ggml", common + ggml + qk_norms, min(m.small_rows for m in linears))
     qkv = fusion(attn, ("q_proj", "k_proj", "v_proj"))
     o = attn.o_proj

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from anyquant.errors import ParameterError
 from anyquant.plugin import (
     CPU_FAST_OPTIONS,
     RUNTIME_OPTIONS,
@@ -48,7 +49,6 @@ from anyquant.plugin import (
     UnsupportedBackendError,
     UnsupportedFormatError,
 )
-from anyquant.errors import ParameterError
 
 from .plugin import split_part, which
 
@@ -388,7 +388,7 @@ class GGUFLoader(TransformersLoader):
                     if head is None:
                         head = fast_tied_head(raw.data, raw.qtype, raw.shape, small_rows=rows)
                     else:
-                        head.tied_to_input_embedding = True  # export_dense ties the copies again
+                        head.tied_to_input_embedding = True  # type: ignore[assignment]  # export_dense ties them again
                     if head is not None:
                         return head
                 return GGUFTiedHead(raw.data, raw.qtype, raw.shape)

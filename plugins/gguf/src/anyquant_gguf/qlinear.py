@@ -472,8 +472,14 @@ def _block_linear_class() -> type[nn.Module]:
         """A Q4_0/Q4_1/Q8_0 linear read in place by the GGUF-block kernel (decode); prompts dequantize
         the blocks per forward (:func:`~anyquant_gguf.dequant.dequantize_blocks_torch`, exact)."""
 
-        def __init__(self, qweight: torch.Tensor, qtype: GGMLQuantizationType, shape_out_in: tuple[int, int],
-                     bias: torch.Tensor | None, **kwargs: Any) -> None:
+        def __init__(
+            self,
+            qweight: torch.Tensor,
+            qtype: GGMLQuantizationType,
+            shape_out_in: tuple[int, int],
+            bias: torch.Tensor | None,
+            **kwargs: Any,
+        ) -> None:
             out_features, in_features = (int(s) for s in shape_out_in)
             super().__init__(qweight, BLOCK_KERNEL_TYPES[qtype], out_features, in_features, bias, **kwargs)
             self.qtype = qtype
@@ -512,6 +518,7 @@ def _block_head_class() -> type[nn.Module]:
             self.out_features, self.in_features = table.shape
             self.compute_dtype, self.small_rows = torch.float32, small_rows
             self.file = table
+            self.table = table
             self.register_buffer("exact", None)
             self.register_buffer("bias", None)
             self.packed = []
@@ -523,7 +530,9 @@ def _block_head_class() -> type[nn.Module]:
             if x2.shape[0] > self.small_rows:
                 return super().forward(x)
             # one pass: the top logits are computed again exactly, the rest keep the int8 activations' error
-            y = torch.ops.anyquant.ggml_gemv(x2, self.blocks, self.ggml_type, self.out_features, self.in_features, -1, 1)
+            y: torch.Tensor = torch.ops.anyquant.ggml_gemv(
+                x2, self.blocks, self.ggml_type, self.out_features, self.in_features, -1, 1
+            )
             y = y.to(x.dtype)
             self._exact_top(x2, y)
             return y.reshape(*x.shape[:-1], self.out_features)
@@ -534,7 +543,7 @@ def _block_head_class() -> type[nn.Module]:
         def extra_repr(self) -> str:
             return (
                 f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{self.file.qtype.name} blocks read in place (GGUF-block kernel), small_rows={self.small_rows}"
+                f"{self.table.qtype.name} blocks read in place (GGUF-block kernel), small_rows={self.small_rows}"
             )
 
     return GGUFBlockHead

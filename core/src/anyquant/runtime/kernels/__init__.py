@@ -99,7 +99,7 @@ def available() -> bool:
     if not lib.is_file():
         return False
     try:
-        torch.ops.load_library(str(lib))
+        torch.ops.load_library(str(lib))  # type: ignore[no-untyped-call]
     except (OSError, RuntimeError) as exc:
         log.warning("anyquant kernels at %s do not load: %s", lib, str(exc).splitlines()[0])
         return False

@@ -80,7 +80,7 @@ class BlockLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> BlockLinear:  # type: ignore[override]
+    def _apply(self, fn: Any, recurse: bool = True) -> BlockLinear:
         """The blocks stay on the CPU as they are: device moves are refused, dtype casts reach the bias only."""
         for name, buf in self._buffers.items():
             if buf is None:
