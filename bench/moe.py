@@ -213,6 +213,8 @@ def _leaf_bytes(module: Any) -> int:
     tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
     if isinstance(module, torch.nn.Embedding):
         return int(module.embedding_dim * module.weight.element_size())
+    if callable(getattr(module, "packed_bytes", None)) and not tensors:  # an opaque oneDNN weight (bf16 prepacked)
+        return int(module.packed_bytes())
     return sum(t.numel() * t.element_size() for t in tensors if t is not None and not t.is_meta)
 
 

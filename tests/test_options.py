@@ -14,7 +14,8 @@ from anyquant.testing.tiny import make_tiny_dense
 from anyquant.tools.quantize import CORE_QUANTIZE_OPTIONS
 from anyquant_awq.loader import AWQLoader
 from anyquant_awq.quantize import AWQQuantizer
-from anyquant_exl3.loader import EXL2Loader, EXL3Loader
+from anyquant_exl3.exl2.loader import EXL2Loader
+from anyquant_exl3.loader import EXL3Loader
 from anyquant_exl3.quantize import EXL3Quantizer
 from anyquant_gguf.loader import GGUFLoader
 from anyquant_gptq.loader import GPTQLoader
@@ -80,7 +81,10 @@ def test_quantizers_declare_what_they_read(declared, files) -> None:  # type: ig
             EXL3Loader,
             ["plugins/exl3/src/anyquant_exl3/loader.py", "plugins/exl3/src/anyquant_exl3/exllamav3_kernels.py"],
         ),
-        (EXL2Loader, ["plugins/exl3/src/anyquant_exl3/loader.py"]),
+        (
+            EXL2Loader,
+            ["plugins/exl3/src/anyquant_exl3/exl2/loader.py", "plugins/exl3/src/anyquant_exl3/loader.py"],
+        ),
     ],
     ids=lambda v: getattr(v, "__name__", "files"),
 )
@@ -93,7 +97,7 @@ def test_loaders_declare_what_they_read(loader, files) -> None:  # type: ignore[
 
 
 def _exl3_only(loader: type) -> set[str]:
-    """loader.py serves both EXL3 and EXL2: the exllamav3 options it reads are EXL3's alone."""
+    """EXL2's loader shares EXL3's loader.py (its cpu-fast base): the exllamav3 options read there are EXL3's alone."""
     return set(EXL3Loader.load_options) if loader is EXL2Loader else set()
 
 

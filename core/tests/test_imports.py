@@ -130,6 +130,20 @@ def test_plugins_import_only_the_plugin_api(package: str) -> None:
     assert not bad, bad
 
 
+@pytest.mark.parametrize("package", FIRST_PARTY_PLUGINS)
+def test_plugins_do_not_import_each_other(package: str) -> None:
+    """Each plugin is its own distribution: what two formats share lives in core (``anyquant.int4`` for GPTQ and
+    AWQ), so none imports a sibling (the AWQ plugin once imported eight names from ``anyquant_gptq.loader``)."""
+    siblings = [p for p in FIRST_PARTY_PLUGINS if p != package]
+    bad = [
+        f"{module}: {name}"
+        for module, path in _modules(package).items()
+        for name in _imports(module, path)
+        if any(name == s or name.startswith(s + ".") for s in siblings)
+    ]
+    assert not bad, bad
+
+
 PLUGIN_API = [
     "AnyquantError",
     "BackendInfo",

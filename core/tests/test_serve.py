@@ -412,3 +412,107 @@ def test_logit_bias_penalties_min_p_and_seed_as_complete(client: Any, local: Any
             )
         )
     assert [o.choices[0].message.content for o in outs] == [sampled] * 3
+
+
+def test_n_choices(client: Any) -> None:
+    """``n`` choices, each a row of the batched decode: greedy ones are equal; with a seed, choice i samples with
+    seed + i, so the same request repeats its choices; usage counts the prompt once and every choice's tokens."""
+    one = _chat(client, QUESTIONS[1], max_tokens=8)
+    r = _chat(client, QUESTIONS[1], max_tokens=8, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert {c.message.content for c in r.choices} == {one.choices[0].message.content}
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
+    a = _chat(client, QUESTIONS[2], max_tokens=12, n=3, temperature=1.0, seed=7)
+    b = _chat(client, QUESTIONS[2], max_tokens=12, n=3, temperature=1.0, seed=7)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert len({c.message.content for c in a.choices}) > 1  # seeds 7, 8, 9: not one answer three times
+    first = _chat(client, QUESTIONS[2], max_tokens=12, temperature=1.0, seed=7)
+    assert first.choices[0].message.content == a.choices[0].message.content
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": QUESTIONS[2]}],
+        max_tokens=12,
+        n=3,
+        temperature=1.0,
+        seed=7,
+        stream=True,
+    )
+    texts = ["", "", ""]
+    for c in stream:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in a.choices]
+    with pytest.raises(openai.BadRequestError) as too_many:
+        _chat(client, "hi", max_tokens=2, n=9)
+    assert too_many.value.param == "n"
+
+
+def test_echo(client: Any, local: Any) -> None:
+    """Completions' ``echo``: the prompt before the answer, whole and streamed; with ``logprobs`` the prompt
+    tokens' log-probabilities too (the first ``null``), which sum to what ``loglikelihood`` gives; with
+    ``max_tokens: 0`` only the prompt, scored (what evaluation harnesses ask of an OpenAI server)."""
+    prompt = "The capital of France is"
+    want = local.generate(prompt, max_new_tokens=4)
+    a = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert a.choices[0].text == prompt + want
+    streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt + want
+    ids = local.tokenizer(prompt)["input_ids"]
+    scored = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
+    ((total, _),) = local.loglikelihood([(ids[:1], ids[1:])])
+    assert abs(sum(lp.token_logprobs[1:]) - total) < 2e-3 * len(ids)
+    both = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=0)
+    blp = both.choices[0].logprobs
+    assert both.choices[0].text == prompt + want and len(blp.tokens) > len(ids)
+    assert blp.text_offset == [sum(len(t) for t in blp.tokens[:i]) for i in range(len(blp.tokens))]
+    with pytest.raises(openai.BadRequestError) as chat_echo:
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"echo": True}
+        )
+    assert chat_echo.value.param == "echo"
+
+
+def test_logprob_bytes_of_a_partial_character(client: Any, local: Any) -> None:
+    """A token holding part of a UTF-8 character: its ``bytes`` are exact and its ``token`` is OpenAI's
+    ``bytes:\\x..`` spelling (its text alone would be U+FFFD)."""
+    from anyquant.runtime.tokenizer import token_bytes
+
+    tok = local.tokenizer
+    ids = tok("🙂", add_special_tokens=False)["input_ids"]
+    partial = next(i for i in ids if "\ufffd" in tok.decode([i]))
+    r = _chat(client, "hi", max_tokens=1, logprobs=True, logit_bias={str(partial): 100})
+    got = r.choices[0].logprobs.content[0]
+    raw = token_bytes(tok, partial)
+    assert got.bytes == list(raw) and got.token == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def test_a_failed_prefill_is_answered(local: Any) -> None:
+    """A request whose prefill raises (a token id past the embedding) ends as ``error`` at once; it used to be
+    dropped without a word, its client waiting until its timeout. The next request runs as usual."""
+    import threading
+
+    from anyquant.serve.scheduler import Finished, ModelAdapter, Request, Scheduler
+
+    adapter = ModelAdapter(local)
+    scheduler = Scheduler(adapter, max_batch=2, max_queue=2)
+    ends: list[Finished] = []
+    done = threading.Event()
+
+    def finish(f: Finished) -> None:
+        ends.append(f)
+        if len(ends) == 2:
+            done.set()
+
+    bad = Request([1, 10**8], local.params(), 3, lambda text: None, finish, time.monotonic() + 300)
+    good = Request([1, 2, 3], local.params(), 2, lambda text: None, finish, time.monotonic() + 300)
+    scheduler.submit(bad)
+    scheduler.submit(good)
+    assert done.wait(60)
+    scheduler.close(30)
+    assert ends[0].reason == "error" and ends[0].error is not None
+    assert ends[1].reason == "length" and ends[1].completion_tokens == 2

@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from anyquant_exl3.exl2 import (
+from anyquant_exl3.exl2.dequant import (
     EXL2_BITS,
     decode_exl2,
     group_map,

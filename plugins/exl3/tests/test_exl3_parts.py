@@ -19,7 +19,7 @@ from anyquant.probe import Probe
 from anyquant.testing.tiny import make_tiny_dense
 from anyquant_exl3.dequant import decode_exl3
 from anyquant_exl3.encode import encode_exl3
-from anyquant_exl3.exl2 import decode_exl2, pack_exl2
+from anyquant_exl3.exl2.dequant import decode_exl2, pack_exl2
 from anyquant_exl3.loader import stored_parts
 from anyquant_exl3.qlinear import LinearParts
 

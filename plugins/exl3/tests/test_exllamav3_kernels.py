@@ -109,7 +109,8 @@ def test_backend_info_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_declared_options_are_the_ones_read() -> None:
-    from anyquant_exl3.loader import EXLLAMAV3_OPTIONS, EXL2Loader, EXL3Loader
+    from anyquant_exl3.exl2.loader import EXL2Loader
+    from anyquant_exl3.loader import EXLLAMAV3_OPTIONS, EXL3Loader
 
     assert set(cb.EXTRA_OPTIONS) == set(EXLLAMAV3_OPTIONS)  # the backend reads the loader's declaration
     assert set(EXLLAMAV3_OPTIONS) <= set(EXL3Loader.load_options)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import anyquant
 from anyquant_exl3.dequant import decode_exl3
-from anyquant_exl3.exl2 import decode_exl2, pack_exl2
+from anyquant_exl3.exl2.dequant import decode_exl2, pack_exl2
 from anyquant_exl3.quantize import allocate_bits
 
 pytestmark = pytest.mark.slow

@@ -1,9 +1,9 @@
 """Write the GGUF family fixtures of ``test_gguf_families.py`` with llama.cpp's own tools.
 
 Not run by the tests (they only read what this wrote into ``fixtures/``). For each family
-(``qwen3``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen3moe``, ``mixtral``) it
+(``qwen3``, ``gemma2``, ``gemma3``, ``phi3``, ``qwen3moe``, ``mixtral``, ``qwen2moe``) it
 
-1. trains a tiny tokenizer: byte-level BPE with Qwen2's split regex for qwen3/qwen3moe (``tokenizers``),
+1. trains a tiny tokenizer: byte-level BPE with Qwen2's split regex for qwen3/qwen3moe/qwen2moe (``tokenizers``),
    SentencePiece BPE with byte fallback for the others (``sentencepiece``: Gemma's id layout and
    no dummy prefix; Llama's layout with a dummy prefix for Mixtral, and Phi-3's added chat tokens);
 2. builds a small random transformers model of the family (hidden 256, FFN multiple of 256 so
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "mixtral")
+FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "mixtral", "qwen2moe")
 NEW_TOKENS = 8
 N_CTX = 64
 PROMPT = "The quick brown fox jumps over the lazy dog while the model reads"
@@ -76,6 +76,7 @@ RANDOM_INIT: dict[str, tuple[int, float, float]] = {
     "phi3": (2, 0.04, 0.5),
     "qwen3moe": (1, 0.03, 0.6),
     "mixtral": (3, 0.03, 0.5),
+    "qwen2moe": (3, 0.03, 0.6),
 }
 
 
@@ -196,7 +197,7 @@ def write_tokenizer(family: str, out: Path) -> dict[str, Any]:
         }
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
         return {"vocab_size": size, "bos_token_id": 1, "eos_token_id": 2}
-    if family in ("qwen3", "qwen3moe"):
+    if family in ("qwen3", "qwen3moe", "qwen2moe"):
         fast = train_bpe(out, QWEN_TEMPLATE)
         vocab = len(fast)
         eos = fast.convert_tokens_to_ids("<|im_end|>")
@@ -321,6 +322,21 @@ def model_config(family: str, tok: dict[str, Any]) -> Any:
             max_position_embeddings=512,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=True,
+            **common,
+        )
+    if family == "qwen2moe":  # a shared expert beside the routed ones, q/k/v biases, top-k weights not renormalized
+        return AutoConfig.for_model(
+            "qwen2_moe",
+            intermediate_size=512,
+            moe_intermediate_size=256,
+            shared_expert_intermediate_size=512,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,  # what llama.cpp's qwen2moe graph computes
+            num_hidden_layers=2,
+            max_position_embeddings=512,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=False,  # llama.cpp's qwen2moe needs output.weight
             **common,
         )
     if family == "mixtral":
@@ -509,6 +525,7 @@ def make(family: str, llama_cpp: Path, llama_python: str, work: Path) -> None:
     template = {
         "qwen3": QWEN_TEMPLATE,
         "qwen3moe": QWEN_TEMPLATE,
+        "qwen2moe": QWEN_TEMPLATE,
         "phi3": PHI3_TEMPLATE,
         "mixtral": MISTRAL_TEMPLATE,
     }.get(family, GEMMA_TEMPLATE)

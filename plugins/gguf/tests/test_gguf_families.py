@@ -1,4 +1,4 @@
-"""GGUF files of the qwen3, gemma2, gemma3, phi3, qwen3moe and Mixtral (llama) architectures, judged by llama.cpp.
+"""GGUF files of the qwen3, gemma2, gemma3, phi3, qwen3moe, qwen2moe and Mixtral (llama) architectures, judged by llama.cpp.
 
 ``fixtures/<family>.Q4_K_M.gguf`` are tiny random models (hidden 256, 2-6 layers; the MoE ones 4 experts,
 2 per token, which core's ``Experts`` runs one GGUF linear per expert) that llama.cpp's
@@ -40,8 +40,8 @@ from anyquant_gguf.reader import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
-FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "mixtral")
-MOE = ("qwen3moe", "mixtral")
+FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "mixtral", "qwen2moe")
+MOE = ("qwen3moe", "mixtral", "qwen2moe")
 #: anyquant's exact backends vs llama.cpp: max |logit difference| / max |llama.cpp logit| must stay under this
 LOGIT_TOL = 2e-2
 #: max |logit difference| / max |llama.cpp logit| of the dequantized backend (packed: the same; cpu-fast within
@@ -54,6 +54,7 @@ MEASURED: dict[str, float] = {
     "phi3": 1.10e-2,
     "qwen3moe": 1.03e-2,
     "mixtral": 0.75e-2,
+    "qwen2moe": 0.89e-2,
 }
 CLASSES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
@@ -62,6 +63,7 @@ CLASSES = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),  # a "llama" GGUF with experts
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
 }
 #: tokenization cases (by index in the record) where anyquant's tokenizer is known to differ from llama.cpp's:
 #: Mixtral's SentencePiece vocabulary goes to transformers' converter (``Metaspace``, ``prepend_scheme="first"``),
@@ -150,8 +152,8 @@ def test_config_and_names(family: str) -> None:
     if cfg["tie_word_embeddings"]:
         expected.discard("lm_head.weight")
     assert set(names.values()) == expected
-    for gguf_name, hf_name in names.items():
-        assert tuple(reversed(get_tensor(reader, gguf_name).shape.tolist())) == tuple(state[hf_name].shape), gguf_name
+    for gguf_name, hf_name in names.items():  # (Qwen2-MoE's shared-expert gate: a GGUF vector, a one-row matrix in HF)
+        assert tuple(load_tensor(reader, gguf_name).shape) == tuple(state[hf_name].shape), gguf_name
     experts = hf_expert_names(reader)
     if family not in MOE:
         assert not experts
@@ -215,6 +217,13 @@ def test_family_specifics(family: str) -> None:
     if family == "qwen3moe":
         assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (4, 2, 256)
         assert cfg["norm_topk_prob"] is True and cfg["mlp_only_layers"] == [] and cfg["decoder_sparse_step"] == 1
+    if family == "qwen2moe":  # the shared expert and its one-row sigmoid gate; top-k weights not renormalized
+        assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (4, 2, 256)
+        assert cfg["norm_topk_prob"] is False and cfg["shared_expert_intermediate_size"] == 512
+        assert cfg["qkv_bias"] is True and "attention_bias" not in cfg
+        assert names["blk.0.ffn_gate_inp_shexp.weight"] == "model.layers.0.mlp.shared_expert_gate.weight"
+        assert names["blk.1.ffn_down_shexp.weight"] == "model.layers.1.mlp.shared_expert.down_proj.weight"
+        assert load_tensor(reader, "blk.0.ffn_gate_inp_shexp.weight").shape == (1, 256)
     if family == "mixtral":
         assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"]) == (4, 2, 256)
         assert names["blk.0.attn_q.weight"] == "model.layers.0.self_attn.q_proj.weight"  # un-permuted: llama
@@ -253,7 +262,7 @@ def test_packed_equals_dequantized(family: str) -> None:
 
 def test_default_backend(family: str) -> None:
     """The default load (cpu-fast where torch's int4 kernel runs: Q4_K linears in bfloat16 for short prompts,
-    Q6_K ones dequantized) stays within 5e-2 of llama.cpp's logits (measured: 1.1-1.3e-2, 2-3e-3 from the exact
+    Q6_K ones bfloat16 prepacked where AMX/AVX512-BF16 runs it, else dequantized) stays within 5e-2 of llama.cpp's logits (measured: 1.1-1.3e-2, 2-3e-3 from the exact
     backend) and generates llama.cpp's greedy tokens up to the first near-tie: a step whose recorded top-2 margin is
     under 0.5% of the largest logit (gemma2's sixth, 0.24%), where bfloat16 rounding on another CPU may pick the
     other token (all 8 agree on the host that recorded them)."""

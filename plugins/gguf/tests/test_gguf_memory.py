@@ -236,14 +236,30 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
     path, _ = tiny_tied
     dense = _load(path, "dequantized")
     fast = _load(path, "cpu-fast", cpu_fast_small_rows=4)
+    from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_head_status
+
     info = fast.info["cpu_fast"]
+    q8 = {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}  # Q8_0: no int4 layout
     if kernels.available():  # the compiled GGUF-block kernel reads Q4_0 and Q8_0 alike, in place
-        assert (info["converted"], info["in_place"], info["dequantized"]) == (14, 14, {})
+        assert (info["converted"], info["in_place"], info["dequantized"], info["bf16"]) == (14, 14, {}, {})
+    elif bf16_head_status()[0]:  # host-dependent: AMX / AVX512-BF16 -> bfloat16 prepacked, 2 bytes per weight
+        assert info["converted"] == 12
+        assert info["bf16"] == dict.fromkeys(q8, "Q8_0") and not info["dequantized"]
+        for name in q8:
+            layer = fast.module.get_submodule(name)
+            assert isinstance(layer, PrepackedBf16Linear) and isinstance(layer.source, GGUFLinear)
+            assert (
+                layer.source.weight_cache is None
+                and layer.packed_bytes() == 2 * layer.source.qweight.numel() // 34 * 32
+            )
+            x = torch.randn(1, layer.in_features)
+            want = F.linear(x.bfloat16(), layer.dequantize().bfloat16()).float()  # the bfloat16 product
+            torch.testing.assert_close(layer(x), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+            long = torch.randn(5, layer.in_features)  # over small_rows: the exact float32 path
+            assert torch.equal(layer(long), layer.source(long))
     else:
-        assert info["converted"] == 12 and set(info["dequantized"]) == {
-            "model.layers.0.mlp.down_proj",
-            "model.layers.1.mlp.down_proj",
-        }
+        assert info["converted"] == 12
+        assert set(info["dequantized"]) == q8 and not info["bf16"]
         assert "Q8_0" in info["dequantized"]["model.layers.0.mlp.down_proj"]
     ids = torch.tensor([[1, 5, 9, 100, 127, 3, 4, 8]])  # 8 rows > small_rows: the exact path
     with torch.no_grad():

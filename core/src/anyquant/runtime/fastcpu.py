@@ -735,8 +735,11 @@ class PrepackedBf16Linear(nn.Module):
     :meth:`dequantize` and the bias. Memory: 2 bytes per weight plus the source's packed size.
     """
 
-    def __init__(self, source: nn.Module) -> None:
+    def __init__(self, source: nn.Module, small_rows: int | None = None) -> None:
         super().__init__()
+        #: above this many rows the forward is the source's own (exact) one: GGUF's cpu-fast keeps long
+        #: prompts exact, as its int4 layers do; ``None`` (EXL3, EXL2): every forward in bfloat16
+        self.small_rows = small_rows
         ok, reason = bf16_head_status()
         if not ok:
             raise ValueError(f"PrepackedBf16Linear cannot run here: {reason}")
@@ -754,7 +757,10 @@ class PrepackedBf16Linear(nn.Module):
         return getattr(self.source, "bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        x2 = x.reshape(-1, self.in_features)
+        if self.small_rows is not None and x2.shape[0] > self.small_rows:
+            return self.source(x)  # type: ignore[no-any-return]
+        x2 = x2.to(torch.bfloat16)
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "").to(x.dtype)
         bias = self.bias
         if bias is not None:
@@ -778,7 +784,8 @@ class PrepackedBf16Linear(nn.Module):
         return self.in_features * self.out_features * 2
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight=bfloat16 prepacked"
+        rows = "" if self.small_rows is None else f", exact above {self.small_rows} rows"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=bfloat16 prepacked{rows}"
 
 
 def _halving_pieces(rows: int, pieces: int, align: int = 64) -> list[tuple[int, int]]:

@@ -509,8 +509,10 @@ def _plan_layer(layer: Any) -> _Layer | None:
     if sparse is None and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         return None  # an MLP of another make
     if sparse is None and all(plain_bf16(m) for m in (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-        packs = tuple(m.packed for m in (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-        return _Layer("bf16", common + packs + qk_norms, 2**62)
+        linears = (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        packs = tuple(m.packed for m in linears)
+        small_rows = min(2**62 if m.small_rows is None else m.small_rows for m in linears)
+        return _Layer("bf16", common + packs + qk_norms, small_rows)
     linears = (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj) if sparse is None else ()
     if linears and all(plain_ggml(m) for m in linears):
         ggml: tuple[Any, ...] = ([m.blocks for m in linears], [m.ggml_type for m in linears])

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..probe import Probe
 
-__all__ = ["load_tokenizer"]
+__all__ = ["load_tokenizer", "token_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -156,3 +158,51 @@ def _generic_fast(probe: Probe) -> bool:
     except (OSError, AnyquantError):  # anything odd: AutoTokenizer decides (and reports)
         return False
     return isinstance(cfg, dict) and cfg.get("tokenizer_class") in GENERIC_FAST and "auto_map" not in cfg
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (the inverse of ``bytes_to_unicode``)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+def _decodes_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return False
+    try:
+        state = decoder.__getstate__()  # the decoder's own JSON (small: not the vocabulary)
+    except Exception:  # a decoder without it
+        return type(decoder).__name__ == "ByteLevel"
+    return b"ByteLevel" in (state if isinstance(state, bytes) else str(state).encode())
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes token ``token_id`` stands for, also when they are only part of a UTF-8 character (where decoding
+    the token alone gives U+FFFD): a byte-level BPE piece through GPT-2's byte alphabet, a SentencePiece byte
+    piece (``<0xE2>``) as that byte, the SentencePiece word marker ``▁`` as a space, a special token as its text."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if not isinstance(piece, str):
+        return b""
+    special = getattr(tokenizer, "all_special_ids", ()) or ()
+    if int(token_id) in special:
+        return piece.encode("utf-8")
+    match = _BYTE_PIECE.fullmatch(piece)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    if _decodes_byte_level(tokenizer):
+        alphabet = _byte_level_alphabet()
+        if all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+    return piece.replace("\u2581", " ").encode("utf-8")

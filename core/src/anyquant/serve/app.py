@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import AnyquantError
@@ -50,6 +50,12 @@ class ApiError(Exception):
 # ---------------------------------------------------------------------- request parsing
 
 
+#: the most choices (``n``) one request may ask for: each runs as its own row of the batched decode
+MAX_CHOICES = 8
+#: the longest prompt ``echo`` with ``logprobs`` scores (one forward keeps every position's logits)
+MAX_SCORED_PROMPT = 4096
+
+
 @dataclass
 class _Job:
     ids: list[int]
@@ -58,6 +64,8 @@ class _Job:
     stream: bool
     include_usage: bool
     logprobs: bool = False  # report each token's log-probability (params.top_logprobs alternatives with it)
+    n: int = 1  # choices, each its own request (seed + i when a seed is given)
+    echo: str | None = None  # completions' echo: the prompt's text, put before each choice's text
 
 
 def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -141,10 +149,17 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
         raise ApiError(
             404, f"The model '{model}' does not exist; this server serves '{app.config.model_name}'", "model_not_found"
         )
-    if _integer(body, "n", 1) not in (None, 1):
-        raise ApiError(400, "n: only n=1 is supported", "unsupported_parameter", "n")
+    n = _integer(body, "n", 1) or 1
+    if n > MAX_CHOICES:
+        raise ApiError(400, f"n={n}: at most {MAX_CHOICES} choices per request", "invalid_value", "n")
     extras, logprobs = _sampling(app, body, chat)
-    _unsupported(body, "echo", (False,))
+    echo = body.get("echo", False)
+    if chat or not isinstance(echo, bool):
+        _unsupported(body, "echo", (False,))
+    if echo and logprobs is not None and not getattr(app.scheduler, "prompt_scoring", False):
+        raise ApiError(
+            400, "echo with logprobs is not supported by this server's engine", "unsupported_parameter", "echo"
+        )
     _unsupported(body, "best_of", (1,))
     _unsupported(body, "suffix", ("",))
     _unsupported(body, "tools", ([],))
@@ -176,8 +191,12 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
     except AnyquantError as exc:
         raise ApiError(400, str(exc), "invalid_value") from None
     asked = _integer(body, "max_completion_tokens", 1) if chat else None
-    asked = asked if asked is not None else _integer(body, "max_tokens", 1)
+    asked = asked if asked is not None else _integer(body, "max_tokens", 0 if echo else 1)
     ids = _prompt_ids(app, body, chat)
+    if echo and logprobs is not None and len(ids) > MAX_SCORED_PROMPT:
+        raise ApiError(
+            400, f"echo with logprobs scores prompts of up to {MAX_SCORED_PROMPT} tokens", "invalid_value", "prompt"
+        )
     context = app.adapter.context
     if context is not None and len(ids) > context:
         raise ApiError(
@@ -192,7 +211,13 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
             raise ApiError(400, "max_tokens is required: this model's context length is unknown", "invalid_value")
         asked = room
     max_tokens = min(asked, room) if room is not None else asked
-    return _Job(ids, params, max_tokens, stream, bool(options.get("include_usage")), logprobs is not None)
+    text = None
+    if echo:
+        prompt = body.get("prompt")
+        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+        text = prompt if isinstance(prompt, str) else app.adapter.decode(ids)
+    include_usage = bool(options.get("include_usage"))
+    return _Job(ids, params, max_tokens, stream, include_usage, logprobs is not None, n, text)
 
 
 def _sampling(app: _Server, body: Mapping[str, Any], chat: bool) -> tuple[dict[str, Any], int | None]:
@@ -272,25 +297,41 @@ class _Server:
 
 
 class _Run:
-    """A submitted request seen from the event loop: its text pieces and its end, in order."""
+    """A submitted request (one choice) seen from the event loop: its text pieces, log-probabilities and end, in
+    order, put on a queue the choices of one HTTP request share, each item with the choice's index."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[int, Any]], index: int) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[str | TokenLogprob | Finished] = asyncio.Queue()
+        self.queue = queue
+        self.index = index
+        self.prompt: list[TokenLogprob | None] | None = None  # echo with logprobs: the prompt's, when scored
+
+    def _put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
 
     def emit(self, text: str) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, text)
+        self._put(text)
 
     def logprob(self, item: TokenLogprob) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self._put(item)
+
+    def prompt_logprobs(self, items: list[TokenLogprob | None]) -> None:
+        self._put(_PromptScores(items))
 
     def finish(self, done: Finished) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, done)
+        self._put(done)
 
 
-def _usage(done: Finished) -> dict[str, int]:
-    total = done.prompt_tokens + done.completion_tokens
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens, "total_tokens": total}
+@dataclass(frozen=True)
+class _PromptScores:
+    items: list[TokenLogprob | None]
+
+
+def _usage_of(done: Sequence[Finished]) -> dict[str, int]:
+    """Usage over a request's choices: the prompt once, every choice's completion tokens (as OpenAI counts)."""
+    prompt = done[0].prompt_tokens
+    completion = sum(d.completion_tokens for d in done)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _ended_badly(done: Finished) -> ApiError | None:
@@ -355,34 +396,49 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(request: HttpRequest, chat: bool) -> Response:
+        works: list[Request] = []
         try:
             authorize(request)
             body = await read_json(request)
             job = _job(server, body, chat)
-            run = _Run(asyncio.get_running_loop())
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
             deadline = time.monotonic() + config.timeout
-            work = Request(job.ids, job.params, job.max_tokens, run.emit, run.finish, deadline)
-            if job.logprobs:
-                work.logprob = run.logprob
-            try:
-                scheduler.submit(work)
-            except QueueFull as exc:
-                raise ApiError(503, str(exc), "queue_full") from None
+            for i in range(job.n):
+                run = _Run(loop, queue, i)
+                params = job.params
+                if i and params.seed is not None:  # choice i samples with seed + i: reproducible, not identical
+                    params = replace(params, seed=params.seed + i)
+                work = Request(job.ids, params, job.max_tokens, run.emit, run.finish, deadline)
+                if job.logprobs:
+                    work.logprob = run.logprob
+                    if job.echo is not None:
+                        work.prompt_logprobs, work.prompt_top = run.prompt_logprobs, params.top_logprobs
+                try:
+                    scheduler.submit(work)
+                except QueueFull as exc:
+                    raise ApiError(503, str(exc), "queue_full") from None
+                works.append(work)
         except ApiError as exc:
+            for work in works:
+                work.cancel()
             return error(exc)
         except Exception:  # never a traceback to the client
+            for work in works:
+                work.cancel()
             log.exception("bad request")
             return error(ApiError(500, "internal error", "internal_error"))
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": ident, "created": int(time.time()), "model": config.model_name}
+        shapes = _Shapes(chat, job.logprobs, server.adapter)
         if job.stream:
             return EventSourceResponse(
-                _sse(run, work, head, chat, job.include_usage, job.logprobs),
+                _sse(queue, works, head, shapes, job),
                 ping=15,
                 shutdown_event=None,
                 shutdown_grace_period=config.timeout,
             )
-        answer: Response = await _whole(request, run, work, head, chat, error, job.logprobs)
+        answer: Response = await _whole(request, queue, works, head, shapes, job, error)
         return answer
 
     async def chat_completions(request: HttpRequest) -> Response:
@@ -410,119 +466,194 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, 500: internal})
 
 
-def _chat_logprobs(items: Sequence[TokenLogprob]) -> dict[str, Any]:
-    """OpenAI's chat shape: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+class _Shapes:
+    """OpenAI's two log-probability shapes, with each token's exact bytes from the adapter."""
 
-    def entry(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    def __init__(self, chat: bool, logprobs: bool, adapter: Any) -> None:
+        self.chat, self.logprobs, self.adapter = chat, logprobs, adapter
 
-    content = [
-        {**entry(lp.text, lp.logprob), "top_logprobs": [entry(text, value) for _, text, value in lp.top]}
-        for lp in items
-    ]
-    return {"content": content, "refusal": None}
+    def _token(self, token: int, text: str) -> tuple[str, list[int]]:
+        """The token's text and bytes: a token holding part of a UTF-8 character (its text alone decodes to U+FFFD)
+        is shown as OpenAI shows it, ``bytes:\\xe2\\x80``; its bytes are exact either way."""
+        raw = self.adapter.token_bytes(token) if hasattr(self.adapter, "token_bytes") else text.encode("utf-8")
+        if "\ufffd" in text and "\ufffd".encode() not in raw:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text, list(raw)
+
+    def chat_logprobs(self, items: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """The chat shape: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+
+        def entry(token: int, text: str, logprob: float) -> dict[str, Any]:
+            shown, raw = self._token(token, text)
+            return {"token": shown, "logprob": logprob, "bytes": raw}
+
+        content = [
+            {**entry(lp.token_id, lp.text, lp.logprob), "top_logprobs": [entry(*alt) for alt in lp.top]} for lp in items
+        ]
+        return {"content": content, "refusal": None}
+
+    def legacy_logprobs(self, items: Sequence[TokenLogprob | None], offset: int) -> tuple[dict[str, Any], int]:
+        """The completions shape (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``: each token's
+        character offset in the choice's text from ``offset``) and the offset after the last token. ``None`` items
+        are the first prompt token under ``echo``, which nothing predicts: its values are ``null``."""
+        shape: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in items:
+            shape["text_offset"].append(offset)
+            if lp is None:  # the first prompt token: ``null`` log-probabilities, its text from the echo
+                shape["tokens"].append("")
+                shape["token_logprobs"].append(None)
+                shape["top_logprobs"].append(None)
+                continue
+            shape["tokens"].append(self._token(lp.token_id, lp.text)[0])
+            shape["token_logprobs"].append(lp.logprob)
+            shape["top_logprobs"].append({self._token(i, t)[0]: v for i, t, v in lp.top})
+            offset += len(lp.text)
+        return shape, offset
+
+    def first_prompt_token(self, shape: dict[str, Any], echo: str, prompt: list[TokenLogprob | None]) -> None:
+        """The first prompt token's text: what the echoed prompt holds before the second token's text."""
+        if not prompt or prompt[0] is not None or not shape["tokens"] or shape["tokens"][0] != "":
+            return
+        rest = sum(len(lp.text) for lp in prompt[1:] if lp is not None)
+        first = echo[: max(0, len(echo) - rest)]
+        shape["tokens"][0] = first
+        shape["text_offset"] = [0] + [o + len(first) for o in shape["text_offset"][1:]]
 
 
-def _legacy_logprobs(items: Sequence[TokenLogprob], offset: int) -> tuple[dict[str, Any], int]:
-    """The completions shape (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``: each token's
-    character offset in the answer from ``offset``) and the offset after the last token."""
-    offsets = []
-    for lp in items:
-        offsets.append(offset)
-        offset += len(lp.text)
-    shape = {
-        "tokens": [lp.text for lp in items],
-        "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [{text: value for _, text, value in lp.top} for lp in items],
-        "text_offset": offsets,
-    }
-    return shape, offset
+@dataclass
+class _Choice:
+    pieces: list[str]
+    logprobs: list[TokenLogprob]
+    prompt: list[TokenLogprob | None]
+    done: Finished | None = None
+
+
+def _choice(shapes: _Shapes, job: _Job, index: int, c: _Choice) -> dict[str, Any]:
+    assert c.done is not None
+    text = "".join(c.pieces)
+    reason = "length" if c.done.reason == "length" else "stop"
+    if shapes.chat:
+        out: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}}
+    else:
+        out = {"index": index, "text": (job.echo or "") + text}
+    shape = None
+    if shapes.logprobs and shapes.chat:
+        shape = shapes.chat_logprobs(c.logprobs)
+    elif shapes.logprobs:
+        items: list[TokenLogprob | None] = [*c.prompt, *c.logprobs] if job.echo is not None else [*c.logprobs]
+        shape = shapes.legacy_logprobs(items, 0)[0]
+        if job.echo is not None:
+            shapes.first_prompt_token(shape, job.echo, c.prompt)
+    out.update(finish_reason=reason, logprobs=shape)
+    return out
 
 
 async def _whole(
-    request: Any, run: _Run, work: Request, head: dict[str, Any], chat: bool, error: Any, logprobs: bool
+    request: Any,
+    queue: asyncio.Queue[tuple[int, Any]],
+    works: Sequence[Request],
+    head: dict[str, Any],
+    shapes: _Shapes,
+    job: _Job,
+    error: Any,
 ) -> Any:
-    """A non-streamed answer: wait for the end (cancelling the work if the client goes away)."""
+    """A non-streamed answer: wait for every choice's end (cancelling the work if the client goes away)."""
     from starlette.responses import JSONResponse
 
-    pieces: list[str] = []
-    lps: list[TokenLogprob] = []
+    choices = [_Choice([], [], []) for _ in works]
     try:
-        while True:
+        while any(c.done is None for c in choices):
             try:
-                item = await asyncio.wait_for(run.queue.get(), 0.5)
+                index, item = await asyncio.wait_for(queue.get(), 0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    work.cancel()
+                    for work in works:
+                        work.cancel()
                 continue
+            c = choices[index]
             if isinstance(item, Finished):
-                break
-            if isinstance(item, TokenLogprob):
-                lps.append(item)
+                c.done = item
+            elif isinstance(item, _PromptScores):
+                c.prompt = item.items
+            elif isinstance(item, TokenLogprob):
+                c.logprobs.append(item)
             else:
-                pieces.append(item)
+                c.pieces.append(item)
     finally:
-        work.cancel()  # a no-op once finished; stops the work when this handler is cancelled
-    bad = _ended_badly(item)
-    if bad is not None:
-        return error(bad)
-    text = "".join(pieces)
-    reason = "length" if item.reason == "length" else "stop"
-    if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        obj = "chat.completion"
-    else:
-        choice, obj = {"index": 0, "text": text}, "text_completion"
-    shape = None if not logprobs else _chat_logprobs(lps) if chat else _legacy_logprobs(lps, 0)[0]
-    choice.update(finish_reason=reason, logprobs=shape)
-    return JSONResponse({**head, "object": obj, "choices": [choice], "usage": _usage(item)})
+        for work in works:
+            work.cancel()  # a no-op once finished; stops the work when this handler is cancelled
+    for c in choices:
+        bad = _ended_badly(c.done)  # type: ignore[arg-type]
+        if bad is not None:
+            return error(bad)
+    obj = "chat.completion" if shapes.chat else "text_completion"
+    body = [_choice(shapes, job, i, c) for i, c in enumerate(choices)]
+    usage = _usage_of([c.done for c in choices if c.done is not None])
+    return JSONResponse({**head, "object": obj, "choices": body, "usage": usage})
 
 
 async def _sse(
-    run: _Run, work: Request, head: dict[str, Any], chat: bool, include_usage: bool, logprobs: bool
+    queue: asyncio.Queue[tuple[int, Any]], works: Sequence[Request], head: dict[str, Any], shapes: _Shapes, job: _Job
 ) -> AsyncIterator[str]:
+    chat = shapes.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
-    pending: list[TokenLogprob] = []  # the tokens since the last chunk: they go out with the next one
-    offset = 0
+    pending: list[list[TokenLogprob | None]] = [[] for _ in works]  # each choice's tokens since its last chunk
+    offsets = [0] * len(works)
+    done: list[Finished | None] = [None] * len(works)
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return json.dumps({**head, "object": obj, "choices": choices, **extra}, ensure_ascii=False)
 
-    def piece(text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
-        nonlocal offset
+    def piece(index: int, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
         shape = None
-        if logprobs and not first:
-            shape = _chat_logprobs(pending) if chat else None
-            if not chat:
-                shape, offset = _legacy_logprobs(pending, offset)
-            pending.clear()
+        if shapes.logprobs and not first:
+            if chat:
+                shape = shapes.chat_logprobs([lp for lp in pending[index] if lp is not None])
+            else:
+                shape, offsets[index] = shapes.legacy_logprobs(pending[index], offsets[index])
+            pending[index].clear()
         if chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": shape}
-        return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": shape}
+            return {"index": index, "delta": delta, "finish_reason": reason, "logprobs": shape}
+        return {"index": index, "text": text or "", "finish_reason": reason, "logprobs": shape}
 
     try:
         if chat:
-            yield chunk([piece("", None, first=True)])
-        while True:
-            item = await run.queue.get()
+            for index in range(len(works)):
+                yield chunk([piece(index, "", None, first=True)])
+        elif job.echo is not None and not job.logprobs:
+            for index in range(len(works)):
+                yield chunk([piece(index, job.echo, None)])
+        while any(d is None for d in done):
+            index, item = await queue.get()
             if isinstance(item, Finished):
-                break
-            if isinstance(item, TokenLogprob):
-                pending.append(item)
+                done[index] = item
+                bad = _ended_badly(item)
+                if bad is not None:
+                    yield json.dumps(bad.body())
+                    break
+                yield chunk([piece(index, None if chat else "", "length" if item.reason == "length" else "stop")])
                 continue
-            yield chunk([piece(item, None)])
-        bad = _ended_badly(item)
-        if bad is not None:
-            yield json.dumps(bad.body())
+            if isinstance(item, _PromptScores):  # echo with logprobs: the prompt and its scores, first
+                pending[index].extend(item.items)
+                first = piece(index, job.echo, None)
+                if first["logprobs"] is not None and job.echo is not None:
+                    shapes.first_prompt_token(first["logprobs"], job.echo, item.items)
+                    offsets[index] = len(job.echo)
+                yield chunk([first])
+                continue
+            if isinstance(item, TokenLogprob):
+                pending[index].append(item)
+                continue
+            yield chunk([piece(index, item, None)])
         else:
-            yield chunk([piece(None if chat else "", "length" if item.reason == "length" else "stop")])
-            if include_usage:
-                yield chunk([], usage=_usage(item))
+            if job.include_usage:
+                yield chunk([], usage=_usage_of([d for d in done if d is not None]))
         yield "[DONE]"
     finally:
-        work.cancel()  # the client went away (or the stream ended): the scheduler drops it at its next step
+        for work in works:
+            work.cancel()  # the client went away (or the stream ended): the scheduler drops it at its next step

@@ -79,6 +79,27 @@ class ModelAdapter:
         """``token``'s :class:`~anyquant.results.TokenLogprob` under ``logits`` [1, vocab], with the ``top`` best."""
         return self.generator._token_logprob(logits, token, top)
 
+    def prompt_logprobs(self, ids: Sequence[int], top: int) -> list[Any]:
+        """Each prompt token's :class:`~anyquant.results.TokenLogprob` given the tokens before it (``None`` for the
+        first, which nothing predicts): one forward over the prompt, what ``echo`` with ``logprobs`` reports."""
+        import torch
+
+        if len(ids) < 2:
+            return [None] * len(ids)
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.generator.device)
+        with torch.inference_mode():
+            logits = self.generator._forward(input_ids=x, use_cache=False).logits[0]
+        return [None] + [self.token_logprob(logits[i - 1 : i], int(ids[i]), top) for i in range(1, len(ids))]
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token ``token`` stands for, also when they are part of a UTF-8 character."""
+        from ..runtime.tokenizer import token_bytes
+
+        cache = self.__dict__.setdefault("_token_bytes", {})
+        if token not in cache:
+            cache[token] = token_bytes(self.model.tokenizer, token)
+        return cache[token]  # type: ignore[no-any-return]
+
 
 @dataclass
 class Request:
@@ -95,6 +116,10 @@ class Request:
     #: with ``params.logprobs``: called with each sampled token's :class:`~anyquant.results.TokenLogprob`, before
     #: the text that token makes final is emitted
     logprob: Callable[[Any], None] | None = None
+    #: ``echo`` with ``logprobs``: called once, before any generated text, with the prompt tokens' log-probabilities
+    #: (:meth:`ModelAdapter.prompt_logprobs`, ``prompt_top`` alternatives each)
+    prompt_logprobs: Callable[[list[Any]], None] | None = None
+    prompt_top: int = 0
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -163,6 +188,8 @@ class Scheduler:
     #: every row of a batched step is sampled with its own parameters, as ``LoadedModel.complete`` samples it
     #: (logit bias, penalties, min_p, seed) and reports log-probabilities: the HTTP side accepts all of them
     full_sampling = True
+    #: scores prompts (``Request.prompt_logprobs``): ``echo`` with ``logprobs``
+    prompt_scoring = True
 
     def __init__(self, adapter: ModelAdapter, *, max_batch: int = 16, max_queue: int = 64) -> None:
         if max_batch < 1 or max_queue < 0:
@@ -221,12 +248,20 @@ class Scheduler:
                 if self._ended(row):
                     continue
                 try:
+                    if request.prompt_logprobs is not None:
+                        request.prompt_logprobs(self.adapter.prompt_logprobs(request.ids, request.prompt_top))
+                    if request.max_tokens == 0:  # the prompt scored, nothing generated (echo with max_tokens 0)
+                        row.end("length")
+                        request.finish(row.done)  # type: ignore[arg-type]
+                        continue
                     logits = batch.prefill(request, request.ids)
                     live.append(row)
                     row.take(*self._sample(row, logits[None]))
                 except Exception as exc:  # this request's failure, not the server's
                     log.exception("request failed in prefill")
                     row.end("error", exc)
+                    if row not in live:  # not yet running: nothing else will tell it
+                        request.finish(row.done)  # type: ignore[arg-type]
             live = self._retire(batch, live)
             self.running = len(live)
             if not live:

@@ -22,16 +22,16 @@ from .estimate import (
     GiB,
     ModelShape,
     SizingError,
-    _check_count,
-    _check_gb,
-    _context_note,
-    _from_config,
-    _gb,
-    _weights,
+    Weights,
+    check_count,
+    check_gb,
     estimate,
-    kv_bits,
+    estimate_for,
+    format_gb,
     margin_bytes,
     model_shape,
+    weights_from_config,
+    weights_of,
 )
 
 __all__ = ["GPUS", "Advice", "GpuSpec", "advise", "find_gpu"]
@@ -182,7 +182,7 @@ class Advice:
             head,
             f"  hardware: {self.gpus} x {self.gpu.name} ({self.vram_gb:g} GB), {self.users} user(s), context {self.context}",
         ]
-        lines.append(f"  memory: {_gb(self.memory_bytes).strip()} on the device(s), estimated")
+        lines.append(f"  memory: {format_gb(self.memory_bytes).strip()} on the device(s), estimated")
         if self.expected_decode_tok_s:
             rate = self.expected_decode_tok_s
             lines.append(f"  decode: about {rate:.{0 if rate >= 10 else 1}f} tokens/s per user at best (memory-bound)")
@@ -243,44 +243,18 @@ class _Ctx:
 
 def _est(ctx: _Ctx, bits: float, kv: str, head_bits: float, batch: int, fmt: str | None = None) -> Estimate:
     """A config-based estimate for this model at ``bits`` (the checkpoint's own bytes are not what we'd run)."""
-    cfg_estimate = _from_config(ctx.shape, bits, head_bits, fmt)
-    kv_name, kvb = kv_bits(kv)
-    per_token = math.ceil(ctx.shape.kv_values_per_token * kvb / 8)
-    kv_bytes = per_token * ctx.context * batch
-    return Estimate(
-        model=ctx.model_label,
-        source="config+bits",
-        format=None,
-        bits=bits,
-        parameters=ctx.shape.parameters,
-        weight_bytes=cfg_estimate.weight_bytes,
-        embedding_bytes=cfg_estimate.embedding_bytes,
-        kv_dtype=kv_name,
-        kv_bits=kvb,
-        kv_bytes_per_token=per_token,
-        context=ctx.context,
-        batch=batch,
-        kv_bytes=kv_bytes,
-        margin_bytes=margin_bytes(cfg_estimate.weight_bytes + kv_bytes, ctx.gpus),
-        layers=ctx.shape.layers,
-        kv_heads=ctx.shape.kv_heads,
-        head_dim=ctx.shape.head_dim,
-        notes=[*cfg_estimate.notes, *ctx.shape.notes, *_context_note(ctx.shape, ctx.context)],
-    )
+    weights = replace(weights_from_config(ctx.shape, bits, head_bits, fmt), format=None)
+    return estimate_for(weights, context=ctx.context, batch=batch, kv_dtype=kv, devices=ctx.gpus, model=ctx.model_label)
 
 
 def _gguf_est(ctx: _Ctx, bpw: float, kv: str, devices: int = 1, batch: int = 1) -> Estimate:
     """GGUF quantizes every tensor (embeddings included): weights = parameters x bpw / 8."""
-    e = _est(ctx, bpw, kv, 16, batch)
-    e.weight_bytes = int(ctx.shape.parameters * bpw / 8)
-    e.embedding_bytes = int(ctx.shape.embed_params * bpw / 8)
-    e.margin_bytes = margin_bytes(e.weight_bytes + e.kv_bytes, devices)
-    e.notes = [
-        f"all {ctx.shape.parameters / 1e9:.2f}B parameters at ~{bpw:g} bits/weight (llama.cpp mix)",
-        *ctx.shape.notes,
-        *_context_note(ctx.shape, ctx.context),
-    ]
-    return e
+    note = f"all {ctx.shape.parameters / 1e9:.2f}B parameters at ~{bpw:g} bits/weight (llama.cpp mix)"
+    shape = ctx.shape
+    weights = Weights(
+        shape, "config+bits", None, bpw, int(shape.parameters * bpw / 8), int(shape.embed_params * bpw / 8), (note,)
+    )
+    return estimate_for(weights, context=ctx.context, batch=batch, kv_dtype=kv, devices=devices, model=ctx.model_label)
 
 
 def _read_per_token(ctx: _Ctx, e: Estimate, exclude: int = 0) -> float:
@@ -345,9 +319,9 @@ def _advise_exl3(ctx: _Ctx) -> Advice | None:
         "kernels run (they need Ampere, sm_80, or newer)",
         f"{ctx.users} user(s): a single-user engine is right; EXL3 has the best quality per bit "
         "(Llama-3.1-70B perplexity 3.85 at 4.0 bpw vs AWQ 4-bit 4.19)",
-        f"{bpw:g} bpw is the largest that fits: {_gb(_resident(e, True)).strip()} of "
-        f"{ctx.gpus} x {ctx.vram_gb:g} GB (weights {_gb(e.weight_bytes - e.embedding_bytes).strip()} with a 6-bit head; "
-        f"embeddings stay in system RAM; KV {_gb(e.kv_bytes).strip()} for {ctx.context} tokens x {ctx.users})"
+        f"{bpw:g} bpw is the largest that fits: {format_gb(_resident(e, True)).strip()} of "
+        f"{ctx.gpus} x {ctx.vram_gb:g} GB (weights {format_gb(e.weight_bytes - e.embedding_bytes).strip()} with a 6-bit head; "
+        f"embeddings stay in system RAM; KV {format_gb(e.kv_bytes).strip()} for {ctx.context} tokens x {ctx.users})"
         + _kld_note(bpw),
     ]
     if kv != "fp16":
@@ -468,7 +442,7 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
             estimate=e,
             expected_decode_tok_s=None,
             reasons=[
-                f"4-bit weights ({_gb(e.weight_bytes).strip()}) plus one {ctx.context}-token sequence do not fit in "
+                f"4-bit weights ({format_gb(e.weight_bytes).strip()}) plus one {ctx.context}-token sequence do not fit in "
                 f"{ctx.gpus} x {ctx.vram_gb:g} GB at {VLLM_GPU_UTIL:.0%} utilisation"
             ],
             alternatives=["more GPUs (tensor parallel)", "a shorter --max-model-len", "a smaller model"],
@@ -490,7 +464,7 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
             if rocm
             else f" (Marlin needs sm_80+; {ctx.gpu.name} is sm_{cc[0]}{cc[1]})"
         ),
-        f"weights {_gb(e.weight_bytes).strip()}; each {ctx.context}-token sequence needs {_gb(e.kv_bytes).strip()} of "
+        f"weights {format_gb(e.weight_bytes).strip()}; each {ctx.context}-token sequence needs {format_gb(e.kv_bytes).strip()} of "
         f"{kv} KV: room for {seqs} full-length sequences at once with tensor parallel {tp}",
     ]
     if seqs < ctx.users:
@@ -599,14 +573,14 @@ def _advise_local(ctx: _Ctx) -> Advice:
             fits=False,
             estimate=e,
             expected_decode_tok_s=None,
-            reasons=[f"even GGUF {name} needs {_gb(e.total_bytes).strip()}, more than {where}"],
+            reasons=[f"even GGUF {name} needs {format_gb(e.total_bytes).strip()}, more than {where}"],
             alternatives=["a smaller model", "a machine with more memory", "a shorter context"],
         )
     name, bpw, e = found
     reasons = [
         f"{ctx.gpu.name}: no CUDA, so no EXL3/GPTQ/AWQ kernels; GGUF runs on llama.cpp "
         + ("with Metal" if ctx.gpu.kind == "apple" else "on the CPU"),
-        f"{name} (~{bpw:g} bits/weight) is the largest type that fits: {_gb(e.total_bytes).strip()} of {where}",
+        f"{name} (~{bpw:g} bits/weight) is the largest type that fits: {format_gb(e.total_bytes).strip()} of {where}",
         f"decode is memory-bound: about {_tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs):.1f} tokens/s at "
         f"~{ctx.gpu.bandwidth_gbs:g} GB/s",
     ]
@@ -636,7 +610,7 @@ def _gguf_as_is(ctx: _Ctx, usable: int, where: str, engine: str) -> Advice | Non
     reasons = [
         f"{ctx.gpu.name}: no CUDA, so no EXL3/GPTQ/AWQ kernels; GGUF runs on llama.cpp "
         + ("with Metal" if ctx.gpu.kind == "apple" else "on the CPU"),
-        f"the checkpoint is GGUF already ({e.bits:g} bits/weight) and fits: {_gb(e.total_bytes).strip()} of {where}",
+        f"the checkpoint is GGUF already ({e.bits:g} bits/weight) and fits: {format_gb(e.total_bytes).strip()} of {where}",
     ]
     return _advice(
         ctx,
@@ -682,7 +656,7 @@ def _offload_plan(ctx: _Ctx, qtype: str = "Q4_K_M") -> Advice | None:
         return None
     reasons = [
         f"{gpu_layers} of {ctx.shape.layers} layers fit on the GPU; {ctx.shape.layers - gpu_layers} layers "
-        f"({_gb(cpu_bytes).strip()}) run from system RAM (needs {_gb(ram_needed).strip()} of RAM)",
+        f"({format_gb(cpu_bytes).strip()}) run from system RAM (needs {format_gb(ram_needed).strip()} of RAM)",
         f"expected cost: decode about {tok_s:.1f} tokens/s (memory-bound: {ctx.gpu.bandwidth_gbs:g} GB/s GPU, "
         f"~{RAM_BANDWIDTH_GBS:g} GB/s RAM assumed) instead of ~{full:.0f} tokens/s if it all fit in VRAM",
     ]
@@ -728,7 +702,7 @@ def _too_big(ctx: _Ctx, why: str) -> Advice:
             reasons=[
                 why,
                 "and no offload plan fits either: the part left on the CPU exceeds the given RAM, or the head and "
-                f"the KV cache alone ({_gb(e.kv_bytes).strip()} for {ctx.context} tokens x {ctx.users}) exceed the VRAM",
+                f"the KV cache alone ({format_gb(e.kv_bytes).strip()} for {ctx.context} tokens x {ctx.users}) exceed the VRAM",
             ],
             alternatives=["more GPUs", "more RAM", "a smaller model"],
         )
@@ -753,7 +727,7 @@ def _advise_pre_ampere(ctx: _Ctx) -> Advice:
         notes: list[str] = []
         commands = _from_source(ctx, out, "gptq", 4, [f"anyquant serve {_q(out)}"], notes)
         alternatives = (
-            [f"GGUF {gguf[0]} on llama.cpp (CUDA) also fits ({_gb(gguf[2].total_bytes).strip()})"] if gguf else []
+            [f"GGUF {gguf[0]} on llama.cpp (CUDA) also fits ({format_gb(gguf[2].total_bytes).strip()})"] if gguf else []
         )
         return _advice(
             ctx,
@@ -768,7 +742,7 @@ def _advise_pre_ampere(ctx: _Ctx) -> Advice:
             expected_decode_tok_s=_tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs, ctx.gpus),
             reasons=[
                 why_not_exl3,
-                f"GPTQ 4-bit g128 fits: {_gb(e.total_bytes).strip()} of {ctx.gpus} x {ctx.vram_gb:g} GB; "
+                f"GPTQ 4-bit g128 fits: {format_gb(e.total_bytes).strip()} of {ctx.gpus} x {ctx.vram_gb:g} GB; "
                 "symmetric 4-bit g128 without act-order is the most portable GPTQ (vLLM, transformers, gptqmodel)",
                 f"{ctx.gpu.arch} has no bf16: run in float16",
                 *notes,
@@ -791,8 +765,8 @@ def _advise_pre_ampere(ctx: _Ctx) -> Advice:
             expected_decode_tok_s=_tok_s(_read_per_token(ctx, ge), ctx.gpu.bandwidth_gbs, ctx.gpus),
             reasons=[
                 why_not_exl3,
-                f"GPTQ 4-bit needs {_gb(e.total_bytes).strip()}: too big; GGUF {name} "
-                f"(~{bpw:g} bits/weight) fits fully on the GPU ({_gb(ge.total_bytes).strip()})",
+                f"GPTQ 4-bit needs {format_gb(e.total_bytes).strip()}: too big; GGUF {name} "
+                f"(~{bpw:g} bits/weight) fits fully on the GPU ({format_gb(ge.total_bytes).strip()})",
             ],
             commands=_gguf_commands(ctx, name, 99),
         )
@@ -800,7 +774,7 @@ def _advise_pre_ampere(ctx: _Ctx) -> Advice:
 
 
 def _resolve_model(model: str | Path | Mapping[str, Any]) -> tuple[ModelShape, str, str | None]:
-    w = _weights(model, 4.0, 16.0) if not isinstance(model, Mapping) else None
+    w = weights_of(model, 4.0, 16.0) if not isinstance(model, Mapping) else None
     if w is not None:
         fmt = w.format if w.source == "headers" else None
         return w.shape, w.shape.name, fmt
@@ -819,7 +793,7 @@ def advise(
     context: int = 8192,
     ram_gb: float | None = None,
 ) -> Advice:
-    """The seeds' decision tree:
+    """What to run where, in this order:
 
     1. Apple silicon or CPU -> GGUF (llama.cpp), the largest type that fits.
     2. Many concurrent users (>= 4) -> AWQ/GPTQ 4-bit served by vLLM, with the right
@@ -834,9 +808,9 @@ def advise(
     if model is None:
         raise SizingError("advise needs a model: a checkpoint path, a config.json path or a config dict")
     for name, value in (("users", users), ("gpus", gpus), ("context", context)):
-        _check_count(name, value)
-    _check_gb("vram_gb", vram_gb)
-    _check_gb("ram_gb", ram_gb)
+        check_count(name, value)
+    check_gb("vram_gb", vram_gb)
+    check_gb("ram_gb", ram_gb)
     if not isinstance(gpu, str):
         raise SizingError(f"gpu must be a name such as 'RTX 4090' or 'CPU', got {gpu!r}")
     spec = find_gpu(gpu, vram_gb)

@@ -25,7 +25,27 @@ from typing import Any
 from ..errors import AnyquantError
 from .report import EXPERTS_KEYS, EXPERTS_PER_TOKEN_KEYS, bits_per_weight
 
-__all__ = ["Estimate", "ModelShape", "SizingError", "bits_per_weight", "estimate", "model_shape"]
+__all__ = [
+    "GB",
+    "MARGIN_FRACTION",
+    "OVERHEAD_BYTES",
+    "Estimate",
+    "GiB",
+    "ModelShape",
+    "SizingError",
+    "Weights",
+    "bits_per_weight",
+    "check_count",
+    "check_gb",
+    "estimate",
+    "estimate_for",
+    "format_gb",
+    "kv_bits",
+    "margin_bytes",
+    "model_shape",
+    "weights_from_config",
+    "weights_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -317,17 +337,17 @@ class Estimate:
         bits = f", {self.bits:g} bits/weight" if self.bits is not None else ""
         lines = [
             f"{self.model}: {self.parameters / 1e9:.2f}B parameters ({self.format or 'unknown format'}{bits})",
-            f"  weights   {_gb(self.weight_bytes)}  [{self.source}]",
-            f"  KV cache  {_gb(self.kv_bytes)}  ({self.kv_bytes_per_token / 1024:.1f} KiB/token: {self.layers} layers x "
+            f"  weights   {format_gb(self.weight_bytes)}  [{self.source}]",
+            f"  KV cache  {format_gb(self.kv_bytes)}  ({self.kv_bytes_per_token / 1024:.1f} KiB/token: {self.layers} layers x "
             f"{self.kv_heads} kv heads x {self.head_dim} head dim, {self.kv_dtype}; {self.context} tokens x batch {self.batch})",
-            f"  margin    {_gb(self.margin_bytes)}  ({OVERHEAD_BYTES / GiB:g} GiB + {MARGIN_FRACTION:.0%})",
-            f"  total     {_gb(self.total_bytes)}",
+            f"  margin    {format_gb(self.margin_bytes)}  ({OVERHEAD_BYTES / GiB:g} GiB + {MARGIN_FRACTION:.0%})",
+            f"  total     {format_gb(self.total_bytes)}",
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
-def _gb(n: float) -> str:
+def format_gb(n: float) -> str:
     return f"{n / GB:7.2f} GB ({n / GiB:.2f} GiB)"
 
 
@@ -343,7 +363,9 @@ def margin_bytes(payload: int, devices: int = 1) -> int:
 
 
 @dataclass(frozen=True)
-class _Weights:
+class Weights:
+    """What a model's weights take: the sizes an :class:`Estimate` starts from (``estimate_for`` adds the rest)."""
+
     shape: ModelShape
     source: str
     format: str | None
@@ -353,7 +375,7 @@ class _Weights:
     notes: tuple[str, ...] = ()
 
 
-def _from_config(shape: ModelShape, bits: float | None, head_bits: float, fmt: str | None = None) -> _Weights:
+def weights_from_config(shape: ModelShape, bits: float | None, head_bits: float, fmt: str | None = None) -> Weights:
     if bits is None:
         raise SizingError(f"{shape.name}: no weights to measure (config only): pass bits= (e.g. 4.0)")
     _check_bits("bits", bits)
@@ -372,7 +394,7 @@ def _from_config(shape: ModelShape, bits: float | None, head_bits: float, fmt: s
                 f"EXL3 pads linear dimensions to multiples of 128: {linear / shape.linear_params - 1:+.1%} stored"
             )
     total = linear * bits / 8 + embed + head * head_bits / 8 + shape.other_params * 2
-    return _Weights(shape, "config+bits", fmt, bits, int(total), embed, tuple(notes))
+    return Weights(shape, "config+bits", fmt, bits, int(total), embed, tuple(notes))
 
 
 def _check_bits(name: str, bits: Any) -> None:
@@ -380,12 +402,12 @@ def _check_bits(name: str, bits: Any) -> None:
         raise SizingError(f"{name} must be a number in (0, 32], got {bits!r}")
 
 
-def _check_count(name: str, value: Any) -> None:
+def check_count(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SizingError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _check_gb(name: str, value: Any) -> None:
+def check_gb(name: str, value: Any) -> None:
     if value is None:
         return
     if (
@@ -405,7 +427,7 @@ def _is_decoder_linear(name: str, ndim: int) -> bool:
 _EMBEDDING_NAME = re.compile(r"embed_tokens|wte|word_embeddings|tok_embeddings")
 
 
-def _from_dense_headers(probe: Any, shape: ModelShape, bits: float, head_bits: float) -> _Weights:
+def _from_dense_headers(probe: Any, shape: ModelShape, bits: float, head_bits: float) -> Weights:
     linear = embed = head = other = 0
     for t in probe.tensors.values():
         n = math.prod(t.shape)
@@ -422,7 +444,7 @@ def _from_dense_headers(probe: Any, shape: ModelShape, bits: float, head_bits: f
         f"parameter counts from the dense checkpoint's headers; decoder linears at {bits:g} bits/weight, "
         f"embeddings and norms at 16, head at {head_bits:g}"
     )
-    return _Weights(replace(shape, linear_params=linear), "headers+bits", "dense", bits, int(total), embed * 2, (note,))
+    return Weights(replace(shape, linear_params=linear), "headers+bits", "dense", bits, int(total), embed * 2, (note,))
 
 
 def _embedding_bytes(probe: Any) -> int:
@@ -443,7 +465,7 @@ def _measured_bits(probe: Any) -> float | None:
         return None
 
 
-def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _Weights:
+def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> Weights:
     from ..probe import Probe, display_name
 
     probe = Probe.open(path)
@@ -454,7 +476,7 @@ def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _We
         embd = next((t for t in g.tensors if t.name == "token_embd.weight"), None)
         embed_bytes = _gguf_tensor_bytes(replace(g, tensors=(embd,))) if embd is not None else 0
         notes = ("bits ignored: the GGUF file is already quantized",) if bits is not None else ()
-        return _Weights(shape, "headers", "gguf", _measured_bits(probe), size, embed_bytes, notes)
+        return Weights(shape, "headers", "gguf", _measured_bits(probe), size, embed_bytes, notes)
     if probe.config is None:
         raise SizingError(f"{path}: no config.json and no GGUF metadata: cannot tell layers and KV heads")
     from ..probe import thaw
@@ -462,19 +484,19 @@ def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> _We
     shape = model_shape(thaw(probe.config), name=display_name(path))
     fmt = probe.quant_method
     if not probe.tensors:
-        return _from_config(shape, bits, head_bits, fmt)
+        return weights_from_config(shape, bits, head_bits, fmt)
     if fmt is None and bits is not None:
         return _from_dense_headers(probe, shape, bits, head_bits)
     size = probe.total_tensor_bytes
     notes = (f"bits ignored: the checkpoint is already {fmt}",) if bits is not None and fmt else ()
-    return _Weights(shape, "headers", fmt or "dense", _measured_bits(probe), size, _embedding_bytes(probe), notes)
+    return Weights(shape, "headers", fmt or "dense", _measured_bits(probe), size, _embedding_bytes(probe), notes)
 
 
-def _weights(
+def weights_of(
     path_or_config: str | Path | Mapping[str, Any], bits: float | None, head_bits: float, fmt: str | None = None
-) -> _Weights:
+) -> Weights:
     if isinstance(path_or_config, Mapping):
-        return _from_config(
+        return weights_from_config(
             model_shape(path_or_config, str(path_or_config.get("_name_or_path", "config"))), bits, head_bits, fmt
         )
     from ..probe import resolve_checkpoint
@@ -487,7 +509,7 @@ def _weights(
             raise SizingError(f"{path}: not a readable JSON config ({exc})") from None
         if not isinstance(cfg, dict):
             raise SizingError(f"{path}: expected a JSON object")
-        return _from_config(model_shape(cfg, name=path.parent.name or path.name), bits, head_bits, fmt)
+        return weights_from_config(model_shape(cfg, name=path.parent.name or path.name), bits, head_bits, fmt)
     if not path.exists():
         raise SizingError(f"{path}: no such checkpoint or config file")
     return _checkpoint_weights(path, bits, head_bits)
@@ -518,8 +540,8 @@ def estimate(
         from ..probe import with_revision
 
         path_or_config = with_revision(path_or_config, revision)  # type: ignore[assignment]
-    _check_count("context", context)
-    _check_count("batch", batch)
+    check_count("context", context)
+    check_count("batch", batch)
     if bits is not None:
         _check_bits("bits", bits)
     _check_bits("head_bits", head_bits)
@@ -529,12 +551,20 @@ def estimate(
         raise SizingError(f"expected a checkpoint path, a config.json path or a config dict, got {path_or_config!r}")
     if format is not None and not isinstance(format, str):
         raise SizingError(f"format must be a format id such as 'exl3', got {format!r}")
-    w = _weights(path_or_config, bits, head_bits, format.lower() if format else None)
+    w = weights_of(path_or_config, bits, head_bits, format.lower() if format else None)
+    return estimate_for(w, context=context, batch=batch, kv_dtype=kv_dtype)
+
+
+def estimate_for(
+    w: Weights, *, context: int, batch: int = 1, kv_dtype: str = "fp16", devices: int = 1, model: str | None = None
+) -> Estimate:
+    """The :class:`Estimate` of weights ``w``: a KV cache of ``context`` tokens x ``batch`` in ``kv_dtype`` and the
+    margin for ``devices`` devices; ``model`` labels it (default: the model's name)."""
     kv_name, kvb = kv_bits(kv_dtype)
     per_token = math.ceil(w.shape.kv_values_per_token * kvb / 8)
     kv = per_token * context * batch
     return Estimate(
-        model=w.shape.name,
+        model=w.shape.name if model is None else model,
         source=w.source,
         format=w.format,
         bits=w.bits,
@@ -547,7 +577,7 @@ def estimate(
         context=context,
         batch=batch,
         kv_bytes=kv,
-        margin_bytes=margin_bytes(w.weight_bytes + kv),
+        margin_bytes=margin_bytes(w.weight_bytes + kv, devices),
         layers=w.shape.layers,
         kv_heads=w.shape.kv_heads,
         head_dim=w.shape.head_dim,

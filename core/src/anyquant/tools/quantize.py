@@ -118,7 +118,7 @@ def eval_text() -> str:
     return heldout_text()[:12000]
 
 
-#: the seeds' advice: general web text plus code against domain shift.
+#: general web text plus code, against domain shift between calibration and use.
 DEFAULT_CALIBRATION = "c4:0.5,code:0.25,wiki:0.25"
 
 

@@ -1,4 +1,5 @@
-"""The EXL3 loader (pure-torch reference decoder on any device) and the EXL2 loader stub."""
+"""The EXL3 loader (pure-torch reference decoder on any device) and the ``cpu-fast`` base it shares with EXL2's
+(:mod:`anyquant_exl3.exl2.loader`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from anyquant.plugin import (
     UnsupportedFormatError,
     dense_rows,
     require_dtypes,
-    tensors_by_module,
 )
 from anyquant.runtime.tensors import SafetensorsSource
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from .ring import RingTable
 
-__all__ = ["EXLLAMAV3_OPTIONS", "EXL2Loader", "EXL3Loader"]
+__all__ = ["EXLLAMAV3_OPTIONS", "BF16CpuFast", "EXL3Loader", "cpu_fast_backend", "stored_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -466,95 +466,3 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
             rows.append(ModuleInfo(name, "exl3", shape, m["k"], None, m["nbytes"], extra=extra))
         pieces = {shard.removesuffix(".trellis") for table in tables.values() for shard in table.shards}
         return rows + dense_rows(probe, skip=set(modules) | set(tables) | pieces)
-
-
-class EXL2Loader(BF16CpuFast, TransformersLoader):
-    """EXL2 on CPU: exllamav2 is archived and CUDA-only; this is a maintained way to read it."""
-
-    format = "exl2"
-    backend_order = ("cpu-fast", "dequantized", "reference")
-    load_options: ClassVar[Mapping[str, str]] = MappingProxyType({**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS})
-    SUFFIXES = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm")
-
-    def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
-        """Per linear, from the headers: logical shape ``(out, in)`` (``q_weight``'s columns, the permutation's
-        length), average bits per weight from ``q_weight``'s 32-bit rows, and every byte of the module."""
-        groups = tensors_by_module(probe)
-        rows = []
-        for prefix, ts in sorted(groups.items()):
-            by = {t.name.rpartition(".")[2]: t for t in ts}
-            qw = by.get("q_weight")
-            if qw is None or len(qw.shape) != 2:
-                continue
-            perm = by.get("q_invperm") or by.get("q_perm")
-            inn = perm.shape[0] if perm is not None and perm.shape else None
-            shape = (qw.shape[1], inn) if inn else (qw.shape[1],)
-            bits = round(32 * qw.shape[0] / inn, 3) if inn else None
-            rows.append(ModuleInfo(prefix, "exl2", shape, bits, None, sum(t.nbytes for t in ts)))
-        return rows + dense_rows(probe, skip={r.name for r in rows}, groups=groups)
-
-    def validate(self, probe: Probe, detection: Detection) -> None:
-        ints = frozenset({"I16", "I32", "I64"})
-        require_dtypes(
-            probe,
-            {
-                "q_weight": frozenset({"I32"}),
-                "q_scale": frozenset({"I32"}),
-                "q_scale_max": FLOAT_SCALE_DTYPES,
-                "q_groups": ints,
-                "q_invperm": ints,
-                "q_perm": ints,
-            },
-            "EXL2",
-        )
-        for prefix in probe.modules_with("q_weight"):
-            if f"{prefix}.q_invperm" not in probe.tensors and f"{prefix}.q_perm" not in probe.tensors:
-                raise CheckpointError(
-                    f"{probe.root}: EXL2 module {prefix!r} has no q_invperm (or q_perm); exllamav2 writes one for "
-                    "every layer, and without it the rows' order is unknown"
-                )
-
-    def backends(self) -> list[BackendInfo]:
-        return [
-            cpu_fast_backend(),
-            BackendInfo("dequantized", True, description="decode once at load (pure torch); dense speed and memory"),
-            BackendInfo("reference", True, description="pure torch, decode on every forward; packed memory"),
-        ]
-
-    def choose_backend(self, requested: str, device: Any) -> str:
-        available = {b.name for b in self.backends() if b.available}
-        chosen = self.cpu_fast_choice(self.backend_order, available, requested, getattr(device, "type", "cpu"))
-        return chosen if chosen is not None else super().choose_backend(requested, device)
-
-    def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
-        self.finish_cpu_fast(loaded, ctx)
-        return loaded
-
-    def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
-        from .qlinear import EXL2Linear
-
-        src = ctx.source
-        stored: dict[str, Any] = {p: {} for p in ctx.probe.modules_with("q_weight")}
-
-        def one(name: str, in_features: int, out_features: int) -> QuantLinearBase:
-            tensors = {s: src.get(f"{name}.{s}") for s in self.SUFFIXES if f"{name}.{s}" in src}
-            bias = src.get(f"{name}.bias") if f"{name}.bias" in src else None
-            return EXL2Linear(
-                tensors,
-                bias,
-                in_features=in_features,
-                out_features=out_features,
-                mode="dequantized" if ctx.backend == "dequantized" else "reference",
-                compute_dtype=ctx.dtype,
-            )
-
-        def built(name: str, in_features: int, out_features: int) -> Any:
-            return self.fast_layer(ctx, one(name, in_features, out_features))
-
-        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
-            if name in stored:
-                return built(name, linear.in_features, linear.out_features)  # type: ignore[no-any-return]
-            plan = stored_parts(name, linear, stored, ctx.probe)  # a fused projection stored split
-            return None if plan is None else plan.build(built, linear)
-
-        return factory

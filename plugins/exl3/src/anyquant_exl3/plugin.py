@@ -104,7 +104,7 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
     register(
         FormatSpec(
             name="exl2",
-            loader="anyquant_exl3.loader:EXL2Loader",
+            loader="anyquant_exl3.exl2.loader:EXL2Loader",
             requires=("torch>=2.4", "transformers>=4.56", "safetensors>=0.4"),
             description="EXL2 (ExLlamaV2): q_weight/q_scale/q_groups/q_invperm",
             install_hint="pip install anyquant-exl3",

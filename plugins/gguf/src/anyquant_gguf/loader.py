@@ -1,4 +1,4 @@
-"""The GGUF loader: GGUF files (llama and Mixtral, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3) into
+"""The GGUF loader: GGUF files (llama and Mixtral, qwen2, qwen3, qwen3moe, qwen2moe, gemma2, gemma3, phi3) into
 transformers modules, packed linears kept packed.
 
 One load opens the file once: the config, the tensors and the tokenizer all come from the same
@@ -8,8 +8,9 @@ Backends:
 
 * ``cpu-fast`` (auto on a CPU with torch's vectorized int4 kernel, for files whose linears are
   Q4_0/Q4_1/Q4_K): those linears repacked for torch's int4 CPU kernel (decode and prompts of up to
-  64 tokens in bfloat16, longer prompts exact in float32), other quantized linears dequantized at
-  load; the token embedding and a tied LM head stay packed unless ``embedding="dense"`` (faster
+  64 tokens in bfloat16, longer prompts exact in float32); other quantized linears (Q5_K, Q6_K,
+  Q8_0, ...) as bfloat16 weights prepacked for oneDNN where AMX or AVX512-BF16 runs them (the same
+  split: longer prompts exact from the file's blocks), else dequantized at load; the token embedding and a tied LM head stay packed unless ``embedding="dense"`` (faster
   decode, more memory). Greedy text can leave the exact path's at a near-tie, as llama.cpp's own
   CPU path (8-bit activations) can.
 * ``dequantized`` (auto elsewhere; the exact choice): every weight dequantized to the compute
@@ -61,7 +62,7 @@ __all__ = ["GGUFLoader", "GGUFSource"]
 log = logging.getLogger(__name__)
 
 #: equals :data:`anyquant_gguf.reader.SUPPORTED_ARCHITECTURES` (kept here: that module imports torch)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "qwen2moe")
 EMBEDDING_MODES = ("packed", "dense")
 #: ``embedding=`` when not given, per backend (``dequantized`` is always dense)
 DEFAULT_EMBEDDING = {"packed": "packed", "cpu-fast": "packed", "dequantized": "dense"}
@@ -193,8 +194,9 @@ def cpu_fast_backend() -> BackendInfo:
         "cpu-fast",
         ok,
         reason,
-        description="Q4_0/Q4_1/Q4_K linears repacked for torch's int4 CPU kernel (bfloat16 decode, "
-        "exact float32 prompts over 64 tokens); other quantized linears dequantized at load; the "
+        description="Q4_0/Q4_1/Q4_K linears repacked for torch's int4 CPU kernel, other quantized linears "
+        "as bfloat16 prepacked for oneDNN where AMX/AVX512-BF16 runs it (else dequantized at load) "
+        "(bfloat16 decode, exact float32 prompts over 64 tokens); the "
         "embedding and a tied head stay packed (embedding='dense': faster decode, more memory)",
     )
 
@@ -363,7 +365,7 @@ class GGUFLoader(TransformersLoader):
         fast_kwargs: dict[str, Any] = {}
         fast: dict[str, Any] | None = None  # cpu-fast's record: which linears took the int4 kernel
         if ctx.backend == "cpu-fast":
-            from anyquant.runtime.fastcpu import FastCPUPlan
+            from anyquant.runtime.fastcpu import FastCPUPlan, PrepackedBf16Linear, bf16_head_status
 
             plan = FastCPUPlan.from_options(ctx.options.extra)
             fast_kwargs = {
@@ -371,7 +373,8 @@ class GGUFLoader(TransformersLoader):
                 "prefill_dtype": plan.prefill_dtype,
                 "compute_dtype": ctx.dtype,
             }
-            fast = ctx.state["cpu_fast"] = {"converted": 0, "dequantized": {}}
+            fast = ctx.state["cpu_fast"] = {"converted": 0, "bf16": {}, "dequantized": {}}
+            bf16_ok, bf16_reason = bf16_head_status()
             passes = ctx.options.extra.get("cpu_fast_activation_passes", 2)
             if passes not in (1, 2, "1", "2") or isinstance(passes, bool):
                 raise ParameterError(f"cpu_fast_activation_passes={passes!r} is not 1 or 2")
@@ -417,8 +420,14 @@ class GGUFLoader(TransformersLoader):
                         fast["converted"] += 1
                     except ValueError as exc:
                         reason = str(exc)
-                if reason:
-                    fast["dequantized"][name] = reason
+                if reason and bf16_ok:
+                    # no int4 layout (Q5_K, Q6_K, Q8_0, ...): a bfloat16 copy prepacked for oneDNN for decode
+                    # (2 bytes per weight, not float32's 4); prompts over small_rows exact from the file's blocks
+                    exact = GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode="on-the-fly")
+                    module = PrepackedBf16Linear(exact, small_rows=fast_kwargs["small_rows"])
+                    fast["bf16"][name] = raw.qtype.name
+                elif reason:
+                    fast["dequantized"][name] = f"{reason}; {bf16_reason}"
             if module is None:
                 module = GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode=mode)
             if src.release_after_copy and not in_place:

@@ -13,7 +13,7 @@ each head of ``head_dim`` rows, GGUF row ``2*i + p`` holds HF row ``p*head_dim/2
 (``p`` in {0, 1}, ``i`` < ``head_dim/2``); Q uses ``num_attention_heads`` heads and K
 ``num_key_value_heads``. :func:`unpermute_qk_rows` undoes it along dim 0, which works
 on dequantized weights, biases and raw quantized rows alike (GGUF blocks never cross a
-row). The other architectures here (qwen2, qwen3, gemma2, gemma3, phi3) are not permuted: their
+row). The other architectures here (qwen2, qwen3, qwen3moe, qwen2moe, gemma2, gemma3, phi3) are not permuted: their
 llama.cpp graphs use NeoX-style (rotate-half) RoPE, as HF does.
 
 The converter stores Gemma 2/3 RMSNorm weights as ``w + 1`` (HF's ``GemmaRMSNorm`` computes
@@ -103,6 +103,7 @@ _HF_CLASSES: dict[str, tuple[str, str]] = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_HF_CLASSES)
 #: a "llama" file with experts (``llama.expert_count``) is Mixtral
@@ -149,7 +150,18 @@ _ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
     "gemma3": {**_GEMMA_BLOCK_NAMES, **_QK_NORMS},
     "phi3": _PHI3_BLOCK_NAMES,
     "qwen3moe": {**_BLOCK_NAMES, **_QK_NORMS, "ffn_gate_inp": "mlp.gate"},
+    # Qwen2-MoE: a shared expert beside the routed ones, gated by a sigmoid of one row (``ffn_gate_inp_shexp``)
+    "qwen2moe": {
+        **_BLOCK_NAMES,
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    },
 }
+#: GGUF vectors that are one-row matrices in transformers (Qwen2-MoE's shared-expert gate, ``Linear(hidden, 1)``)
+_ROW_VECTORS: frozenset[str] = frozenset({"ffn_gate_inp_shexp"})
 #: MoE files: the router, and the experts' 3-D tensors ``[experts, out, in]`` (HF order), served one linear per
 #: expert as ``model.layers.N.mlp.experts.E.<leaf>`` (transformers' fused experts module is replaced by those)
 _ROUTER: dict[str, str] = {"ffn_gate_inp": "mlp.gate"}
@@ -538,13 +550,13 @@ def _expert_count(reader: GGUFReader, arch: str) -> int:
 def _moe_config(reader: GGUFReader, arch: str, config: dict[str, Any], experts: int) -> None:
     """Mixtral (a ``llama`` file with experts) and Qwen3-MoE: llama.cpp routes by softmax over the router's
     logits, keeps the top ``expert_used_count`` and renormalizes their weights (``build_moe_ffn``)."""
-    if arch not in ("llama", "qwen3moe"):
+    if arch not in ("llama", "qwen3moe", "qwen2moe"):
         raise UnsupportedGGUFArchitecture(f"{arch} with experts is not supported")
     gating = _arch_value(reader, arch, "expert_gating_func")
     scale = _arch_value(reader, arch, "expert_weights_scale")
     if (gating is not None and int(gating) != 1) or (scale is not None and float(scale) not in (0.0, 1.0)):
         raise UnsupportedGGUFArchitecture(f"{arch} expert gating {gating} / weights scale {scale} is not supported")
-    if _arch_value(reader, arch, "expert_shared_count"):
+    if _arch_value(reader, arch, "expert_shared_count") and arch != "qwen2moe":
         raise UnsupportedGGUFArchitecture(f"{arch} with shared experts is not supported")
     used = int(_required(reader, arch, "expert_used_count"))
     if arch == "llama":
@@ -556,10 +568,16 @@ def _moe_config(reader: GGUFReader, arch: str, config: dict[str, Any], experts: 
             num_experts=experts,
             num_experts_per_tok=used,
             moe_intermediate_size=int(_required(reader, arch, "expert_feed_forward_length")),
-            norm_topk_prob=True,
+            norm_topk_prob=arch == "qwen3moe",  # llama.cpp's qwen2moe graph keeps the top-k softmax weights as they are
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    if arch == "qwen2moe":
+        config["qkv_bias"] = config.pop("attention_bias") or _has_tensor(reader, "blk.0.attn_q.bias")
+        config["shared_expert_intermediate_size"] = int(
+            _arch_value(reader, arch, "expert_shared_feed_forward_length", config["intermediate_size"])
+        )
+        config["use_sliding_window"] = False
 
 
 def _sliding_layers(reader: GGUFReader, arch: str, layers: int, default_pattern: int) -> list[bool]:
@@ -764,7 +782,11 @@ class GGUFRawTensor:
 
 
 def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    match = _BLOCK_RE.match(tensor.name)
+    if len(shape) == 1 and match and match.group(2) in _ROW_VECTORS:
+        return (1, shape[0])
+    return shape
 
 
 def _check_type(tensor: ReaderTensor) -> None:

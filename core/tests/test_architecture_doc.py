@@ -1,0 +1,92 @@
+"""docs/architecture.md's map of the core package matches the package: every module is named in its
+package's box of the parts diagram, every module named there exists, and the contract's stated size holds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import anyquant
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+PACKAGE = Path(anyquant.__file__).resolve().parent
+#: a box's title -> the package directory it maps (relative to the anyquant package)
+BOXES = {
+    "core: the contract": ".",
+    "core: the runtime": "runtime",
+    "core: int4": "int4",
+    "core: the tools": "tools",
+    "core: the server": "serve",
+    "core: the commands": "commands",
+    "core: the plugin test kit": "testing",
+}
+#: modules named in a box other than their own package's (with the package they live in)
+ELSEWHERE = {
+    ("core: the tools", "lmeval.py"): ".",
+    ("core: the commands", "cli.py"): ".",
+    ("core: the commands", "console.py"): ".",
+}
+
+
+def _diagram() -> str:
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index("## The parts")
+    return text[text.index("```", start) : text.index("```", text.index("```", start) + 3)]
+
+
+def _boxes() -> dict[str, str]:
+    """Box title -> the box's text (from its title line to the next rule)."""
+    boxes: dict[str, str] = {}
+    title = None
+    for line in _diagram().splitlines():
+        found = next((t for t in BOXES if t in line), None)
+        if found:
+            title = found
+            boxes[title] = ""
+        elif line.lstrip().startswith("+--"):
+            title = None
+        elif title:
+            boxes[title] += line + "\n"
+    return boxes
+
+
+def _named(box: str) -> set[str]:
+    return set(re.findall(r"\b(\w+\.py)\b", box))
+
+
+def test_every_box_is_in_the_diagram() -> None:
+    assert set(_boxes()) == set(BOXES)
+
+
+def test_every_module_is_named_in_its_box() -> None:
+    boxes = _boxes()
+    named = {(folder, name) for title, folder in BOXES.items() for name in _named(boxes[title])}
+    named |= {(folder, name) for (title, name), folder in ELSEWHERE.items() if name in _named(boxes[title])}
+    missing = [
+        f"{folder}/{module.name}"
+        for folder in BOXES.values()
+        for module in sorted((PACKAGE / folder).glob("*.py"))
+        if (folder, module.name) not in named and not (module.name == "__init__.py" and folder != ".")
+    ]
+    assert not missing, f"modules docs/architecture.md does not name in their package's box: {missing}"
+
+
+def test_every_named_module_exists() -> None:
+    ghosts = []
+    for title, box in _boxes().items():
+        for name in _named(box):
+            folder = ELSEWHERE.get((title, name), BOXES[title])
+            if not (PACKAGE / folder / name).is_file():
+                ghosts.append(f"{title}: {name}")
+    assert not ghosts, f"docs/architecture.md names modules that do not exist: {ghosts}"
+
+
+def test_the_contracts_stated_size() -> None:
+    """The doc says how many lines the contract wing is; the figure must stay within 15 % of the code."""
+    match = re.search(r"The contract is ([\d,]+) lines in (\d+) modules", DOC.read_text(encoding="utf-8"))
+    assert match, "docs/architecture.md must state the contract's size ('The contract is N lines in M modules')"
+    stated, count = int(match.group(1).replace(",", "")), int(match.group(2))
+    modules = [PACKAGE / name for name in _named(_boxes()["core: the contract"])]
+    lines = sum(len(m.read_text(encoding="utf-8").splitlines()) for m in modules)
+    assert count == len(modules), (count, len(modules))
+    assert abs(lines - stated) <= 0.15 * lines, f"the contract is {lines} lines, the doc says {stated}"
