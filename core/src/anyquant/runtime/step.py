@@ -513,11 +513,11 @@ def _plan_layer(layer: Any) -> _Layer | None:
         packs = tuple(m.packed for m in linears)
         small_rows = min(2**62 if m.small_rows is None else m.small_rows for m in linears)
         return _Layer("bf16", common + packs + qk_norms, small_rows)
-    linears = (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj) if sparse is None else ()
-    if linears and all(plain_ggml(m) for m in linears):
-        ggml: tuple[Any, ...] = ([m.blocks for m in linears], [m.ggml_type for m in linears])
-        ggml += ([m.out_features for m in linears], [m.passes for m in linears])
-        return _Layer("ggml", common + ggml + qk_norms, min(m.small_rows for m in linears))
+    blocked: tuple[Any, ...] = (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj) if sparse is None else ()
+    if blocked and all(plain_ggml(m) for m in blocked):
+        ggml: tuple[Any, ...] = ([m.blocks for m in blocked], [m.ggml_type for m in blocked])
+        ggml += ([m.out_features for m in blocked], [m.passes for m in blocked])
+        return _Layer("ggml", common + ggml + qk_norms, min(m.small_rows for m in blocked))
     qkv = fusion(attn, ("q_proj", "k_proj", "v_proj"))
     o = attn.o_proj
     if not (isinstance(qkv, FusedInt4) and qkv.plain and plain_int4(o) and o.scales_and_zeros.is_contiguous()):
