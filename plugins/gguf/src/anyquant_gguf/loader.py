@@ -32,7 +32,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from anyquant.errors import ParameterError
 from anyquant.plugin import (
     CPU_FAST_OPTIONS,
     RUNTIME_OPTIONS,
@@ -45,6 +44,7 @@ from anyquant.plugin import (
     LoadPlan,
     MissingTensorError,
     ModuleInfo,
+    ParameterError,
     Probe,
     TransformersLoader,
     UnsupportedBackendError,
