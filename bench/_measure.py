@@ -113,6 +113,23 @@ def checkpoint_bytes(path: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
 
 
+def bandwidth(threads: int | None = None) -> float:
+    """Bytes/s of a 256 MiB float32 torch copy (read + write), best of 5, at ``threads`` threads (``None``: as set)."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    a = torch.ones(64 * 2**20)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best
+
+
 def peak_rss_mib() -> float:
     """This process's peak RSS: ``VmHWM`` (per address space, so it starts afresh at exec), else
     ``ru_maxrss`` (which Linux carries over from the parent: a bench that quantized in process

@@ -17,6 +17,7 @@ import argparse
 import time
 
 import torch
+from _measure import bandwidth
 
 from anyquant.runtime import kernels
 
@@ -28,18 +29,6 @@ SHAPES = [  # (name, out rows N, in cols K, type)
     ("head 49152x2048", 49152, 2048, "Q8_0"),
 ]
 POOL = 256 * 2**20
-
-
-def bandwidth() -> float:
-    a = torch.ones(64 * 2**20)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.numel() * 4 / best
 
 
 def random_blocks(n: int, k: int, type_name: str, gen: torch.Generator) -> torch.Tensor:

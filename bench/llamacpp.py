@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _measure import CACHE, ENV, _unshadow, cpu_times, llama_cpp_model, other_share, peak_rss_mib
+from _measure import CACHE, ENV, _unshadow, bandwidth, cpu_times, llama_cpp_model, other_share, peak_rss_mib
 
 ROOT = CACHE / "llamacpp"
 #: the >= 1B model: TinyLlama-1.1B's shape with SmolLM2's vocabulary
@@ -153,22 +153,6 @@ def decode_bytes(path: Path) -> tuple[int, int]:
         rows = next(int(t.shape[-1]) for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
         return total, total - embd + embd // rows
     return total, total
-
-
-def bandwidth(threads: int) -> float:
-    """Bytes/s of a 256 MiB float32 torch copy (read + write), best of 5, at ``threads`` threads."""
-    import torch
-
-    torch.set_num_threads(threads)
-    a = torch.ones(64 * 2**20)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.numel() * 4 / best
 
 
 def prompt_ids(smol: Path) -> Path:
