@@ -26,10 +26,13 @@ a transformers without it, to ``AutoTokenizer`` on the file.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
+
+from anyquant.runtime.tokenizer import LazyTokenizer
 
 __all__ = [
     "PLAIN_BYTE_LEVEL_PRE",
@@ -242,6 +245,20 @@ def _wrap(backend: Any, config: Mapping[str, Any], name_or_path: str | None) -> 
     return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)  # type: ignore[no-untyped-call]
 
 
+def _lazy(backend: Any, config: Mapping[str, Any], name_or_path: str | None) -> LazyTokenizer:
+    """A :class:`~anyquant.runtime.tokenizer.LazyTokenizer` over ``backend`` whose transformers wrapper is
+    :func:`_wrap`'s (built when first needed)."""
+    return LazyTokenizer(
+        backend,
+        functools.partial(_wrap, config=dict(config), name_or_path=name_or_path),
+        special_tokens={name: config.get(name) for name in _SPECIAL_IDS},
+        add_bos_token=bool(config.get("add_bos_token", False)),
+        add_eos_token=bool(config.get("add_eos_token", False)),
+        chat_template=config.get("chat_template"),
+        name_or_path=name_or_path or "",
+    )
+
+
 def _builds_here(meta: Mapping[str, Any]) -> bool:
     pre = meta.get("tokenizer.ggml.pre")
     return (
@@ -277,7 +294,7 @@ def tokenizer_from_metadata(
     try:
         if _builds_here(meta):
             backend = _llama_cpp_token_attributes(_byte_level_backend(meta), meta)
-            return _wrap(backend, tokenizer_config_from_metadata(meta), name_or_path)
+            return _lazy(backend, tokenizer_config_from_metadata(meta), name_or_path)
         return _transformers_converter(meta, name_or_path, path)
     except (ImportError, MemoryError):
         raise
