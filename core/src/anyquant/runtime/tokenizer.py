@@ -258,7 +258,8 @@ class LazyTokenizer:
         single = f"{bos}:0 " if self.add_bos_token else ""
         single += "$A:0" + (f" {eos}:0" if self.add_eos_token else "")
         pair = f"{single}{f' {bos}:1' if self.add_bos_token else ''} $B:1{f' {eos}:1' if self.add_eos_token else ''}"
-        template = [(t, self._token_id(t)) for t, on in ((bos, self.add_bos_token), (eos, self.add_eos_token)) if on]
+        on = ((bos, self.add_bos_token), (eos, self.add_eos_token))
+        template = [(token, self._token_id(token)) for token, add in on if add and token is not None]
         backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=template)
 
     # -- the transformers wrapper, built on demand ------------------------------------------------------------
