@@ -14,7 +14,9 @@ as metadata. For a byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``
 * control tokens (spelled in the byte alphabet) become special added tokens, user-defined
   tokens present in the vocabulary plain added tokens;
 * the wrapper (``PreTrainedTokenizerFast``) gets bos/eos/unk/pad from the token ids,
-  ``add_bos_token``/``add_eos_token`` and ``tokenizer.chat_template``.
+  ``add_bos_token``/``add_eos_token`` and ``tokenizer.chat_template``; it is built only when first
+  needed: the load returns a :class:`~anyquant.runtime.tokenizer.LazyTokenizer`, which answers
+  encoding, decoding and the special tokens from the backend itself (no ``import transformers``).
 
 This is what transformers' own GGUF path (``AutoTokenizer.from_pretrained(folder,
 gguf_file=...)``) builds -- tests compare the two -- without reading the file a second time
@@ -288,7 +290,8 @@ def _transformers_converter(meta: Mapping[str, Any], name_or_path: str | None, p
 def tokenizer_from_metadata(
     meta: Mapping[str, Any], *, name_or_path: str | None = None, path: str | None = None
 ) -> Any:
-    """A ``PreTrainedTokenizerFast`` from :func:`tokenizer_metadata`'s dict (see module doc)."""
+    """The tokenizer of :func:`tokenizer_metadata`'s dict: a ``LazyTokenizer`` where it is built here, else a
+    ``PreTrainedTokenizerFast`` (see module doc)."""
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError("the GGUF file has no tokenizer.ggml.tokens: it carries no tokenizer")
     try:
