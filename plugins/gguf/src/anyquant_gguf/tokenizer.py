@@ -180,7 +180,9 @@ def _byte_level_backend(meta: Mapping[str, Any]) -> Any:
     ]
     if control:
         backend.add_special_tokens(control)
-    known = backend.get_vocab()
+    # what backend.get_vocab() would give (the control tokens added above are spelled as in the vocabulary),
+    # without copying the vocabulary back out of the backend
+    known = vocab
     user = [
         AddedToken(token, normalized=False, special=False)
         for token, kind in zip(tokens, types, strict=False)
