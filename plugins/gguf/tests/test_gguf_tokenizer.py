@@ -6,7 +6,9 @@ gguf_file=...)``, and the stock ``gguf.GGUFReader``.
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -337,6 +339,30 @@ def test_special_tokens_that_are_plain_vocabulary(tmp_path: Path) -> None:
     assert isinstance(ours, LazyTokenizer)
     _assert_same_tokenizer(ours, ref, [*SYNTH_TEXTS, "hello", "he ll o", "well, hello there"])
     assert ref.convert_ids_to_tokens(ref("hello")["input_ids"]) == ["h", "e", "ll", "o"]
+
+
+def test_lazy_tokenizer_hands_over_to_transformers(tmp_path: Path) -> None:
+    """A copy or pickle stays lazy; an attribute it does not know, or setting one, builds transformers' tokenizer
+    over the same backend, which from then on answers everything (also what the proxy answered before)."""
+    tokens, types, merges = _byte_level_vocab()
+    path = _write_tokenizer_gguf(
+        tmp_path / "lazy.gguf", model="gpt2", pre="qwen2", tokens=tokens, types=types, merges=merges, template=TEMPLATE
+    )
+    ours = tokenizer_from_gguf(path)
+    assert isinstance(ours, LazyTokenizer)
+    ids = ours.encode("hello world")
+    for clone in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
+        assert clone.__dict__["_real"] is None and clone.encode("hello world") == ids
+    assert ours.__dict__["_real"] is None
+    assert ours.pad_token is None
+    ours.pad_token = "<|im_end|>"  # set on transformers' tokenizer
+    real = ours.as_transformers()
+    assert type(real).__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    assert real.backend_tokenizer is ours.backend_tokenizer or ours.__dict__["_real"] is real
+    assert (ours.pad_token, ours.pad_token_id) == (real.pad_token, real.pad_token_id) == ("<|im_end|>", 2)
+    assert ours("hello world")["input_ids"] == ids == real.encode("hello world")
+    rendered = ours.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n"
 
 
 def test_unknown_pre_tokenizer_goes_to_transformers_converter(tmp_path: Path) -> None:
