@@ -9,7 +9,8 @@ turn such last-bit differences into different greedy tokens). Requests join and 
 (continuous batching).
 
 The shared pass needs anyquant's native Llama-family decoder (:class:`~anyquant.runtime.native.NativeCausalLM`);
-any other module is stepped one request at a time (still interleaved, so every client streams).
+any other module is stepped one request at a time (still interleaved, so every client streams), and so is a lone
+request (the module's own forward: the same numbers, less per-step work than the row-by-row shared pass).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class DecodeBatch:
         """Feed each slot its next token (``tokens[i]`` for ``slots[i]``); the next-token logits ``[rows, vocab]``."""
         for slot, token in zip(self.slots, tokens, strict=True):
             slot.history.append(token)
-        if self.shared:
+        if self.shared and len(self.slots) > 1:
             logits = self._shared_step(tokens)
         else:
             rows = []
