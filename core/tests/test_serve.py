@@ -254,6 +254,10 @@ def test_queue_full_is_503() -> None:
     proc, base = _start("--max-batch", "1", "--max-queue", "0")
     try:
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=300)
+        # n choices past what the batch and the queue hold together: never servable, a 400 naming n (was a 503)
+        with pytest.raises(openai.BadRequestError) as too_many:
+            _chat(c, "hi", 2, n=2)
+        assert too_many.value.param == "n"
         with ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(_chat, c, "Count to fifty.", 48) for _ in range(3)]
             outcomes = []
@@ -516,3 +520,79 @@ def test_a_failed_prefill_is_answered(local: Any) -> None:
     scheduler.close(30)
     assert ends[0].reason == "error" and ends[0].error is not None
     assert ends[1].reason == "length" and ends[1].completion_tokens == 2
+
+
+def test_choices_share_one_prefill(local: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests queued together with one prompt (the ``n`` choices of a request) are prefilled once, the others
+    copying its cache; each choice still samples exactly what ``generate`` gives with its seed, and scoring the
+    prompt (``echo`` with ``logprobs``) runs once too."""
+    import threading
+
+    from anyquant.serve.batch import DecodeBatch
+    from anyquant.serve.scheduler import Finished, ModelAdapter, Request, Scheduler
+
+    calls = {"prefill": 0, "score": 0}
+    prefill, score = DecodeBatch.prefill, ModelAdapter.prompt_logprobs
+
+    def counted_prefill(self: Any, *args: Any) -> Any:
+        calls["prefill"] += 1
+        return prefill(self, *args)
+
+    def counted_score(self: Any, *args: Any) -> Any:
+        calls["score"] += 1
+        return score(self, *args)
+
+    monkeypatch.setattr(DecodeBatch, "prefill", counted_prefill)
+    monkeypatch.setattr(ModelAdapter, "prompt_logprobs", counted_score)
+    adapter = ModelAdapter(local)
+    scheduler = Scheduler(adapter, max_batch=4, max_queue=4)
+    messages = [{"role": "user", "content": QUESTIONS[2]}]
+    ids = adapter.encode(messages, chat=True)
+    texts: dict[int, list[str]] = {s: [] for s in (7, 8, 9)}
+    ends: dict[int, Finished] = {}
+    scored: dict[int, list[Any]] = {}
+    done = threading.Event()
+
+    def request(seed: int) -> Request:
+        def finish(f: Finished) -> None:
+            ends[seed] = f
+            if len(ends) == 3:
+                done.set()
+
+        params = local.params(temperature=1.0, seed=seed, logprobs=True)
+        work = Request(ids, params, 8, texts[seed].append, finish, time.monotonic() + 300)
+        work.logprob = lambda lp: None
+        work.prompt_logprobs, work.prompt_top = (lambda items, s=seed: scored.__setitem__(s, items)), 0
+        return work
+
+    scheduler.submit_many([request(s) for s in (7, 8, 9)])
+    assert done.wait(120)
+    scheduler.close(30)
+    assert calls == {"prefill": 1, "score": 1}
+    assert all(ends[s].reason in ("stop", "length") for s in ends)
+    for seed in (7, 8, 9):
+        assert "".join(texts[seed]) == local.generate(messages, max_new_tokens=8, temperature=1.0, seed=seed)
+        assert [lp and lp.logprob for lp in scored[seed]] == [lp and lp.logprob for lp in scored[7]]
+    assert len({"".join(t) for t in texts.values()}) > 1  # three seeds, not one answer copied
+
+
+def test_logprob_bytes_concatenate_to_the_answer(client: Any) -> None:
+    """An answer of emoji (each split across byte-level tokens): the ``bytes`` of its tokens, whole and streamed,
+    concatenate to the UTF-8 of its text; the partial tokens are spelled ``bytes:\\x..``, and every alternative's
+    ``bytes`` is its text's UTF-8 unless it too is spelled that way."""
+    kw: dict[str, Any] = {"max_tokens": 12, "logprobs": True, "top_logprobs": 2}
+    r = _chat(client, "Repeat: 🙂🙂🙂", **kw)
+    choice = r.choices[0]
+    content = choice.logprobs.content
+    tokens = content[:-1] if choice.finish_reason == "stop" else content  # the end-of-sequence token
+    assert "🙂" in choice.message.content and any(t.token.startswith("bytes:") for t in tokens)
+    assert b"".join(bytes(t.bytes) for t in tokens) == choice.message.content.encode()
+    for t in content:
+        for alt in [t, *t.top_logprobs]:
+            if not alt.token.startswith("bytes:"):
+                assert bytes(alt.bytes) == alt.token.encode()
+    streamed = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Repeat: 🙂🙂🙂"}], temperature=0, stream=True, **kw
+    )
+    pieces = [c.choices[0].logprobs.content for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [bytes(t.bytes) for p in pieces for t in p] == [bytes(t.bytes) for t in content]

@@ -233,3 +233,25 @@ def test_advise_gpu_name_is_a_label_with_vram() -> None:
     assert a.vram_gb == 48 and "not in anyquant's GPU table" in a.reasons[0]
     with pytest.raises(SizingError, match="--vram"):
         advise("Some Future GPU", None, 1, LLAMA)
+
+
+def test_exllamav3_engine_refuses_what_it_cannot_do() -> None:
+    """``--engine exllamav3``'s jobs generate at least one token (exllamav3 asserts ``max_new_tokens >= 1``) and
+    report no log-probabilities: ``echo`` with ``max_tokens: 0`` and ``echo`` with ``logprobs`` are a 400 naming the
+    parameter, decided from the engine's declared abilities before any prompt is read. ``n`` choices run as
+    separate exllamav3 jobs, accepted up to what its queue takes at once (more is a 400 naming ``n``)."""
+    pytest.importorskip("starlette")
+    from anyquant.serve.app import ApiError, ServerConfig, _job, _Server
+    from anyquant.serve.exl3 import Exl3Scheduler
+
+    engine = object.__new__(Exl3Scheduler)  # its class's declared abilities; the engine itself needs CUDA
+    engine.adapter, engine.max_queue = None, 4
+    server = _Server(engine, ServerConfig("m"))
+    for body, param in (
+        ({"echo": True, "max_tokens": 0}, "max_tokens"),
+        ({"n": 5, "max_tokens": 4}, "n"),  # more choices than its queue takes at once
+        ({"echo": True, "max_tokens": 4, "logprobs": 1}, "logprobs"),
+    ):
+        with pytest.raises(ApiError) as refused:
+            _job(server, {"model": "m", "prompt": "Hello", **body}, chat=False)
+        assert refused.value.status == 400 and refused.value.param == param

@@ -385,3 +385,30 @@ def test_phi3_rope_refusals_and_unknown_tensors(tmp_path: Path) -> None:
     reader = _write(tmp_path / "c.gguf", "qwen3", {}, ("blk.0.attn_qkv.weight",))
     with pytest.raises(UnsupportedGGUFArchitecture, match=r"attn_qkv.*'qwen3'"):
         hf_tensor_names(reader)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
+def test_cpu_fast_k_quant_linears_are_bfloat16(name: str) -> None:
+    """A Q4_K_M file's Q6_K linears (``attn_v``, some ``ffn_down``; per-expert ones in the MoE file) run on cpu-fast
+    as bfloat16 prepacked for oneDNN: the weight is the file's dequantized weight rounded to bfloat16, bit for bit,
+    held at 2 bytes a weight with no float32 copy beside it. Host-dependent: AMX / AVX512-BF16 (else float32)."""
+    from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_head_status
+
+    ok, reason = bf16_head_status()
+    if not ok:
+        pytest.skip(f"bfloat16 prepacked linears need AMX or AVX512-BF16: {reason}")
+    model = _model(name, "cpu-fast")
+    bf16 = model.info["cpu_fast"]["bf16"]
+    assert bf16 and set(bf16.values()) == {"Q6_K"} and not model.info["cpu_fast"]["dequantized"]
+    assert any(".v_proj" in n for n in bf16) and any(".down_proj" in n for n in bf16)
+    if name in MOE:
+        assert any(".experts." in n for n in bf16)
+    for n in bf16:
+        layer = model.module.get_submodule(n)
+        assert isinstance(layer, PrepackedBf16Linear) and isinstance(layer.source, GGUFLinear), n
+        assert layer.source.weight_cache is None  # no resident float32 copy
+        assert layer.packed_bytes() == 2 * layer.in_features * layer.out_features
+        # the identity's product holds each weight once (one nonzero term per output): the packed weight, exactly
+        eye = torch.eye(layer.in_features, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._linear_pointwise(eye, layer.packed, None, "none", [], "")
+        assert torch.equal(packed.T, layer.source.dequantize().to(torch.bfloat16)), n

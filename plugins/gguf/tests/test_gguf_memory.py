@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 import anyquant
+from anyquant.runtime import kernels
 from anyquant_gguf import qlinear
 from anyquant_gguf.qlinear import (
     GGUFEmbedding,
@@ -239,8 +240,10 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
 
     info = fast.info["cpu_fast"]
     q8 = {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}  # Q8_0: no int4 layout
-    assert info["converted"] == 12
-    if bf16_head_status()[0]:  # host-dependent: AMX / AVX512-BF16 -> bfloat16 prepacked, 2 bytes per weight
+    if kernels.available():  # the compiled GGUF-block kernel reads Q4_0 and Q8_0 alike, in place
+        assert (info["converted"], info["in_place"], info["dequantized"], info["bf16"]) == (14, 14, {}, {})
+    elif bf16_head_status()[0]:  # host-dependent: AMX / AVX512-BF16 -> bfloat16 prepacked, 2 bytes per weight
+        assert info["converted"] == 12
         assert info["bf16"] == dict.fromkeys(q8, "Q8_0") and not info["dequantized"]
         for name in q8:
             layer = fast.module.get_submodule(name)
@@ -255,15 +258,67 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
             long = torch.randn(5, layer.in_features)  # over small_rows: the exact float32 path
             assert torch.equal(layer(long), layer.source(long))
     else:
+        assert info["converted"] == 12
         assert set(info["dequantized"]) == q8 and not info["bf16"]
         assert "Q8_0" in info["dequantized"]["model.layers.0.mlp.down_proj"]
     ids = torch.tensor([[1, 5, 9, 100, 127, 3, 4, 8]])  # 8 rows > small_rows: the exact path
     with torch.no_grad():
         ref = dense.module(ids).logits
         torch.testing.assert_close(fast.module(ids).logits, ref, rtol=1e-5, atol=1e-5)
-        few = fast.module(ids[:, :2]).logits  # the int4 kernel (bfloat16)
+        few = fast.module(ids[:, :2]).logits  # the int4 kernel (bfloat16) or the GGUF-block kernel
         assert float((few - ref[:, :2]).abs().max()) < 5e-2 * float(ref.abs().max())
     assert _load(path, "cpu-fast", embedding="packed").info["embedding"] == "packed"
+
+
+def _decode(model: Any, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """The logits of ``ids[:, prompt:]`` fed one token at a time after the prompt ``ids[:, :prompt]``."""
+    with torch.no_grad():
+        out = model.module(ids[:, :prompt], use_cache=True)
+        logits = []
+        for i in range(prompt, ids.shape[1]):
+            out = model.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
+            logits.append(out.logits)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
+def test_block_kernel_reads_the_file_in_place(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
+    """cpu-fast with the compiled GGUF-block kernel: every Q4_0/Q4_1/Q8_0 linear and the tied Q8_0 head read the
+    file's blocks (no copy), the TorchScript decode step calls the kernel and equals the module path bit for
+    bit, decode stays close to the exact weights and its greedy tokens are theirs."""
+    from anyquant.runtime import step as step_mod
+    from anyquant.runtime.fastcpu import FastHead
+    from anyquant.runtime.kernels.linear import BlockLinear
+    from anyquant.runtime.step import DecodeStep
+    from anyquant_gguf.reader import load_raw
+
+    path, _ = tiny_tied
+    dense = _load(path, "dequantized")
+    fast = _load(path, "cpu-fast", cpu_fast_small_rows=4)
+    layers = fast.module.model.layers
+    linears = [m for m in fast.module.modules() if isinstance(m, BlockLinear)]
+    assert len(linears) == 14 and {m.type_name for m in linears} == {"Q4_0", "Q4_1", "Q8_0"}
+    head = fast.module.get_output_embeddings()
+    assert isinstance(head, FastHead) and type(head).__name__ == "GGUFBlockHead" and head.packed == []
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    down = load_raw(reader, "blk.0.ffn_down.weight").data
+    assert torch.equal(layers[0].mlp.down_proj.blocks, down.reshape(-1))  # the file's own bytes
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    got = _decode(fast, ids, 6)
+    step = fast.module.__dict__["_step"]
+    assert isinstance(step, DecodeStep)
+    assert all(function is step_mod.compiled_layer("ggml") for function, _ in step.layers)
+    fast.module.__dict__["_step"] = None  # the module path
+    assert torch.equal(_decode(fast, ids, 6), got)
+    ref = _decode(dense, ids, 6)
+    assert float((got - ref).abs().max()) < 2e-2 * float(ref.abs().max())
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    one = _load(path, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_activation_passes=1)
+    assert {m.passes for m in one.module.modules() if isinstance(m, BlockLinear)} == {1}
+    with pytest.raises(Exception, match="cpu_fast_activation_passes"):
+        _load(path, "cpu-fast", cpu_fast_activation_passes=3)
 
 
 def test_auto_backend(tiny_tied: tuple[Path, torch.nn.Module], tiny_qwen2: tuple[Path, torch.nn.Module]) -> None:
@@ -275,7 +330,7 @@ def test_auto_backend(tiny_tied: tuple[Path, torch.nn.Module], tiny_qwen2: tuple
     auto = _load(path, "auto")
     if fast_cpu_capable()[0]:
         assert (auto.backend, auto.info["embedding"]) == ("cpu-fast", "packed")
-        assert auto.info["cpu_fast"]["converted"] == 12
+        assert auto.info["cpu_fast"]["converted"] == (14 if kernels.available() else 12)
     else:
         assert (auto.backend, auto.info["embedding"]) == ("dequantized", "dense")
     assert _load(path, "cpu-fast", embedding="dense").info["embedding"] == "dense" or not fast_cpu_capable()[0]

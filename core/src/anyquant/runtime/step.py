@@ -1,5 +1,6 @@
 """The native decoder's decode step as one compiled function per layer, for layers whose linears are all
-cpu-fast: int4 (GPTQ, AWQ, GGUF Q4) or bfloat16 prepacked (EXL3, EXL2).
+cpu-fast: int4 (GPTQ, AWQ, GGUF Q4), GGUF blocks read in place (GGUF Q4_0/Q4_1/Q8_0 with the compiled kernel,
+:mod:`anyquant.runtime.kernels`) or bfloat16 prepacked (EXL3, EXL2).
 
 On a two-core CPU a SmolLM2-135M decode step spent about half its time outside the weight kernels: some
 1,500 small ATen calls, each with Python's argument parsing, and the ``nn.Module`` calls around them
@@ -41,7 +42,7 @@ from .layers import (  # _rotary: the module path's own, compiled in
     fusion,
 )
 
-__all__ = ["LAYER_FUNCTIONS", "DecodeStep", "bf16_layer", "int4_layer"]
+__all__ = ["LAYER_FUNCTIONS", "DecodeStep", "bf16_layer", "ggml_layer", "int4_layer"]
 
 log = logging.getLogger(__name__)
 
@@ -302,10 +303,53 @@ def bf16_layer(
     return h + _bf16(F.silu(_bf16(x, gate)) * _bf16(x, up), down).view(b, 1, hidden)
 
 
+def _ggml(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int, passes: int) -> torch.Tensor:
+    """:class:`~anyquant.runtime.kernels.linear.BlockLinear`'s decode path on float32 rows ``x``."""
+    y: torch.Tensor = torch.ops.anyquant.ggml_gemv(x, blocks, kind, rows, x.shape[-1], -1, passes)
+    return y
+
+
+def ggml_layer(
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
+    norm1: torch.Tensor,
+    norm2: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+    blocks: List[torch.Tensor],  # noqa: UP006 - q, k, v, o, gate, up, down
+    kinds: List[int],  # noqa: UP006 - their GGUF types
+    rows: List[int],  # noqa: UP006 - their output features
+    passes: List[int],  # noqa: UP006 - their activation passes
+    q_norm: Optional[torch.Tensor],  # noqa: UP045
+    k_norm: Optional[torch.Tensor],  # noqa: UP045
+) -> torch.Tensor:
+    """:func:`int4_layer` for layers of GGUF-block linears (Q4_0, Q4_1, Q8_0 read in place): seven kernel calls."""
+    b, hidden = h.shape[0], h.shape[-1]
+    x = F.rms_norm(h, [hidden], norm1, eps).view(b, hidden)
+    qk = torch.cat(
+        [_ggml(x, blocks[0], kinds[0], rows[0], passes[0]), _ggml(x, blocks[1], kinds[1], rows[1], passes[1])], 1
+    )
+    v = _ggml(x, blocks[2], kinds[2], rows[2], passes[2])
+    a = _attention(qk, v, cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps)
+    h = h + _ggml(a, blocks[3], kinds[3], rows[3], passes[3]).view(b, 1, hidden)
+    x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
+    m = F.silu(_ggml(x, blocks[4], kinds[4], rows[4], passes[4])) * _ggml(x, blocks[5], kinds[5], rows[5], passes[5])
+    return h + _ggml(m, blocks[6], kinds[6], rows[6], passes[6]).view(b, 1, hidden)
+
+
 LAYER_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "int4": int4_layer,
     "int4_moe": int4_moe_layer,
     "bf16": bf16_layer,
+    "ggml": ggml_layer,
 }
 _compiled: dict[str, Callable[..., torch.Tensor]] = {}
 _compile_lock = threading.Lock()
@@ -442,6 +486,11 @@ def _plan_layer(layer: Any) -> _Layer | None:
     def plain_bf16(m: nn.Module) -> bool:
         return type(m) is PrepackedBf16Linear and m.bias is None
 
+    def plain_ggml(m: nn.Module) -> bool:
+        from .kernels.linear import BlockLinear
+
+        return isinstance(m, BlockLinear) and type(m).forward is BlockLinear.forward and m.bias is None
+
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     if not (plain_norm(norm1) and plain_norm(norm2) and norm1.variance_epsilon == norm2.variance_epsilon):
         return None
@@ -464,6 +513,11 @@ def _plan_layer(layer: Any) -> _Layer | None:
         packs = tuple(m.packed for m in linears)
         small_rows = min(2**62 if m.small_rows is None else m.small_rows for m in linears)
         return _Layer("bf16", common + packs + qk_norms, small_rows)
+    blocked: tuple[Any, ...] = (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj) if sparse is None else ()
+    if blocked and all(plain_ggml(m) for m in blocked):
+        ggml: tuple[Any, ...] = ([m.blocks for m in blocked], [m.ggml_type for m in blocked])
+        ggml += ([m.out_features for m in blocked], [m.passes for m in blocked])
+        return _Layer("ggml", common + ggml + qk_norms, min(m.small_rows for m in blocked))
     qkv = fusion(attn, ("q_proj", "k_proj", "v_proj"))
     o = attn.o_proj
     if not (isinstance(qkv, FusedInt4) and qkv.plain and plain_int4(o) and o.scales_and_zeros.is_contiguous()):

@@ -152,6 +152,14 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
     n = _integer(body, "n", 1) or 1
     if n > MAX_CHOICES:
         raise ApiError(400, f"n={n}: at most {MAX_CHOICES} choices per request", "invalid_value", "n")
+    capacity = getattr(app.scheduler, "capacity", None)
+    if capacity is not None and n > capacity:  # a 503 "retry later" that no retry could satisfy
+        raise ApiError(
+            400,
+            f"n={n}: this server takes at most {capacity} requests at once (--max-batch and --max-queue)",
+            "invalid_value",
+            "n",
+        )
     extras, logprobs = _sampling(app, body, chat)
     echo = body.get("echo", False)
     if chat or not isinstance(echo, bool):
@@ -192,6 +200,13 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
         raise ApiError(400, str(exc), "invalid_value") from None
     asked = _integer(body, "max_completion_tokens", 1) if chat else None
     asked = asked if asked is not None else _integer(body, "max_tokens", 0 if echo else 1)
+    if asked == 0 and not getattr(app.scheduler, "prompt_only", False):
+        raise ApiError(
+            400,
+            "max_tokens=0 (echo's prompt alone) is not supported by this server's engine",
+            "unsupported_parameter",
+            "max_tokens",
+        )
     ids = _prompt_ids(app, body, chat)
     if echo and logprobs is not None and len(ids) > MAX_SCORED_PROMPT:
         raise ApiError(
@@ -404,6 +419,7 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
             deadline = time.monotonic() + config.timeout
+            choices: list[Request] = []
             for i in range(job.n):
                 run = _Run(loop, queue, i)
                 params = job.params
@@ -414,11 +430,17 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
                     work.logprob = run.logprob
                     if job.echo is not None:
                         work.prompt_logprobs, work.prompt_top = run.prompt_logprobs, params.top_logprobs
-                try:
-                    scheduler.submit(work)
-                except QueueFull as exc:
-                    raise ApiError(503, str(exc), "queue_full") from None
-                works.append(work)
+                choices.append(work)
+            try:  # together, so the choices share a prefill (an engine without submit_many takes them one by one)
+                if hasattr(scheduler, "submit_many"):
+                    scheduler.submit_many(choices)
+                else:
+                    for work in choices:
+                        scheduler.submit(work)
+                        works.append(work)
+            except QueueFull as exc:
+                raise ApiError(503, str(exc), "queue_full") from None
+            works = choices
         except ApiError as exc:
             for work in works:
                 work.cancel()

@@ -1,8 +1,9 @@
 """Batched decode across requests for the served model (imports torch).
 
-Each request is prefilled alone, exactly as :meth:`anyquant.LoadedModel.generate` runs it (the same rows, so the
-same kernels and the same numbers), and keeps its own KV cache. A decode step then runs every request of the
-batch through one pass of the linears (the weights are read once for all rows), while attention runs row by row
+Each prompt is prefilled alone, exactly as :meth:`anyquant.LoadedModel.generate` runs it (the same rows, so the
+same kernels and the same numbers), and each request keeps its own KV cache (requests admitted together with the
+same prompt, such as the ``n`` choices of one HTTP request, prefill it once and copy the cache). A decode step then
+runs every request of the batch through one pass of the linears (the weights are read once for all rows), while attention runs row by row
 over each request's own cache, with no padding and no mask: a request's tokens do not depend on which others
 share its steps (padding shifts the summation order inside attention, and this model's bfloat16 activations
 turn such last-bit differences into different greedy tokens). Requests join and leave between steps
@@ -15,6 +16,7 @@ request (the module's own forward: the same numbers, less per-step work than the
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +67,16 @@ class DecodeBatch:
         self.slots.append(Slot(key, n, getattr(out, self.cache_kw), list(ids)))
         logits: torch.Tensor = out.logits[0, -1]
         return logits
+
+    def fork(self, key: object, source: object) -> bool:
+        """Add ``key`` as a copy of ``source``'s slot (its cache copied): the same prompt prefilled once for both.
+        Called between ``source``'s prefill and the next step; ``False`` (nothing added) when ``source`` is not in
+        the batch."""
+        for slot in self.slots:
+            if slot.key is source:
+                self.slots.append(Slot(key, slot.position, copy.deepcopy(slot.cache), list(slot.history)))
+                return True
+        return False
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int]) -> torch.Tensor:

@@ -57,6 +57,8 @@ class Exl3Scheduler:
     #: exllamav3's sampler takes temperature, top_k, top_p, the repetition penalty and a seed only; the HTTP side
     #: refuses logprobs, logit_bias, presence/frequency penalties and min_p for this engine
     full_sampling = False
+    #: exllamav3's jobs generate at least one token: ``echo`` with ``max_tokens: 0`` (the prompt alone) is refused
+    prompt_only = False
 
     def __init__(
         self, path: str | Path, *, max_batch: int = 16, max_queue: int = 64, context: int | None = None
@@ -94,6 +96,11 @@ class Exl3Scheduler:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def capacity(self) -> int:
+        """The most requests taken at once (its queue; the generator takes them from there)."""
+        return self.max_queue
 
     def submit(self, request: Request) -> None:
         with self._cond:
@@ -137,8 +144,13 @@ class Exl3Scheduler:
                 new = list(self._waiting)
                 self._waiting.clear()
             for request in new:
-                job = self._job(request)
-                self.generator.enqueue(job)
+                try:
+                    job = self._job(request)
+                    self.generator.enqueue(job)
+                except Exception as exc:  # this request's failure (exllamav3 asserts on what it refuses)
+                    log.exception("exllamav3 refused a job")
+                    request.finish(Finished("error", len(request.ids), 0, exc))
+                    continue
                 jobs[id(request)] = (request, job, 0)
             now = time.monotonic()
             for key, (request, job, count) in list(jobs.items()):

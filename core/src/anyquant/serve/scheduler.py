@@ -190,6 +190,8 @@ class Scheduler:
     full_sampling = True
     #: scores prompts (``Request.prompt_logprobs``): ``echo`` with ``logprobs``
     prompt_scoring = True
+    #: answers ``max_tokens: 0`` (``echo``'s prompt alone, scored with ``logprobs``)
+    prompt_only = True
 
     def __init__(self, adapter: ModelAdapter, *, max_batch: int = 16, max_queue: int = 64) -> None:
         if max_batch < 1 or max_queue < 0:
@@ -205,15 +207,20 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, request: Request) -> None:
+        self.submit_many([request])
+
+    def submit_many(self, requests: Sequence[Request]) -> None:
+        """Queue ``requests`` together (all or none): the ``n`` choices of one HTTP request, admitted in the same
+        round when the batch has room, so their shared prompt is prefilled once."""
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             free = max(0, self.max_batch - self.running)  # places in the running batch, taken at its next step
-            if len(self._waiting) >= self.max_queue + free:
+            if len(self._waiting) + len(requests) > self.max_queue + free:
                 raise QueueFull(
                     f"{len(self._waiting)} requests are waiting (--max-queue {self.max_queue}); retry later"
                 )
-            self._waiting.append(request)
+            self._waiting.extend(requests)
             self._cond.notify()
 
     def close(self, timeout: float | None = None) -> None:
@@ -226,6 +233,12 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def capacity(self) -> int:
+        """The most requests taken at once when idle (the batch and the queue): more ``n`` choices would always be
+        refused as a full queue."""
+        return self.max_batch + self.max_queue
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
@@ -243,18 +256,30 @@ class Scheduler:
                 joining: list[Request] = []
                 while self._waiting and len(live) + len(joining) < self.max_batch:
                     joining.append(self._waiting.popleft())
+            # a prompt admitted twice in this round (n choices) is scored and prefilled once: exact copies
+            scored: dict[tuple[tuple[int, ...], int], list[Any]] = {}
+            prefilled: dict[tuple[int, ...], tuple[Request, Any]] = {}
             for request in joining:
                 row = _Live(request, self.adapter)
                 if self._ended(row):
                     continue
+                prompt = tuple(request.ids)
                 try:
                     if request.prompt_logprobs is not None:
-                        request.prompt_logprobs(self.adapter.prompt_logprobs(request.ids, request.prompt_top))
+                        key = (prompt, request.prompt_top)
+                        if key not in scored:
+                            scored[key] = self.adapter.prompt_logprobs(request.ids, request.prompt_top)
+                        request.prompt_logprobs(list(scored[key]))
                     if request.max_tokens == 0:  # the prompt scored, nothing generated (echo with max_tokens 0)
                         row.end("length")
                         request.finish(row.done)  # type: ignore[arg-type]
                         continue
-                    logits = batch.prefill(request, request.ids)
+                    first = prefilled.get(prompt)
+                    if first is not None and batch.fork(request, first[0]):
+                        logits = first[1].clone()
+                    else:
+                        logits = batch.prefill(request, request.ids)
+                        prefilled[prompt] = (request, logits.clone())  # kept apart from what its sampling reads
                     live.append(row)
                     row.take(*self._sample(row, logits[None]))
                 except Exception as exc:  # this request's failure, not the server's

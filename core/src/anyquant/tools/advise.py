@@ -299,6 +299,35 @@ def _advice(ctx: _Ctx, **fields: Any) -> Advice:
     return Advice(**{**situation, **fields})
 
 
+def _gguf_advice(
+    ctx: _Ctx, e: Estimate, quant_type: str | None, *, engine: str, fits: bool = True, devices: int = 1, **fields: Any
+) -> Advice:
+    """A GGUF advice on llama.cpp, fp16 KV cache, no tensor parallel: ``bits`` from the estimate and, when it fits,
+    the memory-bound decode speed over ``devices`` unless ``fields`` say otherwise."""
+    fields.setdefault("bits", e.bits)
+    if "expected_decode_tok_s" not in fields:
+        fields["expected_decode_tok_s"] = (
+            _tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs, devices) if fits else None
+        )
+    return _advice(
+        ctx,
+        format="gguf",
+        engine=engine,
+        quant_type=quant_type,
+        kv_dtype="fp16",
+        tensor_parallel=1,
+        fits=fits,
+        estimate=e,
+        **fields,
+    )
+
+
+def _no_cuda(ctx: _Ctx) -> str:
+    return f"{ctx.gpu.name}: no CUDA, so no EXL3/GPTQ/AWQ kernels; GGUF runs on llama.cpp " + (
+        "with Metal" if ctx.gpu.kind == "apple" else "on the CPU"
+    )
+
+
 def _advise_exl3(ctx: _Ctx) -> Advice | None:
     """Ampere or newer, few users: EXL3 at the largest bpw that fits (fp16 KV first, then q8, q4)."""
     usable = ctx.vram_bytes * ctx.gpus
@@ -561,41 +590,29 @@ def _advise_local(ctx: _Ctx) -> Advice:
     if found is None:
         name, bpw = GGUF_TYPES[-1]
         e = _gguf_est(ctx, bpw, "fp16", batch=ctx.users)
-        return _advice(
+        return _gguf_advice(
             ctx,
-            gpus=1,
-            format="gguf",
+            e,
+            name,
             engine=engine,
-            bits=bpw,
-            quant_type=name,
-            kv_dtype="fp16",
-            tensor_parallel=1,
             fits=False,
-            estimate=e,
-            expected_decode_tok_s=None,
+            gpus=1,
             reasons=[f"even GGUF {name} needs {format_gb(e.total_bytes).strip()}, more than {where}"],
             alternatives=["a smaller model", "a machine with more memory", "a shorter context"],
         )
     name, bpw, e = found
     reasons = [
-        f"{ctx.gpu.name}: no CUDA, so no EXL3/GPTQ/AWQ kernels; GGUF runs on llama.cpp "
-        + ("with Metal" if ctx.gpu.kind == "apple" else "on the CPU"),
+        _no_cuda(ctx),
         f"{name} (~{bpw:g} bits/weight) is the largest type that fits: {format_gb(e.total_bytes).strip()} of {where}",
         f"decode is memory-bound: about {_tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs):.1f} tokens/s at "
         f"~{ctx.gpu.bandwidth_gbs:g} GB/s",
     ]
-    return _advice(
+    return _gguf_advice(
         ctx,
-        gpus=1,
-        format="gguf",
+        e,
+        name,
         engine=engine,
-        bits=bpw,
-        quant_type=name,
-        kv_dtype="fp16",
-        tensor_parallel=1,
-        fits=True,
-        estimate=e,
-        expected_decode_tok_s=_tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs),
+        gpus=1,
         reasons=reasons,
         commands=_gguf_commands(ctx, name, 99 if ctx.gpu.kind == "apple" else None),
     )
@@ -608,22 +625,15 @@ def _gguf_as_is(ctx: _Ctx, usable: int, where: str, engine: str) -> Advice | Non
     if e.total_bytes > usable:
         return None
     reasons = [
-        f"{ctx.gpu.name}: no CUDA, so no EXL3/GPTQ/AWQ kernels; GGUF runs on llama.cpp "
-        + ("with Metal" if ctx.gpu.kind == "apple" else "on the CPU"),
+        _no_cuda(ctx),
         f"the checkpoint is GGUF already ({e.bits:g} bits/weight) and fits: {format_gb(e.total_bytes).strip()} of {where}",
     ]
-    return _advice(
+    return _gguf_advice(
         ctx,
-        gpus=1,
-        format="gguf",
+        e,
+        None,
         engine=engine,
-        bits=e.bits,
-        quant_type=None,
-        kv_dtype="fp16",
-        tensor_parallel=1,
-        fits=True,
-        estimate=e,
-        expected_decode_tok_s=_tok_s(_read_per_token(ctx, e), ctx.gpu.bandwidth_gbs),
+        gpus=1,
         reasons=reasons,
         commands=[
             f"llama-server -m {_q(str(ctx.model))} {_llama_slots(ctx)}",
@@ -660,16 +670,11 @@ def _offload_plan(ctx: _Ctx, qtype: str = "Q4_K_M") -> Advice | None:
         f"expected cost: decode about {tok_s:.1f} tokens/s (memory-bound: {ctx.gpu.bandwidth_gbs:g} GB/s GPU, "
         f"~{RAM_BANDWIDTH_GBS:g} GB/s RAM assumed) instead of ~{full:.0f} tokens/s if it all fit in VRAM",
     ]
-    return _advice(
+    return _gguf_advice(
         ctx,
-        format="gguf",
+        e,
+        qtype,
         engine="llama.cpp (CUDA + CPU offload)",
-        bits=bpw,
-        quant_type=qtype,
-        kv_dtype="fp16",
-        tensor_parallel=1,
-        fits=True,
-        estimate=e,
         expected_decode_tok_s=tok_s,
         reasons=reasons,
         device_bytes=device_bytes,
@@ -688,17 +693,13 @@ def _too_big(ctx: _Ctx, why: str) -> Advice:
     off = _offload_plan(ctx)
     if off is None:
         e = _gguf_est(ctx, dict(GGUF_TYPES)["Q4_K_M"], "fp16", batch=ctx.users)
-        return _advice(
+        return _gguf_advice(
             ctx,
-            format="gguf",
+            e,
+            "Q4_K_M",
             engine="llama.cpp",
-            bits=None,
-            quant_type="Q4_K_M",
-            kv_dtype="fp16",
-            tensor_parallel=1,
             fits=False,
-            estimate=e,
-            expected_decode_tok_s=None,
+            bits=None,
             reasons=[
                 why,
                 "and no offload plan fits either: the part left on the CPU exceeds the given RAM, or the head and "
@@ -752,17 +753,12 @@ def _advise_pre_ampere(ctx: _Ctx) -> Advice:
         )
     if gguf is not None:
         name, bpw, ge = gguf
-        return _advice(
+        return _gguf_advice(
             ctx,
-            format="gguf",
+            ge,
+            name,
             engine="llama.cpp (CUDA)",
-            bits=bpw,
-            quant_type=name,
-            kv_dtype="fp16",
-            tensor_parallel=1,
-            fits=True,
-            estimate=ge,
-            expected_decode_tok_s=_tok_s(_read_per_token(ctx, ge), ctx.gpu.bandwidth_gbs, ctx.gpus),
+            devices=ctx.gpus,
             reasons=[
                 why_not_exl3,
                 f"GPTQ 4-bit needs {format_gb(e.total_bytes).strip()}: too big; GGUF {name} "

@@ -229,6 +229,24 @@ class BF16CpuFast:
 
         return PrepackedBf16Linear(layer)
 
+    def linear_factory(
+        self, ctx: LoadContext, stored: Mapping[str, Any], one: Callable[[str, int, int], QuantLinearBase]
+    ) -> Callable[[str, nn.Linear], nn.Module | None]:
+        """``make_linear``'s factory over ``one(name, in_features, out_features)``: a linear stored under its own
+        name (a key of ``stored``), or one the checkpoint stores as parts (:func:`stored_parts`), each part
+        prepacked for cpu-fast."""
+
+        def built(name: str, in_features: int, out_features: int) -> Any:
+            return self.fast_layer(ctx, one(name, in_features, out_features))
+
+        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
+            if name in stored:
+                return built(name, linear.in_features, linear.out_features)  # type: ignore[no-any-return]
+            plan = stored_parts(name, linear, stored, ctx.probe)
+            return None if plan is None else plan.build(built, linear)
+
+        return factory
+
     def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
         """cpu-fast: the embedding stays 16-bit for the fast head's tables (see ``FastCPUPlan``)."""
         return ctx.backend == "cpu-fast"
@@ -424,18 +442,7 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
                 compute_dtype=ctx.dtype,
             )
 
-        def built(name: str, in_features: int, out_features: int) -> Any:
-            return self.fast_layer(ctx, one(name, in_features, out_features))
-
-        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
-            if name in modules:
-                return built(name, linear.in_features, linear.out_features)  # type: ignore[no-any-return]
-            plan = stored_parts(name, linear, modules, ctx.probe)
-            if plan is None:
-                return None
-            return plan.build(built, linear)
-
-        return factory
+        return self.linear_factory(ctx, modules, one)
 
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
         modules = _modules(probe)

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from anyquant.errors import ParameterError
 from anyquant.plugin import (
     CPU_FAST_OPTIONS,
     RUNTIME_OPTIONS,
@@ -208,6 +209,8 @@ class GGUFLoader(TransformersLoader):
             **RUNTIME_OPTIONS,
             **CPU_FAST_OPTIONS,
             "embedding": "'packed' (cpu-fast's default: looked-up rows decoded from the GGUF blocks) or 'dense'",
+            "cpu_fast_activation_passes": "2 (default) or 1: int8 passes over the activations of the compiled "
+            "GGUF-block kernel (1: llama.cpp's int8 arithmetic, faster, may flip near-tied greedy tokens)",
         }
     )
 
@@ -334,7 +337,16 @@ class GGUFLoader(TransformersLoader):
         return tokenizer_from_gguf(self._reader(gguf_path(probe)))
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
-        from .qlinear import INT4_TYPES, PACKED_TYPES, GGUFLinear, GGUFTiedHead, fast_tied_head, gguf_int4_linear
+        from .qlinear import (
+            INT4_TYPES,
+            PACKED_TYPES,
+            GGUFLinear,
+            GGUFTiedHead,
+            block_kernel_head,
+            fast_tied_head,
+            gguf_block_linear,
+            gguf_int4_linear,
+        )
 
         src = ctx.source
         assert isinstance(src, GGUFSource)
@@ -363,6 +375,10 @@ class GGUFLoader(TransformersLoader):
             }
             fast = ctx.state["cpu_fast"] = {"converted": 0, "bf16": {}, "dequantized": {}}
             bf16_ok, bf16_reason = bf16_head_status()
+            passes = ctx.options.extra.get("cpu_fast_activation_passes", 2)
+            if passes not in (1, 2, "1", "2") or isinstance(passes, bool):
+                raise ParameterError(f"cpu_fast_activation_passes={passes!r} is not 1 or 2")
+            block_kwargs = {**fast_kwargs, "passes": int(passes)}
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             key = f"{name}.weight"
@@ -370,7 +386,12 @@ class GGUFLoader(TransformersLoader):
                 # tied head: a packed linear over the embedding's own bytes (cpu-fast: prepacked for decode)
                 raw = src.raw(_EMBED)
                 if fast is not None:
-                    head = fast_tied_head(raw.data, raw.qtype, raw.shape, small_rows=fast_kwargs["small_rows"])
+                    rows = fast_kwargs["small_rows"]
+                    head = block_kernel_head(raw.data, raw.qtype, raw.shape, small_rows=rows)
+                    if head is None:
+                        head = fast_tied_head(raw.data, raw.qtype, raw.shape, small_rows=rows)
+                    else:
+                        head.tied_to_input_embedding = True  # type: ignore[assignment]  # export_dense ties them again
                     if head is not None:
                         return head
                 return GGUFTiedHead(raw.data, raw.qtype, raw.shape)
@@ -381,7 +402,17 @@ class GGUFLoader(TransformersLoader):
                 raise CheckpointError(f"{name}: GGUF weight {raw.shape} does not fit the model's linear")
             bias = src.get(f"{name}.bias") if f"{name}.bias" in src else None
             module: nn.Module | None = None
-            if fast is not None:
+            in_place = False  # read by the GGUF-block kernel from the file's bytes: no copy to release them for
+            if fast is not None and bias is None and key == _HEAD:
+                module = block_kernel_head(raw.data, raw.qtype, raw.shape, small_rows=fast_kwargs["small_rows"])
+            elif fast is not None:
+                module = gguf_block_linear(raw.data, raw.qtype, raw.shape, bias, **block_kwargs)
+            if module is not None:
+                assert fast is not None
+                fast["converted"] += 1
+                fast["in_place"] = fast.get("in_place", 0) + 1
+                in_place = True
+            elif fast is not None:
                 reason = "" if raw.qtype in INT4_TYPES else f"{raw.qtype.name} has no int4 kernel"
                 if not reason:
                     try:
@@ -399,7 +430,7 @@ class GGUFLoader(TransformersLoader):
                     fast["dequantized"][name] = f"{reason}; {bf16_reason}"
             if module is None:
                 module = GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode=mode)
-            if src.release_after_copy:
+            if src.release_after_copy and not in_place:
                 src.release(key)  # a copy exists (dense or int4); the GGUF bytes stay valid, file-backed
             return module
 

@@ -449,3 +449,111 @@ def gguf_linear_from_reader(
         raise ValueError(f"{gguf_name} is not a 2-D weight: {list(raw.shape)}")
     bias = None if bias_name is None else load_tensor(reader, bias_name)
     return GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode=mode)
+
+
+# --------------------------------------------------------------------------- GGUF-block kernel (in place)
+
+#: Types :func:`torch.ops.anyquant.ggml_gemv` reads as stored (:mod:`anyquant.runtime.kernels`).
+BLOCK_KERNEL_TYPES: dict[GGMLQuantizationType, str] = {Q.Q4_0: "Q4_0", Q.Q4_1: "Q4_1", Q.Q8_0: "Q8_0"}
+
+
+def block_kernel_available(qtype: GGMLQuantizationType | int) -> bool:
+    """Whether the compiled GGUF-block kernel is loaded and takes ``qtype``."""
+    from anyquant.runtime import kernels
+
+    return GGMLQuantizationType(qtype) in BLOCK_KERNEL_TYPES and kernels.available()
+
+
+@functools.cache
+def _block_linear_class() -> type[nn.Module]:
+    from anyquant.runtime.kernels.linear import BlockLinear
+
+    class GGUFBlockLinear(BlockLinear):
+        """A Q4_0/Q4_1/Q8_0 linear read in place by the GGUF-block kernel (decode); prompts dequantize
+        the blocks per forward (:func:`~anyquant_gguf.dequant.dequantize_blocks_torch`, exact)."""
+
+        def __init__(
+            self,
+            qweight: torch.Tensor,
+            qtype: GGMLQuantizationType,
+            shape_out_in: tuple[int, int],
+            bias: torch.Tensor | None,
+            **kwargs: Any,
+        ) -> None:
+            out_features, in_features = (int(s) for s in shape_out_in)
+            super().__init__(qweight, BLOCK_KERNEL_TYPES[qtype], out_features, in_features, bias, **kwargs)
+            self.qtype = qtype
+
+        def dequantize(self) -> torch.Tensor:
+            return dequantize_blocks_torch(self.blocks, self.qtype, (self.out_features, self.in_features))
+
+    return GGUFBlockLinear
+
+
+def gguf_block_linear(
+    qweight: torch.Tensor,
+    qtype: GGMLQuantizationType | int,
+    shape_out_in: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> nn.Module | None:
+    """A Q4_0/Q4_1/Q8_0 weight read in place by the GGUF-block kernel (``kwargs``: ``small_rows``,
+    ``prefill_dtype``, ``compute_dtype``); ``None`` where the kernel is not built or takes not the type."""
+    if not block_kernel_available(qtype):
+        return None
+    return _block_linear_class()(qweight, GGMLQuantizationType(qtype), shape_out_in, bias, **kwargs)
+
+
+@functools.cache
+def _block_head_class() -> type[nn.Module]:
+    from anyquant.runtime.fastcpu import FastHead
+
+    class GGUFBlockHead(FastHead):
+        """:class:`~anyquant.runtime.fastcpu.FastHead` whose decode product is the GGUF-block kernel on the
+        table's own bytes (no bfloat16 copy, nothing prepacked at load); the ``EXACT_TOP`` largest logits of
+        each row are computed again from the exact weight, as FastHead does, and prompts use its exact path."""
+
+        def __init__(self, table: GGUFRows, *, small_rows: int) -> None:
+            nn.Module.__init__(self)  # FastHead's own __init__ prepacks a bfloat16 copy: not wanted here
+            self.out_features, self.in_features = table.shape
+            self.compute_dtype, self.small_rows = torch.float32, small_rows
+            self.file = table
+            self.table = table
+            self.register_buffer("exact", None)
+            self.register_buffer("bias", None)
+            self.packed = []
+            self.blocks = table.qweight.reshape(-1).contiguous()
+            self.ggml_type = int(table.qtype)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x2 = x.reshape(-1, self.in_features)
+            if x2.shape[0] > self.small_rows:
+                return super().forward(x)
+            # one pass: the top logits are computed again exactly, the rest keep the int8 activations' error
+            y: torch.Tensor = torch.ops.anyquant.ggml_gemv(
+                x2, self.blocks, self.ggml_type, self.out_features, self.in_features, -1, 1
+            )
+            y = y.to(x.dtype)
+            self._exact_top(x2, y)
+            return y.reshape(*x.shape[:-1], self.out_features)
+
+        def packed_bytes(self) -> int:
+            return 0  # the table's bytes are the file's
+
+        def extra_repr(self) -> str:
+            return (
+                f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.table.qtype.name} blocks read in place (GGUF-block kernel), small_rows={self.small_rows}"
+            )
+
+    return GGUFBlockHead
+
+
+def block_kernel_head(
+    qweight: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, int], *, small_rows: int
+) -> nn.Module | None:
+    """``cpu-fast``'s LM head over a Q4_0/Q4_1/Q8_0 table through the GGUF-block kernel (``None`` where it
+    cannot run): the exact top logits as :class:`~anyquant.runtime.fastcpu.FastHead`'s."""
+    if not block_kernel_available(qtype):
+        return None
+    return _block_head_class()(GGUFRows(qweight, qtype, shape), small_rows=small_rows)

@@ -23,7 +23,7 @@ from anyquant.plugin import (
     tensors_by_module,
 )
 
-from ..loader import BF16CpuFast, cpu_fast_backend, stored_parts
+from ..loader import BF16CpuFast, cpu_fast_backend
 
 if TYPE_CHECKING:
     from torch import nn
@@ -114,13 +114,4 @@ class EXL2Loader(BF16CpuFast, TransformersLoader):
                 compute_dtype=ctx.dtype,
             )
 
-        def built(name: str, in_features: int, out_features: int) -> Any:
-            return self.fast_layer(ctx, one(name, in_features, out_features))
-
-        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
-            if name in stored:
-                return built(name, linear.in_features, linear.out_features)  # type: ignore[no-any-return]
-            plan = stored_parts(name, linear, stored, ctx.probe)  # a fused projection stored split
-            return None if plan is None else plan.build(built, linear)
-
-        return factory
+        return self.linear_factory(ctx, stored, one)  # a fused projection may be stored split

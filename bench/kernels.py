@@ -1,0 +1,128 @@
+"""Microbench: anyquant's GGUF-block GEMV (``torch.ops.anyquant.ggml_gemv``, int8 activations) against
+torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``, bfloat16 activations) on a 1.1B
+Llama-shaped model's decode shapes, at 1 and 2 threads.
+
+    python -m anyquant.runtime.kernels build   # once
+    python bench/kernels.py [--threads 1,2] [--rows 1]
+
+Each case cycles through enough copies of the weight (>= 256 MiB in all) that no call finds it in a cache,
+as in a decode step that walks every layer. GB/s counts the weight bytes as stored (GGUF blocks: 18 bytes per
+32 Q4_0 weights; torch's int4: 16 bytes of codes + 4 of bf16 scale and offset per group of 32, i.e. 20), and
+"% bound" divides by a torch copy's bandwidth (read + write) at the same thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from anyquant.runtime import kernels
+
+SHAPES = [  # (name, out rows N, in cols K, type)
+    ("q/o 2048x2048", 2048, 2048, "Q4_0"),
+    ("k/v 256x2048", 256, 2048, "Q4_0"),
+    ("gate/up 5632x2048", 5632, 2048, "Q4_0"),
+    ("down 2048x5632", 2048, 5632, "Q4_0"),
+    ("head 49152x2048", 49152, 2048, "Q8_0"),
+]
+POOL = 256 * 2**20
+
+
+def bandwidth() -> float:
+    a = torch.ones(64 * 2**20)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best
+
+
+def random_blocks(n: int, k: int, type_name: str, gen: torch.Generator) -> torch.Tensor:
+    size = kernels.GGML_TYPES[type_name][1]
+    raw = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-3).to(torch.float16)
+    raw[..., :2] = scales.unsqueeze(-1).view(torch.uint8)
+    if type_name == "Q4_1":
+        raw[..., 2:4] = (-8 * scales).unsqueeze(-1).view(torch.uint8)
+    return raw.reshape(-1)
+
+
+def timed(fn, calls: int, repeat: int = 5) -> float:  # type: ignore[no-untyped-def]
+    fn(0)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def case(name: str, n: int, k: int, type_name: str, rows: int, bw: float) -> list[str]:
+    gen = torch.Generator().manual_seed(0)
+    nbytes = n * k // 32 * kernels.GGML_TYPES[type_name][1]
+    copies = max(2, -(-POOL // nbytes))
+    pool = [random_blocks(n, k, type_name, gen) for _ in range(copies)]
+    x = torch.randn(rows, k, generator=gen)
+    code = kernels.GGML_TYPES[type_name][0]
+    out = []
+    times = {}
+    for passes in (2, 1):
+
+        def ggml(i: int, passes: int = passes) -> None:
+            torch.ops.anyquant.ggml_gemv(x, pool[i % copies], code, n, k, -1, passes)
+
+        t = times[passes] = timed(ggml, 2 * copies)
+        out.append(
+            f"| {name if passes == 2 else ''} {type_name} | ggml_gemv passes={passes} | {t * 1e6:.0f} | "
+            f"{nbytes / t / 1e9:.1f} | {nbytes / t / bw:.0%} |"
+        )
+    pool.clear()
+    ours = times[2]
+    if type_name in ("Q4_0", "Q4_1"):
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        sz = torch.rand(k // 32, n, 2, generator=gen).to(torch.bfloat16)
+        tbytes = packed.nbytes + sz.nbytes
+        tcopies = max(2, -(-POOL // tbytes))
+        tpool = [(packed.clone(), sz.clone()) for _ in range(tcopies)]
+        xb = x.to(torch.bfloat16)
+
+        def torch_int4(i: int) -> None:
+            p, s = tpool[i % tcopies]
+            torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, 32, s).float()
+
+        t = timed(torch_int4, 2 * tcopies)
+        out.append(
+            f"| | torch int4pack (bf16 x) | {t * 1e6:.0f} | {tbytes / t / 1e9:.1f} | {tbytes / t / bw:.0%} |"
+            f" {t / ours:.2f}x passes=2's time |"
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rows", type=int, default=1, help="activation rows (decode: 1)")
+    args = parser.parse_args()
+    if not kernels.available():
+        raise SystemExit("anyquant kernels are not built: python -m anyquant.runtime.kernels build")
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        bw = bandwidth()
+        print(
+            f"\n## {threads} thread(s), {args.rows} row(s); copy bandwidth {bw / 1e9:.1f} GB/s; "
+            f"path {kernels.ISA_NAMES[kernels.isa()]}\n"
+        )
+        print("| shape | op | us | GB/s | % bound | |\n|---|---|---|---|---|---|")
+        for name, n, k, type_name in SHAPES:
+            print("\n".join(case(name, n, k, type_name, args.rows, bw)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

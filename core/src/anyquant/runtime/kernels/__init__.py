@@ -1,0 +1,130 @@
+"""An optional compiled kernel: GEMV on raw GGUF Q4_0 / Q4_1 / Q8_0 blocks with int8 activations.
+
+``torch.ops.anyquant.ggml_gemv(x, blocks, type, rows, cols, isa=-1, passes=2)`` computes ``x @ W.T``
+(float32, returned in ``x``'s dtype) for ``W`` ``[rows, cols]`` stored as GGUF blocks (``blocks``: a
+contiguous uint8 tensor of ``rows * cols/32`` blocks, e.g. a zero-copy view of the mmapped file). Each row
+of ``x`` is quantized per block of 32 inside the op, each weight block is dotted with it in integers, then
+scaled: llama.cpp's CPU approach. ``passes=1``: int8 codes ``round(x / d)``, ``d = max|x| / 127`` (round half
+to even), llama.cpp's Q8_0 activations; ``passes=2`` (the default): the residual's int8 code as well,
+``c = 256 round(x / d) + round((x - d round(x / d)) * 256 / d)`` with scale ``d / 256`` (about 15 bits per
+activation, one more integer dot product per block): int8 activations alone flip near-tied greedy tokens
+(SmolLM2's "capital of France" answer, as llama.cpp's own), two passes follow the exact weights' path.
+``isa``: -1 the best path this CPU has (:func:`isa_names`: AVX512-VNNI, AVX2, scalar), or a lower one.
+
+The kernel is compiled only by an explicit step (``python -m anyquant.runtime.kernels build``, run by
+``make install``): ``import anyquant`` never compiles. At run time :func:`available` loads the built
+library if it is there for this source and torch version; callers fall back to the pure-torch path
+when it is not.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+__all__ = [
+    "GGML_TYPES",
+    "ISA_NAMES",
+    "available",
+    "build",
+    "build_dir",
+    "gemv",
+    "isa",
+]
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("ggml_gemv.cpp")
+_NAME = "anyquant_ggml_gemv"
+#: GGUF tensor type ids the op takes, by name: bytes per block of 32 weights
+GGML_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+ISA_NAMES = ("scalar", "avx2", "avx512-vnni")
+
+
+def _tag() -> str:
+    import torch
+
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    return f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
+
+
+def build_dir() -> Path:
+    """Where the library is built: ``$ANYQUANT_KERNELS_DIR`` or ``<sys.prefix>/share/anyquant/kernels``,
+    then one folder per source digest and torch version (a changed source never loads a stale build)."""
+    root = os.environ.get("ANYQUANT_KERNELS_DIR") or os.path.join(sys.prefix, "share", "anyquant", "kernels")
+    return Path(root) / _tag()
+
+
+def _library() -> Path:
+    return build_dir() / f"{_NAME}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel (g++ and ninja, via ``torch.utils.cpp_extension``) into :func:`build_dir`."""
+    from torch.utils import cpp_extension
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=_NAME,
+        sources=[str(_SOURCE)],
+        build_directory=str(out),
+        extra_cflags=["-O3", "-fno-math-errno", "-ffp-contract=off"],
+        is_python_module=False,
+        verbose=verbose,
+    )
+    _reset()
+    return _library()
+
+
+def _reset() -> None:
+    available.cache_clear()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the op is loaded (loading the built library once per process); never compiles.
+    ``ANYQUANT_KERNELS=0`` turns it off (the pure-torch paths run)."""
+    if os.environ.get("ANYQUANT_KERNELS", "1") == "0":
+        return False
+    import torch
+
+    if hasattr(torch.ops.anyquant, "ggml_gemv") and _registered():
+        return True
+    lib = _library()
+    if not lib.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(lib))  # type: ignore[no-untyped-call]
+    except (OSError, RuntimeError) as exc:
+        log.warning("anyquant kernels at %s do not load: %s", lib, str(exc).splitlines()[0])
+        return False
+    return _registered()
+
+
+def _registered() -> bool:
+    import torch
+
+    try:
+        torch.ops.anyquant.ggml_gemv.default  # noqa: B018 - raises when the op is not registered
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def isa() -> int:
+    """The vector path the op takes on this CPU (an index into :data:`ISA_NAMES`); -1 when not available."""
+    import torch
+
+    return int(torch.ops.anyquant.kernel_isa()) if available() else -1
+
+
+def gemv(x: object, blocks: object, type_name: str, rows: int, cols: int, isa: int = -1, passes: int = 2) -> object:
+    """``torch.ops.anyquant.ggml_gemv`` with the type by name (``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``)."""
+    import torch
+
+    return torch.ops.anyquant.ggml_gemv(x, blocks, GGML_TYPES[type_name][0], rows, cols, isa, passes)

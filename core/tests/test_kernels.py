@@ -1,0 +1,129 @@
+"""The optional compiled GGUF-block GEMV (anyquant.runtime.kernels): exact against an integer
+reference, and close to the dequantized weight (dequantized by the gguf package, a peer) times x.
+
+Skipped where the kernel is not built (``python -m anyquant.runtime.kernels build``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from anyquant.runtime import kernels
+
+gguf = pytest.importorskip("gguf")
+from gguf import quants  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
+
+TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+ISAS = [i for i in range(len(kernels.ISA_NAMES)) if i <= max(kernels.isa(), 0)]
+
+
+def _blocks(type_name: str, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """Random weights quantized to GGUF blocks by the gguf package: (uint8 blocks, dequantized float32)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2.0, (rows, 1))).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    raw = quants.quantize(w, qtype)
+    return torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1), quants.dequantize(raw, qtype)
+
+
+def _quantize_x(x: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> codes [M, K/32, 32] (int64) and their scales [M, K/32], as the op documents."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv)
+    if passes == 1:
+        return q.to(torch.int64), d.squeeze(-1)
+    low = torch.round((blocks - q * d) * inv * 256).clamp(-127, 127)
+    return q.to(torch.int64) * 256 + low.to(torch.int64), d.squeeze(-1) / 256
+
+
+def _integer_reference(
+    type_name: str, raw: torch.Tensor, x: torch.Tensor, rows: int, cols: int, passes: int = 2
+) -> torch.Tensor:
+    """Integer block sums in int64 from the raw bytes, then the scales in float64."""
+    size = kernels.GGML_TYPES[type_name][1]
+    blk = raw.reshape(rows, cols // 32, size)
+    d = blk[..., :2].contiguous().view(torch.float16).squeeze(-1).double()  # [N, B]
+    xq, dx = _quantize_x(x.float(), passes)  # [M, B, 32], [M, B]
+    if type_name == "Q8_0":
+        wq = blk[..., 2:].contiguous().view(torch.int8).to(torch.int64)
+    else:
+        qs = blk[..., size - 16 :].to(torch.int64)
+        wq = torch.cat([qs & 15, qs >> 4], -1)  # low nibbles are elements 0..15, high ones 16..31
+    dot = torch.einsum("nbj,mbj->mnb", wq, xq)  # exact int64 per block
+    sx = xq.sum(-1)  # [M, B]
+    if type_name == "Q4_0":
+        dot = dot - 8 * sx.unsqueeze(1)
+    y = (d.unsqueeze(0) * dx.double().unsqueeze(1) * dot.double()).sum(-1)
+    if type_name == "Q4_1":
+        m = blk[..., 2:4].contiguous().view(torch.float16).squeeze(-1).double()
+        y = y + (m.unsqueeze(0) * (dx.double() * sx.double()).unsqueeze(1)).sum(-1)
+    return y
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("cols", [320, 352])  # an even and an odd number of blocks per row
+@pytest.mark.parametrize("passes", [1, 2])
+def test_exact_against_integer_reference(type_name: str, isa: int, m: int, cols: int, passes: int) -> None:
+    rows = 96
+    raw, _ = _blocks(type_name, rows, cols, seed=m)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+    x[0, :32] = 0  # an all-zero block: scale 0
+    x[-1, 40] = 1e3  # one large element: every other element of its block rounds to small codes
+    got = kernels.gemv(x, raw, type_name, rows, cols, isa, passes)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float32 and got.shape == (m, rows)
+    want = _integer_reference(type_name, raw, x, rows, cols, passes)
+    # float32 accumulation of exact integer block sums: rounding only
+    assert torch.allclose(got.double(), want, rtol=0, atol=2e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize(("passes", "bound"), [(1, 1e-2), (2, 1e-4)])
+def test_close_to_dequantized_weight(type_name: str, passes: int, bound: float) -> None:
+    rows, cols = 64, 2048
+    raw, w = _blocks(type_name, rows, cols, seed=7)
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(1))
+    got = kernels.gemv(x, raw, type_name, rows, cols, -1, passes)
+    want = x.double() @ torch.from_numpy(w).double().T
+    err = float((got.double() - want).abs().max() / want.abs().max())
+    # the activations' rounding (half a step of max|x|/127 per element in one pass, /256 of that in two),
+    # not the weights'
+    assert err < bound, err
+    assert err > bound / 1000  # the activations really are quantized (a float path would be ~1e-7)
+
+
+def test_bf16_input_and_batch_shape() -> None:
+    rows, cols = 32, 64
+    raw, _ = _blocks("Q4_0", rows, cols, seed=3)
+    x = torch.randn(2, 1, cols).to(torch.bfloat16)
+    got = kernels.gemv(x, raw, "Q4_0", rows, cols)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16 and got.shape == (2, 1, rows)
+    want = _integer_reference("Q4_0", raw, x.reshape(2, cols), rows, cols)
+    assert torch.allclose(got.reshape(2, rows).double(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+
+
+def test_bad_input_is_refused() -> None:
+    raw, _ = _blocks("Q4_0", 4, 64, seed=0)
+    with pytest.raises(RuntimeError, match="blocks hold"):
+        kernels.gemv(torch.randn(1, 64), raw[:-1], "Q4_0", 4, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.gemv(torch.randn(1, 48), raw, "Q4_0", 4, 48)
+    with pytest.raises(RuntimeError, match="GGUF type"):
+        torch.ops.anyquant.ggml_gemv(torch.randn(1, 64), raw, 6, 4, 64)
+
+
+def test_scripted_call() -> None:
+    """TorchScript (the decode step) can call the op."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.anyquant.ggml_gemv(x, w, 2, 4, 64)
+
+    raw, _ = _blocks("Q4_0", 4, 64, seed=0)
+    x = torch.randn(1, 64)
+    assert torch.equal(torch.jit.script(f)(x, raw), f(x, raw))
