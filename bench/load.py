@@ -1,6 +1,8 @@
 """Load time after ``import torch`` (anyquant) / ``import llama_cpp`` (llama.cpp), fresh processes alternating.
 
-Each sample is a fresh process: it imports torch (or llama_cpp) untimed, then times ``import anyquant`` plus
+Each sample is a fresh process (after one untimed warm-up run per engine and model, which also writes the
+sources' bytecode under ``.cache/bench/pycache``, as an installed package has it): it imports torch (or llama_cpp)
+untimed, then times ``import anyquant`` plus
 ``anyquant.load(path)`` (default backend: ``cpu-fast`` on a CPU with the int4 kernel), or llama-cpp-python's
 ``Llama(path)`` (``use_extra_bufts=False``, see ``_measure.llama_cpp_model``). The engines take turns, their
 order reversed every other round, and each sample records the share of the machine's CPU time other processes
@@ -64,6 +66,10 @@ def tree_env(tree: Path | None) -> dict[str, str]:
     root = tree or REPO
     paths = [root / "core" / "src", *sorted((root / "plugins").glob("*/src"))]
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
+    # an installed package imports from compiled bytecode; without a cache (PYTHONDONTWRITEBYTECODE, a read-only
+    # tree) every sample would compile anyquant's sources first (~0.1-0.5 s, more than some loads): keep it here
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(CACHE / "pycache")
     return env
 
 
@@ -141,6 +147,8 @@ def main() -> int:
         if gguf and llama_python:
             runs.insert(0, ("llama.cpp", llama_python, None, "llama.cpp"))
         got: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in runs}
+        for _name, python, tree, engine in runs:  # untimed: fills the bytecode cache and the file's page cache
+            sample({"engine": engine, "path": str(path), "threads": args.threads}, python, tree)
         for i in range(args.samples):
             for name, python, tree, engine in runs if i % 2 == 0 else runs[::-1]:
                 cfg = {"engine": engine, "path": str(path), "threads": args.threads}

@@ -106,3 +106,20 @@ def test_numeric_array_is_skipped_not_read(tmp_path: Path) -> None:
     header = read_gguf_header(path, path.name)
     assert header.array_lengths == {"tokenizer.ggml.scores": count}
     assert header.architecture == "llama"
+
+
+@pytest.mark.parametrize("bad", ["overlong", "past_end"])
+def test_long_string_array_with_a_bad_string_names_it(tmp_path: Path, bad: str) -> None:
+    """A vocabulary walked without decoding (over GGUF_KEEP_ARRAY strings): a string longer than a GGUF string
+    may be, or one running past the end of the file, is a HeaderError naming the key and the byte."""
+    count = 100
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _key("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, count)
+    strings = [struct.pack("<Q", 3) + b"abc" for _ in range(count)]
+    at = len(head) + sum(len(s) for s in strings[:70])
+    claim = 17 * MiB if bad == "overlong" else 10 * MiB
+    strings[70] = struct.pack("<Q", claim) + b"abc"
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(head + b"".join(strings))
+    pattern = f"string of {claim} bytes at byte {at + 8}" if bad == "overlong" else f"end of the file at byte {at}"
+    with pytest.raises(HeaderError, match=pattern + r".*tokenizer\.ggml\.tokens|" + pattern):
+        read_gguf_header(path, path.name)

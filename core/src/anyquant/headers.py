@@ -420,23 +420,29 @@ class _Reader:
 
     def skip_strings(self, count: int) -> None:
         """Move past ``count`` strings, not decoded (their bytes are never looked at), in one tight loop (a
-        vocabulary has 100k-250k): each length read from the buffer, bounds and budget checked as it goes."""
+        vocabulary has 100k-250k) over local variables: each length read from the buffer, bounds and budget
+        checked as it goes."""
         unpack_from = _U64.unpack_from
         limit = min(self.size, MAX_GGUF_HEADER)
+        buf, buf_start, pos = self._buf, self._buf_start, self.pos
+        buf_end = buf_start + len(buf)
         for _ in range(count):
-            start = self.pos - self._buf_start
-            if start < 0 or start + 8 > len(self._buf):
+            if pos + 8 > buf_end or pos < buf_start:
+                self.pos = pos
                 self._check(8)
-                self.fh.seek(self.pos)
-                self._buf, self._buf_start, start = self.fh.read(1 << 20), self.pos, 0
-            (length,) = unpack_from(self._buf, start)
+                self.fh.seek(pos)
+                buf = self._buf = self.fh.read(1 << 20)
+                buf_start = self._buf_start = pos
+                buf_end = pos + len(buf)
+            (length,) = unpack_from(buf, pos - buf_start)
             if length > MAX_GGUF_STRING:
-                raise HeaderError(
-                    f"{self.name}: GGUF string of {length} bytes at byte {self.pos + 8} (in {self.key!r})"
-                )
-            if self.pos + 8 + length > limit:
+                self.pos = pos
+                raise HeaderError(f"{self.name}: GGUF string of {length} bytes at byte {pos + 8} (in {self.key!r})")
+            if pos + 8 + length > limit:
+                self.pos = pos
                 self._check(8 + length)  # raises, naming the key and which bound
-            self.pos += 8 + length
+            pos += 8 + length
+        self.pos = pos
 
     def skip(self, n: int) -> None:
         """Move past ``n`` bytes without reading them (bounds and budget checked)."""

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import anyquant
+from anyquant.runtime.tokenizer import LazyTokenizer, encode_text
 from anyquant_gguf.qlinear import GGUFEmbedding, GGUFLinear
 from anyquant_gguf.reader import (
     SUPPORTED_ARCHITECTURES,
@@ -286,22 +287,26 @@ def test_tokenizer_matches_llama_cpp(family: str) -> None:
     """anyquant's tokenizer from the GGUF metadata encodes as llama.cpp does; the chat template is the file's."""
     rec = _record(family)
     tok = _model(family, "dequantized").tokenizer
+    # Qwen's byte-level BPE is built here, lazily; the SentencePiece vocabularies by transformers' converter
+    assert isinstance(tok, LazyTokenizer) == family.startswith("qwen"), type(tok)
     known = KNOWN_TOKENIZER_DIFFERENCES.get(family, frozenset())
-    for index, case in enumerate(rec["tokenize"]):
-        if case["special"]:  # llama.cpp: parse special tokens, no BOS added (the template writes its own)
-            ids = tok(case["text"], add_special_tokens=False)["input_ids"]
-        else:  # llama.cpp: add_bos as the file says
-            ids = tok(case["text"])["input_ids"]
-        if index in known:
-            assert ids != case["ids"] and [t for t in case["ids"] if t != _SPACE[family]] == [
-                t for t in ids if t != _SPACE[family]
-            ], case["text"]
-            continue
-        assert ids == case["ids"], case["text"]
-    assert tok.chat_template == rec["chat_template"]
-    rendered = tok.apply_chat_template(rec["chat_messages"], tokenize=False, add_generation_prompt=True)
-    assert rendered == rec["tokenize"][-1]["text"]
-    assert tok.decode(rec["tokenize"][0]["ids"], skip_special_tokens=True).strip() == rec["tokenize"][0]["text"]
+    # first as the runtime encodes (a byte-level vocabulary's LazyTokenizer: without transformers' wrapper), then
+    # through transformers' tokenizer (which a LazyTokenizer builds for the chat template)
+    for encode in (encode_text, lambda t, text, **kw: t(text, **kw)["input_ids"]):
+        for index, case in enumerate(rec["tokenize"]):
+            # special: llama.cpp parses special tokens and adds no BOS (the template writes its own); otherwise
+            # it adds BOS as the file says
+            ids = encode(tok, case["text"], add_special_tokens=not case["special"])
+            if index in known:
+                assert ids != case["ids"] and [t for t in case["ids"] if t != _SPACE[family]] == [
+                    t for t in ids if t != _SPACE[family]
+                ], case["text"]
+                continue
+            assert ids == case["ids"], case["text"]
+        assert tok.decode(rec["tokenize"][0]["ids"], skip_special_tokens=True).strip() == rec["tokenize"][0]["text"]
+        assert tok.chat_template == rec["chat_template"]
+        rendered = tok.apply_chat_template(rec["chat_messages"], tokenize=False, add_generation_prompt=True)
+        assert rendered == rec["tokenize"][-1]["text"]
 
 
 # --------------------------------------------------------------------------- metadata edge cases (synthetic files)

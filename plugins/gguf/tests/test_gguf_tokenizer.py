@@ -6,7 +6,11 @@ gguf_file=...)``, and the stock ``gguf.GGUFReader``.
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
+from anyquant.runtime.tokenizer import SPECIAL_TOKEN_NAMES, LazyTokenizer, encode_text, token_bytes
 from anyquant_gguf.reader import open_gguf, tokenizer_from_gguf
 from anyquant_gguf.tokenizer import PRE_TOKENIZER_SPLITS, byte_alphabet, tokenizer_from_reader
 
@@ -47,7 +52,43 @@ def _reference(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
 
 
+def _assert_lazy_matches(ours: LazyTokenizer, ref: Any, texts: list[str]) -> None:
+    """What a LazyTokenizer answers itself equals transformers' tokenizer, and asking it builds no wrapper."""
+    assert ours.__dict__["_real"] is None
+    assert json.loads(ours.backend_tokenizer.to_str()) == json.loads(ref.backend_tokenizer.to_str())
+    assert ours.special_tokens_map == ref.special_tokens_map
+    assert ours.all_special_tokens == ref.all_special_tokens
+    assert ours.all_special_ids == ref.all_special_ids
+    assert ours.added_tokens_decoder == ref.added_tokens_decoder
+    assert ours.get_added_vocab() == ref.get_added_vocab()
+    assert ours.chat_template == ref.chat_template
+    assert ours.name_or_path == ref.name_or_path
+    for name in SPECIAL_TOKEN_NAMES:
+        assert getattr(ours, name) == getattr(ref, name), name
+        assert getattr(ours, f"{name}_id") == getattr(ref, f"{name}_id"), name
+    assert (ours.add_bos_token, ours.add_eos_token) == (ref.add_bos_token, ref.add_eos_token)
+    assert (len(ours), ours.vocab_size, ours.get_vocab()) == (len(ref), ref.vocab_size, ref.get_vocab())
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == ref(text)["input_ids"] == encode_text(ours, text), text
+        plain = ref(text, add_special_tokens=False)["input_ids"]
+        assert ours.encode(text, add_special_tokens=False) == plain == encode_text(ours, text, add_special_tokens=False)
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+            assert ours.convert_ids_to_tokens(ids, skip_special_tokens=skip) == ref.convert_ids_to_tokens(
+                ids, skip_special_tokens=skip
+            )
+        pieces = ref.convert_ids_to_tokens(ids)
+        assert ours.convert_tokens_to_ids(pieces) == ref.convert_tokens_to_ids(pieces)
+        assert [ours.decode(i) for i in ids] == [ref.decode(i) for i in ids]
+        assert [token_bytes(ours, i) for i in ids] == [token_bytes(ref, i) for i in ids]
+    assert ours.__dict__["_real"] is None, "a question the lazy tokenizer answers built the transformers wrapper"
+
+
 def _assert_same_tokenizer(ours: Any, ref: Any, texts: list[str]) -> None:
+    if isinstance(ours, LazyTokenizer):
+        _assert_lazy_matches(ours, ref, texts)
+        ours = ours.as_transformers()
     assert json.loads(ours.backend_tokenizer.to_str()) == json.loads(ref.backend_tokenizer.to_str())
     assert type(ours) is type(ref)
     assert ours.special_tokens_map == ref.special_tokens_map
@@ -104,6 +145,26 @@ def test_tokenizer_from_an_open_reader(gguf_path: Path) -> None:
     tok = tokenizer_from_gguf(reader)
     assert tok.name_or_path == str(gguf_path.parent)
     assert tok("<|im_start|>hi")["input_ids"][0] == 1
+
+
+@pytest.mark.model
+def test_loading_and_generating_do_not_import_transformers(gguf_path: Path) -> None:
+    """``anyquant.load`` of a GGUF and text generation from a plain prompt never import transformers; a chat
+    prompt builds the wrapper then (its ``apply_chat_template`` renders the template)."""
+    code = (
+        "import sys, json, anyquant\n"
+        f"model = anyquant.load({str(gguf_path)!r})\n"
+        "ids = model.tokenizer.encode('Hello, GGUF world!')\n"
+        "text = model.generate('The capital of France is', max_new_tokens=3)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers')\n"
+        "chat = model.generate([{'role': 'user', 'content': 'hi'}], max_new_tokens=1)\n"
+        "print(json.dumps([ids, loaded, 'transformers' in sys.modules, type(model.tokenizer).__name__]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    ids, loaded, after_chat, kind = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded == [] and kind == "LazyTokenizer"
+    assert after_chat
+    assert ids == _reference(gguf_path)("Hello, GGUF world!")["input_ids"]
 
 
 # --------------------------------------------------------------------------- tables
@@ -264,6 +325,44 @@ def test_byte_level_with_bos(tmp_path: Path) -> None:
     ours, ref = tokenizer_from_gguf(path), _reference(path)
     _assert_same_tokenizer(ours, ref, SYNTH_TEXTS)
     assert ours("the")["input_ids"][0] == 1
+
+
+def test_special_tokens_that_are_plain_vocabulary(tmp_path: Path) -> None:
+    """EOS and padding naming ordinary tokens (``ll``, ``e``): transformers' wrapper adds them as special tokens,
+    which changes how ``hello`` splits; the lazy tokenizer does the same without building the wrapper."""
+    tokens, types, merges = _byte_level_vocab()
+    eos, pad = tokens.index("ll"), tokens.index("e")
+    path = _write_tokenizer_gguf(
+        tmp_path / "plain.gguf", model="gpt2", pre="smollm", tokens=tokens, types=types, merges=merges, eos=eos, pad=pad
+    )
+    ours, ref = tokenizer_from_gguf(path), _reference(path)
+    assert isinstance(ours, LazyTokenizer)
+    _assert_same_tokenizer(ours, ref, [*SYNTH_TEXTS, "hello", "he ll o", "well, hello there"])
+    assert ref.convert_ids_to_tokens(ref("hello")["input_ids"]) == ["h", "e", "ll", "o"]
+
+
+def test_lazy_tokenizer_hands_over_to_transformers(tmp_path: Path) -> None:
+    """A copy or pickle stays lazy; an attribute it does not know, or setting one, builds transformers' tokenizer
+    over the same backend, which from then on answers everything (also what the proxy answered before)."""
+    tokens, types, merges = _byte_level_vocab()
+    path = _write_tokenizer_gguf(
+        tmp_path / "lazy.gguf", model="gpt2", pre="qwen2", tokens=tokens, types=types, merges=merges, template=TEMPLATE
+    )
+    ours = tokenizer_from_gguf(path)
+    assert isinstance(ours, LazyTokenizer)
+    ids = ours.encode("hello world")
+    for clone in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
+        assert clone.__dict__["_real"] is None and clone.encode("hello world") == ids
+    assert ours.__dict__["_real"] is None
+    assert ours.pad_token is None
+    ours.pad_token = "<|im_end|>"  # set on transformers' tokenizer
+    real = ours.as_transformers()
+    assert type(real).__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    assert real.backend_tokenizer is ours.backend_tokenizer or ours.__dict__["_real"] is real
+    assert (ours.pad_token, ours.pad_token_id) == (real.pad_token, real.pad_token_id) == ("<|im_end|>", 2)
+    assert ours("hello world")["input_ids"] == ids == real.encode("hello world")
+    rendered = ours.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n"
 
 
 def test_unknown_pre_tokenizer_goes_to_transformers_converter(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from ..params import GenerationParams, Prompt
 from ..results import Cap, GenerationResult, StreamChunk, Timings, TokenLogprob, Usage, collect
 from .chat import render_chat
 from .stops import find_stop, held_back, stable
+from .tokenizer import encode_text
 
 __all__ = ["TorchGenerator", "context_length", "sample_next"]
 
@@ -205,10 +206,10 @@ class TorchGenerator:
             if not getattr(tok, "chat_template", None):
                 raise CheckpointError("this model's tokenizer has no chat template; pass a plain string prompt")
             text = render_chat(tok, messages, context_length=self.context, add_generation_prompt=True)
-            return list(tok(text, add_special_tokens=False)["input_ids"])
+            return encode_text(tok, text, add_special_tokens=False)
         if not isinstance(prompt, str):
             raise ParameterError("chat=False needs a string prompt")
-        return list(tok(prompt)["input_ids"])
+        return encode_text(tok, prompt)
 
     def vocab_size(self) -> int | None:
         cfg = getattr(self.module, "config", None)
@@ -567,7 +568,7 @@ class TorchGenerator:
         if self.tokenizer is None:
             raise CheckpointError("this model has no tokenizer: pass token ids")
         _check_text(text)
-        return [int(i) for i in self.tokenizer(text)["input_ids"]]
+        return encode_text(self.tokenizer, text)
 
     def _prefix(self) -> int:
         """The token an empty context stands for (lm-eval's ``prefix_token_id``): the tokenizer's BOS, else EOS."""

@@ -6,12 +6,14 @@ import functools
 import logging
 import os
 import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..probe import Probe
 
-__all__ = ["load_tokenizer", "token_bytes"]
+__all__ = ["LazyTokenizer", "encode_text", "load_tokenizer", "token_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -206,3 +208,206 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
         if all(c in alphabet for c in piece):
             return bytes(alphabet[c] for c in piece)
     return piece.replace("\u2581", " ").encode("utf-8")
+
+
+#: transformers' named special tokens, in its order (``PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES``)
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_materializing = threading.Lock()
+
+
+class LazyTokenizer:
+    """A tokenizer over a ``tokenizers.Tokenizer`` that answers what anyquant's runtime asks (encoding,
+    decoding, special tokens, the added vocabulary, the chat template's text) itself, and builds transformers'
+    ``PreTrainedTokenizerFast`` only when something else is asked: ``import transformers`` alone is ~0.5 s, more
+    than the rest of a small model's load.
+
+    At construction the backend is given what the wrapper's constructor would give it: the named special
+    tokens missing from its added tokens become special added tokens, and its post-processor the
+    ``TemplateProcessing`` that writes BOS/EOS as ``add_bos_token``/``add_eos_token`` say (transformers 5's
+    ``update_post_processor``), so ``encode`` and ``decode`` here equal the wrapper's (the tests compare them,
+    and the backends' JSON). Any other attribute, a call (``tokenizer(text)``), or setting an attribute
+    builds the wrapper over the same backend (``make(backend)``), and from then on every attribute is the
+    wrapper's; :meth:`as_transformers` returns it (for code that checks ``isinstance``).
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        make: Callable[[Any], Any],
+        *,
+        special_tokens: Mapping[str, str | None],
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+        chat_template: str | None = None,
+        name_or_path: str = "",
+    ) -> None:
+        from tokenizers import AddedToken, processors
+
+        named = {name: special_tokens.get(name) for name in SPECIAL_TOKEN_NAMES}
+        added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        missing = [AddedToken(t, special=True) for t in named.values() if t is not None and t not in added]
+        if missing:
+            backend.add_tokens(missing)
+        state = self.__dict__
+        state["_backend"], state["_make"], state["_real"] = backend, make, None
+        state["_special"] = named
+        state["add_bos_token"] = bool(add_bos_token) and named["bos_token"] is not None
+        state["add_eos_token"] = bool(add_eos_token) and named["eos_token"] is not None
+        state["chat_template"], state["name_or_path"] = chat_template, name_or_path
+        bos, eos = named["bos_token"], named["eos_token"]
+        single = f"{bos}:0 " if self.add_bos_token else ""
+        single += "$A:0" + (f" {eos}:0" if self.add_eos_token else "")
+        pair = f"{single}{f' {bos}:1' if self.add_bos_token else ''} $B:1{f' {eos}:1' if self.add_eos_token else ''}"
+        on = ((bos, self.add_bos_token), (eos, self.add_eos_token))
+        template = [(token, self._token_id(token)) for token, add in on if add and token is not None]
+        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=template)
+
+    # -- the transformers wrapper, built on demand ------------------------------------------------------------
+    def as_transformers(self) -> Any:
+        """transformers' tokenizer over the same backend (built on the first call)."""
+        real = self.__dict__["_real"]
+        if real is None:
+            with _materializing:
+                real = self.__dict__["_real"]
+                if real is None:
+                    log.debug("building transformers' tokenizer wrapper for %s", self.name_or_path)
+                    real = self.__dict__["_real"] = self._make(self._backend)
+        return real
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found on the instance or the class
+        if name.startswith("__") or name in ("_backend", "_make", "_real", "_special"):
+            raise AttributeError(name)
+        return getattr(self.as_transformers(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.as_transformers(), name, value)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.as_transformers()(*args, **kwargs)
+
+    def __getattribute__(self, name: str) -> Any:
+        # once the wrapper exists, it answers everything (a user may have changed its state)
+        state = object.__getattribute__(self, "__dict__")
+        real = state.get("_real")
+        if real is not None and not name.startswith("__") and name not in _OWN:
+            return getattr(real, name)
+        return object.__getattribute__(self, name)
+
+    def __repr__(self) -> str:
+        real = self.__dict__["_real"]
+        if real is not None:
+            return repr(real)
+        return f"LazyTokenizer(name_or_path={self.name_or_path!r}, vocab_size={len(self)})"
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        real = self.__dict__["_real"]
+        return len(real) if real is not None else int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    # -- what the runtime asks, answered from the backend -------------------------------------------------------
+    @property
+    def is_fast(self) -> bool:
+        return True
+
+    @property
+    def backend_tokenizer(self) -> Any:
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._backend.get_vocab_size(with_added_tokens=False))
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._backend.get_vocab(with_added_tokens=True))
+
+    @property
+    def added_tokens_decoder(self) -> dict[int, Any]:
+        return dict(self._backend.get_added_tokens_decoder())
+
+    @property
+    def added_tokens_encoder(self) -> dict[str, int]:
+        return {t.content: i for i, t in sorted(self.added_tokens_decoder.items(), key=lambda item: item[0])}
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return self.added_tokens_encoder
+
+    def _token_id(self, token: str) -> int | None:
+        index = self._backend.token_to_id(token)
+        if index is None:
+            unk = self._special["unk_token"]
+            return None if unk is None else self._backend.token_to_id(unk)
+        return int(index)
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> Any:
+        if isinstance(tokens, str):
+            return self._token_id(tokens)
+        return [self._token_id(t) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> Any:
+        if isinstance(ids, int):
+            return self._backend.id_to_token(ids)
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self._backend.id_to_token(int(i)) for i in ids if int(i) not in skip]
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        return {name: value for name, value in self._special.items() if value is not None}
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return list(dict.fromkeys(v for v in self._special.values() if v is not None))
+
+    @property
+    def all_special_ids(self) -> list[int | None]:
+        return [self._token_id(t) for t in self.all_special_tokens]
+
+    @property
+    def extra_special_tokens(self) -> list[str]:
+        return []
+
+    def encode(self, text: Any, *args: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
+        """The token ids of ``text`` (a string); any other input or option: transformers' ``encode``."""
+        if args or kwargs or not isinstance(text, str):
+            return self.as_transformers().encode(text, *args, add_special_tokens=add_special_tokens, **kwargs)
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> Any:
+        """The text of one sequence of ids (``clean_up_tokenization_spaces`` is off, as the wrapper's default);
+        a batch, a tensor or another option: transformers' ``decode``."""
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        if kwargs or not isinstance(token_ids, (list, tuple)) or not all(isinstance(i, int) for i in token_ids):
+            return self.as_transformers().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        return str(self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+def _special_property(name: str) -> property:
+    def token(self: LazyTokenizer) -> str | None:
+        return self._special[name]  # type: ignore[no-any-return]
+
+    return property(token)
+
+
+def _special_id_property(name: str) -> property:
+    def token_id(self: LazyTokenizer) -> int | None:
+        value = self._special[name]
+        return None if value is None else self._token_id(value)
+
+    return property(token_id)
+
+
+for _name in SPECIAL_TOKEN_NAMES:
+    setattr(LazyTokenizer, _name, _special_property(_name))
+    setattr(LazyTokenizer, f"{_name}_id", _special_id_property(_name))
+#: the proxy's own names: answered by it even after the wrapper was built
+_OWN = frozenset({"as_transformers", "_backend", "_make", "_real", "_special"})
+
+
+def encode_text(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer(text, add_special_tokens=...)["input_ids"]``, without building a :class:`LazyTokenizer`'s
+    transformers wrapper."""
+    if isinstance(tokenizer, LazyTokenizer):
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return [int(i) for i in tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]

@@ -105,7 +105,9 @@ def _token_ids(model: LoadedModel, text_or_token_ids: str | Sequence[int] | Any)
     if isinstance(text_or_token_ids, str):
         if model.tokenizer is None:
             raise EvaluationError("this model has no tokenizer: pass token ids instead of text")
-        return [int(i) for i in model.tokenizer(text_or_token_ids, add_special_tokens=False)["input_ids"]]
+        from ..runtime.tokenizer import encode_text
+
+        return encode_text(model.tokenizer, text_or_token_ids, add_special_tokens=False)
     tolist = getattr(text_or_token_ids, "tolist", None)
     ids = tolist() if callable(tolist) else list(text_or_token_ids)
     if ids and isinstance(ids[0], list):

@@ -302,13 +302,13 @@ class _FastGGUFReader(GGUFReader):
             parts = _LazyArrayParts(head, self._plain, starts, dt)
             return 12 + count * dt.itemsize, parts, list(range(len(head), len(head) + count)), types
         buf, unpack = memoryview(self._plain.data), _U64.unpack_from
-        starts = np.empty(count + 1, dtype=np.int64)
+        offsets = [0] * (count + 1)  # a list, then one array: a numpy item store per string costs twice as much
         pos = first
         for i in range(count):
-            starts[i] = pos
+            offsets[i] = pos
             pos += 8 + unpack(buf, pos)[0]
-        starts[count] = pos
-        parts = _LazyArrayParts(head, self._plain, starts, None)
+        offsets[count] = pos
+        parts = _LazyArrayParts(head, self._plain, np.array(offsets, dtype=np.int64), None)
         return pos - offs, parts, list(range(len(head) + 1, len(head) + 2 * count, 2)), types
 
 

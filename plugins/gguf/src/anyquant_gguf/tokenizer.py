@@ -14,7 +14,9 @@ as metadata. For a byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``
 * control tokens (spelled in the byte alphabet) become special added tokens, user-defined
   tokens present in the vocabulary plain added tokens;
 * the wrapper (``PreTrainedTokenizerFast``) gets bos/eos/unk/pad from the token ids,
-  ``add_bos_token``/``add_eos_token`` and ``tokenizer.chat_template``.
+  ``add_bos_token``/``add_eos_token`` and ``tokenizer.chat_template``; it is built only when first
+  needed: the load returns a :class:`~anyquant.runtime.tokenizer.LazyTokenizer`, which answers
+  encoding, decoding and the special tokens from the backend itself (no ``import transformers``).
 
 This is what transformers' own GGUF path (``AutoTokenizer.from_pretrained(folder,
 gguf_file=...)``) builds -- tests compare the two -- without reading the file a second time
@@ -26,10 +28,13 @@ a transformers without it, to ``AutoTokenizer`` on the file.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
+
+from anyquant.runtime.tokenizer import LazyTokenizer
 
 __all__ = [
     "PLAIN_BYTE_LEVEL_PRE",
@@ -175,7 +180,9 @@ def _byte_level_backend(meta: Mapping[str, Any]) -> Any:
     ]
     if control:
         backend.add_special_tokens(control)
-    known = backend.get_vocab()
+    # what backend.get_vocab() would give (the control tokens added above are spelled as in the vocabulary),
+    # without copying the vocabulary back out of the backend
+    known = vocab
     user = [
         AddedToken(token, normalized=False, special=False)
         for token, kind in zip(tokens, types, strict=False)
@@ -242,6 +249,20 @@ def _wrap(backend: Any, config: Mapping[str, Any], name_or_path: str | None) -> 
     return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)  # type: ignore[no-untyped-call]
 
 
+def _lazy(backend: Any, config: Mapping[str, Any], name_or_path: str | None) -> LazyTokenizer:
+    """A :class:`~anyquant.runtime.tokenizer.LazyTokenizer` over ``backend`` whose transformers wrapper is
+    :func:`_wrap`'s (built when first needed)."""
+    return LazyTokenizer(
+        backend,
+        functools.partial(_wrap, config=dict(config), name_or_path=name_or_path),
+        special_tokens={name: config.get(name) for name in _SPECIAL_IDS},
+        add_bos_token=bool(config.get("add_bos_token", False)),
+        add_eos_token=bool(config.get("add_eos_token", False)),
+        chat_template=config.get("chat_template"),
+        name_or_path=name_or_path or "",
+    )
+
+
 def _builds_here(meta: Mapping[str, Any]) -> bool:
     pre = meta.get("tokenizer.ggml.pre")
     return (
@@ -271,13 +292,14 @@ def _transformers_converter(meta: Mapping[str, Any], name_or_path: str | None, p
 def tokenizer_from_metadata(
     meta: Mapping[str, Any], *, name_or_path: str | None = None, path: str | None = None
 ) -> Any:
-    """A ``PreTrainedTokenizerFast`` from :func:`tokenizer_metadata`'s dict (see module doc)."""
+    """The tokenizer of :func:`tokenizer_metadata`'s dict: a ``LazyTokenizer`` where it is built here, else a
+    ``PreTrainedTokenizerFast`` (see module doc)."""
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError("the GGUF file has no tokenizer.ggml.tokens: it carries no tokenizer")
     try:
         if _builds_here(meta):
             backend = _llama_cpp_token_attributes(_byte_level_backend(meta), meta)
-            return _wrap(backend, tokenizer_config_from_metadata(meta), name_or_path)
+            return _lazy(backend, tokenizer_config_from_metadata(meta), name_or_path)
         return _transformers_converter(meta, name_or_path, path)
     except (ImportError, MemoryError):
         raise
