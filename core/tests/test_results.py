@@ -109,7 +109,9 @@ def test_logprobs_on_the_bundled_model(bundled: Any) -> None:
     want = _logprobs_of(bundled.module, ids)[-4:]  # one forward: the quantized kernels differ a little from decode's
     assert result.logprobs is not None
     assert [lp.logprob for lp in result.logprobs] == pytest.approx(want.tolist(), abs=0.03)
-    assert result.logprobs[0].text == " Paris" and result.logprobs[0].logprob == pytest.approx(LLAMA_CPP_PARIS, abs=0.02)
+    assert result.logprobs[0].text == " Paris" and result.logprobs[0].logprob == pytest.approx(
+        LLAMA_CPP_PARIS, abs=0.02
+    )
 
 
 def test_logit_bias_minus_100_takes_the_runner_up(bundled: Any) -> None:
