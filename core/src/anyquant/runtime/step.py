@@ -27,7 +27,7 @@ import logging
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any, List, NamedTuple, Optional, Union  # noqa: UP035 - TorchScript reads List/Optional/Union
+from typing import Any, List, NamedTuple, Optional, Tuple, Union, get_type_hints  # noqa: UP035 - TorchScript reads List/Optional/Union
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,16 @@ from .layers import (  # _rotary: the module path's own, compiled in
     fusion,
 )
 
-__all__ = ["LAYER_FUNCTIONS", "DecodeStep", "bf16_layer", "ggml_layer", "int4_layer"]
+__all__ = [
+    "LAYER_FUNCTIONS",
+    "DecodeStep",
+    "bf16_layer",
+    "ggml_layer",
+    "int4_layer",
+    "int4_moe_layer",
+    "mixed_layer",
+    "mixed_moe_layer",
+]
 
 log = logging.getLogger(__name__)
 
@@ -309,6 +318,17 @@ def _ggml(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int, passes: i
     return y
 
 
+def _ggml_in_python(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int, passes: int) -> torch.Tensor:
+    """:func:`_ggml` left to Python by TorchScript (for compiling where the op is not loaded)."""
+    y: torch.Tensor = torch.ops.anyquant.ggml_gemv(x, blocks, kind, rows, x.shape[-1], -1, passes)
+    return y
+
+
+# TorchScript reads an ignored function's signature from its annotations, which must be types, not strings
+_ggml_in_python.__annotations__ = get_type_hints(_ggml_in_python)
+_ggml_in_python = torch.jit.ignore(_ggml_in_python)
+
+
 def ggml_layer(
     h: torch.Tensor,
     cos: torch.Tensor,
@@ -345,11 +365,180 @@ def ggml_layer(
     return h + _ggml(m, blocks[6], kinds[6], rows[6], passes[6]).view(b, 1, hidden)
 
 
+#: one linear of a :func:`mixed_layer`: ``(kind, a, b, c, rows, passes)``. kind 0: cpu-fast int4 (``a`` the packed
+#: weight, ``b`` its scales and offsets, ``c`` the kernel group); 1: bfloat16 prepacked (``a`` the oneDNN weight);
+#: 2: GGUF blocks read in place (``a`` the blocks, ``c`` the GGUF type, ``passes`` the activation passes).
+#: ``rows``: the output features. Unused fields hold an empty tensor or 0.
+Linear = Tuple[int, torch.Tensor, torch.Tensor, int, int, int]  # noqa: UP006 - TorchScript reads Tuple
+
+
+def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
+    """One linear of any of the three kinds of :data:`Linear` on float32 rows ``x``: its module's decode path."""
+    kind = p[0]
+    if kind == 0:
+        return _int4(x, p[1], p[3], p[2])
+    if kind == 1:
+        return _bf16(x, p[1])
+    return _ggml(x, p[1], p[3], p[4], p[5])
+
+
+def _joint(x: torch.Tensor, parts: List[Linear]) -> torch.Tensor:  # noqa: UP006
+    """Linears that share their input: one call (``parts`` one fused int4 linear, as
+    :class:`~anyquant.runtime.layers.FusedInt4` runs them) or each in turn, their outputs side by side."""
+    if len(parts) == 1:
+        return _linear(x, parts[0])
+    return torch.cat([_linear(x, p) for p in parts], 1)
+
+
+def _mlp(x: torch.Tensor, gate_up: List[Linear], down: Linear, intermediate: int) -> torch.Tensor:  # noqa: UP006
+    """A SiLU-gated MLP (a dense layer's or one expert's) on rows ``x``."""
+    if len(gate_up) == 1:
+        gu = _linear(x, gate_up[0])
+        m = F.silu(gu[:, :intermediate]) * gu[:, intermediate:]
+    else:
+        m = F.silu(_linear(x, gate_up[0])) * _linear(x, gate_up[1])
+    return _linear(m, down)
+
+
+def mixed_attention(
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
+    norm1: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+    qkv: List[Linear],  # noqa: UP006 - one fused int4 linear, or q, k, v
+    o: Linear,
+    q_norm: Optional[torch.Tensor],  # noqa: UP045
+    k_norm: Optional[torch.Tensor],  # noqa: UP045
+) -> torch.Tensor:
+    """The attention half of :func:`mixed_layer`: ``h`` plus the attention of its normalised rows."""
+    b, hidden = h.shape[0], h.shape[-1]
+    y = _joint(F.rms_norm(h, [hidden], norm1, eps).view(b, hidden), qkv)
+    rotated = (heads + kv_heads) * head_dim
+    a = _attention(
+        y[:, :rotated],
+        y[:, rotated:],
+        cos,
+        sin,
+        keys,
+        values,
+        start,
+        mask,
+        heads,
+        kv_heads,
+        head_dim,
+        scaling,
+        q_norm,
+        k_norm,
+        eps,
+    )
+    return h + _linear(a, o).view(b, 1, hidden)
+
+
+def mixed_layer(
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
+    norm1: torch.Tensor,
+    norm2: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+    qkv: List[Linear],  # noqa: UP006 - one fused int4 linear, or q, k, v
+    o: Linear,
+    q_norm: Optional[torch.Tensor],  # noqa: UP045
+    k_norm: Optional[torch.Tensor],  # noqa: UP045
+    gate_up: List[Linear],  # noqa: UP006 - one fused int4 linear, or gate, up
+    down: Linear,
+    intermediate: int,
+) -> torch.Tensor:
+    """:func:`int4_layer` for a layer whose linears are of different cpu-fast kinds (a GGUF Q4_K_M file's Q4_K
+    int4 and Q6_K bfloat16, a Q4_0 file's blocks and its Q6_K ones): each linear its own kind's call
+    (:data:`Linear`), the int4 q/k/v or gate/up one fused call where the module path fuses them."""
+    b, hidden = h.shape[0], h.shape[-1]
+    h = mixed_attention(
+        h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling, qkv, o, q_norm, k_norm
+    )
+    x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
+    return h + _mlp(x, gate_up, down, intermediate).view(b, 1, hidden)
+
+
+def mixed_moe_layer(
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
+    norm1: torch.Tensor,
+    norm2: torch.Tensor,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+    qkv: List[Linear],  # noqa: UP006 - one fused int4 linear, or q, k, v
+    o: Linear,
+    q_norm: Optional[torch.Tensor],  # noqa: UP045
+    k_norm: Optional[torch.Tensor],  # noqa: UP045
+    router: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    gate_up: List[List[Linear]],  # noqa: UP006 - per expert: one fused int4 linear, or gate, up
+    down: List[Linear],  # noqa: UP006 - per expert
+    intermediate: int,
+) -> torch.Tensor:
+    """:func:`int4_moe_layer` with each expert's (and the attention's) linears of any cpu-fast kind, as
+    :func:`mixed_layer` runs them."""
+    b, hidden = h.shape[0], h.shape[-1]
+    h = mixed_attention(
+        h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling, qkv, o, q_norm, k_norm
+    )
+    x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
+    logits = F.linear(x, router)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+    top, index = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top /= top.sum(dim=-1, keepdim=True)
+    top = top.to(logits.dtype)
+    out = torch.zeros_like(x)
+    if b == 1:
+        chosen: List[int] = index[0].tolist()  # noqa: UP006
+        weights = top[0]
+        for e in sorted(chosen):
+            out = out + _mlp(x, gate_up[e], down[e], intermediate) * weights[chosen.index(e)]
+    else:
+        experts: List[int] = torch.unique(index).tolist()  # noqa: UP006
+        for e in experts:
+            found = torch.where(index == e)
+            rows, pos = found[0], found[1]
+            y = _mlp(x[rows], gate_up[e], down[e], intermediate) * top[rows, pos].unsqueeze(1)
+            out.index_add_(0, rows, y)
+    return h + out.view(b, 1, hidden)
+
+
 LAYER_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "int4": int4_layer,
     "int4_moe": int4_moe_layer,
     "bf16": bf16_layer,
     "ggml": ggml_layer,
+    "mixed": mixed_layer,
+    "mixed_moe": mixed_moe_layer,
 }
 _compiled: dict[str, Callable[..., torch.Tensor]] = {}
 _compile_lock = threading.Lock()
@@ -361,6 +550,15 @@ def compiled_layer(kind: str) -> Callable[..., torch.Tensor]:
     with _compile_lock:
         if kind not in _compiled:
             function = LAYER_FUNCTIONS[kind]
+            global _ggml
+            compiled_ggml = _ggml
+            if kind.startswith("mixed"):
+                from . import kernels
+
+                if not kernels.available():
+                    # no GGUF-block linear can exist without the op, which TorchScript must resolve: the
+                    # mixed functions' block branch is compiled as a call back into Python instead
+                    _ggml = _ggml_in_python
             try:
                 with warnings.catch_warnings():
                     # torch 2.9+ marks torch.jit.script deprecated; it is what runs a fixed op sequence
@@ -371,6 +569,8 @@ def compiled_layer(kind: str) -> Callable[..., torch.Tensor]:
             except Exception as e:  # any refusal means: run the Python function
                 log.debug("TorchScript did not compile the %s decode step (%s); running it as Python", kind, e)
                 _compiled[kind] = function
+            finally:
+                _ggml = compiled_ggml
         return _compiled[kind]
 
 
@@ -431,7 +631,7 @@ class DecodeStep:
                 (layer, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")),
                 (attn, ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")),
             ]
-            if planned.kind == "int4_moe":
+            if planned.kind in ("int4_moe", "mixed_moe"):
                 parents += [(mlp, ("gate", "experts")), (mlp.experts, tuple(mlp.experts._modules))]
                 parents += [(e, ("gate_proj", "up_proj", "down_proj")) for e in mlp.experts]
             else:
@@ -465,68 +665,148 @@ class DecodeStep:
         return h
 
 
-def _plan_layer(layer: Any) -> _Layer | None:
+def _plain_norm(m: nn.Module) -> bool:
+    return type(m) is RMSNorm and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+
+
+def _plain_int4(m: nn.Module) -> bool:
+    from .fastcpu import FastInt4Linear
+
+    return (
+        isinstance(m, FastInt4Linear)
+        and type(m).forward is FastInt4Linear.forward
+        and m.perm is None
+        and m.bias is None
+        and m.padded_out == m.out_features
+        and m.packed.device.type == "cpu"
+    )
+
+
+def _plain_bf16(m: nn.Module) -> bool:
+    from .fastcpu import PrepackedBf16Linear
+
+    return type(m) is PrepackedBf16Linear and m.bias is None
+
+
+def _plain_ggml(m: nn.Module) -> bool:
+    from .kernels.linear import BlockLinear
+
+    return isinstance(m, BlockLinear) and type(m).forward is BlockLinear.forward and m.bias is None
+
+
+_NO_TENSOR = torch.empty(0)
+
+
+def _linear_spec(m: Any) -> tuple[tuple[Any, ...], int] | None:
+    """``(the Linear tuple of mixed_layer, its small_rows)`` for one cpu-fast linear or plain
+    :class:`FusedInt4`, else ``None``."""
+    if isinstance(m, FusedInt4):
+        if not m.plain:
+            return None
+        return (0, m.packed, m.scales_and_zeros, m.kernel_group, sum(m.sizes), 0), m.small_rows
+    if _plain_int4(m):
+        if not m.scales_and_zeros.is_contiguous():  # used as it is
+            return None
+        return (0, m.packed, m.scales_and_zeros, m.kernel_group, m.out_features, 0), m.small_rows
+    if _plain_bf16(m):
+        return (1, m.packed, _NO_TENSOR, 0, m.out_features, 0), 2**62 if m.small_rows is None else m.small_rows
+    if _plain_ggml(m):
+        return (2, m.blocks, _NO_TENSOR, m.ggml_type, m.out_features, m.passes), m.small_rows
+    return None
+
+
+def _joint_specs(module: nn.Module, names: tuple[str, ...]) -> tuple[list[tuple[Any, ...]], int] | None:
+    """The Linear tuples of ``module``'s linears ``names`` as the module path runs them
+    (:func:`~anyquant.runtime.layers._joint`: their :class:`FusedInt4` where it has one, else each), and their
+    least small_rows; ``None`` when one is not a cpu-fast linear."""
+    fused = fusion(module, names)
+    parts = [_linear_spec(fused)] if fused is not None else [_linear_spec(getattr(module, n)) for n in names]
+    specs = [p for p in parts if p is not None]
+    if len(specs) != len(parts):
+        return None
+    return [spec for spec, _ in specs], min(rows for _, rows in specs)
+
+
+def _plan_layer(layer: Any, uniform: bool = True) -> _Layer | None:
     """How :class:`DecodeStep` runs ``layer``: ``None`` when some part of it is not the shape one of
-    :data:`LAYER_FUNCTIONS` computes."""
-    from .fastcpu import FastInt4Linear, PrepackedBf16Linear
-
-    def plain_norm(m: nn.Module) -> bool:
-        return type(m) is RMSNorm and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
-
-    def plain_int4(m: nn.Module) -> bool:
-        return (
-            isinstance(m, FastInt4Linear)
-            and type(m).forward is FastInt4Linear.forward
-            and m.perm is None
-            and m.bias is None
-            and m.padded_out == m.out_features
-            and m.packed.device.type == "cpu"
-        )
-
-    def plain_bf16(m: nn.Module) -> bool:
-        return type(m) is PrepackedBf16Linear and m.bias is None
-
-    def plain_ggml(m: nn.Module) -> bool:
-        from .kernels.linear import BlockLinear
-
-        return isinstance(m, BlockLinear) and type(m).forward is BlockLinear.forward and m.bias is None
-
+    :data:`LAYER_FUNCTIONS` computes. ``uniform``: the one-kind functions where they apply (else always the
+    ``mixed`` ones: for measuring them against each other)."""
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    if not (plain_norm(norm1) and plain_norm(norm2) and norm1.variance_epsilon == norm2.variance_epsilon):
+    if not (_plain_norm(norm1) and _plain_norm(norm2) and norm1.variance_epsilon == norm2.variance_epsilon):
         return None
     attn, mlp = layer.self_attn, layer.mlp
     eps = float(norm1.variance_epsilon)
     norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
     qk_norms: tuple[Any, ...] = (None, None)
     if norms != [None, None]:
-        if not all(m is not None and plain_norm(m) and float(m.variance_epsilon) == eps for m in norms):
+        if not all(m is not None and _plain_norm(m) and float(m.variance_epsilon) == eps for m in norms):
             return None
         qk_norms = tuple(m.weight for m in norms if m is not None)
     common: tuple[Any, ...] = (norm1.weight, norm2.weight, eps)
     common += (attn.heads, attn.kv_heads, attn.head_dim, float(attn.scaling))
-    attention = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
     sparse = _sparse(mlp)
     if sparse is None and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         return None  # an MLP of another make
-    if sparse is None and all(plain_bf16(m) for m in (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+    planned = _plan_uniform(layer, common, qk_norms, sparse) if uniform else None
+    return planned if planned is not None else _plan_mixed(layer, common, qk_norms, sparse)
+
+
+def _plan_mixed(
+    layer: Any, common: tuple[Any, ...], qk_norms: tuple[Any, ...], sparse: tuple[Any, ...] | None
+) -> _Layer | None:
+    """The ``mixed`` or ``mixed_moe`` plan of ``layer``: each linear (or fused int4 group) as its own kind."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, o = _joint_specs(attn, ("q_proj", "k_proj", "v_proj")), _linear_spec(attn.o_proj)
+    if qkv is None or o is None:
+        return None
+    attention: tuple[Any, ...] = (qkv[0], o[0], *qk_norms)
+    small_rows = min(qkv[1], o[1])
+    if sparse is not None:
+        router, top_k, norm_topk, experts = sparse
+        intermediate = experts[0].gate_proj.out_features
+        gate_ups, downs = [], []
+        for expert in experts:
+            gate_up, down = _joint_specs(expert, ("gate_proj", "up_proj")), _linear_spec(expert.down_proj)
+            if gate_up is None or down is None or expert.gate_proj.out_features != intermediate:
+                return None  # one intermediate size: the function splits a fused gate/up at it
+            gate_ups.append(gate_up[0])
+            downs.append(down[0])
+            small_rows = min(small_rows, gate_up[1], down[1])
+        moe = (router, top_k, norm_topk, gate_ups, downs, intermediate)
+        return _Layer("mixed_moe", common + attention + moe, small_rows)
+    gate_up, down = _joint_specs(mlp, ("gate_proj", "up_proj")), _linear_spec(mlp.down_proj)
+    if gate_up is None or down is None:
+        return None
+    small_rows = min(small_rows, gate_up[1], down[1])
+    dense = (gate_up[0], down[0], mlp.gate_proj.out_features)
+    return _Layer("mixed", common + attention + dense, small_rows)
+
+
+def _plan_uniform(
+    layer: Any, common: tuple[Any, ...], qk_norms: tuple[Any, ...], sparse: tuple[Any, ...] | None
+) -> _Layer | None:
+    """The plan of ``layer`` by one of the one-kind functions (``bf16``, ``ggml``, ``int4``, ``int4_moe``), else ``None``."""
+    attn, mlp = layer.self_attn, layer.mlp
+    attention = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+    if sparse is None and all(_plain_bf16(m) for m in (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
         linears = (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         packs = tuple(m.packed for m in linears)
         small_rows = min(2**62 if m.small_rows is None else m.small_rows for m in linears)
         return _Layer("bf16", common + packs + qk_norms, small_rows)
     blocked: tuple[Any, ...] = (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj) if sparse is None else ()
-    if blocked and all(plain_ggml(m) for m in blocked):
+    if blocked and all(_plain_ggml(m) for m in blocked):
         ggml: tuple[Any, ...] = ([m.blocks for m in blocked], [m.ggml_type for m in blocked])
         ggml += ([m.out_features for m in blocked], [m.passes for m in blocked])
         return _Layer("ggml", common + ggml + qk_norms, min(m.small_rows for m in blocked))
     qkv = fusion(attn, ("q_proj", "k_proj", "v_proj"))
     o = attn.o_proj
-    if not (isinstance(qkv, FusedInt4) and qkv.plain and plain_int4(o) and o.scales_and_zeros.is_contiguous()):
+    if not (isinstance(qkv, FusedInt4) and qkv.plain and _plain_int4(o) and o.scales_and_zeros.is_contiguous()):
         return None  # the fused members: FusedInt4.build and .plain checked them; o's scales are used as they are
     int4: tuple[Any, ...] = (qkv.packed, qkv.scales_and_zeros, qkv.kernel_group)
     int4 += (o.packed, o.scales_and_zeros, o.kernel_group, *qk_norms)
     if sparse is not None:
         router, top_k, norm_topk, experts = sparse
-        planned = [_plan_mlp(expert, plain_int4) for expert in experts]
+        planned = [_plan_mlp(expert) for expert in experts]
         if not planned or any(p is None for p in planned):
             return None
         mlps = [p for p in planned if p is not None]
@@ -545,7 +825,7 @@ def _plan_layer(layer: Any) -> _Layer | None:
         )
         small_rows = min([qkv.small_rows, o.small_rows] + [min(g.small_rows, d.small_rows) for g, d in mlps])
         return _Layer("int4_moe", common + int4 + moe + (intermediate,), small_rows)
-    dense = _plan_mlp(mlp, plain_int4)
+    dense = _plan_mlp(mlp)
     if dense is None:
         return None
     gate_up, down = dense
@@ -555,11 +835,11 @@ def _plan_layer(layer: Any) -> _Layer | None:
     return _Layer("int4", common + int4, small_rows)
 
 
-def _plan_mlp(mlp: Any, plain_int4: Callable[[nn.Module], bool]) -> tuple[FusedInt4, Any] | None:
+def _plan_mlp(mlp: Any) -> tuple[FusedInt4, Any] | None:
     """The fused gate/up and the down linear of a SiLU-gated MLP (a dense layer's or one expert's) of cpu-fast
     int4 linears, or ``None``."""
     gate_up, down = fusion(mlp, ("gate_proj", "up_proj")), mlp.down_proj
-    if not (isinstance(gate_up, FusedInt4) and gate_up.plain and plain_int4(down)):
+    if not (isinstance(gate_up, FusedInt4) and gate_up.plain and _plain_int4(down)):
         return None
     if not down.scales_and_zeros.is_contiguous():  # used as it is
         return None
