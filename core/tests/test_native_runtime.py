@@ -148,14 +148,18 @@ def _int4_model(
 ) -> anyquant.LoadedModel:
     """A tiny native model whose q/k/v/o and MLP linears are cpu-fast int4 with random codes (the
     ``down_proj`` of the layers ``dense_down`` stays a float32 ``nn.Linear``); ``kind="bf16"``: each of them
-    then wrapped as the bfloat16 prepacked linear EXL3's and EXL2's cpu-fast build."""
+    then wrapped as the bfloat16 prepacked linear EXL3's and EXL2's cpu-fast build; ``kind="mixed"``: int4,
+    bfloat16 prepacked and GGUF Q8_0 blocks (:class:`_Q8Blocks`) per linear as :data:`MIXED` lays them out."""
+    from anyquant.runtime import kernels
     from anyquant.runtime.fastcpu import FastInt4Linear, PrepackedBf16Linear, bf16_head_status, int4pack_status
 
     status = int4pack_status()
     if not status.available:
         pytest.skip(f"no int4 CPU kernel here: {status.reason}")
-    if kind == "bf16" and not bf16_head_status()[0]:
+    if kind in ("bf16", "mixed") and not bf16_head_status()[0]:
         pytest.skip(f"no bfloat16 prepacked linear here: {bf16_head_status()[1]}")
+    if kind == "mixed" and not kernels.available():
+        pytest.skip("anyquant kernels not built")
     tiny = make_tiny_dense(path, **{"num_hidden_layers": 2, "attention_bias": bias, **overrides})
     model = anyquant.load(tiny, runtime="native")
     gen = torch.Generator().manual_seed(5)
@@ -172,8 +176,45 @@ def _int4_model(
                 scales = (torch.rand(k // 32, n, generator=gen) * 0.02).half()
                 b = None if lin.bias is None else lin.bias.detach().clone()
                 linear = FastInt4Linear(codes, zeros, scales, bias=b)
-                setattr(parent, name, PrepackedBf16Linear(linear) if kind == "bf16" else linear)
+                chosen = MIXED[index % len(MIXED)][name] if kind == "mixed" else kind
+                if chosen == "bf16":
+                    setattr(parent, name, PrepackedBf16Linear(linear))
+                elif chosen == "q8_0":
+                    setattr(parent, name, _Q8Blocks.of(linear.dequantize().float()))
+                else:
+                    setattr(parent, name, linear)
     return model
+
+
+#: the kind of each linear of ``_int4_model(kind="mixed")``, by layer: layer 0's q/k run as two int4 calls (v is
+#: not int4: no fused q/k/v) and its gate/up as one; layer 1's q/k/v as one, its gate/up each its own kind
+MIXED = [
+    {"q_proj": "int4", "k_proj": "int4", "v_proj": "bf16", "o_proj": "q8_0"}
+    | {"gate_proj": "int4", "up_proj": "int4", "down_proj": "bf16"},
+    {"q_proj": "int4", "k_proj": "int4", "v_proj": "int4", "o_proj": "bf16"}
+    | {"gate_proj": "q8_0", "up_proj": "bf16", "down_proj": "int4"},
+]
+
+
+class _Q8Blocks:
+    """A cpu-fast GGUF-block linear (:class:`~anyquant.runtime.kernels.linear.BlockLinear`) over a weight quantized
+    to Q8_0 by the gguf package (a peer), dequantized by it for prompts."""
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> torch.nn.Module:
+        from gguf import GGMLQuantizationType, quants
+
+        from anyquant.runtime.kernels.linear import BlockLinear
+
+        raw = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
+        out_features, in_features = weight.shape
+
+        class Q8(BlockLinear):
+            def dequantize(self) -> torch.Tensor:
+                return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0))
+
+        blocks = torch.from_numpy(raw.copy()).reshape(-1)
+        return Q8(blocks, "Q8_0", out_features, in_features, small_rows=64)
 
 
 def _decode(model: anyquant.LoadedModel, ids: torch.Tensor, prompt: int) -> torch.Tensor:
@@ -221,7 +262,7 @@ class _LayerCalls:
         return count
 
 
-@pytest.mark.parametrize("kind", ["int4", "bf16"])
+@pytest.mark.parametrize("kind", ["int4", "bf16", "mixed"])
 def test_compiled_decode_step_is_bitwise_the_module_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
@@ -263,21 +304,22 @@ MOE = {
 }
 
 
+@pytest.mark.parametrize("kind", ["int4", "mixed"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, kind: str
 ) -> None:
     """Qwen3's per-head q/k norms and Qwen3-MoE's routed experts (one row: its experts in order; a batch: each
     expert on the rows that chose it) in the compiled step, the same logits as the modules; each expert's
-    gate/up one int4 call on both paths."""
+    gate/up one int4 call on both paths (``mixed``: the experts' linears of three kinds, :data:`MIXED`)."""
     import os
 
     from anyquant.runtime.experts import Experts
     from anyquant.runtime.step import DecodeStep, compiled_layer
 
     overrides = MOE if family == "qwen3_moe" else {"model_type": "qwen3", "head_dim": 32}
-    model = _int4_model(tmp_path / "m", bias=False, **overrides)
-    kinds = ["int4", "int4_moe"] if family == "qwen3_moe" else ["int4", "int4"]
+    model = _int4_model(tmp_path / "m", bias=False, kind=kind, **overrides)
+    kinds = [kind, f"{kind}_moe"] if family == "qwen3_moe" else [kind, kind]
     calls = _LayerCalls(monkeypatch)
     for ids in (
         torch.randint(0, 200, (1, 30), generator=torch.Generator().manual_seed(12)),
@@ -296,7 +338,8 @@ def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
     if family == "qwen3_moe":
         experts = model.module.model.layers[1].mlp.experts
         assert isinstance(experts, Experts)
-        assert all(e.__dict__.get("_fusion") is not None for e in experts)  # gate/up fused on the module path too
+        # gate/up fused on the module path too where both are int4
+        assert all((e.__dict__.get("_fusion") is not None) == (kind == "int4") for e in experts)
         assert model.module.model.layers[0].mlp.__class__.__name__ == "MLP"  # mlp_only_layers
 
 
