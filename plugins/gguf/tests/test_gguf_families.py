@@ -412,3 +412,50 @@ def test_cpu_fast_k_quant_linears_are_bfloat16(name: str) -> None:
         eye = torch.eye(layer.in_features, dtype=torch.bfloat16)
         packed = torch.ops.mkldnn._linear_pointwise(eye, layer.packed, None, "none", [], "")
         assert torch.equal(packed.T, layer.source.dequantize().to(torch.bfloat16)), n
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
+def test_cpu_fast_decode_step_compiles_q4_k_m_layers(name: str) -> None:
+    """A Q4_K_M file's layers mix Q4_K (int4) and Q6_K (bfloat16 prepacked) linears, and its MoE experts mix them
+    too (gate/up int4, down bfloat16): every layer runs in the compiled decode step (a layer with a bfloat16 linear
+    by the ``mixed`` / ``mixed_moe`` function), with bitwise the module path's logits (the same kernels on the
+    same tensors in the same order), one row and a batch, and llama.cpp's greedy tokens (test_default_backend's)."""
+    from anyquant.runtime.fastcpu import FastInt4Linear, PrepackedBf16Linear, bf16_head_status
+    from anyquant.runtime.step import DecodeStep, compiled_layer
+
+    ok, reason = bf16_head_status()
+    if not ok:
+        pytest.skip(f"bfloat16 prepacked linears need AMX or AVX512-BF16: {reason}")
+    model = _model(name, "cpu-fast")
+    layers = model.module.model.layers
+    linears = (FastInt4Linear, PrepackedBf16Linear)
+    int4 = [{isinstance(m, FastInt4Linear) for m in layer.modules() if isinstance(m, linears)} for layer in layers]
+    mixed = [kinds == {True, False} for kinds in int4]
+    assert any(mixed) and not all(mixed), int4  # layers of int4 and bfloat16 linears, and layers of int4 only
+    rec = _record(name)
+    ids = torch.tensor([rec["prompt_ids"]])
+    for batch in (ids, torch.cat([ids, ids.flip(1), ids.roll(3, 1)])):
+        prompt = 8
+        with torch.no_grad():
+            model.module.__dict__.pop("_step", None)
+            fast = _decode_logits(model, batch, prompt)
+            step = model.module.__dict__["_step"]
+            assert isinstance(step, DecodeStep) and all(planned is not None for planned in step.layers)
+            moe = "_moe" if name in MOE else ""
+            for planned, is_mixed in zip(step.layers, mixed, strict=True):
+                assert planned[0] is compiled_layer(("mixed" if is_mixed else "int4") + moe)
+            model.module.__dict__["_step"] = None  # the module path
+            assert torch.equal(_decode_logits(model, batch, prompt), fast)
+    model.module.__dict__.pop("_step", None)
+    want = rec["greedy"]
+    assert _greedy(model, rec["prompt_ids"], len(want)) == want
+
+
+def _decode_logits(model: Any, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """The logits of ``ids[:, prompt:]`` fed one token at a time after the prompt ``ids[:, :prompt]``."""
+    out = model.module(ids[:, :prompt], use_cache=True)
+    logits = []
+    for i in range(prompt, ids.shape[1]):
+        out = model.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
+        logits.append(out.logits)
+    return torch.cat(logits, dim=1)
