@@ -3,13 +3,15 @@
 For each checkpoint (anyquant's default backend, which is cpu-fast on this machine): greedy decode steps
 after a short prompt, alternating the module path (``DecoderLayer`` modules, the step switched off) and the
 compiled step (:mod:`anyquant.runtime.step`) ``--repeat`` times; prints the median milliseconds per token
-of each, the speed-up, and whether both produced the same tokens and bitwise the same logits.
+of each, the speed-up, and whether both produced the same tokens and bitwise the same logits. A third path
+builds every planned layer with the ``mixed`` functions (each linear dispatched by its kind inside the compiled
+function) instead of the one-kind ones (``int4``, ``bf16``, ``ggml``), to compare them on uniform layers.
 
 Checkpoints: the cached GPTQ and AWQ 4-bit g64 SmolLM2-135M of ``bench/gptq.py`` / ``bench/awq.py``, the
 random-trellis EXL3 K=4 of ``bench/exl3.py --parts model`` and the bundled GGUF Q4_1 (those not cached
-are made first, which for AWQ takes ~15 minutes).
+are made first, which for AWQ takes ~15 minutes); a path in ``--only`` is loaded as it is (e.g. a GGUF Q4_K_M).
 
-    python bench/step.py [--threads 1] [--steps 60] [--repeat 4] [--only gptq,awq,exl3,gguf]
+    python bench/step.py [--threads 1] [--steps 60] [--repeat 4] [--only gptq,awq,exl3,gguf,/path/to/file.gguf]
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def checkpoint(name: str) -> Path:
         import anyquant
 
         return Path(anyquant.default_model())
+    if Path(name).exists():
+        return Path(name)
     raise SystemExit(f"unknown checkpoint {name!r}")
 
 
@@ -71,12 +75,16 @@ def measure(path: str, threads: int, steps: int, repeat: int) -> dict[str, Any]:
             tokens.append(int(nxt))
         return (time.perf_counter() - t0) / steps * 1e3, tokens, out.logits
 
-    times: dict[str, list[float]] = {"modules": [], "step": []}
+    from anyquant.runtime.step import DecodeStep
+
+    mixed = DecodeStep.build(module, uniform=False)  # every layer by the mixed functions
+    paths = {"modules": lambda self: None, "step": compiled, "mixed": lambda self: mixed}
+    times: dict[str, list[float]] = {"modules": [], "step": [], "mixed": []}
     seen: dict[str, tuple[list[int], Any]] = {}
     with torch.inference_mode():
         for _ in range(repeat):
             for path_name in times:
-                NativeCausalLM._decode_step = (lambda self: None) if path_name == "modules" else compiled
+                NativeCausalLM._decode_step = paths[path_name]
                 ms, tokens, logits = run()
                 times[path_name].append(ms)
                 seen[path_name] = (tokens, logits)
@@ -89,8 +97,9 @@ def measure(path: str, threads: int, steps: int, repeat: int) -> dict[str, Any]:
         "layers": f"{len(planned)}/{module.config.num_hidden_layers} ({', '.join(kinds)})",
         "modules_ms": statistics.median(times["modules"]),
         "step_ms": statistics.median(times["step"]),
-        "same_tokens": seen["modules"][0] == seen["step"][0],
-        "max_logit_diff": float((seen["modules"][1] - seen["step"][1]).abs().max()),
+        "mixed_ms": statistics.median(times["mixed"]),
+        "same_tokens": seen["modules"][0] == seen["step"][0] == seen["mixed"][0],
+        "max_logit_diff": max(float((seen["modules"][1] - seen[p][1]).abs().max()) for p in ("step", "mixed")),
     }
 
 
@@ -107,9 +116,10 @@ def main() -> int:
         return 0
     print(f"# machine: {machine()}; threads {args.threads}; {args.steps} greedy steps, median of {args.repeat}")
     print(
-        "| checkpoint | backend | layers compiled | module path ms/token | compiled step ms/token | speed-up | same tokens | max logit diff |"
+        "| checkpoint | backend | layers compiled | module path ms/token | compiled step ms/token | speed-up "
+        "| every layer by the mixed functions ms/token | same tokens | max logit diff |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.only.split(","):
         path = checkpoint(name)
         cmd = [sys.executable, __file__, "--child", str(path), "--threads", str(args.threads)]
@@ -124,7 +134,7 @@ def main() -> int:
             continue
         print(
             f"| {name} | {r['backend']} | {r['layers']} | {r['modules_ms']:.1f} | {r['step_ms']:.1f} | "
-            f"{r['modules_ms'] / r['step_ms']:.2f}x | {r['same_tokens']} | {r['max_logit_diff']:.1e} |"
+            f"{r['modules_ms'] / r['step_ms']:.2f}x | {r['mixed_ms']:.1f} | {r['same_tokens']} | {r['max_logit_diff']:.1e} |"
         )
     return 0
 

@@ -1,13 +1,15 @@
 """The native decoder's decode step as one compiled function per layer, for layers whose linears are all
 cpu-fast: int4 (GPTQ, AWQ, GGUF Q4), GGUF blocks read in place (GGUF Q4_0/Q4_1/Q8_0 with the compiled kernel,
-:mod:`anyquant.runtime.kernels`) or bfloat16 prepacked (EXL3, EXL2).
+:mod:`anyquant.runtime.kernels`) or bfloat16 prepacked (EXL3, EXL2; GGUF's K-quants without an int4 layout), of
+one kind or mixed (GGUF Q4_K_M: Q4_K int4 beside Q6_K bfloat16, in the attention and in the experts).
 
 On a two-core CPU a SmolLM2-135M decode step spent about half its time outside the weight kernels: some
 1,500 small ATen calls, each with Python's argument parsing, and the ``nn.Module`` calls around them
 (measured in docs/benchmarks.md). A layer that is "RMSNorm, q/k/v, rotary, KV write, attention, o,
 RMSNorm, gate/up, SiLU, down" with cpu-fast linears runs here as one TorchScript function
-(:func:`int4_layer`, with the fused q/k/v and gate/up int4 calls, or :func:`bf16_layer`), called with the
-layer's tensors: the same ATen ops in the same order on the same tensors, so the logits are bitwise those
+(:func:`int4_layer`, with the fused q/k/v and gate/up int4 calls, :func:`bf16_layer`, :func:`ggml_layer`, or
+:func:`mixed_layer`, which calls each linear by its own kind; ``*_moe_layer`` for Qwen3-MoE's routed experts),
+called with the layer's tensors: the same ATen ops in the same order on the same tensors, so the logits are bitwise those
 of the module path (tests compare them), with the Python between the ops gone.
 
 :class:`DecodeStep` decides per call whether the fast path applies and falls back to the modules
@@ -599,9 +601,10 @@ class DecodeStep:
     """The fast decode path of one :class:`~anyquant.runtime.native.NativeCausalLM` (see the module docstring).
 
     Built by :meth:`build` on the model's first decode step: per layer, the function of
-    :data:`LAYER_FUNCTIONS` that computes it and its arguments, or ``None`` for a layer that is neither
-    all cpu-fast int4 nor all bfloat16 prepacked (a layer a GPTQ ``dynamic`` rule left dense, a GGUF tensor
-    in Q6_K ...), which runs through its module. ``build`` gives ``None`` when no layer qualifies (then the
+    :data:`LAYER_FUNCTIONS` that computes it and its arguments (a one-kind function where every linear is of
+    that kind, else the ``mixed`` ones), or ``None`` for a layer with a linear that is not cpu-fast (a layer a
+    GPTQ ``dynamic`` rule left dense, a GGUF tensor dequantized to float32 where no bfloat16 prepacking runs, a
+    bias ...), which runs through its module. ``build`` gives ``None`` when no layer qualifies (then the
     model never asks again)."""
 
     def __init__(self, model: Any, layers: list[_Layer | None], watched: list[tuple[Any, str, Any]]) -> None:
@@ -614,8 +617,9 @@ class DecodeStep:
         self.small_rows = min(layer.small_rows for layer in layers if layer is not None)
 
     @staticmethod
-    def build(model: Any) -> DecodeStep | None:
-        layers = [_plan_layer(layer) for layer in model.model.layers]
+    def build(model: Any, uniform: bool = True) -> DecodeStep | None:
+        """``uniform=False``: the ``mixed`` functions for every layer (for measuring them against the others)."""
+        layers = [_plan_layer(layer, uniform) for layer in model.model.layers]
         if all(layer is None for layer in layers):
             return None
         watched: list[tuple[Any, str, Any]] = [
