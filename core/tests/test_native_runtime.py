@@ -4,6 +4,7 @@ transformers model code."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -416,6 +417,21 @@ def test_compiling_the_step_warns_nothing(monkeypatch: pytest.MonkeyPatch) -> No
         functions = [step.compiled_layer(kind) for kind in step.LAYER_FUNCTIONS]
     assert not [str(w.message) for w in caught]  # torch.jit.script's deprecation notice stays inside
     assert all(callable(f) for f in functions)
+
+
+def test_mixed_step_compiles_without_the_block_kernel() -> None:
+    """Without the GGUF-block op (not built, or ``ANYQUANT_KERNELS=0``) TorchScript cannot resolve it: the mixed
+    functions still compile (a Q4_K_M file's int4 and bfloat16 linears need no op of ours), their block branch a call
+    back into Python."""
+    code = (
+        "import torch\n"
+        "from anyquant.runtime import kernels, step\n"
+        "assert not kernels.available() and not hasattr(torch.ops.anyquant, 'ggml_gemv')\n"
+        "print(all(isinstance(step.compiled_layer(k), torch.jit.ScriptFunction) for k in ('mixed', 'mixed_moe')))\n"
+    )
+    env = {**os.environ, "ANYQUANT_KERNELS": "0", "PYTORCH_JIT": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "True"
 
 
 def test_without_torchscript_the_step_runs_as_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

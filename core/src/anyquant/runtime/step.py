@@ -328,7 +328,7 @@ def _ggml_in_python(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int,
 
 # TorchScript reads an ignored function's signature from its annotations, which must be types, not strings
 _ggml_in_python.__annotations__ = get_type_hints(_ggml_in_python)
-_ggml_in_python = torch.jit.ignore(_ggml_in_python)
+_ggml_in_python = torch.jit.ignore(_ggml_in_python)  # type: ignore[no-untyped-call]
 
 
 def ggml_layer(
