@@ -321,9 +321,8 @@ def _ggml(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int, passes: i
 
 
 def _ggml_in_python(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int, passes: int) -> torch.Tensor:
-    """:func:`_ggml` left to Python by TorchScript (for compiling where the op is not loaded)."""
-    y: torch.Tensor = torch.ops.anyquant.ggml_gemv(x, blocks, kind, rows, x.shape[-1], -1, passes)
-    return y
+    """:func:`_ggml`, left to Python by TorchScript (for compiling where the op is not loaded)."""
+    return _ggml(x, blocks, kind, rows, passes)
 
 
 # TorchScript reads an ignored function's signature from its annotations, which must be types, not strings
