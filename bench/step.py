@@ -5,7 +5,9 @@ after a short prompt, alternating the module path (``DecoderLayer`` modules, the
 compiled step (:mod:`anyquant.runtime.step`) ``--repeat`` times; prints the median milliseconds per token
 of each, the speed-up, and whether both produced the same tokens and bitwise the same logits. A third path
 builds every planned layer with the ``mixed`` functions (each linear dispatched by its kind inside the compiled
-function) instead of the one-kind ones (``int4``, ``bf16``, ``ggml``), to compare them on uniform layers.
+function) instead of the one-kind ones (``int4``, ``bf16``, ``ggml``), to compare them on uniform layers; another
+compiles only the layers of one kind (layers that mix kinds through their modules: the step before the mixed
+functions). ``--cpu-time``: the process's CPU time per token instead of wall time (on a machine other jobs load).
 
 Checkpoints: the cached GPTQ and AWQ 4-bit g64 SmolLM2-135M of ``bench/gptq.py`` / ``bench/awq.py``, the
 random-trellis EXL3 K=4 of ``bench/exl3.py --parts model`` and the bundled GGUF Q4_1 (those not cached
@@ -47,7 +49,7 @@ def checkpoint(name: str) -> Path:
     raise SystemExit(f"unknown checkpoint {name!r}")
 
 
-def measure(path: str, threads: int, steps: int, repeat: int) -> dict[str, Any]:
+def measure(path: str, threads: int, steps: int, repeat: int, cpu_time: bool = False) -> dict[str, Any]:
     """In this process: load ``path``, then time both paths (``repeat`` alternating runs of ``steps``)."""
     _unshadow()
     import torch
@@ -68,18 +70,26 @@ def measure(path: str, threads: int, steps: int, repeat: int) -> dict[str, Any]:
         out = module(ids, cache=cache, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         tokens = []
-        t0 = time.perf_counter()
+        clock = time.process_time if cpu_time else time.perf_counter
+        t0 = clock()
         for _ in range(steps):
             out = module(nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
             tokens.append(int(nxt))
-        return (time.perf_counter() - t0) / steps * 1e3, tokens, out.logits
+        return (clock() - t0) / steps * 1e3, tokens, out.logits
 
     from anyquant.runtime.step import DecodeStep
 
     mixed = DecodeStep.build(module, uniform=False)  # every layer by the mixed functions
-    paths = {"modules": lambda self: None, "step": compiled, "mixed": lambda self: mixed}
-    times: dict[str, list[float]] = {"modules": [], "step": [], "mixed": []}
+    one_kind = DecodeStep.build(module)  # as before the mixed functions: layers of mixed kinds through their modules
+    if one_kind is not None:
+        one_kind.layers = [
+            None if p is not None and "mixed" in getattr(p[0], "name", getattr(p[0], "__name__", "")) else p
+            for p in one_kind.layers
+        ]
+    paths = {"modules": lambda self: None, "one_kind": lambda self: one_kind, "step": compiled}
+    paths["mixed"] = lambda self: mixed
+    times: dict[str, list[float]] = {name: [] for name in paths}
     seen: dict[str, tuple[list[int], Any]] = {}
     with torch.inference_mode():
         for _ in range(repeat):
@@ -96,10 +106,11 @@ def measure(path: str, threads: int, steps: int, repeat: int) -> dict[str, Any]:
         "backend": model.backend,
         "layers": f"{len(planned)}/{module.config.num_hidden_layers} ({', '.join(kinds)})",
         "modules_ms": statistics.median(times["modules"]),
+        "one_kind_ms": statistics.median(times["one_kind"]),
         "step_ms": statistics.median(times["step"]),
         "mixed_ms": statistics.median(times["mixed"]),
-        "same_tokens": seen["modules"][0] == seen["step"][0] == seen["mixed"][0],
-        "max_logit_diff": max(float((seen["modules"][1] - seen[p][1]).abs().max()) for p in ("step", "mixed")),
+        "same_tokens": all(seen["modules"][0] == seen[p][0] for p in paths),
+        "max_logit_diff": max(float((seen["modules"][1] - seen[p][1]).abs().max()) for p in paths),
     }
 
 
@@ -109,21 +120,25 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60, help="decode steps per timed run (the KV buffers hold 64)")
     ap.add_argument("--repeat", type=int, default=4, help="alternating runs of each path")
     ap.add_argument("--only", default="gptq,awq,exl3,gguf")
+    ap.add_argument("--cpu-time", action="store_true", help="the process's CPU time, not wall time (a loaded machine)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.threads, args.steps, args.repeat)))
+        print(json.dumps(measure(args.child, args.threads, args.steps, args.repeat, args.cpu_time)))
         return 0
-    print(f"# machine: {machine()}; threads {args.threads}; {args.steps} greedy steps, median of {args.repeat}")
+    clock = "CPU time" if args.cpu_time else "wall time"
     print(
-        "| checkpoint | backend | layers compiled | module path ms/token | compiled step ms/token | speed-up "
-        "| every layer by the mixed functions ms/token | same tokens | max logit diff |"
+        f"# machine: {machine()}; threads {args.threads}; {args.steps} greedy steps, median of {args.repeat}; {clock}"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| checkpoint | backend | layers compiled | module path ms/token | one-kind layers only ms/token "
+        "| compiled step ms/token | speed-up | every layer by the mixed functions ms/token | same tokens | max logit diff |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.only.split(","):
         path = checkpoint(name)
         cmd = [sys.executable, __file__, "--child", str(path), "--threads", str(args.threads)]
-        cmd += ["--steps", str(args.steps), "--repeat", str(args.repeat)]
+        cmd += ["--steps", str(args.steps), "--repeat", str(args.repeat)] + (["--cpu-time"] if args.cpu_time else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **os.environ})
         if proc.returncode != 0:
             print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:]} |")
@@ -133,7 +148,7 @@ def main() -> int:
             print(f"| {name} | {r['error']} |")
             continue
         print(
-            f"| {name} | {r['backend']} | {r['layers']} | {r['modules_ms']:.1f} | {r['step_ms']:.1f} | "
+            f"| {name} | {r['backend']} | {r['layers']} | {r['modules_ms']:.1f} | {r['one_kind_ms']:.1f} | {r['step_ms']:.1f} | "
             f"{r['modules_ms'] / r['step_ms']:.2f}x | {r['mixed_ms']:.1f} | {r['same_tokens']} | {r['max_logit_diff']:.1e} |"
         )
     return 0
