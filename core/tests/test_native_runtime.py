@@ -148,7 +148,8 @@ def _int4_model(
 ) -> anyquant.LoadedModel:
     """A tiny native model whose q/k/v/o and MLP linears are cpu-fast int4 with random codes (the
     ``down_proj`` of the layers ``dense_down`` stays a float32 ``nn.Linear``); ``kind="bf16"``: each of them
-    then wrapped as the bfloat16 prepacked linear EXL3's and EXL2's cpu-fast build."""
+    then wrapped as the bfloat16 prepacked linear EXL3's and EXL2's cpu-fast build; ``kind="gq4"``: then
+    repacked for the compiled block kernel as GPTQ's and AWQ's cpu-fast build does (the MoE layers stay int4)."""
     from anyquant.runtime.fastcpu import FastInt4Linear, PrepackedBf16Linear, bf16_head_status, int4pack_status
 
     status = int4pack_status()
@@ -173,6 +174,13 @@ def _int4_model(
                 b = None if lin.bias is None else lin.bias.detach().clone()
                 linear = FastInt4Linear(codes, zeros, scales, bias=b)
                 setattr(parent, name, PrepackedBf16Linear(linear) if kind == "bf16" else linear)
+    if kind == "gq4":
+        from anyquant.runtime import kernels
+        from anyquant.runtime.fastcpu import to_block_kernel
+
+        if not kernels.available():
+            pytest.skip("anyquant kernels not built")
+        assert to_block_kernel(model.module)["gq4_layers"] > 0
     return model
 
 
@@ -221,7 +229,7 @@ class _LayerCalls:
         return count
 
 
-@pytest.mark.parametrize("kind", ["int4", "bf16"])
+@pytest.mark.parametrize("kind", ["int4", "bf16", "gq4"])
 def test_compiled_decode_step_is_bitwise_the_module_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
@@ -239,7 +247,7 @@ def test_compiled_decode_step_is_bitwise_the_module_path(
     assert calls.take() == 2  # the prompt's two layers; no decode step went through the modules
     if os.environ.get("PYTORCH_JIT", "1") != "0":
         assert all(isinstance(function, torch.jit.ScriptFunction) for function, _ in step.layers)
-    assert all(function is step_mod.compiled_layer(kind) for function, _ in step.layers)
+    assert all(function is step_mod.compiled_layer({"gq4": "ggml"}.get(kind, kind)) for function, _ in step.layers)
     model.module.__dict__["_step"] = None  # the module path
     slow = _decode(model, ids, 50)
     assert calls.take() == 2 * 26
@@ -263,21 +271,23 @@ MOE = {
 }
 
 
+@pytest.mark.parametrize("kind", ["int4", "gq4"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, kind: str
 ) -> None:
     """Qwen3's per-head q/k norms and Qwen3-MoE's routed experts (one row: its experts in order; a batch: each
     expert on the rows that chose it) in the compiled step, the same logits as the modules; each expert's
-    gate/up one int4 call on both paths."""
+    gate/up one int4 call on both paths. ``gq4``: the dense layers on the block kernel, the MoE one left int4."""
     import os
 
     from anyquant.runtime.experts import Experts
     from anyquant.runtime.step import DecodeStep, compiled_layer
 
     overrides = MOE if family == "qwen3_moe" else {"model_type": "qwen3", "head_dim": 32}
-    model = _int4_model(tmp_path / "m", bias=False, **overrides)
-    kinds = ["int4", "int4_moe"] if family == "qwen3_moe" else ["int4", "int4"]
+    model = _int4_model(tmp_path / "m", bias=False, kind=kind, **overrides)
+    dense = "ggml" if kind == "gq4" else "int4"
+    kinds = [dense, "int4_moe"] if family == "qwen3_moe" else [dense, dense]
     calls = _LayerCalls(monkeypatch)
     for ids in (
         torch.randint(0, 200, (1, 30), generator=torch.Generator().manual_seed(12)),
