@@ -144,7 +144,9 @@ def _gq4(rows: int, cols: int, group: int, seed: int) -> tuple[torch.Tensor, tor
     scales = (torch.rand(cols // group, rows, generator=gen) * 0.02 + 1e-3).half()
     fast = FastInt4Linear(codes, zeros, scales)
     block = GroupInt4BlockLinear.from_fast(fast)
-    product = (codes.double() - zeros.double().repeat_interleave(group, 0)) * scales.double().repeat_interleave(group, 0)
+    product = (codes.double() - zeros.double().repeat_interleave(group, 0)) * scales.double().repeat_interleave(
+        group, 0
+    )
     return block.blocks, fast.dequantize(), product.t()
 
 

@@ -931,7 +931,9 @@ def to_block_kernel(module: nn.Module) -> dict[str, Any]:
             setattr(parent, child_name, GroupInt4BlockLinear.from_fast(child))
             converted += 1
     if skipped:
-        log.info("cpu-fast: %d int4 groups stay on torch's int4 kernel (%s)", len(skipped), "; ".join(set(skipped.values())))
+        log.info(
+            "cpu-fast: %d int4 groups stay on torch's int4 kernel (%s)", len(skipped), "; ".join(set(skipped.values()))
+        )
     return {"gq4_layers": converted, "int4_kernel": skipped}
 
 

@@ -126,7 +126,9 @@ class GroupInt4BlockLinear(BlockLinear):
     weight, a relative 2**-11 at most, is left out: inside the kernel's tolerance). Many rows: the reference's
     exact weight, dequantized from the blocks per forward, and a float GEMM (``FastInt4Linear``'s prefill)."""
 
-    def __init__(self, blocks: torch.Tensor, out_features: int, in_features: int, scale_dtype: torch.dtype, **kwargs: Any):
+    def __init__(
+        self, blocks: torch.Tensor, out_features: int, in_features: int, scale_dtype: torch.dtype, **kwargs: Any
+    ):
         super().__init__(blocks, "GQ4", out_features, in_features, **kwargs)
         self.scale_dtype = scale_dtype
 
