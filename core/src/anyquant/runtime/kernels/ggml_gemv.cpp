@@ -395,7 +395,9 @@ at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type
   const at::Tensor xf = x.reshape({-1, cols}).to(at::kFloat).contiguous();
   const int64_t m = xf.size(0);
   const int32_t offset = type == TYPE_Q4_0 ? 8 : (type == TYPE_Q8_0 && isa == ISA_VNNI) ? 128 : 0;
-  QX qx;
+  // one per calling thread, kept between calls: its vectors keep their capacity (a decode step's calls
+  // would otherwise allocate and zero a dozen buffers each)
+  thread_local QX qx;
   quantize_x(xf.data_ptr<float>(), m, cols, offset, passes == 2, qx);
   if (isa == ISA_VNNI && type != TYPE_Q8_0) pair_layout(qx);
   at::Tensor y = at::empty({m, rows}, xf.options());
