@@ -1,4 +1,5 @@
-"""``cpu-fast``'s linear over a weight kept as raw GGUF blocks (Q4_0, Q4_1, Q8_0), read in place.
+"""``cpu-fast``'s linear over a weight kept as raw GGUF blocks (Q4_0, Q4_1, Q8_0), read in place, or as GQ4
+blocks repacked at load from a GPTQ / AWQ 4-bit layer (:class:`GroupInt4BlockLinear`).
 
 - few rows (``<= small_rows``: decode): :func:`torch.ops.anyquant.ggml_gemv` on the blocks as stored
   (activations quantized per block of 32 in ``passes`` int8 passes, integer dot products: llama.cpp's
@@ -179,3 +180,9 @@ class GroupInt4BlockLinear(BlockLinear):
         w = torch.cat((qs & 15, qs >> 4), dim=-1).to(torch.float32)  # [n, nb, 32]
         w.sub_(z).mul_(s)
         return w.view(n, k).to(self.scale_dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, type=GQ4 (repacked at load), "
+            f"passes={self.passes}, small_rows={self.small_rows}, bias={self.bias is not None}"
+        )
