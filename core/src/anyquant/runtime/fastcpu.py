@@ -961,15 +961,16 @@ class FastCPUPlan:
     :class:`FastHead` where :func:`bf16_head_status` allows) or ``"dense"`` (the exact float head),
     ``cpu_fast_tables`` ``"file"`` (default: the fast head's exact table and the input embedding stay in
     the safetensors file, read a few rows or a slice at a time) or ``"memory"`` (read at load),
-    ``cpu_fast_kernel`` ``"auto"`` (default: :func:`to_block_kernel` where the compiled kernel is built) or
-    ``"torch"`` (torch's int4 kernel for every 4-bit layer).
+    ``cpu_fast_kernel`` ``"torch"`` (default: torch's int4 kernel for every 4-bit layer) or ``"gq4"``
+    (:func:`to_block_kernel` where the compiled kernel is built; not the default: one thread decodes slower
+    with it on SmolLM2's shapes, and prompts of up to ``small_rows`` tokens take longer, bench/kernels.py).
     """
 
     small_rows: int = DEFAULT_SMALL_ROWS
     prefill_dtype: torch.dtype | None = None
     head: bool = True
     tables: str = "file"
-    block_kernel: bool = True
+    block_kernel: bool = False
     converted: int = 0
     fallback: dict[str, str] = field(default_factory=dict)
     head_info: dict[str, Any] = field(default_factory=dict)
@@ -995,15 +996,15 @@ class FastCPUPlan:
         tables = extra.get("cpu_fast_tables", "file")
         if tables not in ("file", "memory"):
             raise ParameterError(f"cpu_fast_tables={tables!r} is not 'file' or 'memory'")
-        kernel = extra.get("cpu_fast_kernel", "auto")
-        if kernel not in ("auto", "torch"):
-            raise ParameterError(f"cpu_fast_kernel={kernel!r} is not 'auto' or 'torch'")
+        kernel = extra.get("cpu_fast_kernel", "torch")
+        if kernel not in ("torch", "gq4"):
+            raise ParameterError(f"cpu_fast_kernel={kernel!r} is not 'torch' or 'gq4'")
         return cls(
             small_rows=rows,
             prefill_dtype=None if prefill is None else _PREFILL_DTYPES[prefill],
             head=head == "bfloat16",
             tables=tables,
-            block_kernel=kernel == "auto",
+            block_kernel=kernel == "gq4",
         )
 
     def file_tables(self) -> bool:
@@ -1022,7 +1023,7 @@ class FastCPUPlan:
         compute_dtype: torch.dtype | None = None,
         tables: Mapping[str, FileRows] | None = None,
     ) -> None:
-        """After the build: the int4 linears on the compiled block kernel where it is built
+        """After the build: the int4 linears on the compiled block kernel where it is built and asked for
         (:func:`to_block_kernel`), and the LM head (and a tied embedding) as in :func:`install_fast_head`.
 
         Only when some layer runs the int4 kernel: a model whose layers all fell back to exact
