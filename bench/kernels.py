@@ -1,9 +1,11 @@
 """Microbench: anyquant's GGUF-block GEMV (``torch.ops.anyquant.ggml_gemv``, int8 activations) against
 torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``, bfloat16 activations) on a 1.1B
-Llama-shaped model's decode shapes, at 1 and 2 threads.
+Llama-shaped model's decode shapes (or SmolLM2-135M's: ``--shapes smollm2``), at 1 and 2 threads.
+``--type GQ4``: the 4-bit shapes as GQ4 blocks (GPTQ / AWQ int4 repacked, what cpu-fast decodes them with
+where the kernel is built) instead of Q4_0.
 
     python -m anyquant.runtime.kernels build   # once
-    python bench/kernels.py [--threads 1,2] [--rows 1]
+    python bench/kernels.py [--threads 1,2] [--rows 1] [--type Q4_0|Q4_1|GQ4] [--shapes 1b|smollm2]
 
 Each case cycles through enough copies of the weight (>= 256 MiB in all) that no call finds it in a cache,
 as in a decode step that walks every layer. GB/s counts the weight bytes as stored (GGUF blocks: 18 bytes per
@@ -28,6 +30,12 @@ SHAPES = [  # (name, out rows N, in cols K, type)
     ("down 2048x5632", 2048, 5632, "Q4_0"),
     ("head 49152x2048", 49152, 2048, "Q8_0"),
 ]
+SMOLLM2 = [  # SmolLM2-135M: hidden 576, 9 heads of 64 (3 kv heads), intermediate 1536
+    ("q/o 576x576", 576, 576, "Q4_0"),
+    ("k/v 192x576", 192, 576, "Q4_0"),
+    ("gate/up 1536x576", 1536, 576, "Q4_0"),
+    ("down 576x1536", 576, 1536, "Q4_0"),
+]
 POOL = 256 * 2**20
 
 
@@ -38,6 +46,9 @@ def random_blocks(n: int, k: int, type_name: str, gen: torch.Generator) -> torch
     raw[..., :2] = scales.unsqueeze(-1).view(torch.uint8)
     if type_name == "Q4_1":
         raw[..., 2:4] = (-8 * scales).unsqueeze(-1).view(torch.uint8)
+    if type_name == "GQ4":  # zero points 0..15, as float16
+        zeros = torch.randint(0, 16, (n, k // 32), generator=gen).to(torch.float16)
+        raw[..., 2:4] = zeros.unsqueeze(-1).view(torch.uint8)
     return raw.reshape(-1)
 
 
@@ -73,7 +84,7 @@ def case(name: str, n: int, k: int, type_name: str, rows: int, bw: float) -> lis
         )
     pool.clear()
     ours = times[2]
-    if type_name in ("Q4_0", "Q4_1"):
+    if type_name in ("Q4_0", "Q4_1", "GQ4"):
         codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         sz = torch.rand(k // 32, n, 2, generator=gen).to(torch.bfloat16)
@@ -98,6 +109,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rows", type=int, default=1, help="activation rows (decode: 1)")
+    parser.add_argument("--type", default="Q4_0", choices=["Q4_0", "Q4_1", "GQ4"], help="the 4-bit shapes' block type")
+    parser.add_argument("--shapes", default="1b", choices=["1b", "smollm2"])
     args = parser.parse_args()
     if not kernels.available():
         raise SystemExit("anyquant kernels are not built: python -m anyquant.runtime.kernels build")
@@ -109,7 +122,8 @@ def main() -> None:
             f"path {kernels.ISA_NAMES[kernels.isa()]}\n"
         )
         print("| shape | op | us | GB/s | % bound | |\n|---|---|---|---|---|---|")
-        for name, n, k, type_name in SHAPES:
+        for name, n, k, type_name in SHAPES if args.shapes == "1b" else SMOLLM2:
+            type_name = args.type if type_name == "Q4_0" else type_name
             print("\n".join(case(name, n, k, type_name, args.rows, bw)), flush=True)
 
 

@@ -114,7 +114,7 @@ def test_bad_input_is_refused() -> None:
         kernels.gemv(torch.randn(1, 64), raw[:-1], "Q4_0", 4, 64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.gemv(torch.randn(1, 48), raw, "Q4_0", 4, 48)
-    with pytest.raises(RuntimeError, match="GGUF type"):
+    with pytest.raises(RuntimeError, match="block type 6 is not"):
         torch.ops.anyquant.ggml_gemv(torch.randn(1, 64), raw, 6, 4, 64)
 
 
@@ -127,3 +127,97 @@ def test_scripted_call() -> None:
     raw, _ = _blocks("Q4_0", 4, 64, seed=0)
     x = torch.randn(1, 64)
     assert torch.equal(torch.jit.script(f)(x, raw), f(x, raw))
+
+
+# ------------------------------------------------------------------ GQ4: GPTQ / AWQ int4 repacked at load
+
+
+def _gq4(rows: int, cols: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random group-quantized int4 weight as cpu-fast's FastInt4Linear holds a GPTQ / AWQ layer, and as the GQ4
+    blocks made from it: (blocks, the reference's exact weight round_to(float16, s (q - z)), s (q - z) in float64)."""
+    from anyquant.runtime.fastcpu import FastInt4Linear
+    from anyquant.runtime.kernels.linear import GroupInt4BlockLinear
+
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (cols, rows), generator=gen)
+    zeros = torch.randint(0, 16, (cols // group, rows), generator=gen)
+    scales = (torch.rand(cols // group, rows, generator=gen) * 0.02 + 1e-3).half()
+    fast = FastInt4Linear(codes, zeros, scales)
+    block = GroupInt4BlockLinear.from_fast(fast)
+    product = (codes.double() - zeros.double().repeat_interleave(group, 0)) * scales.double().repeat_interleave(
+        group, 0
+    )
+    return block.blocks, fast.dequantize(), product.t()
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_gq4_exact_against_integer_reference(isa: int, group: int, m: int, passes: int) -> None:
+    rows, cols = 77, 384 if group != 32 else 352  # odd rows; 11 blocks per row: the 512-bit path's odd tail
+    raw, _, _ = _gq4(rows, cols, group, seed=m)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+    x[0, :32] = 0
+    got = kernels.gemv(x, raw, "GQ4", rows, cols, isa, passes)
+    assert isinstance(got, torch.Tensor) and got.shape == (m, rows)
+    blk = raw.reshape(rows, cols // 32, 20)
+    d = blk[..., 0:2].contiguous().view(torch.float16).squeeze(-1).double()
+    z = blk[..., 2:4].contiguous().view(torch.float16).squeeze(-1).double()
+    qs = blk[..., 4:].to(torch.int64)
+    wq = torch.cat([qs & 15, qs >> 4], -1)
+    xq, dx = _quantize_x(x, passes)
+    dot = torch.einsum("nbj,mbj->mnb", wq, xq).double() - z.unsqueeze(0) * xq.sum(-1).double().unsqueeze(1)
+    want = (d.unsqueeze(0) * dx.double().unsqueeze(1) * dot).sum(-1)
+    assert torch.allclose(got.double(), want, rtol=0, atol=2e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize(("passes", "bound"), [(1, 1e-2), (2, 1e-4)])
+def test_gq4_close_to_the_dequantized_weight(isa: int, group: int, passes: int, bound: float) -> None:
+    """Against s (q - z) (what the blocks hold) within the activations' rounding, and against the reference's
+    float16 weight within that plus its rounding (a relative 2**-11 per weight at most: ~4e-4 here)."""
+    rows, cols = 93, 2048
+    raw, exact, product = _gq4(rows, cols, group, seed=group)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(1))
+    got = kernels.gemv(x, raw, "GQ4", rows, cols, isa, passes)
+    assert isinstance(got, torch.Tensor)
+    want = x.double() @ product.T
+    err = float((got.double() - want).abs().max() / want.abs().max())
+    assert bound / 1000 < err < bound, err
+    ref = x.double() @ exact.double().T
+    assert float((got.double() - ref).abs().max() / ref.abs().max()) < bound + 1e-3
+
+
+def test_gq4_linear_paths_and_refusals() -> None:
+    """GroupInt4BlockLinear: few rows on the kernel, many rows on the exact weight; the exact weight is
+    FastInt4Linear's; act-order and scales float16 cannot hold are refused (they stay on torch's kernel)."""
+    from anyquant.runtime.fastcpu import FastInt4Linear
+    from anyquant.runtime.kernels.linear import GroupInt4BlockLinear
+
+    gen = torch.Generator().manual_seed(3)
+    k, n = 256, 64
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    zeros = torch.randint(0, 16, (k // 64, n), generator=gen)
+    scales = (torch.rand(k // 64, n, generator=gen) * 0.02 + 1e-3).half()
+    bias = torch.randn(n, generator=gen)
+    fast = FastInt4Linear(codes, zeros, scales, bias=bias, small_rows=4)
+    block = GroupInt4BlockLinear.from_fast(fast)
+    assert torch.equal(block.dequantize(), fast.dequantize()) and block.dequantize().dtype == torch.float16
+    with torch.no_grad():
+        x = torch.randn(9, k, generator=gen)
+        exact = x @ fast.dequantize().float().T + bias
+        many = block(x)  # 9 rows > small_rows: the exact weight's float32 GEMM, as FastInt4Linear's
+        assert float((many - exact).abs().max() / exact.abs().max()) < 1e-6
+        assert float((many - fast(x)).abs().max() / exact.abs().max()) < 1e-6
+        few = block(x[:3])
+        assert float((few - exact[:3]).abs().max() / exact[:3].abs().max()) < 1e-3
+    perm = torch.randperm(k, generator=gen)
+    g_idx = (perm // 64).to(torch.int32)  # columns scattered over the groups: act-order
+    shuffled = FastInt4Linear(codes, zeros, scales, g_idx)
+    assert "act-order" in str(GroupInt4BlockLinear.unsupported_reason(shuffled))
+    tiny = FastInt4Linear(codes, zeros, (scales.float() * 1e-6).to(torch.bfloat16))  # under float16's range
+    assert "float16" in str(GroupInt4BlockLinear.unsupported_reason(tiny))
+    with pytest.raises(ValueError, match="act-order"):
+        GroupInt4BlockLinear.from_fast(shuffled)

@@ -150,7 +150,9 @@ def _int4_model(
     """A tiny native model whose q/k/v/o and MLP linears are cpu-fast int4 with random codes (the
     ``down_proj`` of the layers ``dense_down`` stays a float32 ``nn.Linear``); ``kind="bf16"``: each of them
     then wrapped as the bfloat16 prepacked linear EXL3's and EXL2's cpu-fast build; ``kind="mixed"``: int4,
-    bfloat16 prepacked and GGUF Q8_0 blocks (:class:`_Q8Blocks`) per linear as :data:`MIXED` lays them out."""
+    bfloat16 prepacked and GGUF Q8_0 blocks (:class:`_Q8Blocks`) per linear as :data:`MIXED` lays them out;
+    ``kind="gq4"``: int4, then repacked for the compiled block kernel as GPTQ's and AWQ's cpu-fast build does
+    with ``cpu_fast_kernel="gq4"`` (the MoE layers stay int4)."""
     from anyquant.runtime import kernels
     from anyquant.runtime.fastcpu import FastInt4Linear, PrepackedBf16Linear, bf16_head_status, int4pack_status
 
@@ -184,6 +186,12 @@ def _int4_model(
                     setattr(parent, name, _Q8Blocks.of(linear.dequantize().float()))
                 else:
                     setattr(parent, name, linear)
+    if kind == "gq4":
+        from anyquant.runtime.fastcpu import to_block_kernel
+
+        if not kernels.available():
+            pytest.skip("anyquant kernels not built")
+        assert to_block_kernel(model.module)["gq4_layers"] > 0
     return model
 
 
@@ -263,7 +271,7 @@ class _LayerCalls:
         return count
 
 
-@pytest.mark.parametrize("kind", ["int4", "bf16", "mixed"])
+@pytest.mark.parametrize("kind", ["int4", "bf16", "mixed", "gq4"])
 def test_compiled_decode_step_is_bitwise_the_module_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
@@ -281,7 +289,7 @@ def test_compiled_decode_step_is_bitwise_the_module_path(
     assert calls.take() == 2  # the prompt's two layers; no decode step went through the modules
     if os.environ.get("PYTORCH_JIT", "1") != "0":
         assert all(isinstance(function, torch.jit.ScriptFunction) for function, _ in step.layers)
-    assert all(function is step_mod.compiled_layer(kind) for function, _ in step.layers)
+    assert all(function is step_mod.compiled_layer({"gq4": "ggml"}.get(kind, kind)) for function, _ in step.layers)
     model.module.__dict__["_step"] = None  # the module path
     slow = _decode(model, ids, 50)
     assert calls.take() == 2 * 26
@@ -305,14 +313,15 @@ MOE = {
 }
 
 
-@pytest.mark.parametrize("kind", ["int4", "mixed"])
+@pytest.mark.parametrize("kind", ["int4", "mixed", "gq4"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, kind: str
 ) -> None:
     """Qwen3's per-head q/k norms and Qwen3-MoE's routed experts (one row: its experts in order; a batch: each
     expert on the rows that chose it) in the compiled step, the same logits as the modules; each expert's
-    gate/up one int4 call on both paths (``mixed``: the experts' linears of three kinds, :data:`MIXED`)."""
+    gate/up one int4 call on both paths (``mixed``: the experts' linears of three kinds, :data:`MIXED`; ``gq4``: the
+    dense layers on the block kernel, the MoE one left int4)."""
     import os
 
     from anyquant.runtime.experts import Experts
@@ -320,7 +329,10 @@ def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
 
     overrides = MOE if family == "qwen3_moe" else {"model_type": "qwen3", "head_dim": 32}
     model = _int4_model(tmp_path / "m", bias=False, kind=kind, **overrides)
-    kinds = [kind, f"{kind}_moe"] if family == "qwen3_moe" else [kind, kind]
+    if kind == "gq4":
+        kinds = ["ggml", "int4_moe"] if family == "qwen3_moe" else ["ggml", "ggml"]
+    else:
+        kinds = [kind, f"{kind}_moe"] if family == "qwen3_moe" else [kind, kind]
     calls = _LayerCalls(monkeypatch)
     for ids in (
         torch.randint(0, 200, (1, 30), generator=torch.Generator().manual_seed(12)),
@@ -340,7 +352,7 @@ def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
         experts = model.module.model.layers[1].mlp.experts
         assert isinstance(experts, Experts)
         # gate/up fused on the module path too where both are int4
-        assert all((e.__dict__.get("_fusion") is not None) == (kind == "int4") for e in experts)
+        assert all((e.__dict__.get("_fusion") is not None) == (kind != "mixed") for e in experts)
         assert model.module.model.layers[0].mlp.__class__.__name__ == "MLP"  # mlp_only_layers
 
 

@@ -76,6 +76,7 @@ CPU_FAST_OPTIONS: Mapping[str, str] = MappingProxyType(
         "cpu_fast_small_rows": "rows up to which the decode kernels run (default 64)",
         "cpu_fast_head": "'bfloat16' (default: the prepacked head) or 'dense'",
         "cpu_fast_tables": "'file' (default: embedding and exact head read from the checkpoint) or 'memory'",
+        "cpu_fast_kernel": "'torch' (default: torch's int4 kernel) or 'gq4' (GPTQ/AWQ 4-bit on the compiled block kernel where built)",
     }
 )
 

@@ -10,7 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 import anyquant
+from anyquant.runtime import kernels
+from anyquant.runtime import step as step_module
 from anyquant.runtime.fastcpu import FastInt4Linear, fast_cpu_capable
+from anyquant.runtime.kernels.linear import GroupInt4BlockLinear
 from anyquant.runtime.packing import pack_cols
 from anyquant_awq.dequant import awq_gemv_zeros_width, pack_awq_gemm_cols
 from anyquant_awq.loader import AWQLoader
@@ -40,7 +43,7 @@ def test_exact_weights_logits_in_tolerance_and_greedy_tokens(root: Path, variant
     theirs = load_file(root / "judges" / variant / "gptqmodel_dequant.safetensors")
     for key, weight_in_out in theirs.items():
         layer = modules[key.removesuffix(".weight")]
-        assert isinstance(layer, FastInt4Linear), key
+        assert isinstance(layer, (FastInt4Linear, GroupInt4BlockLinear)), key
         got = layer.dequantize()
         assert torch.equal(got, weight_in_out.t().to(got.dtype)), key
     ref = load_file(root / "judges" / variant / "gptqmodel_logits.safetensors")
@@ -54,6 +57,32 @@ def test_exact_weights_logits_in_tolerance_and_greedy_tokens(root: Path, variant
     got_tokens = fast.generator.generate_ids(tokens[:8], fast.params(max_new_tokens=8))
     assert got_tokens == tokens[8:]
     assert got_tokens == reference.generator.generate_ids(tokens[:8], reference.params(max_new_tokens=8))
+
+
+@pytest.mark.peer
+@pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_block_kernel_decodes_as_the_int4_kernel(root: Path, variant: str) -> None:
+    """With the compiled kernel built and cpu_fast_kernel="gq4", every layer is a GQ4 block linear (AWQ's packing
+    repacked), planned by the decode step as "ggml": greedy tokens equal torch's int4 path's (the default) and
+    GPTQModel's, decode logits in tolerance."""
+    path = root / "quantized" / variant
+    ref = load_file(root / "judges" / variant / "gptqmodel_logits.safetensors")
+    tokens, ids = ref["greedy_tokens"][0].tolist(), ref["input_ids"]
+    gq4 = anyquant.load(path, backend="cpu-fast", cpu_fast_kernel="gq4")
+    before = anyquant.load(path, backend="cpu-fast")  # the default: torch's int4 kernel
+    assert gq4.info["cpu_fast"]["block_kernel"] == {"gq4_layers": 14, "int4_kernel": {}}
+    assert sum(isinstance(m, GroupInt4BlockLinear) for m in gq4.module.modules()) == 14
+    assert not any(isinstance(m, GroupInt4BlockLinear) for m in before.module.modules())
+    got = gq4.generator.generate_ids(tokens[:8], gq4.params(max_new_tokens=8))
+    assert got == before.generator.generate_ids(tokens[:8], before.params(max_new_tokens=8)) == tokens[8:]
+    step = gq4.module.__dict__["_step"]
+    assert all(function is step_module.compiled_layer("ggml") for function, _ in step.layers)
+    reference = anyquant.load(path, backend="reference")
+    with torch.no_grad():
+        logits = stepwise_logits(gq4.module, ids)
+        assert rel_error(logits, reference.module(ids).logits) < DECODE_TOL
+        assert rel_error(logits, stepwise_logits(before.module, ids)) < DECODE_TOL
 
 
 def test_backend_order_and_listing() -> None:

@@ -11,7 +11,10 @@ from safetensors.torch import load_file
 
 import anyquant
 from anyquant.errors import UnsupportedBackendError
+from anyquant.runtime import kernels
+from anyquant.runtime import step as step_module
 from anyquant.runtime.fastcpu import FastInt4Linear, fast_cpu_capable
+from anyquant.runtime.kernels.linear import GroupInt4BlockLinear
 from anyquant_gptq.loader import GPTQLoader
 from anyquant_gptq.qlinear import GPTQLinear
 from tests.decoding import rel_error, stepwise_logits
@@ -44,7 +47,7 @@ def test_four_bit_layers_run_fast_with_exact_weights_and_logits_in_tolerance(roo
     theirs = load_file(root / "judges" / variant / "gptqmodel_dequant.safetensors")
     for key, weight_in_out in theirs.items():
         layer = modules[key.removesuffix(".weight")]
-        assert isinstance(layer, FastInt4Linear), key
+        assert isinstance(layer, (FastInt4Linear, GroupInt4BlockLinear)), key
         assert torch.equal(layer.dequantize(), weight_in_out.t().contiguous()), key
     ref_model = anyquant.load(path, backend="reference")
     ids = load_file(root / "judges" / variant / "gptqmodel_logits.safetensors")["input_ids"]
@@ -69,6 +72,43 @@ def test_greedy_tokens_match_gptqmodel_and_reference(root: Path, variant: str) -
     reference = anyquant.load(path, backend="reference")
     assert got == reference.generator.generate_ids(prompt, reference.params(max_new_tokens=len(want)))
     assert got == want
+
+
+@pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
+@pytest.mark.parametrize("variant", FOUR_BIT)
+def test_block_kernel_decodes_as_the_int4_kernel(root: Path, variant: str) -> None:
+    """With the compiled kernel built and cpu_fast_kernel="gq4", 4-bit layers with a trivial g_idx become GQ4
+    block linears (a whole decoder layer at a time, planned by the decode step as "ggml"); act-order layers stay
+    on torch's int4 kernel. Greedy tokens equal torch's int4 path's (the default) and GPTQModel's; decode logits
+    within cpu-fast's tolerance."""
+    path = root / "quantized" / variant
+    desc = next(v["desc_act"] for v in GPTQ_QUANT_VARIANTS if v["name"] == variant)
+    ref = load_file(root / "judges" / variant / "gptqmodel_logits.safetensors")
+    tokens, ids = ref["greedy_tokens"][0].tolist(), ref["input_ids"]
+    gq4 = anyquant.load(path, backend="cpu-fast", cpu_fast_kernel="gq4")
+    before = anyquant.load(path, backend="cpu-fast")  # the default: torch's int4 kernel
+    record = gq4.info["cpu_fast"]["block_kernel"]
+    blocks = [m for m in gq4.module.modules() if isinstance(m, GroupInt4BlockLinear)]
+    assert "block_kernel" not in before.info["cpu_fast"]
+    assert not any(isinstance(m, GroupInt4BlockLinear) for m in before.module.modules())
+    if desc:
+        assert record["gq4_layers"] == 0 and not blocks
+        assert set(record["int4_kernel"].values()) == {"a g_idx that reorders columns (act-order)"}
+    else:
+        assert record == {"gq4_layers": 14, "int4_kernel": {}} and len(blocks) == 14
+    prompt, want = tokens[:8], tokens[8:]
+    got = gq4.generator.generate_ids(prompt, gq4.params(max_new_tokens=len(want)))
+    assert got == before.generator.generate_ids(prompt, before.params(max_new_tokens=len(want))) == want
+    if not desc:
+        step = gq4.module.__dict__["_step"]
+        assert all(function is step_module.compiled_layer("ggml") for function, _ in step.layers)
+    reference = anyquant.load(path, backend="reference")
+    with torch.no_grad():
+        logits = stepwise_logits(gq4.module, ids)
+        assert rel_error(logits, reference.module(ids).logits) < DECODE_TOL
+        assert rel_error(logits, stepwise_logits(before.module, ids)) < DECODE_TOL
+    with pytest.raises(anyquant.ParameterError, match="cpu_fast_kernel"):
+        anyquant.load(path, backend="cpu-fast", cpu_fast_kernel="auto")
 
 
 @pytest.mark.parametrize("variant", OTHER_BITS)

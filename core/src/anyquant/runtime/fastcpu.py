@@ -68,6 +68,7 @@ __all__ = [
     "kernel_group_size",
     "pack_int4_blocked",
     "pack_int4_pairs",
+    "to_block_kernel",
     "unsupported_reason",
 ]
 
@@ -883,6 +884,59 @@ def _restore_embedding_dtype(module: Any, dtype: torch.dtype) -> None:
         head.weight = emb.weight
 
 
+def to_block_kernel(module: nn.Module) -> dict[str, Any]:
+    """Swap ``module``'s :class:`FastInt4Linear` layers for
+    :class:`~anyquant.runtime.kernels.linear.GroupInt4BlockLinear` (the same weight as GQ4 blocks, read by
+    the compiled kernel: faster than torch's int4 kernel for a few rows) when the kernel is built.
+
+    All or none of a decoder layer's (a module with ``self_attn`` and ``mlp``), so that the compiled decode
+    step plans it whole ("ggml" or "int4"); none of a mixture-of-experts layer's (the step's "int4_moe"
+    takes :class:`FastInt4Linear` experts and attention). Returns the record for ``info["cpu_fast"]``:
+    ``{}`` when the kernel is not built, else the count converted and why the others were not."""
+    from . import kernels
+
+    if not kernels.available():
+        return {}
+    from .kernels.linear import GroupInt4BlockLinear
+
+    def int4_children(root: nn.Module, prefix: str = "") -> list[tuple[nn.Module, str, FastInt4Linear, str]]:
+        return [
+            (m, name, child, f"{where}.{name}" if where else name)
+            for where, m in root.named_modules(prefix=prefix)
+            for name, child in m.named_children()
+            if type(child) is FastInt4Linear and id(child) not in taken
+        ]
+
+    taken: set[int] = set()
+    groups: list[tuple[str, nn.Module | None, list[tuple[nn.Module, str, FastInt4Linear, str]]]] = []
+    for name, m in module.named_modules():
+        if hasattr(m, "self_attn") and hasattr(m, "mlp"):
+            members = int4_children(m, name)
+            taken.update(id(c[2]) for c in members)
+            groups.append((name, m, members))
+    groups += [(c[3], None, [c]) for c in int4_children(module)]  # linears outside decoder layers, one by one
+    skipped: dict[str, str] = {}
+    converted = 0
+    for owner, layer, members in groups:
+        if not members:
+            continue
+        if layer is not None and hasattr(layer.mlp, "experts"):
+            skipped[owner] = "a mixture-of-experts layer (the decode step's int4_moe kind)"
+            continue
+        reason = next((r for c in members if (r := GroupInt4BlockLinear.unsupported_reason(c[2])) is not None), None)
+        if reason is not None:
+            skipped[owner] = reason
+            continue
+        for parent, child_name, child, _ in members:
+            setattr(parent, child_name, GroupInt4BlockLinear.from_fast(child))
+            converted += 1
+    if skipped:
+        log.info(
+            "cpu-fast: %d int4 groups stay on torch's int4 kernel (%s)", len(skipped), "; ".join(set(skipped.values()))
+        )
+    return {"gq4_layers": converted, "int4_kernel": skipped}
+
+
 class _Convertible(Protocol):
     mode: str
 
@@ -906,16 +960,21 @@ class FastCPUPlan:
     to which the int4 kernel (and the bfloat16 head) runs, ``cpu_fast_head`` ``"bfloat16"`` (default:
     :class:`FastHead` where :func:`bf16_head_status` allows) or ``"dense"`` (the exact float head),
     ``cpu_fast_tables`` ``"file"`` (default: the fast head's exact table and the input embedding stay in
-    the safetensors file, read a few rows or a slice at a time) or ``"memory"`` (read at load).
+    the safetensors file, read a few rows or a slice at a time) or ``"memory"`` (read at load),
+    ``cpu_fast_kernel`` ``"torch"`` (default: torch's int4 kernel for every 4-bit layer) or ``"gq4"``
+    (:func:`to_block_kernel` where the compiled kernel is built; not the default: one thread decodes slower
+    with it on SmolLM2's shapes, and prompts of up to ``small_rows`` tokens take longer, bench/kernels.py).
     """
 
     small_rows: int = DEFAULT_SMALL_ROWS
     prefill_dtype: torch.dtype | None = None
     head: bool = True
     tables: str = "file"
+    block_kernel: bool = False
     converted: int = 0
     fallback: dict[str, str] = field(default_factory=dict)
     head_info: dict[str, Any] = field(default_factory=dict)
+    block_info: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_options(cls, extra: Mapping[str, Any]) -> FastCPUPlan:
@@ -937,11 +996,15 @@ class FastCPUPlan:
         tables = extra.get("cpu_fast_tables", "file")
         if tables not in ("file", "memory"):
             raise ParameterError(f"cpu_fast_tables={tables!r} is not 'file' or 'memory'")
+        kernel = extra.get("cpu_fast_kernel", "torch")
+        if kernel not in ("torch", "gq4"):
+            raise ParameterError(f"cpu_fast_kernel={kernel!r} is not 'torch' or 'gq4'")
         return cls(
             small_rows=rows,
             prefill_dtype=None if prefill is None else _PREFILL_DTYPES[prefill],
             head=head == "bfloat16",
             tables=tables,
+            block_kernel=kernel == "gq4",
         )
 
     def file_tables(self) -> bool:
@@ -960,7 +1023,8 @@ class FastCPUPlan:
         compute_dtype: torch.dtype | None = None,
         tables: Mapping[str, FileRows] | None = None,
     ) -> None:
-        """After the build: the LM head (and a tied embedding) as in :func:`install_fast_head`.
+        """After the build: the int4 linears on the compiled block kernel where it is built and asked for
+        (:func:`to_block_kernel`), and the LM head (and a tied embedding) as in :func:`install_fast_head`.
 
         Only when some layer runs the int4 kernel: a model whose layers all fell back to exact
         dequantized weights keeps its exact head too. ``compute_dtype``: the model's (an embedding kept
@@ -969,6 +1033,7 @@ class FastCPUPlan:
         from .._memory import release_free_heap
 
         release_free_heap()  # the tokenizer's parse left freed memory in the heap: not under the head's peak
+        self.block_info = to_block_kernel(module) if self.block_kernel else {}
         if self.head and self.converted == 0:
             self.head_info = {"head": "dense", "reason": "no layer runs the int4 kernel: the model stays exact"}
         elif self.head:
@@ -1010,5 +1075,6 @@ class FastCPUPlan:
             "small_rows": self.small_rows,
             "prefill_dtype": str(self.prefill_dtype).replace("torch.", "") if self.prefill_dtype else "compute dtype",
             "int4_layout_block": int4pack_status().block_n,
+            **({"block_kernel": self.block_info} if self.block_info else {}),
             **({"lm_head": self.head_info} if self.head_info else {}),
         }

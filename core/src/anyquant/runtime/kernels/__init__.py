@@ -1,8 +1,14 @@
-"""An optional compiled kernel: GEMV on raw GGUF Q4_0 / Q4_1 / Q8_0 blocks with int8 activations.
+"""An optional compiled kernel: GEMV on raw GGUF Q4_0 / Q4_1 / Q8_0 blocks (and GQ4) with int8 activations.
 
 ``torch.ops.anyquant.ggml_gemv(x, blocks, type, rows, cols, isa=-1, passes=2)`` computes ``x @ W.T``
 (float32, returned in ``x``'s dtype) for ``W`` ``[rows, cols]`` stored as GGUF blocks (``blocks``: a
-contiguous uint8 tensor of ``rows * cols/32`` blocks, e.g. a zero-copy view of the mmapped file). Each row
+contiguous uint8 tensor of ``rows * cols/32`` blocks, e.g. a zero-copy view of the mmapped file), or as
+GQ4 blocks (type 100, not a GGUF type): GPTQ / AWQ group-quantized int4 ``w = s (q - z)`` repacked once at
+load, 20 bytes per block of 32: ``s`` as float16, the zero point ``z`` as float16, then the 16 bytes of
+nibbles in Q4_1's order (byte ``j``: element ``j`` low, ``j + 16`` high). Float16 holds the checkpoints'
+float16 scales and every integer zero point up to 2048 exactly, and the kernel's offset ``-s z`` is exact
+in float32, so the blocks hold exactly the weight ``s (q - z)`` (a float32 pair of ``s`` and ``-s z``
+would take 24 bytes for nothing more). Each row
 of ``x`` is quantized per block of 32 inside the op, each weight block is dotted with it in integers, then
 scaled: llama.cpp's CPU approach. ``passes=1``: int8 codes ``round(x / d)``, ``d = max|x| / 127`` (round half
 to even), llama.cpp's Q8_0 activations; ``passes=2`` (the default): the residual's int8 code as well,
@@ -40,8 +46,8 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("ggml_gemv.cpp")
 _NAME = "anyquant_ggml_gemv"
-#: GGUF tensor type ids the op takes, by name: bytes per block of 32 weights
-GGML_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+#: block types the op takes, by name: (type id, bytes per block of 32 weights); GGUF's ids, and GQ4
+GGML_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34), "GQ4": (100, 20)}
 ISA_NAMES = ("scalar", "avx2", "avx512-vnni")
 
 
@@ -124,7 +130,7 @@ def isa() -> int:
 
 
 def gemv(x: object, blocks: object, type_name: str, rows: int, cols: int, isa: int = -1, passes: int = 2) -> object:
-    """``torch.ops.anyquant.ggml_gemv`` with the type by name (``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``)."""
+    """``torch.ops.anyquant.ggml_gemv`` with the type by name (``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``, ``"GQ4"``)."""
     import torch
 
     return torch.ops.anyquant.ggml_gemv(x, blocks, GGML_TYPES[type_name][0], rows, cols, isa, passes)

@@ -1,4 +1,6 @@
-// y[m, n] = sum_k w[n, k] * x[m, k] with w read as raw GGUF blocks (Q4_0, Q4_1, Q8_0) and x quantized
+// y[m, n] = sum_k w[n, k] * x[m, k] with w read as raw GGUF blocks (Q4_0, Q4_1, Q8_0) or anyquant's GQ4
+// blocks (GPTQ / AWQ group-quantized int4 repacked at load: fp16 scale s, fp16 zero point z, then Q4_1's
+// 16 bytes of nibbles; w = s * (q - z), the offset -s * z exact in fp32) and x quantized
 // to int8 per block of 32 (scale max|x|/127, as GGUF's Q8_0) inside the op: integer dot products per
 // block, then the block scales. Written for anyquant from the GGUF block layout; three paths chosen at
 // run time: AVX512-VNNI (256-bit vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd), and scalar.
@@ -20,7 +22,7 @@
 namespace {
 
 constexpr int QK = 32;
-constexpr int64_t TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8;
+constexpr int64_t TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_GQ4 = 100;
 constexpr int64_t ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2;
 
 inline float half_at(const uint8_t* p) {
@@ -30,7 +32,7 @@ inline float half_at(const uint8_t* p) {
 }
 
 int block_bytes(int64_t type) {
-  return type == TYPE_Q4_0 ? 18 : type == TYPE_Q4_1 ? 20 : 34;
+  return type == TYPE_Q4_0 ? 18 : (type == TYPE_Q4_1 || type == TYPE_GQ4) ? 20 : 34;
 }
 
 // The activations, quantized per row m and block b of 32: codes c with x ~ d * c. One pass (``fine`` off,
@@ -54,6 +56,12 @@ struct QX {
   std::vector<float> d2, dsum2;
 };
 
+// Cloned for AVX2 where the CPU has it: nearbyint then compiles to one rounding instruction instead of a
+// libm call (the baseline x86-64 target has none), the bulk of this function's time. The same IEEE operations
+// either way (no contraction: -ffp-contract=off), so the codes do not depend on the clone.
+#ifdef AQ_X86
+__attribute__((target_clones("avx2", "default")))
+#endif
 void quantize_x(const float* x, int64_t rows, int64_t cols, int32_t offset, bool fine, QX& out) {
   const int64_t nb = cols / QK;
   out.rows = rows;
@@ -144,7 +152,8 @@ inline float block_dot(const uint8_t* blk, const QX& qx, int64_t i) {
     sum += c[j] + c[j + 16];
   }
   if (TYPE == TYPE_Q4_0) return dw * (qx.d[i] * static_cast<float>(dot - 8 * sum));
-  return dw * (qx.d[i] * static_cast<float>(dot)) + half_at(blk + 2) * qx.dsum[i];
+  const float mw = TYPE == TYPE_GQ4 ? -(dw * half_at(blk + 2)) : half_at(blk + 2);
+  return dw * (qx.d[i] * static_cast<float>(dot)) + mw * qx.dsum[i];
 }
 
 template <int64_t TYPE>
@@ -182,7 +191,7 @@ AQ_TARGET_AVX2 inline float hsum8(__m256 v) {
 // the body, shared by both targets through a macro (target attributes do not propagate to lambdas)
 #define AQ_ROWS_BODY(DOT)                                                                                \
   const int64_t nb = qx.blocks;                                                                          \
-  constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : TYPE == TYPE_Q4_1 ? 20 : 34;                               \
+  constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : TYPE == TYPE_Q8_0 ? 34 : 20;                               \
   const __m256i lowmask = _mm256_set1_epi8(15);                                                          \
   const bool fine = qx.fine;                                                                             \
   for (int64_t n = n0; n < n1; ++n) {                                                                    \
@@ -203,7 +212,9 @@ AQ_TARGET_AVX2 inline float hsum8(__m256 v) {
         const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (TYPE == TYPE_Q4_0 ? 2 : 4))); \
         wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lowmask);                       \
       }                                                                                                  \
-      const float mw = TYPE == TYPE_Q4_1 ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2)) : 0.f; \
+      const float mw = TYPE == TYPE_Q4_1   ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2))        \
+                       : TYPE == TYPE_GQ4 ? -(dw * _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2))) \
+                                          : 0.f;                                                         \
       for (int m = 0; m < M; ++m) {                                                                      \
         const int64_t i = (m0 + m) * nb + b;                                                             \
         __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q.data() + i * QK));         \
@@ -216,7 +227,7 @@ AQ_TARGET_AVX2 inline float hsum8(__m256 v) {
           dot = _mm256_sub_epi32(dot, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.part.data() + i * 8))); \
         }                                                                                                \
         acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * qx.d[i]), _mm256_cvtepi32_ps(dot), acc[m]);          \
-        if (TYPE == TYPE_Q4_1) off[m] += mw * qx.dsum[i];                                                \
+        if (TYPE != TYPE_Q4_0 && TYPE != TYPE_Q8_0) off[m] += mw * qx.dsum[i];                           \
       }                                                                                                  \
     }                                                                                                    \
     for (int m = 0; m < M; ++m) y[(m0 + m) * n_rows + n] = hsum8(acc[m]) + off[m];                       \
@@ -252,16 +263,17 @@ AQ_TARGET_VNNI void rows_vnni(const uint8_t* w, const QX& qx, int64_t m0, float*
 
 AQ_TARGET_VNNI512 inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-// Q4_0 / Q4_1, two blocks per step in 512 bits (x in QX's pair layout), an odd last block in 256 bits.
+// Q4_0 / Q4_1 / GQ4, two blocks per step in 512 bits (x in QX's pair layout), an odd last block in 256 bits.
 template <int64_t TYPE, int M>
 AQ_TARGET_VNNI512 void rows_vnni512(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t n_rows,
                                     int64_t n0, int64_t n1) {
   const int64_t nb = qx.blocks, pairs = nb / 2;
   constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : 20;
   constexpr int qoff = TYPE == TYPE_Q4_0 ? 2 : 4;
+  constexpr bool has_min = TYPE != TYPE_Q4_0;  // Q4_1's m, or GQ4's -d z
   const __m512i lowmask = _mm512_set1_epi8(15);
   const bool fine = qx.fine;
-  // scale lanes: block b's d in lanes 0-3 and 8-11, b+1's in 4-7 and 12-15 (Q4_1: its m as well)
+  // scale lanes: block b's d in lanes 0-3 and 8-11, b+1's in 4-7 and 12-15 (Q4_1: its m as well, GQ4: z)
   const __m512i idx_d = TYPE == TYPE_Q4_0 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
                                           : _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0);
   const __m512i idx_m = _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1);
@@ -290,6 +302,10 @@ AQ_TARGET_VNNI512 void rows_vnni512(const uint8_t* w, const QX& qx, int64_t m0, 
       }
       const __m512 hw = _mm512_castps128_ps512(_mm_cvtph_ps(h));
       const __m512 dw = _mm512_permutexvar_ps(idx_d, hw);
+      // the offset per block: Q4_1's m; GQ4's -(d z), exact in fp32 (11 by at most 11 significant bits)
+      const __m512 mw = TYPE == TYPE_GQ4 ? _mm512_sub_ps(_mm512_setzero_ps(),
+                                                         _mm512_mul_ps(dw, _mm512_permutexvar_ps(idx_m, hw)))
+                                         : _mm512_permutexvar_ps(idx_m, hw);
       for (int m = 0; m < M; ++m) {
         const int64_t o = (m0 + m) * pairs + p;
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(qx.q2.data() + o * 64));
@@ -300,10 +316,7 @@ AQ_TARGET_VNNI512 void rows_vnni512(const uint8_t* w, const QX& qx, int64_t m0, 
         if (TYPE == TYPE_Q4_0) dot = _mm512_sub_epi32(dot, _mm512_loadu_si512(qx.part2.data() + o * 16));
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(qx.d2.data() + o * 16)),
                                  _mm512_cvtepi32_ps(dot), acc[m]);
-        if (TYPE == TYPE_Q4_1) {
-          acc[m] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx_m, hw), _mm512_loadu_ps(qx.dsum2.data() + o * 16),
-                                   acc[m]);
-        }
+        if (has_min) acc[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(qx.dsum2.data() + o * 16), acc[m]);
       }
     }
     float tail[M] = {};
@@ -362,8 +375,8 @@ void run_rows(int64_t isa, const uint8_t* w, const QX& qx, float* y, int64_t n_r
 at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols,
                      int64_t isa, int64_t passes) {
   TORCH_CHECK(passes == 1 || passes == 2, "anyquant::ggml_gemv: passes is 1 or 2, not ", passes);
-  TORCH_CHECK(type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0,
-              "anyquant::ggml_gemv: GGUF type ", type, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0 || type == TYPE_GQ4,
+              "anyquant::ggml_gemv: block type ", type, " is not Q4_0 (2), Q4_1 (3), Q8_0 (8) or GQ4 (100)");
   TORCH_CHECK(cols % QK == 0 && cols > 0 && rows > 0, "anyquant::ggml_gemv: cols ", cols,
               " is not a positive multiple of 32 (rows ", rows, ")");
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "anyquant::ggml_gemv runs on the CPU");
@@ -382,7 +395,9 @@ at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type
   const at::Tensor xf = x.reshape({-1, cols}).to(at::kFloat).contiguous();
   const int64_t m = xf.size(0);
   const int32_t offset = type == TYPE_Q4_0 ? 8 : (type == TYPE_Q8_0 && isa == ISA_VNNI) ? 128 : 0;
-  QX qx;
+  // one per calling thread, kept between calls: its vectors keep their capacity (a decode step's calls
+  // would otherwise allocate and zero a dozen buffers each)
+  thread_local QX qx;
   quantize_x(xf.data_ptr<float>(), m, cols, offset, passes == 2, qx);
   if (isa == ISA_VNNI && type != TYPE_Q8_0) pair_layout(qx);
   at::Tensor y = at::empty({m, rows}, xf.options());
@@ -391,6 +406,7 @@ at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type
   at::parallel_for(0, rows, 16, [&](int64_t n0, int64_t n1) {
     if (type == TYPE_Q4_0) run_rows<TYPE_Q4_0>(isa, wp, qx, yp, rows, n0, n1);
     else if (type == TYPE_Q4_1) run_rows<TYPE_Q4_1>(isa, wp, qx, yp, rows, n0, n1);
+    else if (type == TYPE_GQ4) run_rows<TYPE_GQ4>(isa, wp, qx, yp, rows, n0, n1);
     else run_rows<TYPE_Q8_0>(isa, wp, qx, yp, rows, n0, n1);
   });
   return y.to(x.scalar_type()).reshape(out_shape);

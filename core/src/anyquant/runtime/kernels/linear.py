@@ -1,4 +1,5 @@
-"""``cpu-fast``'s linear over a weight kept as raw GGUF blocks (Q4_0, Q4_1, Q8_0), read in place.
+"""``cpu-fast``'s linear over a weight kept as raw GGUF blocks (Q4_0, Q4_1, Q8_0), read in place, or as GQ4
+blocks repacked at load from a GPTQ / AWQ 4-bit layer (:class:`GroupInt4BlockLinear`).
 
 - few rows (``<= small_rows``: decode): :func:`torch.ops.anyquant.ggml_gemv` on the blocks as stored
   (activations quantized per block of 32 in ``passes`` int8 passes, integer dot products: llama.cpp's
@@ -99,4 +100,89 @@ class BlockLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, type={self.type_name} "
             f"(blocks read in place), passes={self.passes}, small_rows={self.small_rows}, bias={self.bias is not None}"
+        )
+
+
+def gq4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """GQ4 blocks (uint8 ``[out, in/32, 20]``, see :mod:`anyquant.runtime.kernels`) of ``W = s (q - z)``.
+
+    ``codes``: ``[out, in]`` (0..15), ``scales`` and ``zeros``: ``[out, in/32]``, one per block of 32 (float16
+    scales, integer zero points); the caller checks both are exact in float16."""
+    out, k = codes.shape
+    nb = k // 32
+    blocks = torch.empty(out, nb, 20, dtype=torch.uint8)
+    blocks[..., 0:2] = scales.to(torch.float16).contiguous().view(torch.uint8).view(out, nb, 2)
+    blocks[..., 2:4] = zeros.to(torch.float16).contiguous().view(torch.uint8).view(out, nb, 2)
+    halves = codes.to(torch.uint8).view(out, nb, 2, 16)
+    torch.bitwise_or(halves[:, :, 0], halves[:, :, 1] << 4, out=blocks[..., 4:])
+    return blocks
+
+
+class GroupInt4BlockLinear(BlockLinear):
+    """A GPTQ / AWQ 4-bit linear (``W = round_to(scale dtype, s (q - z))`` per group of 32, 64, 128, ... along
+    ``in``) repacked once into GQ4 blocks for the kernel; built by :meth:`from_fast` from the
+    :class:`~anyquant.runtime.fastcpu.FastInt4Linear` the format made.
+
+    Few rows: the kernel on ``s (q - z)`` as the blocks hold it (the reference's float16 rounding of each
+    weight, a relative 2**-11 at most, is left out: inside the kernel's tolerance). Many rows: the reference's
+    exact weight, dequantized from the blocks per forward, and a float GEMM (``FastInt4Linear``'s prefill)."""
+
+    def __init__(
+        self, blocks: torch.Tensor, out_features: int, in_features: int, scale_dtype: torch.dtype, **kwargs: Any
+    ):
+        super().__init__(blocks, "GQ4", out_features, in_features, **kwargs)
+        self.scale_dtype = scale_dtype
+
+    @staticmethod
+    def unsupported_reason(layer: Any) -> str | None:
+        """Why ``layer`` (a :class:`~anyquant.runtime.fastcpu.FastInt4Linear`) cannot become GQ4 blocks."""
+        if layer.perm is not None:
+            return "a g_idx that reorders columns (act-order)"
+        if layer.group_size % 32 or layer.in_features % 32:
+            return f"group size {layer.group_size} / in_features {layer.in_features} not multiples of 32"
+        scales = layer.exact_scales()
+        if scales.dtype != torch.float16 and not torch.equal(scales.to(torch.float16).to(scales.dtype), scales):
+            return f"{str(scales.dtype).replace('torch.', '')} scales that float16 does not hold exactly"
+        if int(layer.exact_zeros().max()) > 2048:
+            return "zero points above 2048"
+        return None
+
+    @classmethod
+    def from_fast(cls, layer: Any) -> GroupInt4BlockLinear:
+        """The same weight, bias and options as ``layer`` (a :class:`~anyquant.runtime.fastcpu.FastInt4Linear`
+        that :meth:`unsupported_reason` accepts)."""
+        reason = cls.unsupported_reason(layer)
+        if reason is not None:
+            raise ValueError(f"GQ4 blocks cannot hold this layer: {reason}")
+        n, k, repeat = layer.out_features, layer.in_features, layer.group_size // 32
+        scales = layer.exact_scales()
+        per_block = scales.t().repeat_interleave(repeat, dim=1)  # [out, in/32]
+        zeros = layer.exact_zeros().expand(scales.shape).t().repeat_interleave(repeat, dim=1)
+        blocks = gq4_blocks(layer._codes_kn().t(), per_block, zeros)
+        return cls(
+            blocks,
+            n,
+            k,
+            scales.dtype,
+            bias=layer.bias,
+            small_rows=layer.small_rows,
+            prefill_dtype=layer.prefill_dtype,
+            compute_dtype=layer.compute_dtype,
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """The exact weight ``[out, in]``: ``round_to(scale dtype, s (q - z))``, in the scales' dtype."""
+        n, k = self.out_features, self.in_features
+        blocks = self.blocks.view(n, k // 32, 20)
+        s = blocks[..., 0:2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
+        z = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
+        qs = blocks[..., 4:]
+        w = torch.cat((qs & 15, qs >> 4), dim=-1).to(torch.float32)  # [n, nb, 32]
+        w.sub_(z).mul_(s)
+        return w.view(n, k).to(self.scale_dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, type=GQ4 (repacked at load), "
+            f"passes={self.passes}, small_rows={self.small_rows}, bias={self.bias is not None}"
         )
