@@ -76,6 +76,8 @@ CPU_FAST_OPTIONS: Mapping[str, str] = MappingProxyType(
         "cpu_fast_small_rows": "rows up to which the decode kernels run (default 64)",
         "cpu_fast_head": "'bfloat16' (default: the prepacked head) or 'dense'",
         "cpu_fast_tables": "'file' (default: embedding and exact head read from the checkpoint) or 'memory'",
+        "cpu_fast_kv_cache": "'float16' (default under float32 activations: half the KV cache), 'bfloat16' or "
+        "'float32' (the native decoder's KV cache)",
     }
 )
 
@@ -219,6 +221,11 @@ class TransformersLoader:
         dtype = resolve_dtype(options.dtype, device)
         plan = self.plan(probe, detection, options, device)
         backend = plan.backend
+        kv_dtype = None
+        if backend == "cpu-fast":  # checked before anything is read
+            from .runtime.fastcpu import kv_cache_dtype
+
+            kv_dtype = kv_cache_dtype(options.extra, dtype)
         from ._memory import release_free_heap
 
         # the tokenizer first: its parse peaks at several times what it keeps, and
@@ -253,6 +260,10 @@ class TransformersLoader:
             log.warning("%d checkpoint tensors were not used (e.g. %s)", len(unused), unused[:3])
         if backend == "reference":
             check_decodes(module)
+        info: dict[str, Any] = {"unused_tensors": unused, "runtime": getattr(module, "runtime_name", "transformers")}
+        if hasattr(module, "kv_cache_dtype"):  # the native decoder: its caches hold this (the exact backends: None)
+            module.kv_cache_dtype = kv_dtype
+            info["kv_cache"] = str(kv_dtype or dtype).replace("torch.", "")
         loaded = LoadedModel(
             module=module,
             tokenizer=tokenizer,
@@ -262,7 +273,7 @@ class TransformersLoader:
             generator=TorchGenerator(module, tokenizer, device=device, eos_ids=end_of_sequence_ids(probe)),
             device=str(device),
             dtype=str(dtype).replace("torch.", ""),
-            info={"unused_tensors": unused, "runtime": getattr(module, "runtime_name", "transformers")},
+            info=info,
         )
         return self.finish(loaded, ctx)
 

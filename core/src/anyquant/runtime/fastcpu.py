@@ -896,6 +896,21 @@ class _Convertible(Protocol):
 _PREFILL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def kv_cache_dtype(extra: Mapping[str, Any], compute_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of the ``cpu-fast`` native decoder's KV cache: load option ``cpu_fast_kv_cache``
+    (``"float16"``, ``"bfloat16"`` or ``"float32"``); by default float16 under float32 activations (half the
+    cache; 10 mantissa bits, as llama.cpp's default f16 cache) and ``None`` (the activations' own dtype)
+    under narrower ones."""
+    from .native import KV_CACHE_DTYPES
+
+    given = extra.get("cpu_fast_kv_cache")
+    if given is None:
+        return torch.float16 if compute_dtype == torch.float32 else None
+    if given not in KV_CACHE_DTYPES:
+        raise ParameterError(f"cpu_fast_kv_cache={given!r} is not one of {sorted(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[given]
+
+
 @dataclass
 class FastCPUPlan:
     """What a loader's ``cpu-fast`` backend does with each quantized layer, and the record of it.

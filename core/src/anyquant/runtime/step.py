@@ -80,8 +80,8 @@ def _attention(
     values.narrow(2, start, 1).copy_(v.view(b, 1, kv_heads, head_dim).transpose(1, 2))
     out = F.scaled_dot_product_attention(
         qk[:, :heads],
-        keys.narrow(2, 0, start + 1),
-        values.narrow(2, 0, start + 1),
+        keys.narrow(2, 0, start + 1).to(qk.dtype),  # a cache of a narrower dtype: read back (else a no-op)
+        values.narrow(2, 0, start + 1).to(qk.dtype),
         attn_mask=mask,
         scale=scaling,
         enable_gqa=kv_heads != heads,
