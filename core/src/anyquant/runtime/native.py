@@ -171,9 +171,10 @@ class NativeCache:
     buffer holds all of them and is never copied; without it a full buffer is doubled.
 
     ``dtype``: what the buffers hold (``None``: the activations' dtype, as written). A narrower one (the
-    ``cpu-fast`` backend's float16, :data:`KV_CACHE_DTYPES`) halves the cache; keys and values are rounded to
-    it when written and read back in the activations' dtype, so attention computes as before on the rounded
-    history."""
+    ``cpu-fast`` backend's float16, :data:`KV_CACHE_DTYPES`) halves the cache: keys and values are rounded to
+    it when written, and :meth:`update` gives attention the positions of earlier forwards read back in the
+    activations' dtype followed by this forward's own exact ones (so a prompt of one prefill chunk attends
+    exactly as with a float32 cache; the compiled decode step does the same)."""
 
     def __init__(self, layers: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> None:
         self.keys: list[torch.Tensor | None] = [None] * layers
@@ -211,8 +212,15 @@ class NativeCache:
         kb.narrow(2, start, new).copy_(k)  # narrow: cheaper per call than slice assignment
         vb.narrow(2, start, new).copy_(v)
         self.lengths[layer] = end
-        # read back in k's dtype: a no-op view when the cache holds it, else one converted copy of the history
-        return kb.narrow(2, 0, end).to(k.dtype), vb.narrow(2, 0, end).to(v.dtype)
+        if kb.dtype == k.dtype:
+            return kb.narrow(2, 0, end), vb.narrow(2, 0, end)
+        if start == 0:
+            return k, v
+        # the earlier positions read back in k's dtype (one converted copy), this forward's exact
+        return (
+            torch.cat([kb.narrow(2, 0, start).to(k.dtype), k], 2),
+            torch.cat([vb.narrow(2, 0, start).to(v.dtype), v], 2),
+        )
 
 
 @dataclass
