@@ -262,7 +262,7 @@ class TransformersLoader:
             check_decodes(module)
         info: dict[str, Any] = {"unused_tensors": unused, "runtime": getattr(module, "runtime_name", "transformers")}
         if hasattr(module, "kv_cache_dtype"):  # the native decoder: its caches hold this (the exact backends: None)
-            module.kv_cache_dtype = kv_dtype
+            setattr(module, "kv_cache_dtype", kv_dtype)  # noqa: B010 - an nn.Module's plain attribute
             info["kv_cache"] = str(kv_dtype or dtype).replace("torch.", "")
         loaded = LoadedModel(
             module=module,
