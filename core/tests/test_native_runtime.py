@@ -302,6 +302,22 @@ def test_compiled_decode_step_is_bitwise_the_module_path(
     assert calls.take() == 2 and isinstance(model.module.__dict__["_step"], DecodeStep)  # only the prompt's
 
 
+def test_float16_cache_on_a_tiny_cpu_fast_model(tmp_path: Path) -> None:
+    """A tiny Llama with cpu-fast int4 linears (test_native_runtime's): the compiled decode step with a float16
+    cache is bitwise its module path, and within 1e-2 of the largest logit of the float32 cache (test_kv_cache.py's tolerance)."""
+    model = _int4_model(tmp_path / "m", bias=False)
+    ids = torch.randint(0, 200, (2, 60), generator=torch.Generator().manual_seed(3))
+    full = _decode(model, ids, 20)
+    model.module.kv_cache_dtype = torch.float16
+    del model.module.__dict__["_step"]
+    half = _decode(model, ids, 20)
+    assert model.module.__dict__["_step"] is not None
+    model.module.__dict__["_step"] = None  # the module path
+    assert torch.equal(_decode(model, ids, 20), half)
+    err = float((half - full).abs().max() / full.abs().max())
+    assert 0 < err <= 1e-2
+
+
 MOE = {
     "model_type": "qwen3_moe",
     "head_dim": 32,

@@ -77,6 +77,8 @@ CPU_FAST_OPTIONS: Mapping[str, str] = MappingProxyType(
         "cpu_fast_head": "'bfloat16' (default: the prepacked head) or 'dense'",
         "cpu_fast_tables": "'file' (default: embedding and exact head read from the checkpoint) or 'memory'",
         "cpu_fast_kernel": "'torch' (default: torch's int4 kernel) or 'gq4' (GPTQ/AWQ 4-bit on the compiled block kernel where built)",
+        "cpu_fast_kv_cache": "'float32' (default: the compute dtype), 'float16' or 'bfloat16' (half the native "
+        "decoder's KV cache; decode at long contexts slower)",
     }
 )
 
@@ -220,6 +222,11 @@ class TransformersLoader:
         dtype = resolve_dtype(options.dtype, device)
         plan = self.plan(probe, detection, options, device)
         backend = plan.backend
+        kv_dtype = None
+        if backend == "cpu-fast":  # checked before anything is read
+            from .runtime.fastcpu import kv_cache_dtype
+
+            kv_dtype = kv_cache_dtype(options.extra, dtype)
         from ._memory import release_free_heap
 
         # the tokenizer first: its parse peaks at several times what it keeps, and
@@ -254,6 +261,10 @@ class TransformersLoader:
             log.warning("%d checkpoint tensors were not used (e.g. %s)", len(unused), unused[:3])
         if backend == "reference":
             check_decodes(module)
+        info: dict[str, Any] = {"unused_tensors": unused, "runtime": getattr(module, "runtime_name", "transformers")}
+        if hasattr(module, "kv_cache_dtype"):  # the native decoder: its caches hold this (the exact backends: None)
+            setattr(module, "kv_cache_dtype", kv_dtype)  # noqa: B010 - an nn.Module's plain attribute
+            info["kv_cache"] = str(kv_dtype or dtype).replace("torch.", "")
         loaded = LoadedModel(
             module=module,
             tokenizer=tokenizer,
@@ -263,7 +274,7 @@ class TransformersLoader:
             generator=TorchGenerator(module, tokenizer, device=device, eos_ids=end_of_sequence_ids(probe)),
             device=str(device),
             dtype=str(dtype).replace("torch.", ""),
-            info={"unused_tensors": unused, "runtime": getattr(module, "runtime_name", "transformers")},
+            info=info,
         )
         return self.finish(loaded, ctx)
 

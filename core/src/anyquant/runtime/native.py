@@ -36,9 +36,11 @@ from torch import nn
 
 from .layers import RMSNorm, SparseMoe, _joint, _rotary
 
-__all__ = ["NativeCache", "NativeCausalLM", "NativeConfig", "native_runtime_reason"]
+__all__ = ["KV_CACHE_DTYPES", "NativeCache", "NativeCausalLM", "NativeConfig", "native_runtime_reason"]
 
 _TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+#: the dtypes a :class:`NativeCache` may hold, by name (load option ``cpu_fast_kv_cache``)
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: the families whose attention normalises each query and key head (RMSNorm over ``head_dim``) before rotary
 _QK_NORM = ("qwen3", "qwen3_moe")
 
@@ -166,13 +168,20 @@ class NativeCache:
 
     Stored in buffers with spare room, so a decode step writes one position instead of concatenating the
     whole history. With ``capacity`` (the positions the caller will use: prompt plus new tokens) the first
-    buffer holds all of them and is never copied; without it a full buffer is doubled."""
+    buffer holds all of them and is never copied; without it a full buffer is doubled.
 
-    def __init__(self, layers: int, capacity: int | None = None) -> None:
+    ``dtype``: what the buffers hold (``None``: the activations' dtype, as written). A narrower one (the
+    ``cpu-fast`` backend's float16, :data:`KV_CACHE_DTYPES`) halves the cache: keys and values are rounded to
+    it when written, and :meth:`update` gives attention the positions of earlier forwards read back in the
+    activations' dtype followed by this forward's own exact ones (so a prompt of one prefill chunk attends
+    exactly as with a float32 cache; the compiled decode step does the same)."""
+
+    def __init__(self, layers: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> None:
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.lengths = [0] * layers
         self.capacity = capacity
+        self.dtype = dtype
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self.lengths[layer]
@@ -181,14 +190,15 @@ class NativeCache:
         self, layer: int, end: int, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s key and value buffers with room for ``end`` positions (grown, keeping what they hold,
-        when short; new ones take ``like``'s dtype and device)."""
+        when short; new ones take the cache's ``dtype`` (else ``like``'s) and ``like``'s device)."""
         kb, vb = self.keys[layer], self.values[layer]
         if kb is None or vb is None or kb.shape[2] < end:
             start = self.lengths[layer]
             held = kb.shape[2] if kb is not None else 0
             room = max(end, self.capacity) if self.capacity is not None and held == 0 else max(end, 2 * held, 64)
-            grown_k = like.new_empty((batch, kv_heads, room, head_dim))
-            grown_v = like.new_empty((batch, kv_heads, room, head_dim))
+            dtype = self.dtype or like.dtype
+            grown_k = like.new_empty((batch, kv_heads, room, head_dim), dtype=dtype)
+            grown_v = like.new_empty((batch, kv_heads, room, head_dim), dtype=dtype)
             if kb is not None and vb is not None and start:
                 grown_k[:, :, :start] = kb[:, :, :start]
                 grown_v[:, :, :start] = vb[:, :, :start]
@@ -202,7 +212,15 @@ class NativeCache:
         kb.narrow(2, start, new).copy_(k)  # narrow: cheaper per call than slice assignment
         vb.narrow(2, start, new).copy_(v)
         self.lengths[layer] = end
-        return kb.narrow(2, 0, end), vb.narrow(2, 0, end)
+        if kb.dtype == k.dtype:
+            return kb.narrow(2, 0, end), vb.narrow(2, 0, end)
+        if start == 0:
+            return k, v
+        # the earlier positions read back in k's dtype (one converted copy), this forward's exact
+        return (
+            torch.cat([kb.narrow(2, 0, start).to(k.dtype), k], 2),
+            torch.cat([vb.narrow(2, 0, start).to(v.dtype), v], 2),
+        )
 
 
 @dataclass
@@ -323,6 +341,10 @@ class NativeCausalLM(nn.Module):
     ``attention_mask``, ``position_ids``; returns ``.logits`` and ``.cache``)."""
 
     runtime_name = "native"
+    #: what the KV caches this model makes hold (:class:`NativeCache`'s ``dtype``; ``None``: the activations'
+    #: dtype). The loaders set it on ``cpu-fast`` (load option ``cpu_fast_kv_cache``); the exact backends keep
+    #: ``None``
+    kv_cache_dtype: torch.dtype | None = None
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
@@ -369,8 +391,9 @@ class NativeCausalLM(nn.Module):
         return mask
 
     def new_cache(self, capacity: int | None = None) -> NativeCache:
-        """An empty cache for ``capacity`` positions (prompt plus new tokens; see :class:`NativeCache`)."""
-        return NativeCache(self.config.num_hidden_layers, capacity)
+        """An empty cache for ``capacity`` positions (prompt plus new tokens; see :class:`NativeCache`), holding
+        :attr:`kv_cache_dtype`."""
+        return NativeCache(self.config.num_hidden_layers, capacity, self.kv_cache_dtype)
 
     def unload(self) -> None:
         """Drop the compiled decode step (it refers back to this module: without this, ``LoadedModel.close()``
@@ -403,7 +426,7 @@ class NativeCausalLM(nn.Module):
         be 8,000 x the vocabulary in float32, 1.6 GB for SmolLM2)."""
         cache = cache if cache is not None else past_key_values
         if cache is None and use_cache:
-            cache = NativeCache(self.config.num_hidden_layers)
+            cache = self.new_cache()
         b, t = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:

@@ -87,12 +87,17 @@ def _attention(
     else:
         qk = qk.view(b, 1, rotated, head_dim).transpose(1, 2)
     qk = _rotary(qk, cos, sin)
+    v = v.view(b, 1, kv_heads, head_dim).transpose(1, 2)
     keys.narrow(2, start, 1).copy_(qk[:, heads:])
-    values.narrow(2, start, 1).copy_(v.view(b, 1, kv_heads, head_dim).transpose(1, 2))
+    values.narrow(2, start, 1).copy_(v)
+    k_all, v_all = keys.narrow(2, 0, start + 1), values.narrow(2, 0, start + 1)
+    if keys.dtype != qk.dtype:  # a narrower cache: as NativeCache.update gives it (history read back, new exact)
+        k_all = torch.cat([keys.narrow(2, 0, start).to(qk.dtype), qk[:, heads:]], 2)
+        v_all = torch.cat([values.narrow(2, 0, start).to(qk.dtype), v], 2)
     out = F.scaled_dot_product_attention(
         qk[:, :heads],
-        keys.narrow(2, 0, start + 1),
-        values.narrow(2, 0, start + 1),
+        k_all,
+        v_all,
         attn_mask=mask,
         scale=scaling,
         enable_gqa=kv_heads != heads,
