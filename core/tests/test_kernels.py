@@ -221,3 +221,26 @@ def test_gq4_linear_paths_and_refusals() -> None:
     assert "float16" in str(GroupInt4BlockLinear.unsupported_reason(tiny))
     with pytest.raises(ValueError, match="act-order"):
         GroupInt4BlockLinear.from_fast(shuffled)
+
+
+@pytest.mark.skipif((__import__("os").cpu_count() or 1) < 2, reason="one CPU")
+def test_rows_split_over_torchs_threads() -> None:
+    """The op runs its rows on torch's intra-op threads (a build without OpenMP ran on one), and each worker reads
+    the caller's quantized activations (a per-thread buffer seen from the workers was empty): 1 and 2 threads
+    give the same output, the integer reference's."""
+    before = torch.get_num_threads()
+    rows, cols = 1024, 320  # 64 grains of 16 rows: both threads take some
+    raw, _ = _blocks("Q4_0", rows, cols, seed=5)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(6))
+    try:
+        torch.set_num_threads(2)
+        assert kernels.threads() == 2
+        two = kernels.gemv(x, raw, "Q4_0", rows, cols)
+        torch.set_num_threads(1)
+        assert kernels.threads() == 1
+        one = kernels.gemv(x, raw, "Q4_0", rows, cols)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    want = _integer_reference("Q4_0", raw, x, rows, cols)
+    assert float((two.double() - want).abs().max() / want.abs().max()) < 1e-6

@@ -40,6 +40,7 @@ __all__ = [
     "build_dir",
     "gemv",
     "isa",
+    "threads",
 ]
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,17 @@ GGML_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34), "GQ4": (100, 20
 ISA_NAMES = ("scalar", "avx2", "avx512-vnni")
 
 
+#: -fopenmp: at::parallel_for is a header template that splits the rows over threads only when the extension
+#: itself is compiled with OpenMP (without it the op runs on one thread whatever torch's thread count); the
+#: library then needs libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool).
+_CFLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+
+
 def _tag() -> str:
     import torch
 
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + repr((_CFLAGS, _LDFLAGS)).encode()).hexdigest()[:12]
     return f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
 
 
@@ -79,7 +87,8 @@ def build(verbose: bool = False) -> Path:
         name=_NAME,
         sources=[str(_SOURCE)],
         build_directory=str(out),
-        extra_cflags=["-O3", "-fno-math-errno", "-ffp-contract=off"],
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
         is_python_module=False,
         verbose=verbose,
     )
@@ -127,6 +136,13 @@ def isa() -> int:
     import torch
 
     return int(torch.ops.anyquant.kernel_isa()) if available() else -1
+
+
+def threads() -> int:
+    """How many threads the op splits its rows over (torch's intra-op thread count); 0 when not available."""
+    import torch
+
+    return int(torch.ops.anyquant.kernel_threads()) if available() else 0
 
 
 def gemv(x: object, blocks: object, type_name: str, rows: int, cols: int, isa: int = -1, passes: int = 2) -> object:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import ISA_NAMES, available, build, build_dir, isa
+from . import ISA_NAMES, available, build, build_dir, isa, threads
 
 
 def main() -> int:
@@ -18,7 +18,8 @@ def main() -> int:
         path = build(verbose=args.verbose)
         print(f"built {path} in {time.perf_counter() - start:.1f} s")
     ok = available()
-    print(f"kernels: {'loaded' if ok else 'not built'} ({build_dir()}); path: {ISA_NAMES[isa()] if ok else '-'}")
+    how = f"{ISA_NAMES[isa()]}, {threads()} threads" if ok else "-"
+    print(f"kernels: {'loaded' if ok else 'not built'} ({build_dir()}); path: {how}")
     return 0 if ok else 1
 
 

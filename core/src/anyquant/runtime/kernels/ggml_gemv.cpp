@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -397,13 +398,17 @@ at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type
   const int32_t offset = type == TYPE_Q4_0 ? 8 : (type == TYPE_Q8_0 && isa == ISA_VNNI) ? 128 : 0;
   // one per calling thread, kept between calls: its vectors keep their capacity (a decode step's calls
   // would otherwise allocate and zero a dozen buffers each)
-  thread_local QX qx;
-  quantize_x(xf.data_ptr<float>(), m, cols, offset, passes == 2, qx);
-  if (isa == ISA_VNNI && type != TYPE_Q8_0) pair_layout(qx);
+  // (the workers below read it through a pointer: naming a thread_local inside the lambda would give each
+  // worker thread its own, empty, instance)
+  thread_local QX mine;
+  QX* const qp = &mine;
+  quantize_x(xf.data_ptr<float>(), m, cols, offset, passes == 2, *qp);
+  if (isa == ISA_VNNI && type != TYPE_Q8_0) pair_layout(*qp);
   at::Tensor y = at::empty({m, rows}, xf.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   at::parallel_for(0, rows, 16, [&](int64_t n0, int64_t n1) {
+    const QX& qx = *qp;
     if (type == TYPE_Q4_0) run_rows<TYPE_Q4_0>(isa, wp, qx, yp, rows, n0, n1);
     else if (type == TYPE_Q4_1) run_rows<TYPE_Q4_1>(isa, wp, qx, yp, rows, n0, n1);
     else if (type == TYPE_GQ4) run_rows<TYPE_GQ4>(isa, wp, qx, yp, rows, n0, n1);
@@ -414,11 +419,23 @@ at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type
 
 int64_t kernel_isa() { return best_isa(); }
 
+// How many threads the op's at::parallel_for runs on (torch's intra-op count where the library was built with
+// OpenMP, 1 where it was not).
+int64_t kernel_threads() {
+  std::atomic<int64_t> seen{0};
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    const int64_t bit = int64_t{1} << (at::get_thread_num() & 63);
+    seen.fetch_or(bit);
+  });
+  return __builtin_popcountll(static_cast<unsigned long long>(seen.load()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(anyquant, m) {
   m.def("ggml_gemv(Tensor x, Tensor blocks, int type, int rows, int cols, int isa=-1, int passes=2) -> Tensor");
   m.def("kernel_isa() -> int", &kernel_isa);
+  m.def("kernel_threads() -> int", &kernel_threads);
 }
 
 TORCH_LIBRARY_IMPL(anyquant, CPU, m) { m.impl("ggml_gemv", &ggml_gemv); }
