@@ -53,6 +53,7 @@ __all__ = [
     "FastCPUPlan",
     "FastHead",
     "FastInt4Linear",
+    "KV_CACHE_DTYPES",
     "Int4PackStatus",
     "PrepackedBf16Linear",
     "RowTable",
@@ -948,6 +949,8 @@ class _Convertible(Protocol):
 
 
 _PREFILL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: the dtypes the native decoder's KV cache may hold on cpu-fast, by the name load option ``cpu_fast_kv_cache`` takes
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def kv_cache_dtype(extra: Mapping[str, Any], compute_dtype: torch.dtype) -> torch.dtype | None:
@@ -956,8 +959,6 @@ def kv_cache_dtype(extra: Mapping[str, Any], compute_dtype: torch.dtype) -> torc
     halves the cache (10 mantissa bits, as llama.cpp's default f16 cache) but every decode step reads the
     history back to float32, which costs 14-18 % of decode speed at 1,000-4,000 tokens of context, so it is
     not the default: an 8,000-token prompt stays within 1.5x of llama.cpp's peak memory without it."""
-    from .native import KV_CACHE_DTYPES
-
     given = extra.get("cpu_fast_kv_cache")
     if given is None:
         return None
@@ -1009,6 +1010,7 @@ class FastCPUPlan:
         head = extra.get("cpu_fast_head", "bfloat16")
         if head not in ("bfloat16", "dense"):
             raise ParameterError(f"cpu_fast_head={head!r} is not 'bfloat16' or 'dense'")
+        kv_cache_dtype(extra, torch.float32)  # validated with the others: the loader reads it before the weights
         tables = extra.get("cpu_fast_tables", "file")
         if tables not in ("file", "memory"):
             raise ParameterError(f"cpu_fast_tables={tables!r} is not 'file' or 'memory'")

@@ -36,11 +36,9 @@ from torch import nn
 
 from .layers import RMSNorm, SparseMoe, _joint, _rotary
 
-__all__ = ["KV_CACHE_DTYPES", "NativeCache", "NativeCausalLM", "NativeConfig", "native_runtime_reason"]
+__all__ = ["NativeCache", "NativeCausalLM", "NativeConfig", "native_runtime_reason"]
 
 _TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-#: the dtypes a :class:`NativeCache` may hold, by name (load option ``cpu_fast_kv_cache``)
-KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: the families whose attention normalises each query and key head (RMSNorm over ``head_dim``) before rotary
 _QK_NORM = ("qwen3", "qwen3_moe")
 
@@ -171,7 +169,7 @@ class NativeCache:
     buffer holds all of them and is never copied; without it a full buffer is doubled.
 
     ``dtype``: what the buffers hold (``None``: the activations' dtype, as written). A narrower one (the
-    ``cpu-fast`` backend's float16, :data:`KV_CACHE_DTYPES`) halves the cache: keys and values are rounded to
+    ``cpu-fast`` backend's float16, :data:`anyquant.runtime.fastcpu.KV_CACHE_DTYPES`) halves the cache: keys and values are rounded to
     it when written, and :meth:`update` gives attention the positions of earlier forwards read back in the
     activations' dtype followed by this forward's own exact ones (so a prompt of one prefill chunk attends
     exactly as with a float32 cache; the compiled decode step does the same)."""
