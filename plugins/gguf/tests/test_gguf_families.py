@@ -18,6 +18,7 @@ layers 0.12, Gemma 2 without soft-capping 0.56, Phi-3's long instead of short fa
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -415,7 +416,9 @@ def test_cpu_fast_k_quant_linears_are_bfloat16(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
-def test_cpu_fast_decode_step_compiles_q4_k_m_layers(name: str) -> None:
+def test_cpu_fast_decode_step_compiles_q4_k_m_layers(
+    name: str, stepwise_logits: Callable[[Any, torch.Tensor, int], torch.Tensor]
+) -> None:
     """A Q4_K_M file's layers mix Q4_K (int4) and Q6_K (bfloat16 prepacked) linears, and its MoE experts mix them
     too (gate/up int4, down bfloat16): every layer runs in the compiled decode step (a layer with a bfloat16 linear
     by the ``mixed`` / ``mixed_moe`` function), with bitwise the module path's logits (the same kernels on the
@@ -438,24 +441,14 @@ def test_cpu_fast_decode_step_compiles_q4_k_m_layers(name: str) -> None:
         prompt = 8
         with torch.no_grad():
             model.module.__dict__.pop("_step", None)
-            fast = _decode_logits(model, batch, prompt)
+            fast = stepwise_logits(model, batch, prompt)
             step = model.module.__dict__["_step"]
             assert isinstance(step, DecodeStep) and all(planned is not None for planned in step.layers)
             moe = "_moe" if name in MOE else ""
             for planned, is_mixed in zip(step.layers, mixed, strict=True):
                 assert planned[0] is compiled_layer(("mixed" if is_mixed else "int4") + moe)
             model.module.__dict__["_step"] = None  # the module path
-            assert torch.equal(_decode_logits(model, batch, prompt), fast)
+            assert torch.equal(stepwise_logits(model, batch, prompt), fast)
     model.module.__dict__.pop("_step", None)
     want = rec["greedy"]
     assert _greedy(model, rec["prompt_ids"], len(want)) == want
-
-
-def _decode_logits(model: Any, ids: torch.Tensor, prompt: int) -> torch.Tensor:
-    """The logits of ``ids[:, prompt:]`` fed one token at a time after the prompt ``ids[:, :prompt]``."""
-    out = model.module(ids[:, :prompt], use_cache=True)
-    logits = []
-    for i in range(prompt, ids.shape[1]):
-        out = model.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
-        logits.append(out.logits)
-    return torch.cat(logits, dim=1)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -270,19 +271,10 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
     assert _load(path, "cpu-fast", embedding="packed").info["embedding"] == "packed"
 
 
-def _decode(model: Any, ids: torch.Tensor, prompt: int) -> torch.Tensor:
-    """The logits of ``ids[:, prompt:]`` fed one token at a time after the prompt ``ids[:, :prompt]``."""
-    with torch.no_grad():
-        out = model.module(ids[:, :prompt], use_cache=True)
-        logits = []
-        for i in range(prompt, ids.shape[1]):
-            out = model.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
-            logits.append(out.logits)
-    return torch.cat(logits, dim=1)
-
-
 @pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
-def test_block_kernel_reads_the_file_in_place(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
+def test_block_kernel_reads_the_file_in_place(
+    tiny_tied: tuple[Path, torch.nn.Module], stepwise_logits: Callable[[Any, torch.Tensor, int], torch.Tensor]
+) -> None:
     """cpu-fast with the compiled GGUF-block kernel: every Q4_0/Q4_1/Q8_0 linear and the tied Q8_0 head read the
     file's blocks (no copy), the TorchScript decode step calls the kernel and equals the module path bit for
     bit, decode stays close to the exact weights and its greedy tokens are theirs."""
@@ -306,13 +298,13 @@ def test_block_kernel_reads_the_file_in_place(tiny_tied: tuple[Path, torch.nn.Mo
     down = load_raw(reader, "blk.0.ffn_down.weight").data
     assert torch.equal(layers[0].mlp.down_proj.blocks, down.reshape(-1))  # the file's own bytes
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
-    got = _decode(fast, ids, 6)
+    got = stepwise_logits(fast, ids, 6)
     step = fast.module.__dict__["_step"]
     assert isinstance(step, DecodeStep)
     assert all(function is step_mod.compiled_layer("ggml") for function, _ in step.layers)
     fast.module.__dict__["_step"] = None  # the module path
-    assert torch.equal(_decode(fast, ids, 6), got)
-    ref = _decode(dense, ids, 6)
+    assert torch.equal(stepwise_logits(fast, ids, 6), got)
+    ref = stepwise_logits(dense, ids, 6)
     assert float((got - ref).abs().max()) < 2e-2 * float(ref.abs().max())
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     one = _load(path, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_activation_passes=1)
