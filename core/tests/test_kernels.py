@@ -71,7 +71,7 @@ def _integer_reference(
 @pytest.mark.parametrize("cols", [320, 352])  # an even and an odd number of blocks per row
 @pytest.mark.parametrize("passes", [1, 2])
 def test_exact_against_integer_reference(type_name: str, isa: int, m: int, cols: int, passes: int) -> None:
-    rows = 96
+    rows = 91 + m  # groups of 8 rows and a last partial group of 0 to 7 (the vector paths take 8 at a time)
     raw, _ = _blocks(type_name, rows, cols, seed=m)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
     x[0, :32] = 0  # an all-zero block: scale 0
@@ -116,6 +116,34 @@ def test_bad_input_is_refused() -> None:
         kernels.gemv(torch.randn(1, 48), raw, "Q4_0", 4, 48)
     with pytest.raises(RuntimeError, match="block type 6 is not"):
         torch.ops.anyquant.ggml_gemv(torch.randn(1, 64), raw, 6, 4, 64)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
+@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_cat_is_each_weight_side_by_side(isa: int, m: int, passes: int) -> None:
+    """ggml_gemv_cat (the decode step's q/k/v and gate/up) gives bitwise each weight's ggml_gemv, for weights of
+    different types and row counts (partial groups of 8 included) split over threads together."""
+    cols = 320
+    parts = [("Q4_0", 40), ("Q8_0", 13), ("Q4_1", 64), ("Q4_0", 5)]
+    blocks = [_blocks(t, rows, cols, seed=i)[0] for i, (t, rows) in enumerate(parts)]
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+    got = kernels.gemv_cat(x, [(b, t, r) for b, (t, r) in zip(blocks, parts, strict=True)], isa, passes)
+    want = torch.cat([kernels.gemv(x, b, t, r, cols, isa, passes) for b, (t, r) in zip(blocks, parts, strict=True)], 1)
+    assert got.shape == (m, sum(r for _, r in parts)) and torch.equal(got, want)
+    ref = torch.cat([_integer_reference(t, b, x, r, cols, passes) for b, (t, r) in zip(blocks, parts, strict=True)], 1)
+    assert torch.allclose(got.double(), ref, rtol=0, atol=2e-6 * float(ref.abs().max()))
+
+
+def test_cat_refuses_bad_parts() -> None:
+    raw, _ = _blocks("Q4_0", 8, 64, seed=0)
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="one each"):
+        torch.ops.anyquant.ggml_gemv_cat(x, [raw], [2, 2], [8])
+    with pytest.raises(RuntimeError, match="blocks hold"):
+        torch.ops.anyquant.ggml_gemv_cat(x, [raw, raw[:-1]], [2, 2], [8, 8])
+    with pytest.raises(RuntimeError, match="block type 6 is not"):
+        torch.ops.anyquant.ggml_gemv_cat(x, [raw], [6], [8])
 
 
 def test_scripted_call() -> None:

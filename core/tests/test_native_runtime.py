@@ -289,6 +289,7 @@ def test_compiled_decode_step_is_bitwise_the_module_path(
     assert calls.take() == 2  # the prompt's two layers; no decode step went through the modules
     if os.environ.get("PYTORCH_JIT", "1") != "0":
         assert all(isinstance(function, torch.jit.ScriptFunction) for function, _ in step.layers)
+        assert isinstance(step.stack, torch.jit.ScriptModule)  # every layer planned: the steps ran as one call
     assert all(function is step_mod.compiled_layer({"gq4": "ggml"}.get(kind, kind)) for function, _ in step.layers)
     model.module.__dict__["_step"] = None  # the module path
     slow = _decode(model, ids, 50)

@@ -25,15 +25,19 @@ without the ``.py`` sources TorchScript compiles from (a frozen application).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
+import operator
+import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, List, NamedTuple, Optional, Tuple, Union, get_type_hints  # noqa: UP035 - TorchScript reads List/Optional/Union
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from .layers import (  # _rotary: the module path's own, compiled in
     FusedInt4,
@@ -56,6 +60,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+Opt = Optional[Tensor]  # noqa: UP045 - the layer modules' mask argument (TorchScript reads Optional)
 
 
 def _attention(
@@ -330,9 +336,35 @@ def _ggml_in_python(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int,
     return _ggml(x, blocks, kind, rows, passes)
 
 
+def _ggml_cat(
+    x: torch.Tensor,
+    blocks: List[torch.Tensor],  # noqa: UP006
+    kinds: List[int],  # noqa: UP006
+    rows: List[int],  # noqa: UP006
+    passes: int,
+) -> torch.Tensor:
+    """:func:`_ggml` of several weights on the same rows ``x`` (q, k, v; gate, up), their outputs side by side:
+    one kernel call (the activations quantized once), each output as :func:`_ggml` computes it."""
+    y: torch.Tensor = torch.ops.anyquant.ggml_gemv_cat(x, blocks, kinds, rows, -1, passes)
+    return y
+
+
+def _ggml_cat_in_python(
+    x: torch.Tensor,
+    blocks: List[torch.Tensor],  # noqa: UP006
+    kinds: List[int],  # noqa: UP006
+    rows: List[int],  # noqa: UP006
+    passes: int,
+) -> torch.Tensor:
+    """:func:`_ggml_cat`, left to Python by TorchScript (for compiling where the op is not loaded)."""
+    return _ggml_cat(x, blocks, kinds, rows, passes)
+
+
 # TorchScript reads an ignored function's signature from its annotations, which must be types, not strings
 _ggml_in_python.__annotations__ = get_type_hints(_ggml_in_python)
 _ggml_in_python = torch.jit.ignore(_ggml_in_python)  # type: ignore[no-untyped-call]
+_ggml_cat_in_python.__annotations__ = get_type_hints(_ggml_cat_in_python)
+_ggml_cat_in_python = torch.jit.ignore(_ggml_cat_in_python)  # type: ignore[no-untyped-call]
 
 
 def ggml_layer(
@@ -357,17 +389,28 @@ def ggml_layer(
     q_norm: Optional[torch.Tensor],  # noqa: UP045
     k_norm: Optional[torch.Tensor],  # noqa: UP045
 ) -> torch.Tensor:
-    """:func:`int4_layer` for layers of GGUF-block linears (Q4_0, Q4_1, Q8_0 read in place): seven kernel calls."""
+    """:func:`int4_layer` for layers of GGUF-block linears (Q4_0, Q4_1, Q8_0 read in place, or GQ4): four kernel
+    calls (q/k/v and gate/up one call each where their activation passes agree)."""
     b, hidden = h.shape[0], h.shape[-1]
     x = F.rms_norm(h, [hidden], norm1, eps).view(b, hidden)
-    qk = torch.cat(
-        [_ggml(x, blocks[0], kinds[0], rows[0], passes[0]), _ggml(x, blocks[1], kinds[1], rows[1], passes[1])], 1
-    )
-    v = _ggml(x, blocks[2], kinds[2], rows[2], passes[2])
+    if passes[0] == passes[1] and passes[0] == passes[2]:
+        y = _ggml_cat(x, blocks[0:3], kinds[0:3], rows[0:3], passes[0])
+        qk, v = y[:, : rows[0] + rows[1]], y[:, rows[0] + rows[1] :]
+    else:
+        qk = torch.cat(
+            [_ggml(x, blocks[0], kinds[0], rows[0], passes[0]), _ggml(x, blocks[1], kinds[1], rows[1], passes[1])], 1
+        )
+        v = _ggml(x, blocks[2], kinds[2], rows[2], passes[2])
     a = _attention(qk, v, cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps)
     h = h + _ggml(a, blocks[3], kinds[3], rows[3], passes[3]).view(b, 1, hidden)
     x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
-    m = F.silu(_ggml(x, blocks[4], kinds[4], rows[4], passes[4])) * _ggml(x, blocks[5], kinds[5], rows[5], passes[5])
+    if passes[4] == passes[5]:
+        gu = _ggml_cat(x, blocks[4:6], kinds[4:6], rows[4:6], passes[4])
+        m = F.silu(gu[:, : rows[4]]) * gu[:, rows[4] :]
+    else:
+        m = F.silu(_ggml(x, blocks[4], kinds[4], rows[4], passes[4])) * _ggml(
+            x, blocks[5], kinds[5], rows[5], passes[5]
+        )
     return h + _ggml(m, blocks[6], kinds[6], rows[6], passes[6]).view(b, 1, hidden)
 
 
@@ -389,21 +432,28 @@ def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
 
 
 def _joint(x: torch.Tensor, parts: List[Linear]) -> torch.Tensor:  # noqa: UP006
-    """Linears that share their input: one call (``parts`` one fused int4 linear, as
-    :class:`~anyquant.runtime.layers.FusedInt4` runs them) or each in turn, their outputs side by side."""
+    """Linears that share their input, their outputs side by side: one call where ``parts`` is one fused int4
+    linear (as :class:`~anyquant.runtime.layers.FusedInt4` runs them) or GGUF-block linears of one activation
+    passes count (:func:`_ggml_cat`), else each in turn."""
     if len(parts) == 1:
         return _linear(x, parts[0])
+    blocks: List[torch.Tensor] = []  # noqa: UP006
+    kinds: List[int] = []  # noqa: UP006
+    rows: List[int] = []  # noqa: UP006
+    for p in parts:
+        if p[0] == 2 and p[5] == parts[0][5]:
+            blocks.append(p[1])
+            kinds.append(p[3])
+            rows.append(p[4])
+    if len(blocks) == len(parts):
+        return _ggml_cat(x, blocks, kinds, rows, parts[0][5])
     return torch.cat([_linear(x, p) for p in parts], 1)
 
 
 def _mlp(x: torch.Tensor, gate_up: List[Linear], down: Linear, intermediate: int) -> torch.Tensor:  # noqa: UP006
     """A SiLU-gated MLP (a dense layer's or one expert's) on rows ``x``."""
-    if len(gate_up) == 1:
-        gu = _linear(x, gate_up[0])
-        m = F.silu(gu[:, :intermediate]) * gu[:, intermediate:]
-    else:
-        m = F.silu(_linear(x, gate_up[0])) * _linear(x, gate_up[1])
-    return _linear(m, down)
+    gu = _joint(x, gate_up)
+    return _linear(F.silu(gu[:, :intermediate]) * gu[:, intermediate:], down)
 
 
 def mixed_attention(
@@ -550,39 +600,131 @@ _compiled: dict[str, Callable[..., torch.Tensor]] = {}
 _compile_lock = threading.Lock()
 
 
+@contextlib.contextmanager
+def _scripting(kinds: Collection[str]) -> Iterator[None]:
+    """While TorchScript compiles functions of ``kinds``: where the kernel op is not loaded, the ``mixed``
+    functions' block branch is compiled as a call back into Python (no GGUF-block linear can exist without
+    the op, which TorchScript must resolve)."""
+    global _ggml, _ggml_cat
+    compiled_ggml, compiled_ggml_cat = _ggml, _ggml_cat
+    if any(kind.startswith("mixed") for kind in kinds):
+        from . import kernels
+
+        if not kernels.available():
+            _ggml, _ggml_cat = _ggml_in_python, _ggml_cat_in_python
+    try:
+        with warnings.catch_warnings():
+            # torch 2.9+ marks torch.jit.script deprecated; it is what runs a fixed op sequence
+            # without Python between the ops on every torch this project supports
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        _ggml, _ggml_cat = compiled_ggml, compiled_ggml_cat
+
+
 def compiled_layer(kind: str) -> Callable[..., torch.Tensor]:
     """``LAYER_FUNCTIONS[kind]`` compiled by TorchScript once per process (the plain function where
     TorchScript is missing or refuses it; torch's ``PYTORCH_JIT=0`` gives the plain function too)."""
     with _compile_lock:
         if kind not in _compiled:
             function = LAYER_FUNCTIONS[kind]
-            global _ggml
-            compiled_ggml = _ggml
-            if kind.startswith("mixed"):
-                from . import kernels
-
-                if not kernels.available():
-                    # no GGUF-block linear can exist without the op, which TorchScript must resolve: the
-                    # mixed functions' block branch is compiled as a call back into Python instead
-                    _ggml = _ggml_in_python
             try:
-                with warnings.catch_warnings():
-                    # torch 2.9+ marks torch.jit.script deprecated; it is what runs a fixed op sequence
-                    # without Python between the ops on every torch this project supports
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    warnings.simplefilter("ignore", FutureWarning)
+                with _scripting([kind]):
                     _compiled[kind] = torch.jit.script(function)
             except Exception as e:  # any refusal means: run the Python function
                 log.debug("TorchScript did not compile the %s decode step (%s); running it as Python", kind, e)
                 _compiled[kind] = function
-            finally:
-                _ggml = compiled_ggml
         return _compiled[kind]
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Hooks on ``module``, or a ``forward`` set on the instance (as accelerate's and similar wrappers do)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in module.__dict__
+class _Planned(nn.Module):
+    """One layer of a :class:`_Stack`: the arguments of its :data:`LAYER_FUNCTIONS` function after ``mask``
+    (a tuple attribute: TorchScript types it from the values)."""
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        super().__init__()
+        self.args = args
+
+
+class _Int4Layer(_Planned):
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+        return int4_layer(h, cos, sin, k, v, start, mask, *self.args)
+
+
+class _Int4MoeLayer(_Planned):
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+        return int4_moe_layer(h, cos, sin, k, v, start, mask, *self.args)
+
+
+class _Bf16Layer(_Planned):
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+        return bf16_layer(h, cos, sin, k, v, start, mask, *self.args)
+
+
+class _GgmlLayer(_Planned):
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+        return ggml_layer(h, cos, sin, k, v, start, mask, *self.args)
+
+
+class _MixedLayer(_Planned):
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+        return mixed_layer(h, cos, sin, k, v, start, mask, *self.args)
+
+
+class _MixedMoeLayer(_Planned):
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+        return mixed_moe_layer(h, cos, sin, k, v, start, mask, *self.args)
+
+
+_LAYER_MODULES: dict[str, type[_Planned]] = {
+    "int4": _Int4Layer,
+    "int4_moe": _Int4MoeLayer,
+    "bf16": _Bf16Layer,
+    "ggml": _GgmlLayer,
+    "mixed": _MixedLayer,
+    "mixed_moe": _MixedMoeLayer,
+}
+
+
+class _Stack(nn.Module):
+    """Every layer of a :class:`DecodeStep` in one TorchScript call (a call per layer from Python converts
+    its twenty-odd arguments each time: ~25 us a layer, ~10 % of a SmolLM2 decode step on two cores)."""
+
+    def __init__(self, layers: list[_Planned]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Opt,
+        keys: List[Tensor],  # noqa: UP006
+        values: List[Tensor],  # noqa: UP006
+        starts: List[int],  # noqa: UP006
+    ) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, keys[i], values[i], starts[i], mask)
+        return h
+
+
+def _stack(layers: list[_Layer]) -> Any:
+    """The scripted :class:`_Stack` of ``layers`` (every layer planned), or ``None`` where TorchScript is off,
+    missing or refuses it (then :meth:`DecodeStep.run` calls each layer's function)."""
+    if os.environ.get("PYTORCH_JIT", "1") == "0":
+        return None
+    try:
+        with _compile_lock, _scripting({layer.kind for layer in layers}):
+            return torch.jit.script(_Stack([_LAYER_MODULES[layer.kind](layer.args) for layer in layers]))
+    except Exception as e:  # any refusal means: one call per layer
+        log.debug("TorchScript did not compile the decode step's layers as one call (%s)", e)
+        return None
+
+
+_FORWARD_HOOKS = operator.attrgetter("_forward_hooks")
+_PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
 
 
 def _global_hooks() -> bool:
@@ -613,11 +755,19 @@ class DecodeStep:
 
     def __init__(self, model: Any, layers: list[_Layer | None], watched: list[tuple[Any, str, Any]]) -> None:
         self.layers = [None if layer is None else (compiled_layer(layer.kind), layer.args) for layer in layers]
+        # every layer planned: all of them in one call (as long as ``layers`` is this list: a bench swaps it)
+        self.stack = _stack([layer for layer in layers if layer is not None]) if None not in layers else None
+        self._stacked = self.layers
+        self._kv_shapes = [(layer.args[4], layer.args[5]) for layer in layers if layer is not None]
         self.modules = model.model.layers
         self.watched = watched
         # the modules whose hooks the module path would call (the model's own run either way; its
-        # Decoder and ModuleList have no forward of their own)
+        # Decoder and ModuleList have no forward of their own); checked on every step, so as flat lists that
+        # map() walks without a Python frame per module (a few hundred modules: ~0.5 ms a token otherwise)
         self.hookable = [child for _, _, child in watched[2:]]
+        self._parent_dicts = [parent._modules for parent, _, _ in watched]
+        self._names = [name for _, name, _ in watched]
+        self._children = [child for _, _, child in watched]
         self.small_rows = min(layer.small_rows for layer in layers if layer is not None)
 
     @staticmethod
@@ -653,14 +803,30 @@ class DecodeStep:
         module the one the plan was built from."""
         if h.dtype != torch.float32 or h.device.type != "cpu" or h.shape[0] > self.small_rows or _global_hooks():
             return False
-        if any(_hooked(m) for m in self.hookable):
+        # no hooks on a hookable module, nor a ``forward`` set on the instance (as accelerate's and similar
+        # wrappers do), and each watched child still in its place
+        hookable = self.hookable
+        if any(map(_FORWARD_HOOKS, hookable)) or any(map(_PRE_HOOKS, hookable)):
             return False
-        return all(parent._modules.get(name) is child for parent, name, child in self.watched)
+        if any(map(operator.contains, map(vars, hookable), itertools.repeat("forward"))):
+            return False
+        return all(map(operator.is_, map(dict.get, self._parent_dicts, self._names), self._children))
 
     def run(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: Any
     ) -> torch.Tensor:
         """All layers for one new token per row, writing the cache (``h`` ``[b, 1, hidden]``)."""
+        if self.stack is not None and self.layers is self._stacked:
+            keys, values, starts = [], [], []
+            for i, (kv_heads, head_dim) in enumerate(self._kv_shapes):
+                start = cache.lengths[i]
+                k, v = cache.reserve(i, start + 1, h.shape[0], kv_heads, head_dim, h)
+                keys.append(k)
+                values.append(v)
+                starts.append(start)
+            h = self.stack(h, cos, sin, mask, keys, values, starts)
+            cache.lengths[:] = [start + 1 for start in starts]
+            return h
         for i, (module, planned) in enumerate(zip(self.modules, self.layers, strict=True)):
             if planned is None:
                 h = module(h, cos, sin, mask, cache)

@@ -16,6 +16,9 @@ to even), llama.cpp's Q8_0 activations; ``passes=2`` (the default): the residual
 activation, one more integer dot product per block): int8 activations alone flip near-tied greedy tokens
 (SmolLM2's "capital of France" answer, as llama.cpp's own), two passes follow the exact weights' path.
 ``isa``: -1 the best path this CPU has (:func:`isa_names`: AVX512-VNNI, AVX2, scalar), or a lower one.
+``torch.ops.anyquant.ggml_gemv_cat(x, blocks, types, rows, isa=-1, passes=2)``: several weights on the same ``x``
+(lists of blocks, types and row counts), ``x`` quantized once, their outputs side by side, each as ``ggml_gemv``
+computes it (the decode step's q/k/v and gate/up).
 
 The kernel is compiled only by an explicit step (``python -m anyquant.runtime.kernels build``, run by
 ``make install``): ``import anyquant`` never compiles. At run time :func:`available` loads the built
@@ -39,6 +42,7 @@ __all__ = [
     "build",
     "build_dir",
     "gemv",
+    "gemv_cat",
     "isa",
     "threads",
 ]
@@ -150,3 +154,12 @@ def gemv(x: object, blocks: object, type_name: str, rows: int, cols: int, isa: i
     import torch
 
     return torch.ops.anyquant.ggml_gemv(x, blocks, GGML_TYPES[type_name][0], rows, cols, isa, passes)
+
+
+def gemv_cat(x: object, parts: list[tuple[object, str, int]], isa: int = -1, passes: int = 2) -> object:
+    """``torch.ops.anyquant.ggml_gemv_cat`` with ``parts`` as ``(blocks, type name, rows)``."""
+    import torch
+
+    return torch.ops.anyquant.ggml_gemv_cat(
+        x, [p[0] for p in parts], [GGML_TYPES[p[1]][0] for p in parts], [p[2] for p in parts], isa, passes
+    )

@@ -3,12 +3,14 @@
 // 16 bytes of nibbles; w = s * (q - z), the offset -s * z exact in fp32) and x quantized
 // to int8 per block of 32 (scale max|x|/127, as GGUF's Q8_0) inside the op: integer dot products per
 // block, then the block scales. Written for anyquant from the GGUF block layout; three paths chosen at
-// run time: AVX512-VNNI (256-bit vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd), and scalar.
+// run time: AVX512-VNNI (256-bit vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd), both 8 weight rows at a time with
+// the blocks transposed in registers, and scalar (also for a last partial group of rows).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -40,97 +42,122 @@ int block_bytes(int64_t type) {
 // llama.cpp's Q8_0 activations): c = round(x / d), d = max|x| / 127, held as int8 q. Two passes (``fine``):
 // c = 256 q + l, with l = round((x - d q) * 256 / d) the int8 code of the first pass's residual (|l| <= 128,
 // clamped to 127), and the scale d / 256: about 15 bits per activation for one more integer dot product per
-// block. Also per block: d * sum(c), and the 8 partial sums of 4 consecutive c (the lanes the vector dot
-// products produce) times the weight type's offset.
+// block. Also per block: sum(c) and d * sum(c). The same for every weight type.
 struct QX {
   int64_t rows = 0, blocks = 0;
   bool fine = false;
   std::vector<int8_t> q, l;   // [rows, blocks, 32]: the high and (fine) low int8 codes
-  std::vector<int32_t> c;     // [rows, blocks, 32]: the codes
   std::vector<float> d;       // [rows, blocks]: the scale of c
   std::vector<float> dsum;    // [rows, blocks]: d * sum(c)
-  std::vector<int32_t> part;  // [rows, blocks, 8]: offset * sum of c[4j..4j+3]
-  // the same per pair of blocks (b, b+1) in the 512-bit path's order: codes [b 0..15, b+1 0..15, b 16..31,
-  // b+1 16..31], and 16 lanes each of partial sums, scales and d * sum(c) / 8 (lanes 0-3, 8-11: b)
-  std::vector<int8_t> q2, l2;
-  std::vector<int32_t> part2;
-  std::vector<float> d2, dsum2;
+  std::vector<int32_t> csum;  // [rows, blocks]: sum(c)
 };
 
-// Cloned for AVX2 where the CPU has it: nearbyint then compiles to one rounding instruction instead of a
-// libm call (the baseline x86-64 target has none), the bulk of this function's time. The same IEEE operations
-// either way (no contraction: -ffp-contract=off), so the codes do not depend on the clone.
+// One block: scale d, codes into q (and l), returns sum(c). Scalar; the same IEEE operations as the vector
+// version below (no contraction: -ffp-contract=off), so the codes do not depend on the path.
+inline int32_t quantize_block(const float* src, bool fine, int8_t* q, int8_t* l, float& d_out) {
+  float amax = 0.f;
+  for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(src[j]));
+  const float d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  int32_t sum = 0;
+  for (int j = 0; j < QK; ++j) {
+    // nearbyint: round half to even under the default rounding mode, as torch.round
+    const int v = static_cast<int>(std::nearbyint(src[j] * id));
+    q[j] = static_cast<int8_t>(v);
+    int code = v;
+    if (fine) {
+      const float r = src[j] - static_cast<float>(v) * d;
+      int lo = static_cast<int>(std::nearbyint(r * id * 256.f));
+      lo = lo > 127 ? 127 : lo < -127 ? -127 : lo;
+      l[j] = static_cast<int8_t>(lo);
+      code = 256 * v + lo;
+    }
+    sum += code;
+  }
+  d_out = d;
+  return sum;
+}
+
 #ifdef AQ_X86
-__attribute__((target_clones("avx2", "default")))
+#define AQ_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AQ_TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+
+AQ_TARGET_AVX2 inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// 4 x 8 int32 in [-128, 127] -> 32 int8 in order
+AQ_TARGET_AVX2 inline void store_int8x32(int8_t* dst, const __m256i* v) {
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  // the packs interleave 128-bit lanes: dwords 0 4 1 5 2 6 3 7 -> 0..7
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// quantize_block in AVX2 (round half to even: the default rounding mode, as nearbyint)
+AQ_TARGET_AVX2 int32_t quantize_block_avx2(const float* src, bool fine, int8_t* q, int8_t* l, float& d_out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 x[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    x[k] = _mm256_loadu_ps(src + 8 * k);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x[k]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.f;
+  const float idf = d > 0.f ? 1.f / d : 0.f;
+  const __m256 id = _mm256_set1_ps(idf), dv = _mm256_set1_ps(d);
+  constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m256i v[4], lo[4];
+  __m256i sv = _mm256_setzero_si256(), sl = _mm256_setzero_si256();
+  for (int k = 0; k < 4; ++k) {
+    const __m256 vf = _mm256_round_ps(_mm256_mul_ps(x[k], id), RN);
+    v[k] = _mm256_cvtps_epi32(vf);
+    sv = _mm256_add_epi32(sv, v[k]);
+    if (fine) {
+      const __m256 r = _mm256_sub_ps(x[k], _mm256_mul_ps(vf, dv));
+      __m256 t = _mm256_round_ps(_mm256_mul_ps(_mm256_mul_ps(r, id), _mm256_set1_ps(256.f)), RN);
+      t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
+      lo[k] = _mm256_cvtps_epi32(t);
+      sl = _mm256_add_epi32(sl, lo[k]);
+    }
+  }
+  store_int8x32(q, v);
+  if (fine) store_int8x32(l, lo);
+  d_out = d;
+  return fine ? 256 * hsum_epi32(sv) + hsum_epi32(sl) : hsum_epi32(sv);
+}
 #endif
-void quantize_x(const float* x, int64_t rows, int64_t cols, int32_t offset, bool fine, QX& out) {
+
+void quantize_x(const float* x, int64_t rows, int64_t cols, bool fine, bool vector, QX& out) {
   const int64_t nb = cols / QK;
   out.rows = rows;
   out.blocks = nb;
   out.fine = fine;
   out.q.resize(rows * nb * QK);
   out.l.resize(fine ? rows * nb * QK : 0);
-  out.c.resize(rows * nb * QK);
   out.d.resize(rows * nb);
   out.dsum.resize(rows * nb);
-  out.part.resize(rows * nb * 8);
+  out.csum.resize(rows * nb);
   for (int64_t i = 0; i < rows * nb; ++i) {
     const float* src = x + i * QK;  // rows are contiguous and cols % 32 == 0: block i of the flat array
-    float amax = 0.f;
-    for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(src[j]));
-    const float d = amax / 127.f;
-    const float id = d > 0.f ? 1.f / d : 0.f;
     int8_t* q = out.q.data() + i * QK;
-    int32_t* c = out.c.data() + i * QK;
-    int32_t sum = 0;
-    for (int j = 0; j < QK; ++j) {
-      // nearbyint: round half to even under the default rounding mode, as torch.round
-      const int v = static_cast<int>(std::nearbyint(src[j] * id));
-      q[j] = static_cast<int8_t>(v);
-      int code = v;
-      if (fine) {
-        const float r = src[j] - static_cast<float>(v) * d;
-        int lo = static_cast<int>(std::nearbyint(r * id * 256.f));
-        lo = lo > 127 ? 127 : lo < -127 ? -127 : lo;
-        out.l[i * QK + j] = static_cast<int8_t>(lo);
-        code = 256 * v + lo;
-      }
-      c[j] = code;
-      sum += code;
-    }
-    for (int k = 0; k < 8; ++k) {
-      out.part[i * 8 + k] = offset * (c[4 * k] + c[4 * k + 1] + c[4 * k + 2] + c[4 * k + 3]);
-    }
+    int8_t* l = fine ? out.l.data() + i * QK : nullptr;
+    float d;
+#ifdef AQ_X86
+    const int32_t sum = vector ? quantize_block_avx2(src, fine, q, l, d) : quantize_block(src, fine, q, l, d);
+#else
+    const int32_t sum = quantize_block(src, fine, q, l, d);
+#endif
+    out.csum[i] = sum;
     const float dc = fine ? d * (1.f / 256.f) : d;
     out.d[i] = dc;
     out.dsum[i] = dc * static_cast<float>(sum);
-  }
-}
-
-void pair_layout(QX& out) {
-  const int64_t pairs = out.blocks / 2;
-  out.q2.resize(out.rows * pairs * 64);
-  out.l2.resize(out.fine ? out.rows * pairs * 64 : 0);
-  out.part2.resize(out.rows * pairs * 16);
-  out.d2.resize(out.rows * pairs * 16);
-  out.dsum2.resize(out.rows * pairs * 16);
-  for (int64_t m = 0; m < out.rows; ++m) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t o = m * pairs + p;
-      for (int h = 0; h < 2; ++h) {      // which half of each block: elements 0..15 or 16..31
-        for (int s = 0; s < 2; ++s) {    // block b or b+1
-          const int64_t i = m * out.blocks + 2 * p + s;
-          const int quarter = 2 * h + s;  // 16-byte quarter of the 512-bit vector
-          std::memcpy(out.q2.data() + o * 64 + quarter * 16, out.q.data() + i * QK + h * 16, 16);
-          if (out.fine) std::memcpy(out.l2.data() + o * 64 + quarter * 16, out.l.data() + i * QK + h * 16, 16);
-          for (int l = 0; l < 4; ++l) {
-            out.part2[o * 16 + quarter * 4 + l] = out.part[i * 8 + h * 4 + l];
-            out.d2[o * 16 + quarter * 4 + l] = out.d[i];
-            out.dsum2[o * 16 + quarter * 4 + l] = out.dsum[i] * 0.125f;  // 8 lanes per block
-          }
-        }
-      }
-    }
   }
 }
 
@@ -138,7 +165,8 @@ void pair_layout(QX& out) {
 // one weight block times activation block i, from the codes c
 template <int64_t TYPE>
 inline float block_dot(const uint8_t* blk, const QX& qx, int64_t i) {
-  const int32_t* c = qx.c.data() + i * QK;
+  int32_t c[QK];
+  for (int j = 0; j < QK; ++j) c[j] = qx.fine ? 256 * qx.q[i * QK + j] + qx.l[i * QK + j] : qx.q[i * QK + j];
   const float dw = half_at(blk);
   int32_t dot = 0;
   if (TYPE == TYPE_Q8_0) {
@@ -147,18 +175,14 @@ inline float block_dot(const uint8_t* blk, const QX& qx, int64_t i) {
     return dw * (qx.d[i] * static_cast<float>(dot));
   }
   const uint8_t* qs = blk + (TYPE == TYPE_Q4_0 ? 2 : 4);
-  int32_t sum = 0;
-  for (int j = 0; j < 16; ++j) {
-    dot += (qs[j] & 15) * c[j] + (qs[j] >> 4) * c[j + 16];
-    sum += c[j] + c[j + 16];
-  }
-  if (TYPE == TYPE_Q4_0) return dw * (qx.d[i] * static_cast<float>(dot - 8 * sum));
+  for (int j = 0; j < 16; ++j) dot += (qs[j] & 15) * c[j] + (qs[j] >> 4) * c[j + 16];
+  if (TYPE == TYPE_Q4_0) return dw * (qx.d[i] * static_cast<float>(dot - 8 * qx.csum[i]));
   const float mw = TYPE == TYPE_GQ4 ? -(dw * half_at(blk + 2)) : half_at(blk + 2);
   return dw * (qx.d[i] * static_cast<float>(dot)) + mw * qx.dsum[i];
 }
 
 template <int64_t TYPE>
-void rows_scalar(const uint8_t* w, const QX& qx, float* y, int64_t n_rows, int64_t n0, int64_t n1) {
+void rows_scalar(const uint8_t* w, const QX& qx, float* y, int64_t ld, int64_t n0, int64_t n1) {
   const int64_t nb = qx.blocks;
   const int bs = block_bytes(TYPE);
   for (int64_t n = n0; n < n1; ++n) {
@@ -168,165 +192,164 @@ void rows_scalar(const uint8_t* w, const QX& qx, float* y, int64_t n_rows, int64
       for (int64_t b = 0; b < nb; ++b) {
         acc += block_dot<TYPE>(row + b * bs, qx, m * nb + b);
       }
-      y[m * n_rows + n] = acc;
+      y[m * ld + n] = acc;
     }
   }
 }
 
 #ifdef AQ_X86
 // ------------------------------------------------------------------------------------ AVX2 and VNNI
-// One block per step in 256 bits: the weight's 32 codes as unsigned bytes (Q4: low nibbles are
-// elements 0..15, high nibbles 16..31; Q8_0 with VNNI: code + 128, the offset taken back through
-// `part`), dotted with the activation's signed bytes into 8 int32 lanes.
 
-#define AQ_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define AQ_TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+// ------------------------------------------------------------------------ 8 rows at a time, lanes = rows
+// Block b of 8 consecutive rows, read where it is stored and transposed in registers: lane r of vector v[k]
+// holds row r's 4 weights 4k..4k+3 (k < 4) or 16+4k'..16+4k'+3 (k = 4 + k'), as unsigned bytes (Q4: the
+// nibble bytes 4k'..4k'+3, low nibbles for v[k'], high ones for v[4+k']; Q8_0: the codes' dwords k, plus 128
+// with VNNI), so that one integer dot product against the activation's 4 codes broadcast to every lane
+// advances all 8 rows, and the block's scales are applied once per 8 rows (no horizontal sums). llama.cpp
+// repacks the file into such an interleaved layout at load; here the bytes are read in place.
 
-AQ_TARGET_AVX2 inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// 8 dwords, one per row r at p + r * stride (scalar loads: vpgatherdd measured slower on AMD Zen 4, and
+// Intel's microcode for the Downfall mitigation makes it slower still)
+AQ_TARGET_AVX2 inline __m256i dwords8(const uint8_t* p, int64_t stride) {
+  int32_t v[8];
+  for (int r = 0; r < 8; ++r) std::memcpy(&v[r], p + r * stride, 4);
+  return _mm256_setr_epi32(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
 }
 
-// the body, shared by both targets through a macro (target attributes do not propagate to lambdas)
-#define AQ_ROWS_BODY(DOT)                                                                                \
+// the float16 values in the low 16 bits of each of 8 dwords, as 8 floats
+AQ_TARGET_AVX2 inline __m256 halves8(__m256i v) {
+  v = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
+  return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+
+// rows r and r + 4's 16 bytes at p (+ r * stride) in one vector
+AQ_TARGET_AVX2 inline __m256i two_rows(const uint8_t* p, int64_t stride, int r) {
+  return _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + r * stride))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (r + 4) * stride)), 1);
+}
+
+// 8 rows x 4 dwords (16 bytes at p + r * stride) -> t[k]: lane r = row r's dword k
+AQ_TARGET_AVX2 inline void transpose8x4(const uint8_t* p, int64_t stride, __m256i* t) {
+  const __m256i y0 = two_rows(p, stride, 0), y1 = two_rows(p, stride, 1);
+  const __m256i y2 = two_rows(p, stride, 2), y3 = two_rows(p, stride, 3);
+  const __m256i a = _mm256_unpacklo_epi32(y0, y1), b = _mm256_unpackhi_epi32(y0, y1);
+  const __m256i c = _mm256_unpacklo_epi32(y2, y3), d = _mm256_unpackhi_epi32(y2, y3);
+  t[0] = _mm256_unpacklo_epi64(a, c);
+  t[1] = _mm256_unpackhi_epi64(a, c);
+  t[2] = _mm256_unpacklo_epi64(b, d);
+  t[3] = _mm256_unpackhi_epi64(b, d);
+}
+
+// 8 rows x 8 dwords (32 bytes at p + r * stride) -> t[k]: lane r = row r's dword k
+AQ_TARGET_AVX2 inline void transpose8x8(const uint8_t* p, int64_t stride, __m256i* t) {
+  __m256i r[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * stride));
+  for (int i = 0; i < 8; i += 2) {
+    u[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    u[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // rows 0-3 (i = 0) and 4-7 (i = 4): dwords {0,4}, {1,5}, {2,6}, {3,7} of each 4 rows
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_unpacklo_epi64(u[i], u[i + 2]);
+    r[i + 1] = _mm256_unpackhi_epi64(u[i], u[i + 2]);
+    r[i + 2] = _mm256_unpacklo_epi64(u[i + 1], u[i + 3]);
+    r[i + 3] = _mm256_unpackhi_epi64(u[i + 1], u[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm256_permute2x128_si256(r[k], r[4 + k], 0x20);
+    t[4 + k] = _mm256_permute2x128_si256(r[k], r[4 + k], 0x31);
+  }
+}
+
+#define AQ_BCAST(P) _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(P))
+// the 8 dot products of a block's chunks v[0..7] with the codes at X, as sum of four chains of two
+#define AQ_DOT4(DOT, V, X)                                                                               \
+  _mm256_add_epi32(                                                                                      \
+      _mm256_add_epi32(DOT(DOT(_mm256_setzero_si256(), V[0], AQ_BCAST(X)), V[1], AQ_BCAST(X + 4)),       \
+                       DOT(DOT(_mm256_setzero_si256(), V[2], AQ_BCAST(X + 8)), V[3], AQ_BCAST(X + 12))), \
+      _mm256_add_epi32(DOT(DOT(_mm256_setzero_si256(), V[4], AQ_BCAST(X + 16)), V[5], AQ_BCAST(X + 20)), \
+                       DOT(DOT(_mm256_setzero_si256(), V[6], AQ_BCAST(X + 24)), V[7], AQ_BCAST(X + 28))))
+
+#define AQ_ROWS8_BODY(DOT)                                                                               \
   const int64_t nb = qx.blocks;                                                                          \
   constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : TYPE == TYPE_Q8_0 ? 34 : 20;                               \
+  constexpr int qoff = TYPE == TYPE_Q4_1 || TYPE == TYPE_GQ4 ? 4 : 2;                                    \
+  constexpr bool has_min = TYPE == TYPE_Q4_1 || TYPE == TYPE_GQ4;                                        \
+  /* the unsigned codes' offset, taken back through sum(c): Q4_0's 8, Q8_0's 128 added for vpdpbusd */   \
+  constexpr bool has_offset = TYPE == TYPE_Q4_0 || (TYPE == TYPE_Q8_0 && VNNI);                          \
+  constexpr int32_t offset = TYPE == TYPE_Q4_0 ? 8 : 128;                                                \
+  const int64_t rb = nb * bs;                                                                            \
   const __m256i lowmask = _mm256_set1_epi8(15);                                                          \
   const bool fine = qx.fine;                                                                             \
-  for (int64_t n = n0; n < n1; ++n) {                                                                    \
-    const uint8_t* row = w + n * nb * bs;                                                                \
+  for (int64_t g = g0; g < g1; ++g) {                                                                    \
+    const uint8_t* base = w + g * 8 * rb;                                                                \
     __m256 acc[M];                                                                                       \
-    float off[M];                                                                                        \
-    for (int m = 0; m < M; ++m) {                                                                        \
-      acc[m] = _mm256_setzero_ps();                                                                      \
-      off[m] = 0.f;                                                                                      \
-    }                                                                                                    \
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();                                            \
     for (int64_t b = 0; b < nb; ++b) {                                                                   \
-      const uint8_t* blk = row + b * bs;                                                                 \
-      const float dw = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk));                               \
-      __m256i wq;                                                                                        \
-      if (TYPE == TYPE_Q8_0) {                                                                           \
-        wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));                              \
-      } else {                                                                                           \
-        const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (TYPE == TYPE_Q4_0 ? 2 : 4))); \
-        wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lowmask);                       \
+      const uint8_t* blk = base + b * bs;                                                                \
+      /* the next group's 8 rows (contiguous, 8 bs per block step): 8 short strided streams are more than \
+         the hardware prefetchers follow */                                                              \
+      if (g + 1 < g1) {                                                                                  \
+        const char* pf = reinterpret_cast<const char*>(base + 8 * rb + b * 8 * bs);                      \
+        for (int l = 0; l < 8 * bs; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);                          \
       }                                                                                                  \
-      const float mw = TYPE == TYPE_Q4_1   ? _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2))        \
-                       : TYPE == TYPE_GQ4 ? -(dw * _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2))) \
-                                          : 0.f;                                                         \
+      const __m256i sc = dwords8(blk, rb);                                                               \
+      const __m256 dw = halves8(sc);                                                                     \
+      __m256 mw = _mm256_setzero_ps();                                                                   \
+      if (has_min) {                                                                                     \
+        mw = halves8(_mm256_srli_epi32(sc, 16));                                                         \
+        if (TYPE == TYPE_GQ4) mw = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dw, mw));           \
+      }                                                                                                  \
+      __m256i v[8];                                                                                      \
+      if (TYPE == TYPE_Q8_0) {                                                                           \
+        transpose8x8(blk + 2, rb, v);                                                                    \
+        if (VNNI) {                                                                                      \
+          for (int k = 0; k < 8; ++k) v[k] = _mm256_xor_si256(v[k], _mm256_set1_epi8(static_cast<char>(0x80))); \
+        }                                                                                                \
+      } else {                                                                                           \
+        transpose8x4(blk + qoff, rb, v);                                                                 \
+        for (int k = 0; k < 4; ++k) {                                                                    \
+          v[4 + k] = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), lowmask);                              \
+          v[k] = _mm256_and_si256(v[k], lowmask);                                                        \
+        }                                                                                                \
+      }                                                                                                  \
       for (int m = 0; m < M; ++m) {                                                                      \
         const int64_t i = (m0 + m) * nb + b;                                                             \
-        __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q.data() + i * QK));         \
-        __m256i dot = DOT;                                                                               \
-        if (fine) {                                                                                      \
-          xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.l.data() + i * QK));               \
-          dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), DOT);                                        \
-        }                                                                                                \
-        if (TYPE == TYPE_Q4_0 || (TYPE == TYPE_Q8_0 && VNNI)) {                                          \
-          dot = _mm256_sub_epi32(dot, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.part.data() + i * 8))); \
-        }                                                                                                \
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * qx.d[i]), _mm256_cvtepi32_ps(dot), acc[m]);          \
-        if (TYPE != TYPE_Q4_0 && TYPE != TYPE_Q8_0) off[m] += mw * qx.dsum[i];                           \
+        const int8_t* xq = qx.q.data() + i * QK;                                                         \
+        /* four short chains of dot products (not two long ones): the blocks' integer work overlaps */   \
+        __m256i s = AQ_DOT4(DOT, v, xq);                                                                 \
+        if (fine) s = _mm256_add_epi32(_mm256_slli_epi32(s, 8), AQ_DOT4(DOT, v, qx.l.data() + i * QK));  \
+        if (has_offset) s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset * qx.csum[i]));                 \
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(qx.d[i])), acc[m]); \
+        if (has_min) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(qx.dsum[i]), acc[m]);                   \
       }                                                                                                  \
     }                                                                                                    \
-    for (int m = 0; m < M; ++m) y[(m0 + m) * n_rows + n] = hsum8(acc[m]) + off[m];                       \
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + (m0 + m) * ld + g * 8, acc[m]);                 \
   }
 
 template <int64_t TYPE, int M>
-AQ_TARGET_AVX2 void rows_avx2(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t n_rows, int64_t n0,
-                              int64_t n1) {
+AQ_TARGET_AVX2 void rows8_avx2(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t ld, int64_t g0,
+                               int64_t g1) {
   constexpr bool VNNI = false;
   const __m256i ones = _mm256_set1_epi16(1);
-  // Q8_0: |w| times x with w's sign (vpmaddubsw takes unsigned x signed bytes; pairs stay in int16)
-#define AQ_DOT_AVX2                                                                                      \
-  (TYPE == TYPE_Q8_0                                                                                     \
-       ? _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq)), ones) \
-       : _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones))
-  AQ_ROWS_BODY(AQ_DOT_AVX2)
-#undef AQ_DOT_AVX2
+#define AQ_DOT8_AVX2(ACC, W, X)                                                                                 \
+  (TYPE == TYPE_Q8_0                                                                                            \
+       ? _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(W, W), _mm256_sign_epi8(X, W)), ones)) \
+       : _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones)))
+  AQ_ROWS8_BODY(AQ_DOT8_AVX2)
+#undef AQ_DOT8_AVX2
 }
 
 template <int64_t TYPE, int M>
-AQ_TARGET_VNNI void rows_vnni(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t n_rows, int64_t n0,
-                              int64_t n1) {
+AQ_TARGET_VNNI void rows8_vnni(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t ld, int64_t g0,
+                               int64_t g1) {
   constexpr bool VNNI = true;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-#define AQ_DOT_VNNI                                                                            \
-  (TYPE == TYPE_Q8_0 ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(wq, flip), xq) \
-                     : _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, xq))
-  AQ_ROWS_BODY(AQ_DOT_VNNI)
-#undef AQ_DOT_VNNI
+#define AQ_DOT8_VNNI(ACC, W, X) _mm256_dpbusd_epi32(ACC, W, X)
+  AQ_ROWS8_BODY(AQ_DOT8_VNNI)
+#undef AQ_DOT8_VNNI
 }
 
-#define AQ_TARGET_VNNI512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
-
-AQ_TARGET_VNNI512 inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-// Q4_0 / Q4_1 / GQ4, two blocks per step in 512 bits (x in QX's pair layout), an odd last block in 256 bits.
-template <int64_t TYPE, int M>
-AQ_TARGET_VNNI512 void rows_vnni512(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t n_rows,
-                                    int64_t n0, int64_t n1) {
-  const int64_t nb = qx.blocks, pairs = nb / 2;
-  constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : 20;
-  constexpr int qoff = TYPE == TYPE_Q4_0 ? 2 : 4;
-  constexpr bool has_min = TYPE != TYPE_Q4_0;  // Q4_1's m, or GQ4's -d z
-  const __m512i lowmask = _mm512_set1_epi8(15);
-  const bool fine = qx.fine;
-  // scale lanes: block b's d in lanes 0-3 and 8-11, b+1's in 4-7 and 12-15 (Q4_1: its m as well, GQ4: z)
-  const __m512i idx_d = TYPE == TYPE_Q4_0 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
-                                          : _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0);
-  const __m512i idx_m = _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * nb * bs;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; ++p) {
-      const uint8_t* b0 = row + 2 * p * bs;
-      const uint8_t* b1 = b0 + bs;
-      const __m256i t = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + qoff)),
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + qoff)));
-      const __m512i wq = _mm512_and_si512(
-          _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1), lowmask);
-      __m128i h;
-      if (TYPE == TYPE_Q4_0) {
-        uint16_t d0, d1;
-        std::memcpy(&d0, b0, 2);
-        std::memcpy(&d1, b1, 2);
-        h = _mm_cvtsi32_si128(static_cast<int>(d0 | (static_cast<uint32_t>(d1) << 16)));
-      } else {
-        uint32_t dm0, dm1;
-        std::memcpy(&dm0, b0, 4);
-        std::memcpy(&dm1, b1, 4);
-        h = _mm_cvtsi64_si128(static_cast<long long>(dm0 | (static_cast<uint64_t>(dm1) << 32)));
-      }
-      const __m512 hw = _mm512_castps128_ps512(_mm_cvtph_ps(h));
-      const __m512 dw = _mm512_permutexvar_ps(idx_d, hw);
-      // the offset per block: Q4_1's m; GQ4's -(d z), exact in fp32 (11 by at most 11 significant bits)
-      const __m512 mw = TYPE == TYPE_GQ4 ? _mm512_sub_ps(_mm512_setzero_ps(),
-                                                         _mm512_mul_ps(dw, _mm512_permutexvar_ps(idx_m, hw)))
-                                         : _mm512_permutexvar_ps(idx_m, hw);
-      for (int m = 0; m < M; ++m) {
-        const int64_t o = (m0 + m) * pairs + p;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(qx.q2.data() + o * 64));
-        if (fine) {
-          dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8),
-                                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(qx.l2.data() + o * 64)));
-        }
-        if (TYPE == TYPE_Q4_0) dot = _mm512_sub_epi32(dot, _mm512_loadu_si512(qx.part2.data() + o * 16));
-        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(qx.d2.data() + o * 16)),
-                                 _mm512_cvtepi32_ps(dot), acc[m]);
-        if (has_min) acc[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(qx.dsum2.data() + o * 16), acc[m]);
-      }
-    }
-    float tail[M] = {};
-    if (nb % 2) {
-      for (int m = 0; m < M; ++m) tail[m] = block_dot<TYPE>(row + (nb - 1) * bs, qx, (m0 + m) * nb + nb - 1);
-    }
-    for (int m = 0; m < M; ++m) y[(m0 + m) * n_rows + n] = hsum16(acc[m]) + tail[m];
-  }
-}
 #endif  // AQ_X86
 
 int64_t best_isa() {
@@ -343,78 +366,123 @@ int64_t best_isa() {
   return ISA_SCALAR;
 }
 
+// rows [8 g0, min(8 g1, n_rows)) of y (row stride ld): whole groups of 8 on the 8-row path, a last partial
+// group on the scalar one
 template <int64_t TYPE>
-void run_rows(int64_t isa, const uint8_t* w, const QX& qx, float* y, int64_t n_rows, int64_t n0, int64_t n1) {
+void run_rows(int64_t isa, const uint8_t* w, const QX& qx, float* y, int64_t ld, int64_t n_rows, int64_t g0,
+              int64_t g1) {
+  const int64_t n1 = std::min(8 * g1, n_rows);
 #ifdef AQ_X86
   if (isa != ISA_SCALAR) {
-    for (int64_t m0 = 0; m0 < qx.rows;) {
+    const int64_t full = std::min(g1, n_rows / 8);
+    for (int64_t m0 = 0; m0 < qx.rows && full > g0;) {
       const int64_t left = qx.rows - m0;
       const int step = left >= 4 ? 4 : static_cast<int>(left);
-#define AQ_CALL(FN) \
-  switch (step) {   \
-    case 4: FN<TYPE, 4>(w, qx, m0, y, n_rows, n0, n1); break; \
-    case 3: FN<TYPE, 3>(w, qx, m0, y, n_rows, n0, n1); break; \
-    case 2: FN<TYPE, 2>(w, qx, m0, y, n_rows, n0, n1); break; \
-    default: FN<TYPE, 1>(w, qx, m0, y, n_rows, n0, n1); break; \
+#define AQ_CALL(FN)                                               \
+  switch (step) {                                                 \
+    case 4: FN<TYPE, 4>(w, qx, m0, y, ld, g0, full); break;       \
+    case 3: FN<TYPE, 3>(w, qx, m0, y, ld, g0, full); break;       \
+    case 2: FN<TYPE, 2>(w, qx, m0, y, ld, g0, full); break;       \
+    default: FN<TYPE, 1>(w, qx, m0, y, ld, g0, full); break;      \
   }
-      if (isa == ISA_VNNI && TYPE != TYPE_Q8_0) {
-        AQ_CALL(rows_vnni512)
-      } else if (isa == ISA_VNNI) {
-        AQ_CALL(rows_vnni)
+      if (isa == ISA_VNNI) {
+        AQ_CALL(rows8_vnni)
       } else {
-        AQ_CALL(rows_avx2)
+        AQ_CALL(rows8_avx2)
       }
 #undef AQ_CALL
       m0 += step;
     }
+    const int64_t t0 = std::max(8 * full, 8 * g0);  // a last partial group (rows % 8): scalar
+    if (n1 > t0) rows_scalar<TYPE>(w, qx, y, ld, t0, n1);
     return;
   }
 #endif
-  rows_scalar<TYPE>(w, qx, y, n_rows, n0, n1);
+  rows_scalar<TYPE>(w, qx, y, ld, 8 * g0, n1);
 }
 
-at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols,
-                     int64_t isa, int64_t passes) {
-  TORCH_CHECK(passes == 1 || passes == 2, "anyquant::ggml_gemv: passes is 1 or 2, not ", passes);
-  TORCH_CHECK(type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0 || type == TYPE_GQ4,
-              "anyquant::ggml_gemv: block type ", type, " is not Q4_0 (2), Q4_1 (3), Q8_0 (8) or GQ4 (100)");
-  TORCH_CHECK(cols % QK == 0 && cols > 0 && rows > 0, "anyquant::ggml_gemv: cols ", cols,
-              " is not a positive multiple of 32 (rows ", rows, ")");
-  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "anyquant::ggml_gemv runs on the CPU");
-  TORCH_CHECK(x.size(-1) == cols, "anyquant::ggml_gemv: x has ", x.size(-1), " columns, not ", cols);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "anyquant::ggml_gemv: blocks must be a contiguous uint8 tensor");
-  TORCH_CHECK(blocks.numel() == rows * (cols / QK) * block_bytes(type), "anyquant::ggml_gemv: blocks hold ",
-              blocks.numel(), " bytes, not ", rows * (cols / QK) * block_bytes(type));
+// One weight of a call: its blocks, type, rows; where its rows start among the call's groups and outputs.
+struct Part {
+  const uint8_t* w;
+  int64_t type, rows, group0, col0;
+};
+
+// y[:, col0 + n] for every part's row n, the parts' groups of 8 rows split over torch's threads together
+at::Tensor gemv_parts(const at::Tensor& x, std::vector<Part>& parts, int64_t cols, int64_t isa, int64_t passes,
+                      const char* name) {
+  TORCH_CHECK(passes == 1 || passes == 2, "anyquant::", name, ": passes is 1 or 2, not ", passes);
+  TORCH_CHECK(cols % QK == 0 && cols > 0, "anyquant::", name, ": cols ", cols, " is not a positive multiple of 32");
+  TORCH_CHECK(x.device().is_cpu(), "anyquant::", name, " runs on the CPU");
+  TORCH_CHECK(x.size(-1) == cols, "anyquant::", name, ": x has ", x.size(-1), " columns, not ", cols);
   const int64_t best = best_isa();
   if (isa < 0 || isa > best) isa = best;
-  const auto out_shape = [&] {
-    auto s = x.sizes().vec();
-    s.back() = rows;
-    return s;
-  }();
+  int64_t groups = 0, total = 0;
+  for (Part& p : parts) {
+    p.group0 = groups;
+    p.col0 = total;
+    groups += (p.rows + 7) / 8;
+    total += p.rows;
+  }
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = total;
   const at::Tensor xf = x.reshape({-1, cols}).to(at::kFloat).contiguous();
   const int64_t m = xf.size(0);
-  const int32_t offset = type == TYPE_Q4_0 ? 8 : (type == TYPE_Q8_0 && isa == ISA_VNNI) ? 128 : 0;
   // one per calling thread, kept between calls: its vectors keep their capacity (a decode step's calls
   // would otherwise allocate and zero a dozen buffers each)
   // (the workers below read it through a pointer: naming a thread_local inside the lambda would give each
   // worker thread its own, empty, instance)
   thread_local QX mine;
   QX* const qp = &mine;
-  quantize_x(xf.data_ptr<float>(), m, cols, offset, passes == 2, *qp);
-  if (isa == ISA_VNNI && type != TYPE_Q8_0) pair_layout(*qp);
-  at::Tensor y = at::empty({m, rows}, xf.options());
-  float* yp = y.data_ptr<float>();
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  at::parallel_for(0, rows, 16, [&](int64_t n0, int64_t n1) {
+  quantize_x(xf.data_ptr<float>(), m, cols, passes == 2, isa != ISA_SCALAR, *qp);
+  at::Tensor y = at::empty({m, total}, xf.options());
+  float* const yp = y.data_ptr<float>();
+  // over groups of 8 rows (each row's arithmetic does not depend on how the groups are split over threads)
+  at::parallel_for(0, groups, 2, [&](int64_t a, int64_t b) {
     const QX& qx = *qp;
-    if (type == TYPE_Q4_0) run_rows<TYPE_Q4_0>(isa, wp, qx, yp, rows, n0, n1);
-    else if (type == TYPE_Q4_1) run_rows<TYPE_Q4_1>(isa, wp, qx, yp, rows, n0, n1);
-    else if (type == TYPE_GQ4) run_rows<TYPE_GQ4>(isa, wp, qx, yp, rows, n0, n1);
-    else run_rows<TYPE_Q8_0>(isa, wp, qx, yp, rows, n0, n1);
+    for (const Part& p : parts) {
+      const int64_t g0 = std::max(a, p.group0) - p.group0;
+      const int64_t g1 = std::min(b, p.group0 + (p.rows + 7) / 8) - p.group0;
+      if (g1 <= g0) continue;
+      float* const yo = yp + p.col0;
+      if (p.type == TYPE_Q4_0) run_rows<TYPE_Q4_0>(isa, p.w, qx, yo, total, p.rows, g0, g1);
+      else if (p.type == TYPE_Q4_1) run_rows<TYPE_Q4_1>(isa, p.w, qx, yo, total, p.rows, g0, g1);
+      else if (p.type == TYPE_GQ4) run_rows<TYPE_GQ4>(isa, p.w, qx, yo, total, p.rows, g0, g1);
+      else run_rows<TYPE_Q8_0>(isa, p.w, qx, yo, total, p.rows, g0, g1);
+    }
   });
   return y.to(x.scalar_type()).reshape(out_shape);
+}
+
+Part check_part(const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols, const char* name) {
+  TORCH_CHECK(type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0 || type == TYPE_GQ4, "anyquant::", name,
+              ": block type ", type, " is not Q4_0 (2), Q4_1 (3), Q8_0 (8) or GQ4 (100)");
+  TORCH_CHECK(rows > 0, "anyquant::", name, ": rows ", rows, " is not positive");
+  TORCH_CHECK(blocks.device().is_cpu(), "anyquant::", name, " runs on the CPU");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "anyquant::", name,
+              ": blocks must be a contiguous uint8 tensor");
+  TORCH_CHECK(cols % QK == 0 && cols > 0, "anyquant::", name, ": cols ", cols, " is not a positive multiple of 32");
+  TORCH_CHECK(blocks.numel() == rows * (cols / QK) * block_bytes(type), "anyquant::", name, ": blocks hold ",
+              blocks.numel(), " bytes, not ", rows * (cols / QK) * block_bytes(type));
+  return Part{blocks.data_ptr<uint8_t>(), type, rows, 0, 0};
+}
+
+at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols,
+                     int64_t isa, int64_t passes) {
+  std::vector<Part> parts{check_part(blocks, type, rows, cols, "ggml_gemv")};
+  return gemv_parts(x, parts, cols, isa, passes, "ggml_gemv");
+}
+
+// Several weights on the same x (q, k and v; gate and up): the activations quantized once, one parallel region
+// over all their rows, the outputs side by side; each row computed as ggml_gemv computes it.
+at::Tensor ggml_gemv_cat(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types, at::IntArrayRef rows,
+                         int64_t isa, int64_t passes) {
+  TORCH_CHECK(!blocks.empty() && blocks.size() == types.size() && blocks.size() == rows.size(),
+              "anyquant::ggml_gemv_cat: ", blocks.size(), " blocks, ", types.size(), " types and ", rows.size(),
+              " row counts (one each, at least one)");
+  const int64_t cols = x.size(-1);
+  std::vector<Part> parts;
+  for (size_t j = 0; j < blocks.size(); ++j) parts.push_back(check_part(blocks[j], types[j], rows[j], cols, "ggml_gemv_cat"));
+  return gemv_parts(x, parts, cols, isa, passes, "ggml_gemv_cat");
 }
 
 int64_t kernel_isa() { return best_isa(); }
@@ -434,8 +502,12 @@ int64_t kernel_threads() {
 
 TORCH_LIBRARY(anyquant, m) {
   m.def("ggml_gemv(Tensor x, Tensor blocks, int type, int rows, int cols, int isa=-1, int passes=2) -> Tensor");
+  m.def("ggml_gemv_cat(Tensor x, Tensor[] blocks, int[] types, int[] rows, int isa=-1, int passes=2) -> Tensor");
   m.def("kernel_isa() -> int", &kernel_isa);
   m.def("kernel_threads() -> int", &kernel_threads);
 }
 
-TORCH_LIBRARY_IMPL(anyquant, CPU, m) { m.impl("ggml_gemv", &ggml_gemv); }
+TORCH_LIBRARY_IMPL(anyquant, CPU, m) {
+  m.impl("ggml_gemv", &ggml_gemv);
+  m.impl("ggml_gemv_cat", &ggml_gemv_cat);
+}
