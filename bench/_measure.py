@@ -340,16 +340,18 @@ def other_share(before: tuple[int, int, int], after: tuple[int, int, int]) -> fl
     return max(0.0, ((after[0] - before[0]) - (after[2] - before[2])) / total)
 
 
-def llama_cpp_model(path: str | Path, **kwargs: Any) -> Any:
-    """``llama_cpp.Llama(path, **kwargs)`` with ``use_extra_bufts`` off: llama.cpp's AMX buffer type segfaults
-    on these hosts (ggml-org/llama.cpp#20824), so its CPU backend runs its other (repacked) kernels."""
+def llama_cpp_model(path: str | Path, extra_bufts: bool = False, **kwargs: Any) -> Any:
+    """``llama_cpp.Llama(path, **kwargs)`` with the model parameters' ``use_extra_bufts`` set: off by default, as
+    llama.cpp's extra CPU buffer types segfault on AMX hosts (ggml-org/llama.cpp#20824). They include its repack
+    buffer type, so with them off llama.cpp runs its plain (not repacked) kernels; :func:`llama_cpp_extra_bufts`
+    says whether they run on this host."""
     import llama_cpp
 
     default = llama_cpp.llama_cpp.llama_model_default_params
 
     def params() -> Any:
         p = default()
-        p.use_extra_bufts = False
+        p.use_extra_bufts = extra_bufts
         return p
 
     llama_cpp.llama_cpp.llama_model_default_params = params
@@ -357,6 +359,32 @@ def llama_cpp_model(path: str | Path, **kwargs: Any) -> Any:
         return llama_cpp.Llama(str(path), verbose=False, **kwargs)
     finally:
         llama_cpp.llama_cpp.llama_model_default_params = default
+
+
+_PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from _measure import llama_cpp_model
+llm = llama_cpp_model(sys.argv[2], extra_bufts=True, n_ctx=64, n_threads=2)
+llm.eval(llm.tokenize(b"The capital of France is"))
+print("ok")
+"""
+
+
+def llama_cpp_extra_bufts(python: str, gguf: str | Path) -> bool:
+    """Whether llama.cpp (in ``python``) loads and runs ``gguf`` with its extra CPU buffer types (its repacked
+    Q4_0/Q8_0/K-quant kernels): tried in a child process, as on AMX hosts they segfault."""
+    try:
+        proc = subprocess.run(
+            [python, "-c", _PROBE, str(Path(__file__).parent), str(gguf)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **ENV},
+            timeout=600,
+        )
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0 and proc.stdout.strip().endswith("ok")
 
 
 # ---------------------------------------------------------------------- tables for the bench scripts

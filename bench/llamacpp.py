@@ -32,12 +32,13 @@ features are chosen, not a generic wheel's::
       -DLLAMA_BUILD_TESTS=OFF" /root/llvenv/bin/pip wheel --no-deps llama_cpp_python-0.3.36.tar.gz
     /root/llvenv/bin/pip install llama_cpp_python-0.3.36-*.whl
 
-llama.cpp's AMX buffer type segfaults on these hosts (ggml-org/llama.cpp#20824): the bench loads with
-``use_extra_bufts = False`` (``_measure.llama_cpp_model`` patches ``llama_model_default_params``), so llama.cpp runs
-its repacked AVX kernels, not AMX.
+llama.cpp runs with its extra CPU buffer types (``use_extra_bufts``: its repacked Q4_0 / Q8_0 / K-quant kernels,
+which interleave 8 rows' blocks at load) where they run: on AMX hosts they segfault (ggml-org/llama.cpp#20824), so
+the bench tries them once in a child process (``--llama-extra-bufts auto``, the default) and otherwise loads with
+them off (llama.cpp's plain kernels); the header says which.
 
     python bench/llamacpp.py [--threads 2] [--samples 3] [--decode 64] [--long] [--max-other 0.05]
-        [--models smollm2,1b] [--llama-python PATH] [--gptq DIR]
+        [--models smollm2,1b] [--llama-python PATH] [--llama-extra-bufts auto|on|off] [--gptq DIR]
 """
 
 from __future__ import annotations
@@ -52,7 +53,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _measure import CACHE, ENV, _unshadow, bandwidth, cpu_times, llama_cpp_model, other_share, peak_rss_mib
+from _measure import (
+    CACHE,
+    ENV,
+    _unshadow,
+    bandwidth,
+    cpu_times,
+    llama_cpp_extra_bufts,
+    llama_cpp_model,
+    other_share,
+    peak_rss_mib,
+)
 
 ROOT = CACHE / "llamacpp"
 #: the >= 1B model: TinyLlama-1.1B's shape with SmolLM2's vocabulary
@@ -188,7 +199,12 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         before = cpu_times()
         t0 = time.perf_counter()
         llm = llama_cpp_model(
-            cfg["path"], n_ctx=LONG + 64 if long else 1024, n_threads=threads, n_threads_batch=threads, n_batch=512
+            cfg["path"],
+            extra_bufts=bool(cfg.get("extra_bufts")),
+            n_ctx=LONG + 64 if long else 1024,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=512,
         )
         load_s = time.perf_counter() - t0
         backend = ""
@@ -316,6 +332,12 @@ def main() -> int:
     ap.add_argument("--max-other", type=float, default=0.05, help="discard samples where other processes used more")
     ap.add_argument("--models", default="smollm2,1b", help="comma-separated: smollm2, 1b")
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python")
+    ap.add_argument(
+        "--llama-extra-bufts",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="llama.cpp's extra CPU buffer types (repacked kernels): auto = on where a trial load runs",
+    )
     ap.add_argument("--gptq", type=Path, help="a GPTQ 4-bit of SmolLM2-135M (anyquant row against the Q4_1)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -331,6 +353,14 @@ def main() -> int:
     llama_python = find_llama_python(args.llama_python)
     if llama_python is None:
         print("# llama.cpp column skipped: no Python with llama-cpp-python (--llama-python PATH; see the docstring)")
+    extra_bufts = args.llama_extra_bufts == "on"
+    if llama_python is not None:
+        if args.llama_extra_bufts == "auto":
+            extra_bufts = llama_cpp_extra_bufts(llama_python, smol)
+        print(
+            "# llama.cpp: extra CPU buffer types "
+            + ("on (its repacked kernels)" if extra_bufts else "off (its plain kernels; --llama-extra-bufts)")
+        )
     ids = prompt_ids(smol)
     wanted = {m.strip() for m in args.models.split(",")}
     models: list[tuple[str, Path, Path | None]] = []  # (label, llama.cpp's file, anyquant's path when another)
@@ -364,7 +394,8 @@ def main() -> int:
         common = {"threads": args.threads, "decode": args.decode, "ids": str(ids)}
         engines = [("anyquant", {**common, "engine": "anyquant", "path": str(own or file)}, sys.executable)]
         if llama_python:
-            engines.insert(0, ("llama.cpp", {**common, "engine": "llama.cpp", "path": str(file)}, llama_python))
+            ll_cfg = {**common, "engine": "llama.cpp", "path": str(file), "extra_bufts": extra_bufts}
+            engines.insert(0, ("llama.cpp", ll_cfg, llama_python))
         samples: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in engines}
         for extra in kinds:
             for i in range(args.samples if not extra else max(1, args.samples // 2)):

@@ -16,7 +16,8 @@ Rows:
   ``GPTQ_TORCH_ATEN`` bf16; see bench/gptq.py);
 - ``--gguf FILE`` (a GGUF Q4_K_M of the same shape; ``--llama-cpp DIR`` makes it from the dense checkpoint with
   llama.cpp's own converter and quantizer) with ``--llama-python PY`` (a Python with llama-cpp-python):
-  llama.cpp's decode on it, and anyquant's GGUF loader on the same file.
+  llama.cpp's decode on it (with its repacked kernels where they run: see bench/llamacpp.py), and anyquant's GGUF
+  loader on the same file.
 
 Goals (issue #25): bytes per token within 1.2x of the active parameters' bytes; decode at least 1.5x
 GPTQModel's fastest CPU path and at least 0.7x llama.cpp.
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _measure import CACHE, ENV, _unshadow, llama_cpp_model, machine
+from _measure import CACHE, ENV, _unshadow, llama_cpp_extra_bufts, llama_cpp_model, machine
 
 SHAPE: dict[str, Any] = {
     "model_type": "qwen3_moe",
@@ -230,7 +231,12 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     if cfg["kind"] == "llama.cpp":
         llm = llama_cpp_model(
-            cfg["path"], n_ctx=256, n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_batch=64
+            cfg["path"],
+            extra_bufts=bool(cfg.get("extra_bufts")),
+            n_ctx=256,
+            n_threads=cfg["threads"],
+            n_threads_batch=cfg["threads"],
+            n_batch=64,
         )
         load_s = time.perf_counter() - t0
 
@@ -365,7 +371,11 @@ def main() -> None:
     if args.gguf:
         rows.append(("anyquant GGUF (auto)", {**common, "kind": "anyquant", "path": str(args.gguf)}, sys.executable))
         if args.llama_python:
-            rows.append(("llama.cpp GGUF", {**common, "kind": "llama.cpp", "path": str(args.gguf)}, args.llama_python))
+            # its repacked kernels (extra CPU buffer types) where they run: they segfault on AMX hosts
+            extra = llama_cpp_extra_bufts(args.llama_python, args.gguf)
+            print(f"# llama.cpp: extra CPU buffer types {'on (repacked kernels)' if extra else 'off (they fail here)'}")
+            ll_cfg = {**common, "kind": "llama.cpp", "path": str(args.gguf), "extra_bufts": extra}
+            rows.append(("llama.cpp GGUF", ll_cfg, args.llama_python))
     results: dict[str, dict[str, Any]] = {}
     for order in (rows, rows[::-1]):
         for name, cfg, python in order:

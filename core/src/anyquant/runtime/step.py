@@ -10,7 +10,8 @@ RMSNorm, gate/up, SiLU, down" with cpu-fast linears runs here as one TorchScript
 (:func:`int4_layer`, with the fused q/k/v and gate/up int4 calls, :func:`bf16_layer`, :func:`ggml_layer`, or
 :func:`mixed_layer`, which calls each linear by its own kind; ``*_moe_layer`` for Qwen3-MoE's routed experts),
 called with the layer's tensors: the same ATen ops in the same order on the same tensors, so the logits are bitwise those
-of the module path (tests compare them), with the Python between the ops gone.
+of the module path (tests compare them), with the Python between the ops gone. Where every layer is planned, one
+scripted module (:class:`_Stack`) runs them all in a single call per step.
 
 :class:`DecodeStep` decides per call whether the fast path applies and falls back to the modules
 otherwise: prompts (more than one new token), activations other than float32, and any forward hook or
