@@ -135,6 +135,28 @@ def test_cat_is_each_weight_side_by_side(isa: int, m: int, passes: int) -> None:
     assert torch.allclose(got.double(), ref, rtol=0, atol=2e-6 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
+@pytest.mark.parametrize("type_name", [*TYPES, "GQ4"])
+@pytest.mark.parametrize("rows", [8, 45])  # whole groups of 8; and 5 of them with 5 rows left as they are
+def test_interleaved_form_gives_bitwise_the_same(isa: int, type_name: str, rows: int) -> None:
+    """The interleaved form (the kernel reads it with type + INTERLEAVED) gives the blocks back exactly and the
+    same output bit for bit, at every M (the 8-row path's 1 to 4 rows at a time) and activation passes."""
+    cols = 320
+    raw = _blocks("Q4_1" if type_name == "GQ4" else type_name, rows, cols, seed=rows)[0]  # GQ4: 20-byte blocks
+    code = kernels.GGML_TYPES[type_name][0]
+    il = kernels.interleave(raw, type_name, rows, cols)
+    assert il.shape == raw.shape and torch.equal(kernels.interleave(il, type_name, rows, cols, False), raw)
+    assert not torch.equal(il, raw)
+    for m in (1, 3, 6):
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+        for passes in (1, 2):
+            want = torch.ops.anyquant.ggml_gemv(x, raw, code, rows, cols, isa, passes)
+            got = torch.ops.anyquant.ggml_gemv(x, il, code + kernels.INTERLEAVED, rows, cols, isa, passes)
+            assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="is not Q4_0"):
+        torch.ops.anyquant.ggml_interleave(il, code + kernels.INTERLEAVED, rows, cols)
+
+
 def test_cat_refuses_bad_parts() -> None:
     raw, _ = _blocks("Q4_0", 8, 64, seed=0)
     x = torch.randn(1, 64)
@@ -175,7 +197,7 @@ def _gq4(rows: int, cols: int, group: int, seed: int) -> tuple[torch.Tensor, tor
     product = (codes.double() - zeros.double().repeat_interleave(group, 0)) * scales.double().repeat_interleave(
         group, 0
     )
-    return block.blocks, fast.dequantize(), product.t()
+    return block.raw_blocks(), fast.dequantize(), product.t()
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])

@@ -77,6 +77,8 @@ CPU_FAST_OPTIONS: Mapping[str, str] = MappingProxyType(
         "cpu_fast_head": "'bfloat16' (default: the prepacked head) or 'dense'",
         "cpu_fast_tables": "'file' (default: embedding and exact head read from the checkpoint) or 'memory'",
         "cpu_fast_kernel": "'torch' (default: torch's int4 kernel) or 'gq4' (GPTQ/AWQ 4-bit on the compiled block kernel where built)",
+        "cpu_fast_interleave": "True (default: block-kernel weights copied at load into the kernel's interleaved "
+        "form) or False (GGUF blocks read in place from the file)",
         "cpu_fast_kv_cache": "'float32' (default: the compute dtype), 'float16' or 'bfloat16' (half the native "
         "decoder's KV cache; decode at long contexts slower)",
     }

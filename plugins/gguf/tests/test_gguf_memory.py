@@ -241,8 +241,8 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
 
     info = fast.info["cpu_fast"]
     q8 = {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}  # Q8_0: no int4 layout
-    if kernels.available():  # the compiled GGUF-block kernel reads Q4_0 and Q8_0 alike, in place
-        assert (info["converted"], info["in_place"], info["dequantized"], info["bf16"]) == (14, 14, {}, {})
+    if kernels.available():  # the compiled GGUF-block kernel reads Q4_0 and Q8_0 alike (interleaved at load)
+        assert (info["converted"], info["interleaved"], info["dequantized"], info["bf16"]) == (14, 14, {}, {})
     elif bf16_head_status()[0]:  # host-dependent: AMX / AVX512-BF16 -> bfloat16 prepacked, 2 bytes per weight
         assert info["converted"] == 12
         assert info["bf16"] == dict.fromkeys(q8, "Q8_0") and not info["dequantized"]
@@ -272,12 +272,13 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
 
 
 @pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
-def test_block_kernel_reads_the_file_in_place(
+def test_block_kernel_on_the_file_s_blocks(
     tiny_tied: tuple[Path, torch.nn.Module], stepwise_logits: Callable[[Any, torch.Tensor, int], torch.Tensor]
 ) -> None:
-    """cpu-fast with the compiled GGUF-block kernel: every Q4_0/Q4_1/Q8_0 linear and the tied Q8_0 head read the
-    file's blocks (no copy), the TorchScript decode step calls the kernel and equals the module path bit for
-    bit, decode stays close to the exact weights and its greedy tokens are theirs."""
+    """cpu-fast with the compiled GGUF-block kernel: every Q4_0/Q4_1/Q8_0 linear holds the file's blocks in the
+    kernel's interleaved form (``cpu_fast_interleave=False``: the file's bytes, read in place) and the tied Q8_0
+    head reads the file's; both forms give bitwise the same logits, the TorchScript decode step calls the kernel and
+    equals the module path bit for bit, decode stays close to the exact weights and its greedy tokens are theirs."""
     from anyquant.runtime import step as step_mod
     from anyquant.runtime.fastcpu import FastHead
     from anyquant.runtime.kernels.linear import BlockLinear
@@ -296,9 +297,17 @@ def test_block_kernel_reads_the_file_in_place(
 
     reader = gguf.GGUFReader(path)
     down = load_raw(reader, "blk.0.ffn_down.weight").data
-    assert torch.equal(layers[0].mlp.down_proj.blocks, down.reshape(-1))  # the file's own bytes
+    assert all(m.interleaved for m in linears)
+    assert torch.equal(layers[0].mlp.down_proj.raw_blocks(), down.reshape(-1))  # the file's blocks, given back
+    assert not torch.equal(layers[0].mlp.down_proj.blocks, down.reshape(-1))
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
     got = stepwise_logits(fast, ids, 6)
+    in_place = _load(path, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_interleave=False)
+    assert in_place.info["cpu_fast"]["in_place"] == 14
+    assert torch.equal(in_place.module.model.layers[0].mlp.down_proj.blocks, down.reshape(-1))  # the file's bytes
+    assert torch.equal(stepwise_logits(in_place, ids, 6), got)
+    with torch.no_grad():  # prompts: the exact weight, dequantized from either form
+        assert torch.equal(in_place.module(ids).logits, fast.module(ids).logits)
     step = fast.module.__dict__["_step"]
     assert isinstance(step, DecodeStep)
     assert all(function is step_mod.compiled_layer("ggml") for function, _ in step.layers)
@@ -311,6 +320,8 @@ def test_block_kernel_reads_the_file_in_place(
     assert {m.passes for m in one.module.modules() if isinstance(m, BlockLinear)} == {1}
     with pytest.raises(Exception, match="cpu_fast_activation_passes"):
         _load(path, "cpu-fast", cpu_fast_activation_passes=3)
+    with pytest.raises(Exception, match="cpu_fast_interleave"):
+        _load(path, "cpu-fast", cpu_fast_interleave="maybe")
 
 
 def test_auto_backend(tiny_tied: tuple[Path, torch.nn.Module], tiny_qwen2: tuple[Path, torch.nn.Module]) -> None:

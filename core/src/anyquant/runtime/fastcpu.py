@@ -885,14 +885,15 @@ def _restore_embedding_dtype(module: Any, dtype: torch.dtype) -> None:
         head.weight = emb.weight
 
 
-def to_block_kernel(module: nn.Module) -> dict[str, Any]:
+def to_block_kernel(module: nn.Module, interleave: bool = True) -> dict[str, Any]:
     """Swap ``module``'s :class:`FastInt4Linear` layers for
     :class:`~anyquant.runtime.kernels.linear.GroupInt4BlockLinear` (the same weight as GQ4 blocks, read by
     the compiled kernel: faster than torch's int4 kernel for a few rows) when the kernel is built.
 
     All or none of a decoder layer's (a module with ``self_attn`` and ``mlp``), so that the compiled decode
     step plans it whole ("ggml" or "int4"); none of a mixture-of-experts layer's (the step's "int4_moe"
-    takes :class:`FastInt4Linear` experts and attention). Returns the record for ``info["cpu_fast"]``:
+    takes :class:`FastInt4Linear` experts and attention). ``interleave``: the blocks in the kernel's interleaved
+    form (:mod:`anyquant.runtime.kernels`). Returns the record for ``info["cpu_fast"]``:
     ``{}`` when the kernel is not built, else the count converted and why the others were not."""
     from . import kernels
 
@@ -929,7 +930,7 @@ def to_block_kernel(module: nn.Module) -> dict[str, Any]:
             skipped[owner] = reason
             continue
         for parent, child_name, child, _ in members:
-            setattr(parent, child_name, GroupInt4BlockLinear.from_fast(child))
+            setattr(parent, child_name, GroupInt4BlockLinear.from_fast(child, interleave=interleave))
             converted += 1
     if skipped:
         log.info(
@@ -980,7 +981,9 @@ class FastCPUPlan:
     the safetensors file, read a few rows or a slice at a time) or ``"memory"`` (read at load),
     ``cpu_fast_kernel`` ``"torch"`` (default: torch's int4 kernel for every 4-bit layer) or ``"gq4"``
     (:func:`to_block_kernel` where the compiled kernel is built; not the default: one thread decodes slower
-    with it on SmolLM2's shapes, and prompts of up to ``small_rows`` tokens take longer, bench/kernels.py).
+    with it on SmolLM2's shapes, and prompts of up to ``small_rows`` tokens take longer, bench/kernels.py),
+    ``cpu_fast_interleave`` ``True`` (default: weights on the compiled block kernel copied once at load into its
+    interleaved form, the file's pages released) or ``False`` (GGUF blocks read in place from the file).
     """
 
     small_rows: int = DEFAULT_SMALL_ROWS
@@ -988,6 +991,7 @@ class FastCPUPlan:
     head: bool = True
     tables: str = "file"
     block_kernel: bool = False
+    interleave: bool = True
     converted: int = 0
     fallback: dict[str, str] = field(default_factory=dict)
     head_info: dict[str, Any] = field(default_factory=dict)
@@ -1017,12 +1021,16 @@ class FastCPUPlan:
         kernel = extra.get("cpu_fast_kernel", "torch")
         if kernel not in ("torch", "gq4"):
             raise ParameterError(f"cpu_fast_kernel={kernel!r} is not 'torch' or 'gq4'")
+        interleave = extra.get("cpu_fast_interleave", True)
+        if interleave not in (True, False, "true", "false"):
+            raise ParameterError(f"cpu_fast_interleave={interleave!r} is not True or False")
         return cls(
             small_rows=rows,
             prefill_dtype=None if prefill is None else _PREFILL_DTYPES[prefill],
             head=head == "bfloat16",
             tables=tables,
             block_kernel=kernel == "gq4",
+            interleave=interleave in (True, "true"),
         )
 
     def file_tables(self) -> bool:
@@ -1051,7 +1059,7 @@ class FastCPUPlan:
         from .._memory import release_free_heap
 
         release_free_heap()  # the tokenizer's parse left freed memory in the heap: not under the head's peak
-        self.block_info = to_block_kernel(module) if self.block_kernel else {}
+        self.block_info = to_block_kernel(module, self.interleave) if self.block_kernel else {}
         if self.head and self.converted == 0:
             self.head_info = {"head": "dense", "reason": "no layer runs the int4 kernel: the model stays exact"}
         elif self.head:

@@ -378,7 +378,7 @@ class GGUFLoader(TransformersLoader):
             passes = ctx.options.extra.get("cpu_fast_activation_passes", 2)
             if passes not in (1, 2, "1", "2") or isinstance(passes, bool):
                 raise ParameterError(f"cpu_fast_activation_passes={passes!r} is not 1 or 2")
-            block_kwargs = {**fast_kwargs, "passes": int(passes)}
+            block_kwargs = {**fast_kwargs, "passes": int(passes), "interleave": plan.interleave}
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             key = f"{name}.weight"
@@ -410,8 +410,9 @@ class GGUFLoader(TransformersLoader):
             if module is not None:
                 assert fast is not None
                 fast["converted"] += 1
-                fast["in_place"] = fast.get("in_place", 0) + 1
-                in_place = True
+                in_place = not getattr(module, "interleaved", False)  # an interleaved copy: the pages can go
+                key_name = "in_place" if in_place else "interleaved"
+                fast[key_name] = fast.get(key_name, 0) + 1
             elif fast is not None:
                 reason = "" if raw.qtype in INT4_TYPES else f"{raw.qtype.name} has no int4 kernel"
                 if not reason:

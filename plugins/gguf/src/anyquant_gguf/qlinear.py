@@ -485,7 +485,7 @@ def _block_linear_class() -> type[nn.Module]:
             self.qtype = qtype
 
         def dequantize(self) -> torch.Tensor:
-            return dequantize_blocks_torch(self.blocks, self.qtype, (self.out_features, self.in_features))
+            return dequantize_blocks_torch(self.raw_blocks(), self.qtype, (self.out_features, self.in_features))
 
     return GGUFBlockLinear
 

@@ -19,6 +19,11 @@ activation, one more integer dot product per block): int8 activations alone flip
 ``torch.ops.anyquant.ggml_gemv_cat(x, blocks, types, rows, isa=-1, passes=2)``: several weights on the same ``x``
 (lists of blocks, types and row counts), ``x`` quantized once, their outputs side by side, each as ``ggml_gemv``
 computes it (the decode step's q/k/v and gate/up).
+``torch.ops.anyquant.ggml_interleave(blocks, type, rows, cols, forward=True)``: the blocks' interleaved form (a new
+tensor of the same size), which the op reads with ``type + INTERLEAVED``: per group of 8 rows and block, the 8 rows'
+scales side by side, then their code bytes in the 32-byte chunks its vector path multiplies (the file's layout
+makes it gather and transpose them per block: ~1.3x slower where memory is not the limit); ``forward=False`` gives
+the blocks back. Rows past the last whole group of 8 stay as they are.
 
 The kernel is compiled only by an explicit step (``python -m anyquant.runtime.kernels build``, run by
 ``make install``): ``import anyquant`` never compiles. At run time :func:`available` loads the built
@@ -37,12 +42,14 @@ from pathlib import Path
 
 __all__ = [
     "GGML_TYPES",
+    "INTERLEAVED",
     "ISA_NAMES",
     "available",
     "build",
     "build_dir",
     "gemv",
     "gemv_cat",
+    "interleave",
     "isa",
     "threads",
 ]
@@ -53,6 +60,8 @@ _SOURCE = Path(__file__).with_name("ggml_gemv.cpp")
 _NAME = "anyquant_ggml_gemv"
 #: block types the op takes, by name: (type id, bytes per block of 32 weights); GGUF's ids, and GQ4
 GGML_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34), "GQ4": (100, 20)}
+#: added to a type id: the op reads the blocks in their interleaved form (:func:`interleave`)
+INTERLEAVED = 1000
 ISA_NAMES = ("scalar", "avx2", "avx512-vnni")
 
 
@@ -163,3 +172,10 @@ def gemv_cat(x: object, parts: list[tuple[object, str, int]], isa: int = -1, pas
     return torch.ops.anyquant.ggml_gemv_cat(
         x, [p[0] for p in parts], [GGML_TYPES[p[1]][0] for p in parts], [p[2] for p in parts], isa, passes
     )
+
+
+def interleave(blocks: object, type_name: str, rows: int, cols: int, forward: bool = True) -> object:
+    """``torch.ops.anyquant.ggml_interleave`` with the type by name."""
+    import torch
+
+    return torch.ops.anyquant.ggml_interleave(blocks, GGML_TYPES[type_name][0], rows, cols, forward)

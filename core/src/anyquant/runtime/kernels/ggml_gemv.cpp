@@ -26,6 +26,7 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int64_t TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_GQ4 = 100;
+constexpr int64_t TYPE_IL = 1000;  // added to a type: its interleaved form (below)
 constexpr int64_t ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2;
 
 inline float half_at(const uint8_t* p) {
@@ -35,6 +36,7 @@ inline float half_at(const uint8_t* p) {
 }
 
 int block_bytes(int64_t type) {
+  type %= TYPE_IL;  // the interleaved form has the blocks' size
   return type == TYPE_Q4_0 ? 18 : (type == TYPE_Q4_1 || type == TYPE_GQ4) ? 20 : 34;
 }
 
@@ -197,6 +199,42 @@ void rows_scalar(const uint8_t* w, const QX& qx, float* y, int64_t ld, int64_t n
   }
 }
 
+// ------------------------------------------------------------------------------------- interleaved form
+// The interleaved form of a weight (type | TYPE_IL): each group of 8 rows holds, per block b, the 8 rows' blocks as
+// one piece of 8 x block bytes: their scales d side by side (16 bytes), Q4_1's m / GQ4's z side by side (16
+// bytes), then the codes in 32-byte chunks k whose 4 bytes at 4 r are row r's code bytes 4k..4k+3 (Q4: 4 chunks
+// of nibble bytes, Q8_0: 8 chunks), the vectors the 8-row path multiplies; rows past the last whole group stay
+// as they are. Same size as the blocks; made once at load (llama.cpp repacks its Q4_0 the same way).
+
+// where byte j of row r's block lies within its group's interleaved piece
+inline int il_offset(int64_t type, int r, int j) {
+  const int head = (type == TYPE_Q4_1 || type == TYPE_GQ4) ? 4 : 2;  // bytes of scales before the codes
+  if (j < 2) return 2 * r + j;
+  if (j < head) return 16 + 2 * r + (j - 2);
+  const int q = j - head;
+  return 16 * (head / 2) + 32 * (q / 4) + 4 * r + q % 4;
+}
+
+template <int64_t TYPE>
+void rows_scalar_il(const uint8_t* w, const QX& qx, float* y, int64_t ld, int64_t g0, int64_t g1) {
+  const int64_t nb = qx.blocks;
+  const int bs = block_bytes(TYPE);
+  uint8_t raw[34];
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int r = 0; r < 8; ++r) {
+      for (int64_t m = 0; m < qx.rows; ++m) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* piece = w + (g * nb + b) * 8 * bs;
+          for (int j = 0; j < bs; ++j) raw[j] = piece[il_offset(TYPE, r, j)];
+          acc += block_dot<TYPE>(raw, qx, m * nb + b);
+        }
+        y[m * ld + 8 * g + r] = acc;
+      }
+    }
+  }
+}
+
 #ifdef AQ_X86
 // ------------------------------------------------------------------------------------ AVX2 and VNNI
 
@@ -287,28 +325,40 @@ AQ_TARGET_AVX2 inline void transpose8x8(const uint8_t* p, int64_t stride, __m256
     __m256 acc[M];                                                                                       \
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();                                            \
     for (int64_t b = 0; b < nb; ++b) {                                                                   \
-      const uint8_t* blk = base + b * bs;                                                                \
-      /* the next group's 8 rows (contiguous, 8 bs per block step): 8 short strided streams are more than \
-         the hardware prefetchers follow */                                                              \
-      if (g + 1 < g1) {                                                                                  \
-        const char* pf = reinterpret_cast<const char*>(base + 8 * rb + b * 8 * bs);                      \
-        for (int l = 0; l < 8 * bs; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);                          \
-      }                                                                                                  \
-      const __m256i sc = dwords8(blk, rb);                                                               \
-      const __m256 dw = halves8(sc);                                                                     \
-      __m256 mw = _mm256_setzero_ps();                                                                   \
-      if (has_min) {                                                                                     \
-        mw = halves8(_mm256_srli_epi32(sc, 16));                                                         \
-        if (TYPE == TYPE_GQ4) mw = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dw, mw));           \
-      }                                                                                                  \
+      __m256 dw, mw = _mm256_setzero_ps();                                                               \
       __m256i v[8];                                                                                      \
+      if (IL) {                                                                                          \
+        /* interleaved: the 8 rows' scales side by side, then the chunks as the vectors want them */      \
+        const uint8_t* blk = base + b * 8 * bs;                                                          \
+        dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));                    \
+        if (has_min) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));  \
+        const uint8_t* chunks = blk + (has_min ? 32 : 16);                                               \
+        for (int k = 0; k < (TYPE == TYPE_Q8_0 ? 8 : 4); ++k) {                                          \
+          v[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * k));                  \
+        }                                                                                                \
+      } else {                                                                                           \
+        const uint8_t* blk = base + b * bs;                                                              \
+        /* the next group's 8 rows (contiguous, 8 bs per block step): 8 short strided streams are more   \
+           than the hardware prefetchers follow */                                                       \
+        if (g + 1 < g1) {                                                                                \
+          const char* pf = reinterpret_cast<const char*>(base + 8 * rb + b * 8 * bs);                    \
+          for (int l = 0; l < 8 * bs; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);                        \
+        }                                                                                                \
+        const __m256i sc = dwords8(blk, rb);                                                             \
+        dw = halves8(sc);                                                                                \
+        if (has_min) mw = halves8(_mm256_srli_epi32(sc, 16));                                            \
+        if (TYPE == TYPE_Q8_0) {                                                                         \
+          transpose8x8(blk + 2, rb, v);                                                                  \
+        } else {                                                                                         \
+          transpose8x4(blk + qoff, rb, v);                                                               \
+        }                                                                                                \
+      }                                                                                                  \
+      if (TYPE == TYPE_GQ4) mw = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dw, mw));             \
       if (TYPE == TYPE_Q8_0) {                                                                           \
-        transpose8x8(blk + 2, rb, v);                                                                    \
         if (VNNI) {                                                                                      \
           for (int k = 0; k < 8; ++k) v[k] = _mm256_xor_si256(v[k], _mm256_set1_epi8(static_cast<char>(0x80))); \
         }                                                                                                \
       } else {                                                                                           \
-        transpose8x4(blk + qoff, rb, v);                                                                 \
         for (int k = 0; k < 4; ++k) {                                                                    \
           v[4 + k] = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), lowmask);                              \
           v[k] = _mm256_and_si256(v[k], lowmask);                                                        \
@@ -328,7 +378,7 @@ AQ_TARGET_AVX2 inline void transpose8x8(const uint8_t* p, int64_t stride, __m256
     for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + (m0 + m) * ld + g * 8, acc[m]);                 \
   }
 
-template <int64_t TYPE, int M>
+template <int64_t TYPE, int M, bool IL>
 AQ_TARGET_AVX2 void rows8_avx2(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t ld, int64_t g0,
                                int64_t g1) {
   constexpr bool VNNI = false;
@@ -341,7 +391,7 @@ AQ_TARGET_AVX2 void rows8_avx2(const uint8_t* w, const QX& qx, int64_t m0, float
 #undef AQ_DOT8_AVX2
 }
 
-template <int64_t TYPE, int M>
+template <int64_t TYPE, int M, bool IL>
 AQ_TARGET_VNNI void rows8_vnni(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t ld, int64_t g0,
                                int64_t g1) {
   constexpr bool VNNI = true;
@@ -368,7 +418,7 @@ int64_t best_isa() {
 
 // rows [8 g0, min(8 g1, n_rows)) of y (row stride ld): whole groups of 8 on the 8-row path, a last partial
 // group on the scalar one
-template <int64_t TYPE>
+template <int64_t TYPE, bool IL>
 void run_rows(int64_t isa, const uint8_t* w, const QX& qx, float* y, int64_t ld, int64_t n_rows, int64_t g0,
               int64_t g1) {
   const int64_t n1 = std::min(8 * g1, n_rows);
@@ -380,10 +430,10 @@ void run_rows(int64_t isa, const uint8_t* w, const QX& qx, float* y, int64_t ld,
       const int step = left >= 4 ? 4 : static_cast<int>(left);
 #define AQ_CALL(FN)                                               \
   switch (step) {                                                 \
-    case 4: FN<TYPE, 4>(w, qx, m0, y, ld, g0, full); break;       \
-    case 3: FN<TYPE, 3>(w, qx, m0, y, ld, g0, full); break;       \
-    case 2: FN<TYPE, 2>(w, qx, m0, y, ld, g0, full); break;       \
-    default: FN<TYPE, 1>(w, qx, m0, y, ld, g0, full); break;      \
+    case 4: FN<TYPE, 4, IL>(w, qx, m0, y, ld, g0, full); break;   \
+    case 3: FN<TYPE, 3, IL>(w, qx, m0, y, ld, g0, full); break;   \
+    case 2: FN<TYPE, 2, IL>(w, qx, m0, y, ld, g0, full); break;   \
+    default: FN<TYPE, 1, IL>(w, qx, m0, y, ld, g0, full); break;  \
   }
       if (isa == ISA_VNNI) {
         AQ_CALL(rows8_vnni)
@@ -398,6 +448,13 @@ void run_rows(int64_t isa, const uint8_t* w, const QX& qx, float* y, int64_t ld,
     return;
   }
 #endif
+  if (IL) {
+    const int64_t full = std::min(g1, n_rows / 8);
+    if (full > g0) rows_scalar_il<TYPE>(w, qx, y, ld, g0, full);
+    const int64_t t0 = std::max(8 * full, 8 * g0);
+    if (n1 > t0) rows_scalar<TYPE>(w, qx, y, ld, t0, n1);
+    return;
+  }
   rows_scalar<TYPE>(w, qx, y, ld, 8 * g0, n1);
 }
 
@@ -444,18 +501,31 @@ at::Tensor gemv_parts(const at::Tensor& x, std::vector<Part>& parts, int64_t col
       const int64_t g1 = std::min(b, p.group0 + (p.rows + 7) / 8) - p.group0;
       if (g1 <= g0) continue;
       float* const yo = yp + p.col0;
-      if (p.type == TYPE_Q4_0) run_rows<TYPE_Q4_0>(isa, p.w, qx, yo, total, p.rows, g0, g1);
-      else if (p.type == TYPE_Q4_1) run_rows<TYPE_Q4_1>(isa, p.w, qx, yo, total, p.rows, g0, g1);
-      else if (p.type == TYPE_GQ4) run_rows<TYPE_GQ4>(isa, p.w, qx, yo, total, p.rows, g0, g1);
-      else run_rows<TYPE_Q8_0>(isa, p.w, qx, yo, total, p.rows, g0, g1);
+#define AQ_RUN(IL)                                                                                  \
+  if (base == TYPE_Q4_0) run_rows<TYPE_Q4_0, IL>(isa, p.w, qx, yo, total, p.rows, g0, g1);          \
+  else if (base == TYPE_Q4_1) run_rows<TYPE_Q4_1, IL>(isa, p.w, qx, yo, total, p.rows, g0, g1);     \
+  else if (base == TYPE_GQ4) run_rows<TYPE_GQ4, IL>(isa, p.w, qx, yo, total, p.rows, g0, g1);       \
+  else run_rows<TYPE_Q8_0, IL>(isa, p.w, qx, yo, total, p.rows, g0, g1);
+      const int64_t base = p.type % TYPE_IL;
+      if (p.type >= TYPE_IL) {
+        AQ_RUN(true)
+      } else {
+        AQ_RUN(false)
+      }
+#undef AQ_RUN
     }
   });
   return y.to(x.scalar_type()).reshape(out_shape);
 }
 
+bool known_type(int64_t type) {
+  const int64_t base = type >= TYPE_IL ? type - TYPE_IL : type;
+  return base == TYPE_Q4_0 || base == TYPE_Q4_1 || base == TYPE_Q8_0 || base == TYPE_GQ4;
+}
+
 Part check_part(const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols, const char* name) {
-  TORCH_CHECK(type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0 || type == TYPE_GQ4, "anyquant::", name,
-              ": block type ", type, " is not Q4_0 (2), Q4_1 (3), Q8_0 (8) or GQ4 (100)");
+  TORCH_CHECK(known_type(type), "anyquant::", name, ": block type ", type,
+              " is not Q4_0 (2), Q4_1 (3), Q8_0 (8) or GQ4 (100), or one of them interleaved (+1000)");
   TORCH_CHECK(rows > 0, "anyquant::", name, ": rows ", rows, " is not positive");
   TORCH_CHECK(blocks.device().is_cpu(), "anyquant::", name, " runs on the CPU");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "anyquant::", name,
@@ -485,6 +555,54 @@ at::Tensor ggml_gemv_cat(const at::Tensor& x, at::TensorList blocks, at::IntArra
   return gemv_parts(x, parts, cols, isa, passes, "ggml_gemv_cat");
 }
 
+// groups [g0, g1) of blocks (src) into their interleaved form (dst), or back (forward false): il_offset's mapping, a
+// scale (2 bytes) and a code word (4 bytes) at a time
+template <int64_t TYPE>
+void interleave_groups(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t g0, int64_t g1, bool forward) {
+  constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : TYPE == TYPE_Q8_0 ? 34 : 20;
+  constexpr int head = TYPE == TYPE_Q4_1 || TYPE == TYPE_GQ4 ? 4 : 2, scales = head / 2, words = (bs - head) / 4;
+  int at_scale[8][scales], at_word[8][words];
+  for (int r = 0; r < 8; ++r) {
+    for (int i = 0; i < scales; ++i) at_scale[r][i] = il_offset(TYPE, r, 2 * i);
+    for (int q = 0; q < words; ++q) at_word[r][q] = il_offset(TYPE, r, head + 4 * q);
+  }
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t piece = (g * nb + b) * 8 * bs;
+      for (int r = 0; r < 8; ++r) {
+        const int64_t row = ((8 * g + r) * nb + b) * bs;
+        if (forward) {
+          for (int i = 0; i < scales; ++i) std::memcpy(dst + piece + at_scale[r][i], src + row + 2 * i, 2);
+          for (int q = 0; q < words; ++q) std::memcpy(dst + piece + at_word[r][q], src + row + head + 4 * q, 4);
+        } else {
+          for (int i = 0; i < scales; ++i) std::memcpy(dst + row + 2 * i, src + piece + at_scale[r][i], 2);
+          for (int q = 0; q < words; ++q) std::memcpy(dst + row + head + 4 * q, src + piece + at_word[r][q], 4);
+        }
+      }
+    }
+  }
+}
+
+// The interleaved form of blocks (forward) or the blocks back from it, as a new tensor; groups split over threads.
+at::Tensor ggml_interleave(const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols, bool forward) {
+  TORCH_CHECK(type < TYPE_IL && known_type(type), "anyquant::ggml_interleave: block type ", type,
+              " is not Q4_0 (2), Q4_1 (3), Q8_0 (8) or GQ4 (100)");
+  check_part(blocks, type, rows, cols, "ggml_interleave");
+  const int64_t nb = cols / QK, bs = block_bytes(type), groups = rows / 8;
+  at::Tensor out = at::empty_like(blocks);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    if (type == TYPE_Q4_0) interleave_groups<TYPE_Q4_0>(src, dst, nb, g0, g1, forward);
+    else if (type == TYPE_Q4_1) interleave_groups<TYPE_Q4_1>(src, dst, nb, g0, g1, forward);
+    else if (type == TYPE_GQ4) interleave_groups<TYPE_GQ4>(src, dst, nb, g0, g1, forward);
+    else interleave_groups<TYPE_Q8_0>(src, dst, nb, g0, g1, forward);
+  });
+  const int64_t done = groups * 8 * nb * bs;  // rows past the last whole group: as they are
+  std::memcpy(dst + done, src + done, blocks.numel() - done);
+  return out;
+}
+
 int64_t kernel_isa() { return best_isa(); }
 
 // How many threads the op's at::parallel_for runs on (torch's intra-op count where the library was built with
@@ -503,6 +621,7 @@ int64_t kernel_threads() {
 TORCH_LIBRARY(anyquant, m) {
   m.def("ggml_gemv(Tensor x, Tensor blocks, int type, int rows, int cols, int isa=-1, int passes=2) -> Tensor");
   m.def("ggml_gemv_cat(Tensor x, Tensor[] blocks, int[] types, int[] rows, int isa=-1, int passes=2) -> Tensor");
+  m.def("ggml_interleave(Tensor blocks, int type, int rows, int cols, bool forward=True) -> Tensor");
   m.def("kernel_isa() -> int", &kernel_isa);
   m.def("kernel_threads() -> int", &kernel_threads);
 }
@@ -510,4 +629,5 @@ TORCH_LIBRARY(anyquant, m) {
 TORCH_LIBRARY_IMPL(anyquant, CPU, m) {
   m.impl("ggml_gemv", &ggml_gemv);
   m.impl("ggml_gemv_cat", &ggml_gemv_cat);
+  m.impl("ggml_interleave", &ggml_interleave);
 }
