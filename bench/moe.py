@@ -272,7 +272,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             from anyquant.runtime.experts import Experts
 
             Experts.forward = _all_experts  # type: ignore[method-assign]
-        m = anyquant.load(cfg["path"], backend=cfg.get("backend", "auto"))
+        m = anyquant.load(cfg["path"], backend=cfg.get("backend", "auto"), **cfg.get("options", {}))
         load_s = time.perf_counter() - t0
         cfg["backend"] = m.backend
         m.generator.eos_ids = set()  # always NEW tokens, as the other rows
@@ -352,6 +352,11 @@ def main() -> None:
     common = {"threads": args.threads}
     rows: list[tuple[str, dict[str, Any], str]] = [
         ("anyquant GPTQ cpu-fast (routed experts)", {**common, "kind": "anyquant", "path": str(gptq)}, sys.executable),
+        (
+            "anyquant GPTQ cpu-fast, `cpu_fast_kernel='gq4'` (experts on the block kernel)",
+            {**common, "kind": "anyquant", "path": str(gptq), "options": {"cpu_fast_kernel": "gq4"}},
+            sys.executable,
+        ),
         (
             "anyquant GPTQ cpu-fast, every expert computed",
             {**common, "kind": "anyquant", "path": str(gptq), "all_experts": True},

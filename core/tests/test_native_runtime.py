@@ -152,7 +152,7 @@ def _int4_model(
     then wrapped as the bfloat16 prepacked linear EXL3's and EXL2's cpu-fast build; ``kind="mixed"``: int4,
     bfloat16 prepacked and GGUF Q8_0 blocks (:class:`_Q8Blocks`) per linear as :data:`MIXED` lays them out;
     ``kind="gq4"``: int4, then repacked for the compiled block kernel as GPTQ's and AWQ's cpu-fast build does
-    with ``cpu_fast_kernel="gq4"`` (the MoE layers stay int4)."""
+    with ``cpu_fast_kernel="gq4"`` (the MoE layers' experts too)."""
     from anyquant.runtime import kernels
     from anyquant.runtime.fastcpu import FastInt4Linear, PrepackedBf16Linear, bf16_head_status, int4pack_status
 
@@ -337,8 +337,8 @@ def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
 ) -> None:
     """Qwen3's per-head q/k norms and Qwen3-MoE's routed experts (one row: its experts in order; a batch: each
     expert on the rows that chose it) in the compiled step, the same logits as the modules; each expert's
-    gate/up one int4 call on both paths (``mixed``: the experts' linears of three kinds, :data:`MIXED`; ``gq4``: the
-    dense layers on the block kernel, the MoE one left int4)."""
+    gate/up one int4 call on both paths (``mixed``: the experts' linears of three kinds, :data:`MIXED`; ``gq4``: every
+    layer on the block kernel, the MoE one's experts too, by ``mixed_moe``, gate/up one kernel call)."""
     import os
 
     from anyquant.runtime.experts import Experts
@@ -347,7 +347,7 @@ def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
     overrides = MOE if family == "qwen3_moe" else {"model_type": "qwen3", "head_dim": 32}
     model = _int4_model(tmp_path / "m", bias=False, kind=kind, **overrides)
     if kind == "gq4":
-        kinds = ["ggml", "int4_moe"] if family == "qwen3_moe" else ["ggml", "ggml"]
+        kinds = ["ggml", "mixed_moe"] if family == "qwen3_moe" else ["ggml", "ggml"]
     else:
         kinds = [kind, f"{kind}_moe"] if family == "qwen3_moe" else [kind, kind]
     calls = _LayerCalls(monkeypatch)
@@ -369,7 +369,7 @@ def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
         experts = model.module.model.layers[1].mlp.experts
         assert isinstance(experts, Experts)
         # gate/up fused on the module path too where both are int4
-        assert all((e.__dict__.get("_fusion") is not None) == (kind != "mixed") for e in experts)
+        assert all((e.__dict__.get("_fusion") is not None) == (kind == "int4") for e in experts)
         assert model.module.model.layers[0].mlp.__class__.__name__ == "MLP"  # mlp_only_layers
 
 

@@ -891,8 +891,8 @@ def to_block_kernel(module: nn.Module, interleave: bool = True) -> dict[str, Any
     the compiled kernel: faster than torch's int4 kernel for a few rows) when the kernel is built.
 
     All or none of a decoder layer's (a module with ``self_attn`` and ``mlp``), so that the compiled decode
-    step plans it whole ("ggml" or "int4"); none of a mixture-of-experts layer's (the step's "int4_moe"
-    takes :class:`FastInt4Linear` experts and attention). ``interleave``: the blocks in the kernel's interleaved
+    step plans it whole ("ggml", or "mixed_moe" for a mixture-of-experts layer, its experts on the kernel too:
+    faster than "int4_moe" on torch's kernel, bench/moe.py; else "int4"). ``interleave``: the blocks in the kernel's interleaved
     form (:mod:`anyquant.runtime.kernels`). Returns the record for ``info["cpu_fast"]``:
     ``{}`` when the kernel is not built, else the count converted and why the others were not."""
     from . import kernels
@@ -921,9 +921,6 @@ def to_block_kernel(module: nn.Module, interleave: bool = True) -> dict[str, Any
     converted = 0
     for owner, layer, members in groups:
         if not members:
-            continue
-        if layer is not None and hasattr(layer.mlp, "experts"):
-            skipped[owner] = "a mixture-of-experts layer (the decode step's int4_moe kind)"
             continue
         reason = next((r for c in members if (r := GroupInt4BlockLinear.unsupported_reason(c[2])) is not None), None)
         if reason is not None:
