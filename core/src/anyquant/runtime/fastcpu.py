@@ -910,16 +910,16 @@ def to_block_kernel(module: nn.Module, interleave: bool = True) -> dict[str, Any
         ]
 
     taken: set[int] = set()
-    groups: list[tuple[str, nn.Module | None, list[tuple[nn.Module, str, FastInt4Linear, str]]]] = []
+    groups: list[tuple[str, list[tuple[nn.Module, str, FastInt4Linear, str]]]] = []
     for name, m in module.named_modules():
         if hasattr(m, "self_attn") and hasattr(m, "mlp"):
             members = int4_children(m, name)
             taken.update(id(c[2]) for c in members)
-            groups.append((name, m, members))
-    groups += [(c[3], None, [c]) for c in int4_children(module)]  # linears outside decoder layers, one by one
+            groups.append((name, members))
+    groups += [(c[3], [c]) for c in int4_children(module)]  # linears outside decoder layers, one by one
     skipped: dict[str, str] = {}
     converted = 0
-    for owner, layer, members in groups:
+    for owner, members in groups:
         if not members:
             continue
         reason = next((r for c in members if (r := GroupInt4BlockLinear.unsupported_reason(c[2])) is not None), None)
