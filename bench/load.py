@@ -4,7 +4,8 @@ Each sample is a fresh process (after one untimed warm-up run per engine and mod
 sources' bytecode under ``.cache/bench/pycache``, as an installed package has it): it imports torch (or llama_cpp)
 untimed, then times ``import anyquant`` plus
 ``anyquant.load(path)`` (default backend: ``cpu-fast`` on a CPU with the int4 kernel), or llama-cpp-python's
-``Llama(path)`` (``use_extra_bufts=False``, see ``_measure.llama_cpp_model``). The engines take turns, their
+``Llama(path)`` (with its extra CPU buffer types, i.e. repacking at load, where a trial load runs them: see
+``_measure.llama_cpp_extra_bufts``; else ``use_extra_bufts=False``). The engines take turns, their
 order reversed every other round, and each sample records the share of the machine's CPU time other processes
 used while it ran (``/proc/stat`` minus its own process) and the load average; medians are printed over all
 samples and over those at or under ``--max-other``.
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _measure import CACHE, ENV, _unshadow, cpu_times, llama_cpp_model, other_share
+from _measure import CACHE, ENV, _unshadow, cpu_times, llama_cpp_extra_bufts, llama_cpp_model, other_share
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,7 +44,13 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
 
         before = cpu_times()
         t0 = time.perf_counter()
-        llama_cpp_model(cfg["path"], n_ctx=1024, n_threads=cfg["threads"], n_threads_batch=cfg["threads"])
+        llama_cpp_model(
+            cfg["path"],
+            extra_bufts=bool(cfg.get("extra_bufts")),
+            n_ctx=1024,
+            n_threads=cfg["threads"],
+            n_threads_batch=cfg["threads"],
+        )
         load_s = time.perf_counter() - t0
         backend = "llama.cpp"
     else:
@@ -139,7 +146,14 @@ def main() -> int:
     for spec in args.tree:
         name, _, folder = spec.partition("=")
         engines.append((f"anyquant ({name})", sys.executable, Path(folder).resolve()))
-    print(f"# {args.threads} threads; load average {os.getloadavg()[0]:.2f} at the start; llama.cpp: {llama_python}")
+    extra = False
+    if llama_python:
+        probe = next((path for _, path, gguf in model_paths(args.models) if gguf), None)
+        extra = probe is not None and llama_cpp_extra_bufts(llama_python, probe)
+    print(
+        f"# {args.threads} threads; load average {os.getloadavg()[0]:.2f} at the start; llama.cpp: {llama_python}, "
+        f"extra CPU buffer types {'on (repacks at load)' if extra else 'off'}"
+    )
     table = ["| model | engine | load s, median (all) | median (other CPU <= limit) | samples used / all | other CPU |"]
     table.append("|---|---|---|---|---|---|")
     for label, path, gguf in model_paths(args.models):
@@ -148,10 +162,10 @@ def main() -> int:
             runs.insert(0, ("llama.cpp", llama_python, None, "llama.cpp"))
         got: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in runs}
         for _name, python, tree, engine in runs:  # untimed: fills the bytecode cache and the file's page cache
-            sample({"engine": engine, "path": str(path), "threads": args.threads}, python, tree)
+            sample({"engine": engine, "path": str(path), "threads": args.threads, "extra_bufts": extra}, python, tree)
         for i in range(args.samples):
             for name, python, tree, engine in runs if i % 2 == 0 else runs[::-1]:
-                cfg = {"engine": engine, "path": str(path), "threads": args.threads}
+                cfg = {"engine": engine, "path": str(path), "threads": args.threads, "extra_bufts": extra}
                 r = sample(cfg, python, tree)
                 brief = r.get("error") or {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
                 print(f"# {label} / {name} sample {i + 1}: {brief}", file=sys.stderr, flush=True)
