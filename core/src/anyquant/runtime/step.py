@@ -386,33 +386,22 @@ def ggml_layer(
     blocks: List[torch.Tensor],  # noqa: UP006 - q, k, v, o, gate, up, down
     kinds: List[int],  # noqa: UP006 - their GGUF types
     rows: List[int],  # noqa: UP006 - their output features
-    passes: List[int],  # noqa: UP006 - their activation passes
+    passes: int,  # their activation passes (one count: layers of several take the mixed function)
     q_norm: Optional[torch.Tensor],  # noqa: UP045
     k_norm: Optional[torch.Tensor],  # noqa: UP045
 ) -> torch.Tensor:
-    """:func:`int4_layer` for layers of GGUF-block linears (Q4_0, Q4_1, Q8_0 read in place, or GQ4): four kernel
-    calls (q/k/v and gate/up one call each where their activation passes agree)."""
+    """:func:`int4_layer` for layers of GGUF-block linears (Q4_0, Q4_1, Q8_0, or GQ4): four kernel calls (q/k/v
+    and gate/up one call each)."""
     b, hidden = h.shape[0], h.shape[-1]
     x = F.rms_norm(h, [hidden], norm1, eps).view(b, hidden)
-    if passes[0] == passes[1] and passes[0] == passes[2]:
-        y = _ggml_cat(x, blocks[0:3], kinds[0:3], rows[0:3], passes[0])
-        qk, v = y[:, : rows[0] + rows[1]], y[:, rows[0] + rows[1] :]
-    else:
-        qk = torch.cat(
-            [_ggml(x, blocks[0], kinds[0], rows[0], passes[0]), _ggml(x, blocks[1], kinds[1], rows[1], passes[1])], 1
-        )
-        v = _ggml(x, blocks[2], kinds[2], rows[2], passes[2])
+    y = _ggml_cat(x, blocks[0:3], kinds[0:3], rows[0:3], passes)
+    qk, v = y[:, : rows[0] + rows[1]], y[:, rows[0] + rows[1] :]
     a = _attention(qk, v, cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps)
-    h = h + _ggml(a, blocks[3], kinds[3], rows[3], passes[3]).view(b, 1, hidden)
+    h = h + _ggml(a, blocks[3], kinds[3], rows[3], passes).view(b, 1, hidden)
     x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
-    if passes[4] == passes[5]:
-        gu = _ggml_cat(x, blocks[4:6], kinds[4:6], rows[4:6], passes[4])
-        m = F.silu(gu[:, : rows[4]]) * gu[:, rows[4] :]
-    else:
-        m = F.silu(_ggml(x, blocks[4], kinds[4], rows[4], passes[4])) * _ggml(
-            x, blocks[5], kinds[5], rows[5], passes[5]
-        )
-    return h + _ggml(m, blocks[6], kinds[6], rows[6], passes[6]).view(b, 1, hidden)
+    gu = _ggml_cat(x, blocks[4:6], kinds[4:6], rows[4:6], passes)
+    m = F.silu(gu[:, : rows[4]]) * gu[:, rows[4] :]
+    return h + _ggml(m, blocks[6], kinds[6], rows[6], passes).view(b, 1, hidden)
 
 
 #: one linear of a :func:`mixed_layer`: ``(kind, a, b, c, rows, passes)``. kind 0: cpu-fast int4 (``a`` the packed
@@ -969,9 +958,9 @@ def _plan_uniform(
         small_rows = min(2**62 if m.small_rows is None else m.small_rows for m in linears)
         return _Layer("bf16", common + packs + qk_norms, small_rows)
     blocked: tuple[Any, ...] = (*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj) if sparse is None else ()
-    if blocked and all(_plain_ggml(m) for m in blocked):
+    if blocked and all(_plain_ggml(m) for m in blocked) and len({m.passes for m in blocked}) == 1:
         ggml: tuple[Any, ...] = ([m.blocks for m in blocked], [m.ggml_type for m in blocked])
-        ggml += ([m.out_features for m in blocked], [m.passes for m in blocked])
+        ggml += ([m.out_features for m in blocked], blocked[0].passes)
         return _Layer("ggml", common + ggml + qk_norms, min(m.small_rows for m in blocked))
     qkv = fusion(attn, ("q_proj", "k_proj", "v_proj"))
     o = attn.o_proj
