@@ -1,6 +1,8 @@
-"""Helpers shared by the plugins' tests: the decode path one token at a time, and relative error."""
+"""Helpers shared by the tests: the decode path one token at a time, and relative error."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -21,3 +23,15 @@ def stepwise_logits(module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         out = module(ids[:, i : i + 1], use_cache=True, **{kw: getattr(out, kw)})
         steps.append(out.logits)
     return torch.cat(steps, dim=1)
+
+
+def logits_after_prompt(model: Any, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """The logits of ``ids[:, prompt:]`` fed one token at a time through a native model's cache (``model``: a
+    :class:`~anyquant.LoadedModel`) after the prompt ``ids[:, :prompt]`` in one forward."""
+    with torch.no_grad():
+        out = model.module(ids[:, :prompt], use_cache=True)
+        logits = []
+        for i in range(prompt, ids.shape[1]):
+            out = model.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
+            logits.append(out.logits)
+    return torch.cat(logits, dim=1)

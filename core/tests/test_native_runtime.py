@@ -17,6 +17,7 @@ from anyquant.errors import CheckpointError
 from anyquant.runtime.build import choose_runtime
 from anyquant.runtime.native import NativeConfig, native_runtime_reason, rope_inv_freq
 from anyquant.testing.tiny import make_tiny_dense, tiny_llama_config
+from tests.decoding import logits_after_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -226,21 +227,10 @@ class _Q8Blocks:
         return Q8(blocks, "Q8_0", out_features, in_features, small_rows=64)
 
 
-def _decode(model: anyquant.LoadedModel, ids: torch.Tensor, prompt: int) -> torch.Tensor:
-    """The logits of ``ids[:, prompt:]`` fed one token at a time after the prompt ``ids[:, :prompt]``."""
-    with torch.no_grad():
-        out = model.module(ids[:, :prompt], use_cache=True)
-        logits = []
-        for i in range(prompt, ids.shape[1]):
-            out = model.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
-            logits.append(out.logits)
-    return torch.cat(logits, dim=1)
-
-
 def test_fused_int4_decode_is_bitwise_the_separate_kernels(tmp_path: Path) -> None:
     model = _int4_model(tmp_path / "m", bias=True)
     ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(5))
-    fused = _decode(model, ids, 5)
+    fused = logits_after_prompt(model, ids, 5)
     assert model.module.__dict__["_step"] is None  # biases: the layers are not the decode step's shape
     fusions = [m.__dict__.get("_fusion") for m in model.module.modules() if "_fusion" in m.__dict__]
     assert len(fusions) == 4 and all(f is not None for f in fusions)  # q/k/v and gate/up of 2 layers
@@ -249,7 +239,7 @@ def test_fused_int4_decode_is_bitwise_the_separate_kernels(tmp_path: Path) -> No
     for m in model.module.modules():
         if "_fusion" in m.__dict__:
             m.__dict__["_fusion"] = None  # each linear on its own again
-    assert torch.equal(_decode(model, ids, 5), fused)
+    assert torch.equal(logits_after_prompt(model, ids, 5), fused)
 
 
 class _LayerCalls:
@@ -283,7 +273,7 @@ def test_compiled_decode_step_is_bitwise_the_module_path(
     model = _int4_model(tmp_path / "m", bias=False, kind=kind)
     ids = torch.randint(0, 200, (2, 75), generator=torch.Generator().manual_seed(7))
     calls = _LayerCalls(monkeypatch)
-    fast = _decode(model, ids, 50)  # 25 steps: the KV buffers grow past their first 64 positions on the way
+    fast = logits_after_prompt(model, ids, 50)  # 25 steps: the KV buffers grow past their first 64 positions on the way
     step = model.module.__dict__["_step"]
     assert isinstance(step, DecodeStep)
     assert calls.take() == 2  # the prompt's two layers; no decode step went through the modules
@@ -292,7 +282,7 @@ def test_compiled_decode_step_is_bitwise_the_module_path(
         assert isinstance(step.stack, torch.jit.ScriptModule)  # every layer planned: the steps ran as one call
     assert all(function is step_mod.compiled_layer({"gq4": "ggml"}.get(kind, kind)) for function, _ in step.layers)
     model.module.__dict__["_step"] = None  # the module path
-    slow = _decode(model, ids, 50)
+    slow = logits_after_prompt(model, ids, 50)
     assert calls.take() == 2 * 26
     assert torch.equal(fast, slow)
     prompts = ["Hi", "Hello there, how are you today?", "x"]  # a padded batch: the mask goes with each step
@@ -308,13 +298,13 @@ def test_float16_cache_on_a_tiny_cpu_fast_model(tmp_path: Path) -> None:
     cache is bitwise its module path, and within 1e-2 of the largest logit of the float32 cache (test_kv_cache.py's tolerance)."""
     model = _int4_model(tmp_path / "m", bias=False)
     ids = torch.randint(0, 200, (2, 60), generator=torch.Generator().manual_seed(3))
-    full = _decode(model, ids, 20)
+    full = logits_after_prompt(model, ids, 20)
     model.module.kv_cache_dtype = torch.float16
     del model.module.__dict__["_step"]
-    half = _decode(model, ids, 20)
+    half = logits_after_prompt(model, ids, 20)
     assert model.module.__dict__["_step"] is not None
     model.module.__dict__["_step"] = None  # the module path
-    assert torch.equal(_decode(model, ids, 20), half)
+    assert torch.equal(logits_after_prompt(model, ids, 20), half)
     err = float((half - full).abs().max() / full.abs().max())
     assert 0 < err <= 1e-2
 
@@ -355,14 +345,14 @@ def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
         torch.randint(0, 200, (1, 30), generator=torch.Generator().manual_seed(12)),
         torch.randint(0, 200, (3, 16), generator=torch.Generator().manual_seed(13)),
     ):
-        fast = _decode(model, ids, 8)
+        fast = logits_after_prompt(model, ids, 8)
         step = model.module.__dict__["_step"]
         assert isinstance(step, DecodeStep) and calls.take() == 2
         assert [function for function, _ in step.layers] == [compiled_layer(k) for k in kinds]
         if os.environ.get("PYTORCH_JIT", "1") != "0":
             assert all(isinstance(function, torch.jit.ScriptFunction) for function, _ in step.layers)
         model.module.__dict__["_step"] = None  # the module path
-        assert torch.equal(_decode(model, ids, 8), fast)
+        assert torch.equal(logits_after_prompt(model, ids, 8), fast)
         assert calls.take() == 2 * (ids.shape[1] - 8 + 1)
         del model.module.__dict__["_step"]
     if family == "qwen3_moe":
@@ -382,10 +372,10 @@ def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
 def test_compiled_decode_step_head_layouts(tmp_path: Path, kind: str, heads: dict[str, int]) -> None:
     model = _int4_model(tmp_path / "m", bias=False, kind=kind, **heads)
     ids = torch.randint(0, 200, (3, 12), generator=torch.Generator().manual_seed(10))
-    fast = _decode(model, ids, 6)
+    fast = logits_after_prompt(model, ids, 6)
     assert all(planned is not None for planned in model.module.__dict__["_step"].layers)
     model.module.__dict__["_step"] = None
-    assert torch.equal(_decode(model, ids, 6), fast)
+    assert torch.equal(logits_after_prompt(model, ids, 6), fast)
 
 
 def test_hooks_and_replaced_modules_take_the_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -393,33 +383,35 @@ def test_hooks_and_replaced_modules_take_the_module_path(tmp_path: Path, monkeyp
 
     model = _int4_model(tmp_path / "m", bias=False)
     ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(8))
-    want = _decode(model, ids, 8)
+    want = logits_after_prompt(model, ids, 8)
     calls = _LayerCalls(monkeypatch)
     seen: list[tuple[int, ...]] = []
     down = model.module.model.layers[1].mlp.down_proj
     handle = down.register_forward_hook(lambda mod, args, out: seen.append(tuple(out.shape)))
-    assert torch.equal(_decode(model, ids, 8), want)
+    assert torch.equal(logits_after_prompt(model, ids, 8), want)
     assert len(seen) == 5 and calls.take() == 2 * 5  # the hook saw the prompt and each of the 4 steps
     handle.remove()
     glob = torch.nn.modules.module.register_module_forward_pre_hook(lambda mod, args: None)
-    assert torch.equal(_decode(model, ids, 8), want) and calls.take() == 2 * 5
+    assert torch.equal(logits_after_prompt(model, ids, 8), want) and calls.take() == 2 * 5
     glob.remove()
-    assert torch.equal(_decode(model, ids, 8), want) and calls.take() == 2  # fast again
+    assert torch.equal(logits_after_prompt(model, ids, 8), want) and calls.take() == 2  # fast again
     top = model.module.register_forward_hook(lambda mod, args, out: seen.append(tuple(out.logits.shape)))
-    assert torch.equal(_decode(model, ids, 8), want) and calls.take() == 2  # the model's own hook: still fast
+    assert (
+        torch.equal(logits_after_prompt(model, ids, 8), want) and calls.take() == 2
+    )  # the model's own hook: still fast
     assert len(seen) == 10  # and it fired for the prompt and each step
     top.remove()
     mlp = model.module.model.layers[1].mlp
     wrapped = mlp.forward
     mlp.forward = lambda h: seen.append(("wrapper",)) or wrapped(h)  # an instance-level wrapper (accelerate's way)
-    assert torch.equal(_decode(model, ids, 8), want) and calls.take() == 2 * 5 and seen[-1] == ("wrapper",)
+    assert torch.equal(logits_after_prompt(model, ids, 8), want) and calls.take() == 2 * 5 and seen[-1] == ("wrapper",)
     del mlp.forward
     layer = model.module.model.layers[0]
     norm = RMSNorm(layer.post_attention_layernorm.weight.shape[0], layer.post_attention_layernorm.variance_epsilon)
     with torch.no_grad():
         norm.weight.copy_(layer.post_attention_layernorm.weight * 2)
     layer.post_attention_layernorm = norm  # a module the step was not built from: it must not be skipped
-    changed = _decode(model, ids, 8)
+    changed = logits_after_prompt(model, ids, 8)
     assert calls.take() == 2 * 5 and not torch.equal(changed, want)
 
 
@@ -427,12 +419,12 @@ def test_a_layer_left_dense_runs_through_its_module(tmp_path: Path, monkeypatch:
     model = _int4_model(tmp_path / "m", bias=False, dense_down=(0,))
     ids = torch.randint(0, 200, (1, 14), generator=torch.Generator().manual_seed(9))
     calls = _LayerCalls(monkeypatch)
-    fast = _decode(model, ids, 8)
+    fast = logits_after_prompt(model, ids, 8)
     step = model.module.__dict__["_step"]
     assert step.layers[0] is None and step.layers[1] is not None
     assert calls.take() == 2 + 6  # the prompt's two layers, then layer 0 alone in each of the 6 steps
     model.module.__dict__["_step"] = None
-    assert torch.equal(_decode(model, ids, 8), fast)
+    assert torch.equal(logits_after_prompt(model, ids, 8), fast)
 
 
 def test_compiling_the_step_warns_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -470,7 +462,7 @@ def test_without_torchscript_the_step_runs_as_python(tmp_path: Path, monkeypatch
 
     model = _int4_model(tmp_path / "m", bias=False)
     ids = torch.randint(0, 200, (1, 10), generator=torch.Generator().manual_seed(11))
-    compiled = _decode(model, ids, 6)
+    compiled = logits_after_prompt(model, ids, 6)
 
     def refuse(*_: object, **__: object) -> None:
         raise OSError("could not get source code")
@@ -478,7 +470,7 @@ def test_without_torchscript_the_step_runs_as_python(tmp_path: Path, monkeypatch
     monkeypatch.setattr(step, "_compiled", {})
     monkeypatch.setattr(torch.jit, "script", refuse)
     del model.module.__dict__["_step"]
-    python = _decode(model, ids, 6)
+    python = logits_after_prompt(model, ids, 6)
     assert all(function is step.int4_layer for function, _ in model.module.__dict__["_step"].layers)
     assert torch.equal(python, compiled)
 

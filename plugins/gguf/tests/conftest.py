@@ -89,22 +89,6 @@ def llama_cpp_permute_fixture() -> Callable[..., np.ndarray]:
     return llama_cpp_permute
 
 
-def stepwise_logits(model: Any, ids: torch.Tensor, prompt: int) -> torch.Tensor:
-    """The logits of ``ids[:, prompt:]`` fed one token at a time after the prompt ``ids[:, :prompt]``."""
-    with torch.no_grad():
-        out = model.module(ids[:, :prompt], use_cache=True)
-        logits = []
-        for i in range(prompt, ids.shape[1]):
-            out = model.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
-            logits.append(out.logits)
-    return torch.cat(logits, dim=1)
-
-
-@pytest.fixture(name="stepwise_logits")
-def stepwise_logits_fixture() -> Callable[[Any, torch.Tensor, int], torch.Tensor]:
-    return stepwise_logits
-
-
 def gguf_tensor_name(hf_name: str) -> str:
     stem, kind = hf_name.rsplit(".", 1)
     if stem in _HF_TO_GGUF_GLOBAL:

@@ -18,7 +18,6 @@ layers 0.12, Gemma 2 without soft-capping 0.56, Phi-3's long instead of short fa
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from anyquant_gguf.reader import (
     norm_offset,
     open_gguf,
 )
+from tests.decoding import logits_after_prompt
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "mixtral", "qwen2moe")
@@ -416,9 +416,7 @@ def test_cpu_fast_k_quant_linears_are_bfloat16(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
-def test_cpu_fast_decode_step_compiles_q4_k_m_layers(
-    name: str, stepwise_logits: Callable[[Any, torch.Tensor, int], torch.Tensor]
-) -> None:
+def test_cpu_fast_decode_step_compiles_q4_k_m_layers(name: str) -> None:
     """A Q4_K_M file's layers mix Q4_K (int4) and Q6_K (bfloat16 prepacked) linears, and its MoE experts mix them
     too (gate/up int4, down bfloat16): every layer runs in the compiled decode step (a layer with a bfloat16 linear
     by the ``mixed`` / ``mixed_moe`` function), with bitwise the module path's logits (the same kernels on the
@@ -441,14 +439,14 @@ def test_cpu_fast_decode_step_compiles_q4_k_m_layers(
         prompt = 8
         with torch.no_grad():
             model.module.__dict__.pop("_step", None)
-            fast = stepwise_logits(model, batch, prompt)
+            fast = logits_after_prompt(model, batch, prompt)
             step = model.module.__dict__["_step"]
             assert isinstance(step, DecodeStep) and all(planned is not None for planned in step.layers)
             moe = "_moe" if name in MOE else ""
             for planned, is_mixed in zip(step.layers, mixed, strict=True):
                 assert planned[0] is compiled_layer(("mixed" if is_mixed else "int4") + moe)
             model.module.__dict__["_step"] = None  # the module path
-            assert torch.equal(stepwise_logits(model, batch, prompt), fast)
+            assert torch.equal(logits_after_prompt(model, batch, prompt), fast)
     model.module.__dict__.pop("_step", None)
     want = rec["greedy"]
     assert _greedy(model, rec["prompt_ids"], len(want)) == want

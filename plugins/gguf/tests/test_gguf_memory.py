@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from anyquant_gguf.qlinear import (
     int4_codes_scales_offsets,
 )
 from anyquant_gguf.reader import UnsupportedGGUFType, open_gguf, release_pages
+from tests.decoding import logits_after_prompt
 
 
 def _raw(qtype: Q, shape: tuple[int, int], seed: int) -> torch.Tensor:
@@ -272,9 +272,7 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
 
 
 @pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
-def test_block_kernel_on_the_file_s_blocks(
-    tiny_tied: tuple[Path, torch.nn.Module], stepwise_logits: Callable[[Any, torch.Tensor, int], torch.Tensor]
-) -> None:
+def test_block_kernel_on_the_file_s_blocks(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
     """cpu-fast with the compiled GGUF-block kernel: every Q4_0/Q4_1/Q8_0 linear holds the file's blocks in the
     kernel's interleaved form (``cpu_fast_interleave=False``: the file's bytes, read in place) and the tied Q8_0
     head reads the file's; both forms give bitwise the same logits, the TorchScript decode step calls the kernel and
@@ -301,19 +299,19 @@ def test_block_kernel_on_the_file_s_blocks(
     assert torch.equal(layers[0].mlp.down_proj.raw_blocks(), down.reshape(-1))  # the file's blocks, given back
     assert not torch.equal(layers[0].mlp.down_proj.blocks, down.reshape(-1))
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
-    got = stepwise_logits(fast, ids, 6)
+    got = logits_after_prompt(fast, ids, 6)
     in_place = _load(path, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_interleave=False)
     assert in_place.info["cpu_fast"]["in_place"] == 14
     assert torch.equal(in_place.module.model.layers[0].mlp.down_proj.blocks, down.reshape(-1))  # the file's bytes
-    assert torch.equal(stepwise_logits(in_place, ids, 6), got)
+    assert torch.equal(logits_after_prompt(in_place, ids, 6), got)
     with torch.no_grad():  # prompts: the exact weight, dequantized from either form
         assert torch.equal(in_place.module(ids).logits, fast.module(ids).logits)
     step = fast.module.__dict__["_step"]
     assert isinstance(step, DecodeStep)
     assert all(function is step_mod.compiled_layer("ggml") for function, _ in step.layers)
     fast.module.__dict__["_step"] = None  # the module path
-    assert torch.equal(stepwise_logits(fast, ids, 6), got)
-    ref = stepwise_logits(dense, ids, 6)
+    assert torch.equal(logits_after_prompt(fast, ids, 6), got)
+    ref = logits_after_prompt(dense, ids, 6)
     assert float((got - ref).abs().max()) < 2e-2 * float(ref.abs().max())
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     one = _load(path, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_activation_passes=1)
