@@ -451,9 +451,9 @@ def gguf_linear_from_reader(
     return GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode=mode)
 
 
-# --------------------------------------------------------------------------- GGUF-block kernel (in place)
+# --------------------------------------------------------------------------- GGUF-block kernel
 
-#: Types :func:`torch.ops.anyquant.ggml_gemv` reads as stored (:mod:`anyquant.runtime.kernels`).
+#: Types :func:`torch.ops.anyquant.ggml_gemv` reads as stored or interleaved (:mod:`anyquant.runtime.kernels`).
 BLOCK_KERNEL_TYPES: dict[GGMLQuantizationType, str] = {Q.Q4_0: "Q4_0", Q.Q4_1: "Q4_1", Q.Q8_0: "Q8_0"}
 
 
@@ -469,8 +469,9 @@ def _block_linear_class() -> type[nn.Module]:
     from anyquant.runtime.kernels.linear import BlockLinear
 
     class GGUFBlockLinear(BlockLinear):
-        """A Q4_0/Q4_1/Q8_0 linear read in place by the GGUF-block kernel (decode); prompts dequantize
-        the blocks per forward (:func:`~anyquant_gguf.dequant.dequantize_blocks_torch`, exact)."""
+        """A Q4_0/Q4_1/Q8_0 linear on the GGUF-block kernel (decode), its blocks read in place or held in the
+        kernel's interleaved form (``interleave``); prompts dequantize the blocks per forward
+        (:func:`~anyquant_gguf.dequant.dequantize_blocks_torch`, exact)."""
 
         def __init__(
             self,
@@ -497,8 +498,9 @@ def gguf_block_linear(
     bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> nn.Module | None:
-    """A Q4_0/Q4_1/Q8_0 weight read in place by the GGUF-block kernel (``kwargs``: ``small_rows``,
-    ``prefill_dtype``, ``compute_dtype``); ``None`` where the kernel is not built or takes not the type."""
+    """A Q4_0/Q4_1/Q8_0 weight on the GGUF-block kernel (``kwargs``: ``small_rows``, ``prefill_dtype``,
+    ``compute_dtype``, ``passes``, ``interleave``: a copy in the kernel's interleaved form instead of the blocks read
+    in place); ``None`` where the kernel is not built or takes not the type."""
     if not block_kernel_available(qtype):
         return None
     return _block_linear_class()(qweight, GGMLQuantizationType(qtype), shape_out_in, bias, **kwargs)

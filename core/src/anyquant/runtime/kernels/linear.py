@@ -1,7 +1,7 @@
-"""``cpu-fast``'s linear over a weight kept as raw GGUF blocks (Q4_0, Q4_1, Q8_0), read in place, or as GQ4
-blocks repacked at load from a GPTQ / AWQ 4-bit layer (:class:`GroupInt4BlockLinear`).
+"""``cpu-fast``'s linear over a weight kept as GGUF blocks (Q4_0, Q4_1, Q8_0), or as GQ4 blocks repacked at load
+from a GPTQ / AWQ 4-bit layer (:class:`GroupInt4BlockLinear`).
 
-- few rows (``<= small_rows``: decode): :func:`torch.ops.anyquant.ggml_gemv` on the blocks as stored
+- few rows (``<= small_rows``: decode): :func:`torch.ops.anyquant.ggml_gemv` on the blocks as held
   (activations quantized per block of 32 in ``passes`` int8 passes, integer dot products: llama.cpp's
   arithmetic with ``passes=1``; tolerance below);
 - many rows (prompts): the exact weight, dequantized from the blocks per forward by the format
