@@ -216,6 +216,14 @@ def test_plan_reads_only_the_declared_options() -> None:
 # --------------------------------------------------------------------------- the LM head
 
 needs_bf16_head = pytest.mark.skipif(not fastcpu.bf16_head_status()[0], reason=fastcpu.bf16_head_status()[1])
+needs_fast_head = pytest.mark.skipif(fastcpu.head_kind("auto")[0] is None, reason=fastcpu.head_kind("auto")[1])
+#: the fast head's decode forms, each skipped where it cannot run
+HEAD_FORMS = [
+    pytest.param(kind, marks=pytest.mark.skipif(not fastcpu.head_status(kind)[0], reason=fastcpu.head_status(kind)[1]))
+    for kind in ("bfloat16", "q8_0")
+]
+#: what install_fast_head records for each decode form
+HEAD_NAMES = {"bfloat16": "bfloat16 prepacked", "q8_0": "Q8_0 blocks"}
 
 
 def test_compact_keeps_every_value() -> None:
@@ -230,20 +238,33 @@ def test_compact_keeps_every_value() -> None:
     assert fastcpu._compact(w.half()).dtype == torch.float16
 
 
-@needs_bf16_head
-def test_fast_head_paths() -> None:
+@pytest.mark.parametrize("decode", HEAD_FORMS)
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "in place"])
+def test_fast_head_paths(decode: str, interleave: bool) -> None:
+    if decode == "bfloat16" and not interleave:
+        pytest.skip("interleave concerns the Q8_0 blocks only")
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(20000, 96, generator=gen) * 0.05).half().float()  # 3 slices of CHUNK_ROWS
     bias = torch.randn(20000, generator=gen)
-    head = fastcpu.FastHead(fastcpu._compact(w), bias, small_rows=4)
+    head = fastcpu.FastHead(fastcpu._compact(w), bias, small_rows=4, decode=decode, interleave=interleave)
     assert head.exact.dtype == torch.float16 and torch.equal(head.weight, w)
     x = torch.randn(2, 5, 96, generator=gen)  # 10 rows: the exact path
     ref = torch.nn.functional.linear(x, w, bias)
     assert head(x).shape == (2, 5, 20000) and _rel(head(x), ref) < MANY_ROWS_TOL
-    few = head(x[:, :2])  # 4 rows: bfloat16
+    few = head(x[:, :2])  # 4 rows: bfloat16, or the kernel on the Q8_0 copy
     assert _rel(few, ref[:, :2]) < FEW_ROWS_TOL and not torch.equal(few, ref[:, :2])
     top = ref[:, :2].topk(fastcpu.FastHead.EXACT_TOP // 2, dim=-1).indices  # recomputed from the exact weight
     torch.testing.assert_close(few.gather(-1, top), ref[:, :2].gather(-1, top), rtol=1e-5, atol=1e-5)
+    if decode == "q8_0":  # the rest: the kernel's product on gguf's own Q8_0 blocks of the weight, bit for bit
+        from gguf import GGMLQuantizationType, quants
+
+        from anyquant.runtime import kernels
+
+        blocks = torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0))
+        assert head.packed_bytes() == w.numel() * 2 + blocks.numel()  # the float16 table and the Q8_0 copy
+        want = kernels.gemv(x[:, :2].reshape(4, 96), blocks, "Q8_0", 20000, 96, passes=1) + bias
+        rest = torch.ones_like(want, dtype=torch.bool).scatter_(-1, want.topk(64).indices, False)  # not recomputed
+        assert rest.sum() == 4 * (20000 - 64) and torch.equal(few.reshape(4, -1)[rest], want[rest])
     assert head.half() is head and head.exact.dtype == torch.float16  # casts leave it alone
     with pytest.raises(RuntimeError, match="CPU only"):
         head.to("meta")
@@ -269,16 +290,17 @@ def _tiny_llama(tied: bool) -> torch.nn.Module:
     return model
 
 
-@needs_bf16_head
+@pytest.mark.parametrize("kind", HEAD_FORMS)
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_install_fast_head(tied: bool) -> None:
+def test_install_fast_head(tied: bool, kind: str) -> None:
     model = _tiny_llama(tied)
     ids = torch.randint(0, 300, (1, 70), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = model(ids).logits
-        info = fastcpu.install_fast_head(model, small_rows=64)
+        info = fastcpu.install_fast_head(model, small_rows=64, kind=kind)
         assert info == {
-            "head": "bfloat16 prepacked",
+            "head": HEAD_NAMES[kind],
+            **({"interleaved": True} if kind == "q8_0" else {}),
             "exact_dtype": "float16",
             "exact_in": "memory",
             "embedding_dtype": "float16",
@@ -290,16 +312,30 @@ def test_install_fast_head(tied: bool) -> None:
         assert (emb.table.data_ptr() == head.exact.data_ptr()) is tied  # one table when tied
         got = model(ids).logits  # 70 rows: exact embedding, exact head
         assert _rel(got, ref) < MANY_ROWS_TOL
-        few = model(ids[:, :8]).logits  # the bfloat16 head
+        few = model(ids[:, :8]).logits  # the fast head's decode form
         assert _rel(few, ref[:, :8]) < FEW_ROWS_TOL
+
+
+def test_head_kind_falls_back_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto``: Q8_0 blocks where the kernel runs, else bfloat16, else none (with both reasons)."""
+    runs = {"q8_0": True, "bfloat16": True}
+    monkeypatch.setattr(fastcpu, "head_status", lambda kind: (runs[kind], "" if runs[kind] else f"no {kind}"))
+    assert fastcpu.head_kind("auto") == ("q8_0", "") and fastcpu.head_kind("bfloat16") == ("bfloat16", "")
+    runs["q8_0"] = False
+    assert fastcpu.head_kind("auto") == ("bfloat16", "") and fastcpu.head_kind("q8_0") == (None, "no q8_0")
+    runs["bfloat16"] = False
+    assert fastcpu.head_kind("auto") == (None, "no q8_0; no bfloat16")
+    assert fastcpu.head_kind("dense") == (None, "cpu_fast_head='dense'")
+    with pytest.raises(ParameterError, match="cpu_fast_head"):
+        fastcpu.FastCPUPlan.from_options({"cpu_fast_head": "float8"})
 
 
 def test_install_fast_head_leaves_other_heads_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _tiny_llama(True)
-    monkeypatch.setattr(fastcpu, "bf16_head_status", lambda: (False, "no AMX"))
-    assert fastcpu.install_fast_head(model) == {"head": "dense", "reason": "no AMX"}
+    monkeypatch.setattr(fastcpu, "head_status", lambda kind: (False, "no AMX"))
+    assert fastcpu.install_fast_head(model, kind="bfloat16") == {"head": "dense", "reason": "no AMX"}
     monkeypatch.undo()
-    if not fastcpu.bf16_head_status()[0]:
+    if fastcpu.head_kind("auto")[0] is None:
         return
     model.lm_head = torch.nn.Identity()
     assert fastcpu.install_fast_head(model)["head"] == "dense"
@@ -351,7 +387,7 @@ def test_halving_pieces() -> None:
         assert [s for s, _ in pieces] == [sum(c for _, c in pieces[:i]) for i in range(len(pieces))]
 
 
-@needs_bf16_head  # without a bfloat16 head the build keeps no 16-bit embedding for finish() to handle
+@needs_fast_head  # without a fast head the build keeps no 16-bit embedding for finish() to handle
 @pytest.mark.parametrize("converted", [1, 0], ids=["fast head", "head stays dense"])
 def test_plan_finish_takes_over_or_restores_a_kept_embedding(tmp_path: Any, converted: int) -> None:
     model = _build_tiny(tmp_path, keep=True, tied=True)
@@ -366,15 +402,15 @@ def test_plan_finish_takes_over_or_restores_a_kept_embedding(tmp_path: Any, conv
     assert torch.equal(got, want)
     if converted:
         assert isinstance(model.get_input_embeddings(), fastcpu.CompactEmbedding)
-        assert plan.head_info["head"] == "bfloat16 prepacked"
+        assert plan.head_info["head"] == HEAD_NAMES[str(fastcpu.head_kind("auto")[0])]
     else:
         assert model.get_input_embeddings().weight.dtype == torch.float32
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-@needs_bf16_head
+@pytest.mark.parametrize("kind", HEAD_FORMS)
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_file_tables_head_and_embedding_read_from_the_file(tmp_path: Any, tied: bool) -> None:
+def test_file_tables_head_and_embedding_read_from_the_file(tmp_path: Any, tied: bool, kind: str) -> None:
     """The build leaves the embedding (and an untied head) in the file; the fast head and the embedding read
     them from there: the same logits, bit for bit, as with the tables in memory, and no table in memory."""
     from anyquant.runtime.tensors import FileRows
@@ -387,7 +423,7 @@ def test_file_tables_head_and_embedding_read_from_the_file(tmp_path: Any, tied: 
     ref = _build_tiny(tmp_path / "ref", keep=True, tied=tied)
     infos = []
     for m, t in ((model, tables), (ref, None)):
-        plan = fastcpu.FastCPUPlan(small_rows=4)
+        plan = fastcpu.FastCPUPlan(small_rows=4, head_kind=kind)
         plan.converted = 1
         plan.finish(m, torch.float32, tables=t)
         infos.append((plan.head_info["exact_in"], plan.head_info["embedding_in"]))
@@ -397,12 +433,15 @@ def test_file_tables_head_and_embedding_read_from_the_file(tmp_path: Any, tied: 
     assert emb.file is not None and head.file is not None and emb.table is None and head.exact is None
     assert (emb.file is head.file) is tied
     assert not any(b.is_meta for b in model.buffers()) and not any(p.is_meta for p in model.parameters())
-    assert head.packed_bytes() == head.out_features * head.in_features * 2  # the prepacked copy alone
-    assert len(head.packed) == 3  # 259 rows: 128, 64, 67
+    if kind == "bfloat16":
+        assert head.packed_bytes() == head.out_features * head.in_features * 2  # the prepacked copy alone
+        assert len(head.packed) == 3  # 259 rows: 128, 64, 67
+    else:
+        assert head.packed_bytes() == head.out_features * head.in_features // 32 * 34  # the Q8_0 copy alone
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)  # 20 rows: the exact paths
-        assert torch.equal(model(ids[:, :3]).logits, ref(ids[:, :3]).logits)  # 3 rows: the prepacked pieces
+        assert torch.equal(model(ids[:, :3]).logits, ref(ids[:, :3]).logits)  # 3 rows: the decode copy
     assert torch.equal(head.weight, ref.get_output_embeddings().weight)
     assert torch.equal(emb.weight, ref.get_input_embeddings().weight)
 
@@ -412,7 +451,7 @@ def test_file_tables_filled_when_no_fast_head_takes_them(tmp_path: Any, converte
     """No fast head (no bfloat16 kernel, or no int4 layer): the tables left in the file are read in, tied
     parameters stay tied, and the model equals the plain build."""
     if converted:
-        monkeypatch.setattr(fastcpu, "bf16_head_status", lambda: (False, "no AMX"))
+        monkeypatch.setattr(fastcpu, "head_status", lambda kind: (False, "no AMX"))
     tables: dict[str, Any] = {}
     model = _build_tiny(tmp_path, keep=True, tied=True, tables=tables)
     ref = _build_tiny(tmp_path / "ref", keep=False, tied=True)

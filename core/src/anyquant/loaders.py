@@ -74,7 +74,8 @@ CPU_FAST_OPTIONS: Mapping[str, str] = MappingProxyType(
     {
         "cpu_fast_prefill": "None (default: prompts in exact float32), 'bfloat16' or 'auto'",
         "cpu_fast_small_rows": "rows up to which the decode kernels run (default 64)",
-        "cpu_fast_head": "'bfloat16' (default: the prepacked head) or 'dense'",
+        "cpu_fast_head": "'auto' (default: a Q8_0 copy on the compiled kernel where built, else a bfloat16 one "
+        "prepacked for oneDNN where it runs fast), 'q8_0', 'bfloat16' or 'dense'; the top 64 logits exact",
         "cpu_fast_tables": "'file' (default: embedding and exact head read from the checkpoint) or 'memory'",
         "cpu_fast_kernel": "'torch' (default: torch's int4 kernel) or 'gq4' (GPTQ/AWQ 4-bit on the compiled block kernel where built)",
         "cpu_fast_interleave": "True (default: block-kernel weights copied at load into the kernel's interleaved "

@@ -59,6 +59,8 @@ __all__ = [
     "RowTable",
     "bf16_gemm_is_fast",
     "bf16_head_status",
+    "head_kind",
+    "head_status",
     "install_fast_head",
     "contiguous_group_size",
     "fast_cpu_capable",
@@ -502,6 +504,39 @@ def bf16_head_status() -> tuple[bool, str]:
     return True, ""
 
 
+#: ``cpu_fast_head``'s values: the decode form of :class:`FastHead` (``auto``: Q8_0 blocks where the compiled
+#: kernel is built, else bfloat16 prepacked where oneDNN runs it fast), or ``dense`` (the exact float head)
+HEAD_KINDS = ("auto", "q8_0", "bfloat16", "dense")
+
+
+def head_status(kind: str) -> tuple[bool, str]:
+    """(usable, reason) for a :class:`FastHead` decoding in ``kind`` (``"q8_0"``: the compiled GGUF-block
+    kernel, :mod:`anyquant.runtime.kernels`, is built and loads; ``"bfloat16"``: :func:`bf16_head_status`)."""
+    if kind == "q8_0":
+        from . import kernels
+
+        if kernels.available():
+            return True, ""
+        return False, "the compiled GGUF-block kernel is not built (`python -m anyquant.runtime.kernels build`)"
+    if kind == "bfloat16":
+        return bf16_head_status()
+    return False, f"no FastHead decodes in {kind!r}"
+
+
+def head_kind(requested: str) -> tuple[str | None, str]:
+    """The :class:`FastHead` decode form for option ``cpu_fast_head`` (:data:`HEAD_KINDS`), or ``None`` and why
+    not: ``dense`` asked for, or the form asked for (``auto``: either) cannot run here."""
+    if requested == "dense":
+        return None, "cpu_fast_head='dense'"
+    reasons = []
+    for kind in ("q8_0", "bfloat16") if requested == "auto" else (requested,):
+        ok, reason = head_status(kind)
+        if ok:
+            return kind, ""
+        reasons.append(reason)
+    return None, "; ".join(reasons)
+
+
 def _compact(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` in a 2-byte float dtype that holds every value exactly (bfloat16 first, then
     float16), else unchanged: a float32 copy of a checkpoint's 16-bit table takes half the memory
@@ -595,20 +630,25 @@ class CompactEmbedding(nn.Module):
 class FastHead(nn.Module):
     """The output projection (LM head) for the ``cpu-fast`` backend.
 
-    - few rows (``<= small_rows``; decode): bfloat16 activations times a bfloat16 copy of the weight
-      prepacked for oneDNN (see :func:`bf16_head_status`); bfloat16 tolerance, like the int4 layers,
-      except for the ``EXACT_TOP`` largest logits of each row, computed again from the exact weight: the
-      greedy token is the exact head's (oneDNN rounds its output to bfloat16, 0.125 at a logit of 25, so
-      near-ties were broken at random: SmolLM2's Q4_1 GGUF answered "L'Étoile" instead of "Paris");
+    - few rows (``<= small_rows``; decode), ``decode="q8_0"``: a Q8_0 copy of the weight (1.06 bytes per
+      weight, :func:`~anyquant.runtime.kernels.linear.q8_0_blocks`; in the kernel's interleaved form unless
+      ``interleave=False``) on the compiled GGUF-block kernel, activations in one int8 pass (llama.cpp's
+      arithmetic for its Q8_0 heads); SmolLM2's 49152x576 head, 1 row, 2 threads: ~1.2 ms against ~4.5 ms
+      for the bfloat16 copy; ``decode="bfloat16"``: bfloat16 activations times a bfloat16 copy of the weight
+      prepacked for oneDNN (see :func:`bf16_head_status`). Either way within the int8/bfloat16 tolerance of
+      the int4 layers, except for the ``EXACT_TOP`` largest logits of each row, computed again from the
+      exact weight: the greedy token is the exact head's (oneDNN rounds its output to bfloat16, 0.125 at a
+      logit of 25, so near-ties were broken at random: SmolLM2's Q4_1 GGUF answered "L'Étoile" instead of
+      "Paris");
     - many rows (prompts, perplexity): the exact weight, upcast to the compute dtype one slice of
       ``CHUNK_ROWS`` vocabulary rows at a time, and a float GEMM, as the dense head computes it.
 
     The exact weight is kept in the narrowest dtype that holds it exactly (a float16 checkpoint's
     head or tied embedding: half of float32) and may be shared with a :class:`CompactEmbedding`, or
     left outside memory (a :class:`RowTable`: a :class:`~anyquant.runtime.tensors.FileRows`, or a GGUF
-    table decoded from its blocks), read a slice at a time: then the prepacked copy, ~2 bytes per weight, is all the head holds in memory; it is built
-    in ``FILE_PIECES`` pieces of halving size, so the load holds at most a sixteenth of a bfloat16 copy
-    besides it).
+    table decoded from its blocks), read a slice at a time: then the decode copy is all the head holds in
+    memory (the bfloat16 one is built in ``FILE_PIECES`` pieces of halving size, so the load holds at most
+    a sixteenth of a bfloat16 copy besides it; the Q8_0 one is quantized ``CHUNK_ROWS`` rows at a time).
     """
 
     CHUNK_ROWS = 8192
@@ -628,11 +668,15 @@ class FastHead(nn.Module):
         *,
         compute_dtype: torch.dtype = torch.float32,
         small_rows: int = DEFAULT_SMALL_ROWS,
+        decode: str = "bfloat16",
+        interleave: bool = True,
     ) -> None:
         super().__init__()
-        ok, reason = bf16_head_status()
+        ok, reason = head_status(decode)
+        if ok and decode == "q8_0" and exact.shape[1] % 32:
+            ok, reason = False, f"Q8_0 blocks need a width divisible by 32, not {exact.shape[1]}"
         if not ok:
-            raise ValueError(f"FastHead cannot run here: {reason}")
+            raise ValueError(f"FastHead ({decode}) cannot run here: {reason}")
         self.out_features, self.in_features = exact.shape
         self.compute_dtype, self.small_rows = compute_dtype, small_rows
         self.exact: torch.Tensor | None
@@ -641,14 +685,20 @@ class FastHead(nn.Module):
         self.register_buffer("exact", exact if isinstance(exact, torch.Tensor) else None)
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
-        # opaque oneDNN tensors: an attribute, not buffers (state_dict and .to() cannot take them)
+        # the decode copy, in the kernel's or oneDNN's form: attributes, not buffers (state_dict holds the exact
+        # weight only; oneDNN's opaque tensors cannot be moved or cast)
+        self.packed: list[torch.Tensor] = []
+        self.blocks: torch.Tensor | None = None
+        self.ggml_type = 0
+        if decode == "q8_0":
+            self._set_blocks(self._q8_0(exact), "Q8_0", interleave)
+            return
         reorder = torch.ops.mkldnn._reorder_linear_weight
         if self.file is None:
             self.packed = [reorder(exact.to(torch.bfloat16), None)]  # type: ignore[union-attr]
         else:
             from .._memory import release_free_heap
 
-            self.packed = []
             for start, count in _halving_pieces(self.out_features, self.FILE_PIECES):
                 piece = torch.empty(count, self.in_features, dtype=torch.bfloat16)
                 for at in range(0, piece.shape[0], self.CHUNK_ROWS // 4):  # read and rounded a slice at a time
@@ -658,14 +708,42 @@ class FastHead(nn.Module):
                 del piece, rows
                 release_free_heap()  # the piece, before the next one is read
 
+    def _q8_0(self, exact: torch.Tensor | RowTable) -> torch.Tensor:
+        """Q8_0 blocks of the exact weight, quantized ``CHUNK_ROWS`` rows at a time (a float32 slice at most)."""
+        from .kernels.linear import q8_0_blocks
+
+        blocks = torch.empty(self.out_features, self.in_features // 32 * 34, dtype=torch.uint8)
+        for start in range(0, self.out_features, self.CHUNK_ROWS):
+            rows = _rows(exact, start, self.CHUNK_ROWS)
+            blocks[start : start + rows.shape[0]] = q8_0_blocks(rows)
+        return blocks
+
+    def _set_blocks(self, blocks: torch.Tensor, type_name: str, interleave: bool) -> None:
+        """Decode through the compiled kernel on GGUF ``blocks`` of ``type_name`` (the stored form; copied into
+        the kernel's interleaved form when ``interleave``)."""
+        from .kernels import GGML_TYPES, INTERLEAVED
+
+        code = GGML_TYPES[type_name][0]
+        blocks = blocks.reshape(-1).contiguous()
+        if interleave:
+            blocks = torch.ops.anyquant.ggml_interleave(blocks, code, self.out_features, self.in_features, True)
+            code += INTERLEAVED
+        self.blocks, self.ggml_type, self.block_type = blocks, code, type_name
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= self.small_rows:
-            xb = x2.to(torch.bfloat16)
-            linear = torch.ops.mkldnn._linear_pointwise
-            parts = [linear(xb, packed, None, "none", [], "") for packed in self.packed]
-            y = (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
+            if self.blocks is not None:
+                # one activation pass: the top logits are computed again exactly, the rest keep its error
+                y = torch.ops.anyquant.ggml_gemv(
+                    x2, self.blocks, self.ggml_type, self.out_features, self.in_features, -1, 1
+                ).to(x.dtype)
+            else:
+                xb = x2.to(torch.bfloat16)
+                linear = torch.ops.mkldnn._linear_pointwise
+                parts = [linear(xb, packed, None, "none", [], "") for packed in self.packed]
+                y = (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias.to(x.dtype)
             self._exact_top(x2, y)
@@ -714,13 +792,20 @@ class FastHead(nn.Module):
         return self
 
     def packed_bytes(self) -> int:
-        """Bytes held in memory: the prepacked copy, and the exact table unless it stays in the file."""
+        """Bytes held in memory: the decode copy, and the exact table unless it stays in the file."""
         exact = int(self.exact.nbytes) if self.exact is not None else 0
-        return exact + self.out_features * self.in_features * 2
+        copy = int(self.blocks.nbytes) if self.blocks is not None else self.out_features * self.in_features * 2
+        return exact + copy
 
     def extra_repr(self) -> str:
+        from .kernels import INTERLEAVED
+
+        if self.blocks is None:
+            decode = "bfloat16 prepacked"
+        else:
+            decode = f"{self.block_type} blocks{' interleaved' if self.ggml_type >= INTERLEAVED else ''}"
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"in_features={self.in_features}, out_features={self.out_features}, decode={decode}, "
             f"exact={self.source.dtype} ({_where(self.source)}), small_rows={self.small_rows}"
         )
 
@@ -817,19 +902,22 @@ def install_fast_head(
     small_rows: int = DEFAULT_SMALL_ROWS,
     compute_dtype: torch.dtype | None = None,
     tables: Mapping[str, FileRows] | None = None,
+    kind: str = "auto",
+    interleave: bool = True,
 ) -> dict[str, Any]:
     """Swap a built model's dense LM head for a :class:`FastHead` (and, when the head is tied to
     the input embedding, the embedding for a :class:`CompactEmbedding` sharing its exact table).
 
     ``tables``: parameters the build left on the meta device, by name, as file tables
     (:func:`anyquant.runtime.build.build_model`'s ``file_tables``): the head and embedding then read
-    them from the file. Returns what was done, for ``LoadedModel.info``; leaves the model alone (and
-    says why) when the head is not a plain float ``nn.Linear`` on the CPU or the prepacked kernel is
-    not usable (the caller then fills what the build left: :func:`~anyquant.runtime.tensors.fill_file_tables`).
+    them from the file. ``kind``: the decode form (:func:`head_kind`), ``interleave``: a Q8_0 copy in the kernel's
+    interleaved form. Returns what was done, for ``LoadedModel.info``; leaves the model alone (and
+    says why) when the head is not a plain float ``nn.Linear`` on the CPU or no decode form runs here
+    (the caller then fills what the build left: :func:`~anyquant.runtime.tensors.fill_file_tables`).
     """
     tables = tables or {}
-    ok, reason = bf16_head_status()
-    if not ok:
+    decode, reason = head_kind(kind)
+    if decode is None:
         return {"head": "dense", "reason": reason}
     get_out = getattr(module, "get_output_embeddings", None)
     head = get_out() if get_out is not None else None
@@ -839,6 +927,10 @@ def install_fast_head(
         or head.weight.device.type not in ("cpu", "meta")
     ):
         return {"head": "dense", "reason": f"the output projection is a {type(head).__name__}, not a dense Linear"}
+    if decode == "q8_0" and head.in_features % 32:
+        decode, reason = head_kind("bfloat16") if kind == "auto" else (None, "")
+        if decode is None:
+            return {"head": "dense", "reason": f"Q8_0 blocks need a width divisible by 32; {reason}".rstrip("; ")}
     head_file = _file_table(module, head.weight, tables) if head.weight.is_meta else None
     if head.weight.is_meta and head_file is None:
         return {"head": "dense", "reason": "the head's weight was not read"}
@@ -860,11 +952,13 @@ def install_fast_head(
     # drop the float head (and a tied table) before the prepacked copy exists: a lower peak
     module.set_output_embeddings(nn.Identity())
     del head, emb
-    module.set_output_embeddings(FastHead(exact, bias, compute_dtype=compute, small_rows=small_rows))
+    fast = FastHead(exact, bias, compute_dtype=compute, small_rows=small_rows, decode=decode, interleave=interleave)
+    module.set_output_embeddings(fast)
     # the config keeps tie_word_embeddings: both modules share ``exact``, and a dense export
     # (export_dense turns them back into an nn.Embedding and an nn.Linear) stays tied as it was
     return {
-        "head": "bfloat16 prepacked",
+        "head": "bfloat16 prepacked" if decode == "bfloat16" else "Q8_0 blocks",
+        **({"interleaved": interleave} if decode == "q8_0" else {}),
         "exact_dtype": str(exact.dtype).replace("torch.", ""),
         "exact_in": _where(exact),
         "embedding_dtype": None if table is None else str(table.dtype).replace("torch.", ""),
@@ -972,8 +1066,10 @@ class FastCPUPlan:
     Load options (``anyquant.load(..., cpu_fast_prefill="bfloat16", cpu_fast_small_rows=8)``):
     ``cpu_fast_prefill`` is the GEMM dtype of the many-rows path (default: the compute dtype;
     ``"auto"``: bfloat16 where :func:`bf16_gemm_is_fast`), ``cpu_fast_small_rows`` the row count up
-    to which the int4 kernel (and the bfloat16 head) runs, ``cpu_fast_head`` ``"bfloat16"`` (default:
-    :class:`FastHead` where :func:`bf16_head_status` allows) or ``"dense"`` (the exact float head),
+    to which the int4 kernel (and the fast head) runs, ``cpu_fast_head`` ``"auto"`` (default: a :class:`FastHead`
+    decoding through Q8_0 blocks on the compiled kernel where it is built, else through a bfloat16 copy where
+    :func:`bf16_head_status` allows), ``"q8_0"``, ``"bfloat16"`` (that form only) or ``"dense"`` (the exact float
+    head),
     ``cpu_fast_tables`` ``"file"`` (default: the fast head's exact table and the input embedding stay in
     the safetensors file, read a few rows or a slice at a time) or ``"memory"`` (read at load),
     ``cpu_fast_kernel`` ``"torch"`` (default: torch's int4 kernel for every 4-bit layer) or ``"gq4"``
@@ -986,6 +1082,7 @@ class FastCPUPlan:
     small_rows: int = DEFAULT_SMALL_ROWS
     prefill_dtype: torch.dtype | None = None
     head: bool = True
+    head_kind: str = "auto"
     tables: str = "file"
     block_kernel: bool = False
     interleave: bool = True
@@ -1008,9 +1105,9 @@ class FastCPUPlan:
             rows = 0
         if isinstance(given, (bool, float)) or rows < 1:
             raise ParameterError(f"cpu_fast_small_rows={given!r} is not a positive integer")
-        head = extra.get("cpu_fast_head", "bfloat16")
-        if head not in ("bfloat16", "dense"):
-            raise ParameterError(f"cpu_fast_head={head!r} is not 'bfloat16' or 'dense'")
+        head = extra.get("cpu_fast_head", "auto")
+        if head not in HEAD_KINDS:
+            raise ParameterError(f"cpu_fast_head={head!r} is not one of {', '.join(map(repr, HEAD_KINDS))}")
         kv_cache_dtype(extra, torch.float32)  # validated with the others: the loader reads it before the weights
         tables = extra.get("cpu_fast_tables", "file")
         if tables not in ("file", "memory"):
@@ -1024,7 +1121,8 @@ class FastCPUPlan:
         return cls(
             small_rows=rows,
             prefill_dtype=None if prefill is None else _PREFILL_DTYPES[prefill],
-            head=head == "bfloat16",
+            head=head != "dense",
+            head_kind=head,
             tables=tables,
             block_kernel=kernel == "gq4",
             interleave=interleave in (True, "true"),
@@ -1038,7 +1136,7 @@ class FastCPUPlan:
     def keeps_embedding_dtype(self) -> bool:
         """Whether the build may keep the input embedding in its 16-bit checkpoint dtype: :meth:`finish`
         replaces it (or casts it to the compute dtype when the head stays dense)."""
-        return self.head and bf16_head_status()[0]
+        return self.head and head_kind(self.head_kind)[0] is not None
 
     def finish(
         self,
@@ -1061,7 +1159,12 @@ class FastCPUPlan:
             self.head_info = {"head": "dense", "reason": "no layer runs the int4 kernel: the model stays exact"}
         elif self.head:
             self.head_info = install_fast_head(
-                module, small_rows=self.small_rows, compute_dtype=compute_dtype, tables=tables
+                module,
+                small_rows=self.small_rows,
+                compute_dtype=compute_dtype,
+                tables=tables,
+                kind=self.head_kind,
+                interleave=self.interleave,
             )
         else:
             self.head_info = {"head": "dense", "reason": "cpu_fast_head='dense'"}

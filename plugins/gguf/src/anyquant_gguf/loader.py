@@ -298,9 +298,13 @@ class GGUFLoader(TransformersLoader):
             raise CheckpointError("the model's input embedding is not the GGUF token_embd placeholder")
         raw = src.raw(_EMBED)
         head = module.get_output_embeddings()
-        source = getattr(head, "source", None)  # cpu-fast's FastHead over GGUFRows
+        source = getattr(head, "source", None)  # cpu-fast's FastHead over the embedding's GGUFRows, when tied
         tied = (
-            head.qweight if isinstance(head, GGUFTiedHead) else source.qweight if isinstance(source, GGUFRows) else None
+            head.qweight
+            if isinstance(head, GGUFTiedHead)
+            else source.qweight
+            if isinstance(source, GGUFRows) and getattr(head, "tied_to_input_embedding", False)
+            else None
         )
         data = raw.data if tied is None else tied  # share the tied head's bytes
         # Gemma's ScaledWordEmbedding multiplies the looked-up rows by its embed_scale buffer (sqrt(hidden))
@@ -343,7 +347,7 @@ class GGUFLoader(TransformersLoader):
             GGUFLinear,
             GGUFTiedHead,
             block_kernel_head,
-            fast_tied_head,
+            fast_rows_head,
             gguf_block_linear,
             gguf_int4_linear,
         )
@@ -380,19 +384,28 @@ class GGUFLoader(TransformersLoader):
                 raise ParameterError(f"cpu_fast_activation_passes={passes!r} is not 1 or 2")
             block_kwargs = {**fast_kwargs, "passes": int(passes), "interleave": plan.interleave}
 
+        def fast_head(raw: Any) -> tuple[nn.Module | None, bool]:
+            """cpu-fast's head over the file's table, and whether it decodes from a copy of another type: the
+            table's Q4_0/Q4_1/Q8_0 blocks on the kernel, else a decode copy (``cpu_fast_head``) of any other type
+            (the table read for prompts and the exact top logits); ``None`` where neither runs."""
+            rows, interleave = fast_kwargs["small_rows"], plan.interleave
+            head = block_kernel_head(raw.data, raw.qtype, raw.shape, small_rows=rows, interleave=interleave)
+            if head is not None:
+                return head, False
+            kind = plan.head_kind
+            return fast_rows_head(
+                raw.data, raw.qtype, raw.shape, small_rows=rows, kind=kind, interleave=interleave
+            ), True
+
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             key = f"{name}.weight"
             if packed_embedding and key == _HEAD and key not in src:
                 # tied head: a packed linear over the embedding's own bytes (cpu-fast: prepacked for decode)
                 raw = src.raw(_EMBED)
                 if fast is not None:
-                    rows = fast_kwargs["small_rows"]
-                    head = block_kernel_head(raw.data, raw.qtype, raw.shape, small_rows=rows)
-                    if head is None:
-                        head = fast_tied_head(raw.data, raw.qtype, raw.shape, small_rows=rows)
-                    else:
-                        head.tied_to_input_embedding = True  # type: ignore[assignment]  # export_dense ties them again
+                    head = fast_head(raw)[0]
                     if head is not None:
+                        head.tied_to_input_embedding = True  # type: ignore[assignment]  # export_dense ties them again
                         return head
                 return GGUFTiedHead(raw.data, raw.qtype, raw.shape)
             if key not in src or src.qtype(key) not in PACKED_TYPES:
@@ -404,7 +417,12 @@ class GGUFLoader(TransformersLoader):
             module: nn.Module | None = None
             in_place = False  # read by the GGUF-block kernel from the file's bytes: no copy to release them for
             if fast is not None and bias is None and key == _HEAD:
-                module = block_kernel_head(raw.data, raw.qtype, raw.shape, small_rows=fast_kwargs["small_rows"])
+                module, copied = fast_head(raw)
+                if module is not None and copied:  # its decode copy beside the file's table, which stays
+                    fast["converted"] += 1
+                    decode = "Q8_0 blocks" if getattr(module, "blocks", None) is not None else "bfloat16 prepacked"
+                    fast["lm_head"] = {"table": raw.qtype.name, "decode": decode}
+                    return module
             elif fast is not None:
                 module = gguf_block_linear(raw.data, raw.qtype, raw.shape, bias, **block_kwargs)
             if module is not None:

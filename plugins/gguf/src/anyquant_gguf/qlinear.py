@@ -30,7 +30,7 @@ __all__ = [
     "GGUFLinear",
     "GGUFRows",
     "GGUFTiedHead",
-    "fast_tied_head",
+    "fast_rows_head",
     "INT4_TYPES",
     "PACKED_TYPES",
     "gguf_int4_linear",
@@ -273,21 +273,30 @@ class GGUFRows:
         return values.reshape(*ids.shape, self.shape[1])
 
 
-def fast_tied_head(
-    qweight: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, int], *, small_rows: int
+def fast_rows_head(
+    qweight: torch.Tensor,
+    qtype: GGMLQuantizationType | int,
+    shape: tuple[int, int],
+    *,
+    small_rows: int,
+    kind: str = "auto",
+    interleave: bool = True,
 ) -> nn.Module | None:
-    """``cpu-fast``'s LM head tied to a packed token embedding: a bfloat16 copy prepacked for oneDNN for
-    decode (the format's tolerance class, as every ``cpu-fast`` head), the GGUF bytes decoded a slice at a
-    time for prompts; ``None`` where the prepacked kernel cannot run (no AMX or AVX512-BF16: the caller
-    keeps a :class:`GGUFTiedHead`). A :class:`GGUFTiedHead` decodes the whole table on every decode step
-    (SmolLM2's 49152 x 576 Q8_0 head: about half of a step)."""
-    from anyquant.runtime.fastcpu import FastHead, bf16_head_status
+    """``cpu-fast``'s LM head over a packed table of a type the GGUF-block kernel does not read (Q6_K, Q5_K, ...;
+    an untied head, or one tied to a packed token embedding): a decode copy as
+    :class:`~anyquant.runtime.fastcpu.FastHead` makes it (``kind``: ``cpu_fast_head``, ``auto``: Q8_0 blocks on
+    the compiled kernel, else bfloat16 prepacked for oneDNN; the format's tolerance class, as every ``cpu-fast``
+    head, the top logits exact), the GGUF bytes decoded a slice at a time for prompts; ``None`` where no decode
+    form runs here (the caller keeps a :class:`GGUFTiedHead` or a :class:`GGUFLinear`, which decode the whole
+    table on every decode step: SmolLM2's 49152 x 576 Q8_0 head, about half of a step)."""
+    from anyquant.runtime.fastcpu import FastHead, head_kind
 
-    if not bf16_head_status()[0]:
+    decode = head_kind(kind)[0]
+    if decode == "q8_0" and int(shape[1]) % 32:
+        decode = head_kind("bfloat16")[0] if kind == "auto" else None
+    if decode is None:
         return None
-    head = FastHead(GGUFRows(qweight, qtype, shape), small_rows=small_rows)
-    head.tied_to_input_embedding = True  # type: ignore[assignment]  # export_dense ties the copies again
-    return head
+    return FastHead(GGUFRows(qweight, qtype, shape), small_rows=small_rows, decode=decode, interleave=interleave)
 
 
 # --------------------------------------------------------------------------- int4 CPU kernel
@@ -512,11 +521,12 @@ def _block_head_class() -> type[nn.Module]:
 
     class GGUFBlockHead(FastHead):
         """:class:`~anyquant.runtime.fastcpu.FastHead` whose decode product is the GGUF-block kernel on the
-        table's own bytes (no bfloat16 copy, nothing prepacked at load); the ``EXACT_TOP`` largest logits of
-        each row are computed again from the exact weight, as FastHead does, and prompts use its exact path."""
+        table's own blocks (read in place, or copied once into the kernel's interleaved form when ``interleave``;
+        nothing quantized again); the ``EXACT_TOP`` largest logits of each row are computed again from the exact
+        weight, as FastHead does, and prompts use its exact path."""
 
-        def __init__(self, table: GGUFRows, *, small_rows: int) -> None:
-            nn.Module.__init__(self)  # FastHead's own __init__ prepacks a bfloat16 copy: not wanted here
+        def __init__(self, table: GGUFRows, *, small_rows: int, interleave: bool = False) -> None:
+            nn.Module.__init__(self)  # FastHead's own __init__ makes a copy of its own: not wanted here
             self.out_features, self.in_features = table.shape
             self.compute_dtype, self.small_rows = torch.float32, small_rows
             self.file = table
@@ -524,38 +534,27 @@ def _block_head_class() -> type[nn.Module]:
             self.register_buffer("exact", None)
             self.register_buffer("bias", None)
             self.packed = []
-            self.blocks = table.qweight.reshape(-1).contiguous()
-            self.ggml_type = int(table.qtype)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x2 = x.reshape(-1, self.in_features)
-            if x2.shape[0] > self.small_rows:
-                return super().forward(x)
-            # one pass: the top logits are computed again exactly, the rest keep the int8 activations' error
-            y: torch.Tensor = torch.ops.anyquant.ggml_gemv(
-                x2, self.blocks, self.ggml_type, self.out_features, self.in_features, -1, 1
-            )
-            y = y.to(x.dtype)
-            self._exact_top(x2, y)
-            return y.reshape(*x.shape[:-1], self.out_features)
+            self._set_blocks(table.qweight, table.qtype.name, interleave)
+            self.interleaved = interleave
 
         def packed_bytes(self) -> int:
-            return 0  # the table's bytes are the file's
-
-        def extra_repr(self) -> str:
-            return (
-                f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{self.table.qtype.name} blocks read in place (GGUF-block kernel), small_rows={self.small_rows}"
-            )
+            return int(self.blocks.nbytes) if self.interleaved else 0  # else the table's bytes are the file's
 
     return GGUFBlockHead
 
 
 def block_kernel_head(
-    qweight: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, int], *, small_rows: int
+    qweight: torch.Tensor,
+    qtype: GGMLQuantizationType | int,
+    shape: tuple[int, int],
+    *,
+    small_rows: int,
+    interleave: bool = False,
 ) -> nn.Module | None:
     """``cpu-fast``'s LM head over a Q4_0/Q4_1/Q8_0 table through the GGUF-block kernel (``None`` where it
-    cannot run): the exact top logits as :class:`~anyquant.runtime.fastcpu.FastHead`'s."""
+    cannot run): the exact top logits as :class:`~anyquant.runtime.fastcpu.FastHead`'s; ``interleave``: the
+    blocks copied into the kernel's interleaved form (SmolLM2's Q8_0 head, 1 row, 2 threads: ~1.2 ms against
+    ~1.8 ms read in place)."""
     if not block_kernel_available(qtype):
         return None
-    return _block_head_class()(GGUFRows(qweight, qtype, shape), small_rows=small_rows)
+    return _block_head_class()(GGUFRows(qweight, qtype, shape), small_rows=small_rows, interleave=interleave)
