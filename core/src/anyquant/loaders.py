@@ -77,7 +77,8 @@ CPU_FAST_OPTIONS: Mapping[str, str] = MappingProxyType(
         "cpu_fast_head": "'auto' (default: a Q8_0 copy on the compiled kernel where built, else a bfloat16 one "
         "prepacked for oneDNN where it runs fast), 'q8_0', 'bfloat16' or 'dense'; the top 64 logits exact",
         "cpu_fast_tables": "'file' (default: embedding and exact head read from the checkpoint) or 'memory'",
-        "cpu_fast_kernel": "'torch' (default: torch's int4 kernel) or 'gq4' (GPTQ/AWQ 4-bit on the compiled block kernel where built)",
+        "cpu_fast_kernel": "'auto' (default: 'gq4' where the compiled block kernel is built and vectorized, else "
+        "'torch'), 'gq4' (GPTQ/AWQ 4-bit on the compiled block kernel) or 'torch' (torch's int4 kernel)",
         "cpu_fast_interleave": "True (default: block-kernel weights copied at load into the kernel's interleaved "
         "form) or False (GGUF blocks read in place from the file)",
         "cpu_fast_kv_cache": "'float32' (default: the compute dtype), 'float16' or 'bfloat16' (half the native "

@@ -63,14 +63,14 @@ def test_exact_weights_logits_in_tolerance_and_greedy_tokens(root: Path, variant
 @pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_block_kernel_decodes_as_the_int4_kernel(root: Path, variant: str) -> None:
-    """With the compiled kernel built and cpu_fast_kernel="gq4", every layer is a GQ4 block linear (AWQ's packing
-    repacked), planned by the decode step as "ggml": greedy tokens equal torch's int4 path's (the default) and
+    """With the compiled kernel built and cpu_fast_kernel="gq4" (the default where the kernel is vectorized), every layer is a GQ4 block linear (AWQ's packing
+    repacked), planned by the decode step as "ggml": greedy tokens equal torch's int4 path's (`cpu_fast_kernel="torch"`) and
     GPTQModel's, decode logits in tolerance."""
     path = root / "quantized" / variant
     ref = load_file(root / "judges" / variant / "gptqmodel_logits.safetensors")
     tokens, ids = ref["greedy_tokens"][0].tolist(), ref["input_ids"]
     gq4 = anyquant.load(path, backend="cpu-fast", cpu_fast_kernel="gq4")
-    before = anyquant.load(path, backend="cpu-fast")  # the default: torch's int4 kernel
+    before = anyquant.load(path, backend="cpu-fast", cpu_fast_kernel="torch")
     assert gq4.info["cpu_fast"]["block_kernel"] == {"gq4_layers": 14, "int4_kernel": {}}
     assert sum(isinstance(m, GroupInt4BlockLinear) for m in gq4.module.modules()) == 14
     assert not any(isinstance(m, GroupInt4BlockLinear) for m in before.module.modules())

@@ -13,7 +13,7 @@ import anyquant
 from anyquant.errors import UnsupportedBackendError
 from anyquant.runtime import kernels
 from anyquant.runtime import step as step_module
-from anyquant.runtime.fastcpu import FastInt4Linear, fast_cpu_capable
+from anyquant.runtime.fastcpu import FastInt4Linear, block_kernel_is_fast, fast_cpu_capable
 from anyquant.runtime.kernels.linear import GroupInt4BlockLinear
 from anyquant_gptq.loader import GPTQLoader
 from anyquant_gptq.qlinear import GPTQLinear
@@ -77,19 +77,21 @@ def test_greedy_tokens_match_gptqmodel_and_reference(root: Path, variant: str) -
 @pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
 @pytest.mark.parametrize("variant", FOUR_BIT)
 def test_block_kernel_decodes_as_the_int4_kernel(root: Path, variant: str) -> None:
-    """With the compiled kernel built and cpu_fast_kernel="gq4", 4-bit layers with a trivial g_idx become GQ4
+    """With the compiled kernel built and cpu_fast_kernel="gq4" (the default where the kernel is vectorized), 4-bit layers with a trivial g_idx become GQ4
     block linears (a whole decoder layer at a time, planned by the decode step as "ggml"); act-order layers stay
-    on torch's int4 kernel. Greedy tokens equal torch's int4 path's (the default) and GPTQModel's; decode logits
+    on torch's int4 kernel. Greedy tokens equal torch's int4 path's (`cpu_fast_kernel="torch"`) and GPTQModel's; decode logits
     within cpu-fast's tolerance."""
     path = root / "quantized" / variant
     desc = next(v["desc_act"] for v in GPTQ_QUANT_VARIANTS if v["name"] == variant)
     ref = load_file(root / "judges" / variant / "gptqmodel_logits.safetensors")
     tokens, ids = ref["greedy_tokens"][0].tolist(), ref["input_ids"]
     gq4 = anyquant.load(path, backend="cpu-fast", cpu_fast_kernel="gq4")
-    before = anyquant.load(path, backend="cpu-fast")  # the default: torch's int4 kernel
+    before = anyquant.load(path, backend="cpu-fast", cpu_fast_kernel="torch")
     record = gq4.info["cpu_fast"]["block_kernel"]
     blocks = [m for m in gq4.module.modules() if isinstance(m, GroupInt4BlockLinear)]
     assert "block_kernel" not in before.info["cpu_fast"]
+    if block_kernel_is_fast():  # the default where the kernel has a vector path (AVX2, AVX512-VNNI)
+        assert anyquant.load(path, backend="cpu-fast").info["cpu_fast"]["block_kernel"] == record
     assert not any(isinstance(m, GroupInt4BlockLinear) for m in before.module.modules())
     if desc:
         assert record["gq4_layers"] == 0 and not blocks
@@ -108,7 +110,7 @@ def test_block_kernel_decodes_as_the_int4_kernel(root: Path, variant: str) -> No
         assert rel_error(logits, reference.module(ids).logits) < DECODE_TOL
         assert rel_error(logits, stepwise_logits(before.module, ids)) < DECODE_TOL
     with pytest.raises(anyquant.ParameterError, match="cpu_fast_kernel"):
-        anyquant.load(path, backend="cpu-fast", cpu_fast_kernel="auto")
+        anyquant.load(path, backend="cpu-fast", cpu_fast_kernel="int8")
 
 
 @pytest.mark.parametrize("variant", OTHER_BITS)

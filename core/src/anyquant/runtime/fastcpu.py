@@ -59,6 +59,7 @@ __all__ = [
     "RowTable",
     "bf16_gemm_is_fast",
     "bf16_head_status",
+    "block_kernel_is_fast",
     "head_kind",
     "head_status",
     "install_fast_head",
@@ -734,6 +735,7 @@ class FastHead(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= self.small_rows:
+            y: torch.Tensor
             if self.blocks is not None:
                 # one activation pass: the top logits are computed again exactly, the rest keep its error
                 y = torch.ops.anyquant.ggml_gemv(
@@ -979,6 +981,16 @@ def _restore_embedding_dtype(module: Any, dtype: torch.dtype) -> None:
         head.weight = emb.weight
 
 
+def block_kernel_is_fast() -> bool:
+    """Whether the compiled block kernel is built and runs a vector path here (AVX2 or AVX512-VNNI; its scalar
+    path is for tests): then GPTQ / AWQ 4-bit layers decode faster on it than on torch's int4 kernel
+    (bench/kernels.py, SmolLM2's shapes, 1 row: 1.07-1.30x at 2 threads, 1.14-1.37x at 1 thread; 4 to 64 rows
+    within -30 % / +10 % of it, the small q/o and k/v shapes the slower ones; AMD EPYC, AVX512-VNNI)."""
+    from . import kernels
+
+    return kernels.available() and kernels.isa() >= 1
+
+
 def to_block_kernel(module: nn.Module, interleave: bool = True) -> dict[str, Any]:
     """Swap ``module``'s :class:`FastInt4Linear` layers for
     :class:`~anyquant.runtime.kernels.linear.GroupInt4BlockLinear` (the same weight as GQ4 blocks, read by
@@ -1072,9 +1084,9 @@ class FastCPUPlan:
     head),
     ``cpu_fast_tables`` ``"file"`` (default: the fast head's exact table and the input embedding stay in
     the safetensors file, read a few rows or a slice at a time) or ``"memory"`` (read at load),
-    ``cpu_fast_kernel`` ``"torch"`` (default: torch's int4 kernel for every 4-bit layer) or ``"gq4"``
-    (:func:`to_block_kernel` where the compiled kernel is built; not the default: one thread decodes slower
-    with it on SmolLM2's shapes, and prompts of up to ``small_rows`` tokens take longer, bench/kernels.py),
+    ``cpu_fast_kernel`` ``"auto"`` (default: ``"gq4"`` where :func:`block_kernel_is_fast`, else ``"torch"``),
+    ``"gq4"`` (:func:`to_block_kernel` where the compiled kernel is built) or ``"torch"`` (torch's int4 kernel
+    for every 4-bit layer),
     ``cpu_fast_interleave`` ``True`` (default: weights on the compiled block kernel copied once at load into its
     interleaved form, the file's pages released) or ``False`` (GGUF blocks read in place from the file).
     """
@@ -1112,9 +1124,11 @@ class FastCPUPlan:
         tables = extra.get("cpu_fast_tables", "file")
         if tables not in ("file", "memory"):
             raise ParameterError(f"cpu_fast_tables={tables!r} is not 'file' or 'memory'")
-        kernel = extra.get("cpu_fast_kernel", "torch")
-        if kernel not in ("torch", "gq4"):
-            raise ParameterError(f"cpu_fast_kernel={kernel!r} is not 'torch' or 'gq4'")
+        kernel = extra.get("cpu_fast_kernel", "auto")
+        if kernel not in ("auto", "torch", "gq4"):
+            raise ParameterError(f"cpu_fast_kernel={kernel!r} is not 'auto', 'torch' or 'gq4'")
+        if kernel == "auto":
+            kernel = "gq4" if block_kernel_is_fast() else "torch"
         interleave = extra.get("cpu_fast_interleave", True)
         if interleave not in (True, False, "true", "false"):
             raise ParameterError(f"cpu_fast_interleave={interleave!r} is not True or False")

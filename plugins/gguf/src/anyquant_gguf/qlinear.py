@@ -538,7 +538,8 @@ def _block_head_class() -> type[nn.Module]:
             self.interleaved = interleave
 
         def packed_bytes(self) -> int:
-            return int(self.blocks.nbytes) if self.interleaved else 0  # else the table's bytes are the file's
+            copy = self.blocks if self.interleaved else None  # else the table's bytes are the file's
+            return 0 if copy is None else int(copy.nbytes)
 
     return GGUFBlockHead
 
