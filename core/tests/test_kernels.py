@@ -294,3 +294,51 @@ def test_rows_split_over_torchs_threads() -> None:
     assert torch.equal(one, two)
     want = _integer_reference("Q4_0", raw, x, rows, cols)
     assert float((two.double() - want).abs().max() / want.abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("width", [576, 1024, 64, 17])
+def test_rms_norm_against_float64(width: int) -> None:
+    """``anyquant::rms_norm`` (cpu-fast's decode-path RMSNorm): each row ``x / sqrt(mean(x^2) + eps) * w`` within
+    float32 rounding of a float64 reference, any leading shape and strides; a zero row stays zero; wrong inputs refused."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(3, 2, width, generator=gen) * 4
+    x[1, 0] = 0
+    w = torch.randn(width, generator=gen)
+    got = torch.ops.anyquant.rms_norm(x, w, 1e-6)
+    want = F.rms_norm(x.double(), [width], w.double(), 1e-6)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
+    assert torch.equal(got[1, 0], torch.zeros(width))
+    strided = x.transpose(0, 1)
+    assert torch.equal(torch.ops.anyquant.rms_norm(strided, w, 1e-6), got.transpose(0, 1))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.anyquant.rms_norm(x.double(), w.double(), 1e-6)
+    with pytest.raises(RuntimeError, match="last dimension"):
+        torch.ops.anyquant.rms_norm(x, w[1:], 1e-6)
+
+
+def test_rms_norm_module_takes_the_kernel_up_to_its_rows() -> None:
+    """The native RMSNorm with ``kernel_rows`` (cpu-fast's decode path): the kernel's op up to that many rows,
+    torch's exact ``rms_norm`` (transformers' arithmetic) above; 0 (the exact backends): always torch's."""
+    import torch.nn.functional as F
+
+    from anyquant.runtime.layers import RMSNorm
+
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(1, 9, 96, generator=torch.Generator().manual_seed(2)) * 3
+    exact = F.rms_norm(x, [96], norm.weight, 1e-5)
+    kernel = torch.ops.anyquant.rms_norm(x, norm.weight, 1e-5)
+
+    def ran_kernel(rows: int) -> bool:
+        with torch.profiler.profile() as prof:
+            y = norm(x[:, :rows])
+        assert torch.equal(y, (kernel if norm.kernel_rows >= rows else exact)[:, :rows])
+        return any(event.name == "anyquant::rms_norm" for event in prof.events())
+
+    assert not ran_kernel(1) and not ran_kernel(9)
+    norm.kernel_rows = 8
+    assert ran_kernel(1) and ran_kernel(8) and not ran_kernel(9)

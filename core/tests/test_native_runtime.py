@@ -153,7 +153,8 @@ def _int4_model(
     then wrapped as the bfloat16 prepacked linear EXL3's and EXL2's cpu-fast build; ``kind="mixed"``: int4,
     bfloat16 prepacked and GGUF Q8_0 blocks (:class:`_Q8Blocks`) per linear as :data:`MIXED` lays them out;
     ``kind="gq4"``: int4, then repacked for the compiled block kernel as GPTQ's and AWQ's cpu-fast build does
-    with ``cpu_fast_kernel="gq4"`` (the MoE layers' experts too)."""
+    with ``cpu_fast_kernel="gq4"`` (the MoE layers' experts too), the hidden-state norms on the kernel's
+    ``rms_norm`` as its cpu-fast build sets them (:func:`~anyquant.runtime.fastcpu.kernel_norms`)."""
     from anyquant.runtime import kernels
     from anyquant.runtime.fastcpu import FastInt4Linear, PrepackedBf16Linear, bf16_head_status, int4pack_status
 
@@ -188,11 +189,15 @@ def _int4_model(
                 else:
                     setattr(parent, name, linear)
     if kind == "gq4":
-        from anyquant.runtime.fastcpu import to_block_kernel
+        from anyquant.runtime.fastcpu import kernel_norms, to_block_kernel
 
         if not kernels.available():
             pytest.skip("anyquant kernels not built")
         assert to_block_kernel(model.module)["gq4_layers"] > 0
+        # and the hidden-state norms on the kernel up to 64 rows, as FastCPUPlan.finish sets them (q/k norms: torch's)
+        layers = model.module.model.layers
+        assert kernel_norms(model.module, 64) == 2 * len(layers) + 1
+        assert all(m.kernel_rows == 0 for layer in layers for m in (getattr(layer.self_attn, "q_norm", None),) if m)
     return model
 
 

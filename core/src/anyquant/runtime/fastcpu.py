@@ -63,6 +63,7 @@ __all__ = [
     "head_kind",
     "head_status",
     "install_fast_head",
+    "kernel_norms",
     "contiguous_group_size",
     "fast_cpu_capable",
     "group_permutation",
@@ -981,6 +982,24 @@ def _restore_embedding_dtype(module: Any, dtype: torch.dtype) -> None:
         head.weight = emb.weight
 
 
+def kernel_norms(module: nn.Module, rows: int) -> int:
+    """The native decoder's hidden-state RMSNorms (not Qwen3's per-head q/k norms) on the compiled kernel's
+    ``anyquant::rms_norm`` up to ``rows`` rows (:attr:`~anyquant.runtime.layers.RMSNorm.kernel_rows`): cpu-fast's
+    decode path, one call instead of torch's six ops (SmolLM2: 61 norms a token, ~10 us each at 2 threads); longer
+    prompts keep torch's exact ``rms_norm``. Returns how many, 0 where the kernel is not built."""
+    from . import kernels
+    from .layers import RMSNorm
+
+    if not kernels.available():
+        return 0
+    count = 0
+    for name, m in module.named_modules():
+        if type(m) is RMSNorm and not name.endswith(("q_norm", "k_norm")):
+            m.kernel_rows = rows
+            count += 1
+    return count
+
+
 def block_kernel_is_fast() -> bool:
     """Whether the compiled block kernel is built and runs a vector path here (AVX2 or AVX512-VNNI; its scalar
     path is for tests): then GPTQ / AWQ 4-bit layers decode faster on it than on torch's int4 kernel
@@ -1102,6 +1121,7 @@ class FastCPUPlan:
     fallback: dict[str, str] = field(default_factory=dict)
     head_info: dict[str, Any] = field(default_factory=dict)
     block_info: dict[str, Any] = field(default_factory=dict)
+    norms: int = 0
 
     @classmethod
     def from_options(cls, extra: Mapping[str, Any]) -> FastCPUPlan:
@@ -1169,6 +1189,7 @@ class FastCPUPlan:
 
         release_free_heap()  # the tokenizer's parse left freed memory in the heap: not under the head's peak
         self.block_info = to_block_kernel(module, self.interleave) if self.block_kernel else {}
+        self.norms = kernel_norms(module, self.small_rows)
         if self.head and self.converted == 0:
             self.head_info = {"head": "dense", "reason": "no layer runs the int4 kernel: the model stays exact"}
         elif self.head:
@@ -1216,5 +1237,6 @@ class FastCPUPlan:
             "prefill_dtype": str(self.prefill_dtype).replace("torch.", "") if self.prefill_dtype else "compute dtype",
             "int4_layout_block": int4pack_status().block_n,
             **({"block_kernel": self.block_info} if self.block_info else {}),
+            **({"kernel_norms": self.norms} if self.norms else {}),
             **({"lm_head": self.head_info} if self.head_info else {}),
         }

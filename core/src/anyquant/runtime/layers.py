@@ -18,6 +18,11 @@ __all__ = ["FusedExperts", "FusedInt4", "RMSNorm", "Router", "SparseMoe", "fusio
 
 
 class RMSNorm(nn.Module):
+    #: up to this many rows (tokens) in float32, the compiled kernel's ``anyquant::rms_norm`` (one call, ~1 us;
+    #: set by cpu-fast for its decode path, :func:`~anyquant.runtime.fastcpu.kernel_norms`, and called alike by
+    #: the decode step); 0: never (the exact backends)
+    kernel_rows = 0
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -26,6 +31,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if x.numel() <= self.kernel_rows * x.shape[-1]:
+                y: torch.Tensor = torch.ops.anyquant.rms_norm(x, self.weight, self.variance_epsilon)
+                return y
             # one op instead of six; bitwise transformers' float32 arithmetic (tests compare)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
         h = x.to(torch.float32)

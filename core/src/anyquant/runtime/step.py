@@ -88,8 +88,8 @@ def _attention(
     b = qk.shape[0]
     rotated = heads + kv_heads
     if q_norm is not None and k_norm is not None:
-        q = F.rms_norm(qk[:, : heads * head_dim].view(b, 1, heads, head_dim), [head_dim], q_norm, eps)
-        k = F.rms_norm(qk[:, heads * head_dim :].view(b, 1, kv_heads, head_dim), [head_dim], k_norm, eps)
+        q = F.rms_norm(qk[:, : heads * head_dim].view(b, 1, heads, head_dim), [head_dim], q_norm, abs(eps))
+        k = F.rms_norm(qk[:, heads * head_dim :].view(b, 1, kv_heads, head_dim), [head_dim], k_norm, abs(eps))
         qk = torch.cat([q, k], 2).transpose(1, 2)
     else:
         qk = qk.view(b, 1, rotated, head_dim).transpose(1, 2)
@@ -110,6 +110,21 @@ def _attention(
         enable_gqa=kv_heads != heads,
     )
     return out.transpose(1, 2).reshape(b, heads * head_dim)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A hidden-state RMSNorm as its :class:`~anyquant.runtime.layers.RMSNorm` module computes it on the step's rows:
+    ``eps < 0`` (the planner's mark for modules with ``kernel_rows``; the step runs only up to that many rows) the
+    compiled kernel's ``anyquant::rms_norm`` with epsilon ``-eps``, else torch's."""
+    if eps < 0.0:
+        y: torch.Tensor = torch.ops.anyquant.rms_norm(x, weight, -eps)
+        return y
+    return F.rms_norm(x, [x.shape[-1]], weight, eps)
+
+
+def _rms_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`_rms` for compiling where the kernel is not loaded (no module has ``kernel_rows`` then)."""
+    return F.rms_norm(x, [x.shape[-1]], weight, abs(eps))
 
 
 def _int4(x: torch.Tensor, packed: torch.Tensor, group: int, scales: torch.Tensor) -> torch.Tensor:
@@ -143,7 +158,7 @@ def int4_attention(
 ) -> torch.Tensor:
     """The attention half of :func:`int4_layer`: ``h`` plus the attention of its normalised rows."""
     b, hidden = h.shape[0], h.shape[-1]
-    y = _int4(F.rms_norm(h, [hidden], norm1, eps).view(b, hidden), qkv, qkv_group, qkv_scales)
+    y = _int4(_rms(h, norm1, eps).view(b, hidden), qkv, qkv_group, qkv_scales)
     rotated = (heads + kv_heads) * head_dim
     a = _attention(
         y[:, :rotated],
@@ -207,7 +222,7 @@ def int4_layer(
         h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling,
         qkv, qkv_scales, qkv_group, o, o_scales, o_group, q_norm, k_norm,
     )  # fmt: skip
-    gu = _int4(F.rms_norm(h, [hidden], norm2, eps).view(b, hidden), gate_up, gate_up_group, gate_up_scales)
+    gu = _int4(_rms(h, norm2, eps).view(b, hidden), gate_up, gate_up_group, gate_up_scales)
     m = F.silu(gu[:, :intermediate]) * gu[:, intermediate:]
     return h + _int4(m, down, down_group, down_scales).view(b, 1, hidden)
 
@@ -255,7 +270,7 @@ def int4_moe_layer(
         h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling,
         qkv, qkv_scales, qkv_group, o, o_scales, o_group, q_norm, k_norm,
     )  # fmt: skip
-    x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
+    x = _rms(h, norm2, eps).view(b, hidden)
     logits = F.linear(x, router)
     probs = F.softmax(logits, dim=-1, dtype=torch.float)
     top, index = torch.topk(probs, top_k, dim=-1)
@@ -316,13 +331,13 @@ def bf16_layer(
 ) -> torch.Tensor:
     """:func:`int4_layer` for layers of cpu-fast bfloat16 prepacked linears (EXL3, EXL2): seven oneDNN calls."""
     b, hidden = h.shape[0], h.shape[-1]
-    x = F.rms_norm(h, [hidden], norm1, eps).view(b, hidden)
+    x = _rms(h, norm1, eps).view(b, hidden)
     qk = torch.cat([_bf16(x, q), _bf16(x, k)], 1)
     a = _attention(
         qk, _bf16(x, v), cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps
     )
     h = h + _bf16(a, o).view(b, 1, hidden)
-    x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
+    x = _rms(h, norm2, eps).view(b, hidden)
     return h + _bf16(F.silu(_bf16(x, gate)) * _bf16(x, up), down).view(b, 1, hidden)
 
 
@@ -393,12 +408,12 @@ def ggml_layer(
     """:func:`int4_layer` for layers of GGUF-block linears (Q4_0, Q4_1, Q8_0, or GQ4): four kernel calls (q/k/v
     and gate/up one call each)."""
     b, hidden = h.shape[0], h.shape[-1]
-    x = F.rms_norm(h, [hidden], norm1, eps).view(b, hidden)
+    x = _rms(h, norm1, eps).view(b, hidden)
     y = _ggml_cat(x, blocks[0:3], kinds[0:3], rows[0:3], passes)
     qk, v = y[:, : rows[0] + rows[1]], y[:, rows[0] + rows[1] :]
     a = _attention(qk, v, cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps)
     h = h + _ggml(a, blocks[3], kinds[3], rows[3], passes).view(b, 1, hidden)
-    x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
+    x = _rms(h, norm2, eps).view(b, hidden)
     gu = _ggml_cat(x, blocks[4:6], kinds[4:6], rows[4:6], passes)
     m = F.silu(gu[:, : rows[4]]) * gu[:, rows[4] :]
     return h + _ggml(m, blocks[6], kinds[6], rows[6], passes).view(b, 1, hidden)
@@ -467,7 +482,7 @@ def mixed_attention(
 ) -> torch.Tensor:
     """The attention half of :func:`mixed_layer`: ``h`` plus the attention of its normalised rows."""
     b, hidden = h.shape[0], h.shape[-1]
-    y = _joint(F.rms_norm(h, [hidden], norm1, eps).view(b, hidden), qkv)
+    y = _joint(_rms(h, norm1, eps).view(b, hidden), qkv)
     rotated = (heads + kv_heads) * head_dim
     a = _attention(
         y[:, :rotated],
@@ -519,7 +534,7 @@ def mixed_layer(
     h = mixed_attention(
         h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling, qkv, o, q_norm, k_norm
     )
-    x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
+    x = _rms(h, norm2, eps).view(b, hidden)
     return h + _mlp(x, gate_up, down, intermediate).view(b, 1, hidden)
 
 
@@ -555,7 +570,7 @@ def mixed_moe_layer(
     h = mixed_attention(
         h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling, qkv, o, q_norm, k_norm
     )
-    x = F.rms_norm(h, [hidden], norm2, eps).view(b, hidden)
+    x = _rms(h, norm2, eps).view(b, hidden)
     logits = F.linear(x, router)
     probs = F.softmax(logits, dim=-1, dtype=torch.float)
     top, index = torch.topk(probs, top_k, dim=-1)
@@ -595,12 +610,13 @@ def _scripting(kinds: Collection[str]) -> Iterator[None]:
     """While TorchScript compiles functions of ``kinds``: where the kernel op is not loaded, the ``mixed``
     functions' block branch is compiled as a call back into Python (no GGUF-block linear can exist without
     the op, which TorchScript must resolve)."""
-    global _ggml, _ggml_cat
-    compiled_ggml, compiled_ggml_cat = _ggml, _ggml_cat
-    if any(kind.startswith("mixed") for kind in kinds):
-        from . import kernels
+    global _ggml, _ggml_cat, _rms
+    from . import kernels
 
-        if not kernels.available():
+    compiled_ggml, compiled_ggml_cat, compiled_rms = _ggml, _ggml_cat, _rms
+    if not kernels.available():
+        _rms = _rms_torch
+        if any(kind.startswith("mixed") for kind in kinds):
             _ggml, _ggml_cat = _ggml_in_python, _ggml_cat_in_python
     try:
         with warnings.catch_warnings():
@@ -610,7 +626,7 @@ def _scripting(kinds: Collection[str]) -> Iterator[None]:
             warnings.simplefilter("ignore", FutureWarning)
             yield
     finally:
-        _ggml, _ggml_cat = compiled_ggml, compiled_ggml_cat
+        _ggml, _ggml_cat, _rms = compiled_ggml, compiled_ggml_cat, compiled_rms
 
 
 def compiled_layer(kind: str) -> Callable[..., torch.Tensor]:
@@ -898,6 +914,8 @@ def _plan_layer(layer: Any, uniform: bool = True) -> _Layer | None:
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     if not (_plain_norm(norm1) and _plain_norm(norm2) and norm1.variance_epsilon == norm2.variance_epsilon):
         return None
+    if norm1.kernel_rows != norm2.kernel_rows:
+        return None
     attn, mlp = layer.self_attn, layer.mlp
     eps = float(norm1.variance_epsilon)
     norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
@@ -906,13 +924,19 @@ def _plan_layer(layer: Any, uniform: bool = True) -> _Layer | None:
         if not all(m is not None and _plain_norm(m) and float(m.variance_epsilon) == eps for m in norms):
             return None
         qk_norms = tuple(m.weight for m in norms if m is not None)
-    common: tuple[Any, ...] = (norm1.weight, norm2.weight, eps)
+    # the kernel's norm (eps < 0: _rms), which the modules take up to kernel_rows rows: the step no further
+    kernel_rows = int(norm1.kernel_rows)
+    common: tuple[Any, ...] = (norm1.weight, norm2.weight, -eps if kernel_rows > 0 else eps)
     common += (attn.heads, attn.kv_heads, attn.head_dim, float(attn.scaling))
     sparse = _sparse(mlp)
     if sparse is None and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         return None  # an MLP of another make
     planned = _plan_uniform(layer, common, qk_norms, sparse) if uniform else None
-    return planned if planned is not None else _plan_mixed(layer, common, qk_norms, sparse)
+    if planned is None:
+        planned = _plan_mixed(layer, common, qk_norms, sparse)
+    if planned is not None and kernel_rows > 0:
+        planned = planned._replace(small_rows=min(planned.small_rows, kernel_rows))
+    return planned
 
 
 def _plan_mixed(

@@ -276,7 +276,12 @@ class GGUFLoader(TransformersLoader):
         src = ctx.source
         info: dict[str, Any] = {"embedding": "dense"}
         if "cpu_fast" in ctx.state:
+            from anyquant.runtime.fastcpu import kernel_norms
+
             info["cpu_fast"] = ctx.state["cpu_fast"]
+            norms = kernel_norms(loaded.module, ctx.state["cpu_fast_rows"])
+            if norms:
+                info["cpu_fast"]["kernel_norms"] = norms
         if isinstance(src, GGUFSource):
             if src.placeholders:
                 self._install_packed_embedding(loaded.module, src)
@@ -378,6 +383,7 @@ class GGUFLoader(TransformersLoader):
                 "compute_dtype": ctx.dtype,
             }
             fast = ctx.state["cpu_fast"] = {"converted": 0, "bf16": {}, "dequantized": {}}
+            ctx.state["cpu_fast_rows"] = plan.small_rows
             bf16_ok, bf16_reason = bf16_head_status()
             passes = ctx.options.extra.get("cpu_fast_activation_passes", 2)
             if passes not in (1, 2, "1", "2") or isinstance(passes, bool):

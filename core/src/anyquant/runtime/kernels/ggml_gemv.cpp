@@ -603,6 +603,39 @@ at::Tensor ggml_interleave(const at::Tensor& blocks, int64_t type, int64_t rows,
   return out;
 }
 
+// RMSNorm of each row of a float32 x [..., n] (n = weight's length): y = (x * (1 / sqrt(mean(x^2) + eps))) * w,
+// the sum of squares in 16 float partial sums. One call where torch's float32 rms_norm is six ops (~11 us on a
+// 1,024-wide row, ~1 us here); not bitwise torch's (its reduction order differs): the decode step and the
+// modules call it alike (anyquant.runtime.layers.RMSNorm's kernel_rows).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "anyquant::rms_norm: float32 x and weight");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "anyquant::rms_norm runs on the CPU");
+  const int64_t n = weight.numel();
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == n, "anyquant::rms_norm: x's last dimension is not the weight's ", n);
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const float* px = xc.data_ptr<float>();
+  const float* pw = wc.data_ptr<float>();
+  float* py = out.data_ptr<float>();
+  const int64_t rows = n == 0 ? 0 : xc.numel() / n;
+  const float feps = static_cast<float>(eps);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = px + r * n;
+    float* yr = py + r * n;
+    float acc[16] = {0.f};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      for (int j = 0; j < 16; ++j) acc[j] += xr[i + j] * xr[i + j];
+    for (; i < n; ++i) acc[0] += xr[i] * xr[i];
+    for (int w = 8; w > 0; w /= 2)
+      for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+    const float scale = 1.f / std::sqrt(acc[0] / static_cast<float>(n) + feps);
+    for (int64_t k = 0; k < n; ++k) yr[k] = (xr[k] * scale) * pw[k];
+  }
+  return out;
+}
+
 int64_t kernel_isa() { return best_isa(); }
 
 // How many threads the op's at::parallel_for runs on (torch's intra-op count where the library was built with
@@ -622,6 +655,7 @@ TORCH_LIBRARY(anyquant, m) {
   m.def("ggml_gemv(Tensor x, Tensor blocks, int type, int rows, int cols, int isa=-1, int passes=2) -> Tensor");
   m.def("ggml_gemv_cat(Tensor x, Tensor[] blocks, int[] types, int[] rows, int isa=-1, int passes=2) -> Tensor");
   m.def("ggml_interleave(Tensor blocks, int type, int rows, int cols, bool forward=True) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("kernel_isa() -> int", &kernel_isa);
   m.def("kernel_threads() -> int", &kernel_threads);
 }
@@ -630,4 +664,5 @@ TORCH_LIBRARY_IMPL(anyquant, CPU, m) {
   m.impl("ggml_gemv", &ggml_gemv);
   m.impl("ggml_gemv_cat", &ggml_gemv_cat);
   m.impl("ggml_interleave", &ggml_interleave);
+  m.impl("rms_norm", &rms_norm);
 }
