@@ -1189,7 +1189,8 @@ class FastCPUPlan:
 
         release_free_heap()  # the tokenizer's parse left freed memory in the heap: not under the head's peak
         self.block_info = to_block_kernel(module, self.interleave) if self.block_kernel else {}
-        self.norms = kernel_norms(module, self.small_rows)
+        # the decode path's norms too, where some layer decodes on a fast kernel (else the model stays exact)
+        self.norms = kernel_norms(module, self.small_rows) if self.converted else 0
         if self.head and self.converted == 0:
             self.head_info = {"head": "dense", "reason": "no layer runs the int4 kernel: the model stays exact"}
         elif self.head:

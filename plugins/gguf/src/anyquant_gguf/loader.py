@@ -279,7 +279,8 @@ class GGUFLoader(TransformersLoader):
             from anyquant.runtime.fastcpu import kernel_norms
 
             info["cpu_fast"] = ctx.state["cpu_fast"]
-            norms = kernel_norms(loaded.module, ctx.state["cpu_fast_rows"])
+            fast_layers = info["cpu_fast"]["converted"] + len(info["cpu_fast"]["bf16"])
+            norms = kernel_norms(loaded.module, ctx.state["cpu_fast_rows"]) if fast_layers else 0
             if norms:
                 info["cpu_fast"]["kernel_norms"] = norms
         if isinstance(src, GGUFSource):
