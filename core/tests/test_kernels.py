@@ -342,3 +342,29 @@ def test_rms_norm_module_takes_the_kernel_up_to_its_rows() -> None:
     assert not ran_kernel(1) and not ran_kernel(9)
     norm.kernel_rows = 8
     assert ran_kernel(1) and ran_kernel(8) and not ran_kernel(9)
+
+
+@pytest.mark.parametrize("type_name", [*TYPES, "GQ4"])
+@pytest.mark.parametrize("interleave", [False, True], ids=["stored", "interleaved"])
+def test_dequantize_is_the_formats_own_bit_for_bit(type_name: str, interleave: bool) -> None:
+    """``anyquant::ggml_dequantize`` (the prompt path's weight, one pass over the blocks as held): the gguf package's
+    dequantization (a peer) bit for bit for Q4_0/Q4_1/Q8_0, GQ4's the reference's round_to(float16, s (q - z))
+    (FastInt4Linear's exact weight), from either form (91 rows: a last group of 3 past the interleaved ones), then
+    rounded to bfloat16 or float16 as torch's ``.to()`` rounds."""
+    rows, cols = 91, 128
+    if type_name == "GQ4":
+        raw, exact, _ = _gq4(rows, cols, 64, seed=3)
+        want, round_to = exact.float(), torch.float16
+    else:
+        raw, deq = _blocks(type_name, rows, cols, seed=4)
+        want, round_to = torch.from_numpy(deq).reshape(rows, cols), None
+    code = kernels.GGML_TYPES[type_name][0]
+    if interleave:
+        raw = kernels.interleave(raw, type_name, rows, cols)
+        code += kernels.INTERLEAVED
+    assert isinstance(raw, torch.Tensor)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = torch.ops.anyquant.ggml_dequantize(raw, code, rows, cols, round_to or dtype).to(dtype)
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype)), dtype
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.anyquant.ggml_dequantize(raw, code, rows, cols, torch.float64)

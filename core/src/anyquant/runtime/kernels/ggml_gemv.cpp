@@ -8,6 +8,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -603,6 +604,86 @@ at::Tensor ggml_interleave(const at::Tensor& blocks, int64_t type, int64_t rows,
   return out;
 }
 
+// The exact weight [rows, cols] from its blocks (either form), as the formats' torch code computes it in float32:
+// Q4_0 (q - 8) * d, Q4_1 q * d + m, Q8_0 q * d, GQ4 (q - z) * s; then rounded to dtype (float32: as is; float16 or
+// bfloat16 to nearest even, as torch's .to()). One pass over the blocks for a prompt's GEMM, where the torch code
+// makes several (and the interleaved form was first copied back).
+inline void dequantize_block(int64_t base, const uint8_t* blk, float* v) {
+  const float d = half_at(blk);
+  if (base == TYPE_Q8_0) {
+    for (int i = 0; i < QK; ++i) v[i] = static_cast<float>(static_cast<int8_t>(blk[2 + i])) * d;
+    return;
+  }
+  const uint8_t* qs = blk + (base == TYPE_Q4_0 ? 2 : 4);
+  if (base == TYPE_Q4_0) {
+    for (int i = 0; i < 16; ++i) {
+      v[i] = (static_cast<float>(qs[i] & 15) - 8.f) * d;
+      v[i + 16] = (static_cast<float>(qs[i] >> 4) - 8.f) * d;
+    }
+  } else if (base == TYPE_Q4_1) {
+    const float m = half_at(blk + 2);
+    for (int i = 0; i < 16; ++i) {
+      v[i] = static_cast<float>(qs[i] & 15) * d + m;
+      v[i + 16] = static_cast<float>(qs[i] >> 4) * d + m;
+    }
+  } else {  // GQ4
+    const float z = half_at(blk + 2);
+    for (int i = 0; i < 16; ++i) {
+      v[i] = (static_cast<float>(qs[i] & 15) - z) * d;
+      v[i + 16] = (static_cast<float>(qs[i] >> 4) - z) * d;
+    }
+  }
+}
+
+// Row r (0..7) of an interleaved piece (8 rows' block b) back in the stored block layout (il_offset's inverse).
+inline void deinterleave_row(int64_t base, const uint8_t* piece, int r, uint8_t* raw) {
+  const int head = (base == TYPE_Q4_1 || base == TYPE_GQ4) ? 4 : 2, bs = block_bytes(base);
+  raw[0] = piece[2 * r];
+  raw[1] = piece[2 * r + 1];
+  if (head == 4) {
+    raw[2] = piece[16 + 2 * r];
+    raw[3] = piece[16 + 2 * r + 1];
+  }
+  const uint8_t* codes = piece + 16 * (head / 2);
+  for (int c = 0; c < (bs - head) / 4; ++c) std::memcpy(raw + head + 4 * c, codes + 32 * c + 4 * r, 4);
+}
+
+template <typename OUT>
+void dequantize_rows(const uint8_t* w, int64_t type, int64_t rows, int64_t nb, int64_t r0, int64_t r1, OUT* out) {
+  const int64_t base = type % TYPE_IL;
+  const int bs = block_bytes(base);
+  const int64_t interleaved_rows = type >= TYPE_IL ? rows / 8 * 8 : 0;  // rows past the last whole group: as stored
+  uint8_t raw[34];
+  float v[QK];
+  for (int64_t r = r0; r < r1; ++r) {
+    OUT* dst = out + r * nb * QK;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + (r * nb + b) * bs;
+      if (r < interleaved_rows) {
+        deinterleave_row(base, w + ((r / 8) * nb + b) * 8 * bs, static_cast<int>(r % 8), raw);
+        blk = raw;
+      }
+      dequantize_block(base, blk, v);
+      for (int i = 0; i < QK; ++i) dst[b * QK + i] = static_cast<OUT>(v[i]);
+    }
+  }
+}
+
+at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols, at::ScalarType dtype) {
+  check_part(blocks, type, rows, cols, "ggml_dequantize");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "anyquant::ggml_dequantize: dtype float32, float16 or bfloat16");
+  at::Tensor out = at::empty({rows, cols}, blocks.options().dtype(dtype));
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t nb = cols / QK;
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    if (dtype == at::kFloat) dequantize_rows(w, type, rows, nb, r0, r1, out.data_ptr<float>());
+    else if (dtype == at::kHalf) dequantize_rows(w, type, rows, nb, r0, r1, out.data_ptr<c10::Half>());
+    else dequantize_rows(w, type, rows, nb, r0, r1, out.data_ptr<c10::BFloat16>());
+  });
+  return out;
+}
+
 // RMSNorm of each row of a float32 x [..., n] (n = weight's length): y = (x * (1 / sqrt(mean(x^2) + eps))) * w,
 // the sum of squares in 16 float partial sums. One call where torch's float32 rms_norm is six ops (~11 us on a
 // 1,024-wide row, ~1 us here); not bitwise torch's (its reduction order differs): the decode step and the
@@ -655,6 +736,7 @@ TORCH_LIBRARY(anyquant, m) {
   m.def("ggml_gemv(Tensor x, Tensor blocks, int type, int rows, int cols, int isa=-1, int passes=2) -> Tensor");
   m.def("ggml_gemv_cat(Tensor x, Tensor[] blocks, int[] types, int[] rows, int isa=-1, int passes=2) -> Tensor");
   m.def("ggml_interleave(Tensor blocks, int type, int rows, int cols, bool forward=True) -> Tensor");
+  m.def("ggml_dequantize(Tensor blocks, int type, int rows, int cols, ScalarType dtype) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("kernel_isa() -> int", &kernel_isa);
   m.def("kernel_threads() -> int", &kernel_threads);
@@ -664,5 +746,6 @@ TORCH_LIBRARY_IMPL(anyquant, CPU, m) {
   m.impl("ggml_gemv", &ggml_gemv);
   m.impl("ggml_gemv_cat", &ggml_gemv_cat);
   m.impl("ggml_interleave", &ggml_interleave);
+  m.impl("ggml_dequantize", &ggml_dequantize);
   m.impl("rms_norm", &rms_norm);
 }

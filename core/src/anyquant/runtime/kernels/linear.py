@@ -4,8 +4,9 @@ from a GPTQ / AWQ 4-bit layer (:class:`GroupInt4BlockLinear`).
 - few rows (``<= small_rows``: decode): :func:`torch.ops.anyquant.ggml_gemv` on the blocks as held
   (activations quantized per block of 32 in ``passes`` int8 passes, integer dot products: llama.cpp's
   arithmetic with ``passes=1``; tolerance below);
-- many rows (prompts): the exact weight, dequantized from the blocks per forward by the format
-  (:meth:`BlockLinear.dequantize`), and a float GEMM in ``prefill_dtype`` (default: the input's dtype).
+- many rows (prompts): the exact weight, dequantized from the blocks as held per forward by the kernel's
+  ``ggml_dequantize`` (one pass, either form; bitwise the format's :meth:`BlockLinear.dequantize`, tested), and a
+  float GEMM in ``prefill_dtype`` (default: the input's dtype).
 
 By default (``interleave=True`` from the loaders, option ``cpu_fast_interleave``) the blocks are copied once at load
 into the kernel's interleaved form (:mod:`anyquant.runtime.kernels`: ~1.1x faster decode on a 1.1B model, ~0.25 s
@@ -35,6 +36,8 @@ class BlockLinear(nn.Module):
 
     blocks: torch.Tensor
     bias: torch.Tensor | None
+    #: the dtype the format rounds each dequantized weight to (GQ4: its scales'), ``None``: exact in float32
+    round_to: torch.dtype | None = None
 
     def __init__(
         self,
@@ -74,6 +77,15 @@ class BlockLinear(nn.Module):
         """The exact weight ``[out, in]`` (float32), from the blocks (:meth:`raw_blocks`)."""
         raise NotImplementedError
 
+    def exact_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """:meth:`dequantize` rounded to ``dtype``, bit for bit, in one pass of the compiled kernel over the blocks as
+        held (the prompt path's weight; the format's torch code makes several, after copying an interleaved form back)."""
+        direct = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+        w: torch.Tensor = torch.ops.anyquant.ggml_dequantize(
+            self.blocks, self.ggml_type, self.out_features, self.in_features, self.round_to or direct
+        )
+        return w if w.dtype == dtype else w.to(dtype)
+
     def raw_blocks(self) -> torch.Tensor:
         """The blocks in their stored layout (GGUF's, GQ4's): ``blocks`` itself, or made back from the
         interleaved form (a copy, for the prompt path's dequantization)."""
@@ -95,7 +107,7 @@ class BlockLinear(nn.Module):
             ).to(x.dtype)
         else:
             dtype = self.prefill_dtype or x.dtype
-            y = torch.mm(x2.to(dtype), self.dequantize().to(dtype).t()).to(x.dtype)
+            y = torch.mm(x2.to(dtype), self.exact_weight(dtype).t()).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
@@ -169,7 +181,7 @@ class GroupInt4BlockLinear(BlockLinear):
         self, blocks: torch.Tensor, out_features: int, in_features: int, scale_dtype: torch.dtype, **kwargs: Any
     ):
         super().__init__(blocks, "GQ4", out_features, in_features, **kwargs)
-        self.scale_dtype = scale_dtype
+        self.scale_dtype = self.round_to = scale_dtype
 
     @staticmethod
     def unsupported_reason(layer: Any) -> str | None:
