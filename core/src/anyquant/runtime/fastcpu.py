@@ -988,13 +988,13 @@ def kernel_norms(module: nn.Module, rows: int) -> int:
     decode path, one call instead of torch's six ops (SmolLM2: 61 norms a token, ~10 us each at 2 threads); longer
     prompts keep torch's exact ``rms_norm``. Returns how many, 0 where the kernel is not built."""
     from . import kernels
-    from .layers import RMSNorm
 
     if not kernels.available():
         return 0
     count = 0
     for name, m in module.named_modules():
-        if type(m) is RMSNorm and not name.endswith(("q_norm", "k_norm")):
+        # the norms that take the op declare kernel_rows (the native RMSNorm; Gemma's and transformers' do not)
+        if hasattr(type(m), "kernel_rows") and not name.endswith(("q_norm", "k_norm")):
             m.kernel_rows = rows
             count += 1
     return count
