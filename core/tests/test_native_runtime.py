@@ -194,10 +194,13 @@ def _int4_model(
         if not kernels.available():
             pytest.skip("anyquant kernels not built")
         assert to_block_kernel(model.module)["gq4_layers"] > 0
-        # and the hidden-state norms on the kernel up to 64 rows, as FastCPUPlan.finish sets them (q/k norms: torch's)
+        # and the norms on the kernel up to 64 tokens, as FastCPUPlan.finish sets them (q/k norms: 64 x their heads)
         layers = model.module.model.layers
-        assert kernel_norms(model.module, 64) == 2 * len(layers) + 1
-        assert all(m.kernel_rows == 0 for layer in layers for m in (getattr(layer.self_attn, "q_norm", None),) if m)
+        qk = sum(layer.self_attn.q_norm is not None for layer in layers)
+        assert kernel_norms(model.module, 64) == 2 * len(layers) + 1 + 2 * qk
+        for layer in layers if qk else ():
+            attn = layer.self_attn
+            assert (attn.q_norm.kernel_rows, attn.k_norm.kernel_rows) == (64 * attn.heads, 64 * attn.kv_heads)
     return model
 
 

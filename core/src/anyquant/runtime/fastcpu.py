@@ -983,10 +983,11 @@ def _restore_embedding_dtype(module: Any, dtype: torch.dtype) -> None:
 
 
 def kernel_norms(module: nn.Module, rows: int) -> int:
-    """The native decoder's hidden-state RMSNorms (not Qwen3's per-head q/k norms) on the compiled kernel's
-    ``anyquant::rms_norm`` up to ``rows`` rows (:attr:`~anyquant.runtime.layers.RMSNorm.kernel_rows`): cpu-fast's
-    decode path, one call instead of torch's six ops (SmolLM2: 61 norms a token, ~10 us each at 2 threads); longer
-    prompts keep torch's exact ``rms_norm``. Returns how many, 0 where the kernel is not built."""
+    """The native decoder's RMSNorms on the compiled kernel's ``anyquant::rms_norm`` up to ``rows`` tokens
+    (:attr:`~anyquant.runtime.layers.RMSNorm.kernel_rows`; Qwen3's per-head q/k norms up to ``rows`` times their
+    attention's query or key heads, the rows they see): cpu-fast's decode path, one call instead of torch's six ops
+    (SmolLM2: 61 norms a token, ~10 us each at 2 threads); longer prompts keep torch's exact ``rms_norm``. Returns
+    how many, 0 where the kernel is not built."""
     from . import kernels
 
     if not kernels.available():
@@ -994,9 +995,16 @@ def kernel_norms(module: nn.Module, rows: int) -> int:
     count = 0
     for name, m in module.named_modules():
         # the norms that take the op declare kernel_rows (the native RMSNorm; Gemma's and transformers' do not)
-        if hasattr(type(m), "kernel_rows") and not name.endswith(("q_norm", "k_norm")):
-            m.kernel_rows = rows
-            count += 1
+        if not hasattr(type(m), "kernel_rows"):
+            continue
+        per = 1
+        if name.endswith(("q_norm", "k_norm")):
+            attn = module.get_submodule(name.rpartition(".")[0])
+            per = getattr(attn, "heads" if name.endswith("q_norm") else "kv_heads", 0)
+            if not per:
+                continue
+        m.kernel_rows = rows * per
+        count += 1
     return count
 
 

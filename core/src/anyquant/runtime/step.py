@@ -88,8 +88,8 @@ def _attention(
     b = qk.shape[0]
     rotated = heads + kv_heads
     if q_norm is not None and k_norm is not None:
-        q = F.rms_norm(qk[:, : heads * head_dim].view(b, 1, heads, head_dim), [head_dim], q_norm, abs(eps))
-        k = F.rms_norm(qk[:, heads * head_dim :].view(b, 1, kv_heads, head_dim), [head_dim], k_norm, abs(eps))
+        q = _rms(qk[:, : heads * head_dim].view(b, 1, heads, head_dim), q_norm, eps)
+        k = _rms(qk[:, heads * head_dim :].view(b, 1, kv_heads, head_dim), k_norm, eps)
         qk = torch.cat([q, k], 2).transpose(1, 2)
     else:
         qk = qk.view(b, 1, rotated, head_dim).transpose(1, 2)
@@ -113,7 +113,7 @@ def _attention(
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """A hidden-state RMSNorm as its :class:`~anyquant.runtime.layers.RMSNorm` module computes it on the step's rows:
+    """An RMSNorm as its :class:`~anyquant.runtime.layers.RMSNorm` module computes it on the step's rows:
     ``eps < 0`` (the planner's mark for modules with ``kernel_rows``; the step runs only up to that many rows) the
     compiled kernel's ``anyquant::rms_norm`` with epsilon ``-eps``, else torch's."""
     if eps < 0.0:
@@ -538,6 +538,26 @@ def mixed_layer(
     return h + _mlp(x, gate_up, down, intermediate).view(b, 1, hidden)
 
 
+def _chosen_gate_ups(x: torch.Tensor, gate_ups: List[List[Linear]], intermediate: int) -> Optional[torch.Tensor]:  # noqa: UP006, UP045
+    """One row's chosen experts' gate/up outputs side by side from one kernel call (each expert's gate, then up, of
+    ``intermediate`` rows each, as :func:`_joint` gives them: the same values, the kernel computes each output row
+    alike), where all of them are GGUF-block linears of one activation passes count; else ``None``."""
+    blocks: List[torch.Tensor] = []  # noqa: UP006
+    kinds: List[int] = []  # noqa: UP006
+    rows: List[int] = []  # noqa: UP006
+    passes = gate_ups[0][0][5]
+    for parts in gate_ups:
+        if len(parts) != 2:
+            return None
+        for p in parts:
+            if p[0] != 2 or p[5] != passes or p[4] != intermediate:
+                return None
+            blocks.append(p[1])
+            kinds.append(p[3])
+            rows.append(p[4])
+    return _ggml_cat(x, blocks, kinds, rows, passes)
+
+
 def mixed_moe_layer(
     h: torch.Tensor,
     cos: torch.Tensor,
@@ -581,8 +601,15 @@ def mixed_moe_layer(
     if b == 1:
         chosen: List[int] = index[0].tolist()  # noqa: UP006
         weights = top[0]
-        for e in sorted(chosen):
-            out = out + _mlp(x, gate_up[e], down[e], intermediate) * weights[chosen.index(e)]
+        order = sorted(chosen)
+        joint = _chosen_gate_ups(x, [gate_up[e] for e in order], intermediate)
+        for i, e in enumerate(order):
+            if joint is None:
+                out = out + _mlp(x, gate_up[e], down[e], intermediate) * weights[chosen.index(e)]
+            else:
+                gu = joint[:, 2 * intermediate * i : 2 * intermediate * (i + 1)]
+                m = F.silu(gu[:, :intermediate]) * gu[:, intermediate:]
+                out = out + _linear(m, down[e]) * weights[chosen.index(e)]
     else:
         experts: List[int] = torch.unique(index).tolist()  # noqa: UP006
         for e in experts:
@@ -922,6 +949,9 @@ def _plan_layer(layer: Any, uniform: bool = True) -> _Layer | None:
     qk_norms: tuple[Any, ...] = (None, None)
     if norms != [None, None]:
         if not all(m is not None and _plain_norm(m) and float(m.variance_epsilon) == eps for m in norms):
+            return None
+        # on the kernel with the hidden-state norms (up to as many tokens: kernel_rows counts their heads' rows)
+        if [m.kernel_rows for m in norms] != [norm1.kernel_rows * attn.heads, norm1.kernel_rows * attn.kv_heads]:
             return None
         qk_norms = tuple(m.weight for m in norms if m is not None)
     # the kernel's norm (eps < 0: _rms), which the modules take up to kernel_rows rows: the step no further
