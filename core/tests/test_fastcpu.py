@@ -320,11 +320,15 @@ def test_head_kind_falls_back_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """``auto``: Q8_0 blocks where the kernel runs, else bfloat16, else none (with both reasons)."""
     runs = {"q8_0": True, "bfloat16": True}
     monkeypatch.setattr(fastcpu, "head_status", lambda kind: (runs[kind], "" if runs[kind] else f"no {kind}"))
+    monkeypatch.setattr(fastcpu, "block_kernel_is_fast", lambda: True)
     assert fastcpu.head_kind("auto") == ("q8_0", "") and fastcpu.head_kind("bfloat16") == ("bfloat16", "")
     runs["q8_0"] = False
     assert fastcpu.head_kind("auto") == ("bfloat16", "") and fastcpu.head_kind("q8_0") == (None, "no q8_0")
     runs["bfloat16"] = False
     assert fastcpu.head_kind("auto") == (None, "no q8_0; no bfloat16")
+    runs["q8_0"] = True  # a kernel on its scalar path: auto does not take it, asked for it runs
+    monkeypatch.setattr(fastcpu, "block_kernel_is_fast", lambda: False)
+    assert fastcpu.head_kind("auto")[0] is None and fastcpu.head_kind("q8_0") == ("q8_0", "")
     assert fastcpu.head_kind("dense") == (None, "cpu_fast_head='dense'")
     with pytest.raises(ParameterError, match="cpu_fast_head"):
         fastcpu.FastCPUPlan.from_options({"cpu_fast_head": "float8"})

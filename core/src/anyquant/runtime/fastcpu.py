@@ -527,12 +527,15 @@ def head_status(kind: str) -> tuple[bool, str]:
 
 def head_kind(requested: str) -> tuple[str | None, str]:
     """The :class:`FastHead` decode form for option ``cpu_fast_head`` (:data:`HEAD_KINDS`), or ``None`` and why
-    not: ``dense`` asked for, or the form asked for (``auto``: either) cannot run here."""
+    not: ``dense`` asked for, or the form asked for (``auto``: either; Q8_0 where :func:`block_kernel_is_fast`) cannot
+    run here."""
     if requested == "dense":
         return None, "cpu_fast_head='dense'"
     reasons = []
     for kind in ("q8_0", "bfloat16") if requested == "auto" else (requested,):
         ok, reason = head_status(kind)
+        if ok and kind == "q8_0" and requested == "auto" and not block_kernel_is_fast():
+            ok, reason = False, "the compiled kernel runs its scalar path here (no AVX2)"
         if ok:
             return kind, ""
         reasons.append(reason)
