@@ -951,7 +951,8 @@ def _plan_layer(layer: Any, uniform: bool = True) -> _Layer | None:
         if not all(m is not None and _plain_norm(m) and float(m.variance_epsilon) == eps for m in norms):
             return None
         # on the kernel with the hidden-state norms (up to as many tokens: kernel_rows counts their heads' rows)
-        if [m.kernel_rows for m in norms] != [norm1.kernel_rows * attn.heads, norm1.kernel_rows * attn.kv_heads]:
+        qk_rows = [0 if m is None else m.kernel_rows for m in norms]
+        if qk_rows != [norm1.kernel_rows * attn.heads, norm1.kernel_rows * attn.kv_heads]:
             return None
         qk_norms = tuple(m.weight for m in norms if m is not None)
     # the kernel's norm (eps < 0: _rms), which the modules take up to kernel_rows rows: the step no further
