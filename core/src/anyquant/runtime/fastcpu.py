@@ -525,10 +525,10 @@ def head_status(kind: str) -> tuple[bool, str]:
     return False, f"no FastHead decodes in {kind!r}"
 
 
-def head_kind(requested: str) -> tuple[str | None, str]:
-    """The :class:`FastHead` decode form for option ``cpu_fast_head`` (:data:`HEAD_KINDS`), or ``None`` and why
-    not: ``dense`` asked for, or the form asked for (``auto``: either; Q8_0 where :func:`block_kernel_is_fast`) cannot
-    run here."""
+def head_kind(requested: str, in_features: int | None = None) -> tuple[str | None, str]:
+    """The :class:`FastHead` decode form for option ``cpu_fast_head`` (:data:`HEAD_KINDS`) of a head ``in_features``
+    wide (``None``: not known yet), or ``None`` and why not: ``dense`` asked for, or the form asked for (``auto``:
+    either; Q8_0 where :func:`block_kernel_is_fast`) cannot run here or hold that width."""
     if requested == "dense":
         return None, "cpu_fast_head='dense'"
     reasons = []
@@ -536,6 +536,8 @@ def head_kind(requested: str) -> tuple[str | None, str]:
         ok, reason = head_status(kind)
         if ok and kind == "q8_0" and requested == "auto" and not block_kernel_is_fast():
             ok, reason = False, "the compiled kernel runs its scalar path here (no AVX2)"
+        if ok and kind == "q8_0" and in_features is not None and in_features % 32:
+            ok, reason = False, f"Q8_0 blocks need a width divisible by 32, not {in_features}"
         if ok:
             return kind, ""
         reasons.append(reason)
@@ -922,9 +924,6 @@ def install_fast_head(
     (the caller then fills what the build left: :func:`~anyquant.runtime.tensors.fill_file_tables`).
     """
     tables = tables or {}
-    decode, reason = head_kind(kind)
-    if decode is None:
-        return {"head": "dense", "reason": reason}
     get_out = getattr(module, "get_output_embeddings", None)
     head = get_out() if get_out is not None else None
     if (
@@ -933,10 +932,9 @@ def install_fast_head(
         or head.weight.device.type not in ("cpu", "meta")
     ):
         return {"head": "dense", "reason": f"the output projection is a {type(head).__name__}, not a dense Linear"}
-    if decode == "q8_0" and head.in_features % 32:
-        decode, reason = head_kind("bfloat16") if kind == "auto" else (None, "")
-        if decode is None:
-            return {"head": "dense", "reason": f"Q8_0 blocks need a width divisible by 32; {reason}".rstrip("; ")}
+    decode, reason = head_kind(kind, head.in_features)
+    if decode is None:
+        return {"head": "dense", "reason": reason}
     head_file = _file_table(module, head.weight, tables) if head.weight.is_meta else None
     if head.weight.is_meta and head_file is None:
         return {"head": "dense", "reason": "the head's weight was not read"}
@@ -1123,7 +1121,6 @@ class FastCPUPlan:
 
     small_rows: int = DEFAULT_SMALL_ROWS
     prefill_dtype: torch.dtype | None = None
-    head: bool = True
     head_kind: str = "auto"
     tables: str = "file"
     block_kernel: bool = False
@@ -1166,12 +1163,16 @@ class FastCPUPlan:
         return cls(
             small_rows=rows,
             prefill_dtype=None if prefill is None else _PREFILL_DTYPES[prefill],
-            head=head != "dense",
             head_kind=head,
             tables=tables,
             block_kernel=kernel == "gq4",
             interleave=interleave in (True, "true"),
         )
+
+    @property
+    def head(self) -> bool:
+        """Whether :meth:`finish` installs a fast head (``cpu_fast_head`` is not ``"dense"``)."""
+        return self.head_kind != "dense"
 
     def file_tables(self) -> bool:
         """Whether the build may leave the embedding and a dense head in the checkpoint file for

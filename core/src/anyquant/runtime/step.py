@@ -442,17 +442,25 @@ def _joint(x: torch.Tensor, parts: List[Linear]) -> torch.Tensor:  # noqa: UP006
     passes count (:func:`_ggml_cat`), else each in turn."""
     if len(parts) == 1:
         return _linear(x, parts[0])
+    joint = _block_cat(x, parts)
+    if joint is not None:
+        return joint
+    return torch.cat([_linear(x, p) for p in parts], 1)
+
+
+def _block_cat(x: torch.Tensor, parts: List[Linear]) -> Optional[torch.Tensor]:  # noqa: UP006, UP045
+    """``parts``' outputs on ``x`` side by side from one :func:`_ggml_cat` call where every one is a GGUF-block
+    linear of the first one's activation passes count; else ``None``."""
     blocks: List[torch.Tensor] = []  # noqa: UP006
     kinds: List[int] = []  # noqa: UP006
     rows: List[int] = []  # noqa: UP006
     for p in parts:
-        if p[0] == 2 and p[5] == parts[0][5]:
-            blocks.append(p[1])
-            kinds.append(p[3])
-            rows.append(p[4])
-    if len(blocks) == len(parts):
-        return _ggml_cat(x, blocks, kinds, rows, parts[0][5])
-    return torch.cat([_linear(x, p) for p in parts], 1)
+        if p[0] != 2 or p[5] != parts[0][5]:
+            return None
+        blocks.append(p[1])
+        kinds.append(p[3])
+        rows.append(p[4])
+    return _ggml_cat(x, blocks, kinds, rows, parts[0][5])
 
 
 def _mlp(x: torch.Tensor, gate_up: List[Linear], down: Linear, intermediate: int) -> torch.Tensor:  # noqa: UP006
@@ -541,21 +549,14 @@ def mixed_layer(
 def _chosen_gate_ups(x: torch.Tensor, gate_ups: List[List[Linear]], intermediate: int) -> Optional[torch.Tensor]:  # noqa: UP006, UP045
     """One row's chosen experts' gate/up outputs side by side from one kernel call (each expert's gate, then up, of
     ``intermediate`` rows each, as :func:`_joint` gives them: the same values, the kernel computes each output row
-    alike), where all of them are GGUF-block linears of one activation passes count; else ``None``."""
-    blocks: List[torch.Tensor] = []  # noqa: UP006
-    kinds: List[int] = []  # noqa: UP006
-    rows: List[int] = []  # noqa: UP006
-    passes = gate_ups[0][0][5]
+    alike), where all of them are GGUF-block linears of one activation passes count (:func:`_block_cat`); else
+    ``None``."""
+    flat: List[Linear] = []  # noqa: UP006
     for parts in gate_ups:
-        if len(parts) != 2:
+        if len(parts) != 2 or parts[0][4] != intermediate or parts[1][4] != intermediate:
             return None
-        for p in parts:
-            if p[0] != 2 or p[5] != passes or p[4] != intermediate:
-                return None
-            blocks.append(p[1])
-            kinds.append(p[3])
-            rows.append(p[4])
-    return _ggml_cat(x, blocks, kinds, rows, passes)
+        flat += parts
+    return _block_cat(x, flat)
 
 
 def mixed_moe_layer(

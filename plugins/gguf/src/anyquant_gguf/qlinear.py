@@ -291,9 +291,7 @@ def fast_rows_head(
     table on every decode step: SmolLM2's 49152 x 576 Q8_0 head, about half of a step)."""
     from anyquant.runtime.fastcpu import FastHead, head_kind
 
-    decode = head_kind(kind)[0]
-    if decode == "q8_0" and int(shape[1]) % 32:
-        decode = head_kind("bfloat16")[0] if kind == "auto" else None
+    decode = head_kind(kind, int(shape[1]))[0]
     if decode is None:
         return None
     return FastHead(GGUFRows(qweight, qtype, shape), small_rows=small_rows, decode=decode, interleave=interleave)
