@@ -58,6 +58,7 @@ from _measure import (
     ENV,
     _unshadow,
     bandwidth,
+    compile_sources,
     cpu_times,
     llama_cpp_extra_bufts,
     llama_cpp_model,
@@ -348,6 +349,7 @@ def main() -> int:
     _unshadow()
     import anyquant
 
+    compile_sources()  # the loads time modules read, as installed, not compiled from source
     t_start = time.perf_counter()
     smol = Path(anyquant.default_model())
     llama_python = find_llama_python(args.llama_python)

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _measure import CACHE, ENV, _unshadow, llama_cpp_extra_bufts, llama_cpp_model, machine
+from _measure import CACHE, ENV, _unshadow, compile_sources, llama_cpp_extra_bufts, llama_cpp_model, machine
 
 SHAPE: dict[str, Any] = {
     "model_type": "qwen3_moe",
@@ -381,6 +381,7 @@ def main() -> None:
             print(f"# llama.cpp: extra CPU buffer types {'on (repacked kernels)' if extra else 'off (they fail here)'}")
             ll_cfg = {**common, "kind": "llama.cpp", "path": str(args.gguf), "extra_bufts": extra}
             rows.append(("llama.cpp GGUF", ll_cfg, args.llama_python))
+    compile_sources()  # the loads time modules read, as installed, not compiled from source
     results: dict[str, dict[str, Any]] = {}
     for order in (rows, rows[::-1]):
         for name, cfg, python in order:

@@ -157,6 +157,47 @@ def test_interleaved_form_gives_bitwise_the_same(isa: int, type_name: str, rows:
         torch.ops.anyquant.ggml_interleave(il, code + kernels.INTERLEAVED, rows, cols)
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_experts_is_each_chosen_expert_in_order(isa: int, passes: int) -> None:
+    """ggml_experts (a MoE layer's chosen experts, one call) gives bit for bit what the module path computes from
+    ggml_gemv calls: per row, its experts in ascending order (ties in top-k order; an index outside the experts
+    skipped), ``0 + w * down(silu(gate x) * up x)`` each; experts of different types and forms, several rows."""
+    hidden, inter = 320, 96
+    forms = [("Q4_0", False), ("Q8_0", True), ("Q4_1", True), ("Q4_0", True)]
+    blocks: list[torch.Tensor] = []
+    types: list[int] = []
+    for e, (type_name, il) in enumerate(forms):
+        for j, (rows, cols) in enumerate([(inter, hidden), (inter, hidden), (hidden, inter)]):
+            raw = _blocks(type_name, rows, cols, seed=10 * e + j)[0]
+            code = kernels.GGML_TYPES[type_name][0]
+            blocks.append(kernels.interleave(raw, type_name, rows, cols) if il else raw)  # type: ignore[arg-type]
+            types.append(code + kernels.INTERLEAVED if il else code)
+
+    def linear(x: torch.Tensor, i: int, rows: int) -> torch.Tensor:
+        return torch.ops.anyquant.ggml_gemv(x, blocks[i], types[i], rows, x.shape[-1], isa, passes)
+
+    gen = torch.Generator().manual_seed(passes)
+    x = torch.randn(3, hidden, generator=gen)
+    index = torch.tensor([[2, 0], [3, 3], [1, 4]])  # a repeated expert; 4: not one of the 4 (skipped)
+    weights = torch.rand(3, 2, generator=gen)
+    got = torch.ops.anyquant.ggml_experts(x, index, weights, blocks, types, inter, isa, passes)
+    want = torch.zeros_like(x)
+    for t in range(3):
+        out = torch.zeros(1, hidden)
+        for pos, e in sorted(enumerate(index[t].tolist()), key=lambda item: item[1]):
+            if e < len(forms):
+                row = x[t : t + 1]
+                m = torch.nn.functional.silu(linear(row, 3 * e, inter)) * linear(row, 3 * e + 1, inter)
+                out = out + linear(m, 3 * e + 2, hidden) * weights[t, pos]
+        want[t] = out[0]
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="gate, up and down"):
+        torch.ops.anyquant.ggml_experts(x, index, weights, blocks[:4], types[:4], inter, isa, passes)
+    with pytest.raises(RuntimeError, match="blocks hold"):
+        torch.ops.anyquant.ggml_experts(x, index, weights, blocks, types, inter + 32, isa, passes)
+
+
 def test_cat_refuses_bad_parts() -> None:
     raw, _ = _blocks("Q4_0", 8, 64, seed=0)
     x = torch.randn(1, 64)

@@ -336,7 +336,7 @@ def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
     """Qwen3's per-head q/k norms and Qwen3-MoE's routed experts (one row: its experts in order; a batch: each
     expert on the rows that chose it) in the compiled step, the same logits as the modules; each expert's
     gate/up one int4 call on both paths (``mixed``: the experts' linears of three kinds, :data:`MIXED`; ``gq4``: every
-    layer on the block kernel, the MoE one's experts too, by ``mixed_moe``, gate/up one kernel call)."""
+    layer on the block kernel, the MoE one's experts too, by ``mixed_moe``, a token's experts one kernel call)."""
     import os
 
     from anyquant.runtime.experts import Experts
@@ -359,6 +359,8 @@ def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
         assert [function for function, _ in step.layers] == [compiled_layer(k) for k in kinds]
         if os.environ.get("PYTORCH_JIT", "1") != "0":
             assert all(isinstance(function, torch.jit.ScriptFunction) for function, _ in step.layers)
+        if family == "qwen3_moe" and kind != "int4":  # a token's experts in one ggml_experts call where all are blocks
+            assert (step.layers[1][1][-1] > 0) == (kind == "gq4")  # type: ignore[index]
         model.module.__dict__["_step"] = None  # the module path
         assert torch.equal(logits_after_prompt(model, ids, 8), fast)
         assert calls.take() == 2 * (ids.shape[1] - 8 + 1)

@@ -8,9 +8,10 @@ On a two-core CPU a SmolLM2-135M decode step spent about half its time outside t
 (measured in docs/benchmarks.md). A layer that is "RMSNorm, q/k/v, rotary, KV write, attention, o,
 RMSNorm, gate/up, SiLU, down" with cpu-fast linears runs here as one TorchScript function
 (:func:`int4_layer`, with the fused q/k/v and gate/up int4 calls, :func:`bf16_layer`, :func:`ggml_layer`, or
-:func:`mixed_layer`, which calls each linear by its own kind; ``*_moe_layer`` for Qwen3-MoE's routed experts),
-called with the layer's tensors: the same ATen ops in the same order on the same tensors, so the logits are bitwise those
-of the module path (tests compare them), with the Python between the ops gone. Where every layer is planned, one
+:func:`mixed_layer`, which calls each linear by its own kind; ``*_moe_layer`` for Qwen3-MoE's routed experts,
+a token's experts one ``anyquant::ggml_experts`` call where they are all GGUF blocks), called with the layer's tensors:
+the same arithmetic in the same order on the same tensors, so the logits are bitwise those of the module path (tests
+compare them), with the Python between the ops gone. Where every layer is planned, one
 scripted module (:class:`_Stack`) runs them all in a single call per step.
 
 :class:`DecodeStep` decides per call whether the fast path applies and falls back to the modules
@@ -376,11 +377,42 @@ def _ggml_cat_in_python(
     return _ggml_cat(x, blocks, kinds, rows, passes)
 
 
+def _experts(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    blocks: List[torch.Tensor],  # noqa: UP006
+    kinds: List[int],  # noqa: UP006
+    intermediate: int,
+    passes: int,
+) -> torch.Tensor:
+    """A MoE layer's chosen experts on float32 rows ``x`` in one kernel call (``anyquant::ggml_experts``: bit for bit
+    :class:`~anyquant.runtime.experts.Experts`' one-token path on GGUF-block linears). ``blocks``/``kinds``: each
+    expert's gate, up and down."""
+    y: torch.Tensor = torch.ops.anyquant.ggml_experts(x, index, weights, blocks, kinds, intermediate, -1, passes)
+    return y
+
+
+def _experts_in_python(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    blocks: List[torch.Tensor],  # noqa: UP006
+    kinds: List[int],  # noqa: UP006
+    intermediate: int,
+    passes: int,
+) -> torch.Tensor:
+    """:func:`_experts`, left to Python by TorchScript (for compiling where the op is not loaded)."""
+    return _experts(x, index, weights, blocks, kinds, intermediate, passes)
+
+
 # TorchScript reads an ignored function's signature from its annotations, which must be types, not strings
 _ggml_in_python.__annotations__ = get_type_hints(_ggml_in_python)
 _ggml_in_python = torch.jit.ignore(_ggml_in_python)  # type: ignore[no-untyped-call]
 _ggml_cat_in_python.__annotations__ = get_type_hints(_ggml_cat_in_python)
 _ggml_cat_in_python = torch.jit.ignore(_ggml_cat_in_python)  # type: ignore[no-untyped-call]
+_experts_in_python.__annotations__ = get_type_hints(_experts_in_python)
+_experts_in_python = torch.jit.ignore(_experts_in_python)  # type: ignore[no-untyped-call]
 
 
 def ggml_layer(
@@ -546,19 +578,6 @@ def mixed_layer(
     return h + _mlp(x, gate_up, down, intermediate).view(b, 1, hidden)
 
 
-def _chosen_gate_ups(x: torch.Tensor, gate_ups: List[List[Linear]], intermediate: int) -> Optional[torch.Tensor]:  # noqa: UP006, UP045
-    """One row's chosen experts' gate/up outputs side by side from one kernel call (each expert's gate, then up, of
-    ``intermediate`` rows each, as :func:`_joint` gives them: the same values, the kernel computes each output row
-    alike), where all of them are GGUF-block linears of one activation passes count (:func:`_block_cat`); else
-    ``None``."""
-    flat: List[Linear] = []  # noqa: UP006
-    for parts in gate_ups:
-        if len(parts) != 2 or parts[0][4] != intermediate or parts[1][4] != intermediate:
-            return None
-        flat += parts
-    return _block_cat(x, flat)
-
-
 def mixed_moe_layer(
     h: torch.Tensor,
     cos: torch.Tensor,
@@ -584,9 +603,13 @@ def mixed_moe_layer(
     gate_up: List[List[Linear]],  # noqa: UP006 - per expert: one fused int4 linear, or gate, up
     down: List[Linear],  # noqa: UP006 - per expert
     intermediate: int,
+    expert_blocks: List[torch.Tensor],  # noqa: UP006 - every expert's gate, up, down where all are GGUF-block linears
+    expert_kinds: List[int],  # noqa: UP006 - their block types
+    expert_passes: int,  # their activation passes (one count), 0 where expert_blocks is empty
 ) -> torch.Tensor:
     """:func:`int4_moe_layer` with each expert's (and the attention's) linears of any cpu-fast kind, as
-    :func:`mixed_layer` runs them."""
+    :func:`mixed_layer` runs them; one token's experts in one kernel call (:func:`_experts`) where they are all
+    GGUF-block linears of one activation passes count."""
     b, hidden = h.shape[0], h.shape[-1]
     h = mixed_attention(
         h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling, qkv, o, q_norm, k_norm
@@ -598,19 +621,14 @@ def mixed_moe_layer(
     if norm_topk_prob:
         top /= top.sum(dim=-1, keepdim=True)
     top = top.to(logits.dtype)
+    if b == 1 and expert_passes > 0:
+        return h + _experts(x, index, top, expert_blocks, expert_kinds, intermediate, expert_passes).view(b, 1, hidden)
     out = torch.zeros_like(x)
     if b == 1:
         chosen: List[int] = index[0].tolist()  # noqa: UP006
         weights = top[0]
-        order = sorted(chosen)
-        joint = _chosen_gate_ups(x, [gate_up[e] for e in order], intermediate)
-        for i, e in enumerate(order):
-            if joint is None:
-                out = out + _mlp(x, gate_up[e], down[e], intermediate) * weights[chosen.index(e)]
-            else:
-                gu = joint[:, 2 * intermediate * i : 2 * intermediate * (i + 1)]
-                m = F.silu(gu[:, :intermediate]) * gu[:, intermediate:]
-                out = out + _linear(m, down[e]) * weights[chosen.index(e)]
+        for e in sorted(chosen):
+            out = out + _mlp(x, gate_up[e], down[e], intermediate) * weights[chosen.index(e)]
     else:
         experts: List[int] = torch.unique(index).tolist()  # noqa: UP006
         for e in experts:
@@ -638,14 +656,14 @@ def _scripting(kinds: Collection[str]) -> Iterator[None]:
     """While TorchScript compiles functions of ``kinds``: where the kernel op is not loaded, the ``mixed``
     functions' block branch is compiled as a call back into Python (no GGUF-block linear can exist without
     the op, which TorchScript must resolve)."""
-    global _ggml, _ggml_cat, _rms
+    global _ggml, _ggml_cat, _experts, _rms
     from . import kernels
 
-    compiled_ggml, compiled_ggml_cat, compiled_rms = _ggml, _ggml_cat, _rms
+    compiled = _ggml, _ggml_cat, _experts, _rms
     if not kernels.available():
         _rms = _rms_torch
         if any(kind.startswith("mixed") for kind in kinds):
-            _ggml, _ggml_cat = _ggml_in_python, _ggml_cat_in_python
+            _ggml, _ggml_cat, _experts = _ggml_in_python, _ggml_cat_in_python, _experts_in_python
     try:
         with warnings.catch_warnings():
             # torch 2.9+ marks torch.jit.script deprecated; it is what runs a fixed op sequence
@@ -654,7 +672,7 @@ def _scripting(kinds: Collection[str]) -> Iterator[None]:
             warnings.simplefilter("ignore", FutureWarning)
             yield
     finally:
-        _ggml, _ggml_cat, _rms = compiled_ggml, compiled_ggml_cat, compiled_rms
+        _ggml, _ggml_cat, _experts, _rms = compiled
 
 
 def compiled_layer(kind: str) -> Callable[..., torch.Tensor]:
@@ -757,10 +775,6 @@ def _stack(layers: list[_Layer]) -> Any:
         return None
 
 
-_FORWARD_HOOKS = operator.attrgetter("_forward_hooks")
-_PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
-
-
 def _global_hooks() -> bool:
     from torch.nn.modules import module as module_mod
 
@@ -799,6 +813,11 @@ class DecodeStep:
         # Decoder and ModuleList have no forward of their own); checked on every step, so as flat lists that
         # map() walks without a Python frame per module (a few hundred modules: ~0.5 ms a token otherwise)
         self.hookable = [child for _, _, child in watched[2:]]
+        # their hook dicts (torch's register_* hook methods fill these in place; a module keeps its own for its
+        # life) and instance dicts, gathered once: a step tests each for emptiness (a few hundred modules: the
+        # attribute lookups took ~50 us a token)
+        self._hook_dicts = [m._forward_hooks for m in self.hookable] + [m._forward_pre_hooks for m in self.hookable]
+        self._instance_dicts = [vars(m) for m in self.hookable]
         self._parent_dicts = [parent._modules for parent, _, _ in watched]
         self._names = [name for _, name, _ in watched]
         self._children = [child for _, _, child in watched]
@@ -839,10 +858,9 @@ class DecodeStep:
             return False
         # no hooks on a hookable module, nor a ``forward`` set on the instance (as accelerate's and similar
         # wrappers do), and each watched child still in its place
-        hookable = self.hookable
-        if any(map(_FORWARD_HOOKS, hookable)) or any(map(_PRE_HOOKS, hookable)):
+        if any(self._hook_dicts):
             return False
-        if any(map(operator.contains, map(vars, hookable), itertools.repeat("forward"))):
+        if any(map(operator.contains, self._instance_dicts, itertools.repeat("forward"))):
             return False
         return all(map(operator.is_, map(dict.get, self._parent_dicts, self._names), self._children))
 
@@ -992,7 +1010,7 @@ def _plan_mixed(
             gate_ups.append(gate_up[0])
             downs.append(down[0])
             small_rows = min(small_rows, gate_up[1], down[1])
-        moe = (router, top_k, norm_topk, gate_ups, downs, intermediate)
+        moe = (router, top_k, norm_topk, gate_ups, downs, intermediate, *_expert_blocks(experts, intermediate))
         return _Layer("mixed_moe", common + attention + moe, small_rows)
     gate_up, down = _joint_specs(mlp, ("gate_proj", "up_proj")), _linear_spec(mlp.down_proj)
     if gate_up is None or down is None:
@@ -1000,6 +1018,22 @@ def _plan_mixed(
     small_rows = min(small_rows, gate_up[1], down[1])
     dense = (gate_up[0], down[0], mlp.gate_proj.out_features)
     return _Layer("mixed", common + attention + dense, small_rows)
+
+
+def _expert_blocks(experts: list[Any], intermediate: int) -> tuple[list[torch.Tensor], list[int], int]:
+    """:func:`mixed_moe_layer`'s ``(expert_blocks, expert_kinds, expert_passes)``: every expert's gate, up and down
+    blocks and types where all are plain GGUF-block linears of one activation passes count (gate and up
+    ``intermediate`` rows, down back to the hidden size), else empty lists and 0."""
+    linears = [m for e in experts for m in (e.gate_proj, e.up_proj, e.down_proj)]
+    hidden = experts[0].gate_proj.in_features
+    shapes = {(e.gate_proj.out_features, e.up_proj.out_features, e.down_proj.out_features) for e in experts}
+    if not all(_plain_ggml(m) for m in linears) or len({m.passes for m in linears}) != 1:
+        return [], [], 0
+    if shapes != {(intermediate, intermediate, hidden)} or any(
+        e.down_proj.in_features != intermediate for e in experts
+    ):
+        return [], [], 0
+    return [m.blocks for m in linears], [m.ggml_type for m in linears], int(linears[0].passes)
 
 
 def _plan_uniform(

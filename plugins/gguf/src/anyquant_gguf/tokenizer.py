@@ -145,11 +145,14 @@ def _byte_level_backend(meta: Mapping[str, Any]) -> Any:
     alphabet = byte_alphabet()
     spelled = frozenset(alphabet)
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    vocab = {}
-    for index, token in enumerate(tokens):
-        if not spelled.issuperset(token):
-            token = "".join(alphabet[b] for b in token.encode("utf-8"))
-        vocab[token] = index
+    if spelled.issuperset("".join(tokens)):  # every token spelled in the byte alphabet already (the usual case)
+        vocab = dict(zip(tokens, range(len(tokens)), strict=True))
+    else:
+        vocab = {}
+        for index, token in enumerate(tokens):
+            if not spelled.issuperset(token):
+                token = "".join(alphabet[b] for b in token.encode("utf-8"))
+            vocab[token] = index
     merges = [tuple(merge.split(" ")) for merge in meta["tokenizer.ggml.merges"]]
     backend = Tokenizer(
         BPE(

@@ -19,6 +19,10 @@ activation, one more integer dot product per block): int8 activations alone flip
 ``torch.ops.anyquant.ggml_gemv_cat(x, blocks, types, rows, isa=-1, passes=2)``: several weights on the same ``x``
 (lists of blocks, types and row counts), ``x`` quantized once, their outputs side by side, each as ``ggml_gemv``
 computes it (the decode step's q/k/v and gate/up).
+``torch.ops.anyquant.ggml_experts(x, index, weights, blocks, types, intermediate, isa=-1, passes=2)``: a mixture-of-experts
+layer's chosen experts on rows ``x`` in one call (``blocks``/``types``: each expert's gate, up and down; per row its
+``index`` experts in ascending order, ``weights`` their routing weights): bit for bit
+:class:`~anyquant.runtime.experts.Experts`' arithmetic on these linears (the decode step's MoE layers).
 ``torch.ops.anyquant.ggml_interleave(blocks, type, rows, cols, forward=True)``: the blocks' interleaved form (a new
 tensor of the same size), which the op reads with ``type + INTERLEAVED``: per group of 8 rows and block, the 8 rows'
 scales side by side, then their code bytes in the 32-byte chunks its vector path multiplies (the file's layout
