@@ -138,10 +138,11 @@ def test_cat_is_each_weight_side_by_side(isa: int, m: int, passes: int) -> None:
 @pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
 @pytest.mark.parametrize("type_name", [*TYPES, "GQ4"])
 @pytest.mark.parametrize("rows", [8, 45])  # whole groups of 8; and 5 of them with 5 rows left as they are
-def test_interleaved_form_gives_bitwise_the_same(isa: int, type_name: str, rows: int) -> None:
+@pytest.mark.parametrize("cols", [320, 2112])  # one column tile of the form; two (64 blocks and 2)
+def test_interleaved_form_gives_bitwise_the_same(isa: int, type_name: str, rows: int, cols: int) -> None:
     """The interleaved form (the kernel reads it with type + INTERLEAVED) gives the blocks back exactly and the
-    same output bit for bit, at every M (the 8-row path's 1 to 4 rows at a time) and activation passes."""
-    cols = 320
+    same output bit for bit, at every M (the 8-row path's 1 to 4 rows at a time) and activation passes, rows wider
+    than one of its column tiles included."""
     raw = _blocks("Q4_1" if type_name == "GQ4" else type_name, rows, cols, seed=rows)[0]  # GQ4: 20-byte blocks
     code = kernels.GGML_TYPES[type_name][0]
     il = kernels.interleave(raw, type_name, rows, cols)
@@ -387,12 +388,13 @@ def test_rms_norm_module_takes_the_kernel_up_to_its_rows() -> None:
 
 @pytest.mark.parametrize("type_name", [*TYPES, "GQ4"])
 @pytest.mark.parametrize("interleave", [False, True], ids=["stored", "interleaved"])
-def test_dequantize_is_the_formats_own_bit_for_bit(type_name: str, interleave: bool) -> None:
+@pytest.mark.parametrize("cols", [128, 2112])  # one column tile of the interleaved form; two
+def test_dequantize_is_the_formats_own_bit_for_bit(type_name: str, interleave: bool, cols: int) -> None:
     """``anyquant::ggml_dequantize`` (the prompt path's weight, one pass over the blocks as held): the gguf package's
     dequantization (a peer) bit for bit for Q4_0/Q4_1/Q8_0, GQ4's the reference's round_to(float16, s (q - z))
     (FastInt4Linear's exact weight), from either form (91 rows: a last group of 3 past the interleaved ones), then
     rounded to bfloat16 or float16 as torch's ``.to()`` rounds."""
-    rows, cols = 91, 128
+    rows = 91
     if type_name == "GQ4":
         raw, exact, _ = _gq4(rows, cols, 64, seed=3)
         want, round_to = exact.float(), torch.float16
