@@ -33,16 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _measure import (
-    CACHE,
-    ENV,
-    _unshadow,
-    compile_sources,
-    cpu_times,
-    llama_cpp_extra_bufts,
-    llama_cpp_model,
-    other_share,
-)
+from _measure import CACHE, ENV, _unshadow, cpu_times, llama_cpp_extra_bufts, llama_cpp_model, other_share
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -149,8 +140,6 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).parent))
     from llamacpp import find_llama_python
-
-    compile_sources()  # the loads time modules read, as installed, not compiled from source
 
     llama_python = find_llama_python(args.llama_python)
     engines: list[tuple[str, str, Path | None]] = [("anyquant", sys.executable, None)]

@@ -26,8 +26,10 @@ layer's chosen experts on rows ``x`` in one call (``blocks``/``types``: each exp
 ``torch.ops.anyquant.ggml_interleave(blocks, type, rows, cols, forward=True)``: the blocks' interleaved form (a new
 tensor of the same size), which the op reads with ``type + INTERLEAVED``: per group of 8 rows and block, the 8 rows'
 scales side by side, then their code bytes in the 32-byte chunks its vector path multiplies (the file's layout
-makes it gather and transpose them per block: ~1.3x slower where memory is not the limit); ``forward=False`` gives
-the blocks back. Rows past the last whole group of 8 stay as they are.
+makes it gather and transpose them per block: ~1.3x slower where memory is not the limit), in column tiles of 2,048
+(every group's pieces of one tile before the next tile's, so that a wide row's activation codes stay in L1 while the
+op runs a tile over all its rows); ``forward=False`` gives the blocks back. Rows past the last whole group of 8 stay
+as they are.
 
 The kernel is compiled only by an explicit step (``python -m anyquant.runtime.kernels build``, run by
 ``make install``): ``import anyquant`` never compiles. At run time :func:`available` loads the built
