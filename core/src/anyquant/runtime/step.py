@@ -28,6 +28,8 @@ without the ``.py`` sources TorchScript compiles from (a frozen application).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import itertools
 import logging
 import operator
@@ -348,11 +350,6 @@ def _ggml(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int, passes: i
     return y
 
 
-def _ggml_in_python(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int, passes: int) -> torch.Tensor:
-    """:func:`_ggml`, left to Python by TorchScript (for compiling where the op is not loaded)."""
-    return _ggml(x, blocks, kind, rows, passes)
-
-
 def _ggml_cat(
     x: torch.Tensor,
     blocks: List[torch.Tensor],  # noqa: UP006
@@ -364,17 +361,6 @@ def _ggml_cat(
     one kernel call (the activations quantized once), each output as :func:`_ggml` computes it."""
     y: torch.Tensor = torch.ops.anyquant.ggml_gemv_cat(x, blocks, kinds, rows, -1, passes)
     return y
-
-
-def _ggml_cat_in_python(
-    x: torch.Tensor,
-    blocks: List[torch.Tensor],  # noqa: UP006
-    kinds: List[int],  # noqa: UP006
-    rows: List[int],  # noqa: UP006
-    passes: int,
-) -> torch.Tensor:
-    """:func:`_ggml_cat`, left to Python by TorchScript (for compiling where the op is not loaded)."""
-    return _ggml_cat(x, blocks, kinds, rows, passes)
 
 
 def _experts(
@@ -393,26 +379,26 @@ def _experts(
     return y
 
 
-def _experts_in_python(
-    x: torch.Tensor,
-    index: torch.Tensor,
-    weights: torch.Tensor,
-    blocks: List[torch.Tensor],  # noqa: UP006
-    kinds: List[int],  # noqa: UP006
-    intermediate: int,
-    passes: int,
-) -> torch.Tensor:
-    """:func:`_experts`, left to Python by TorchScript (for compiling where the op is not loaded)."""
-    return _experts(x, index, weights, blocks, kinds, intermediate, passes)
+def _in_python(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``function`` left to Python by TorchScript (for compiling where the kernel op it calls is not loaded): a call
+    back with ``function``'s signature, which TorchScript reads from the annotations (types, not strings)."""
+
+    @functools.wraps(function)
+    def call(*args: Any) -> torch.Tensor:
+        return function(*args)
+
+    hints = get_type_hints(function)  # this module's annotations are strings (postponed evaluation)
+    signature = inspect.signature(function)
+    params = [p.replace(annotation=hints[p.name]) for p in signature.parameters.values()]
+    call.__signature__ = signature.replace(parameters=params, return_annotation=hints["return"])  # type: ignore[attr-defined]
+    call.__annotations__ = hints
+    ignored: Callable[..., torch.Tensor] = torch.jit.ignore(call)  # type: ignore[no-untyped-call]
+    return ignored
 
 
-# TorchScript reads an ignored function's signature from its annotations, which must be types, not strings
-_ggml_in_python.__annotations__ = get_type_hints(_ggml_in_python)
-_ggml_in_python = torch.jit.ignore(_ggml_in_python)  # type: ignore[no-untyped-call]
-_ggml_cat_in_python.__annotations__ = get_type_hints(_ggml_cat_in_python)
-_ggml_cat_in_python = torch.jit.ignore(_ggml_cat_in_python)  # type: ignore[no-untyped-call]
-_experts_in_python.__annotations__ = get_type_hints(_experts_in_python)
-_experts_in_python = torch.jit.ignore(_experts_in_python)  # type: ignore[no-untyped-call]
+_ggml_in_python = _in_python(_ggml)
+_ggml_cat_in_python = _in_python(_ggml_cat)
+_experts_in_python = _in_python(_experts)
 
 
 def ggml_layer(
