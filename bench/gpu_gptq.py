@@ -8,7 +8,8 @@ Run through ``bash bench/gpu_gptq.sh`` (it sets up the environment). Offline, un
    exactly as GPTQModel / AutoAWQ pack them) under ``--work``: ``gptq-main`` (GPTQ v1, sym, g128,
    ~0.36B params), ``gptq-asym`` (GPTQ v2, asym, act-order, g64, small: Marlin cannot run it, so
    auto falls back), ``awq-main`` (AWQ GEMM, zero point, g128, ~0.36B); plus ``--checkpoint PATH``
-   and the SmolLM2 GPTQ checkpoint of bench/gptq.py when it is in ``.cache/bench``;
+   and the SmolLM2 GPTQ checkpoint of bench/gptq.py and bench/moe.py's Qwen3-MoE-shaped GPTQ one when they are
+   in ``.cache/bench`` (a mixture-of-experts row may have ``MOE_FLIPS`` tokens past the tolerance: routing near-ties);
 3. loads each through backend ``reference`` and ``dequantized`` and through backend ``gptqmodel``
    with kernels ``triton``, ``torch`` and (once Marlin is built) ``marlin`` and ``auto``, each group
    in its own process; per row: load seconds, GPU memory, logits on 64 fixed tokens, decode tokens/s
@@ -45,6 +46,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 #: SmolLM2-135M GPTQ 4-bit g64 from bench/gptq.py (bench/_measure.py quantized_model), if present
 BENCH_GPTQ = REPO / ".cache" / "bench" / "smollm2-135m-gptq-b4-g64-n32"
+#: bench/moe.py's Qwen3-MoE-shaped GPTQ checkpoint (8 experts, top-2; its experts one kernel linear each), if present
+BENCH_MOE = REPO / ".cache" / "bench" / "moe" / "gptq"
+#: a mixture-of-experts row may have this many of its 64 tokens past the tolerance: where two experts' router scores
+#: are nearly tied, a kernel's rounding can pick the other one for that token (its logits then move by the experts'
+#: difference). Seen on the CPU with GPTQModel's torch kernel on BENCH_MOE, every kernel weight exact: float16, 2
+#: tokens past 2e-2 and the other 62 within 1.5e-3; float32, 1 token at 2.4e-2 and 63 within 9e-4; top-1 64 of 64
+MOE_FLIPS = 4
 PROMPT_TOKENS = 16
 DECODE_TOKENS = 64
 LOGIT_TOKENS = 64
@@ -195,7 +203,7 @@ def build_checkpoint(
 
 
 def _head(spec: dict[str, Any]) -> dict[str, Any]:
-    return {k: spec.get(k) for k in ("ckpt", "label", "backend", "kernel", "dtype")}
+    return {k: spec.get(k) for k in ("ckpt", "label", "backend", "kernel", "dtype", "moe")}
 
 
 def _row(spec: dict[str, Any], ids: Any, out_dir: Path, device: str) -> dict[str, Any]:
@@ -422,7 +430,11 @@ def compare(rows: list[dict[str, Any]]) -> None:
             r["verdict"] = "no reference row"
             continue
         a, b = torch.load(ref["logits"]), torch.load(r["logits"])
-        r["rel_diff"] = float((a - b).abs().max() / a.abs().max().clamp(min=1e-9))
+        per_token = ((a - b).abs().amax(-1) / a.abs().max().clamp(min=1e-9)).flatten().sort(descending=True).values
+        skip = min(MOE_FLIPS, per_token.numel() - 1) if r.get("moe") else 0  # routing near-ties (see MOE_FLIPS)
+        r["rel_diff"] = float(per_token[skip])
+        if skip:
+            r["flipped"] = int((per_token > TOL.get(r["dtype"], 2e-2)).sum())
         r["top1"] = float((a.argmax(-1) == b.argmax(-1)).float().mean())
 
 
@@ -447,6 +459,8 @@ def verdicts(rows: list[dict[str, Any]], marlin: dict[str, Any]) -> bool:
         if "rel_diff" in r:
             good = r["rel_diff"] <= TOL.get(r["dtype"], 2e-2) and r["top1"] >= MIN_TOP1
             r["verdict"] = "ok" if good else "FAIL"
+            if good and r.get("flipped"):
+                r["verdict"] = f"ok ({r['flipped']} token(s) past the tolerance: routing near-ties)"
             ok = ok and (good or not required)
         else:
             r.setdefault("verdict", "ok")
@@ -487,6 +501,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _is_moe(path: Path) -> bool:
+    """Whether the checkpoint's config names experts (a mixture-of-experts model)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts"))
+
+
 def plan_rows(ckpts: dict[str, dict[str, Any]], group: str) -> list[dict[str, Any]]:
     """The rows of one process group: ``ref`` (anyquant's own backends), ``gm`` (GPTQModel's Triton
     and torch kernels), ``marlin`` (Marlin and auto, once Marlin is built)."""
@@ -494,6 +517,8 @@ def plan_rows(ckpts: dict[str, dict[str, Any]], group: str) -> list[dict[str, An
     for name, c in ckpts.items():
         dtypes = ["float16", *(["bfloat16"] if c.get("bf16") else [])]
         base = {"ckpt": name, "path": c["path"], "decode_tokens": 8 if c.get("cpu") else DECODE_TOKENS}
+        if c.get("moe"):
+            base["moe"] = True
         if group == "ref":
             for dt in dtypes:
                 decode = c["decode"] and dt == "float16"
@@ -592,9 +617,11 @@ def main() -> int:
         if method == "gptq" and not kw["sym"]:
             # GPTQModel's GPTQ Marlin runs symmetric weights only: asking for it must be a typed error
             ckpts[name]["marlin_error"] = "UnsupportedBackendError"
-    bench_ckpt = [str(BENCH_GPTQ)] if (BENCH_GPTQ / "config.json").is_file() and not cpu else []
-    for extra in [*args.checkpoint, *bench_ckpt]:
-        ckpts[Path(extra).name] = {"path": extra, "decode": True, "cpu": cpu}
+    for extra in args.checkpoint:
+        ckpts[Path(extra).name] = {"path": extra, "decode": True, "cpu": cpu, "moe": _is_moe(Path(extra))}
+    for name, path in ((BENCH_GPTQ.name, BENCH_GPTQ), ("moe-gptq", BENCH_MOE)):
+        if (path / "config.json").is_file() and not cpu:
+            ckpts[name] = {"path": str(path), "decode": True, "cpu": cpu, "moe": _is_moe(path)}
     print(f"checkpoints ready in {time.perf_counter() - t0:.1f} s: {', '.join(ckpts)}", flush=True)
     ids = work / "ids.pt"
     torch.save(torch.randint(0, 256, (1, LOGIT_TOKENS), generator=torch.Generator().manual_seed(0)), ids)

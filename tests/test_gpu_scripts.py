@@ -87,6 +87,34 @@ def test_gptq_check_expects_the_marlin_refusal_on_asymmetric_weights() -> None:
     assert g.verdicts([{**crashed}], {"ok": False}) is True
 
 
+def test_gptq_check_allows_a_routing_flip_on_mixture_of_experts_rows(tmp_path: Path) -> None:
+    """A mixture-of-experts checkpoint's row passes with up to MOE_FLIPS tokens past the tolerance (a near-tied router
+    picks the other expert under a kernel's rounding: GPTQModel's torch kernel on bench/moe.py's checkpoint, CPU),
+    and not with more; a dense checkpoint's row fails on one."""
+    import torch
+
+    g = _bench_module("gpu_gptq")
+    ref = torch.randn(1, 64, 100, generator=torch.Generator().manual_seed(0))
+    close = ref + 1e-4 * ref.abs().max()
+    rows = {}
+    for flips in (1, g.MOE_FLIPS, g.MOE_FLIPS + 1):
+        got = close.clone()
+        got[0, :flips] += 0.1 * ref.abs().max()
+        torch.save(got, tmp_path / f"{flips}.pt")
+    torch.save(ref, tmp_path / "ref.pt")
+    for moe in (True, False):
+        for flips in (1, g.MOE_FLIPS, g.MOE_FLIPS + 1):
+            head = {"ckpt": "c", "dtype": "float16", "moe": moe}
+            reference = {**head, "label": "reference", "logits": str(tmp_path / "ref.pt")}
+            row = {**head, "label": "gptqmodel torch", "logits": str(tmp_path / f"{flips}.pt")}
+            g.compare([reference, row])
+            g.verdicts([row], {"ok": True})
+            rows[(moe, flips)] = row["verdict"]
+    assert rows[(True, 1)].startswith("ok (1 token") and rows[(True, g.MOE_FLIPS)].startswith("ok")
+    assert rows[(True, g.MOE_FLIPS + 1)] == "FAIL"
+    assert all(rows[(False, flips)] == "FAIL" for flips in (1, g.MOE_FLIPS, g.MOE_FLIPS + 1))
+
+
 def test_gptq_check_budget_never_starves_a_step() -> None:
     g = _bench_module("gpu_gptq")
     clock = g.Clock(110.0)
