@@ -502,12 +502,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def _is_moe(path: Path) -> bool:
-    """Whether the checkpoint's config names experts (a mixture-of-experts model)."""
+    """Whether the checkpoint's config names experts (a mixture-of-experts model), under the keys `inspect` reads."""
+    from anyquant.tools.report import EXPERTS_KEYS
+
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return bool(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts"))
+    return any(config.get(k) for k in EXPERTS_KEYS)
 
 
 def plan_rows(ckpts: dict[str, dict[str, Any]], group: str) -> list[dict[str, Any]]:

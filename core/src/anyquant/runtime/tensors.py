@@ -207,19 +207,17 @@ class FileRows:
         out = torch.empty(len(flat), self.shape[1], dtype=self.dtype)
         raw = out.view(torch.uint8).numpy()
         base, size = self.offset, self.row_bytes
-        if _HAS_PREADV and size <= _READ_CHUNK:  # a row per call, without _pread_into's per-call work (a decode
-            # step's exact head logits read 64 rows: ~2 us a row less); a short read or an error is done again there
-            preadv, fd = os.preadv, self._fh.fileno()
-            for i, row in enumerate(flat):
+        # a row per preadv call, without _pread_into's per-call work (a decode step's exact head logits read 64 rows:
+        # ~2 us a row less); a short read or an error, and Windows, go through _pread_into
+        fd = self._fh.fileno() if _HAS_PREADV and size <= _READ_CHUNK else -1
+        for i, row in enumerate(flat):
+            if fd >= 0:
                 try:
-                    if preadv(fd, [raw[i]], base + row * size) == size:
+                    if os.preadv(fd, [raw[i]], base + row * size) == size:
                         continue
                 except OSError:
                     pass
-                _pread_into(self._fh, base + row * size, raw[i], self._what)
-        else:  # pragma: no cover - Windows
-            for i, row in enumerate(flat):
-                _pread_into(self._fh, base + row * size, raw[i], self._what)
+            _pread_into(self._fh, base + row * size, raw[i], self._what)
         return out.view(*ids.shape, self.shape[1])
 
     def close(self) -> None:

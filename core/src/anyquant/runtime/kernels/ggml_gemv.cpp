@@ -488,9 +488,20 @@ struct Part {
   int64_t type, rows, group0, col0, xrow;
 };
 
+// the parts' groups of 8 rows numbered one after another from 0 (group0), for run_parts; returns how many
+int64_t number_groups(std::vector<Part>& parts) {
+  int64_t groups = 0;
+  for (Part& p : parts) {
+    p.group0 = groups;
+    groups += (p.rows + 7) / 8;
+  }
+  return groups;
+}
+
 // y[m, col0 + n] = part's row n times activation row m (m: every row, or the part's xrow), the parts' groups of 8
-// rows split over torch's threads together; group0 set by the caller, consecutive from 0.
-void run_parts(const QX& qx, const std::vector<Part>& parts, int64_t groups, float* y, int64_t ld, int64_t isa) {
+// rows (numbered here) split over torch's threads together
+void run_parts(const QX& qx, std::vector<Part>& parts, float* y, int64_t ld, int64_t isa) {
+  const int64_t groups = number_groups(parts);
   // over groups of 8 rows (each row's arithmetic does not depend on how the groups are split over threads)
   at::parallel_for(0, groups, 2, [&](int64_t a, int64_t b) {
     for (const Part& p : parts) {
@@ -536,12 +547,9 @@ at::Tensor gemv_parts(const at::Tensor& x, std::vector<Part>& parts, int64_t col
   TORCH_CHECK(x.device().is_cpu(), "anyquant::", name, " runs on the CPU");
   TORCH_CHECK(x.size(-1) == cols, "anyquant::", name, ": x has ", x.size(-1), " columns, not ", cols);
   isa = pick_isa(isa);
-  int64_t groups = 0, total = 0;
-  for (Part& p : parts) {
-    p.group0 = groups;
+  int64_t total = 0;
+  for (Part& p : parts) {  // side by side (check_part made them all read every activation row)
     p.col0 = total;
-    p.xrow = -1;
-    groups += (p.rows + 7) / 8;
     total += p.rows;
   }
   auto out_shape = x.sizes().vec();
@@ -551,7 +559,7 @@ at::Tensor gemv_parts(const at::Tensor& x, std::vector<Part>& parts, int64_t col
   QX& qx = thread_qx(0);
   quantize_x(xf.data_ptr<float>(), m, cols, passes == 2, isa != ISA_SCALAR, qx);
   at::Tensor y = at::empty({m, total}, xf.options());
-  run_parts(qx, parts, groups, y.data_ptr<float>(), total, isa);
+  run_parts(qx, parts, y.data_ptr<float>(), total, isa);
   return y.to(x.scalar_type()).reshape(out_shape);
 }
 
@@ -639,35 +647,26 @@ at::Tensor ggml_experts(const at::Tensor& x, const at::Tensor& index, const at::
                      [](const auto& a, const auto& b) { return a.first < b.first; });
     const int64_t n = static_cast<int64_t>(chosen.size());
     std::vector<Part> parts;
-    int64_t groups = 0, total = 0;
     for (const auto& c : chosen) {
-      for (int j = 0; j < 2; ++j) {
-        Part p = gate_up[2 * c.first + j];
-        p.group0 = groups;
-        p.col0 = total;
-        groups += (p.rows + 7) / 8;
-        total += p.rows;
-        parts.push_back(p);
+      for (int j = 0; j < 2; ++j) {  // gate, then up: intermediate columns each, side by side
+        parts.push_back(gate_up[2 * c.first + j]);
+        parts.back().col0 = (static_cast<int64_t>(parts.size()) - 1) * intermediate;
       }
     }
+    const int64_t total = static_cast<int64_t>(parts.size()) * intermediate;
     quantize_x(xc.data_ptr<float>() + t * hidden, 1, hidden, passes == 2, isa != ISA_SCALAR, qx);
     at::Tensor gu = at::empty({n, 2, intermediate}, xc.options());
-    run_parts(qx, parts, groups, gu.data_ptr<float>(), total, isa);
+    run_parts(qx, parts, gu.data_ptr<float>(), total, isa);
     const at::Tensor mid = at::silu(gu.select(1, 0)).mul_(gu.select(1, 1)).contiguous();  // [n, intermediate]
     quantize_x(mid.data_ptr<float>(), n, intermediate, passes == 2, isa != ISA_SCALAR, qm);
     parts.clear();
-    groups = 0;
     for (int64_t i = 0; i < n; ++i) {
-      Part p = down[chosen[i].first];
-      p.group0 = groups;
-      p.col0 = 0;
-      p.xrow = i;
-      groups += (p.rows + 7) / 8;
-      parts.push_back(p);
+      parts.push_back(down[chosen[i].first]);
+      parts.back().xrow = i;  // col0 0: each on its own output row
     }
     at::Tensor z = at::empty({n, hidden}, xc.options());
     const float* const zp = z.data_ptr<float>();
-    run_parts(qm, parts, groups, z.data_ptr<float>(), hidden, isa);
+    run_parts(qm, parts, z.data_ptr<float>(), hidden, isa);
     float* const o = op + t * hidden;
     for (int64_t i = 0; i < n; ++i) {
       const float w = wp[t * k + chosen[i].second];
