@@ -50,3 +50,68 @@ def test_load_trims_the_heap_after_loading(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr("anyquant.api.release_free_heap", lambda: calls.append("trim") or True)
     model = anyquant.load(make_tiny_dense(tmp_path / "tiny"))
     assert calls == ["trim"] and model.format == "dense"
+
+
+def test_collector_paused_nests_and_restores() -> None:
+    import gc
+
+    assert gc.isenabled()
+    with _memory.collector_paused():
+        assert not gc.isenabled()
+        with _memory.collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer block still runs
+    assert gc.isenabled()
+    gc.disable()  # a caller that turned it off keeps it off
+    try:
+        with _memory.collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_collector_paused_across_threads() -> None:
+    """Two blocks overlapping in two threads: the collector stays off until the last one ends."""
+    import gc
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with _memory.collector_paused():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other)
+    with _memory.collector_paused():
+        thread.start()
+        assert entered.wait(10)
+    assert not gc.isenabled()  # the other thread's block still runs
+    release.set()
+    thread.join(10)
+    assert gc.isenabled()
+
+
+def test_load_runs_no_garbage_collection(tmp_path: Path) -> None:
+    """No collection starts inside a load (a full one walks every object of the process: ~80 ms with torch
+    imported); the collector is on again after it, also after a load that fails."""
+    import gc
+
+    path = make_tiny_dense(tmp_path / "tiny")
+    anyquant.load(path)  # the first load imports what loads need (imports may collect: outside the pause)
+    started: list[int] = []
+
+    def record(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        for _ in range(3):
+            anyquant.load(path)
+        with pytest.raises(anyquant.AnyquantError):
+            anyquant.load(path, backend="no-such-backend")
+    finally:
+        gc.callbacks.remove(record)
+    assert started == [] and gc.isenabled()

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._memory import release_free_heap
+from ._memory import collector_paused, release_free_heap
 from .errors import (
     AnyquantError,
     CheckpointError,
@@ -115,53 +115,55 @@ def load(
         from .hub import download as fetch
 
         path, revision = fetch(os.fspath(path), revision=revision), None
-    probe = Probe.open(path, revision=revision, allow_symlinks=allow_symlinks)
-    detection = reg.detect(probe, format=format)
-    loader = get_loader(detection, reg)
-    _check_options(loader, extra, detection.format)
-    options = LoadOptions(
-        backend=backend,
-        device=_torch_name(device),  # torch.device("cuda", 1) -> "cuda:1"
-        dtype=_torch_name(dtype),  # torch.bfloat16 -> "bfloat16"
-        allow_pickle=allow_pickle,
-        trust_remote_code=trust_remote_code,
-        extra=extra,
-    )
-    log.info("loading %s as %s (%s) with backend=%s", path, detection.format, detection.variant, backend)
-    try:
-        loader.validate(probe, detection)
-        loaded = loader.load(probe, detection, options)
-    except MissingTensorError as exc:
-        if not probe.missing_shards:
-            raise
-        shards = ", ".join(probe.missing_shards[:3]) + (", ..." if len(probe.missing_shards) > 3 else "")
-        raise MissingTensorError(
-            f"{exc}. The shard index names {len(probe.missing_shards)} file(s) that are not in {probe.root} "
-            f"({shards}): an interrupted download? Fetch the missing shard(s) again"
-        ) from exc
-    except ImportError as exc:  # a library the plugin imports on first use (gguf, a kernel package) is broken
-        from .registry import PLUGIN_FOR_FORMAT
+    # no full garbage collection over the whole process in the middle of the load (anyquant._memory)
+    with collector_paused():
+        probe = Probe.open(path, revision=revision, allow_symlinks=allow_symlinks)
+        detection = reg.detect(probe, format=format)
+        loader = get_loader(detection, reg)
+        _check_options(loader, extra, detection.format)
+        options = LoadOptions(
+            backend=backend,
+            device=_torch_name(device),  # torch.device("cuda", 1) -> "cuda:1"
+            dtype=_torch_name(dtype),  # torch.bfloat16 -> "bfloat16"
+            allow_pickle=allow_pickle,
+            trust_remote_code=trust_remote_code,
+            extra=extra,
+        )
+        log.info("loading %s as %s (%s) with backend=%s", path, detection.format, detection.variant, backend)
+        try:
+            loader.validate(probe, detection)
+            loaded = loader.load(probe, detection, options)
+        except MissingTensorError as exc:
+            if not probe.missing_shards:
+                raise
+            shards = ", ".join(probe.missing_shards[:3]) + (", ..." if len(probe.missing_shards) > 3 else "")
+            raise MissingTensorError(
+                f"{exc}. The shard index names {len(probe.missing_shards)} file(s) that are not in {probe.root} "
+                f"({shards}): an interrupted download? Fetch the missing shard(s) again"
+            ) from exc
+        except ImportError as exc:  # a library the plugin imports on first use (gguf, a kernel package) is broken
+            from .registry import PLUGIN_FOR_FORMAT
 
-        raise MissingDependencyError(
-            f"loading {path} as {detection.format} needs {exc.name or 'a module'} ({exc}); reinstall "
-            f"{PLUGIN_FOR_FORMAT.get(detection.format, 'the plugin for ' + detection.format)} and its dependencies"
-        ) from exc
-    except MemoryError as exc:
-        if isinstance(exc, AnyquantError):
-            raise
-        raise _memory_error(exc, path, detection.format, options.device, probe) from exc
-    except (ValueError, IndexError, KeyError, ZeroDivisionError, RuntimeError, TypeError) as exc:
-        if isinstance(exc, AnyquantError):
-            raise
-        if _out_of_memory(exc):  # torch's allocators raise RuntimeError (torch.OutOfMemoryError on a GPU)
+            raise MissingDependencyError(
+                f"loading {path} as {detection.format} needs {exc.name or 'a module'} ({exc}); reinstall "
+                f"{PLUGIN_FOR_FORMAT.get(detection.format, 'the plugin for ' + detection.format)} and its dependencies"
+            ) from exc
+        except MemoryError as exc:
+            if isinstance(exc, AnyquantError):
+                raise
             raise _memory_error(exc, path, detection.format, options.device, probe) from exc
-        # a plugin's shape/index arithmetic failing on tensors that contradict each other or config.json
-        # (a g_idx past its groups, suh/svh lengths off the trellis, a q_invperm index out of range, ...)
-        raise CheckpointError(
-            f"{path}: loading it as {detection.format} failed: {type(exc).__name__}: "
-            f"{' '.join(str(exc).split())[:300]}. Its tensors do not fit together (or with config.json); "
-            "re-download or re-export it"
-        ) from exc
+        except (ValueError, IndexError, KeyError, ZeroDivisionError, RuntimeError, TypeError) as exc:
+            if isinstance(exc, AnyquantError):
+                raise
+            if _out_of_memory(exc):  # torch's allocators raise RuntimeError (torch.OutOfMemoryError on a GPU)
+                raise _memory_error(exc, path, detection.format, options.device, probe) from exc
+            # a plugin's shape/index arithmetic failing on tensors that contradict each other or config.json
+            # (a g_idx past its groups, suh/svh lengths off the trellis, a q_invperm index out of range, ...)
+            raise CheckpointError(
+                f"{path}: loading it as {detection.format} failed: {type(exc).__name__}: "
+                f"{' '.join(str(exc).split())[:300]}. Its tensors do not fit together (or with config.json); "
+                "re-download or re-export it"
+            ) from exc
     release_free_heap()  # what the load built and dropped leaves the RSS (see anyquant._memory)
     return loaded
 

@@ -325,6 +325,8 @@ GGUF_TYPE_SIZES: dict[int, tuple[str, int, int]] = {
     34: ("TQ1_0", 256, 54),
     35: ("TQ2_0", 256, 66),
     39: ("MXFP4", 32, 17),
+    40: ("NVFP4", 64, 36),
+    41: ("Q1_0", 128, 18),
 }
 
 _GGUF_SCALARS: dict[int, tuple[str, int]] = {
@@ -365,6 +367,9 @@ class GGUFHeader:
     array_lengths: dict[str, int]
     tensors: tuple[GGUFTensorInfo, ...]
     data_offset: int = field(default=0)
+    #: the arrays summarised rather than kept (longer than ``GGUF_KEEP_ARRAY``): key -> (item type id, byte
+    #: offset of the first item, count), for a reader that decodes them from the file when asked
+    skipped_arrays: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str | None:
@@ -381,6 +386,7 @@ class _Reader:
         self.key = ""  # the metadata key (or tensor) being read, for errors
         self._buf = b""
         self._buf_start = 0
+        self.skipped: dict[str, tuple[int, int, int]] = {}
 
     def _check(self, n: int) -> None:
         """``n`` more bytes fit in the file and in the header budget (checked before reading)."""
@@ -473,12 +479,14 @@ class _Reader:
             if item_type in _GGUF_SCALARS and item_type != _GGUF_STRING:
                 fmt, n = _GGUF_SCALARS[item_type]
                 if count > GGUF_KEEP_ARRAY:  # only summarised: skipped, never read
+                    self.skipped[key] = (item_type, self.pos, count)
                     self.skip(n * count)
                     return None
                 raw = self.read(n * count)
                 return list(struct.unpack("<" + fmt[1] * count, raw))
             if count <= GGUF_KEEP_ARRAY:
                 return [self.string() for _ in range(count)]
+            self.skipped[key] = (item_type, self.pos, count)
             self.skip_strings(count)  # a vocabulary or merges list: only summarised, so not decoded
             return None
         raise HeaderError(f"{self.name}: GGUF key {key!r} has unknown value type {vtype}")
@@ -555,7 +563,7 @@ def _parse_gguf(r: _Reader, rel_name: str, size: int) -> GGUFHeader:
             expected += -(-nbytes // alignment) * alignment
         else:
             expected = None
-    return GGUFHeader(rel_name, size, version, metadata, lengths, tuple(tensors), data_offset)
+    return GGUFHeader(rel_name, size, version, metadata, lengths, tuple(tensors), data_offset, r.skipped)
 
 
 def _check_gguf_tensor(t: GGUFTensorInfo, rel_name: str, size: int, data_offset: int) -> int | None:

@@ -64,8 +64,11 @@ _EXPORTS: dict[str, str] = {
     # inspect rows
     "dense_rows": "tools.report",
     "tensors_by_module": "tools.report",
-    # header tables
+    # header tables, and the bounded GGUF header parser (a reader built on it parses each file once)
     "GGUF_TYPE_SIZES": "headers",
+    "GGUFHeader": "headers",
+    "GGUFTensorInfo": "headers",
+    "read_gguf_header": "headers",
     # quantizers: calibration, backend routing, worker subprocesses
     "calibration_texts": "tools.quantize",
     "calibration_batch": "tools.quantize",
@@ -91,6 +94,8 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "Detection",
     "FLOAT_SCALE_DTYPES",
     "FormatSpec",
+    "GGUFHeader",
+    "GGUFTensorInfo",
     "GGUF_TYPE_SIZES",
     "GenerationParams",
     "Generator",
@@ -126,6 +131,7 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "emit_result",
     "hookimpl",
     "model_shape",
+    "read_gguf_header",
     "require_dtypes",
     "route_backend",
     "run_worker",
@@ -162,7 +168,7 @@ if TYPE_CHECKING:
         UnsupportedBackendError,
         UnsupportedFormatError,
     )
-    from .headers import GGUF_TYPE_SIZES
+    from .headers import GGUF_TYPE_SIZES, GGUFHeader, GGUFTensorInfo, read_gguf_header
     from .hookspecs import CalibrationRegistrar, CommandRegistrar, hookimpl
     from .loaders import (
         CPU_FAST_OPTIONS,

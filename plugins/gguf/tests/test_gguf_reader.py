@@ -288,6 +288,47 @@ def test_unsupported_tensor_type(make_gguf: Callable[..., Path]) -> None:
         load_tensor(reader, "nope.weight")
 
 
+def test_ggml_tables_are_ggufs() -> None:
+    """The plugin's own type tables (the ``gguf`` package is not imported to load a file) equal gguf's: every
+    storage and value type by name and id, and every block size but Q8_1's (gguf says 40 bytes where ggml's
+    ``block_q8_1`` is 36; no file stores Q8_1)."""
+    import gguf
+
+    from anyquant_gguf import ggml
+
+    assert [(t.name, t.value) for t in ggml.GGMLQuantizationType] == [(t.name, t.value) for t in Q]
+    assert [(t.name, t.value) for t in ggml.GGUFValueType] == [(t.name, t.value) for t in gguf.GGUFValueType]
+    theirs = {t.name: size for t, size in gguf.GGML_QUANT_SIZES.items()}
+    ours = {t.name: size for t, size in ggml.GGML_QUANT_SIZES.items()}
+    assert ours.pop("Q8_1") == (32, 36) and theirs.pop("Q8_1") == (32, 40)
+    assert ours == theirs
+    assert ggml.GGMLQuantizationType.Q4_0 == Q.Q4_0 and {Q.Q4_0: 1}[ggml.GGMLQuantizationType.Q4_0] == 1
+
+
+def test_open_gguf_bad_files_raise_typed_errors(make_gguf: Callable[..., Path], tmp_path: Path) -> None:
+    """A truncated header and a tensor of a type id anyquant does not know: typed errors naming the problem,
+    not numpy's or struct's."""
+    from anyquant.errors import HeaderError
+
+    path = make_gguf("ok.gguf", "llama", _base_metadata(), {**_embedding(), **_q4_0_up()})
+    blob = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(blob[:200])
+    with pytest.raises(HeaderError, match="past the end"):
+        open_gguf(cut)
+    name = b"blk.0.ffn_up.weight"
+    at = blob.index(name) + len(name) + 4 + 2 * 8  # name, n_dims, two dims: the type id
+    assert int.from_bytes(blob[at : at + 4], "little") == Q.Q4_0
+    odd = tmp_path / "odd.gguf"
+    odd.write_bytes(blob[:at] + (42).to_bytes(4, "little") + blob[at + 4 :])
+    with pytest.raises(UnsupportedGGUFType, match=r"'blk\.0\.ffn_up\.weight' has GGML type id 42"):
+        open_gguf(odd)
+
+
+def _q4_0_up() -> dict[str, tuple[np.ndarray, Any]]:
+    return {"blk.0.ffn_up.weight": (np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32), Q.Q4_0)}
+
+
 def _llama3_factors(head_dim: int, theta: float, factor: float) -> np.ndarray:
     out = []
     for i in range(0, head_dim, 2):

@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from anyquant.plugin import CheckpointError
+
+from .ggml import GGML_QUANT_SIZES, GGMLQuantizationType
 
 __all__ = ["PACKED_TYPES", "UnsupportedGGUFType", "dequantize_blocks_torch", "packed_nbytes"]
 

@@ -2,7 +2,7 @@
 transformers modules, packed linears kept packed.
 
 One load opens the file once: the config, the tensors and the tokenizer all come from the same
-memory-mapped ``gguf.GGUFReader``.
+memory-mapped :class:`~anyquant_gguf.reader.GGUFFile`.
 
 Backends:
 
@@ -165,7 +165,7 @@ class GGUFSource:
     def shape(self, name: str) -> tuple[int, ...]:
         from .reader import get_tensor
 
-        shape = tuple(int(d) for d in reversed(get_tensor(self.reader, self.gguf_names[name]).shape.tolist()))
+        shape = tuple(reversed(get_tensor(self.reader, self.gguf_names[name]).shape))
         return shape[1:] if name in self.experts else shape
 
     def raw(self, name: str) -> Any:
@@ -245,15 +245,17 @@ class GGUFLoader(TransformersLoader):
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
 
-    def _reader(self, path: Path) -> Any:
-        """The open reader of ``path``: shared by everything one :meth:`load` reads."""
+    def _reader(self, probe: Probe) -> Any:
+        """The open file of the probe (its header as the probe parsed it): shared by everything one :meth:`load`
+        reads."""
         from .reader import open_gguf
 
+        path = gguf_path(probe)
         if self._readers is None:
-            return open_gguf(path)
+            return open_gguf(path, probe.gguf[0])
         reader = self._readers.get(path)
         if reader is None:
-            reader = self._readers[path] = open_gguf(path)
+            reader = self._readers[path] = open_gguf(path, probe.gguf[0])
         return reader
 
     def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> Any:
@@ -333,18 +335,17 @@ class GGUFLoader(TransformersLoader):
         return "dequantized"
 
     def tensor_source(self, probe: Probe, options: LoadOptions) -> GGUFSource:
-        path = gguf_path(probe)
-        return GGUFSource(path, self._reader(path))
+        return GGUFSource(gguf_path(probe), self._reader(probe))
 
     def model_config(self, probe: Probe) -> Mapping[str, Any]:
         from .reader import hf_config_from_gguf
 
-        return hf_config_from_gguf(self._reader(gguf_path(probe)))
+        return hf_config_from_gguf(self._reader(probe))
 
     def tokenizer(self, probe: Probe, options: LoadOptions) -> Any:
         from .reader import tokenizer_from_gguf
 
-        return tokenizer_from_gguf(self._reader(gguf_path(probe)))
+        return tokenizer_from_gguf(self._reader(probe))
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         from .qlinear import (

@@ -7,7 +7,6 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from torch import nn
 
 from .dequant import (
@@ -22,7 +21,8 @@ from .dequant import (
     dequantize_blocks_torch,
     packed_nbytes,
 )
-from .reader import load_raw, load_tensor
+from .ggml import GGML_QUANT_SIZES, GGMLQuantizationType
+from .reader import GGUFFile, load_raw, load_tensor
 
 __all__ = [
     "CHUNK_WEIGHTS",
@@ -442,7 +442,7 @@ def gguf_int4_linear(
 
 
 def gguf_linear_from_reader(
-    reader: GGUFReader,
+    reader: GGUFFile,
     gguf_name: str,
     *,
     bias_name: str | None = None,

@@ -1,9 +1,10 @@
 """GGUF -> torch loading: config, tensor names, (de)quantized tensors, tokenizer.
 
-Everything here reads a ``.gguf`` file through ``gguf.GGUFReader`` (memory-mapped) and
-returns what the transformers class of its architecture expects (``LlamaForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` (text
-only) or ``Phi3ForCausalLM``): a ``config.json``-style dict, HF parameter names, and tensors in HF
+Everything here reads a ``.gguf`` file through :class:`GGUFFile` (memory-mapped, its header parsed
+by :func:`anyquant.headers.read_gguf_header`; the ``gguf`` package is not imported) and returns what
+the transformers class of its architecture expects (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` (text only) or
+``Phi3ForCausalLM``): a ``config.json``-style dict, HF parameter names, and tensors in HF
 orientation (``[out_features, in_features]``), undoing what llama.cpp's converter
 (``convert_hf_to_gguf.py``) changed:
 
@@ -27,28 +28,29 @@ sliding window), the config says what llama.cpp computes.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import re
 import struct
-import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from numpy.typing import NDArray
 
-from anyquant.plugin import CheckpointError
+from anyquant.plugin import CheckpointError, GGUFHeader, GGUFTensorInfo, read_gguf_header
 
 from .dequant import UnsupportedGGUFType, dequantize_blocks_torch
+from .ggml import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 __all__ = [
     "DEQUANTIZABLE_TYPES",
+    "GGUFField",
+    "GGUFFile",
     "GGUFRawTensor",
+    "GGUFTensor",
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedGGUFArchitecture",
     "UnsupportedGGUFType",
@@ -76,7 +78,7 @@ class UnsupportedGGUFArchitecture(CheckpointError, ValueError):
 
 Q = GGMLQuantizationType
 
-#: Storage types :func:`load_tensor` dequantizes (via ``gguf.quants.dequantize``).
+#: Storage types :func:`load_tensor` dequantizes (:mod:`.dequant`, equal to ``gguf.quants.dequantize``).
 DEQUANTIZABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {
         Q.F32,
@@ -179,150 +181,142 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 _QK_RE = re.compile(r"^blk\.\d+\.attn_([qk])\.(weight|bias)$")
 
-_TENSOR_INDEX: weakref.WeakKeyDictionary[GGUFReader, dict[str, ReaderTensor]] = weakref.WeakKeyDictionary()
-
-
 # --------------------------------------------------------------------------- reading
 
 _U64 = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
-#: metadata arrays longer than this get their per-element ``parts`` built on access
-_LAZY_ARRAY = 256
+#: numpy item types of GGUF's scalar value types
+_NP_SCALARS: dict[int, np.dtype[Any]] = {
+    GGUFValueType.UINT8: np.dtype("<u1"),
+    GGUFValueType.INT8: np.dtype("<i1"),
+    GGUFValueType.UINT16: np.dtype("<u2"),
+    GGUFValueType.INT16: np.dtype("<i2"),
+    GGUFValueType.UINT32: np.dtype("<u4"),
+    GGUFValueType.INT32: np.dtype("<i4"),
+    GGUFValueType.FLOAT32: np.dtype("<f4"),
+    GGUFValueType.BOOL: np.dtype("?"),
+    GGUFValueType.UINT64: np.dtype("<u8"),
+    GGUFValueType.INT64: np.dtype("<i8"),
+    GGUFValueType.FLOAT64: np.dtype("<f8"),
+}
+#: the element types a tensor's ``data`` has (``gguf.GGUFFile``'s choice); every other type is its bytes
+_NP_TENSOR: dict[int, np.dtype[Any]] = {
+    GGMLQuantizationType.F32: np.dtype("<f4"),
+    GGMLQuantizationType.F16: np.dtype("<f2"),
+    GGMLQuantizationType.F64: np.dtype("<f8"),
+    GGMLQuantizationType.I8: np.dtype("<i1"),
+    GGMLQuantizationType.I16: np.dtype("<i2"),
+    GGMLQuantizationType.I32: np.dtype("<i4"),
+    GGMLQuantizationType.I64: np.dtype("<i8"),
+}
 
 
-class _LazyArrayParts(Sequence):  # type: ignore[type-arg]
-    """A field's ``parts`` list whose per-element arrays are made when indexed, not stored.
+class GGUFField:
+    """One metadata key of a :class:`GGUFFile`: ``contents()`` is its Python value (str, int, float, bool or a
+    list of them), ``count`` its number of items (1 for a scalar)."""
 
-    ``GGUFReader`` keeps one numpy array per array element (two per string): ~200k objects and
-    ~40 MiB for a 49k-token vocabulary plus its merges, held for as long as the reader lives.
-    Here the first ``len(head)`` parts are stored; element ``k`` of the array is part
-    ``len(head) + k`` (scalars) or parts ``len(head) + 2k`` (its uint64 length) and
-    ``len(head) + 2k + 1`` (its bytes) for strings, sliced from the map on each access.
-    """
+    __slots__ = ("_file", "_skipped", "_value", "count", "name")
 
-    def __init__(
-        self, head: list[NDArray[Any]], plain: NDArray[Any], starts: NDArray[Any], dtype: np.dtype[Any] | None
-    ) -> None:
-        self._head, self._plain, self._starts, self._dtype = head, plain, starts, dtype
-        self._per_item = 1 if dtype is not None else 2
-        self._len = len(head) + self._per_item * (len(starts) - 1 if dtype is None else len(starts))
+    def __init__(self, name: str, value: Any, count: int, skipped: tuple[int, int, int] | None, file: GGUFFile):
+        self.name, self._value, self.count, self._skipped, self._file = name, value, count, skipped, file
 
-    def __len__(self) -> int:
-        return self._len
-
-    def values(self) -> list[Any]:
-        """The array's elements as Python values (what ``ReaderField.contents()`` returns)."""
-        if self._dtype is not None:
-            items: list[Any] = (
-                self._plain[int(self._starts[0]) : int(self._starts[-1]) + self._dtype.itemsize]
-                .view(self._dtype)
-                .tolist()
-            )
+    def contents(self) -> Any:
+        """The value; a long array (a vocabulary, merges, scores) is decoded from the map on each call."""
+        if self._skipped is None:
+            return self._value
+        item_type, start, count = self._skipped
+        plain = self._file._plain
+        dtype = _NP_SCALARS.get(item_type)
+        if dtype is not None:
+            items: list[Any] = plain[start : start + count * dtype.itemsize].view(dtype).tolist()
             return items
-        buf, starts = memoryview(self._plain.data), self._starts.tolist()
-        return [str(buf[a + 8 : b], "utf-8") for a, b in itertools.pairwise(starts)]
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._len))]
-        if index < 0:
-            index += self._len
-        if not 0 <= index < self._len:
-            raise IndexError(index)
-        if index < len(self._head):
-            return self._head[index]
-        item, which = divmod(index - len(self._head), self._per_item)
-        start = int(self._starts[item])
-        if self._dtype is not None:
-            return self._plain[start : start + self._dtype.itemsize].view(self._dtype)
-        if which == 0:
-            return self._plain[start : start + 8].view(np.uint64)
-        return self._plain[start + 8 : int(self._starts[item + 1])]
-
-
-class _FastGGUFReader(GGUFReader):
-    """``gguf.GGUFReader`` with the same fields and tensors, parsed ~15x faster in less memory.
-
-    The stock reader slices its ``np.memmap`` once per metadata value, and every memmap slice
-    runs Python-level ``__getitem__``/``__array_finalize__``: ~1.8 s for the ~100k strings of a
-    49k-token vocabulary plus its merges, and one numpy object per value kept alive (~40 MiB).
-    Here slices come from a plain ``ndarray`` view of the same map, long arrays are walked in
-    one ``struct`` loop, and their per-element parts are made on access
-    (:class:`_LazyArrayParts`). ``fields`` (offsets, names, parts' bytes, data indices, types,
-    ``contents()``) and ``tensors`` equal the stock reader's; a byte-swapped (big-endian) file
-    takes the stock code path.
-    """
-
-    _plain: NDArray[Any]
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> NDArray[Any]:
-        plain: NDArray[Any] | None = self.__dict__.get("_plain")
-        if plain is None:
-            plain = self._plain = self.data.view(np.ndarray)
-        dt = np.dtype(dtype)
-        arr: NDArray[Any] = plain[offset : offset + dt.itemsize * int(count)].view(dt)
-        order = self.byte_order if override_order is None else override_order
-        return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
-
-    def _build_fields(self, offs: int, count: int) -> int:
-        if self.byte_order != "I":
-            return super()._build_fields(offs, count)
+        # strings: the header parser walked them, checking every length against the file
+        buf, unpack, pos = memoryview(plain.data), _U64.unpack_from, start
+        out: list[str] = []
+        append = out.append
         for _ in range(count):
-            orig_offs = offs
-            kv_klen, kv_kdata = self._get_str(offs)
-            offs += 8 + int(kv_klen[0])
-            raw_kv_type = self._get(offs, np.uint32)
-            offs += 4
-            head: list[NDArray[Any]] = [kv_klen, kv_kdata, raw_kv_type]
-            lazy = self._lazy_array(offs, head) if int(raw_kv_type[0]) == GGUFValueType.ARRAY else None
-            if lazy is not None:
-                size, parts, idxs, types = lazy
+            end = pos + 8 + unpack(buf, pos)[0]
+            append(str(buf[pos + 8 : end], "utf-8"))
+            pos = end
+        return out
+
+
+class GGUFTensor:
+    """One tensor of a :class:`GGUFFile`, as ``gguf.GGUFFile`` describes it: ``shape`` in GGUF order
+    (``ne[0]``, the fastest, first), ``data`` a numpy view of its bytes in the map (float32/float16/float64 and
+    integer types as such, shaped in reverse GGUF order; every block type as ``uint8`` ``[..., bytes_per_row]``)."""
+
+    __slots__ = ("_data", "_file", "data_offset", "n_bytes", "n_elements", "name", "shape", "tensor_type")
+
+    def __init__(self, info: GGUFTensorInfo, data_offset: int, file: GGUFFile) -> None:
+        try:
+            self.tensor_type = GGMLQuantizationType(info.type_id)
+        except ValueError:
+            raise UnsupportedGGUFType(
+                f"tensor {info.name!r} has GGML type id {info.type_id}, which anyquant does not know"
+            ) from None
+        block, type_size = GGML_QUANT_SIZES[self.tensor_type]
+        self.name, self.shape, self._file = info.name, info.shape, file
+        self.n_elements = math.prod(info.shape)
+        self.n_bytes = self.n_elements // block * type_size
+        self.data_offset = data_offset + info.offset
+        self._data: NDArray[Any] | None = None
+
+    @property
+    def data(self) -> NDArray[Any]:
+        if self._data is None:
+            dims = tuple(reversed(self.shape))
+            raw = self._file._plain[self.data_offset : self.data_offset + self.n_bytes]
+            dtype = _NP_TENSOR.get(self.tensor_type)
+            if dtype is None:
+                block, type_size = GGML_QUANT_SIZES[self.tensor_type]
+                self._data = raw.reshape(*dims[:-1], dims[-1] // block * type_size)
             else:
-                size, field_parts, field_idxs, types = self._get_field_parts(offs, int(raw_kv_type[0]))
-                parts, idxs = head + field_parts, [i + len(head) for i in field_idxs]
-            name = str(bytes(kv_kdata), encoding="utf-8")
-            self._push_field(ReaderField(orig_offs, name, parts, idxs, types), skip_sum=True)
-            offs += size
-        return offs
-
-    def _lazy_array(self, offs: int, head: list[NDArray[Any]]) -> tuple[int, Any, list[int], list[Any]] | None:
-        """A long array of strings or scalars as ``(size, lazy parts, data indices, types)``."""
-        raw_itype = self._get(offs, np.uint32)
-        alen = self._get(offs + 4, np.uint64)
-        itype, count = int(raw_itype[0]), int(alen[0])
-        nptype = self.gguf_scalar_to_np.get(itype)  # type: ignore[call-overload]
-        if count <= _LAZY_ARRAY or (nptype is None and itype != GGUFValueType.STRING):
-            return None  # short arrays, nested arrays, unknown types: the stock code
-        head = [*head, raw_itype, alen]
-        first = offs + 12
-        types = [GGUFValueType.ARRAY, GGUFValueType(itype)]
-        if nptype is not None:
-            dt = np.dtype(nptype)
-            starts = np.arange(first, first + count * dt.itemsize, dt.itemsize, dtype=np.int64)
-            parts = _LazyArrayParts(head, self._plain, starts, dt)
-            return 12 + count * dt.itemsize, parts, list(range(len(head), len(head) + count)), types
-        buf, unpack = memoryview(self._plain.data), _U64.unpack_from
-        offsets = [0] * (count + 1)  # a list, then one array: a numpy item store per string costs twice as much
-        pos = first
-        for i in range(count):
-            offsets[i] = pos
-            pos += 8 + unpack(buf, pos)[0]
-        offsets[count] = pos
-        parts = _LazyArrayParts(head, self._plain, np.array(offsets, dtype=np.int64), None)
-        return pos - offs, parts, list(range(len(head) + 1, len(head) + 2 * count, 2)), types
+                self._data = raw.view(dtype).reshape(dims)
+        return self._data
 
 
-def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-    """Memory-map a GGUF file copy-on-write (mode ``"c"``) with ``gguf.GGUFReader``.
+class GGUFFile:
+    """A GGUF file, memory-mapped copy-on-write: its metadata (``fields``, by key) and tensors (``tensors``, in
+    file order), with what ``gguf.GGUFFile`` gives for them (values, names, types, shapes, data views).
 
-    Copy-on-write keeps the numpy views writable, so :func:`load_raw` can hand them to
-    torch without a copy or a read-only warning; nothing is ever written back to disk.
-    The reader is a subclass that parses the metadata faster (same fields, same tensors).
+    The header is parsed by anyquant's bounded parser (:func:`anyquant.headers.read_gguf_header`: every length,
+    count and offset checked against the file and the header budget, tensors contiguous in order); a long
+    array is walked there but decoded here only when asked for. ``header``: that parse of this file, when the
+    caller has it (the load's probe), so it is not read twice.
     """
-    return _FastGGUFReader(os.fspath(path), "c")
+
+    def __init__(self, path: str | os.PathLike[str], header: GGUFHeader | None = None) -> None:
+        self.path = os.fspath(path)
+        if header is None:
+            header = read_gguf_header(Path(self.path), os.path.basename(self.path))
+        #: the whole file, copy-on-write (mode ``"c"``: views are writable, so torch takes them without a copy
+        #: or a warning; nothing is ever written back)
+        self.data = np.memmap(self.path, mode="c")
+        self._plain: NDArray[Any] = self.data.view(np.ndarray)
+        if len(self._plain) != header.size:
+            raise CheckpointError(f"{self.path}: the file changed size while it was being opened")
+        self.fields: dict[str, GGUFField] = {
+            key: GGUFField(
+                key,
+                value,
+                header.array_lengths.get(key, 1),
+                header.skipped_arrays.get(key),
+                self,
+            )
+            for key, value in header.metadata.items()
+        }
+        self.tensors: list[GGUFTensor] = [GGUFTensor(t, header.data_offset, self) for t in header.tensors]
+        self._index = {t.name: t for t in self.tensors}
 
 
-def release_pages(reader: GGUFReader, data: torch.Tensor | None = None) -> None:
+def open_gguf(path: str | os.PathLike[str], header: GGUFHeader | None = None) -> GGUFFile:
+    """Open a GGUF file (:class:`GGUFFile`: metadata, tensors viewing a copy-on-write map); ``header``: the
+    file's :func:`~anyquant.headers.read_gguf_header`, when already parsed. A malformed header raises
+    :class:`anyquant.errors.HeaderError`, an unknown tensor type :class:`UnsupportedGGUFType`."""
+    return GGUFFile(path, header)
+
+
+def release_pages(reader: GGUFFile, data: torch.Tensor | None = None) -> None:
     """Drop resident pages of the file from this process (``madvise(MADV_DONTNEED)``).
 
     All of the file, or only the whole pages under ``data`` (a contiguous tensor that views
@@ -351,7 +345,7 @@ def release_pages(reader: GGUFReader, data: torch.Tensor | None = None) -> None:
             pass
 
 
-def field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """The python value of a metadata key (str, int, float, bool or list), or ``default``."""
     field = reader.fields.get(key)
     if field is None:
@@ -359,7 +353,7 @@ def field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return field.contents()
 
 
-def gguf_architecture(reader: GGUFReader) -> str:
+def gguf_architecture(reader: GGUFFile) -> str:
     """``general.architecture``; raises :class:`UnsupportedGGUFArchitecture` if unsupported."""
     arch = field_value(reader, "general.architecture")
     if arch not in _HF_CLASSES:
@@ -369,24 +363,20 @@ def gguf_architecture(reader: GGUFReader) -> str:
     return str(arch)
 
 
-def get_tensor(reader: GGUFReader, gguf_name: str) -> ReaderTensor:
+def get_tensor(reader: GGUFFile, gguf_name: str) -> GGUFTensor:
     """The reader's tensor record named ``gguf_name`` (``KeyError`` if absent)."""
-    index = _TENSOR_INDEX.get(reader)
-    if index is None:
-        index = {t.name: t for t in reader.tensors}
-        _TENSOR_INDEX[reader] = index
     try:
-        return index[gguf_name]
+        return reader._index[gguf_name]
     except KeyError:
         raise KeyError(f"no tensor {gguf_name!r} in the GGUF file") from None
 
 
-def tensor_type_name(reader: GGUFReader, gguf_name: str) -> str:
+def tensor_type_name(reader: GGUFFile, gguf_name: str) -> str:
     """The GGML storage type of a tensor, e.g. ``"Q4_1"``."""
     return get_tensor(reader, gguf_name).tensor_type.name
 
 
-def _has_tensor(reader: GGUFReader, gguf_name: str) -> bool:
+def _has_tensor(reader: GGUFFile, gguf_name: str) -> bool:
     try:
         get_tensor(reader, gguf_name)
     except KeyError:
@@ -397,11 +387,11 @@ def _has_tensor(reader: GGUFReader, gguf_name: str) -> bool:
 # --------------------------------------------------------------------------- config
 
 
-def _arch_value(reader: GGUFReader, arch: str, key: str, default: Any = None) -> Any:
+def _arch_value(reader: GGUFFile, arch: str, key: str, default: Any = None) -> Any:
     return field_value(reader, f"{arch}.{key}", default)
 
 
-def _required(reader: GGUFReader, arch: str, key: str) -> Any:
+def _required(reader: GGUFFile, arch: str, key: str) -> Any:
     value = _arch_value(reader, arch, key)
     if value is None:
         raise ValueError(f"GGUF metadata key {arch}.{key!s} is missing")
@@ -410,17 +400,17 @@ def _required(reader: GGUFReader, arch: str, key: str) -> Any:
     return value
 
 
-def _vocab_size(reader: GGUFReader, arch: str) -> int:
+def _vocab_size(reader: GGUFFile, arch: str) -> int:
     value = _arch_value(reader, arch, "vocab_size")
     if value is not None:
         return int(value)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        return len(tokens.data)
+        return tokens.count
     return int(get_tensor(reader, "token_embd.weight").shape[-1])
 
 
-def _head_dim(reader: GGUFReader, arch: str) -> int | None:
+def _head_dim(reader: GGUFFile, arch: str) -> int | None:
     key_length = _arch_value(reader, arch, "attention.key_length")
     if key_length is not None:
         return int(key_length)
@@ -430,7 +420,7 @@ def _head_dim(reader: GGUFReader, arch: str) -> int | None:
     return None
 
 
-def _token_ids(reader: GGUFReader) -> dict[str, int]:
+def _token_ids(reader: GGUFFile) -> dict[str, int]:
     keys = {
         "bos_token_id": "tokenizer.ggml.bos_token_id",
         "eos_token_id": "tokenizer.ggml.eos_token_id",
@@ -479,7 +469,7 @@ def _llama3_divisors(params: dict[str, Any], rope_theta: float, head_dim: int) -
     return out.astype(np.float32)
 
 
-def _rope_parameters(reader: GGUFReader, arch: str, rope_theta: float, head_dim: int) -> dict[str, Any]:
+def _rope_parameters(reader: GGUFFile, arch: str, rope_theta: float, head_dim: int) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_type": "default"}
     scaling = _arch_value(reader, arch, "rope.scaling.type")
     if _has_tensor(reader, "rope_freqs.weight"):
@@ -500,7 +490,7 @@ def _rope_parameters(reader: GGUFReader, arch: str, rope_theta: float, head_dim:
     return params
 
 
-def hf_config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
+def hf_config_from_gguf(reader: GGUFFile) -> dict[str, Any]:
     """A transformers ``config.json``-style dict for a GGUF file of a supported architecture."""
     arch = gguf_architecture(reader)
     model_type, hf_class = _HF_CLASSES[arch]
@@ -543,11 +533,11 @@ def hf_config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
     return config
 
 
-def _expert_count(reader: GGUFReader, arch: str) -> int:
+def _expert_count(reader: GGUFFile, arch: str) -> int:
     return int(_arch_value(reader, arch, "expert_count", 0) or 0)
 
 
-def _moe_config(reader: GGUFReader, arch: str, config: dict[str, Any], experts: int) -> None:
+def _moe_config(reader: GGUFFile, arch: str, config: dict[str, Any], experts: int) -> None:
     """Mixtral (a ``llama`` file with experts) and Qwen3-MoE: llama.cpp routes by softmax over the router's
     logits, keeps the top ``expert_used_count`` and renormalizes their weights (``build_moe_ffn``)."""
     if arch not in ("llama", "qwen3moe", "qwen2moe"):
@@ -580,7 +570,7 @@ def _moe_config(reader: GGUFReader, arch: str, config: dict[str, Any], experts: 
         config["use_sliding_window"] = False
 
 
-def _sliding_layers(reader: GGUFReader, arch: str, layers: int, default_pattern: int) -> list[bool]:
+def _sliding_layers(reader: GGUFFile, arch: str, layers: int, default_pattern: int) -> list[bool]:
     """Which layers use the sliding window, as llama.cpp decides (``load_swa_pattern``): the
     ``attention.sliding_window_pattern`` array (one bool per layer), or its period ``n`` (every
     ``n``-th layer is global, the others slide; 0: all slide), or the architecture's period."""
@@ -595,7 +585,7 @@ def _sliding_layers(reader: GGUFReader, arch: str, layers: int, default_pattern:
     return [period == 0 or i % period < period - 1 for i in range(layers)]
 
 
-def _gemma_config(reader: GGUFReader, arch: str, config: dict[str, Any], head_dim: int) -> None:
+def _gemma_config(reader: GGUFFile, arch: str, config: dict[str, Any], head_dim: int) -> None:
     """Gemma 2 / Gemma 3 (text): what llama.cpp's gemma2/gemma3 graphs compute, as HF config keys."""
     layers, hidden, n_heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
     config["hidden_act"] = config["hidden_activation"] = "gelu_pytorch_tanh"
@@ -632,7 +622,7 @@ def _gemma_config(reader: GGUFReader, arch: str, config: dict[str, Any], head_di
     config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
-def _phi3_config(reader: GGUFReader, arch: str, config: dict[str, Any], head_dim: int) -> None:
+def _phi3_config(reader: GGUFFile, arch: str, config: dict[str, Any], head_dim: int) -> None:
     """Phi-3: partial rotary, LongRoPE from the ``rope_factors_long/short`` tensors, no sliding window."""
     del config["attention_bias"]  # not a Phi3Config key (it has no biases)
     # llama.cpp runs Phi-3 without its sliding window ("Phi SWA is currently disabled"), whatever the file says
@@ -686,7 +676,7 @@ def _hf_name(gguf_name: str, blocks: dict[str, str] = _BLOCK_NAMES) -> str | Non
     return None
 
 
-def hf_tensor_names(reader: GGUFReader) -> dict[str, str]:
+def hf_tensor_names(reader: GGUFFile) -> dict[str, str]:
     """Map every GGUF tensor name to its transformers parameter name.
 
     ``rope_freqs.weight`` (and Phi-3's ``rope_factors_long/short.weight``: no HF parameter, they are
@@ -708,7 +698,7 @@ def hf_tensor_names(reader: GGUFReader) -> dict[str, str]:
     return names
 
 
-def hf_expert_names(reader: GGUFReader) -> dict[str, tuple[str, int]]:
+def hf_expert_names(reader: GGUFFile) -> dict[str, tuple[str, int]]:
     """A MoE file's experts, one linear each: ``{model.layers.N.mlp.experts.E.gate_proj.weight: (GGUF name, E)}``
     (``up_proj``, ``down_proj`` alike); empty for a dense file.
 
@@ -734,7 +724,7 @@ def hf_expert_names(reader: GGUFReader) -> dict[str, tuple[str, int]]:
     return out
 
 
-def qk_permutation_heads(reader: GGUFReader, gguf_name: str) -> int | None:
+def qk_permutation_heads(reader: GGUFFile, gguf_name: str) -> int | None:
     """Number of heads whose rows must be un-permuted for this tensor, or ``None``.
 
     Only llama.cpp's ``llama`` architecture is permuted (``LlamaModel.permute`` in the converter).
@@ -748,7 +738,7 @@ def qk_permutation_heads(reader: GGUFReader, gguf_name: str) -> int | None:
     return int(_arch_value(reader, "llama", "attention.head_count_kv", n_heads))
 
 
-def norm_offset(reader: GGUFReader, gguf_name: str) -> float:
+def norm_offset(reader: GGUFFile, gguf_name: str) -> float:
     """What llama.cpp's converter added to this tensor (1 for a Gemma 2/3 ``*norm.weight``), else 0."""
     if not gguf_name.endswith("norm.weight"):
         return 0.0
@@ -781,15 +771,15 @@ class GGUFRawTensor:
     shape: tuple[int, ...]
 
 
-def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+def _hf_shape(tensor: GGUFTensor) -> tuple[int, ...]:
+    shape = tuple(reversed(tensor.shape))
     match = _BLOCK_RE.match(tensor.name)
     if len(shape) == 1 and match and match.group(2) in _ROW_VECTORS:
         return (1, shape[0])
     return shape
 
 
-def _check_type(tensor: ReaderTensor) -> None:
+def _check_type(tensor: GGUFTensor) -> None:
     if tensor.tensor_type not in DEQUANTIZABLE_TYPES:
         supported = ", ".join(sorted(t.name for t in DEQUANTIZABLE_TYPES))
         raise UnsupportedGGUFType(
@@ -804,7 +794,7 @@ def _as_torch(array: NDArray[Any]) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def load_raw(reader: GGUFReader, gguf_name: str, *, expert: int | None = None) -> GGUFRawTensor:
+def load_raw(reader: GGUFFile, gguf_name: str, *, expert: int | None = None) -> GGUFRawTensor:
     """The tensor's stored bytes as a ``uint8`` torch tensor, rows in HF order; ``expert``: that expert's
     slice of a 3-D expert tensor (zero-copy, HF shape ``[out, in]``)."""
     tensor = get_tensor(reader, gguf_name)
@@ -823,7 +813,7 @@ def load_raw(reader: GGUFReader, gguf_name: str, *, expert: int | None = None) -
 
 
 def load_tensor(
-    reader: GGUFReader, gguf_name: str, *, dtype: torch.dtype = torch.float32, expert: int | None = None
+    reader: GGUFFile, gguf_name: str, *, dtype: torch.dtype = torch.float32, expert: int | None = None
 ) -> torch.Tensor:
     """Dequantize a tensor into HF orientation and order (float32, then ``dtype``).
 
@@ -841,7 +831,7 @@ def load_tensor(
     return value.to(dtype)
 
 
-def hf_state_dict(reader: GGUFReader, *, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def hf_state_dict(reader: GGUFFile, *, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every tensor, dequantized, under its HF name (no ``lm_head.weight`` when tied; a MoE file's experts one
     linear each, as :func:`hf_expert_names` names them)."""
     out = {hf: load_tensor(reader, name, dtype=dtype) for name, hf in hf_tensor_names(reader).items()}
@@ -853,7 +843,7 @@ def hf_state_dict(reader: GGUFReader, *, dtype: torch.dtype = torch.float32) -> 
 # --------------------------------------------------------------------------- tokenizer
 
 
-def tokenizer_from_gguf(source: str | os.PathLike[str] | GGUFReader) -> Any:
+def tokenizer_from_gguf(source: str | os.PathLike[str] | GGUFFile) -> Any:
     """A transformers tokenizer (with chat template) built offline from GGUF metadata.
 
     ``source`` is a path or an open reader (whose metadata is then not read again); see
@@ -861,5 +851,5 @@ def tokenizer_from_gguf(source: str | os.PathLike[str] | GGUFReader) -> Any:
     """
     from .tokenizer import tokenizer_from_reader
 
-    reader = source if isinstance(source, GGUFReader) else open_gguf(source)
+    reader = source if isinstance(source, GGUFFile) else open_gguf(source)
     return tokenizer_from_reader(reader)

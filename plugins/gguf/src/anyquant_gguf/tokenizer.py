@@ -112,14 +112,14 @@ def byte_alphabet() -> tuple[str, ...]:
 
 
 def tokenizer_metadata(reader: Any) -> dict[str, Any]:
-    """The ``tokenizer.*`` values of an open ``GGUFReader`` (plus ``general.architecture`` and ``general.name``)."""
+    """The ``tokenizer.*`` values of an open :class:`~anyquant_gguf.reader.GGUFFile` (plus ``general.architecture``
+    and ``general.name``)."""
     keys = ("general.architecture", "general.name", *_TOKENIZER_KEYS, *_CONFIG_KEYS)
     out = {}
     for key in keys:
         field = reader.fields.get(key)
         if field is not None:
-            values = getattr(field.parts, "values", None)  # the fast reader's long arrays
-            out[key] = values() if callable(values) else field.contents()
+            out[key] = field.contents()
     return out
 
 
@@ -320,7 +320,7 @@ def tokenizer_from_metadata(
 
 
 def tokenizer_from_reader(reader: Any) -> Any:
-    """The tokenizer of an open ``GGUFReader`` (its metadata is not read again)."""
-    path = getattr(reader.data, "filename", None)
+    """The tokenizer of an open :class:`~anyquant_gguf.reader.GGUFFile` (its metadata is not read again)."""
+    path = getattr(reader, "path", None)
     folder = None if path is None else os.path.dirname(os.path.abspath(path))
     return tokenizer_from_metadata(tokenizer_metadata(reader), name_or_path=folder, path=path)
