@@ -270,6 +270,7 @@ def _assert_same_reader(path: Path) -> None:
         assert list(a.shape) == b.shape.tolist() and a.data.shape == b.data.shape and a.data.dtype == b.data.dtype
         assert np.array_equal(a.data, b.data)
 
+
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
