@@ -157,6 +157,7 @@ PLUGIN_API = [
     "FLOAT_SCALE_DTYPES",
     "FormatSpec",
     "GGUFHeader",
+    "GGUFSkippedArray",
     "GGUFTensorInfo",
     "GGUF_TYPE_SIZES",
     "GenerationParams",

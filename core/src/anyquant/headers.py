@@ -11,6 +11,7 @@ import json
 import math
 import operator
 import struct
+from array import array
 from dataclasses import dataclass, field
 from itertools import chain, pairwise, repeat
 from pathlib import Path
@@ -358,6 +359,15 @@ class GGUFTensorInfo:
         return GGUF_TYPE_SIZES.get(self.type_id, (f"type{self.type_id}", 0, 0))[0]
 
 
+class GGUFSkippedArray(NamedTuple):
+    """A GGUF metadata array the header parser walked but did not keep."""
+
+    item_type: int
+    offset: int  # of the first item, in the file
+    n_items: int
+    starts: array[int] | None  # strings: each one's offset (its uint64 length), then where the last one ends
+
+
 @dataclass(frozen=True)
 class GGUFHeader:
     file: str
@@ -367,9 +377,9 @@ class GGUFHeader:
     array_lengths: dict[str, int]
     tensors: tuple[GGUFTensorInfo, ...]
     data_offset: int = field(default=0)
-    #: the arrays summarised rather than kept (longer than ``GGUF_KEEP_ARRAY``): key -> (item type id, byte
-    #: offset of the first item, count), for a reader that decodes them from the file when asked
-    skipped_arrays: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    #: the arrays summarised rather than kept (longer than ``GGUF_KEEP_ARRAY``), where they are in the file, for
+    #: a reader that decodes them when asked
+    skipped_arrays: dict[str, GGUFSkippedArray] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str | None:
@@ -386,7 +396,7 @@ class _Reader:
         self.key = ""  # the metadata key (or tensor) being read, for errors
         self._buf = b""
         self._buf_start = 0
-        self.skipped: dict[str, tuple[int, int, int]] = {}
+        self.skipped: dict[str, GGUFSkippedArray] = {}
 
     def _check(self, n: int) -> None:
         """``n`` more bytes fit in the file and in the header budget (checked before reading)."""
@@ -424,15 +434,16 @@ class _Reader:
         except UnicodeDecodeError:
             raise HeaderError(f"{self.name}: GGUF string at byte {self.pos - length} is not UTF-8") from None
 
-    def skip_strings(self, count: int) -> None:
+    def skip_strings(self, count: int) -> array[int]:
         """Move past ``count`` strings, not decoded (their bytes are never looked at), in one tight loop (a
         vocabulary has 100k-250k) over local variables: each length read from the buffer, bounds and budget
-        checked as it goes."""
+        checked as it goes. Returns where each string (its length) starts, then where the last one ends."""
+        starts = array("q", bytes(8 * (count + 1)))
         unpack_from = _U64.unpack_from
         limit = min(self.size, MAX_GGUF_HEADER)
         buf, buf_start, pos = self._buf, self._buf_start, self.pos
         buf_end = buf_start + len(buf)
-        for _ in range(count):
+        for i in range(count):
             if pos + 8 > buf_end or pos < buf_start:
                 self.pos = pos
                 self._check(8)
@@ -447,8 +458,10 @@ class _Reader:
             if pos + 8 + length > limit:
                 self.pos = pos
                 self._check(8 + length)  # raises, naming the key and which bound
+            starts[i] = pos
             pos += 8 + length
-        self.pos = pos
+        starts[count] = self.pos = pos
+        return starts
 
     def skip(self, n: int) -> None:
         """Move past ``n`` bytes without reading them (bounds and budget checked)."""
@@ -479,15 +492,15 @@ class _Reader:
             if item_type in _GGUF_SCALARS and item_type != _GGUF_STRING:
                 fmt, n = _GGUF_SCALARS[item_type]
                 if count > GGUF_KEEP_ARRAY:  # only summarised: skipped, never read
-                    self.skipped[key] = (item_type, self.pos, count)
+                    self.skipped[key] = GGUFSkippedArray(item_type, self.pos, count, None)
                     self.skip(n * count)
                     return None
                 raw = self.read(n * count)
                 return list(struct.unpack("<" + fmt[1] * count, raw))
             if count <= GGUF_KEEP_ARRAY:
                 return [self.string() for _ in range(count)]
-            self.skipped[key] = (item_type, self.pos, count)
-            self.skip_strings(count)  # a vocabulary or merges list: only summarised, so not decoded
+            start = self.pos  # a vocabulary or merges list: only summarised, so not decoded
+            self.skipped[key] = GGUFSkippedArray(item_type, start, count, self.skip_strings(count))
             return None
         raise HeaderError(f"{self.name}: GGUF key {key!r} has unknown value type {vtype}")
 

@@ -67,6 +67,7 @@ _EXPORTS: dict[str, str] = {
     # header tables, and the bounded GGUF header parser (a reader built on it parses each file once)
     "GGUF_TYPE_SIZES": "headers",
     "GGUFHeader": "headers",
+    "GGUFSkippedArray": "headers",
     "GGUFTensorInfo": "headers",
     "read_gguf_header": "headers",
     # quantizers: calibration, backend routing, worker subprocesses
@@ -95,6 +96,7 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "FLOAT_SCALE_DTYPES",
     "FormatSpec",
     "GGUFHeader",
+    "GGUFSkippedArray",
     "GGUFTensorInfo",
     "GGUF_TYPE_SIZES",
     "GenerationParams",
@@ -168,7 +170,7 @@ if TYPE_CHECKING:
         UnsupportedBackendError,
         UnsupportedFormatError,
     )
-    from .headers import GGUF_TYPE_SIZES, GGUFHeader, GGUFTensorInfo, read_gguf_header
+    from .headers import GGUF_TYPE_SIZES, GGUFHeader, GGUFSkippedArray, GGUFTensorInfo, read_gguf_header
     from .hookspecs import CalibrationRegistrar, CommandRegistrar, hookimpl
     from .loaders import (
         CPU_FAST_OPTIONS,

@@ -325,6 +325,49 @@ def test_open_gguf_bad_files_raise_typed_errors(make_gguf: Callable[..., Path], 
         open_gguf(odd)
 
 
+@pytest.mark.parametrize(
+    "strings",
+    [
+        [f"tok{i}" for i in range(100)],
+        ["", "Ġthe", "é", "日本", "", "a b", *map(str, range(95))],  # empty and multi-byte strings
+        ["a\0b", *map(str, range(99)), "\0"],  # NULs inside strings: decoded one at a time
+    ],
+    ids=["ascii", "utf8", "nul"],
+)
+def test_long_string_arrays_decode_as_written(tmp_path: Path, strings: list[str]) -> None:
+    """A long string array (a vocabulary: walked by the header parser, decoded on request in one piece) gives
+    back what was written, as gguf's reader does."""
+    from gguf import GGUFReader, GGUFWriter
+
+    path = tmp_path / "s.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_array("test.strings", strings)
+    writer.add_array("test.ints", list(range(300)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    fields = open_gguf(path).fields
+    assert fields["test.strings"].contents() == strings == GGUFReader(str(path)).fields["test.strings"].contents()
+    assert fields["test.strings"].count == len(strings)
+    assert fields["test.ints"].contents() == list(range(300))
+
+
+def test_bad_utf8_in_a_long_string_array(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    path = tmp_path / "s.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_array("test.strings", [f"t{i:03d}" for i in range(100)])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    blob = path.read_bytes()
+    path.write_bytes(blob.replace(b"t050", b"t\xff50"))
+    with pytest.raises(UnicodeDecodeError):
+        open_gguf(path).fields["test.strings"].contents()
+
+
 def _q4_0_up() -> dict[str, tuple[np.ndarray, Any]]:
     return {"blk.0.ffn_up.weight": (np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32), Q.Q4_0)}
 

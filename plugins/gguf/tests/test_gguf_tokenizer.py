@@ -172,6 +172,19 @@ def test_loading_and_generating_do_not_import_transformers(gguf_path: Path) -> N
 # --------------------------------------------------------------------------- tables
 
 
+def test_merge_pairs() -> None:
+    """Merges split into pairs in whole-list operations give what one split per merge gives, also where
+    malformed merges balance each other's space count (no space in one, two in another)."""
+    from anyquant_gguf.tokenizer import _merge_pairs
+
+    good = ["Ġ t", "h e", "Ġt he", "ĠĠ ĠĠ"] * 30
+    assert _merge_pairs(good) == [tuple(m.split(" ")) for m in good]
+    assert all(type(p) is tuple for p in _merge_pairs(good))
+    odd = ["ab", "a b c", *good]
+    assert _merge_pairs(odd) == [tuple(m.split(" ")) for m in odd]
+    assert _merge_pairs(["a\0 b", "c d"]) == [("a\0", "b"), ("c", "d")]
+
+
 def test_byte_alphabet_is_gpt2s() -> None:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 

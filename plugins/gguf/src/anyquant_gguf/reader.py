@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from anyquant.plugin import CheckpointError, GGUFHeader, GGUFTensorInfo, read_gguf_header
+from anyquant.plugin import CheckpointError, GGUFHeader, GGUFSkippedArray, GGUFTensorInfo, read_gguf_header
 
 from .dequant import UnsupportedGGUFType, dequantize_blocks_torch
 from .ggml import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -216,28 +216,48 @@ class GGUFField:
 
     __slots__ = ("_file", "_skipped", "_value", "count", "name")
 
-    def __init__(self, name: str, value: Any, count: int, skipped: tuple[int, int, int] | None, file: GGUFFile):
+    def __init__(self, name: str, value: Any, count: int, skipped: GGUFSkippedArray | None, file: GGUFFile):
         self.name, self._value, self.count, self._skipped, self._file = name, value, count, skipped, file
 
     def contents(self) -> Any:
         """The value; a long array (a vocabulary, merges, scores) is decoded from the map on each call."""
         if self._skipped is None:
             return self._value
-        item_type, start, count = self._skipped
+        item_type, start, count, starts = self._skipped
         plain = self._file._plain
         dtype = _NP_SCALARS.get(item_type)
         if dtype is not None:
             items: list[Any] = plain[start : start + count * dtype.itemsize].view(dtype).tolist()
             return items
-        # strings: the header parser walked them, checking every length against the file
-        buf, unpack, pos = memoryview(plain.data), _U64.unpack_from, start
-        out: list[str] = []
-        append = out.append
-        for _ in range(count):
-            end = pos + 8 + unpack(buf, pos)[0]
-            append(str(buf[pos + 8 : end], "utf-8"))
-            pos = end
-        return out
+        assert starts is not None  # the header parser walked the strings (checking every length)
+        return _decode_strings(plain, np.frombuffer(starts, dtype=np.int64))
+
+
+def _decode_strings(plain: NDArray[Any], starts: NDArray[np.int64]) -> list[str]:
+    """The GGUF strings whose lengths are at ``starts[:-1]`` (the last string ends at ``starts[-1]``), UTF-8.
+
+    All at once where it can: the strings' bytes copied out in one piece with a NUL in place of each length
+    after the first, decoded once and split at the NULs (~5x faster than one ``str`` per string for a
+    vocabulary); a string that holds a NUL itself sends the array through the loop, one string at a time.
+    """
+    count = len(starts) - 1
+    begin, end = int(starts[0]), int(starts[-1])
+    rel = starts[:-1] - begin
+    keep = np.ones(end - begin, dtype=bool)
+    keep[(rel[:, None] + np.arange(1, 8)).ravel()] = False  # each length's last 7 bytes
+    keep[0] = False  # and all of the first one's
+    body = plain[begin:end][keep]
+    body[rel[1:] - 8 - 7 * np.arange(count - 1)] = 0  # the first byte of each later length: a NUL
+    text: str = body.tobytes().decode("utf-8")
+    if text.count("\0") == count - 1:
+        return text.split("\0")
+    buf, unpack, pos = memoryview(plain.data), _U64.unpack_from, begin
+    out: list[str] = []
+    for _ in range(count):
+        stop = pos + 8 + unpack(buf, pos)[0]
+        out.append(str(buf[pos + 8 : stop], "utf-8"))
+        pos = stop
+    return out
 
 
 class GGUFTensor:

@@ -138,6 +138,20 @@ def tokenizer_config_from_metadata(meta: Mapping[str, Any]) -> dict[str, Any]:
     return config
 
 
+def _merge_pairs(merges: list[str]) -> list[Any]:
+    """``"a b"`` -> ``("a", "b")`` for every merge: in a few whole-list string operations when every merge is
+    one space between two parts (checked exactly: the pairs put back together give the same text), else one
+    merge at a time (a malformed merge then reaches the BPE model as it is, which refuses it)."""
+    joined = "\0".join(merges)
+    flat = joined.replace("\0", " ").split(" ")
+    if len(flat) == 2 * len(merges):
+        halves = iter(flat)
+        pairs = list(zip(halves, halves, strict=True))
+        if "\0".join(map(" ".join, pairs)) == joined:
+            return pairs
+    return [tuple(merge.split(" ")) for merge in merges]
+
+
 def _byte_level_backend(meta: Mapping[str, Any]) -> Any:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
@@ -153,7 +167,7 @@ def _byte_level_backend(meta: Mapping[str, Any]) -> Any:
             if not spelled.issuperset(token):
                 token = "".join(alphabet[b] for b in token.encode("utf-8"))
             vocab[token] = index
-    merges = [tuple(merge.split(" ")) for merge in meta["tokenizer.ggml.merges"]]
+    merges = _merge_pairs(meta["tokenizer.ggml.merges"])
     backend = Tokenizer(
         BPE(
             vocab=vocab,
