@@ -183,7 +183,10 @@ def test_rejects_what_it_cannot_run() -> None:
 
 
 def test_plan_options() -> None:
-    assert FastCPUPlan.from_options({}).prefill_dtype is None
+    auto = FastCPUPlan.from_options({"cpu_fast_prefill": "auto"}).prefill_dtype
+    assert FastCPUPlan.from_options({}).prefill_dtype == auto  # the default
+    assert FastCPUPlan.from_options({"cpu_fast_prefill": "float32"}).prefill_dtype == torch.float32
+    assert FastCPUPlan.from_options({"cpu_fast_prefill": None}).prefill_dtype is None  # the compute dtype
     assert FastCPUPlan.from_options({"cpu_fast_prefill": "bfloat16"}).prefill_dtype == torch.bfloat16
     assert FastCPUPlan.from_options({"cpu_fast_small_rows": "8"}).small_rows == 8
     auto = FastCPUPlan.from_options({"cpu_fast_prefill": "auto"}).prefill_dtype

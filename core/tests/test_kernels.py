@@ -158,6 +158,40 @@ def test_interleaved_form_gives_bitwise_the_same(isa: int, type_name: str, rows:
         torch.ops.anyquant.ggml_interleave(il, code + kernels.INTERLEAVED, rows, cols)
 
 
+@pytest.mark.parametrize("type_name", [*TYPES, "GQ4"])
+@pytest.mark.parametrize(("heads", "head_rows"), [(1, 16), (4, 64), (2, 128)])
+@pytest.mark.parametrize("cols", [320, 2112])
+def test_interleave_reads_permuted_q_k_rows(type_name: str, heads: int, head_rows: int, cols: int) -> None:
+    """``qk_heads``: the interleaved form of rows stored as llama.cpp's converter permutes a "llama" file's Q/K rows
+    (within each head, stored row 2 i + p holds row p head_rows / 2 + i) is bitwise that of the rows un-permuted
+    first (what the GGUF loader did before: a copy)."""
+    rows = heads * head_rows
+    raw = _blocks("Q4_1" if type_name == "GQ4" else type_name, rows, cols, seed=heads)[0]
+    stored = raw.reshape(rows, -1)
+    unpermuted = stored.reshape(heads, head_rows // 2, 2, -1).transpose(1, 2).reshape(rows, -1).contiguous()
+    want = kernels.interleave(unpermuted.reshape(-1), type_name, rows, cols)
+    got = kernels.interleave(raw, type_name, rows, cols, True, heads)
+    assert torch.equal(got, want)  # type: ignore[arg-type]
+    code = kernels.GGML_TYPES[type_name][0]
+    with pytest.raises(RuntimeError, match="qk_heads"):
+        torch.ops.anyquant.ggml_interleave(raw, code, rows, cols, False, heads)  # the forward direction only
+    with pytest.raises(RuntimeError, match="qk_heads"):
+        torch.ops.anyquant.ggml_interleave(raw, code, rows, cols, True, rows // 8)  # heads of 8 rows
+
+
+def test_block_linear_takes_permuted_rows_only_to_interleave() -> None:
+    from anyquant.runtime.kernels.linear import BlockLinear
+
+    raw = _blocks("Q4_0", 32, 64, seed=3)[0]
+    with pytest.raises(ValueError, match="interleave=True"):
+        BlockLinear(raw, "Q4_0", 32, 64, small_rows=4, qk_heads=2)
+    stored = raw.reshape(32, -1)
+    unpermuted = stored.reshape(2, 8, 2, -1).transpose(1, 2).reshape(-1).contiguous()
+    fused = BlockLinear(raw, "Q4_0", 32, 64, small_rows=4, interleave=True, qk_heads=2)
+    plain = BlockLinear(unpermuted, "Q4_0", 32, 64, small_rows=4, interleave=True)
+    assert torch.equal(fused.blocks, plain.blocks) and torch.equal(fused.raw_blocks(), unpermuted)
+
+
 @pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
 @pytest.mark.parametrize("passes", [1, 2])
 def test_experts_is_each_chosen_expert_in_order(isa: int, passes: int) -> None:

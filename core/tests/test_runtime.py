@@ -855,6 +855,20 @@ def test_nan_logits_are_a_numerical_error(tiny: Path, temperature: float) -> Non
         model.generate("hello", max_new_tokens=3, temperature=temperature, seed=0)
 
 
+def test_check_finite_reads_an_expanded_view_once() -> None:
+    """A view with a zero stride (a placeholder ``expand``) is checked on its distinct elements: a NaN among them is
+    still found, with the view's element count in the message."""
+    from anyquant.errors import NumericalError
+    from anyquant.runtime.finite import check_finite
+
+    check_finite("w", torch.zeros(1).expand(4096, 512))
+    check_finite("w", torch.arange(6.0).reshape(1, 2, 3).expand(5, 2, 3))
+    with pytest.raises(NumericalError, match=r"'w' holds 1 NaN"):
+        check_finite("w", torch.tensor([[1.0, float("nan"), 2.0]]).expand(1000, 3))
+    with pytest.raises(NumericalError, match="1 inf"):
+        check_finite("w", torch.tensor([[1.0], [float("inf")]]).expand(2, 700))
+
+
 def test_sample_next_refuses_non_finite_rows() -> None:
     from anyquant.errors import NumericalError
     from anyquant.protocols import GenerationParams

@@ -72,7 +72,8 @@ RUNTIME_OPTIONS: Mapping[str, str] = MappingProxyType(
 #: the ``cpu-fast`` backend's options (read by :class:`anyquant.runtime.fastcpu.FastCPUPlan`)
 CPU_FAST_OPTIONS: Mapping[str, str] = MappingProxyType(
     {
-        "cpu_fast_prefill": "None (default: prompts in exact float32), 'bfloat16' or 'auto'",
+        "cpu_fast_prefill": "'auto' (default: prompts through a bfloat16 GEMM where the CPU has AMX or AVX512-BF16, "
+        "else float32), 'float32' (the exact weights in float32), 'bfloat16' or 'float16'",
         "cpu_fast_small_rows": "rows up to which the decode kernels run (default 64)",
         "cpu_fast_head": "'auto' (default: a Q8_0 copy on the compiled kernel where built, else a bfloat16 one "
         "prepacked for oneDNN where it runs fast), 'q8_0', 'bfloat16' or 'dense'; the top 64 logits exact",

@@ -37,7 +37,8 @@ def root() -> Path:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_exact_weights_logits_in_tolerance_and_greedy_tokens(root: Path, variant: str) -> None:
     path = root / "quantized" / variant
-    fast = anyquant.load(path, cpu_fast_small_rows=16)  # auto; the 32-token prompt takes the exact path
+    # auto; the 32-token prompt takes the many-rows path, exact with cpu_fast_prefill="float32"
+    fast = anyquant.load(path, cpu_fast_small_rows=16, cpu_fast_prefill="float32")
     assert fast.backend == "cpu-fast" and fast.info["cpu_fast"]["fast_layers"] == 14
     modules = dict(fast.module.named_modules())
     theirs = load_file(root / "judges" / variant / "gptqmodel_dequant.safetensors")
@@ -53,6 +54,8 @@ def test_exact_weights_logits_in_tolerance_and_greedy_tokens(root: Path, variant
         assert rel_error(fast.module(ref["input_ids"]).logits, want) < PREFILL_TOL
         assert rel_error(stepwise_logits(fast.module, ref["input_ids"]), want) < DECODE_TOL
         assert rel_error(anyquant.load(path).module(ref["input_ids"]).logits, want) < DECODE_TOL  # default: int4 kernel
+        auto = anyquant.load(path, cpu_fast_small_rows=16)  # the default prompt path: bfloat16 where fast
+        assert rel_error(auto.module(ref["input_ids"]).logits, want) < DECODE_TOL
     tokens = ref["greedy_tokens"][0].tolist()
     got_tokens = fast.generator.generate_ids(tokens[:8], fast.params(max_new_tokens=8))
     assert got_tokens == tokens[8:]

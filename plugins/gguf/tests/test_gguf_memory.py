@@ -236,7 +236,7 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
     _fast_or_skip()
     path, _ = tiny_tied
     dense = _load(path, "dequantized")
-    fast = _load(path, "cpu-fast", cpu_fast_small_rows=4)
+    fast = _load(path, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_prefill="float32")  # exact prompts
     from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_head_status
 
     info = fast.info["cpu_fast"]
@@ -262,12 +262,14 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
         assert info["converted"] == 12
         assert set(info["dequantized"]) == q8 and not info["bf16"]
         assert "Q8_0" in info["dequantized"]["model.layers.0.mlp.down_proj"]
-    ids = torch.tensor([[1, 5, 9, 100, 127, 3, 4, 8]])  # 8 rows > small_rows: the exact path
+    ids = torch.tensor([[1, 5, 9, 100, 127, 3, 4, 8]])  # 8 rows > small_rows: the prompt path
     with torch.no_grad():
         ref = dense.module(ids).logits
         torch.testing.assert_close(fast.module(ids).logits, ref, rtol=1e-5, atol=1e-5)
         few = fast.module(ids[:, :2]).logits  # the int4 kernel (bfloat16) or the GGUF-block kernel
         assert float((few - ref[:, :2]).abs().max()) < 5e-2 * float(ref.abs().max())
+        auto = _load(path, "cpu-fast", cpu_fast_small_rows=4).module(ids).logits  # default: bfloat16 where fast
+        assert float((auto - ref).abs().max()) < 5e-2 * float(ref.abs().max())
     assert _load(path, "cpu-fast", embedding="packed").info["embedding"] == "packed"
 
 
@@ -302,6 +304,13 @@ def test_block_kernel_on_the_file_s_blocks(tiny_tied: tuple[Path, torch.nn.Modul
     in_place = _load(path, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_interleave=False)
     assert in_place.info["cpu_fast"]["in_place"] == 14
     assert torch.equal(in_place.module.model.layers[0].mlp.down_proj.blocks, down.reshape(-1))  # the file's bytes
+    stock_q = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_q.weight")
+    q_rows = torch.from_numpy(np.array(stock_q.data)).view(torch.uint8)  # as stored: permuted, 4 heads of 16 rows
+    q_hf = q_rows.reshape(4, 8, 2, -1).transpose(1, 2).reshape(-1)  # llama.cpp's permutation undone
+    assert not torch.equal(q_hf, q_rows.reshape(-1))
+    # Q/K: the interleaving copy reads the permuted rows in HF order itself (no un-permuted copy first)
+    assert torch.equal(layers[0].self_attn.q_proj.raw_blocks(), q_hf)
+    assert torch.equal(in_place.module.model.layers[0].self_attn.q_proj.blocks, q_hf)
     assert torch.equal(logits_after_prompt(in_place, ids, 6), got)
     with torch.no_grad():  # prompts: the exact weight, dequantized from either form
         assert torch.equal(in_place.module(ids).logits, fast.module(ids).logits)

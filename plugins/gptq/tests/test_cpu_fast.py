@@ -13,7 +13,7 @@ import anyquant
 from anyquant.errors import UnsupportedBackendError
 from anyquant.runtime import kernels
 from anyquant.runtime import step as step_module
-from anyquant.runtime.fastcpu import FastInt4Linear, block_kernel_is_fast, fast_cpu_capable
+from anyquant.runtime.fastcpu import FastInt4Linear, bf16_gemm_is_fast, block_kernel_is_fast, fast_cpu_capable
 from anyquant.runtime.kernels.linear import GroupInt4BlockLinear
 from anyquant_gptq.loader import GPTQLoader
 from anyquant_gptq.qlinear import GPTQLinear
@@ -39,8 +39,9 @@ def root() -> Path:
 @pytest.mark.parametrize("variant", FOUR_BIT)
 def test_four_bit_layers_run_fast_with_exact_weights_and_logits_in_tolerance(root: Path, variant: str) -> None:
     path = root / "quantized" / variant
-    # small_rows=16: the 32-token prompt takes the many-rows path (exact weights, float32 GEMM)
-    fast = anyquant.load(path, backend="cpu-fast", cpu_fast_small_rows=16)
+    # small_rows=16: the 32-token prompt takes the many-rows path (exact weights, float32 GEMM: the option that
+    # keeps prompts exact; the default, "auto", runs them in bfloat16 where the CPU has AMX or AVX512-BF16)
+    fast = anyquant.load(path, backend="cpu-fast", cpu_fast_small_rows=16, cpu_fast_prefill="float32")
     assert fast.backend == "cpu-fast"
     assert fast.info["cpu_fast"]["fast_layers"] == 14 and not fast.info["cpu_fast"]["dequantized_layers"]
     modules = dict(fast.module.named_modules())
@@ -59,6 +60,9 @@ def test_four_bit_layers_run_fast_with_exact_weights_and_logits_in_tolerance(roo
         default = anyquant.load(path, backend="cpu-fast")  # 32 rows <= 64: the int4 kernel
         assert default.info["cpu_fast"]["small_rows"] == 64
         assert rel_error(default.module(ids).logits, want) < DECODE_TOL
+        auto = anyquant.load(path, backend="cpu-fast", cpu_fast_small_rows=16)  # the default prompt path
+        assert auto.info["cpu_fast"]["prefill_dtype"] == ("bfloat16" if bf16_gemm_is_fast() else "compute dtype")
+        assert rel_error(auto.module(ids).logits, want) < DECODE_TOL
 
 
 @pytest.mark.parametrize("variant", FOUR_BIT)

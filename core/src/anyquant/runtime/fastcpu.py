@@ -13,13 +13,15 @@ Two execution paths share one packed copy of the weight (about 0.6 bytes per wei
   (~21 us per row for 576x1536 against ~10.5 us for a float32 GEMM), so the weight is unpacked
   from the same buffer into a transient dense block, ``round_to(scale dtype, (q - z) * s)``
   (bit-identical to the reference dequantizers; ~1.2 ms for 576x1536), and multiplied by a dense
-  GEMM: in float32 by default (the reference's arithmetic up to GEMM summation order), or in
-  bfloat16 with ``prefill_dtype=torch.bfloat16`` (about 2x faster on CPUs with AMX/AVX512-BF16;
-  5-50x slower without them). Only one layer's block exists at a time: memory stays packed.
+  GEMM: in float32 (the reference's arithmetic up to GEMM summation order), or in bfloat16 with
+  ``prefill_dtype=torch.bfloat16`` (about 2x faster on CPUs with AMX/AVX512-BF16; 5-50x slower without
+  them). The loaders' default (``cpu_fast_prefill="auto"``) is bfloat16 where :func:`bf16_gemm_is_fast`, else
+  the compute dtype. Only one layer's block exists at a time: memory stays packed.
 
 Tolerance against the exact reference (max |y - y_ref| / max |y_ref|): few rows, bfloat16 class:
 ~4e-3 per layer, up to ~6e-3 on a tiny Llama's logits (tests allow 2e-2); many rows in float32:
-~1e-6 (tests allow 1e-5). :meth:`FastInt4Linear.dequantize` is exact.
+~1e-6 (tests allow 1e-5); many rows in bfloat16: ~5e-3 on the tiny models' logits (tests allow 2e-2).
+:meth:`FastInt4Linear.dequantize` is exact.
 
 Groups must be contiguous along ``in_features`` and a multiple of 32 (the kernel takes groups of 32,
 64, 128 and 256; larger groups, per-channel included, repeat their scales). A GPTQ ``g_idx`` that
@@ -1104,8 +1106,9 @@ class FastCPUPlan:
     """What a loader's ``cpu-fast`` backend does with each quantized layer, and the record of it.
 
     Load options (``anyquant.load(..., cpu_fast_prefill="bfloat16", cpu_fast_small_rows=8)``):
-    ``cpu_fast_prefill`` is the GEMM dtype of the many-rows path (default: the compute dtype;
-    ``"auto"``: bfloat16 where :func:`bf16_gemm_is_fast`), ``cpu_fast_small_rows`` the row count up
+    ``cpu_fast_prefill`` is the GEMM dtype of the many-rows path (default ``"auto"``: bfloat16 where
+    :func:`bf16_gemm_is_fast`, else the compute dtype; ``"float32"``: the exact weights in float32, prompts' logits
+    within 1e-5 of the reference's; ``None``: the compute dtype), ``cpu_fast_small_rows`` the row count up
     to which the int4 kernel (and the fast head) runs, ``cpu_fast_head`` ``"auto"`` (default: a :class:`FastHead`
     decoding through Q8_0 blocks on the compiled kernel where it is built, else through a bfloat16 copy where
     :func:`bf16_head_status` allows), ``"q8_0"``, ``"bfloat16"`` (that form only) or ``"dense"`` (the exact float
@@ -1133,7 +1136,7 @@ class FastCPUPlan:
 
     @classmethod
     def from_options(cls, extra: Mapping[str, Any]) -> FastCPUPlan:
-        prefill = extra.get("cpu_fast_prefill")
+        prefill = extra.get("cpu_fast_prefill", "auto")
         if prefill == "auto":
             prefill = "bfloat16" if bf16_gemm_is_fast() else None
         if prefill is not None and prefill not in _PREFILL_DTYPES:

@@ -16,6 +16,8 @@ def check_finite(name: str, value: torch.Tensor, *, source: torch.Tensor | None 
     overflowed (a float32 value past float16's range) rather than that the checkpoint is damaged."""
     if not value.is_floating_point() or value.is_meta or value.numel() == 0:
         return
+    if 0 in value.stride():  # an expanded view (a placeholder): each distinct element once, not every repeat
+        value = value[tuple(slice(0, 1) if step == 0 else slice(None) for step in value.stride())]
     # one pass, no temporary: any NaN or inf element makes the sum NaN or inf (a finite sum past the dtype's
     # range falls through to the exact check), far cheaper than isfinite's full boolean tensor (docs/benchmarks.md).
     if bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all()):

@@ -168,11 +168,11 @@ class GGUFSource:
         shape = tuple(reversed(get_tensor(self.reader, self.gguf_names[name]).shape))
         return shape[1:] if name in self.experts else shape
 
-    def raw(self, name: str) -> Any:
+    def raw(self, name: str, *, unpermute: bool = True) -> Any:
         from .reader import load_raw
 
         self.used.add(name)
-        return load_raw(self.reader, self.gguf_names[name], expert=self.experts.get(name))
+        return load_raw(self.reader, self.gguf_names[name], expert=self.experts.get(name), unpermute=unpermute)
 
     def qtype(self, name: str) -> Any:
         from .reader import get_tensor
@@ -348,16 +348,20 @@ class GGUFLoader(TransformersLoader):
         return tokenizer_from_gguf(self._reader(probe))
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
+        from dataclasses import replace
+
         from .qlinear import (
             INT4_TYPES,
             PACKED_TYPES,
             GGUFLinear,
             GGUFTiedHead,
+            block_kernel_available,
             block_kernel_head,
             fast_rows_head,
             gguf_block_linear,
             gguf_int4_linear,
         )
+        from .reader import unpermute_qk_rows
 
         src = ctx.source
         assert isinstance(src, GGUFSource)
@@ -418,7 +422,12 @@ class GGUFLoader(TransformersLoader):
                 return GGUFTiedHead(raw.data, raw.qtype, raw.shape)
             if key not in src or src.qtype(key) not in PACKED_TYPES:
                 return None  # F32/F16/BF16: a dense nn.Linear filled from the source
-            raw = src.raw(key)
+            # a Q/K weight of a "llama" file that the block kernel copies into its interleaved form: the copy reads
+            # the stored (permuted) rows in HF order itself, with no un-permuted copy made first
+            interleaves = fast is not None and key != _HEAD and block_kwargs["interleave"]
+            raw = src.raw(key, unpermute=not (interleaves and block_kernel_available(src.qtype(key))))
+            if raw.qk_heads is not None and raw.shape[0] // raw.qk_heads % 16:  # the kernel reads 16-row heads
+                raw = replace(raw, data=unpermute_qk_rows(raw.data, raw.qk_heads), qk_heads=None)
             if tuple(raw.shape) != (linear.out_features, linear.in_features):
                 raise CheckpointError(f"{name}: GGUF weight {raw.shape} does not fit the model's linear")
             bias = src.get(f"{name}.bias") if f"{name}.bias" in src else None
@@ -432,7 +441,8 @@ class GGUFLoader(TransformersLoader):
                     fast["lm_head"] = {"table": raw.qtype.name, "decode": decode}
                     return module
             elif fast is not None:
-                module = gguf_block_linear(raw.data, raw.qtype, raw.shape, bias, **block_kwargs)
+                qk = {} if raw.qk_heads is None else {"qk_heads": raw.qk_heads}
+                module = gguf_block_linear(raw.data, raw.qtype, raw.shape, bias, **block_kwargs, **qk)
             if module is not None:
                 assert fast is not None
                 fast["converted"] += 1

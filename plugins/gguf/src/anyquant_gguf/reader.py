@@ -783,12 +783,14 @@ class GGUFRawTensor:
 
     ``data`` is ``uint8`` ``[out, bytes_per_row]`` for 2-D tensors (``[bytes]`` for
     1-D), zero-copy from the mmap except for un-permuted Q/K rows; ``shape`` is the
-    logical HF shape (``[out, in]`` or ``[n]``).
+    logical HF shape (``[out, in]`` or ``[n]``); ``qk_heads``: the rows are still as llama.cpp's converter permuted
+    them, in that many heads (:func:`load_raw` with ``unpermute=False``), else ``None``.
     """
 
     data: torch.Tensor
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
+    qk_heads: int | None = None
 
 
 def _hf_shape(tensor: GGUFTensor) -> tuple[int, ...]:
@@ -814,9 +816,10 @@ def _as_torch(array: NDArray[Any]) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def load_raw(reader: GGUFFile, gguf_name: str, *, expert: int | None = None) -> GGUFRawTensor:
+def load_raw(reader: GGUFFile, gguf_name: str, *, expert: int | None = None, unpermute: bool = True) -> GGUFRawTensor:
     """The tensor's stored bytes as a ``uint8`` torch tensor, rows in HF order; ``expert``: that expert's
-    slice of a 3-D expert tensor (zero-copy, HF shape ``[out, in]``)."""
+    slice of a 3-D expert tensor (zero-copy, HF shape ``[out, in]``); ``unpermute=False``: permuted Q/K rows left
+    as stored (zero-copy; ``qk_heads`` says how to un-permute them)."""
     tensor = get_tensor(reader, gguf_name)
     _check_type(tensor)
     shape = _hf_shape(tensor)
@@ -827,6 +830,8 @@ def load_raw(reader: GGUFFile, gguf_name: str, *, expert: int | None = None) -> 
         array, shape = array[expert], shape[1:]
     data = _as_torch(array.view(np.uint8))  # F32/F16 rows become their bytes
     heads = qk_permutation_heads(reader, gguf_name)
+    if heads is not None and not unpermute:
+        return GGUFRawTensor(data=data, qtype=tensor.tensor_type, shape=shape, qk_heads=heads)
     if heads is not None:
         data = unpermute_qk_rows(data, heads)
     return GGUFRawTensor(data=data, qtype=tensor.tensor_type, shape=shape)

@@ -23,7 +23,9 @@ computes it (the decode step's q/k/v and gate/up).
 layer's chosen experts on rows ``x`` in one call (``blocks``/``types``: each expert's gate, up and down; per row its
 ``index`` experts in ascending order, ``weights`` their routing weights): bit for bit
 :class:`~anyquant.runtime.experts.Experts`' arithmetic on these linears (the decode step's MoE layers).
-``torch.ops.anyquant.ggml_interleave(blocks, type, rows, cols, forward=True)``: the blocks' interleaved form (a new
+``torch.ops.anyquant.ggml_interleave(blocks, type, rows, cols, forward=True, qk_heads=0)``: the blocks' interleaved
+form (``qk_heads``: of the rows as they are before llama.cpp's converter permuted Q/K rows in that many heads, read
+from the permuted rows without an un-permuted copy first; a new
 tensor of the same size), which the op reads with ``type + INTERLEAVED``: per group of 8 rows and block, the 8 rows'
 scales side by side, then their code bytes in the 32-byte chunks its vector path multiplies (the file's layout
 makes it gather and transpose them per block: ~1.3x slower where memory is not the limit), in column tiles of 2,048
@@ -180,8 +182,8 @@ def gemv_cat(x: object, parts: list[tuple[object, str, int]], isa: int = -1, pas
     )
 
 
-def interleave(blocks: object, type_name: str, rows: int, cols: int, forward: bool = True) -> object:
+def interleave(blocks: object, type_name: str, rows: int, cols: int, forward: bool = True, qk_heads: int = 0) -> object:
     """``torch.ops.anyquant.ggml_interleave`` with the type by name."""
     import torch
 
-    return torch.ops.anyquant.ggml_interleave(blocks, GGML_TYPES[type_name][0], rows, cols, forward)
+    return torch.ops.anyquant.ggml_interleave(blocks, GGML_TYPES[type_name][0], rows, cols, forward, qk_heads)

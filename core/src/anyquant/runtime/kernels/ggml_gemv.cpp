@@ -677,10 +677,20 @@ at::Tensor ggml_experts(const at::Tensor& x, const at::Tensor& index, const at::
   return out;
 }
 
+// The stored row that output row r comes from: r itself, or with qk_head rows > 0 (llama.cpp's converter permuted
+// the Q/K rows of "llama" files: within each head of qk_head rows, stored row 2 i + p holds row p qk_head / 2 + i)
+// the stored row that holds it. qk_head is a multiple of 16, so a group of 8 output rows reads 8 stored rows 2 apart.
+inline int64_t stored_row(int64_t r, int64_t qk_head) {
+  if (qk_head == 0) return r;
+  const int64_t half = qk_head / 2, j = r % qk_head;
+  return r - j + 2 * (j % half) + j / half;
+}
+
 // groups [g0, g1) of blocks (src) into their interleaved form (dst), or back (forward false): il_offset's mapping, a
-// scale (2 bytes) and a code word (4 bytes) at a time
+// scale (2 bytes) and a code word (4 bytes) at a time; qk_head: forward from permuted rows (stored_row)
 template <int64_t TYPE>
-void interleave_groups(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t G, int64_t g0, int64_t g1, bool forward) {
+void interleave_groups(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t G, int64_t g0, int64_t g1, bool forward,
+                       int64_t qk_head) {
   constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : TYPE == TYPE_Q8_0 ? 34 : 20;
   constexpr int head = TYPE == TYPE_Q4_1 || TYPE == TYPE_GQ4 ? 4 : 2, scales = head / 2, words = (bs - head) / 4;
   int at_scale[8][scales], at_word[8][words];
@@ -692,7 +702,7 @@ void interleave_groups(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t G, 
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t piece = il_piece(g, b, nb, G, bs);
       for (int r = 0; r < 8; ++r) {
-        const int64_t row = ((8 * g + r) * nb + b) * bs;
+        const int64_t row = (stored_row(8 * g + r, qk_head) * nb + b) * bs;
         if (forward) {
           for (int i = 0; i < scales; ++i) std::memcpy(dst + piece + at_scale[r][i], src + row + 2 * i, 2);
           for (int q = 0; q < words; ++q) std::memcpy(dst + piece + at_word[r][q], src + row + head + 4 * q, 4);
@@ -711,24 +721,25 @@ void interleave_groups(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t G, 
 // ~0.2 s, is mostly these copies and the new pages' first touch)
 template <int64_t TYPE>
 AQ_TARGET_AVX2 void interleave_groups_avx2(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t G, int64_t g0,
-                                           int64_t g1) {
+                                           int64_t g1, int64_t qk_head) {
   constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : TYPE == TYPE_Q8_0 ? 34 : 20;
   constexpr int head = TYPE == TYPE_Q4_1 || TYPE == TYPE_GQ4 ? 4 : 2;
-  const int64_t rb = nb * bs;
+  const int64_t rb = nb * bs, step = (qk_head ? 2 : 1) * rb;  // a group's 8 stored rows are step apart
   __m256i t[8];
   for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* const first = src + stored_row(8 * g, qk_head) * rb;
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* const piece = dst + il_piece(g, b, nb, G, bs);
-      const uint8_t* const blk = src + 8 * g * rb + b * bs;  // row 8 g's block b; row r's at + r rb
+      const uint8_t* const blk = first + b * bs;  // output row 8 g's block b; row r's at + r step
       for (int r = 0; r < 8; ++r) {
-        std::memcpy(piece + 2 * r, blk + r * rb, 2);
-        if (head == 4) std::memcpy(piece + 16 + 2 * r, blk + r * rb + 2, 2);
+        std::memcpy(piece + 2 * r, blk + r * step, 2);
+        if (head == 4) std::memcpy(piece + 16 + 2 * r, blk + r * step + 2, 2);
       }
       uint8_t* const chunks = piece + 16 * (head / 2);
       if (TYPE == TYPE_Q8_0) {
-        transpose8x8(blk + head, rb, t);
+        transpose8x8(blk + head, step, t);
       } else {
-        transpose8x4(blk + head, rb, t);
+        transpose8x4(blk + head, step, t);
       }
       for (int c = 0; c < (TYPE == TYPE_Q8_0 ? 8 : 4); ++c)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunks + 32 * c), t[c]);
@@ -738,10 +749,17 @@ AQ_TARGET_AVX2 void interleave_groups_avx2(const uint8_t* src, uint8_t* dst, int
 #endif
 
 // The interleaved form of blocks (forward) or the blocks back from it, as a new tensor; groups split over threads.
-at::Tensor ggml_interleave(const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols, bool forward) {
+// qk_heads > 0 (forward only): the blocks' rows are as llama.cpp's converter permutes Q/K rows in qk_heads heads,
+// and the interleaved form is that of the rows un-permuted (stored_row), with no un-permuted copy made first.
+at::Tensor ggml_interleave(const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols, bool forward,
+                           int64_t qk_heads) {
   TORCH_CHECK(type < TYPE_IL && known_type(type), "anyquant::ggml_interleave: block type ", type,
               " is not Q4_0 (2), Q4_1 (3), Q8_0 (8) or GQ4 (100)");
   check_part(blocks, type, rows, cols, "ggml_interleave");
+  TORCH_CHECK(qk_heads >= 0 && (qk_heads == 0 || (forward && rows % qk_heads == 0 && rows / qk_heads % 16 == 0)),
+              "anyquant::ggml_interleave: qk_heads=", qk_heads, " needs the forward direction and heads of a multiple",
+              " of 16 rows (", rows, " rows)");
+  const int64_t qk_head = qk_heads ? rows / qk_heads : 0;
   const int64_t nb = cols / QK, bs = block_bytes(type), groups = rows / 8;
   at::Tensor out = at::empty_like(blocks);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
@@ -750,17 +768,17 @@ at::Tensor ggml_interleave(const at::Tensor& blocks, int64_t type, int64_t rows,
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
 #ifdef AQ_X86
     if (vector) {
-      if (type == TYPE_Q4_0) interleave_groups_avx2<TYPE_Q4_0>(src, dst, nb, groups, g0, g1);
-      else if (type == TYPE_Q4_1) interleave_groups_avx2<TYPE_Q4_1>(src, dst, nb, groups, g0, g1);
-      else if (type == TYPE_GQ4) interleave_groups_avx2<TYPE_GQ4>(src, dst, nb, groups, g0, g1);
-      else interleave_groups_avx2<TYPE_Q8_0>(src, dst, nb, groups, g0, g1);
+      if (type == TYPE_Q4_0) interleave_groups_avx2<TYPE_Q4_0>(src, dst, nb, groups, g0, g1, qk_head);
+      else if (type == TYPE_Q4_1) interleave_groups_avx2<TYPE_Q4_1>(src, dst, nb, groups, g0, g1, qk_head);
+      else if (type == TYPE_GQ4) interleave_groups_avx2<TYPE_GQ4>(src, dst, nb, groups, g0, g1, qk_head);
+      else interleave_groups_avx2<TYPE_Q8_0>(src, dst, nb, groups, g0, g1, qk_head);
       return;
     }
 #endif
-    if (type == TYPE_Q4_0) interleave_groups<TYPE_Q4_0>(src, dst, nb, groups, g0, g1, forward);
-    else if (type == TYPE_Q4_1) interleave_groups<TYPE_Q4_1>(src, dst, nb, groups, g0, g1, forward);
-    else if (type == TYPE_GQ4) interleave_groups<TYPE_GQ4>(src, dst, nb, groups, g0, g1, forward);
-    else interleave_groups<TYPE_Q8_0>(src, dst, nb, groups, g0, g1, forward);
+    if (type == TYPE_Q4_0) interleave_groups<TYPE_Q4_0>(src, dst, nb, groups, g0, g1, forward, qk_head);
+    else if (type == TYPE_Q4_1) interleave_groups<TYPE_Q4_1>(src, dst, nb, groups, g0, g1, forward, qk_head);
+    else if (type == TYPE_GQ4) interleave_groups<TYPE_GQ4>(src, dst, nb, groups, g0, g1, forward, qk_head);
+    else interleave_groups<TYPE_Q8_0>(src, dst, nb, groups, g0, g1, forward, qk_head);
   });
   const int64_t done = groups * 8 * nb * bs;  // rows past the last whole group: as they are
   std::memcpy(dst + done, src + done, blocks.numel() - done);
@@ -899,7 +917,7 @@ TORCH_LIBRARY(anyquant, m) {
   m.def("ggml_gemv(Tensor x, Tensor blocks, int type, int rows, int cols, int isa=-1, int passes=2) -> Tensor");
   m.def("ggml_gemv_cat(Tensor x, Tensor[] blocks, int[] types, int[] rows, int isa=-1, int passes=2) -> Tensor");
   m.def("ggml_experts(Tensor x, Tensor index, Tensor weights, Tensor[] blocks, int[] types, int intermediate, int isa=-1, int passes=2) -> Tensor");
-  m.def("ggml_interleave(Tensor blocks, int type, int rows, int cols, bool forward=True) -> Tensor");
+  m.def("ggml_interleave(Tensor blocks, int type, int rows, int cols, bool forward=True, int qk_heads=0) -> Tensor");
   m.def("ggml_dequantize(Tensor blocks, int type, int rows, int cols, ScalarType dtype) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("kernel_isa() -> int", &kernel_isa);

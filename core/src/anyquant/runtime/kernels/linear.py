@@ -52,7 +52,10 @@ class BlockLinear(nn.Module):
         compute_dtype: torch.dtype = torch.float32,
         passes: int = 2,
         interleave: bool = False,
+        qk_heads: int = 0,
     ) -> None:
+        """``qk_heads`` (with ``interleave``): ``blocks``' rows are permuted as llama.cpp's converter permutes a
+        "llama" file's Q/K rows in that many heads; the interleaved copy is made of the rows un-permuted."""
         super().__init__()
         if type_name not in GGML_TYPES:
             raise ValueError(f"BlockLinear takes {sorted(GGML_TYPES)}, not {type_name}")
@@ -63,9 +66,11 @@ class BlockLinear(nn.Module):
             )
         if passes not in (1, 2):
             raise ValueError(f"passes={passes!r} is not 1 or 2")
+        if qk_heads and not interleave:
+            raise ValueError("qk_heads (permuted Q/K rows) is read by the interleaving copy: pass interleave=True")
         blocks = blocks.reshape(-1).contiguous()
         if interleave:  # the kernel's interleaved form, a copy (the caller may release the file's pages)
-            blocks = torch.ops.anyquant.ggml_interleave(blocks, code, out_features, in_features, True)
+            blocks = torch.ops.anyquant.ggml_interleave(blocks, code, out_features, in_features, True, qk_heads)
             code += INTERLEAVED
         self.type_name, self.ggml_type, self.passes, self.interleaved = type_name, code, passes, interleave
         self.out_features, self.in_features = out_features, in_features
