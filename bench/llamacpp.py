@@ -3,7 +3,7 @@
 Models:
 - the bundled SmolLM2-135M-Instruct Q4_1 GGUF (``anyquant.default_model()``); a GPTQ 4-bit of the same model is
   added as an anyquant-only row (against llama.cpp on the Q4_1) with ``--gptq DIR``, or when bench/gptq.py's
-  cached one exists;
+  cached one exists; other checkpoints of SmolLM2 (an AWQ, an EXL3) likewise with ``--checkpoint LABEL=DIR``;
 - a ~1.1B Llama-shaped GGUF with synthetic weights (hidden 2048, 22 layers of 32 heads / 4 KV heads, MLP 5632,
   SmolLM2's 49,152-token vocabulary; Q4_0 layers, tied Q8_0 embedding): written once under
   ``.cache/bench/llamacpp/`` by the ``gguf`` package's writer, streaming tensor by tensor, with its ``gguf.quants``
@@ -39,7 +39,7 @@ the bench tries them once in a child process (``--llama-extra-bufts auto``, the 
 them off (llama.cpp's plain kernels); the header says which.
 
     python bench/llamacpp.py [--threads 2] [--samples 3] [--decode 64] [--long] [--max-other 0.05]
-        [--models smollm2,1b] [--llama-python PATH] [--llama-extra-bufts auto|on|off] [--gptq DIR]
+        [--models smollm2,1b] [--llama-python PATH] [--llama-extra-bufts auto|on|off] [--gptq DIR] [--checkpoint LABEL=DIR]
 """
 
 from __future__ import annotations
@@ -341,6 +341,13 @@ def main() -> int:
         help="llama.cpp's extra CPU buffer types (repacked kernels): auto = on where a trial load runs",
     )
     ap.add_argument("--gptq", type=Path, help="a GPTQ 4-bit of SmolLM2-135M (anyquant row against the Q4_1)")
+    ap.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="another checkpoint of SmolLM2-135M (an AWQ, an EXL3): an anyquant row against the Q4_1 (repeatable)",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -372,6 +379,11 @@ def main() -> int:
         gptq = args.gptq or next(iter(sorted(CACHE.glob("smollm2-135m-gptq-b4-g64-*"))), None)
         if gptq is not None and (gptq / "config.json").is_file():
             models.append(("SmolLM2-135M GPTQ 4-bit g64 (llama.cpp: the Q4_1)", smol, gptq))
+        for spec in args.checkpoint:
+            label, _, folder = spec.rpartition("=")
+            if not folder:
+                ap.error(f"--checkpoint {spec!r}: expected LABEL=DIR")
+            models.append((f"SmolLM2-135M {label} (llama.cpp: the Q4_1)", smol, Path(folder)))
     if "1b" in wanted:
         t0 = time.perf_counter()
         big = make_gguf(smol, ROOT / "llama-1.1b-synthetic.Q4_0.gguf")
