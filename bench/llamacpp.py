@@ -39,7 +39,8 @@ the bench tries them once in a child process (``--llama-extra-bufts auto``, the 
 them off (llama.cpp's plain kernels); the header says which.
 
     python bench/llamacpp.py [--threads 2] [--samples 3] [--decode 64] [--long] [--max-other 0.05]
-        [--models smollm2,1b] [--llama-python PATH] [--llama-extra-bufts auto|on|off] [--gptq DIR] [--checkpoint LABEL=DIR]
+        [--models smollm2,1b] [--llama-python PATH] [--llama-extra-bufts auto|on|off] [--gptq DIR]
+        [--checkpoint LABEL=DIR]
 """
 
 from __future__ import annotations

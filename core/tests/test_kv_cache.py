@@ -26,9 +26,7 @@ def bundled() -> dict[str, Any]:
     path = anyquant.default_model()
     # float32 prompts: the two models then differ in the cache's dtype only (a bfloat16 prompt GEMM, the default on
     # AMX / AVX512-BF16 hosts, adds its own rounding to both, which the cache's then moves a little further)
-    return {
-        kv: anyquant.load(path, cpu_fast_kv_cache=kv, cpu_fast_prefill="float32") for kv in ("float16", "float32")
-    }
+    return {kv: anyquant.load(path, cpu_fast_kv_cache=kv, cpu_fast_prefill="float32") for kv in ("float16", "float32")}
 
 
 def _steps(model: Any, ids: list[int], n: int) -> tuple[torch.Tensor, list[int], Any]:
