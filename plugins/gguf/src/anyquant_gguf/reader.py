@@ -198,7 +198,7 @@ _NP_SCALARS: dict[int, np.dtype[Any]] = {
     GGUFValueType.INT64: np.dtype("<i8"),
     GGUFValueType.FLOAT64: np.dtype("<f8"),
 }
-#: the element types a tensor's ``data`` has (``gguf.GGUFFile``'s choice); every other type is its bytes
+#: the element types a tensor's ``data`` has (``gguf.GGUFReader``'s choice); every other type is its bytes
 _NP_TENSOR: dict[int, np.dtype[Any]] = {
     GGMLQuantizationType.F32: np.dtype("<f4"),
     GGMLQuantizationType.F16: np.dtype("<f2"),
@@ -261,7 +261,7 @@ def _decode_strings(plain: NDArray[Any], starts: NDArray[np.int64]) -> list[str]
 
 
 class GGUFTensor:
-    """One tensor of a :class:`GGUFFile`, as ``gguf.GGUFFile`` describes it: ``shape`` in GGUF order
+    """One tensor of a :class:`GGUFFile`, as ``gguf.GGUFReader`` describes it: ``shape`` in GGUF order
     (``ne[0]``, the fastest, first), ``data`` a numpy view of its bytes in the map (float32/float16/float64 and
     integer types as such, shaped in reverse GGUF order; every block type as ``uint8`` ``[..., bytes_per_row]``)."""
 
@@ -297,7 +297,7 @@ class GGUFTensor:
 
 class GGUFFile:
     """A GGUF file, memory-mapped copy-on-write: its metadata (``fields``, by key) and tensors (``tensors``, in
-    file order), with what ``gguf.GGUFFile`` gives for them (values, names, types, shapes, data views).
+    file order), with what ``gguf.GGUFReader`` gives for them (values, names, types, shapes, data views).
 
     The header is parsed by anyquant's bounded parser (:func:`anyquant.headers.read_gguf_header`: every length,
     count and offset checked against the file and the header budget, tensors contiguous in order); a long
