@@ -237,7 +237,7 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
     path, _ = tiny_tied
     dense = _load(path, "dequantized")
     fast = _load(path, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_prefill="float32")  # exact prompts
-    from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_head_status
+    from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_gemm_is_fast, bf16_head_status
 
     info = fast.info["cpu_fast"]
     q8 = {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}  # Q8_0: no int4 layout
@@ -268,7 +268,10 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
         torch.testing.assert_close(fast.module(ids).logits, ref, rtol=1e-5, atol=1e-5)
         few = fast.module(ids[:, :2]).logits  # the int4 kernel (bfloat16) or the GGUF-block kernel
         assert float((few - ref[:, :2]).abs().max()) < 5e-2 * float(ref.abs().max())
-        auto = _load(path, "cpu-fast", cpu_fast_small_rows=4).module(ids).logits  # default: bfloat16 where fast
+        default = _load(path, "cpu-fast", cpu_fast_small_rows=4)  # prompts: a bfloat16 GEMM where it is fast
+        assert default.info["cpu_fast"]["prefill_dtype"] == ("bfloat16" if bf16_gemm_is_fast() else "compute dtype")
+        assert fast.info["cpu_fast"]["prefill_dtype"] == "float32"
+        auto = default.module(ids).logits
         assert float((auto - ref).abs().max()) < 5e-2 * float(ref.abs().max())
     assert _load(path, "cpu-fast", embedding="packed").info["embedding"] == "packed"
 
