@@ -1134,6 +1134,11 @@ class FastCPUPlan:
     block_info: dict[str, Any] = field(default_factory=dict)
     norms: int = 0
 
+    @property
+    def prefill_name(self) -> str:
+        """The prompt GEMM's dtype as the load's record names it (``"compute dtype"`` where none is set)."""
+        return str(self.prefill_dtype).replace("torch.", "") if self.prefill_dtype else "compute dtype"
+
     @classmethod
     def from_options(cls, extra: Mapping[str, Any]) -> FastCPUPlan:
         prefill = extra.get("cpu_fast_prefill", "auto")
@@ -1250,7 +1255,7 @@ class FastCPUPlan:
             "fast_layers": self.converted,
             "dequantized_layers": dict(self.fallback),
             "small_rows": self.small_rows,
-            "prefill_dtype": str(self.prefill_dtype).replace("torch.", "") if self.prefill_dtype else "compute dtype",
+            "prefill_dtype": self.prefill_name,
             "int4_layout_block": int4pack_status().block_n,
             **({"block_kernel": self.block_info} if self.block_info else {}),
             **({"kernel_norms": self.norms} if self.norms else {}),

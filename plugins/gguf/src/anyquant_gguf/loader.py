@@ -388,8 +388,12 @@ class GGUFLoader(TransformersLoader):
                 "prefill_dtype": plan.prefill_dtype,
                 "compute_dtype": ctx.dtype,
             }
-            prefill = str(plan.prefill_dtype).replace("torch.", "") if plan.prefill_dtype else "compute dtype"
-            fast = ctx.state["cpu_fast"] = {"converted": 0, "bf16": {}, "dequantized": {}, "prefill_dtype": prefill}
+            fast = ctx.state["cpu_fast"] = {
+                "converted": 0,
+                "bf16": {},
+                "dequantized": {},
+                "prefill_dtype": plan.prefill_name,
+            }
             ctx.state["cpu_fast_rows"] = plan.small_rows
             bf16_ok, bf16_reason = bf16_head_status()
             passes = ctx.options.extra.get("cpu_fast_activation_passes", 2)

@@ -28,10 +28,10 @@ sliding window), the config says what llama.cpp computes.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,7 +183,6 @@ _QK_RE = re.compile(r"^blk\.\d+\.attn_([qk])\.(weight|bias)$")
 
 # --------------------------------------------------------------------------- reading
 
-_U64 = struct.Struct("<Q")
 #: numpy item types of GGUF's scalar value types
 _NP_SCALARS: dict[int, np.dtype[Any]] = {
     GGUFValueType.UINT8: np.dtype("<u1"),
@@ -251,13 +250,8 @@ def _decode_strings(plain: NDArray[Any], starts: NDArray[np.int64]) -> list[str]
     text: str = body.tobytes().decode("utf-8")
     if text.count("\0") == count - 1:
         return text.split("\0")
-    buf, unpack, pos = memoryview(plain.data), _U64.unpack_from, begin
-    out: list[str] = []
-    for _ in range(count):
-        stop = pos + 8 + unpack(buf, pos)[0]
-        out.append(str(buf[pos + 8 : stop], "utf-8"))
-        pos = stop
-    return out
+    buf = memoryview(plain.data)
+    return [str(buf[a + 8 : b], "utf-8") for a, b in itertools.pairwise(starts.tolist())]
 
 
 class GGUFTensor:
