@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("anyquant", "anyquant_gptq", "anyquant_awq", "anyquant_exl3", "anyquant_gguf")
+PACKAGES = (
+    "anyquant",
+    "anyquant_gptq",
+    "anyquant_awq",
+    "anyquant_exl3",
+    "anyquant_gguf",
+    "anyquant_ct",
+    "anyquant_fp8",
+    "anyquant_bnb",
+)
 
 
 @pytest.mark.slow

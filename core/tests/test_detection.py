@@ -12,6 +12,7 @@ import anyquant
 from anyquant import Claim, FormatSpec, Probe, Registry, hookimpl
 from anyquant.errors import (
     AmbiguousFormatError,
+    AnyquantError,
     FormatConflictError,
     FormatMismatchError,
     PickleRefusedError,
@@ -30,10 +31,22 @@ def test_every_fixture_resolves_to_its_format(name: str, tmp_path: Path) -> None
     assert d.evidence
 
 
-@pytest.mark.parametrize("name", ["compressed_tensors", "bnb_4bit", "fp8", "hqq"])
-def test_recognised_formats_are_refused_not_loaded_dense(name: str, tmp_path: Path) -> None:
+def test_recognised_formats_are_refused_not_loaded_dense(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedFormatError, match="recognised"):
-        anyquant.load(FIXTURES[name].build(tmp_path / name))
+        anyquant.load(FIXTURES["hqq"].build(tmp_path / "hqq"))
+
+
+@pytest.mark.parametrize("name", ["compressed_tensors", "bnb_4bit", "fp8"])
+def test_formats_of_the_new_plugins_go_to_them_never_dense(name: str, tmp_path: Path) -> None:
+    """Header-only fixtures (zero data): their plugin claims them, and either loads them as its format or refuses
+    them with a typed error; never a dense load."""
+    root = FIXTURES[name].build(tmp_path / name)
+    assert anyquant.detect(root).format == FIXTURES[name].format
+    try:
+        model = anyquant.load(root)
+    except AnyquantError:
+        return
+    assert model.format == FIXTURES[name].format
 
 
 def _set_qc(root: Path, qc: dict | None) -> None:
@@ -183,9 +196,17 @@ def test_pickle_only_is_refused_by_default(tmp_path: Path) -> None:
 
 def test_isolated_registry_sees_only_given_plugins(tmp_path: Path) -> None:
     reg = Registry(entry_points=False)
-    assert set(reg.formats()) == {"dense", "compressed-tensors", "bnb", "fp8", "hqq"}
+    assert set(reg.formats()) == {"dense", "hqq"}
     with pytest.raises(UnknownFormatError, match="anyquant-gptq"):
         reg.detect(Probe.open(FIXTURES["gptq_v2"].build(tmp_path / "m")))
+    # the formats whose plugins are not there: named with the plugin to install, never loaded as dense
+    for name, dist in (
+        ("compressed_tensors", "anyquant-compressed-tensors"),
+        ("fp8", "anyquant-fp8"),
+        ("bnb_4bit", "anyquant-bnb"),
+    ):
+        with pytest.raises(UnknownFormatError, match=dist):
+            reg.detect(Probe.open(FIXTURES[name].build(tmp_path / name)))
 
 
 def _toyq_checkpoint(root: Path) -> Path:

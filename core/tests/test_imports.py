@@ -16,8 +16,25 @@ from pathlib import Path
 
 import pytest
 
-PACKAGES = ("anyquant", "anyquant_gptq", "anyquant_awq", "anyquant_exl3", "anyquant_gguf")
-FIRST_PARTY_PLUGINS = ("anyquant_gptq", "anyquant_awq", "anyquant_exl3", "anyquant_gguf")
+PACKAGES = (
+    "anyquant",
+    "anyquant_gptq",
+    "anyquant_awq",
+    "anyquant_exl3",
+    "anyquant_gguf",
+    "anyquant_ct",
+    "anyquant_fp8",
+    "anyquant_bnb",
+)
+FIRST_PARTY_PLUGINS = (
+    "anyquant_gptq",
+    "anyquant_awq",
+    "anyquant_exl3",
+    "anyquant_gguf",
+    "anyquant_ct",
+    "anyquant_fp8",
+    "anyquant_bnb",
+)
 #: what of core a plugin may import: the plugin API, the shared int4 base, the runtime, the test kit
 PLUGIN_MAY_IMPORT = ("anyquant.plugin", "anyquant.int4", "anyquant.runtime", "anyquant.testing")
 
@@ -155,6 +172,7 @@ PLUGIN_API = [
     "ConfigError",
     "Detection",
     "FLOAT_SCALE_DTYPES",
+    "FormatConflictError",
     "FormatSpec",
     "GGUFHeader",
     "GGUFSkippedArray",

@@ -1,6 +1,6 @@
 """Core's built-in plugin: the ``dense`` format, and formats anyquant recognises but loads nowhere.
 
-Recognising bitsandbytes, FP8, HQQ and compressed-tensors checkpoints here means they get a clear
+Recognising HQQ checkpoints here means they get a clear
 "recognised, not loadable" error instead of a dense load (transformers' random-weights failure).
 """
 
@@ -47,16 +47,6 @@ QUANT_SUFFIXES = frozenset(
 )
 
 UNLOADABLE = {
-    "compressed-tensors": (
-        "compressed-tensors (llm-compressor) checkpoints",
-        "anyquant has no compressed-tensors loader yet; serve it with vLLM or load it with "
-        "transformers + compressed-tensors",
-    ),
-    "bnb": (
-        "bitsandbytes 4/8-bit checkpoints",
-        "anyquant has no bitsandbytes loader; load it with transformers + bitsandbytes (CUDA)",
-    ),
-    "fp8": ("FP8 checkpoints", "anyquant has no FP8 loader; serve it with vLLM on an FP8-capable GPU"),
     "hqq": ("HQQ checkpoints", "anyquant has no HQQ loader; load it with transformers + hqq"),
 }
 
@@ -130,22 +120,8 @@ def integer_tensors(probe: Probe) -> list[str]:
 def _detect_unloadable(probe: Probe) -> Claim | None:
     qm = probe.quant_method
     suffixes = probe.suffixes()
-    dtypes = {t.dtype for t in probe.tensors.values()}
     if qm in ("compressed-tensors", "compressed_tensors") or "weight_packed" in suffixes:
-        ev = [f"quant_method={qm!r}"] if qm else []
-        if "weight_packed" in suffixes:
-            ev.append(f"{suffixes['weight_packed']} *.weight_packed tensors")
-        return Claim("compressed-tensors", evidence=tuple(ev))
-    if qm == "bitsandbytes" or "absmax" in suffixes or "SCB" in suffixes:
-        ev = [f"quant_method={qm!r}"] if qm else []
-        ev += [f"{suffixes[s]} *.{s} tensors" for s in ("absmax", "SCB") if s in suffixes]
-        return Claim("bnb", evidence=tuple(ev))
-    if qm in ("fp8", "fbgemm_fp8") or "weight_scale_inv" in suffixes or dtypes & {"F8_E4M3", "F8_E5M2"}:
-        if "qweight" in suffixes or "trellis" in suffixes:
-            return None  # an FP8 side table inside another format is not the format
-        ev = [f"quant_method={qm!r}"] if qm else []
-        ev += [f"FP8 tensors ({sorted(dtypes & {'F8_E4M3', 'F8_E5M2'})})"] if dtypes & {"F8_E4M3", "F8_E5M2"} else []
-        return Claim("fp8", evidence=tuple(ev))
+        return None  # compressed-tensors: its plugin claims it (installed or not: never dense, see looks_dense)
     if qm == "hqq" or "W_q" in suffixes:
         return Claim("hqq", evidence=(f"quant_method={qm!r}", f"{suffixes.get('W_q', 0)} *.W_q tensors"))
     return None

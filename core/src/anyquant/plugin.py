@@ -53,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "QuantizeError": "errors",
     "UnsupportedBackendError": "errors",
     "UnsupportedFormatError": "errors",
+    "FormatConflictError": "errors",
     # loaders: the transformers-skeleton base and its option declarations
     "TransformersLoader": "loaders",
     "LoadContext": "loaders",
@@ -94,6 +95,7 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "ConfigError",
     "Detection",
     "FLOAT_SCALE_DTYPES",
+    "FormatConflictError",
     "FormatSpec",
     "GGUFHeader",
     "GGUFSkippedArray",
@@ -161,6 +163,7 @@ if TYPE_CHECKING:
         AnyquantError,
         CheckpointError,
         ConfigError,
+        FormatConflictError,
         MissingDependencyError,
         MissingTensorError,
         ModelClosedError,

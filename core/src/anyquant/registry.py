@@ -109,6 +109,9 @@ PLUGIN_FOR_FORMAT: dict[str, str] = {
     "exl3": "anyquant-exl3",
     "exl2": "anyquant-exl3",
     "gguf": "anyquant-gguf",
+    "compressed-tensors": "anyquant-compressed-tensors",
+    "fp8": "anyquant-fp8",
+    "bnb": "anyquant-bnb",
 }
 
 
@@ -534,6 +537,10 @@ def _guess_format(probe: Probe) -> str | None:
         return "gptq" if "g_idx" in suffixes else "awq"
     if "weight_packed" in suffixes:
         return "compressed-tensors"
+    if "weight_scale_inv" in suffixes:
+        return "fp8"
+    if "absmax" in suffixes or "SCB" in suffixes:
+        return "bnb"
     if probe.gguf:
         return "gguf"
     return None
@@ -549,7 +556,14 @@ def _plugin_name(plugin: object) -> str:
 
 
 #: the format plugins anyquant itself ships (entry-point name = distribution name)
-FIRST_PARTY_PLUGINS = ("anyquant-gptq", "anyquant-awq", "anyquant-exl3", "anyquant-gguf")
+FIRST_PARTY_PLUGINS = (
+    "anyquant-gptq",
+    "anyquant-awq",
+    "anyquant-exl3",
+    "anyquant-gguf",
+    "anyquant-compressed-tensors",
+    "anyquant-fp8",
+)
 
 
 def _ep_distribution(ep: md.EntryPoint) -> str | None:

@@ -249,6 +249,9 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each query and key head before the rotary embedding
         self.q_norm: RMSNorm | None = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        #: a format's quantization of the keys and values as its cache holds them (after the rotary embedding, before
+        #: the cache: compressed-tensors' ``kv_cache_scheme``): ``(k, v) -> (k, v)``; the compiled step skips such layers
+        self.kv_quant: nn.Module | None = None
 
     def forward(
         self,
@@ -269,6 +272,8 @@ class Attention(nn.Module):
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q = _rotary(q, cos, sin)
         k = _rotary(k, cos, sin)
+        if self.kv_quant is not None:
+            k, v = self.kv_quant(k, v)
         if cache is not None:
             k, v = cache.update(self.index, k, v)
         out = F.scaled_dot_product_attention(

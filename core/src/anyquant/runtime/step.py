@@ -949,6 +949,8 @@ def _plan_layer(layer: Any, uniform: bool = True) -> _Layer | None:
     if norm1.kernel_rows != norm2.kernel_rows:
         return None
     attn, mlp = layer.self_attn, layer.mlp
+    if getattr(attn, "kv_quant", None) is not None:  # a quantized KV cache: the module path applies it
+        return None
     eps = float(norm1.variance_epsilon)
     norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
     qk_norms: tuple[Any, ...] = (None, None)

@@ -1,0 +1,226 @@
+"""The compressed-tensors loader: validation, the per-linear factory, and the int4 backends of core's
+:class:`~anyquant.int4.loader.Int4Loader` (4-bit packed layers on ``cpu-fast``; the rest exact)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from anyquant.int4.loader import Int4Loader, Int4State
+from anyquant.plugin import (
+    BackendInfo,
+    CheckpointError,
+    ConfigError,
+    Detection,
+    LoadContext,
+    LoadedModel,
+    LoadOptions,
+    ModuleInfo,
+    Probe,
+    UnsupportedBackendError,
+    UnsupportedFormatError,
+    dense_rows,
+)
+
+from .scheme import CTConfig, ModuleSpec, read_modules
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["CTLoader"]
+
+log = logging.getLogger(__name__)
+
+#: ``ctx.state`` key of the kv_cache_scheme's scales (read in prepare, installed in finish)
+KV_KEY = "ct_kv_cache"
+
+
+def _config(probe: Probe) -> CTConfig:
+    qc = probe.quantization_config
+    return CTConfig.parse(qc if probe.quant_method in ("compressed-tensors", "compressed_tensors") else None)
+
+
+class CTLoader(Int4Loader):
+    format = "compressed-tensors"
+    #: GPTQModel's kernels do not read this layout: never chosen, and refused when asked for
+    gptqmodel_layouts: ClassVar[frozenset[str] | None] = frozenset()
+
+    def backends(self) -> list[BackendInfo]:
+        return [b for b in super().backends() if b.name != "gptqmodel"]
+
+    def choose_backend(self, requested: str, device: Any, facts: Int4State | None = None) -> str:
+        if requested == "gptqmodel":
+            raise UnsupportedBackendError(
+                "compressed-tensors has no 'gptqmodel' backend; on a GPU serve it with vLLM "
+                "(`anyquant serve --engine vllm`), here use 'cpu-fast', 'dequantized' or 'reference'"
+            )
+        facts = Int4State(layout="compressed-tensors") if facts is None else facts
+        return super().choose_backend(requested, device, facts)
+
+    def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
+        """The modules, read once for the load; from them the 4-bit layers torch's int4 kernel takes and the float32
+        bytes of every quantized layer."""
+        facts = super().facts(probe, detection, options)
+        facts.layout = "compressed-tensors"
+        specs, _ = read_modules(probe, _config(probe))
+        facts.signature = specs
+        facts.fast_layers = sum(
+            1 for s in specs if s.storage == "packed-int" and s.bits == 4 and s.input_activations is None
+        )
+        facts.dense_bytes = sum(s.out_features * (s.in_features or 0) * 4 for s in specs)
+        return facts
+
+    def validate(self, probe: Probe, detection: Detection) -> None:
+        from anyquant.plugin import FormatConflictError
+
+        d = detection.details
+        kept = d.get("config_error")
+        if kept:
+            raise (UnsupportedFormatError if kept[0] == "UnsupportedFormatError" else ConfigError)(kept[1])
+        cfg = _config(probe)  # typed errors for an unknown format or type
+        if cfg.transform:
+            raise UnsupportedFormatError(
+                f"{probe.root}: the config has a transform_config (rotations applied to the weights, e.g. QuIP or "
+                "SpinQuant): anyquant does not apply them, and the weights alone would give garbage; serve it with vLLM"
+            )
+        if cfg.sparsity and cfg.sparsity.get("format") not in (None, "dense"):
+            raise UnsupportedFormatError(
+                f"{probe.root}: sparsity_config format {cfg.sparsity.get('format')!r}: compressed sparse weights are "
+                "not decoded by anyquant yet (dense-stored sparse models load)"
+            )
+        problems = d.get("problems") or []
+        if problems:
+            raise FormatConflictError(
+                f"{probe.root}: the compressed-tensors tensors disagree with each other or with the config: "
+                + "; ".join(problems[:3])
+                + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+            )
+        if not d.get("modules"):
+            raise CheckpointError(
+                f"{probe.root}: the config says compressed-tensors, but no tensor is quantized "
+                "(no weight_packed or weight_scale): refusing to load it as dense"
+            )
+
+    def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
+        from .qlinear import CTLinear
+
+        state = self.state(ctx)
+        plan = state.fast_plan
+        specs = state.signature if isinstance(state.signature, list) else read_modules(ctx.probe, _config(ctx.probe))[0]
+        by_name: dict[str, ModuleSpec] = {s.name: s for s in specs}
+        mode = "dequantized" if ctx.backend == "dequantized" else "reference"
+
+        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
+            spec = by_name.get(name)
+            if spec is None:
+                return None  # dense (ignored modules, lm_head): filled from the checkpoint's .weight
+            if spec.out_features != linear.out_features or spec.in_features not in (None, linear.in_features):
+                raise CheckpointError(
+                    f"{name}: compressed-tensors tensors are [{spec.out_features}, {spec.in_features}], the model "
+                    f"expects [{linear.out_features}, {linear.in_features}]"
+                )
+            src = ctx.source
+            tensors = {s: src.get(full) for s, full in spec.tensors.items() if s != "bias"}
+            _check_weight_shape(name, tensors, linear, spec)
+            bias = src.get(spec.tensors["bias"]) if "bias" in spec.tensors else None
+            layer = CTLinear(
+                spec.storage,
+                spec.weights,
+                tensors,
+                bias,
+                in_features=linear.in_features,
+                out_features=linear.out_features,
+                input_args=spec.input_activations,
+                mode=mode,
+                compute_dtype=ctx.dtype,
+            )
+            return layer if plan is None else plan.convert(name, layer)
+
+        return factory
+
+    def prepare(self, ctx: LoadContext) -> None:
+        """The backend's plan, and the KV-cache scales of a ``kv_cache_scheme`` (read and checked here)."""
+        super().prepare(ctx)
+        cfg = _config(ctx.probe)
+        ctx.state[KV_KEY] = None
+        if cfg.kv_cache is None:
+            return
+        if cfg.kv_cache.dynamic or cfg.kv_cache.strategy != "tensor":
+            raise UnsupportedFormatError(
+                f"{ctx.probe.root}: kv_cache_scheme {cfg.kv_cache.describe()}: anyquant applies static per-tensor "
+                "KV-cache scales (k_scale/v_scale) only"
+            )
+        scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for prefix in sorted(ctx.probe.modules_with("k_scale")):
+            k, v = ctx.source.get(f"{prefix}.k_scale"), ctx.source.get(f"{prefix}.v_scale")
+            for name, t in (("k_scale", k), ("v_scale", v)):
+                if (
+                    t.numel() != 1
+                    or not t.is_floating_point()
+                    or not bool((t > 0).all())
+                    or not bool(t.isfinite().all())
+                ):
+                    raise CheckpointError(f"{prefix}.{name} is {t.flatten()[:4].tolist()}: expected one positive scale")
+            scales[prefix] = (k.reshape(()).float(), v.reshape(()).float())
+        if not scales:
+            raise CheckpointError(f"{ctx.probe.root}: the config has a kv_cache_scheme, but no k_scale/v_scale tensors")
+        ctx.state[KV_KEY] = (cfg.kv_cache, scales)
+
+    def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
+        """cpu-fast's head and record (the int4 base's), and a ``kv_cache_scheme``'s quantization on each attention
+        layer of the native decoder (transformers' classes have no place for it: refused)."""
+        from .qlinear import KVQuant
+
+        loaded = super().finish(loaded, ctx)
+        kv = ctx.state.get(KV_KEY)
+        if kv is None:
+            return loaded
+        args, scales = kv
+        done = 0
+        for name, module in loaded.module.named_modules():
+            if name in scales and hasattr(module, "kv_quant"):
+                module.kv_quant = KVQuant(args, *scales[name])
+                done += 1
+        if done != len(scales):
+            raise UnsupportedFormatError(
+                f"{ctx.probe.root}: the kv_cache_scheme ({args.describe()}) is applied by anyquant's native decoder "
+                f"only; this model built {loaded.info.get('runtime')!r} and {done} of {len(scales)} layers took it"
+            )
+        loaded.info = {**loaded.info, "kv_cache_scheme": f"{args.describe()}, {done} layers (k_scale/v_scale)"}
+        return loaded
+
+    def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
+        specs, _ = read_modules(probe, _config(probe))
+        rows, covered = [], set()
+        for s in specs:
+            nbytes = sum(probe.tensors[n].nbytes for n in s.tensors.values())
+            covered.add(s.name)
+            gs = s.weights.group_size if s.weights.strategy in ("group", "tensor_group") else None
+            in_f = s.in_features or 0
+            rows.append(ModuleInfo(s.name, f"ct-{s.storage}", (s.out_features, in_f), float(s.bits), gs or -1, nbytes))
+        return rows + dense_rows(probe, skip=covered)
+
+
+def _check_weight_shape(name: str, tensors: dict[str, torch.Tensor], linear: nn.Linear, spec: ModuleSpec) -> None:
+    """``weight_shape`` (packed layers) must name the layer's own ``[out, in]``, and ``weight_packed`` hold exactly
+    the int32 words compressed-tensors packs that many values into."""
+    from .dequant import packed_columns
+
+    ws = tensors.pop("weight_shape", None)
+    if ws is None:
+        return
+    values = [int(v) for v in ws.reshape(-1).tolist()]
+    if values != [linear.out_features, linear.in_features]:
+        raise CheckpointError(
+            f"{name}: weight_shape says {values}, the model's layer is [{linear.out_features}, {linear.in_features}]"
+        )
+    packed = tensors.get("weight_packed")
+    if spec.storage == "packed-int" and packed is not None:
+        words = packed_columns(linear.in_features, spec.bits)
+        if packed.shape[-1] != words:
+            raise CheckpointError(
+                f"{name}: weight_packed has {packed.shape[-1]} int32 columns; {linear.in_features} values of "
+                f"{spec.bits} bits pack into {words}"
+            )

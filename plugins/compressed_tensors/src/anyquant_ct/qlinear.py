@@ -1,0 +1,162 @@
+"""``CTLinear``: one compressed-tensors linear over the bit-exact decoders of :mod:`anyquant_ct.dequant`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from anyquant.runtime.fastcpu import FastInt4Linear, contiguous_group_size, unsupported_reason
+from anyquant.runtime.qlinear import QuantLinearBase
+
+from .dequant import dequantize_fp4, dequantize_naive, dequantize_packed, quantize_input, unpack_int32
+from .scheme import QArgs
+
+__all__ = ["CTLinear"]
+
+
+class CTLinear(QuantLinearBase):
+    """A linear stored as compressed-tensors writes it (``storage``: ``packed-int``, ``int8``, ``fp8``, ``nvfp4``,
+    ``mxfp4``); ``input_args`` quantizes its input as compressed-tensors' forward does."""
+
+    packed_names = (
+        "weight_packed",
+        "weight_q",
+        "weight_scale",
+        "weight_zero_point",
+        "weight_g_idx",
+        "weight_global_scale",
+    )
+    weight_packed: torch.Tensor | None
+    weight_q: torch.Tensor | None
+    weight_scale: torch.Tensor
+    weight_zero_point: torch.Tensor | None
+    weight_g_idx: torch.Tensor | None
+    weight_global_scale: torch.Tensor | None
+    input_scale: torch.Tensor | None
+    input_zero_point: torch.Tensor | None
+    input_global_scale: torch.Tensor | None
+
+    def __init__(
+        self,
+        storage: str,
+        args: QArgs,
+        tensors: dict[str, torch.Tensor],
+        bias: torch.Tensor | None,
+        *,
+        in_features: int,
+        out_features: int,
+        input_args: QArgs | None = None,
+        mode: str = "reference",
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(in_features, out_features, mode=mode, compute_dtype=compute_dtype)
+        self.storage, self.args, self.input_args = storage, args, input_args
+        self.register_buffer("input_scale", tensors.get("input_scale"), persistent=False)
+        self.register_buffer("input_zero_point", tensors.get("input_zero_point"), persistent=False)
+        self.register_buffer("input_global_scale", tensors.get("input_global_scale"), persistent=False)
+        self.set_packed(
+            bias,
+            weight_packed=tensors.get("weight_packed"),
+            weight_q=tensors.get("weight"),
+            weight_scale=tensors["weight_scale"],
+            weight_zero_point=tensors.get("weight_zero_point"),
+            weight_g_idx=tensors.get("weight_g_idx"),
+            weight_global_scale=tensors.get("weight_global_scale"),
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """The exact weight ``[out, in]`` as compressed-tensors' decompressor gives it (in its dtype)."""
+        if self._weight is not None:
+            return self._weight
+        shape = (self.out_features, self.in_features)
+        if self.storage == "packed-int":
+            assert self.weight_packed is not None
+            return dequantize_packed(
+                self.weight_packed, self.weight_scale, self.weight_zero_point, self.weight_g_idx, self.args, shape
+            )
+        if self.storage in ("nvfp4", "mxfp4"):
+            assert self.weight_packed is not None
+            return dequantize_fp4(
+                self.weight_packed, self.weight_scale, self.weight_global_scale, self.args, mx=self.storage == "mxfp4"
+            )
+        assert self.weight_q is not None
+        return dequantize_naive(self.weight_q, self.weight_scale, self.weight_zero_point, self.weight_g_idx, self.args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_args is not None:
+            x = quantize_input(x, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale)
+        return super().forward(x)
+
+    # ------------------------------------------------------------------ cpu-fast
+
+    def _group_size(self) -> int | None:
+        if self.args.strategy == "channel":
+            return self.in_features
+        if self.args.strategy != "group":
+            return None
+        return contiguous_group_size(self.weight_g_idx, self.in_features, self.weight_scale.shape[-1])
+
+    def fast_cpu_unsupported(self) -> str | None:
+        """Why :meth:`to_fast_cpu` cannot convert this layer (``None`` when it can)."""
+        if self.weight_packed is None and self.storage == "packed-int":
+            return "the packed tensors were dropped"
+        if self.storage != "packed-int" or self.args.num_bits != 4:
+            return f"{self.storage} {self.args.num_bits}-bit weights have no fast CPU path yet"
+        if self.input_args is not None:
+            return "its input activations are quantized (the exact path applies them)"
+        if self.args.strategy not in ("group", "channel"):
+            return f"per-{self.args.strategy} scales"
+        return unsupported_reason(4, self.in_features, self.out_features, self._group_size())
+
+    def to_fast_cpu(self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None) -> FastInt4Linear:
+        """The same layer as a :class:`~anyquant.runtime.fastcpu.FastInt4Linear`: codes ``q + 8`` and zero points
+        ``z + 8`` (compressed-tensors' signed 4-bit values, offset as stored), so ``(q' - z') s`` is its weight."""
+        reason = self.fast_cpu_unsupported()
+        if reason is not None:
+            raise ValueError(f"compressed-tensors layer cannot run on the fast CPU path: {reason}")
+        assert self.weight_packed is not None
+        q = unpack_int32(self.weight_packed, 4, self.in_features)  # [out, in], -8..7
+        codes = (q.to(torch.int16) + 8).to(torch.uint8).t()
+        scales = self.weight_scale.reshape(self.out_features, -1).t().contiguous()  # [G, out]
+        if self.weight_zero_point is not None:
+            groups = scales.shape[0]
+            z = unpack_int32(self.weight_zero_point.t(), 4, self.out_features).t().reshape(self.out_features, groups)
+            zeros = (z.to(torch.int16) + 8).to(torch.uint8).t().contiguous()
+        else:
+            zeros = torch.full_like(scales, 8, dtype=torch.uint8)
+        extra: dict[str, Any] = {} if small_rows is None else {"small_rows": small_rows}
+        return FastInt4Linear(
+            codes,
+            zeros,
+            scales,
+            self.weight_g_idx if self.args.strategy == "group" else None,
+            self._buffers.get("bias"),
+            compute_dtype=self.compute_dtype,
+            prefill_dtype=prefill_dtype,
+            **extra,
+        )
+
+    def extra_repr(self) -> str:
+        acts = f", input={self.input_args.describe()}" if self.input_args else ""
+        return f"{super().extra_repr()}, {self.storage} {self.args.describe()}{acts}"
+
+
+class KVQuant(torch.nn.Module):
+    """compressed-tensors' ``kv_cache_scheme`` on one attention layer: the keys (after the rotary embedding) and the
+    values fake-quantized with the stored ``k_scale``/``v_scale`` before the cache, as its forward does."""
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    def __init__(self, args: QArgs, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        super().__init__()
+        self.args = args
+        self.register_buffer("k_scale", k_scale)
+        self.register_buffer("v_scale", v_scale)
+
+    def forward(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_input(k, self.args, self.k_scale, None), quantize_input(v, self.args, self.v_scale, None)
+
+    def extra_repr(self) -> str:
+        return self.args.describe()

@@ -1,0 +1,141 @@
+"""compressed-tensors checkpoints made by llm-compressor (``make_ct_fixtures.py``), judged by compressed-tensors.
+
+Three judges: the recorded decompression of compressed-tensors 0.20 (a sha256 of every quantized linear's weight,
+recorded in llm-compressor's venv), the live decompression by compressed-tensors in this venv
+(``ct_worker.py``, through transformers' ``CompressedTensorsConfig``), and the recorded float32 logits and greedy
+tokens of the peer's forward: with exact dequantized weights, and where the config quantizes input activations,
+with compressed-tensors' own fake quantization of them (``logits_quant_forward``), which is what anyquant runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import anyquant as sdk
+from tests.peers.recorded import assert_greedy_or_near_tie, forward_logits, greedy_tokens, sha256_f32
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+NAMES = sorted(p.stem for p in FIXTURES.glob("*.json") if (FIXTURES / p.stem / "config.json").is_file())
+WORKER = Path(__file__).resolve().parent / "ct_worker.py"
+
+
+def record(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((FIXTURES / f"{name}.json").read_text())
+    return data
+
+
+def logits(entry: dict[str, Any]) -> torch.Tensor:
+    """Recorded float32 logits (exact: base64 of the little-endian bytes)."""
+    raw = base64.b64decode(entry["b64"])
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(entry["shape"])
+
+
+def peer_logits(rec: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
+    """The peer forward anyquant runs: with the activation (and KV-cache) quantization when the config has it."""
+    if "logits_quant_forward" in rec:
+        return logits(rec["logits_quant_forward"]), rec["greedy_quant_forward"]
+    return logits(rec["logits_dequantized"]), rec["greedy_dequantized"]
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def fixture(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    return request.param, record(request.param)
+
+
+def test_fixtures_present() -> None:
+    assert {"llama_w4a16", "llama_w4a16_asym_g32", "llama_w8a16", "llama_w8a8", "llama_fp8"} <= set(NAMES)
+
+
+def test_detect_names_the_format(fixture: tuple[str, dict[str, Any]]) -> None:
+    name, rec = fixture
+    det = sdk.detect(FIXTURES / name)
+    assert det.format == "compressed-tensors"
+    assert det.variant in (rec["format"], "mixed-precision")
+    assert det.details["modules"] == len(rec["weights"]) and not det.details["problems"]
+
+
+def test_reference_weights_are_the_decompressors(fixture: tuple[str, dict[str, Any]]) -> None:
+    """Every quantized linear decodes to compressed-tensors' weight, bit for bit and in its dtype."""
+    name, rec = fixture
+    model = sdk.load(FIXTURES / name, backend="reference")
+    for mod_name, w in rec["weights"].items():
+        dq = model.module.get_submodule(mod_name).dequantize()
+        assert str(dq.dtype).removeprefix("torch.") == w["dtype"], mod_name
+        assert list(dq.shape) == w["shape"]
+        assert sha256_f32(dq) == w["sha256_f32"], (mod_name, dq.flatten()[:4].tolist(), w["first4"])
+
+
+@pytest.mark.parametrize("backend", ["reference", "dequantized"])
+def test_exact_backends_are_the_peers_forward(fixture: tuple[str, dict[str, Any]], backend: str) -> None:
+    name, rec = fixture
+    model = sdk.load(FIXTURES / name, backend=backend)
+    ref, tokens = peer_logits(rec)
+    got = forward_logits(model, rec["prompt_ids"])
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert greedy_tokens(model, rec["prompt_ids"], len(tokens)) == tokens
+
+
+def test_cpu_fast_default(fixture: tuple[str, dict[str, Any]]) -> None:
+    """The default backend: 4-bit layers on the fast path (bfloat16 class tolerance), the rest exact."""
+    name, rec = fixture
+    model = sdk.load(FIXTURES / name)
+    ref, tokens = peer_logits(rec)
+    got = forward_logits(model, rec["prompt_ids"])
+    info = model.info.get("cpu_fast", {})
+    fast = info.get("fast_layers", 0)
+    four_bit = "4" in rec["format"] or any(
+        g.get("weights", {}).get("num_bits") == 4 and g.get("format") == "pack-quantized"
+        for g in json.loads((FIXTURES / name / "config.json").read_text())["quantization_config"][
+            "config_groups"
+        ].values()
+    )
+    if model.backend == "cpu-fast" and four_bit and rec["format"] == "pack-quantized":
+        assert fast > 0
+    tol = 3e-2 if fast else 1e-5
+    assert (got - ref).abs().max().item() <= tol * ref.abs().max().item()
+    ours = greedy_tokens(model, rec["prompt_ids"], len(tokens))
+    if fast:
+        assert_greedy_or_near_tie(
+            lambda: sdk.load(FIXTURES / name, backend="reference"), rec["prompt_ids"], tokens, ours, tol
+        )
+    else:
+        assert ours == tokens
+
+
+@pytest.fixture(scope="module")
+def live_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """compressed-tensors' own decompression of every fixture (one subprocess: ``ct_worker.py``)."""
+    out = tmp_path_factory.mktemp("ct-live")
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(out), *(str(FIXTURES / n) for n in NAMES)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if proc.returncode == 77:
+        pytest.skip(proc.stderr.strip())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.peer
+def test_live_decompressor(fixture: tuple[str, dict[str, Any]], live_weights: Path) -> None:
+    """compressed-tensors itself decompresses the checkpoint to the same weights, bit for bit and dtype for dtype."""
+    from safetensors.torch import load_file
+
+    name, rec = fixture
+    peer = load_file(live_weights / f"{name}.safetensors")
+    assert set(peer) == {f"{m}.weight" for m in rec["weights"]}
+    model = sdk.load(FIXTURES / name, backend="reference")
+    for mod_name in rec["weights"]:
+        ours = model.module.get_submodule(mod_name).dequantize()
+        theirs = peer[f"{mod_name}.weight"]
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), mod_name
