@@ -25,6 +25,7 @@ PACKAGES = (
     "anyquant_ct",
     "anyquant_fp8",
     "anyquant_bnb",
+    "anyquant_mlx",
 )
 
 

@@ -25,6 +25,7 @@ PACKAGES = (
     "anyquant_ct",
     "anyquant_fp8",
     "anyquant_bnb",
+    "anyquant_mlx",
 )
 FIRST_PARTY_PLUGINS = (
     "anyquant_gptq",
@@ -34,6 +35,7 @@ FIRST_PARTY_PLUGINS = (
     "anyquant_ct",
     "anyquant_fp8",
     "anyquant_bnb",
+    "anyquant_mlx",
 )
 #: what of core a plugin may import: the plugin API, the shared int4 base, the runtime, the test kit
 PLUGIN_MAY_IMPORT = ("anyquant.plugin", "anyquant.int4", "anyquant.runtime", "anyquant.testing")

@@ -112,6 +112,7 @@ PLUGIN_FOR_FORMAT: dict[str, str] = {
     "compressed-tensors": "anyquant-compressed-tensors",
     "fp8": "anyquant-fp8",
     "bnb": "anyquant-bnb",
+    "mlx": "anyquant-mlx",
 }
 
 
@@ -541,6 +542,10 @@ def _guess_format(probe: Probe) -> str | None:
         return "fp8"
     if "absmax" in suffixes or "SCB" in suffixes:
         return "bnb"
+    if "scales" in suffixes and any(
+        (w := probe.tensors.get(f"{m}.weight")) is not None and w.dtype == "U32" for m in probe.modules_with("scales")
+    ):
+        return "mlx"
     if probe.gguf:
         return "gguf"
     return None

@@ -230,6 +230,19 @@ def fp8(root: Path) -> Path:
     return _write_dir(root, t, _config(qc))
 
 
+def mlx(root: Path) -> Path:
+    """mlx-lm's 4-bit affine layout: uint32-packed weights, bfloat16 scales and biases per group of 64."""
+    t = _dense_rest()
+    for lin in LINEARS:
+        p = f"{LAYER}.{lin}"
+        t[f"{p}.weight"] = ("U32", [HIDDEN, HIDDEN * 4 // 32])
+        t[f"{p}.scales"] = ("BF16", [HIDDEN, HIDDEN // 64])
+        t[f"{p}.biases"] = ("BF16", [HIDDEN, HIDDEN // 64])
+    cfg = _config()
+    cfg["quantization"] = {"group_size": 64, "bits": 4, "mode": "affine"}
+    return _write_dir(root, t, cfg)
+
+
 def hqq(root: Path) -> Path:
     t = _dense_rest()
     for lin in LINEARS:
@@ -314,6 +327,7 @@ FIXTURES: dict[str, Fixture] = {
         Fixture("compressed_tensors", "compressed-tensors", compressed_tensors),
         Fixture("bnb_4bit", "bnb", bnb_4bit),
         Fixture("fp8", "fp8", fp8),
+        Fixture("mlx", "mlx", mlx),
         Fixture("hqq", "hqq", hqq),
         Fixture("gguf", "gguf", gguf),
     ]

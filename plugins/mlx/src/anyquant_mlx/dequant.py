@@ -1,0 +1,58 @@
+"""``mx.dequantize`` in torch, bit for bit (mlx 0.32).
+
+Packing: a row's uint32 words are one little-endian bit string; value ``i`` is bits ``[i * bits, (i + 1) * bits)``
+(3-, 5- and 6-bit values straddle words). ``affine``: ``w = scale * q + bias`` per group, in the scales' dtype with a
+rounding after the product and after the sum (no fused multiply-add). ``mxfp4``/``nvfp4``: E2M1 codes times an E8M0
+(``2 ** (e - 127)``) or E4M3 scale per group; ``mxfp8``: E4M3 values times an E8M0 scale; those three in bfloat16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["dequantize", "unpack"]
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The ``count`` unsigned ``bits``-bit values of each row of uint32 ``words`` ``[..., cols]`` (int64)."""
+    lead = words.shape[:-1]
+    raw = words.contiguous().view(torch.uint8).reshape(*lead, -1)
+    if bits in (2, 4, 8):
+        per, mask = 8 // bits, (1 << bits) - 1
+        parts = [(raw >> (bits * j)) & mask for j in range(per)]
+        return torch.stack(parts, -1).reshape(*lead, -1)[..., :count].to(torch.int64)
+    b = raw.to(torch.int64)
+    w = b[..., 0::4] | (b[..., 1::4] << 8) | (b[..., 2::4] << 16) | (b[..., 3::4] << 24)
+    w = torch.nn.functional.pad(w, (0, 1))
+    start = torch.arange(count, dtype=torch.int64) * bits
+    idx, shift = start // 32, start % 32
+    return ((w[..., idx] >> shift) | (w[..., idx + 1] << (32 - shift))) & ((1 << bits) - 1)
+
+
+def _per_group(scale: torch.Tensor, group: int) -> torch.Tensor:
+    return scale.unsqueeze(-1).expand(*scale.shape, group)
+
+
+def dequantize(
+    weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None, bits: int, group_size: int, mode: str
+) -> torch.Tensor:
+    """The weight ``[..., out, in]`` as ``mx.dequantize(weight, scales, biases, group_size, bits, mode)`` gives it."""
+    groups = scales.shape[-1]
+    n = groups * group_size
+    q = unpack(weight, bits, n).reshape(*weight.shape[:-1], groups, group_size)
+    if mode == "affine":
+        assert biases is not None
+        s = _per_group(scales, group_size)
+        out = s * q.to(scales.dtype) + _per_group(biases, group_size)  # two roundings in the scales' dtype
+        return out.reshape(*weight.shape[:-1], n)
+    if mode == "nvfp4":
+        s32 = scales.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    else:  # E8M0
+        s32 = torch.exp2(scales.contiguous().view(torch.uint8).to(torch.float32) - 127)
+    if mode == "mxfp8":
+        v = q.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    else:
+        v = torch.tensor(_E2M1, dtype=torch.float32)[q]
+    return (v * _per_group(s32, group_size)).to(torch.bfloat16).reshape(*weight.shape[:-1], n)

@@ -1,0 +1,181 @@
+"""The MLX loader: its tensor source (quantized tables served decoded), the per-linear factory, and the backends of
+core's int4 loader base (mlx layers run on cpu-fast as bfloat16 weights prepacked for oneDNN)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from anyquant.int4.loader import Int4Loader, Int4State
+from anyquant.plugin import (
+    BackendInfo,
+    CheckpointError,
+    ConfigError,
+    Detection,
+    FormatConflictError,
+    LoadContext,
+    LoadOptions,
+    ModuleInfo,
+    Probe,
+    UnsupportedBackendError,
+    UnsupportedFormatError,
+    dense_rows,
+)
+from anyquant.runtime.tensors import SafetensorsSource
+
+from .scheme import MlxModule, MlxScheme, read_scheme
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["MlxLoader", "MlxSource"]
+
+
+class MlxSource:
+    """The checkpoint's tensors, with every quantized module's ``P.weight`` served decoded (``mx.dequantize``'s
+    values) to whoever asks for it by name: the embedding, a tied head, a router that is not an ``nn.Linear``. The
+    factory reads the packed tensors with :meth:`raw` instead."""
+
+    def __init__(self, probe: Probe, scheme: MlxScheme) -> None:
+        self.inner = SafetensorsSource(probe)
+        self.modules = {m.name: m for m in scheme.modules}
+
+    def keys(self) -> Iterator[str]:
+        return self.inner.keys()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.inner
+
+    def raw(self, name: str) -> torch.Tensor:
+        return self.inner.get(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        m = self.modules.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+        if m is None:
+            return self.inner.get(name)
+        from .dequant import dequantize
+
+        st = m.settings
+        biases = self.inner.get(f"{m.name}.biases") if st.mode == "affine" else None
+        return dequantize(
+            self.inner.get(name), self.inner.get(f"{m.name}.scales"), biases, st.bits, st.group_size, st.mode
+        )
+
+    def file_rows(self, name: str) -> Any:
+        return None if name.removesuffix(".weight") in self.modules else self.inner.file_rows(name)
+
+    def unused(self) -> list[str]:
+        return self.inner.unused()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class MlxLoader(Int4Loader):
+    format = "mlx"
+    gptqmodel_layouts: ClassVar[frozenset[str] | None] = frozenset()
+
+    def backends(self) -> list[BackendInfo]:
+        from anyquant.runtime.fastcpu import bf16_head_status
+
+        ok, reason = bf16_head_status()
+        return [
+            BackendInfo(
+                "cpu-fast",
+                ok,
+                reason,
+                description="MLX weights decoded once to bfloat16 (mlx's own values) and prepacked for oneDNN; "
+                "bfloat16 activations",
+            ),
+            *(b for b in super().backends() if b.name in ("dequantized", "reference")),
+        ]
+
+    def choose_backend(self, requested: str, device: Any, facts: Int4State | None = None) -> str:
+        if requested == "gptqmodel":
+            raise UnsupportedBackendError(
+                "MLX checkpoints have no 'gptqmodel' backend; use 'cpu-fast' or 'dequantized'"
+            )
+        if requested == "cpu-fast":
+            return super(Int4Loader, self).choose_backend(requested, device)
+        facts = Int4State(layout="mlx") if facts is None else facts
+        return super().choose_backend(requested, device, facts)
+
+    def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
+        from anyquant.runtime.fastcpu import bf16_head_status
+
+        facts = super().facts(probe, detection, options)
+        facts.layout = "mlx"
+        scheme = facts.signature = read_scheme(probe)
+        facts.fast_layers = len(scheme.modules) if bf16_head_status()[0] else 0
+        return facts
+
+    def validate(self, probe: Probe, detection: Detection) -> None:
+        d = detection.details
+        kept = d.get("config_error")
+        if kept:
+            raise (UnsupportedFormatError if kept[0] == "UnsupportedFormatError" else ConfigError)(kept[1])
+        problems = d.get("problems") or []
+        if problems:
+            raise FormatConflictError(
+                f"{probe.root}: the MLX tensors disagree with each other or with config.json: "
+                + "; ".join(problems[:3])
+            )
+        stacked = [m.name for m in read_scheme(probe).modules if m.stacked is not None]
+        if stacked:
+            raise UnsupportedFormatError(
+                f"{probe.root}: mlx-lm's stacked experts ({stacked[0]}: switch_mlp) are not read by anyquant yet"
+            )
+
+    def tensor_source(self, probe: Probe, options: LoadOptions) -> MlxSource:
+        return MlxSource(probe, read_scheme(probe))
+
+    def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
+        from .qlinear import MlxLinear
+
+        state = self.state(ctx)
+        plan = state.fast_plan
+        scheme = state.signature if isinstance(state.signature, MlxScheme) else read_scheme(ctx.probe)
+        modules: dict[str, MlxModule] = {m.name: m for m in scheme.modules}
+        mode = "dequantized" if ctx.backend == "dequantized" else "reference"
+        src = ctx.source
+        if not isinstance(src, MlxSource):
+            raise TypeError("the MLX loader builds from its own MlxSource")
+
+        def factory(name: str, linear: nn.Linear) -> nn.Module | None:
+            m = modules.get(name)
+            if m is None:
+                return None
+            if (m.out_features, m.in_features) != (linear.out_features, linear.in_features):
+                raise CheckpointError(
+                    f"{name}: the MLX weight is [{m.out_features}, {m.in_features}], the model expects "
+                    f"[{linear.out_features}, {linear.in_features}]"
+                )
+            st = m.settings
+            layer = MlxLinear(
+                src.raw(f"{name}.weight"),
+                src.raw(f"{name}.scales"),
+                src.raw(f"{name}.biases") if st.mode == "affine" else None,
+                src.raw(f"{name}.bias") if f"{name}.bias" in src else None,
+                st,
+                mode=mode,
+                compute_dtype=ctx.dtype,
+            )
+            return layer if plan is None else plan.convert(name, layer)
+
+        return factory
+
+    def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
+        scheme = read_scheme(probe)
+        rows, covered = [], set()
+        for m in scheme.modules:
+            names = [f"{m.name}.{s}" for s in ("weight", "scales", "biases")]
+            nbytes = sum(probe.tensors[n].nbytes for n in names if n in probe.tensors)
+            covered.add(m.name)
+            st = m.settings
+            rows.append(
+                ModuleInfo(
+                    m.name, f"mlx-{st.mode}", (m.out_features, m.in_features), float(st.bits), st.group_size, nbytes
+                )
+            )
+        return rows + dense_rows(probe, skip=covered)
