@@ -26,6 +26,7 @@ PACKAGES = (
     "anyquant_fp8",
     "anyquant_bnb",
     "anyquant_mlx",
+    "anyquant_mxfp4",
 )
 
 

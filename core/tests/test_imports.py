@@ -26,6 +26,7 @@ PACKAGES = (
     "anyquant_fp8",
     "anyquant_bnb",
     "anyquant_mlx",
+    "anyquant_mxfp4",
 )
 FIRST_PARTY_PLUGINS = (
     "anyquant_gptq",
@@ -36,6 +37,7 @@ FIRST_PARTY_PLUGINS = (
     "anyquant_fp8",
     "anyquant_bnb",
     "anyquant_mlx",
+    "anyquant_mxfp4",
 )
 #: what of core a plugin may import: the plugin API, the shared int4 base, the runtime, the test kit
 PLUGIN_MAY_IMPORT = ("anyquant.plugin", "anyquant.int4", "anyquant.runtime", "anyquant.testing")

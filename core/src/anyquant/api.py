@@ -84,6 +84,7 @@ def load(
     download: bool = False,
     registry: Registry | None = None,
     allow_symlinks: bool | None = None,
+    check: bool = False,
     **extra: Any,
 ) -> LoadedModel:
     """Detect ``path``'s format, hand it to the one plugin that owns it, and load it.
@@ -107,6 +108,9 @@ def load(
     - ``registry``: an isolated :class:`Registry` instead of the process-wide one.
     - ``allow_symlinks``: follow links that leave the checkpoint directory when they end at a regular file
       (default: ``ANYQUANT_ALLOW_SYMLINKS=1`` in the environment, else such a link is an ``UnsafePathError``).
+    - ``check``: after the load, run :func:`anyquant.tools.check.check` (the perplexity of a short bundled text and a
+      greedy answer; a few seconds on a small model): a model that does not behave like a language model raises
+      :class:`~anyquant.tools.check.ModelCheckError`; otherwise ``LoadedModel.info["check"]`` holds the report.
     - ``**extra``: the format's load options (``anyquant backends`` lists them); an unknown one is a
       :class:`~anyquant.errors.ParameterError`.
     """
@@ -165,7 +169,22 @@ def load(
                 "re-download or re-export it"
             ) from exc
     release_free_heap()  # what the load built and dropped leaves the RSS (see anyquant._memory)
+    if check:
+        _check_loaded(loaded)
     return loaded
+
+
+def _check_loaded(loaded: LoadedModel) -> None:
+    from .tools.check import ModelCheckError
+    from .tools.check import check as run_check
+
+    report = run_check(loaded)
+    loaded.info = {**loaded.info, "check": report.to_dict()}
+    if report.verdict == "broken":
+        loaded.close()
+        raise ModelCheckError(report.summary(), report)
+    if report.verdict == "degraded":
+        log.warning("%s", report.summary())
 
 
 #: what torch's allocators say when an allocation fails (CPU: DefaultCPUAllocator; CUDA: torch.OutOfMemoryError)

@@ -100,6 +100,7 @@ QUANT_METHOD_ALIASES: dict[str, str] = {
     "fp8": "fp8",
     "fbgemm_fp8": "fp8",
     "hqq": "hqq",
+    "mxfp4": "mxfp4",
 }
 
 #: which distribution to install for a format nobody installed claims.
@@ -113,6 +114,7 @@ PLUGIN_FOR_FORMAT: dict[str, str] = {
     "fp8": "anyquant-fp8",
     "bnb": "anyquant-bnb",
     "mlx": "anyquant-mlx",
+    "mxfp4": "anyquant-mxfp4",
 }
 
 
@@ -546,6 +548,8 @@ def _guess_format(probe: Probe) -> str | None:
         (w := probe.tensors.get(f"{m}.weight")) is not None and w.dtype == "U32" for m in probe.modules_with("scales")
     ):
         return "mlx"
+    if any(s.endswith("_blocks") for s in suffixes) and any(s.endswith("_scales") for s in suffixes):
+        return "mxfp4"
     if probe.gguf:
         return "gguf"
     return None
@@ -568,6 +572,9 @@ FIRST_PARTY_PLUGINS = (
     "anyquant-gguf",
     "anyquant-compressed-tensors",
     "anyquant-fp8",
+    "anyquant-bnb",
+    "anyquant-mlx",
+    "anyquant-mxfp4",
 )
 
 

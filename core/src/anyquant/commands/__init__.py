@@ -16,6 +16,7 @@ DEFAULT_COMMANDS = (
     "anyquant.commands.quantize",  # quantize
     "anyquant.commands.export",  # export
     "anyquant.commands.evaluate",  # eval, compare
+    "anyquant.commands.check",  # check
     "anyquant.commands.sizing",  # estimate, advise
     "anyquant.commands.calibration",  # calibration list|sample|check
 )
