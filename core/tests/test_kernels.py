@@ -445,3 +445,39 @@ def test_dequantize_is_the_formats_own_bit_for_bit(type_name: str, interleave: b
         assert got.dtype == dtype and torch.equal(got, want.to(dtype)), dtype
     with pytest.raises(RuntimeError, match="dtype"):
         torch.ops.anyquant.ggml_dequantize(raw, code, rows, cols, torch.float64)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_q8_0_from_a_formats_own_codes(isa: int, passes: int) -> None:
+    """A format's int8 codes (compressed-tensors' symmetric int8 reaches -128) and one float16 scale per block as
+    Q8_0 blocks: the kernel gives the integer reference's sums, -128 included (AVX2's sign trick reads it as 128)."""
+    from anyquant.runtime.kernels.linear import q8_0_from_codes
+
+    rows, cols = 19, 96
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int64).to(torch.int8)
+    codes[:, 0] = -128
+    d = (torch.rand(rows, cols // 32, generator=g) * 0.01 + 1e-3).to(torch.float16)
+    raw = q8_0_from_codes(codes, d).reshape(-1)
+    x = torch.randn(3, cols, generator=g)
+    got = kernels.gemv(x, raw, "Q8_0", rows, cols, isa, passes)
+    want = _integer_reference("Q8_0", raw, x, rows, cols, passes)
+    assert torch.allclose(got.double(), want, rtol=0, atol=2e-6 * float(want.abs().max()))
+    weight = codes.float() * d.float().repeat_interleave(32, dim=1)
+    exact = torch.ops.anyquant.ggml_dequantize(raw, kernels.GGML_TYPES["Q8_0"][0], rows, cols, torch.float32)
+    assert torch.equal(exact, weight)
+
+
+def test_q4_1_from_codes_is_the_gguf_layout() -> None:
+    """``q4_1_from_codes`` writes what llama.cpp's Q4_1 means: the gguf package's dequantizer reads ``q d + m``."""
+    from anyquant.runtime.kernels.linear import q4_1_from_codes
+
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (7, 64), generator=g)
+    d = torch.rand(7, 2, generator=g).to(torch.float16)
+    m = (torch.rand(7, 2, generator=g) - 0.5).to(torch.float16)
+    raw = q4_1_from_codes(codes, d, m)
+    got = quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q4_1).reshape(7, 64)
+    want = codes.float() * d.float().repeat_interleave(32, 1) + m.float().repeat_interleave(32, 1)
+    assert np.array_equal(got, want.numpy())

@@ -46,3 +46,17 @@ def assert_greedy_or_near_tie(
     logits = forward_logits(exact(), [*prompt, *want[:i]])[-1]
     gap = abs(float(logits[want[i]] - logits[got[i]]))
     assert gap <= tol * float(logits.abs().max()), (i, list(got), list(want), gap)
+
+
+def assert_fast_modules_exact(fast: Any, exact: Any, names: Any) -> int:
+    """Every module ``names`` of the ``fast`` model that still decodes (a fast path's module with ``dequantize``) gives
+    the ``exact`` model's weight bit for bit (its exact form kept beside the fast one); returns how many were checked."""
+    checked = 0
+    for name in names:
+        mod = fast.module.get_submodule(name)
+        if hasattr(mod, "dequantize"):
+            want = exact.module.get_submodule(name).dequantize()
+            got = mod.dequantize()
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+            checked += 1
+    return checked

@@ -20,7 +20,13 @@ import pytest
 import torch
 
 import anyquant as sdk
-from tests.peers.recorded import assert_greedy_or_near_tie, forward_logits, greedy_tokens, sha256_f32
+from tests.peers.recorded import (
+    assert_fast_modules_exact,
+    assert_greedy_or_near_tie,
+    forward_logits,
+    greedy_tokens,
+    sha256_f32,
+)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NAMES = sorted(p.stem for p in FIXTURES.glob("*.json") if (FIXTURES / p.stem / "config.json").is_file())
@@ -100,6 +106,9 @@ def test_cpu_fast_default(fixture: tuple[str, dict[str, Any]]) -> None:
     if model.backend == "cpu-fast" and four_bit and rec["format"] == "pack-quantized":
         assert fast > 0
     tol = 3e-2 if fast else 1e-5
+    if fast:  # the fast modules' exact form (GQ4 / Q8_0 blocks, ...) decodes to the reference's weight
+        exact = sdk.load(FIXTURES / name, backend="reference")
+        assert assert_fast_modules_exact(model, exact, rec["weights"]) == len(rec["weights"])
     assert (got - ref).abs().max().item() <= tol * ref.abs().max().item()
     ours = greedy_tokens(model, rec["prompt_ids"], len(tokens))
     if fast:

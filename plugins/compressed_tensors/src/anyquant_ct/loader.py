@@ -66,8 +66,14 @@ class CTLoader(Int4Loader):
         facts.layout = "compressed-tensors"
         specs, _ = read_modules(probe, _config(probe))
         facts.signature = specs
+        from anyquant.runtime.fastcpu import block_kernel_is_fast
+
+        eight = block_kernel_is_fast()  # 8-bit integers as Q8_0 blocks on the compiled kernel
         facts.fast_layers = sum(
-            1 for s in specs if s.storage == "packed-int" and s.bits == 4 and s.input_activations is None
+            1
+            for s in specs
+            if (s.storage == "packed-int" and s.bits == 4 and s.input_activations is None)
+            or (eight and s.storage in ("packed-int", "int8") and s.bits == 8)
         )
         facts.dense_bytes = sum(s.out_features * (s.in_features or 0) * 4 for s in specs)
         return facts

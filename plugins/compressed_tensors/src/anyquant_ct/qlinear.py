@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -98,9 +99,12 @@ class CTLinear(QuantLinearBase):
         return contiguous_group_size(self.weight_g_idx, self.in_features, self.weight_scale.shape[-1])
 
     def fast_cpu_unsupported(self) -> str | None:
-        """Why :meth:`to_fast_cpu` cannot convert this layer (``None`` when it can)."""
-        if self.weight_packed is None and self.storage == "packed-int":
+        """Why :meth:`to_fast_cpu` cannot convert this layer (``None`` when it can): 4-bit packed integers go to core's
+        int4 path (GQ4 blocks on the compiled kernel), 8-bit integers to Q8_0 blocks on it; the rest stays exact."""
+        if self.weight_packed is None and self.weight_q is None:
             return "the packed tensors were dropped"
+        if self.storage in ("int8", "packed-int") and self.args.num_bits == 8:
+            return self._q8_0_unsupported()
         if self.storage != "packed-int" or self.args.num_bits != 4:
             return f"{self.storage} {self.args.num_bits}-bit weights have no fast CPU path yet"
         if self.input_args is not None:
@@ -109,12 +113,66 @@ class CTLinear(QuantLinearBase):
             return f"per-{self.args.strategy} scales"
         return unsupported_reason(4, self.in_features, self.out_features, self._group_size())
 
-    def to_fast_cpu(self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None) -> FastInt4Linear:
+    def _q8_0_unsupported(self) -> str | None:
+        from anyquant.runtime.fastcpu import block_kernel_is_fast
+        from anyquant.runtime.kernels.linear import fp16_exact
+
+        if not block_kernel_is_fast():
+            return "8-bit weights run on the compiled block kernel, which is not built (or not vectorized) here"
+        if self.weight_zero_point is not None:
+            return "8-bit weights with zero points (Q8_0 blocks have none)"
+        if self.weight_g_idx is not None or self.in_features % 32:
+            return "8-bit weights whose groups are not contiguous blocks of 32"
+        if self.args.strategy == "group" and (self.args.group_size or 1) % 32:
+            return f"8-bit groups of {self.args.group_size} (Q8_0 blocks are 32)"
+        if self.args.strategy not in ("tensor", "channel", "group"):
+            return f"8-bit weights with per-{self.args.strategy} scales"
+        if not fp16_exact(self.weight_scale):
+            return "8-bit scales that float16 does not hold exactly (Q8_0 blocks keep float16 scales)"
+        return None
+
+    def _q8_0(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
+        """The int8 weight as Q8_0 blocks (its codes as stored, its scale per block of 32), run on the compiled kernel;
+        wrapped in the input quantization the config asks for."""
+        from anyquant.runtime.kernels.linear import q8_0_from_codes
+
+        codes = self.weight_q if self.weight_q is not None else None
+        if codes is None:
+            assert self.weight_packed is not None
+            codes = unpack_int32(self.weight_packed, 8, self.in_features)
+        out, k = self.out_features, self.in_features
+        s = self.weight_scale
+        if self.args.strategy == "group":
+            d = s.reshape(out, -1).repeat_interleave((self.args.group_size or 32) // 32, dim=1)
+        else:  # one scale per row or for the whole tensor
+            d = s.reshape(-1, 1).expand(out, k // 32) if s.numel() == out else s.reshape(1, 1).expand(out, k // 32)
+        layer: torch.nn.Module = _int8_block_linear_class()(
+            q8_0_from_codes(codes, d),
+            out,
+            k,
+            self._buffers.get("bias"),
+            round_to=s.dtype,
+            small_rows=small_rows or 64,
+            prefill_dtype=prefill_dtype,
+            compute_dtype=self.compute_dtype,
+            interleave=True,
+        )
+        if self.input_args is not None:
+            layer = InputQuantized(
+                layer, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale
+            )
+        return layer
+
+    def to_fast_cpu(
+        self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None
+    ) -> torch.nn.Module:
         """The same layer as a :class:`~anyquant.runtime.fastcpu.FastInt4Linear`: codes ``q + 8`` and zero points
         ``z + 8`` (compressed-tensors' signed 4-bit values, offset as stored), so ``(q' - z') s`` is its weight."""
         reason = self.fast_cpu_unsupported()
         if reason is not None:
             raise ValueError(f"compressed-tensors layer cannot run on the fast CPU path: {reason}")
+        if self.args.num_bits == 8:
+            return self._q8_0(small_rows, prefill_dtype)
         assert self.weight_packed is not None
         q = unpack_int32(self.weight_packed, 4, self.in_features)  # [out, in], -8..7
         codes = (q.to(torch.int16) + 8).to(torch.uint8).t()
@@ -160,3 +218,66 @@ class KVQuant(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return self.args.describe()
+
+
+class InputQuantized(torch.nn.Module):
+    """A fast linear behind the input quantization of its compressed-tensors scheme (W8A8: per-token int8)."""
+
+    input_scale: torch.Tensor | None
+    input_zero_point: torch.Tensor | None
+    input_global_scale: torch.Tensor | None
+
+    def __init__(
+        self,
+        inner: torch.nn.Module,
+        args: QArgs,
+        scale: torch.Tensor | None,
+        zero: torch.Tensor | None,
+        global_scale: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.inner, self.args = inner, args
+        self.register_buffer("input_scale", scale, persistent=False)
+        self.register_buffer("input_zero_point", zero, persistent=False)
+        self.register_buffer("input_global_scale", global_scale, persistent=False)
+        self.in_features, self.out_features = int(inner.in_features), int(inner.out_features)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = quantize_input(x, self.args, self.input_scale, self.input_zero_point, self.input_global_scale)
+        out: torch.Tensor = self.inner(q)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        out: torch.Tensor = self.inner.dequantize()  # type: ignore[operator]
+        return out
+
+    def extra_repr(self) -> str:
+        return f"input={self.args.describe()}"
+
+
+@functools.cache
+def _int8_block_linear_class() -> type[torch.nn.Module]:
+    from anyquant.runtime.kernels.linear import BlockLinear
+
+    class CTInt8BlockLinear(BlockLinear):
+        """compressed-tensors' int8 weight as Q8_0 blocks on the compiled kernel: its exact weight is
+        ``round_to(scale dtype, q * s)``, compressed-tensors' own arithmetic, from the blocks."""
+
+        def __init__(
+            self,
+            blocks: torch.Tensor,
+            out_features: int,
+            in_features: int,
+            bias: torch.Tensor | None,
+            *,
+            round_to: torch.dtype,
+            **kwargs: Any,
+        ) -> None:
+            super().__init__(blocks, "Q8_0", out_features, in_features, bias, **kwargs)
+            self.round_to = round_to
+
+        def dequantize(self) -> torch.Tensor:
+            assert self.round_to is not None
+            return self.exact_weight(self.round_to)
+
+    return CTInt8BlockLinear

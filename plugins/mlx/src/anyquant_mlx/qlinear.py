@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 
 from anyquant.runtime.qlinear import QuantLinearBase
@@ -41,7 +44,27 @@ class MlxLinear(QuantLinearBase):
         st = self.settings
         return dequantize(self.qweight, self.scales, self.biases, st.bits, st.group_size, st.mode)
 
+    def _q4_1_unsupported(self) -> str | None:
+        from anyquant.runtime.fastcpu import block_kernel_is_fast
+        from anyquant.runtime.kernels.linear import fp16_exact
+
+        st = self.settings
+        if st.mode != "affine" or st.bits != 4 or st.group_size % 32:
+            return f"{st.mode} {st.bits}-bit groups of {st.group_size}"
+        if not block_kernel_is_fast():
+            return "the compiled block kernel is not built (or not vectorized) here"
+        assert self.biases is not None
+        if self.scales.dtype not in (torch.bfloat16, torch.float16):
+            return f"{self.scales.dtype} scales"
+        if not (fp16_exact(self.scales) and fp16_exact(self.biases)):
+            return "scales or biases that float16 does not hold exactly"
+        return None
+
     def fast_cpu_unsupported(self) -> str | None:
+        """``None`` when cpu-fast runs this layer: 4-bit affine groups as Q4_1 blocks (``d = scale``, ``m = bias``) on
+        the compiled kernel, anything else as a bfloat16 copy prepacked for oneDNN where that runs fast."""
+        if self._q4_1_unsupported() is None:
+            return None
         from anyquant.runtime.fastcpu import bf16_head_status
 
         ok, reason = bf16_head_status()
@@ -50,7 +73,31 @@ class MlxLinear(QuantLinearBase):
     def to_fast_cpu(
         self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None
     ) -> torch.nn.Module:
-        """A bfloat16 copy prepacked for oneDNN: mlx's own dequantized weight where its scales are bfloat16."""
+        """Q4_1 blocks on the compiled kernel (4-bit affine), else a bfloat16 copy prepacked for oneDNN (mlx's own
+        dequantized weight where its scales are bfloat16)."""
+        if self._q4_1_unsupported() is None:
+            from anyquant.runtime.kernels.linear import q4_1_from_codes
+
+            from .dequant import unpack
+
+            st = self.settings
+            assert self.biases is not None
+            codes = unpack(self.qweight, 4, self.in_features)
+            per = st.group_size // 32
+            blocks = q4_1_from_codes(
+                codes, self.scales.repeat_interleave(per, dim=1), self.biases.repeat_interleave(per, dim=1)
+            )
+            return _q4_1_class()(
+                blocks,
+                self.out_features,
+                self.in_features,
+                self._buffers.get("bias"),
+                scale_dtype=self.scales.dtype,
+                small_rows=small_rows or 64,
+                prefill_dtype=prefill_dtype,
+                compute_dtype=self.compute_dtype,
+                interleave=True,
+            )
         from anyquant.runtime.fastcpu import PrepackedBf16Linear
 
         return PrepackedBf16Linear(self)
@@ -58,3 +105,39 @@ class MlxLinear(QuantLinearBase):
     def extra_repr(self) -> str:
         st = self.settings
         return f"{super().extra_repr()}, mlx {st.mode} {st.bits}-bit g{st.group_size}"
+
+
+@functools.cache
+def _q4_1_class() -> type[torch.nn.Module]:
+    from anyquant.runtime.kernels.linear import BlockLinear
+
+    class MlxQ4_1Linear(BlockLinear):
+        """An mlx-lm 4-bit affine linear as GGUF Q4_1 blocks (``d`` its scale, ``m`` its bias, per block of 32) on the
+        compiled kernel. Few rows: the kernel (``q d + m`` in float32). Many rows and :meth:`dequantize`: mlx's own
+        arithmetic from the blocks, ``scale * q`` then ``+ bias``, each rounded to the scales' dtype."""
+
+        def __init__(
+            self,
+            blocks: torch.Tensor,
+            out_features: int,
+            in_features: int,
+            bias: torch.Tensor | None,
+            *,
+            scale_dtype: torch.dtype,
+            **kwargs: Any,
+        ) -> None:
+            super().__init__(blocks, "Q4_1", out_features, in_features, bias, **kwargs)
+            self.scale_dtype = scale_dtype
+
+        def dequantize(self) -> torch.Tensor:
+            raw = self.raw_blocks().reshape(self.out_features, self.in_features // 32, 20)
+            d = raw[..., 0:2].contiguous().view(torch.float16).to(self.scale_dtype)
+            m = raw[..., 2:4].contiguous().view(torch.float16).to(self.scale_dtype)
+            qs = raw[..., 4:]
+            q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(self.scale_dtype)
+            return (d * q + m).reshape(self.out_features, self.in_features)
+
+        def exact_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return self.dequantize().to(dtype)
+
+    return MlxQ4_1Linear

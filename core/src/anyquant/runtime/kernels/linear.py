@@ -26,7 +26,7 @@ from torch import nn
 
 from . import GGML_TYPES, INTERLEAVED
 
-__all__ = ["BlockLinear", "q8_0_blocks"]
+__all__ = ["BlockLinear", "fp16_exact", "q4_1_from_codes", "q8_0_blocks", "q8_0_from_codes"]
 
 
 class BlockLinear(nn.Module):
@@ -170,6 +170,35 @@ def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor:
     blocks = torch.empty(out, k // 32, 34, dtype=torch.uint8)
     blocks[..., 0:2] = d.to(torch.float16).view(torch.uint8)
     blocks[..., 2:] = codes.view(torch.uint8)
+    return blocks.reshape(out, -1)
+
+
+def fp16_exact(values: torch.Tensor) -> bool:
+    """Whether float16 holds every value exactly (a block's scale must, for the blocks to be the format's weight)."""
+    return values.dtype == torch.float16 or torch.equal(values.to(torch.float16).to(values.dtype), values)
+
+
+def q8_0_from_codes(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks (uint8 ``[out, in/32 * 34]``) of ``W = codes * d``: int8 ``codes`` ``[out, in]`` and one scale per
+    block of 32, ``d`` ``[out, in/32]`` (the caller checks :func:`fp16_exact`): a format's own int8 weights, as they
+    are, on the block kernel."""
+    out, k = codes.shape
+    blocks = torch.empty(out, k // 32, 34, dtype=torch.uint8)
+    blocks[..., 0:2] = d.to(torch.float16).contiguous().view(torch.uint8).view(out, k // 32, 2)
+    blocks[..., 2:] = codes.to(torch.int8).view(torch.uint8).view(out, k // 32, 32)
+    return blocks.reshape(out, -1)
+
+
+def q4_1_from_codes(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks (uint8 ``[out, in/32 * 20]``) of ``W = codes * d + m``: ``codes`` ``[out, in]`` in 0..15, ``d`` and
+    ``m`` ``[out, in/32]`` (float16-exact); GGUF's layout: byte ``j`` holds element ``j`` (low nibble) and ``j + 16``."""
+    out, k = codes.shape
+    nb = k // 32
+    blocks = torch.empty(out, nb, 20, dtype=torch.uint8)
+    blocks[..., 0:2] = d.to(torch.float16).contiguous().view(torch.uint8).view(out, nb, 2)
+    blocks[..., 2:4] = m.to(torch.float16).contiguous().view(torch.uint8).view(out, nb, 2)
+    halves = codes.to(torch.uint8).view(out, nb, 2, 16)
+    torch.bitwise_or(halves[:, :, 0], halves[:, :, 1] << 4, out=blocks[..., 4:])
     return blocks.reshape(out, -1)
 
 
