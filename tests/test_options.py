@@ -29,7 +29,10 @@ READ = re.compile(r'(?:options|extra)(?:\.get\(|\[)"(\w+)"|"(\w+)" in (?:spec\.)
 #: a call of core's ``route_backend`` reads its ``key`` option, ``quantizer_backend`` unless given
 ROUTE = re.compile(r'(?<!def )route_backend\((?:[^()]|\([^()]*\))*?(?:key="(\w+)"[^()]*)?\)')
 #: set by quantize() itself from ``calibration=`` (a list of texts), never passed by the caller
-INTERNAL = {"texts"}
+#: read by core for every method, declared by no quantizer of its own: "texts" (a list given as calibration), and
+#: "quantizer_backend", which core's resolve_method reads only to route a method to another format's quantizer
+#: (awq with "llmcompressor" -> compressed-tensors); each quantizer that runs several backends declares it itself
+INTERNAL = {"texts", "quantizer_backend"}
 
 
 def _reads(*files: str) -> set[str]:

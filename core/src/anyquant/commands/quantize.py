@@ -91,7 +91,20 @@ def _configure(p: argparse.ArgumentParser) -> None:
     flags = method_flags(quantizers)
     p.add_argument("src", help="dense checkpoint to quantize (folder or Hugging Face model id)")
     p.add_argument("dst", help="folder to write (must not exist unless --overwrite)")
-    p.add_argument("--method", required=True, choices=list(quantizers), help="quantization method")
+    aliases = [
+        a
+        for cls in quantizers.values()
+        for a in getattr(cls, "method_aliases", None) or {}
+        if "@" not in a and a not in quantizers
+    ]
+    p.add_argument(
+        "--method",
+        required=True,
+        choices=[*quantizers, *aliases],
+        help="quantization method (a format, or a quantizer's shorthand: "
+        + (", ".join(aliases) or "none installed")
+        + ")",
+    )
     p.add_argument("--bits", type=float, default=4, help="bits per weight (default 4)")
     p.add_argument("--group-size", type=int, default=None, help="for methods with groups (default 128)")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero points)")

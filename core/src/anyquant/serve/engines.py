@@ -66,6 +66,7 @@ VLLM_QUANTIZATION = {
     "compressed-tensors": "compressed-tensors",
     "bnb": "bitsandbytes",
     "fp8": "fp8",
+    "mxfp4": "mxfp4",  # gpt-oss
     "dense": None,
     "gguf": None,  # vLLM reads GGUF from the file itself; no --quantization
 }

@@ -291,7 +291,8 @@ def quantize(
     if detection.format != "dense":
         hint = " Export it first: anyquant export PATH --to dense OUT." if detection.format == "gguf" else ""
         raise QuantizeError(f"{src} is {detection.format}, not a dense checkpoint; quantize needs dense weights.{hint}")
-    fmt = reg.format(method.lower())
+    method, options = resolve_method(reg, method, options)
+    fmt = reg.format(method)
     if fmt.quantizer is None:
         raise QuantizeError(f"format {method!r} has no quantizer registered")
     quantizer = load_spec_object(fmt, "quantizer")
@@ -342,6 +343,26 @@ def quantize(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         lock.release()
+
+
+def resolve_method(reg: Registry, method: str, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The format whose quantizer runs ``method``, and the options it runs with. A format's own name runs its own
+    quantizer, unless ``quantizer_backend`` names one that another format's quantizer declares for that method
+    (its ``method_aliases``, keys ``"awq@llmcompressor"``: llm-compressor's AWQ writes compressed-tensors); a name no
+    format quantizes (``w4a16``, ``w8a8``, ``fp8``) is looked up in the aliases, which add their options."""
+    name, backend = method.lower(), options.get("quantizer_backend")
+    own = name in reg.formats() and reg.format(name).quantizer is not None
+    keys = [f"{name}@{backend}"] if isinstance(backend, str) and backend != "auto" else []
+    keys += [] if own else [name]
+    for fmt in sorted(reg.formats()) if keys else ():
+        spec = reg.format(fmt)
+        if spec.quantizer is None:
+            continue
+        aliases = getattr(load_spec_object(spec, "quantizer"), "method_aliases", None) or {}
+        hit = next((k for k in keys if k in aliases), None)
+        if hit is not None:
+            return fmt, {**aliases[hit], **options}
+    return name, dict(options)
 
 
 #: the ``quantize(..., **options)`` keywords core itself reads, for every method
@@ -418,8 +439,12 @@ def run_worker(
     scratch: Path,
     progress: Progress | None = None,
     timeout: float | None = None,
+    python: str | None = None,
 ) -> dict[str, Any]:
     """Run ``python -m module job.json`` in a subprocess (cwd ``scratch``) and relay its progress.
+
+    ``python``: another interpreter (a venv of its own for a quantizer whose pins clash with this one's: then
+    ``module`` is a script's path, run as ``python SCRIPT job.json``, since that venv has no anyquant).
 
     The worker prints ``ANYQUANT-PROGRESS {"stage": ..., "fraction": ...}`` lines on stdout and a
     final ``ANYQUANT-PROGRESS {"result": {...}}``; everything else goes to ``scratch/worker.log``.
@@ -433,8 +458,9 @@ def run_worker(
     log_path = scratch / "worker.log"
     result: dict[str, Any] = {}
     with log_path.open("w") as log_fh:
+        argv = [sys.executable, "-m", module] if python is None else [python, module]
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, str(job_file)],
+            [*argv, str(job_file)],
             cwd=scratch,
             env=env,
             stdout=subprocess.PIPE,

@@ -19,6 +19,7 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
         FormatSpec(
             name=FORMAT,
             loader="anyquant_ct.loader:CTLoader",
+            quantizer="anyquant_ct.quantize:CTQuantizer",
             requires=("torch>=2.4", "transformers>=4.56", "safetensors>=0.4"),
             description="compressed-tensors (llm-compressor, vLLM): pack-quantized, int/float-quantized, NVFP4, MXFP4",
             install_hint="pip install anyquant-compressed-tensors",
