@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import UnsupportedBackendError
+from ..errors import ConfigError, UnsupportedBackendError, UnsupportedFormatError
 from ..loaders import (
     CPU_FAST_OPTIONS,
     FLOAT_SCALE_DTYPES,
@@ -42,6 +42,7 @@ __all__ = [
     "QUANT_DTYPES",
     "Int4Loader",
     "Int4State",
+    "PackedFormatLoader",
     "cpu_fast_backend",
     "gptqmodel_backend",
 ]
@@ -226,3 +227,67 @@ class Int4Loader(TransformersLoader):
         if loaded.backend == "gptqmodel" and state.kernel_plan is not None:
             loaded.info = {**loaded.info, "gptqmodel": state.kernel_plan.summary()}
         return loaded
+
+
+class PackedFormatLoader(Int4Loader):
+    """The loader base of formats that GPTQModel's kernels do not run (compressed-tensors, FP8, bitsandbytes, MLX):
+    :class:`Int4Loader`'s backend choice and cpu-fast plan without the ``gptqmodel`` backend.
+
+    A format sets :attr:`cpu_fast_description` and :attr:`serve_hint`, and implements :meth:`read_signature` (its
+    parsed modules, read once per load into ``Int4State.signature``) and :meth:`fast_layer_count` (how many of them
+    cpu-fast converts here: ``auto`` picks ``cpu-fast`` on the CPU when there are some). By default every layer
+    converts where the CPU runs a bfloat16 GEMM fast (:func:`~anyquant.runtime.fastcpu.bf16_head_status`: the
+    layers prepacked as bfloat16 for oneDNN), and cpu-fast is available exactly there.
+    """
+
+    gptqmodel_layouts: ClassVar[frozenset[str] | None] = frozenset()
+    #: ``anyquant backends``' line for cpu-fast
+    cpu_fast_description: ClassVar[str] = "weights decoded once to bfloat16 and prepacked for oneDNN"
+    #: what to do on a GPU, said when ``gptqmodel`` is asked for
+    serve_hint: ClassVar[str] = "serve it with vLLM (`anyquant serve --engine vllm`)"
+
+    def read_signature(self, probe: Probe) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def raise_detected_error(detection: Detection) -> None:
+        """A claimed checkpoint whose config is malformed: detection kept the plugin's typed error in
+        ``details["config_error"]`` (``[kind, message]``: ``ConfigError`` or ``UnsupportedFormatError``) rather than
+        let it read as "no plugin recognises this"; the load raises it as it is."""
+        kept = detection.details.get("config_error")
+        if kept:
+            raise (UnsupportedFormatError if kept[0] == "UnsupportedFormatError" else ConfigError)(str(kept[1]))
+
+    def fast_layer_count(self, signature: Any) -> int:
+        from ..runtime.fastcpu import bf16_head_status
+
+        return len(getattr(signature, "modules", signature)) if bf16_head_status()[0] else 0
+
+    def cpu_fast_available(self) -> tuple[bool, str]:
+        from ..runtime.fastcpu import bf16_head_status
+
+        return bf16_head_status()
+
+    def backends(self) -> list[BackendInfo]:
+        ok, reason = self.cpu_fast_available()
+        return [
+            BackendInfo("cpu-fast", ok, reason, description=self.cpu_fast_description),
+            *(b for b in super().backends() if b.name in ("dequantized", "reference")),
+        ]
+
+    def choose_backend(self, requested: str, device: Any, facts: Int4State | None = None) -> str:
+        if requested == "gptqmodel":
+            raise UnsupportedBackendError(
+                f"{self.format} has no 'gptqmodel' backend; on a GPU {self.serve_hint}, here use 'cpu-fast', "
+                "'dequantized' or 'reference'"
+            )
+        if requested == "cpu-fast":
+            return TransformersLoader.choose_backend(self, requested, device)
+        return super().choose_backend(requested, device, Int4State(layout=self.format) if facts is None else facts)
+
+    def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
+        facts = super().facts(probe, detection, options)
+        facts.layout = self.format
+        facts.signature = self.read_signature(probe)
+        facts.fast_layers = self.fast_layer_count(facts.signature)
+        return facts

@@ -4,19 +4,16 @@ backend choice and cpu-fast's plan; bitsandbytes layers run there as bfloat16 we
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
-from anyquant.int4.loader import Int4Loader, Int4State
+from anyquant.int4.loader import PackedFormatLoader
 from anyquant.plugin import (
-    BackendInfo,
     CheckpointError,
     Detection,
     FormatConflictError,
     LoadContext,
-    LoadOptions,
     ModuleInfo,
     Probe,
-    UnsupportedBackendError,
     dense_rows,
 )
 
@@ -28,41 +25,15 @@ if TYPE_CHECKING:
 __all__ = ["BnbLoader"]
 
 
-class BnbLoader(Int4Loader):
+class BnbLoader(PackedFormatLoader):
     format = "bnb"
-    gptqmodel_layouts: ClassVar[frozenset[str] | None] = frozenset()
+    cpu_fast_description = (
+        "bitsandbytes weights decoded once to bfloat16 and prepacked for oneDNN; bfloat16 activations"
+    )
+    serve_hint = "load it with transformers + bitsandbytes, or serve it with vLLM"
 
-    def backends(self) -> list[BackendInfo]:
-        from anyquant.runtime.fastcpu import bf16_head_status
-
-        ok, reason = bf16_head_status()
-        return [
-            BackendInfo(
-                "cpu-fast",
-                ok,
-                reason,
-                description="bitsandbytes weights decoded once to bfloat16 and prepacked for oneDNN; bfloat16 "
-                "activations",
-            ),
-            *(b for b in super().backends() if b.name in ("dequantized", "reference")),
-        ]
-
-    def choose_backend(self, requested: str, device: Any, facts: Int4State | None = None) -> str:
-        if requested == "gptqmodel":
-            raise UnsupportedBackendError("bitsandbytes has no 'gptqmodel' backend; use 'cpu-fast' or 'dequantized'")
-        if requested == "cpu-fast":
-            return super(Int4Loader, self).choose_backend(requested, device)
-        facts = Int4State(layout="bnb") if facts is None else facts
-        return super().choose_backend(requested, device, facts)
-
-    def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
-        from anyquant.runtime.fastcpu import bf16_head_status
-
-        facts = super().facts(probe, detection, options)
-        facts.layout = "bnb"
-        scheme = facts.signature = read_scheme(probe)
-        facts.fast_layers = len(scheme.modules) if bf16_head_status()[0] else 0
-        return facts
+    def read_signature(self, probe: Probe) -> BnbScheme:
+        return read_scheme(probe)
 
     def validate(self, probe: Probe, detection: Detection) -> None:
         problems = detection.details.get("problems") or []

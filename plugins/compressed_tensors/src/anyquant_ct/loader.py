@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
-from anyquant.int4.loader import Int4Loader, Int4State
+from anyquant.int4.loader import Int4State, PackedFormatLoader
 from anyquant.plugin import (
-    BackendInfo,
     CheckpointError,
-    ConfigError,
     Detection,
     LoadContext,
     LoadedModel,
     LoadOptions,
     ModuleInfo,
     Probe,
-    UnsupportedBackendError,
     UnsupportedFormatError,
     dense_rows,
 )
@@ -42,49 +39,44 @@ def _config(probe: Probe) -> CTConfig:
     return CTConfig.parse(qc if probe.quant_method in ("compressed-tensors", "compressed_tensors") else None)
 
 
-class CTLoader(Int4Loader):
+class CTLoader(PackedFormatLoader):
     format = "compressed-tensors"
-    #: GPTQModel's kernels do not read this layout: never chosen, and refused when asked for
-    gptqmodel_layouts: ClassVar[frozenset[str] | None] = frozenset()
+    cpu_fast_description = (
+        "int4 groups as GQ4 blocks and int8 as Q8_0 blocks on the compiled kernel (else torch's int4 kernel), "
+        "the other layers dequantized"
+    )
 
-    def backends(self) -> list[BackendInfo]:
-        return [b for b in super().backends() if b.name != "gptqmodel"]
+    def read_signature(self, probe: Probe) -> list[ModuleSpec]:
+        return read_modules(probe, _config(probe))[0]
 
-    def choose_backend(self, requested: str, device: Any, facts: Int4State | None = None) -> str:
-        if requested == "gptqmodel":
-            raise UnsupportedBackendError(
-                "compressed-tensors has no 'gptqmodel' backend; on a GPU serve it with vLLM "
-                "(`anyquant serve --engine vllm`), here use 'cpu-fast', 'dequantized' or 'reference'"
-            )
-        facts = Int4State(layout="compressed-tensors") if facts is None else facts
-        return super().choose_backend(requested, device, facts)
+    def cpu_fast_available(self) -> tuple[bool, str]:
+        from anyquant.int4.loader import cpu_fast_backend
 
-    def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
-        """The modules, read once for the load; from them the 4-bit layers torch's int4 kernel takes and the float32
-        bytes of every quantized layer."""
-        facts = super().facts(probe, detection, options)
-        facts.layout = "compressed-tensors"
-        specs, _ = read_modules(probe, _config(probe))
-        facts.signature = specs
+        info = cpu_fast_backend()
+        return info.available, info.reason or ""
+
+    def fast_layer_count(self, signature: list[ModuleSpec]) -> int:
+        """4-bit packed layers (core's int4 path), and 8-bit integers where the compiled block kernel runs (Q8_0)."""
         from anyquant.runtime.fastcpu import block_kernel_is_fast
 
-        eight = block_kernel_is_fast()  # 8-bit integers as Q8_0 blocks on the compiled kernel
-        facts.fast_layers = sum(
+        eight = block_kernel_is_fast()
+        return sum(
             1
-            for s in specs
+            for s in signature
             if (s.storage == "packed-int" and s.bits == 4 and s.input_activations is None)
             or (eight and s.storage in ("packed-int", "int8") and s.bits == 8)
         )
-        facts.dense_bytes = sum(s.out_features * (s.in_features or 0) * 4 for s in specs)
+
+    def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
+        facts = super().facts(probe, detection, options)
+        facts.dense_bytes = sum(s.out_features * (s.in_features or 0) * 4 for s in facts.signature)
         return facts
 
     def validate(self, probe: Probe, detection: Detection) -> None:
         from anyquant.plugin import FormatConflictError
 
         d = detection.details
-        kept = d.get("config_error")
-        if kept:
-            raise (UnsupportedFormatError if kept[0] == "UnsupportedFormatError" else ConfigError)(kept[1])
+        self.raise_detected_error(detection)
         cfg = _config(probe)  # typed errors for an unknown format or type
         if cfg.transform:
             raise UnsupportedFormatError(

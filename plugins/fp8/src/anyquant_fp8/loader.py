@@ -4,20 +4,17 @@ choice and cpu-fast's plan; FP8 layers run there as bfloat16 weights prepacked f
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
-from anyquant.int4.loader import Int4Loader, Int4State
+from anyquant.int4.loader import Int4State, PackedFormatLoader
 from anyquant.plugin import (
-    BackendInfo,
     CheckpointError,
-    ConfigError,
     Detection,
     FormatConflictError,
     LoadContext,
     LoadOptions,
     ModuleInfo,
     Probe,
-    UnsupportedBackendError,
     UnsupportedFormatError,
     dense_rows,
 )
@@ -30,51 +27,20 @@ if TYPE_CHECKING:
 __all__ = ["FP8Loader"]
 
 
-def raise_config_error(detection: Detection) -> None:
-    """The typed error detection kept for a claimed checkpoint whose config is malformed."""
-    kept = detection.details.get("config_error")
-    if kept:
-        kind, message = kept
-        raise (UnsupportedFormatError if kind == "UnsupportedFormatError" else ConfigError)(message)
-
-
-class FP8Loader(Int4Loader):
+class FP8Loader(PackedFormatLoader):
     format = "fp8"
-    gptqmodel_layouts: ClassVar[frozenset[str] | None] = frozenset()
+    cpu_fast_description = (
+        "FP8 weights decoded once to bfloat16 (transformers' own dequantized weight) and prepacked for oneDNN; "
+        "bfloat16 activations"
+    )
+    serve_hint = "with FP8 support serve it with vLLM (`anyquant serve --engine vllm`)"
 
-    def backends(self) -> list[BackendInfo]:
-        from anyquant.runtime.fastcpu import bf16_head_status
-
-        ok, reason = bf16_head_status()
-        return [
-            BackendInfo(
-                "cpu-fast",
-                ok,
-                reason,
-                description="FP8 weights decoded once to bfloat16 (transformers' own dequantized weight) and "
-                "prepacked for oneDNN; bfloat16 activations",
-            ),
-            *(b for b in super().backends() if b.name in ("dequantized", "reference")),
-        ]
-
-    def choose_backend(self, requested: str, device: Any, facts: Int4State | None = None) -> str:
-        if requested == "gptqmodel":
-            raise UnsupportedBackendError(
-                "fp8 has no 'gptqmodel' backend; on an FP8 GPU serve it with vLLM (`anyquant serve --engine vllm`)"
-            )
-        if requested == "cpu-fast":
-            return super(Int4Loader, self).choose_backend(requested, device)
-        facts = Int4State(layout="fp8") if facts is None else facts
-        return super().choose_backend(requested, device, facts)
+    def read_signature(self, probe: Probe) -> FP8Scheme:
+        return read_scheme(probe)
 
     def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
-        from anyquant.runtime.fastcpu import bf16_head_status
-
         facts = super().facts(probe, detection, options)
-        facts.layout = "fp8"
-        scheme = facts.signature = read_scheme(probe)
-        facts.fast_layers = len(scheme.modules) if bf16_head_status()[0] else 0
-        facts.dense_bytes = sum(m.in_features * m.out_features * 4 for m in scheme.modules)
+        facts.dense_bytes = sum(m.in_features * m.out_features * 4 for m in facts.signature.modules)
         return facts
 
     def validate(self, probe: Probe, detection: Detection) -> None:
@@ -83,7 +49,7 @@ class FP8Loader(Int4Loader):
                 f"{probe.root}: fbgemm_fp8 (per-channel weight_scale, fbgemm's CUDA kernels) is not read by anyquant "
                 "yet; serve it with vLLM"
             )
-        raise_config_error(detection)
+        self.raise_detected_error(detection)
         problems = detection.details.get("problems") or []
         if problems:
             raise FormatConflictError(

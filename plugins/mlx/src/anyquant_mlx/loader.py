@@ -4,20 +4,17 @@ core's int4 loader base (mlx layers run on cpu-fast as bfloat16 weights prepacke
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
-from anyquant.int4.loader import Int4Loader, Int4State
+from anyquant.int4.loader import PackedFormatLoader
 from anyquant.plugin import (
-    BackendInfo,
     CheckpointError,
-    ConfigError,
     Detection,
     FormatConflictError,
     LoadContext,
     LoadOptions,
     ModuleInfo,
     Probe,
-    UnsupportedBackendError,
     UnsupportedFormatError,
     dense_rows,
 )
@@ -72,49 +69,20 @@ class MlxSource:
         self.inner.close()
 
 
-class MlxLoader(Int4Loader):
+class MlxLoader(PackedFormatLoader):
     format = "mlx"
-    gptqmodel_layouts: ClassVar[frozenset[str] | None] = frozenset()
+    cpu_fast_description = (
+        "4-bit affine layers as Q4_1 blocks on the compiled kernel, the others decoded once to bfloat16 (mlx's own "
+        "values) and prepacked for oneDNN"
+    )
+    serve_hint = "there is no GPU engine for MLX's layout; export it to dense (`anyquant export`)"
 
-    def backends(self) -> list[BackendInfo]:
-        from anyquant.runtime.fastcpu import bf16_head_status
-
-        ok, reason = bf16_head_status()
-        return [
-            BackendInfo(
-                "cpu-fast",
-                ok,
-                reason,
-                description="MLX weights decoded once to bfloat16 (mlx's own values) and prepacked for oneDNN; "
-                "bfloat16 activations",
-            ),
-            *(b for b in super().backends() if b.name in ("dequantized", "reference")),
-        ]
-
-    def choose_backend(self, requested: str, device: Any, facts: Int4State | None = None) -> str:
-        if requested == "gptqmodel":
-            raise UnsupportedBackendError(
-                "MLX checkpoints have no 'gptqmodel' backend; use 'cpu-fast' or 'dequantized'"
-            )
-        if requested == "cpu-fast":
-            return super(Int4Loader, self).choose_backend(requested, device)
-        facts = Int4State(layout="mlx") if facts is None else facts
-        return super().choose_backend(requested, device, facts)
-
-    def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
-        from anyquant.runtime.fastcpu import bf16_head_status
-
-        facts = super().facts(probe, detection, options)
-        facts.layout = "mlx"
-        scheme = facts.signature = read_scheme(probe)
-        facts.fast_layers = len(scheme.modules) if bf16_head_status()[0] else 0
-        return facts
+    def read_signature(self, probe: Probe) -> MlxScheme:
+        return read_scheme(probe)
 
     def validate(self, probe: Probe, detection: Detection) -> None:
         d = detection.details
-        kept = d.get("config_error")
-        if kept:
-            raise (UnsupportedFormatError if kept[0] == "UnsupportedFormatError" else ConfigError)(kept[1])
+        self.raise_detected_error(detection)
         problems = d.get("problems") or []
         if problems:
             raise FormatConflictError(
