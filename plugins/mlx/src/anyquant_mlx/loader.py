@@ -29,28 +29,60 @@ if TYPE_CHECKING:
 __all__ = ["MlxLoader", "MlxSource"]
 
 
+def expert_views(scheme: MlxScheme) -> dict[str, tuple[MlxModule, int]]:
+    """mlx-lm's stacked experts (``P.switch_mlp.gate_proj``, weight ``[E, out, in*b/32]``) as the per-expert linears a
+    Hugging Face checkpoint has (``P.experts.<e>.gate_proj``): expert name -> (the stacked module, ``e``)."""
+    out = {}
+    for m in scheme.modules:
+        if m.stacked is None or ".switch_mlp." not in m.name:
+            continue
+        head, _, leaf = m.name.partition(".switch_mlp.")
+        for e in range(m.stacked):
+            out[f"{head}.experts.{e}.{leaf}"] = (m, e)
+    return out
+
+
 class MlxSource:
     """The checkpoint's tensors, with every quantized module's ``P.weight`` served decoded (``mx.dequantize``'s
     values) to whoever asks for it by name: the embedding, a tied head, a router that is not an ``nn.Linear``. The
-    factory reads the packed tensors with :meth:`raw` instead."""
+    factory reads the packed tensors with :meth:`raw` instead. Stacked experts are listed as one module per expert
+    (:func:`expert_views`, slices of the stack, read once), so the build finds them as in a Hugging Face
+    checkpoint."""
+
+    SUFFIXES = ("weight", "scales", "biases")
 
     def __init__(self, probe: Probe, scheme: MlxScheme) -> None:
         self.inner = SafetensorsSource(probe)
         self.modules = {m.name: m for m in scheme.modules}
+        self.experts = expert_views(scheme)
+        stacked = {m.name for m, _ in self.experts.values()}
+        self._hidden = {f"{n}.{s}" for n in stacked for s in self.SUFFIXES}
+        self._virtual = {
+            f"{n}.{s}" for n in self.experts for s in self.SUFFIXES if f"{self.experts[n][0].name}.{s}" in probe.tensors
+        }
+        self._stacks: dict[str, torch.Tensor] = {}
 
     def keys(self) -> Iterator[str]:
-        return self.inner.keys()
+        yield from (k for k in self.inner.keys() if k not in self._hidden)
+        yield from sorted(self._virtual)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.inner
+        return (name in self.inner and name not in self._hidden) or name in self._virtual
 
     def raw(self, name: str) -> torch.Tensor:
+        if name in self._virtual:
+            module, _, suffix = name.rpartition(".")
+            stacked, e = self.experts[module]
+            key = f"{stacked.name}.{suffix}"
+            if key not in self._stacks:
+                self._stacks[key] = self.inner.get(key)
+            return self._stacks[key][e]
         return self.inner.get(name)
 
     def get(self, name: str) -> torch.Tensor:
         m = self.modules.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
         if m is None:
-            return self.inner.get(name)
+            return self.raw(name)
         from .dequant import dequantize
 
         st = m.settings
@@ -60,12 +92,17 @@ class MlxSource:
         )
 
     def file_rows(self, name: str) -> Any:
-        return None if name.removesuffix(".weight") in self.modules else self.inner.file_rows(name)
+        return (
+            None
+            if name.removesuffix(".weight") in self.modules or name in self._virtual
+            else self.inner.file_rows(name)
+        )
 
     def unused(self) -> list[str]:
         return self.inner.unused()
 
     def close(self) -> None:
+        self._stacks.clear()
         self.inner.close()
 
 
@@ -89,10 +126,10 @@ class MlxLoader(PackedFormatLoader):
                 f"{probe.root}: the MLX tensors disagree with each other or with config.json: "
                 + "; ".join(problems[:3])
             )
-        stacked = [m.name for m in read_scheme(probe).modules if m.stacked is not None]
-        if stacked:
+        odd = [m.name for m in read_scheme(probe).modules if m.stacked is not None and ".switch_mlp." not in m.name]
+        if odd:
             raise UnsupportedFormatError(
-                f"{probe.root}: mlx-lm's stacked experts ({stacked[0]}: switch_mlp) are not read by anyquant yet"
+                f"{probe.root}: {odd[0]} stacks several linears in one tensor outside mlx-lm's switch_mlp: not read yet"
             )
 
     def tensor_source(self, probe: Probe, options: LoadOptions) -> MlxSource:
@@ -105,6 +142,8 @@ class MlxLoader(PackedFormatLoader):
         plan = state.fast_plan
         scheme = state.signature if isinstance(state.signature, MlxScheme) else read_scheme(ctx.probe)
         modules: dict[str, MlxModule] = {m.name: m for m in scheme.modules}
+        for expert, (stacked, _) in expert_views(scheme).items():
+            modules[expert] = MlxModule(expert, stacked.settings, stacked.out_features, stacked.in_features, None)
         mode = "dequantized" if ctx.backend == "dequantized" else "reference"
         src = ctx.source
         if not isinstance(src, MlxSource):
