@@ -481,3 +481,62 @@ def test_q4_1_from_codes_is_the_gguf_layout() -> None:
     got = quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q4_1).reshape(7, 64)
     want = codes.float() * d.float().repeat_interleave(32, 1) + m.float().repeat_interleave(32, 1)
     assert np.array_equal(got, want.numpy())
+
+
+@pytest.mark.skipif(not kernels.lut_available(), reason="lut4_gemv not built")
+@pytest.mark.parametrize(
+    "isa",
+    [i for i in range(3) if i <= max(kernels.lut_isa(), 0)],
+    ids=["scalar", "avx2", "avx512"][: max(kernels.lut_isa(), 0) + 1],
+)
+@pytest.mark.parametrize("group", [16, 32, 64])
+@pytest.mark.parametrize("m", [1, 3, 5])
+def test_lut4_gemv_is_the_table_weights_product(isa: int, group: int, m: int) -> None:
+    """4-bit codes into a 16-entry table times a scale per group: the float64 product of the same float32 weights,
+    to float32 summation rounding, on every path (NF4's table, codes 0..15 everywhere, scales of mixed sizes)."""
+    from anyquant.runtime.kernels.lut import Lut4Linear, lut4_codes
+
+    g = torch.Generator().manual_seed(group + m)
+    n, k = 37, 192
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scales = torch.rand(n, k // group, generator=g) * torch.logspace(-3, 1, k // group)
+    lut = torch.tensor(
+        [
+            -1.0,
+            -0.696,
+            -0.525,
+            -0.395,
+            -0.284,
+            -0.185,
+            -0.091,
+            0.0,
+            0.0796,
+            0.161,
+            0.246,
+            0.338,
+            0.441,
+            0.563,
+            0.723,
+            1.0,
+        ]
+    )
+    x = torch.randn(m, k, generator=g)
+    got = torch.ops.anyquant.lut4_gemv(x, lut4_codes(codes), scales, lut, group, isa)
+    w = lut[codes] * scales.repeat_interleave(group, dim=1)  # float32 weights, as the op forms them
+    want = x.double() @ w.double().T
+    assert torch.allclose(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    layer = Lut4Linear(codes, scales, lut, group=group, round_to=torch.bfloat16)
+    assert torch.equal(layer.dequantize(), w.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not kernels.lut_available(), reason="lut4_gemv not built")
+def test_lut4_gemv_refuses_bad_shapes() -> None:
+    x = torch.randn(1, 64)
+    codes = torch.zeros(4, 32, dtype=torch.uint8)
+    lut = torch.zeros(16)
+    with pytest.raises(RuntimeError, match="scales"):
+        torch.ops.anyquant.lut4_gemv(x, codes, torch.zeros(4, 3), lut, 32)
+    with pytest.raises(RuntimeError, match="group"):
+        torch.ops.anyquant.lut4_gemv(x, codes, torch.zeros(4, 2), lut, 24)
+    with pytest.raises(RuntimeError, match="codes"):
+        torch.ops.anyquant.lut4_gemv(torch.randn(1, 96), codes, torch.zeros(4, 3), lut, 32)

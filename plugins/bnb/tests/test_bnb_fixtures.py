@@ -16,7 +16,14 @@ from safetensors.torch import load_file, save_file
 
 import anyquant as sdk
 from anyquant.errors import CheckpointError, FormatConflictError, NumericalError
-from tests.peers.recorded import assert_greedy_or_near_tie, forward_logits, greedy_tokens, rel_error, sha256_f32
+from tests.peers.recorded import (
+    assert_fast_modules_exact,
+    assert_greedy_or_near_tie,
+    forward_logits,
+    greedy_tokens,
+    rel_error,
+    sha256_f32,
+)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NAMES = sorted(p.stem for p in FIXTURES.glob("*.json") if (FIXTURES / p.stem / "config.json").is_file())
@@ -67,9 +74,11 @@ def test_cpu_fast_default(name: str) -> None:
     rec = record(name)
     model = sdk.load(FIXTURES / name)
     tol = exact_tol(name)
-    if model.backend == "cpu-fast":  # AMX / AVX512-BF16 hosts: bfloat16 activations
+    if model.backend == "cpu-fast":  # 4-bit: the table kernel; int8: bfloat16 prepacked (AVX512-BF16 hosts)
         assert model.info["cpu_fast"]["fast_layers"] == len(rec["weights"])
         tol = 3e-2
+        exact = sdk.load(FIXTURES / name, backend="reference")
+        assert assert_fast_modules_exact(model, exact, rec["weights"]) == len(rec["weights"])
     assert rel_error(forward_logits(model, rec["prompt_ids"]), torch.tensor(rec["logits_dequantized"])) <= tol
     assert_greedy_or_near_tie(
         lambda: sdk.load(FIXTURES / name, backend="reference"),

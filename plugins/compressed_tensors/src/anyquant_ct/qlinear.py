@@ -105,6 +105,15 @@ class CTLinear(QuantLinearBase):
             return "the packed tensors were dropped"
         if self.storage in ("int8", "packed-int") and self.args.num_bits == 8:
             return self._q8_0_unsupported()
+        if self.storage in ("nvfp4", "mxfp4"):
+            from anyquant.runtime import kernels
+
+            if not kernels.lut_available():
+                return "FP4 weights run on the compiled 4-bit table kernel, which is not built here"
+            if self.input_args is not None and self.input_args.num_bits == 4:
+                # FP4 activations amplify the kernel's unrounded weights past any tolerance: the exact path
+                return "FP4 input activations (NVFP4 W4A4) run on the exact path"
+            return None if self.in_features % 32 == 0 else f"in_features {self.in_features} not a multiple of 32"
         if self.storage != "packed-int" or self.args.num_bits != 4:
             return f"{self.storage} {self.args.num_bits}-bit weights have no fast CPU path yet"
         if self.input_args is not None:
@@ -130,6 +139,39 @@ class CTLinear(QuantLinearBase):
         if not fp16_exact(self.weight_scale):
             return "8-bit scales that float16 does not hold exactly (Q8_0 blocks keep float16 scales)"
         return None
+
+    def _fp4_table(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
+        """NVFP4/MXFP4 codes kept packed on the 4-bit table kernel: the E2M1 table, each group's scale as
+        compressed-tensors forms it (``bf16(fp8 scale) / weight_global_scale``, or ``2 ** (e - 127)``)."""
+        from anyquant.runtime.kernels.lut import Lut4Linear
+
+        from .dequant import E2M1, mx_scale
+
+        assert self.weight_packed is not None
+        packed = self.weight_packed
+        codes = torch.stack((packed & 0x0F, packed >> 4), -1).reshape(self.out_features, self.in_features)
+        if self.storage == "mxfp4":
+            scales, group = mx_scale(self.weight_scale).to(torch.float32), 32
+        else:
+            assert self.weight_global_scale is not None
+            scales, group = self.weight_scale.to(torch.bfloat16) / self.weight_global_scale, 16
+        lut = torch.tensor([*E2M1, *(-v for v in E2M1)], dtype=torch.float32)
+        layer: torch.nn.Module = Lut4Linear(
+            codes,
+            scales,
+            lut,
+            group=group,
+            round_to=torch.bfloat16,
+            bias=self._buffers.get("bias"),
+            small_rows=small_rows or 64,
+            prefill_dtype=prefill_dtype,
+            compute_dtype=self.compute_dtype,
+        )
+        if self.input_args is not None:
+            layer = InputQuantized(
+                layer, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale
+            )
+        return layer
 
     def _q8_0(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
         """The int8 weight as Q8_0 blocks (its codes as stored, its scale per block of 32), run on the compiled kernel;
@@ -173,6 +215,8 @@ class CTLinear(QuantLinearBase):
             raise ValueError(f"compressed-tensors layer cannot run on the fast CPU path: {reason}")
         if self.args.num_bits == 8:
             return self._q8_0(small_rows, prefill_dtype)
+        if self.storage in ("nvfp4", "mxfp4"):
+            return self._fp4_table(small_rows, prefill_dtype)
         assert self.weight_packed is not None
         q = unpack_int32(self.weight_packed, 4, self.in_features)  # [out, in], -8..7
         codes = (q.to(torch.int16) + 8).to(torch.uint8).t()

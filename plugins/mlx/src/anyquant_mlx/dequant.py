@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dequantize", "unpack"]
+__all__ = ["E2M1_SIGNED", "dequantize", "fp4_scales", "unpack"]
 
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+#: FP4 E2M1 values by their 4-bit code (bit 3 the sign)
+E2M1_SIGNED = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
@@ -31,6 +32,13 @@ def unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return ((w[..., idx] >> shift) | (w[..., idx + 1] << (32 - shift))) & ((1 << bits) - 1)
 
 
+def fp4_scales(scales: torch.Tensor, mode: str) -> torch.Tensor:
+    """The MX modes' scales in float32: E4M3 (``nvfp4``) or E8M0, ``2 ** (e - 127)`` (``mxfp4``, ``mxfp8``)."""
+    if mode == "nvfp4":
+        return scales.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    return torch.exp2(scales.contiguous().view(torch.uint8).to(torch.float32) - 127)
+
+
 def _per_group(scale: torch.Tensor, group: int) -> torch.Tensor:
     return scale.unsqueeze(-1).expand(*scale.shape, group)
 
@@ -47,12 +55,9 @@ def dequantize(
         s = _per_group(scales, group_size)
         out = s * q.to(scales.dtype) + _per_group(biases, group_size)  # two roundings in the scales' dtype
         return out.reshape(*weight.shape[:-1], n)
-    if mode == "nvfp4":
-        s32 = scales.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-    else:  # E8M0
-        s32 = torch.exp2(scales.contiguous().view(torch.uint8).to(torch.float32) - 127)
+    s32 = fp4_scales(scales, mode)
     if mode == "mxfp8":
         v = q.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
     else:
-        v = torch.tensor(_E2M1, dtype=torch.float32)[q]
+        v = torch.tensor(E2M1_SIGNED, dtype=torch.float32)[q]
     return (v * _per_group(s32, group_size)).to(torch.bfloat16).reshape(*weight.shape[:-1], n)

@@ -60,10 +60,20 @@ class MlxLinear(QuantLinearBase):
             return "scales or biases that float16 does not hold exactly"
         return None
 
+    def _table_unsupported(self) -> str | None:
+        from anyquant.runtime import kernels
+
+        if self.settings.mode not in ("mxfp4", "nvfp4"):
+            return f"mode {self.settings.mode}"
+        if not kernels.lut_available():
+            return "the compiled 4-bit table kernel is not built here"
+        return None if self.in_features % 32 == 0 else f"in_features {self.in_features} not a multiple of 32"
+
     def fast_cpu_unsupported(self) -> str | None:
         """``None`` when cpu-fast runs this layer: 4-bit affine groups as Q4_1 blocks (``d = scale``, ``m = bias``) on
-        the compiled kernel, anything else as a bfloat16 copy prepacked for oneDNN where that runs fast."""
-        if self._q4_1_unsupported() is None:
+        the compiled kernel, MXFP4/NVFP4 codes on its 4-bit table kernel, anything else as a bfloat16 copy prepacked
+        for oneDNN where that runs fast."""
+        if self._q4_1_unsupported() is None or self._table_unsupported() is None:
             return None
         from anyquant.runtime.fastcpu import bf16_head_status
 
@@ -98,9 +108,30 @@ class MlxLinear(QuantLinearBase):
                 compute_dtype=self.compute_dtype,
                 interleave=True,
             )
+        if self._table_unsupported() is None:
+            return self._fp4_table(small_rows, prefill_dtype)
         from anyquant.runtime.fastcpu import PrepackedBf16Linear
 
         return PrepackedBf16Linear(self)
+
+    def _fp4_table(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
+        """MXFP4/NVFP4 codes kept packed on the 4-bit table kernel (E2M1 the table, the E8M0/E4M3 scales)."""
+        from anyquant.runtime.kernels.lut import Lut4Linear
+
+        from .dequant import E2M1_SIGNED, fp4_scales, unpack
+
+        st = self.settings
+        return Lut4Linear(
+            unpack(self.qweight, 4, self.in_features),
+            fp4_scales(self.scales, st.mode),
+            torch.tensor(E2M1_SIGNED, dtype=torch.float32),
+            group=st.group_size,
+            round_to=torch.bfloat16,
+            bias=self._buffers.get("bias"),
+            small_rows=small_rows or 64,
+            prefill_dtype=prefill_dtype,
+            compute_dtype=self.compute_dtype,
+        )
 
     def extra_repr(self) -> str:
         st = self.settings

@@ -59,12 +59,16 @@ __all__ = [
     "gemv_cat",
     "interleave",
     "isa",
+    "lut_available",
+    "lut_isa",
     "threads",
 ]
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("ggml_gemv.cpp")
+#: every source of the one library (the 4-bit table lookups beside the GGUF blocks: anyquant::lut4_gemv)
+_SOURCES = (_SOURCE, Path(__file__).with_name("lut_gemv.cpp"))
 _NAME = "anyquant_ggml_gemv"
 #: block types the op takes, by name: (type id, bytes per block of 32 weights); GGUF's ids, and GQ4
 GGML_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34), "GQ4": (100, 20)}
@@ -83,7 +87,9 @@ _LDFLAGS = ("-fopenmp",)
 def _tag() -> str:
     import torch
 
-    digest = hashlib.sha256(_SOURCE.read_bytes() + repr((_CFLAGS, _LDFLAGS)).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(
+        b"".join(p.read_bytes() for p in _SOURCES) + repr((_CFLAGS, _LDFLAGS)).encode()
+    ).hexdigest()[:12]
     return f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
 
 
@@ -106,7 +112,7 @@ def build(verbose: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=_NAME,
-        sources=[str(_SOURCE)],
+        sources=[str(p) for p in _SOURCES],
         build_directory=str(out),
         extra_cflags=list(_CFLAGS),
         extra_ldflags=list(_LDFLAGS),
@@ -150,6 +156,26 @@ def _registered() -> bool:
     except (AttributeError, RuntimeError):
         return False
     return True
+
+
+def lut_available() -> bool:
+    """Whether ``anyquant::lut4_gemv`` (4-bit codes into a 16-entry float table) is loaded with the library."""
+    import torch
+
+    if not available():
+        return False
+    try:
+        torch.ops.anyquant.lut4_gemv.default  # noqa: B018 - raises when the op is not registered
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def lut_isa() -> int:
+    """The vector path ``lut4_gemv`` takes here: 0 scalar, 1 AVX2+FMA, 2 AVX512F; -1 when not available."""
+    import torch
+
+    return int(torch.ops.anyquant.lut_isa()) if lut_available() else -1
 
 
 def isa() -> int:
