@@ -521,10 +521,11 @@ def test_lut4_gemv_is_the_table_weights_product(isa: int, group: int, m: int) ->
         ]
     )
     x = torch.randn(m, k, generator=g)
-    got = torch.ops.anyquant.lut4_gemv(x, lut4_codes(codes), scales, lut, group, isa)
     w = lut[codes] * scales.repeat_interleave(group, dim=1)  # float32 weights, as the op forms them
-    want = x.double() @ w.double().T
-    assert torch.allclose(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    for rnd, dtype in ((0, torch.float32), (1, torch.bfloat16), (2, torch.float16)):
+        got = torch.ops.anyquant.lut4_gemv(x, lut4_codes(codes), scales, lut, group, rnd, isa)
+        want = x.double() @ w.to(dtype).double().T  # each weight rounded as asked, then exact sums
+        assert torch.allclose(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max())), rnd
     layer = Lut4Linear(codes, scales, lut, group=group, round_to=torch.bfloat16)
     assert torch.equal(layer.dequantize(), w.to(torch.bfloat16))
 
@@ -540,3 +541,20 @@ def test_lut4_gemv_refuses_bad_shapes() -> None:
         torch.ops.anyquant.lut4_gemv(x, codes, torch.zeros(4, 2), lut, 24)
     with pytest.raises(RuntimeError, match="codes"):
         torch.ops.anyquant.lut4_gemv(torch.randn(1, 96), codes, torch.zeros(4, 3), lut, 32)
+
+
+@pytest.mark.skipif(not kernels.lut_available(), reason="lut4_gemv not built")
+@pytest.mark.parametrize("isa", [0, 2] if kernels.lut_isa() == 2 else [0])
+@pytest.mark.parametrize("rnd", [0, 1])
+def test_fp8_gemv_is_the_e4m3_weights_product(isa: int, rnd: int) -> None:
+    """Every E4M3 code but NaN (subnormals, zeros of both signs, 448), scales per group: float64 of the same weights."""
+    g = torch.Generator().manual_seed(7 + rnd)
+    codes = torch.arange(256, dtype=torch.int64).repeat(40)[: 29 * 320].reshape(29, 320)
+    codes = codes[:, torch.randperm(320, generator=g)].to(torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    scales = torch.rand(29, 320 // 64, generator=g) + 0.05
+    x = torch.randn(3, 320, generator=g)
+    w = codes.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(64, dim=1)
+    got = torch.ops.anyquant.fp8_gemv(x, codes, scales, 64, rnd, isa)
+    want = x.double() @ (w.to(torch.bfloat16) if rnd else w).double().T
+    assert torch.allclose(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))

@@ -44,6 +44,15 @@ def logits(entry: dict[str, Any]) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(entry["shape"])
 
 
+def _fp8_activations(name: str) -> bool:
+    qc = json.loads((FIXTURES / name / "config.json").read_text())["quantization_config"]
+    return any(
+        (g.get("input_activations") or {}).get("type") == "float"
+        and (g.get("input_activations") or {}).get("num_bits") == 8
+        for g in qc["config_groups"].values()
+    )
+
+
 def peer_logits(rec: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
     """The peer forward anyquant runs: with the activation (and KV-cache) quantization when the config has it."""
     if "logits_quant_forward" in rec:
@@ -106,6 +115,11 @@ def test_cpu_fast_default(fixture: tuple[str, dict[str, Any]]) -> None:
     if model.backend == "cpu-fast" and four_bit and rec["format"] == "pack-quantized":
         assert fast > 0
     tol = 3e-2 if fast else 1e-5
+    if fast and _fp8_activations(name):
+        # FP8 activations have a 3-bit mantissa: per-token scales moved by a float32 ulp (cpu-fast's kernel norms,
+        # summation order, the bfloat16 prompt GEMM) re-round a token's activations by an eighth of their step.
+        # Measured on these fixtures: 5 % of the largest logit (7.7 % with the exact weights through the bfloat16 GEMM)
+        tol = 1e-1
     if fast:  # the fast modules' exact form (GQ4 / Q8_0 blocks, ...) decodes to the reference's weight
         exact = sdk.load(FIXTURES / name, backend="reference")
         assert assert_fast_modules_exact(model, exact, rec["weights"]) == len(rec["weights"])

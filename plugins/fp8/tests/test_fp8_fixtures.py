@@ -16,7 +16,14 @@ import torch
 
 import anyquant as sdk
 from anyquant.errors import AnyquantError, FormatConflictError
-from tests.peers.recorded import assert_greedy_or_near_tie, forward_logits, greedy_tokens, rel_error, sha256_f32
+from tests.peers.recorded import (
+    assert_fast_modules_exact,
+    assert_greedy_or_near_tie,
+    forward_logits,
+    greedy_tokens,
+    rel_error,
+    sha256_f32,
+)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 JUDGED = ("llama_fp8_block", "qwen3_fp8_block", "llama_fp8_tensor")
@@ -53,9 +60,12 @@ def test_cpu_fast_default(name: str) -> None:
     rec = record(name)
     model = sdk.load(FIXTURES / name)
     tol = 1e-6
-    if model.backend == "cpu-fast":  # AMX / AVX512-BF16 hosts: bfloat16 activations on the exact bfloat16 weights
+    if model.backend == "cpu-fast":  # AVX512F: the FP8 bytes on fp8_gemv; else bfloat16 prepacked (AVX512-BF16)
         assert model.info["cpu_fast"]["fast_layers"] == 14
         tol = 3e-2
+        exact = sdk.load(FIXTURES / name, backend="reference")
+        names = [w.removesuffix(".weight") for w in rec["dequantized_weights"]]
+        assert assert_fast_modules_exact(model, exact, names) == 14
     assert rel_error(forward_logits(model, rec["prompt_ids"]), torch.tensor(rec["logits_float32"])) <= tol
     assert_greedy_or_near_tie(
         lambda: sdk.load(FIXTURES / name, backend="reference"),

@@ -59,14 +59,16 @@ class CTLoader(PackedFormatLoader):
         """4-bit packed layers (core's int4 path), and 8-bit integers where the compiled block kernel runs (Q8_0)."""
         from anyquant.runtime import kernels
         from anyquant.runtime.fastcpu import block_kernel_is_fast
+        from anyquant.runtime.kernels.lut import fp8_kernel_runs
 
-        eight, table = block_kernel_is_fast(), kernels.lut_available()
+        eight, table, fp8 = block_kernel_is_fast(), kernels.lut_available(), fp8_kernel_runs()
         return sum(
             1
             for s in signature
             if (s.storage == "packed-int" and s.bits == 4 and s.input_activations is None)
             or (eight and s.storage in ("packed-int", "int8") and s.bits == 8)
             or (table and s.storage in ("nvfp4", "mxfp4") and s.input_activations is None)
+            or (fp8 and s.storage == "fp8")
         )
 
     def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:

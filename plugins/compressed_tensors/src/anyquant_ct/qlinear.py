@@ -105,6 +105,8 @@ class CTLinear(QuantLinearBase):
             return "the packed tensors were dropped"
         if self.storage in ("int8", "packed-int") and self.args.num_bits == 8:
             return self._q8_0_unsupported()
+        if self.storage == "fp8":
+            return self._e4m3_unsupported()
         if self.storage in ("nvfp4", "mxfp4"):
             from anyquant.runtime import kernels
 
@@ -139,6 +141,59 @@ class CTLinear(QuantLinearBase):
         if not fp16_exact(self.weight_scale):
             return "8-bit scales that float16 does not hold exactly (Q8_0 blocks keep float16 scales)"
         return None
+
+    def _e4m3_scales(self) -> tuple[torch.Tensor, int] | None:
+        """The FP8 kernel's per-row group scales (``None``: a layout its groups cannot hold)."""
+        from anyquant.runtime.kernels.lut import expand_block_scales
+
+        n, k, s, a = self.out_features, self.in_features, self.weight_scale, self.args
+        if a.strategy == "tensor":
+            return s.reshape(1, 1).to(torch.float32).expand(n, 1).contiguous(), k
+        if a.strategy == "channel":
+            return s.reshape(n, 1).to(torch.float32), k
+        if a.strategy == "group" and a.group_size and a.group_size % 16 == 0 and self.weight_g_idx is None:
+            return s.reshape(n, -1).to(torch.float32), a.group_size
+        if (
+            a.strategy == "block"
+            and a.block_structure
+            and k % a.block_structure[1] == 0
+            and a.block_structure[1] % 16 == 0
+        ):
+            return expand_block_scales(s, n, k, a.block_structure)
+        return None
+
+    def _e4m3_unsupported(self) -> str | None:
+        from anyquant.runtime.kernels.lut import fp8_kernel_runs
+
+        if not fp8_kernel_runs():
+            return "FP8 weights run on the compiled kernel's fp8_gemv, which has no vector path here (AVX512F)"
+        if self.weight_zero_point is not None or self.in_features % 16:
+            return "FP8 weights with zero points or rows not a multiple of 16"
+        return (
+            None if self._e4m3_scales() is not None else f"FP8 scales per {self.args.strategy} the kernel does not hold"
+        )
+
+    def _e4m3(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
+        """FP8 bytes as stored on ``fp8_gemv``, behind the input quantization the config asks for."""
+        from anyquant.runtime.kernels.lut import E4M3Linear
+
+        kernel = self._e4m3_scales()
+        assert kernel is not None and self.weight_q is not None
+        layer: torch.nn.Module = E4M3Linear(
+            self.weight_q,
+            kernel[0],
+            group=kernel[1],
+            round_to=self.weight_scale.dtype,
+            bias=self._buffers.get("bias"),
+            small_rows=small_rows or 64,
+            prefill_dtype=prefill_dtype,
+            compute_dtype=self.compute_dtype,
+        )
+        if self.input_args is not None:
+            layer = InputQuantized(
+                layer, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale
+            )
+        return layer
 
     def _fp4_table(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
         """NVFP4/MXFP4 codes kept packed on the 4-bit table kernel: the E2M1 table, each group's scale as
@@ -213,10 +268,12 @@ class CTLinear(QuantLinearBase):
         reason = self.fast_cpu_unsupported()
         if reason is not None:
             raise ValueError(f"compressed-tensors layer cannot run on the fast CPU path: {reason}")
-        if self.args.num_bits == 8:
+        if self.storage in ("int8", "packed-int") and self.args.num_bits == 8:
             return self._q8_0(small_rows, prefill_dtype)
         if self.storage in ("nvfp4", "mxfp4"):
             return self._fp4_table(small_rows, prefill_dtype)
+        if self.storage == "fp8":
+            return self._e4m3(small_rows, prefill_dtype)
         assert self.weight_packed is not None
         q = unpack_int32(self.weight_packed, 4, self.in_features)  # [out, in], -8..7
         codes = (q.to(torch.int16) + 8).to(torch.uint8).t()

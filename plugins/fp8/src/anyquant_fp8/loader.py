@@ -30,13 +30,22 @@ __all__ = ["FP8Loader"]
 class FP8Loader(PackedFormatLoader):
     format = "fp8"
     cpu_fast_description = (
-        "FP8 weights decoded once to bfloat16 (transformers' own dequantized weight) and prepacked for oneDNN; "
-        "bfloat16 activations"
+        "FP8 weights kept as their bytes on the compiled kernel's fp8_gemv (AVX512F; float32 activations), else "
+        "decoded once to bfloat16 (transformers' own dequantized weight) and prepacked for oneDNN"
     )
     serve_hint = "with FP8 support serve it with vLLM (`anyquant serve --engine vllm`)"
 
     def read_signature(self, probe: Probe) -> FP8Scheme:
         return read_scheme(probe)
+
+    def cpu_fast_available(self) -> tuple[bool, str]:
+        from anyquant.runtime.fastcpu import bf16_head_status
+        from anyquant.runtime.kernels.lut import fp8_kernel_runs
+
+        return (True, "") if fp8_kernel_runs() else bf16_head_status()
+
+    def fast_layer_count(self, signature: FP8Scheme) -> int:
+        return len(signature.modules) if self.cpu_fast_available()[0] else 0
 
     def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
         facts = super().facts(probe, detection, options)

@@ -58,18 +58,47 @@ class FP8Linear(QuantLinearBase):
 
     # ------------------------------------------------------------------ cpu-fast
 
-    def fast_cpu_unsupported(self) -> str | None:
-        """Why :meth:`to_fast_cpu` cannot convert this layer (``None`` when it can)."""
-        from anyquant.runtime.fastcpu import bf16_head_status
+    def _kernel_scales(self) -> tuple[torch.Tensor, int] | None:
+        """The op's per-row group scales, or ``None`` where its groups cannot hold this layout (partial blocks)."""
+        from anyquant.runtime.kernels.lut import expand_block_scales
 
+        n, k = self.out_features, self.in_features
+        if self.block is None or self.weight_scale_inv.numel() == 1:
+            return self.weight_scale_inv.reshape(1, 1).to(torch.float32).expand(n, 1).contiguous(), k
+        if k % self.block[1] or self.block[1] % 16:
+            return None
+        return expand_block_scales(self.weight_scale_inv, n, k, self.block)
+
+    def fast_cpu_unsupported(self) -> str | None:
+        """Why :meth:`to_fast_cpu` cannot convert this layer (``None`` when it can): the FP8 kernel where it has its
+        vector path, else a bfloat16 copy where the CPU runs bfloat16 fast."""
+        from anyquant.runtime.fastcpu import bf16_head_status
+        from anyquant.runtime.kernels.lut import fp8_kernel_runs
+
+        if fp8_kernel_runs() and self.in_features % 16 == 0 and self._kernel_scales() is not None:
+            return None
         ok, reason = bf16_head_status()
         return None if ok else reason
 
     def to_fast_cpu(
         self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None
     ) -> torch.nn.Module:
-        """A bfloat16 copy prepacked for oneDNN (:class:`~anyquant.runtime.fastcpu.PrepackedBf16Linear`): the exact
-        weight where the model's dtype is bfloat16 (transformers' dequantized weight is that copy)."""
+        """The FP8 bytes as they are on the compiled kernel's ``fp8_gemv`` (one byte a weight; the exact weight
+        transformers' dequantization), else a bfloat16 copy prepacked for oneDNN."""
         from anyquant.runtime.fastcpu import PrepackedBf16Linear
+        from anyquant.runtime.kernels.lut import E4M3Linear, fp8_kernel_runs
 
-        return PrepackedBf16Linear(self)
+        kernel = self._kernel_scales() if fp8_kernel_runs() and self.in_features % 16 == 0 else None
+        if kernel is None:
+            return PrepackedBf16Linear(self)
+        scales, group = kernel
+        return E4M3Linear(
+            self.weight_fp8,
+            scales,
+            group=group,
+            round_to=self.round_to,
+            bias=self._buffers.get("bias"),
+            small_rows=small_rows or 64,
+            prefill_dtype=prefill_dtype,
+            compute_dtype=self.compute_dtype,
+        )

@@ -3,13 +3,11 @@ nf4/fp4 (the table is its ``quant_map``, the scale its block's absmax), FP4 E2M1
 scales, kept packed (half a byte a weight, plus a float32 scale per group) instead of decoded to bfloat16.
 
 - few rows (``<= small_rows``: decode): ``torch.ops.anyquant.lut4_gemv`` (``lut_gemv.cpp``): each weight formed in
-  float32 as ``lut[q] * s``, float32 activations, float32 sums; no activation rounding;
+  float32 as ``lut[q] * s`` and rounded as the format rounds it (its exact weight), float32 activations, float32
+  sums: no activation rounding, only the summation order differs from the exact path;
 - many rows (prompts) and :meth:`Lut4Linear.dequantize`: the format's exact weight, ``round_to(dtype, lut[q] * s)``
   (float32 product, one rounding: bitsandbytes' ``dequantize_4bit``, compressed-tensors' and mlx's FP4 decoders),
   and a GEMM in ``prefill_dtype``.
-
-The decode path leaves out that rounding of each weight to ``round_to`` (bfloat16: a relative 2**-9 at most, like
-GQ4's float16 rounding on the block kernel): inside cpu-fast's tolerance.
 """
 
 from __future__ import annotations
@@ -19,7 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Lut4Linear", "lut4_codes"]
+#: the ops' ``round``: each formed weight rounded to the format's dtype before the multiply-add
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+__all__ = ["E4M3Linear", "Lut4Linear", "expand_block_scales", "fp8_kernel_runs", "lut4_codes"]
 
 
 def lut4_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -83,7 +84,7 @@ class Lut4Linear(nn.Module):
         y: torch.Tensor
         if x2.shape[0] <= self.small_rows:
             y = torch.ops.anyquant.lut4_gemv(
-                x2.to(torch.float32).contiguous(), self.codes, self.scales, self.lut, self.group
+                x2.to(torch.float32).contiguous(), self.codes, self.scales, self.lut, self.group, _ROUND[self.round_to]
             )
             y = y.to(x.dtype)
         else:
@@ -111,5 +112,87 @@ class Lut4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, 4-bit table, group={self.group}, "
+            f"exact={str(self.round_to).replace('torch.', '')}, small_rows={self.small_rows}"
+        )
+
+
+def fp8_kernel_runs() -> bool:
+    """Whether ``anyquant::fp8_gemv`` has its vector path here (AVX512F; elsewhere its scalar loop is slower than a
+    bfloat16 or float32 copy, so formats keep those)."""
+    from . import lut_available, lut_isa
+
+    return lut_available() and lut_isa() == 2
+
+
+def expand_block_scales(scales: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    """``[ceil(rows/bh), ceil(cols/bw)]`` block scales as the op's per-row groups: ``([rows, cols/bw], bw)``."""
+    bh, bw = block
+    return scales.to(torch.float32).repeat_interleave(bh, dim=0)[:rows].contiguous(), bw
+
+
+class E4M3Linear(nn.Module):
+    """``y = x @ W.T + b`` with ``W[n, k] = round_to(e4m3(q[n, k]) * scales[n, k // group])``: FP8 weights kept as their
+    bytes (``quant_method: fp8``, compressed-tensors' float-quantized). Few rows: ``torch.ops.anyquant.fp8_gemv``
+    (each weight formed in float32 and rounded to ``round_to``: the exact weight; float32 activations); many rows and
+    :meth:`dequantize`: the exact weight (float32 product, one rounding to ``round_to``) and a GEMM."""
+
+    weight_bits: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        *,
+        group: int,
+        round_to: torch.dtype,
+        bias: torch.Tensor | None = None,
+        small_rows: int = 64,
+        prefill_dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        out_features, in_features = weight.shape
+        if in_features % 16 or group < 16 or group % 16 or in_features % group:
+            raise ValueError(f"E4M3Linear needs in_features a multiple of 16 and of group {group}, not {in_features}")
+        if tuple(scales.shape) != (out_features, in_features // group):
+            raise ValueError(
+                f"scales {tuple(scales.shape)} do not fit [{out_features}, {in_features}] in groups of {group}"
+            )
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.round_to, self.small_rows, self.prefill_dtype = round_to, small_rows, prefill_dtype
+        self.register_buffer("weight_bits", weight.contiguous().view(torch.uint8))
+        self.register_buffer("scales", scales.to(torch.float32).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        w = self.weight_bits.view(torch.float8_e4m3fn).to(torch.float32)
+        return (w * self.scales.repeat_interleave(self.group, dim=1)).to(self.round_to)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        y: torch.Tensor
+        if x2.shape[0] <= self.small_rows:
+            y = torch.ops.anyquant.fp8_gemv(
+                x2.to(torch.float32).contiguous(), self.weight_bits, self.scales, self.group, _ROUND[self.round_to]
+            )
+            y = y.to(x.dtype)
+        else:
+            dtype = self.prefill_dtype or x.dtype
+            y = torch.mm(x2.to(dtype), self.dequantize().to(dtype).t()).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    _apply = Lut4Linear._apply  # the bytes stay on the CPU; casts reach the bias only
+
+    def packed_bytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values() if b is not None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, group={self.group}, "
             f"exact={str(self.round_to).replace('torch.', '')}, small_rows={self.small_rows}"
         )

@@ -4,24 +4,57 @@
 // Codes: uint8 [N, K/2], per block of 32 codes 16 bytes, byte j holding code j (low nibble) and code j + 16 (high
 // nibble), as GGUF's Q4 blocks. Scales: float32 [N, K/group], group 16, 32, 64, ... (a block's two halves may have
 // two scales: NVFP4's groups of 16). Each weight is formed in float32 as lut[q] * s and multiplied with the float32
-// activation (fused multiply-add in the vector paths), summed per row in float32: no activation rounding; against
-// a format that rounds each weight to bfloat16 (bitsandbytes, NVFP4) the difference is that rounding.
+// activation (fused multiply-add in the vector paths), summed per row in float32: no activation rounding; with
+// ``round`` each weight is first rounded as the format rounds it (bfloat16, float16): the format's own weights.
 // Vector paths: AVX512F (vpermps over the 16-entry table), AVX2 + FMA (two 8-entry permutes and a blend), scalar.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace {
 
 constexpr int64_t MAX_ROWS = 4;  // activation rows per pass over a weight row
 
+// Each formed weight rounded as the format rounds it (round: 0 float32 as formed, 1 bfloat16, 2 float16; nearest
+// even), so that the decode path multiplies the format's own weights.
+__attribute__((target("avx512f"))) inline __m512 round512(__m512 w, int64_t round) {
+  if (round == 1) {
+    const __m512i b = _mm512_castps_si512(w);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  if (round == 2) return _mm512_cvtph_ps(_mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return w;
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 round256(__m256 w, int64_t round) {
+  if (round == 1) {
+    const __m256i b = _mm256_castps_si256(w);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  if (round == 2) return _mm256_cvtph_ps(_mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return w;
+}
+
+inline float round1(float w, int64_t round) {
+  if (round == 1) return static_cast<float>(c10::BFloat16(w));
+  if (round == 2) return static_cast<float>(c10::Half(w));
+  return w;
+}
+
 __attribute__((target("avx512f"))) void row_avx512(const uint8_t* c, const float* s, const float* x, int64_t ldx,
                                                    int64_t m, int64_t k, int64_t group, const float* lut,
-                                                   float* y) {
+                                                   int64_t round, float* y) {
   const __m512 table = _mm512_loadu_ps(lut);
   const __m512i fifteen = _mm512_set1_epi32(15);
   __m512 acc[MAX_ROWS];
@@ -29,10 +62,12 @@ __attribute__((target("avx512f"))) void row_avx512(const uint8_t* c, const float
   const int64_t blocks = k / 32;
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16)));
-    const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v, fifteen), table),
-                                    _mm512_set1_ps(s[(b * 32) / group]));
-    const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table),
-                                    _mm512_set1_ps(s[(b * 32 + 16) / group]));
+    const __m512 lo = round512(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v, fifteen), table),
+                                             _mm512_set1_ps(s[(b * 32) / group])),
+                               round);
+    const __m512 hi = round512(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table),
+                                             _mm512_set1_ps(s[(b * 32 + 16) / group])),
+                               round);
     for (int64_t r = 0; r < m; ++r) {
       const float* xr = x + r * ldx + b * 32;
       acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
@@ -42,15 +77,16 @@ __attribute__((target("avx512f"))) void row_avx512(const uint8_t* c, const float
   for (int64_t r = 0; r < m; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-__attribute__((target("avx2,fma"))) inline __m256 lookup8(__m256i idx, __m256 lut_lo, __m256 lut_hi) {
+__attribute__((target("avx2,fma,f16c"))) inline __m256 lookup8(__m256i idx, __m256 lut_lo, __m256 lut_hi) {
   const __m256 a = _mm256_permutevar8x32_ps(lut_lo, idx);
   const __m256 b = _mm256_permutevar8x32_ps(lut_hi, idx);
   const __m256i high = _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7));
   return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(high));
 }
 
-__attribute__((target("avx2,fma"))) void row_avx2(const uint8_t* c, const float* s, const float* x, int64_t ldx,
-                                                 int64_t m, int64_t k, int64_t group, const float* lut, float* y) {
+__attribute__((target("avx2,fma,f16c"))) void row_avx2(const uint8_t* c, const float* s, const float* x, int64_t ldx,
+                                                      int64_t m, int64_t k, int64_t group, const float* lut,
+                                                      int64_t round, float* y) {
   const __m256 lut_lo = _mm256_loadu_ps(lut), lut_hi = _mm256_loadu_ps(lut + 8);
   const __m256i fifteen = _mm256_set1_epi32(15);
   __m256 acc[MAX_ROWS];
@@ -61,8 +97,10 @@ __attribute__((target("avx2,fma"))) void row_avx2(const uint8_t* c, const float*
     for (int half = 0; half < 2; ++half) {  // bytes 0..7 then 8..15 of the block
       const __m256i v =
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + b * 16 + half * 8)));
-      const __m256 lo = _mm256_mul_ps(lookup8(_mm256_and_si256(v, fifteen), lut_lo, lut_hi), _mm256_set1_ps(s_lo));
-      const __m256 hi = _mm256_mul_ps(lookup8(_mm256_srli_epi32(v, 4), lut_lo, lut_hi), _mm256_set1_ps(s_hi));
+      const __m256 lo =
+          round256(_mm256_mul_ps(lookup8(_mm256_and_si256(v, fifteen), lut_lo, lut_hi), _mm256_set1_ps(s_lo)), round);
+      const __m256 hi =
+          round256(_mm256_mul_ps(lookup8(_mm256_srli_epi32(v, 4), lut_lo, lut_hi), _mm256_set1_ps(s_hi)), round);
       for (int64_t r = 0; r < m; ++r) {
         const float* xr = x + r * ldx + b * 32 + half * 8;
         acc[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xr), acc[r]);
@@ -78,17 +116,63 @@ __attribute__((target("avx2,fma"))) void row_avx2(const uint8_t* c, const float*
 }
 
 void row_scalar(const uint8_t* c, const float* s, const float* x, int64_t ldx, int64_t m, int64_t k, int64_t group,
-                const float* lut, float* y) {
+                const float* lut, int64_t round, float* y) {
   for (int64_t r = 0; r < m; ++r) {
     float acc = 0.0f;
     for (int64_t b = 0; b < k / 32; ++b) {
       const float s_lo = s[(b * 32) / group], s_hi = s[(b * 32 + 16) / group];
       for (int j = 0; j < 16; ++j) {
         const uint8_t byte = c[b * 16 + j];
-        acc += lut[byte & 15] * s_lo * x[r * ldx + b * 32 + j];
-        acc += lut[byte >> 4] * s_hi * x[r * ldx + b * 32 + 16 + j];
+        acc += round1(lut[byte & 15] * s_lo, round) * x[r * ldx + b * 32 + j];
+        acc += round1(lut[byte >> 4] * s_hi, round) * x[r * ldx + b * 32 + 16 + j];
       }
     }
+    y[r] = acc;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------- FP8 E4M3
+// anyquant::fp8_gemv: y = x @ W.T for W[n, k] = e4m3(q[n, k]) * s[n, k / group]: FP8 weights as stored (one byte),
+// decoded to float32 by their bits (normal: sign | (exponent + 120) << 23 | mantissa << 20; subnormal: mantissa *
+// 2**-9), times their group's float scale, float32 activations and sums. NaN codes are the caller's to refuse.
+
+__attribute__((target("avx512f"))) inline __m512 e4m3_16(__m128i raw) {
+  const __m512i v = _mm512_cvtepu8_epi32(raw);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(v, 3), _mm512_set1_epi32(15));
+  const __m512i m = _mm512_and_si512(v, _mm512_set1_epi32(7));
+  const __m512i normal = _mm512_or_si512(
+      sign, _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23), _mm512_slli_epi32(m, 20)));
+  const __m512 sub = _mm512_castsi512_ps(_mm512_or_si512(
+      sign, _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(1.0f / 512.0f)))));
+  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  return _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(normal), sub);
+}
+
+__attribute__((target("avx512f"))) void fp8_row_avx512(const uint8_t* c, const float* s, const float* x, int64_t ldx,
+                                                       int64_t m, int64_t k, int64_t group, int64_t round, float* y) {
+  __m512 acc[MAX_ROWS];
+  for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16) {
+    const __m512 w = round512(
+        _mm512_mul_ps(e4m3_16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j))), _mm512_set1_ps(s[j / group])),
+        round);
+    for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * ldx + j), acc[r]);
+  }
+  for (int64_t r = 0; r < m; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+inline float e4m3_scalar(uint8_t b) {
+  const int e = (b >> 3) & 15, mant = b & 7;
+  const float mag = e == 0 ? mant / 512.0f : std::ldexp(1.0f + mant / 8.0f, e - 7);
+  return (b & 0x80) ? -mag : mag;
+}
+
+void fp8_row_scalar(const uint8_t* c, const float* s, const float* x, int64_t ldx, int64_t m, int64_t k, int64_t group,
+                    int64_t round, float* y) {
+  for (int64_t r = 0; r < m; ++r) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < k; ++j) acc += round1(e4m3_scalar(c[j]) * s[j / group], round) * x[r * ldx + j];
     y[r] = acc;
   }
 }
@@ -101,7 +185,8 @@ int64_t lut_isa_here() {
 }
 
 at::Tensor lut4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut,
-                     int64_t group, int64_t isa) {
+                     int64_t group, int64_t round, int64_t isa) {
+  TORCH_CHECK(round >= 0 && round <= 2, "round is 0 (float32), 1 (bfloat16) or 2 (float16), not ", round);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: uint8 [N, K/2]");
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
@@ -130,9 +215,44 @@ at::Tensor lut4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
         const uint8_t* c = cp + row * (k / 2);
         const float* s = sp + row * sk;
         const float* xr = xp + r0 * k;
-        if (path == 2) row_avx512(c, s, xr, k, rows, k, group, lp, out);
-        else if (path == 1) row_avx2(c, s, xr, k, rows, k, group, lp, out);
-        else row_scalar(c, s, xr, k, rows, k, group, lp, out);
+        if (path == 2) row_avx512(c, s, xr, k, rows, k, group, lp, round, out);
+        else if (path == 1) row_avx2(c, s, xr, k, rows, k, group, lp, round, out);
+        else row_scalar(c, s, xr, k, rows, k, group, lp, round, out);
+        for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * n + row] = out[r];
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t group,
+                    int64_t round, int64_t isa) {
+  TORCH_CHECK(round >= 0 && round <= 2, "round is 0 (float32), 1 (bfloat16) or 2 (float16), not ", round);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(weight.dim() == 2 && weight.element_size() == 1 && weight.is_contiguous(),
+              "weight: contiguous one-byte [N, K] (float8_e4m3fn or its uint8 bits)");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "scales: contiguous float32 [N, K/group]");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(k > 0 && k % 16 == 0 && weight.size(1) == k, "K must be a positive multiple of 16 and the weight's width");
+  TORCH_CHECK(group >= 16 && group % 16 == 0 && k % group == 0, "group ", group, " must be a multiple of 16 dividing ", k);
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == k / group, "scales must be [", n, ", ", k / group, "]");
+  const int64_t here = lut_isa_here() == 2 ? 2 : 0;  // the vector path is AVX512F's; else scalar
+  const int64_t path = isa < 0 ? here : isa;
+  TORCH_CHECK(path == 0 || path == here, "isa ", isa, " does not run fp8_gemv on this CPU (best: ", here, ")");
+  auto y = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = static_cast<const uint8_t*>(weight.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t sk = k / group;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float out[MAX_ROWS];
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
+        const int64_t rows = std::min<int64_t>(MAX_ROWS, m - r0);
+        if (path == 2) fp8_row_avx512(cp + row * k, sp + row * sk, xp + r0 * k, k, rows, k, group, round, out);
+        else fp8_row_scalar(cp + row * k, sp + row * sk, xp + r0 * k, k, rows, k, group, round, out);
         for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * n + row] = out[r];
       }
     }
@@ -145,8 +265,12 @@ int64_t lut_isa() { return lut_isa_here(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(anyquant, m) {
-  m.def("lut4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor lut, int group, int isa=-1) -> Tensor");
+  m.def("lut4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor lut, int group, int round=0, int isa=-1) -> Tensor");
+  m.def("fp8_gemv(Tensor x, Tensor weight, Tensor scales, int group, int round=0, int isa=-1) -> Tensor");
   m.def("lut_isa() -> int", &lut_isa);
 }
 
-TORCH_LIBRARY_IMPL(anyquant, CPU, m) { m.impl("lut4_gemv", &lut4_gemv); }
+TORCH_LIBRARY_IMPL(anyquant, CPU, m) {
+  m.impl("lut4_gemv", &lut4_gemv);
+  m.impl("fp8_gemv", &fp8_gemv);
+}
