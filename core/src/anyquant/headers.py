@@ -98,11 +98,15 @@ class SafetensorsHeader:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
+    """``json``'s ``object_pairs_hook``: the object, or :class:`_DuplicateKey` when two of its keys are
+    equal once parsed (``"data_offsets"`` and ``"data\\u005foffsets"`` are the same key)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return out
 
 
@@ -161,11 +165,9 @@ def read_safetensors_header(path: Path, rel_name: str) -> SafetensorsHeader:
     parsed = loads_json(blob, f"{rel_name} header", strict_keys=False)
     if not isinstance(parsed, dict):
         raise HeaderError(f"{rel_name}: header is a JSON {type(parsed).__name__}, expected an object")
-    n_tensor_keys = len(parsed) - ("__metadata__" in parsed)
-    if blob.count(b'"data_offsets"') > n_tensor_keys:
-        # more entries in the text than tensor keys in the object (``__metadata__`` has none): a
-        # duplicate name was collapsed by json.loads (or "data_offsets" appears inside a string);
-        # the strict parse decides.
+    if not _no_duplicate_keys(blob, parsed):
+        # perhaps a duplicate key (at any level, spelled with escapes or not) that json.loads collapsed:
+        # the strict parse, on the parsed keys, decides
         loads_json(blob, f"{rel_name} header")
     data_size = size - 8 - header_len
     metadata: dict[str, str] = {}
@@ -177,6 +179,25 @@ def read_safetensors_header(path: Path, rel_name: str) -> SafetensorsHeader:
     tensors = _tensor_infos(parsed, rel_name, data_size)
     _check_overlaps(tensors, rel_name)
     return SafetensorsHeader(rel_name, size, header_len, metadata, tuple(tensors))
+
+
+def _no_duplicate_keys(blob: bytes, parsed: dict[str, Any]) -> bool:
+    """True when the parse of ``blob`` (``parsed``, by a plain ``json.loads``) provably collapsed no
+    duplicate key; False when it may have (the strict parse then decides).
+
+    Every key in the text is followed by exactly one ``:`` byte outside any string, and no other byte
+    outside strings is one (a ``:`` inside a string only adds to the count; an escape such as
+    ``\\u003a`` is no ``:`` byte; UTF-8 never puts 0x3A inside a character), so the count of ``:`` bytes
+    is at least the number of keys written, whatever the escapes. The keys of the top-level object and
+    of its objects one level down (the tensors' entries, ``__metadata__``) are at most the keys parsed,
+    which are the keys written less those a duplicate collapsed. Equal counts leave no room for a
+    duplicate at any level (keys of objects deeper down are in the first count only, so any such object
+    sends the header to the strict parse). Cheaper than ``object_pairs_hook`` on every object of every
+    header, which the strict parse runs when the counts differ."""
+    entries = list(parsed.values())
+    if not set(map(type, entries)) <= {dict}:
+        return False
+    return blob.count(b":") == len(parsed) + sum(map(len, entries))
 
 
 def _tensor_info(name: str, entry: Any, rel_name: str, data_size: int) -> TensorInfo:

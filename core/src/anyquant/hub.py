@@ -12,6 +12,8 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import re
+import uuid
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
@@ -54,6 +56,7 @@ def download(model: str, *, revision: str | None = None, include: str | None = N
     mid = parse_model_id(model, revision)
     if mid is None or Path(model).expanduser().exists():
         raise ParameterError(f"{model}: not a Hugging Face model id (owner/name): only a Hub model is downloaded")
+    _check_hub_revision(mid.revision, str(mid))
     if offline():
         return _cached(mid, include)
     try:
@@ -66,6 +69,10 @@ def download(model: str, *, revision: str | None = None, include: str | None = N
     cache = hub_cache_dir()
     try:
         info = HfApi(endpoint=endpoint).model_info(mid.repo_id, revision=mid.revision)
+        # the commit the Hub answered names folders in the cache (snapshots/<sha>, trees/<sha>.json):
+        # checked before huggingface_hub sees it, then the whole download is pinned to it, so the
+        # endpoint is never asked again (and cannot answer otherwise the second time)
+        sha = _checked_commit(info.sha, mid)
         files = [s.rfilename for s in info.siblings or ()]
         chosen = select_files(files, mid, include)
         index = next((f for f in chosen if PurePosixPath(f).name in INDEX_NAMES), None)
@@ -73,13 +80,17 @@ def download(model: str, *, revision: str | None = None, include: str | None = N
             from huggingface_hub import hf_hub_download
 
             named = _index_shards(
-                hf_hub_download(mid.repo_id, index, revision=info.sha, cache_dir=cache, endpoint=endpoint), index
+                hf_hub_download(mid.repo_id, index, revision=sha, cache_dir=cache, endpoint=endpoint), index
             )
             chosen = select_files(files, mid, include, index_shards=named)
-        log.info("downloading %s (%s): %s", mid, info.sha, chosen)
-        snapshot = snapshot_download(
-            mid.repo_id, revision=mid.revision, allow_patterns=chosen, cache_dir=cache, endpoint=endpoint
+        log.info("downloading %s (%s): %s", mid, sha, chosen)
+        snapshot = Path(
+            snapshot_download(mid.repo_id, revision=sha, allow_patterns=chosen, cache_dir=cache, endpoint=endpoint)
         )
+        storage = Path(cache) / ("models--" + mid.repo_id.replace("/", "--"))
+        if os.path.abspath(snapshot) != os.path.abspath(storage / "snapshots" / sha):
+            raise DownloadError(f"{mid}: huggingface_hub returned {snapshot}, not the snapshot of commit {sha}")
+        _keep_ref(storage, mid.revision or "main", sha, mid)
     except AnyquantError:
         raise
     except Exception as exc:  # huggingface_hub's HTTP errors (not found, gated, 5xx), a dropped connection, a full disk
@@ -89,8 +100,68 @@ def download(model: str, *, revision: str | None = None, include: str | None = N
         ) from exc
     weights = [f for f in chosen if f.endswith(".gguf")]
     if mid.inside:
-        return Path(snapshot) / mid.inside
-    return Path(snapshot) / weights[0] if len(weights) == 1 else Path(snapshot)
+        return snapshot / mid.inside
+    return snapshot / weights[0] if len(weights) == 1 else snapshot
+
+
+#: a commit hash as huggingface_hub's cache names it (its ``REGEX_COMMIT_HASH``)
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+#: bytes no git ref (so no Hub branch or tag) holds: controls, space, ``~^:?*[\\`` and DEL
+_BAD_REF_CHARS = re.compile(r"[\x00-\x20~^:?*\[\\\x7f]")
+
+
+def _check_hub_revision(revision: str | None, what: str) -> None:
+    """Refuse (:class:`ProbeError`) a revision that no Hub repository can have, before huggingface_hub is
+    called with it (it becomes a URL and a path in the cache, ``refs/<revision>``): beyond the path checks
+    every model id has (no empty, ``.`` or ``..`` part, no ``\\``, NUL or leading ``/``), git's rules for a
+    ref name (``git check-ref-format``): no control character, space or ``~^:?*[``, no ``@{``, no part
+    starting with ``.`` or ending with ``.lock``, no ``.`` at the end, not ``@``, no ``-`` first."""
+    if revision is None:
+        return
+    parts = revision.split("/")
+    if (
+        not revision
+        or len(revision) > 255
+        or _BAD_REF_CHARS.search(revision)
+        or "@{" in revision
+        or revision == "@"
+        or revision.startswith("-")
+        or revision.endswith(".")
+        or any(not p or p.startswith(".") or p.endswith(".lock") for p in parts)
+    ):
+        raise ProbeError(f"{what}: {revision!r} is not a revision (a branch, tag or commit hash) the Hub can hold")
+
+
+def _checked_commit(sha: object, mid: ModelId) -> str:
+    """The commit hash the Hub answered for ``mid``, when it is one (40 lowercase hexadecimal digits)."""
+    if not isinstance(sha, str) or not _COMMIT.fullmatch(sha):
+        raise DownloadError(
+            f"{mid}: the Hub answered {str(sha)[:100]!r} as the commit of {mid.revision or 'main'}, which is not a "
+            "commit hash (40 hexadecimal digits): nothing was downloaded (is HF_ENDPOINT a Hub?)"
+        )
+    return sha
+
+
+def _keep_ref(storage: Path, revision: str, sha: str, mid: ModelId) -> None:
+    """Record in the cache that ``revision`` is commit ``sha`` (``refs/<revision>``), as huggingface_hub does
+    when it resolves a branch itself: the download was pinned to ``sha``, so it did not. Written as a new
+    file renamed into place (a link there is replaced, never written through); a ``refs`` folder that
+    leads out of the repository's folder is refused."""
+    if revision == sha:
+        return
+    refs = storage / "refs"
+    ref = refs / revision
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    if storage.resolve() not in refs.resolve().parents or refs.resolve() not in (
+        ref.parent.resolve(),
+        *ref.parent.resolve().parents,
+    ):
+        raise DownloadError(f"{mid}: {ref.parent} leads out of the Hugging Face cache's {storage}: not written")
+    if not ref.is_symlink() and ref.is_file() and ref.read_text(encoding="ascii", errors="replace") == sha:
+        return
+    tmp = ref.with_name(f"{ref.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(sha, encoding="ascii")
+    os.replace(tmp, ref)
 
 
 def _cached(mid: ModelId, include: str | None) -> Path:

@@ -281,6 +281,8 @@ class Probe:
 _MODEL_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})(?:/(.+))?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _COMMIT_PREFIX = re.compile(r"[0-9a-f]{7,40}")
+#: a pull request's revision: ``refs/pr/N``, the Hub's name, or ``pr/N``
+_PULL_REQUEST = re.compile(r"(?:refs/)?(pr/[0-9]{1,9})")
 
 
 def hub_cache_dir() -> Path:
@@ -388,7 +390,8 @@ def resolve_checkpoint(path: str | os.PathLike[str], revision: str | None = None
     that model's snapshot in the local Hugging Face cache (:func:`hub_cache_dir`), and for
     ``owner/name/<path>`` that path in the snapshot (one ``.gguf`` of a repository that holds several);
     else ``path`` unchanged. The snapshot is the revision asked for (``@revision`` or ``revision=``: a
-    branch or tag the cache's ``refs/`` names, or a commit hash or a unique prefix of one), else the one
+    branch or tag the cache's ``refs/`` names, a pull request as ``refs/pr/N`` or ``pr/N``, or a commit hash
+    or a unique prefix of one), else the one
     ``refs/main`` names, or the only one there is. Reads only the local cache: nothing is downloaded. A
     revision the cache does not hold is a :class:`~anyquant.errors.RevisionNotFoundError` listing those
     it holds; a ref that is not a commit hash, or names no snapshot, or several snapshots and no
@@ -448,9 +451,10 @@ def _revision_snapshot(repo: Path, mid: ModelId) -> Path:
     commit hash (or a unique prefix of at least 7 hexadecimal digits)."""
     rev = mid.revision or "main"
     refs, snapshots = repo / "refs", repo / "snapshots"
-    ref = refs / rev
-    if ref.is_file() and refs.resolve() in ref.resolve().parents:
-        return _ref_snapshot(repo, ref, mid)
+    for name in _ref_names(rev):
+        ref = refs / name
+        if ref.is_file() and refs.resolve() in ref.resolve().parents:
+            return _ref_snapshot(repo, ref, mid)
     if _COMMIT_PREFIX.fullmatch(rev):
         found = sorted(d.name for d in snapshots.iterdir() if d.is_dir() and d.name.startswith(rev))
         if len(found) == 1:
@@ -464,6 +468,18 @@ def _revision_snapshot(repo: Path, mid: ModelId) -> Path:
         f"Download it: `{download_command(ModelId(mid.repo_id, mid.inside, rev))}` (or load(..., download=True), "
         f"`anyquant download {mid.repo_id}@{rev}`)"
     )
+
+
+def _ref_names(rev: str) -> tuple[str, ...]:
+    """The names under a cached repository's ``refs/`` that may hold revision ``rev``: ``rev`` itself
+    (huggingface_hub keeps a revision asked for as ``refs/<revision>``), then, for a pull request, its
+    other spelling: the Hub names pull request N ``refs/pr/N`` (kept as ``refs/refs/pr/N``), which
+    ``pr/N`` also finds, and ``refs/pr/N`` finds a ref kept as ``pr/N``. ``rev`` has passed
+    :func:`_check_revision`, and the other spelling only adds or drops the leading ``refs/``."""
+    m = _PULL_REQUEST.fullmatch(rev)
+    if m is None:
+        return (rev,)
+    return (rev, m.group(1)) if rev.startswith("refs/") else (rev, "refs/" + rev)
 
 
 def _named_refs(repo: Path) -> list[Path]:
