@@ -18,6 +18,11 @@ from anyquant_gguf.reader import UnsupportedGGUFType, load_raw, load_tensor
 # byte offsets of the float16 scales in each K-quant super-block
 _K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 _QUANTIZABLE = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
+#: the legacy and K-quant types (the others: test_gguf_more_types.py)
+_CLASSIC = sorted(_QUANTIZABLE | set(_K_SCALE_OFFSETS))
+#: MXFP4, NVFP4, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0 and the lattice IQ types (test_gguf_more_types.py)
+_MORE = {Q.MXFP4, Q.NVFP4, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S}
+_MORE |= {Q.IQ1_S, Q.IQ1_M}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -49,10 +54,11 @@ def _dequant_pair(data: np.ndarray, qtype: Q) -> tuple[torch.Tensor, torch.Tenso
 
 def test_packed_types() -> None:
     assert {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K} <= PACKED_TYPES
-    assert PACKED_TYPES == {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    assert set(_CLASSIC) == {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    assert PACKED_TYPES == set(_CLASSIC) | _MORE
 
 
-@pytest.mark.parametrize("qtype", sorted(PACKED_TYPES), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", _CLASSIC, ids=lambda q: q.name)
 def test_bit_exact_random_blocks(qtype: Q) -> None:
     data = _blocks(qtype, rows=12, blocks_per_row=3, seed=int(qtype))
     ours, reference = _dequant_pair(data, qtype)
@@ -82,8 +88,8 @@ def test_dense_types(qtype: Q) -> None:
 
 
 def test_dequant_errors() -> None:
-    with pytest.raises(UnsupportedGGUFType, match="IQ4_NL"):
-        dequantize_blocks_torch(torch.zeros(18, dtype=torch.uint8), Q.IQ4_NL, (32,))
+    with pytest.raises(UnsupportedGGUFType, match="Q1_0"):
+        dequantize_blocks_torch(torch.zeros(18, dtype=torch.uint8), Q.Q1_0, (128,))
     with pytest.raises(ValueError, match="needs 40 bytes"):
         dequantize_blocks_torch(torch.zeros(39, dtype=torch.uint8), Q.Q4_1, (2, 32))
     with pytest.raises(ValueError, match="multiple"):
@@ -144,8 +150,8 @@ def test_gguf_linear_modes_and_errors() -> None:
         lin.set_mode("lazy")  # type: ignore[arg-type]
     with pytest.raises(UnsupportedGGUFType, match="F32"):
         GGUFLinear.from_raw(torch.zeros(8 * 4 * 32, dtype=torch.uint8), Q.F32, (8, 32))
-    with pytest.raises(UnsupportedGGUFType, match="IQ4_XS"):
-        GGUFLinear.from_raw(torch.zeros(136, dtype=torch.uint8), Q.IQ4_XS, (1, 256))
+    with pytest.raises(UnsupportedGGUFType, match="Q8_K"):
+        GGUFLinear.from_raw(torch.zeros(292, dtype=torch.uint8), Q.Q8_K, (1, 256))
     with pytest.raises(ValueError, match="qweight"):
         GGUFLinear.from_raw(torch.zeros(17, dtype=torch.uint8), Q.Q4_0, (1, 32))
 

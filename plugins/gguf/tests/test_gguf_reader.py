@@ -270,19 +270,19 @@ def test_unknown_tensor_name(make_gguf: Callable[..., Path]) -> None:
 def test_unsupported_tensor_type(make_gguf: Callable[..., Path]) -> None:
     from gguf import GGUFWriter
 
-    path = make_gguf("iq.gguf", "llama", _base_metadata(), _embedding())
-    raw = np.random.default_rng(0).integers(0, 255, (4, 18), dtype=np.uint8)  # 4 x 32 IQ4_NL
+    path = make_gguf("q1.gguf", "llama", _base_metadata(), _embedding())
+    raw = np.random.default_rng(0).integers(0, 255, (4, 18), dtype=np.uint8)  # 4 x 128 Q1_0 (no dequantizer yet)
     writer = GGUFWriter(str(path), "llama")
-    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=Q.IQ4_NL)
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=Q.Q1_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     reader = open_gguf(path)
-    assert tensor_type_name(reader, "blk.0.ffn_up.weight") == "IQ4_NL"
-    with pytest.raises(UnsupportedGGUFType, match="IQ4_NL"):
+    assert tensor_type_name(reader, "blk.0.ffn_up.weight") == "Q1_0"
+    with pytest.raises(UnsupportedGGUFType, match="Q1_0"):
         load_tensor(reader, "blk.0.ffn_up.weight")
-    with pytest.raises(UnsupportedGGUFType, match="IQ4_NL"):
+    with pytest.raises(UnsupportedGGUFType, match="Q1_0"):
         load_raw(reader, "blk.0.ffn_up.weight")
     with pytest.raises(KeyError, match="nope"):
         load_tensor(reader, "nope.weight")

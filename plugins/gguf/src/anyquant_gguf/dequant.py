@@ -12,10 +12,21 @@ Block layouts (bytes, little endian; ``d``/``m``/``dmin`` are float16):
 * Q5_1 (32 w, 24 B): d, m, 4 B high bits, 16 B nibbles; w = d*q + m
 * Q8_0 (32 w, 34 B): d, 32 int8; w = q*d
 * Q2_K .. Q6_K (256 w super-blocks): see the per-type functions below.
+* IQ4_NL (32 w, 18 B): d, 16 B nibbles (as Q4_0) indexing llama.cpp's 16 non-linear int8 values; w = d*v[q]
+* IQ4_XS (256 w, 136 B): d, 8 six-bit sub-block scales, IQ4_NL nibbles; w = d*(s-32)*v[q]
+* MXFP4 (32 w, 17 B): e8m0 exponent byte, 16 B e2m1 nibbles (as Q4_0); w = 2^(e-128)*2*fp4[q]
+* NVFP4 (64 w, 36 B): 4 ue4m3 scales (one per 16 w), 32 B e2m1 nibbles; w = (ue4m3(s)/2)*(2*fp4[q])
+* TQ1_0 / TQ2_0 (256 w): ternary digits (base 3 packed five per byte / 2 bits each), d; w = d*(t-1)
+* IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (256 w): codes indexing llama.cpp's lattice
+  ("grid") tables with per-group signs and scales. The grids (256 to 2048 rows of 4 or 8 values) are not
+  copied here: :func:`_grid` takes them from the installed ``gguf`` package (``gguf.quants``, which the
+  GGUF format already requires), on first use of such a type only.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -24,7 +35,7 @@ from anyquant.plugin import CheckpointError
 
 from .ggml import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["PACKED_TYPES", "UnsupportedGGUFType", "dequantize_blocks_torch", "packed_nbytes"]
+__all__ = ["PACKED_TYPES", "UnsupportedGGUFType", "check_supported", "dequantize_blocks_torch", "packed_nbytes"]
 
 Q = GGMLQuantizationType
 _QK_K = 256
@@ -191,6 +202,241 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return _float(q, n, 16, 16).mul_(dl).reshape(n, _QK_K)
 
 
+# --------------------------------------------------------------------------- lookup-table types
+
+
+def _lut(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``table[codes]`` (float32; ``codes`` any integer dtype, any shape; int32 indices: half int64's memory)."""
+    return table.index_select(0, codes.reshape(-1).to(torch.int32)).reshape(*codes.shape, *table.shape[1:])
+
+
+#: llama.cpp's ``kvalues_iq4nl``
+_IQ4NL_VALUES = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32
+)
+#: llama.cpp's ``kvalues_mxfp4``: the e2m1 values doubled (the scale is halved to match)
+_MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    q = _lut(_IQ4NL_VALUES, _unpack(b[:, 2:], 16, _NIBBLE, 0x0F).reshape(b.shape[0], 32))
+    return q.mul_(_f16(b, 0))
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """d, scales_h (uint16: 2 bits per sub-block), scales_l[4] (nibbles), qs[128] (per 16 bytes: 16 low, 16 high)."""
+    n = b.shape[0]
+    low = _unpack(b[:, 4:8], 1, _NIBBLE, 0x0F).reshape(n, 8)
+    high = _unpack(b[:, 2:4], 1, _CRUMB, 3).reshape(n, 8)
+    scales = _float((low | (high << 4)).view(torch.int8) - 32, n, 8)
+    dl = (_f16(b, 0) * scales).reshape(n, 8, 1)
+    q = _lut(_IQ4NL_VALUES, _unpack(b[:, 8:], 16, _NIBBLE, 0x0F).reshape(n, 8, 32))
+    return q.mul_(dl).reshape(n, _QK_K)
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """ggml's ``ggml_e8m0_to_fp32_half``: uint8 exponent ``e`` -> float32 ``2^(e-128)`` (bit pattern built)."""
+    x = e.to(torch.int32)
+    bits = torch.where(x < 2, torch.bitwise_left_shift(0x00200000, x), (x - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    q = _lut(_MXFP4_VALUES, _unpack(b[:, 1:], 16, _NIBBLE, 0x0F).reshape(b.shape[0], 32))
+    return q.mul_(_e8m0_half(b[:, :1]))
+
+
+def _ue4m3_half(x: int) -> float:
+    """ggml's unsigned e4m3 scale of NVFP4 (bias 7; bit 7 ignored; 0 and 0x7F read as 0), halved as MXFP4's."""
+    if x in (0, 0x7F):
+        return 0.0
+    exp, man = (x >> 3) & 0xF, x & 7
+    return (man * 2.0**-9 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)) * 0.5  # exact in float32
+
+
+_UE4M3_HALF = torch.tensor([_ue4m3_half(x) for x in range(256)], dtype=torch.float32)
+
+
+def _nvfp4(b: torch.Tensor) -> torch.Tensor:
+    """4 ue4m3 scales, then 4 x 8 bytes of e2m1 nibbles (per 16 weights: 8 low, 8 high)."""
+    n = b.shape[0]
+    d = _lut(_UE4M3_HALF, b[:, :4]).reshape(n, 4, 1)
+    q = _lut(_MXFP4_VALUES, _unpack(b[:, 4:], 8, _NIBBLE, 0x0F).reshape(n, 4, 16))
+    return q.mul_(d).reshape(n, 64)
+
+
+_POW3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8)
+
+
+def _tq1_0(b: torch.Tensor) -> torch.Tensor:
+    """qs[48] (five base-3 digits a byte, as a fixed-point fraction of 243), qh[4] (four), d at 52."""
+    n = b.shape[0]
+    qs0 = b[:, :32].unsqueeze(1) * _POW3.view(5, 1)  # uint8 products wrap, as numpy's and ggml's do
+    qs1 = b[:, 32:48].unsqueeze(1) * _POW3.view(5, 1)
+    qh = b[:, 48:52].unsqueeze(1) * _POW3[:4].view(4, 1)
+    q = torch.cat([qs0.reshape(n, -1), qs1.reshape(n, -1), qh.reshape(n, -1)], dim=1)
+    t = ((q.to(torch.int16) * 3) >> 8) - 1
+    return t.to(torch.float32).mul_(_f16(b, 52))
+
+
+def _tq2_0(b: torch.Tensor) -> torch.Tensor:
+    """qs[64] (2 bits a weight, per 32 bytes: four 32-weight fields), d at 64; w = d*(t-1)."""
+    n = b.shape[0]
+    q = _unpack(b[:, :64], 32, _CRUMB, 3).view(torch.int8) - 1
+    return _float(q, n, _QK_K).mul_(_f16(b, 64))
+
+
+# --------------------------------------------------------------------------- lattice (grid) types
+
+#: rows and width of the grid each type's codes index (llama.cpp's ``iq2xxs_grid`` ... ``iq1s_grid``)
+_GRID_SHAPES: dict[GGMLQuantizationType, tuple[int, int]] = {
+    Q.IQ2_XXS: (256, 8),
+    Q.IQ2_XS: (512, 8),
+    Q.IQ2_S: (1024, 8),
+    Q.IQ3_XXS: (256, 4),
+    Q.IQ3_S: (512, 4),
+    Q.IQ1_S: (2048, 8),
+    Q.IQ1_M: (2048, 8),
+}
+_IQ1S_DELTA = 0.125
+
+
+@functools.cache
+def _grid(qtype: GGMLQuantizationType) -> torch.Tensor:
+    """llama.cpp's grid of ``qtype`` as float32 ``[rows, width]``, from ``gguf.quants`` (imported here only)."""
+    rows, width = _GRID_SHAPES[qtype]
+    try:
+        cls = getattr(importlib.import_module("gguf.quants"), qtype.name)
+        cls.init_grid()
+        grid = torch.as_tensor(cls.grid, dtype=torch.float32).reshape(rows, width).clone()
+    except Exception as exc:  # no gguf, or one without this type's grid
+        raise UnsupportedGGUFType(
+            f"GGML type {qtype.name} needs llama.cpp's {qtype.name} grid table, which anyquant takes from the "
+            f"installed `gguf` package (gguf.quants.{qtype.name}.grid; pip install -U gguf): {exc!r}"
+        ) from exc
+    return grid
+
+
+def _sign_table(values: torch.Tensor) -> torch.Tensor:
+    """Sign bytes -> ``[len(values), 8]`` float32 +1/-1 (bit ``i`` set: weight ``i`` negative)."""
+    bits = (values.to(torch.int32).unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1
+    return 1.0 - 2.0 * bits.to(torch.float32)
+
+
+#: llama.cpp's ``ksigns_iq2xs``: 7 stored sign bits, the 8th making the count of minus signs even
+_KSIGNS = torch.tensor([i | ((bin(i).count("1") & 1) << 7) for i in range(128)], dtype=torch.uint8)
+_KSIGN_VALUES = _sign_table(_KSIGNS)
+_SIGN_VALUES = _sign_table(torch.arange(256))
+
+
+def _u16(x: torch.Tensor) -> torch.Tensor:
+    """``[n, 2k]`` uint8 -> ``[n, k]`` int32: little-endian uint16 values."""
+    pairs = x.reshape(x.shape[0], -1, 2).to(torch.int32)
+    return pairs[..., 0] | (pairs[..., 1] << 8)
+
+
+def _u32(x: torch.Tensor) -> torch.Tensor:
+    """``[n, 4k]`` uint8 -> ``[n, k]`` int64: little-endian uint32 values."""
+    quads = x.reshape(x.shape[0], -1, 4).to(torch.int64)
+    return quads[..., 0] | (quads[..., 1] << 8) | (quads[..., 2] << 16) | (quads[..., 3] << 24)
+
+
+def _half_plus(d: torch.Tensor, s: torch.Tensor, factor: float) -> torch.Tensor:
+    """``d * (0.5 + s) * factor`` in float32, in numpy's (and ggml's) order."""
+    return (d * (s.to(torch.float32) + 0.5)).mul_(factor)
+
+
+def _signed_grid(
+    qtype: GGMLQuantizationType, idx: torch.Tensor, scale: torch.Tensor, signs: torch.Tensor
+) -> torch.Tensor:
+    """``scale * grid[idx] * signs`` (multiplied in that order), ``[n, 256]``; ``scale``: ``[n, groups, 1]``."""
+    w = _lut(_grid(qtype), idx).reshape(*scale.shape[:2], -1)
+    return w.mul_(scale).mul_(signs.reshape(w.shape)).reshape(idx.shape[0], _QK_K)
+
+
+def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
+    """d, then 8 x (4 grid bytes, uint32: four 7-bit sign indices and a 4-bit scale)."""
+    n = b.shape[0]
+    groups = b[:, 2:].reshape(n, 8, 8)
+    aux = _u32(groups[:, :, 4:].reshape(n, 32))  # [n, 8]
+    db = _half_plus(_f16(b, 0), aux >> 28, 0.25).reshape(n, 8, 1)
+    sign_idx = (aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21])) & 0x7F
+    signs = _lut(_KSIGN_VALUES, sign_idx)
+    return _signed_grid(Q.IQ2_XXS, groups[:, :, :4].reshape(n, 32), db, signs)
+
+
+def _iq2_xs(b: torch.Tensor) -> torch.Tensor:
+    """d, qs[32] uint16 (9-bit grid index, 7-bit sign index), scales[8] (nibbles)."""
+    n = b.shape[0]
+    qs = _u16(b[:, 2:66])
+    scales = _unpack(b[:, 66:74], 1, _NIBBLE, 0x0F).reshape(n, 16)
+    db = _half_plus(_f16(b, 0), scales, 0.25).reshape(n, 16, 1)
+    return _signed_grid(Q.IQ2_XS, qs & 511, db, _lut(_KSIGN_VALUES, qs >> 9))
+
+
+def _iq2_s(b: torch.Tensor) -> torch.Tensor:
+    """d, qs[32] (grid index low bytes), signs[32], qh[8] (2 high bits each), scales[8] (nibbles)."""
+    n = b.shape[0]
+    high = _unpack(b[:, 66:74], 1, _CRUMB, 3).reshape(n, 32)
+    idx = b[:, 2:34].to(torch.int32) | (high.to(torch.int32) << 8)
+    scales = _unpack(b[:, 74:82], 1, _NIBBLE, 0x0F).reshape(n, 16)
+    db = _half_plus(_f16(b, 0), scales, 0.25).reshape(n, 16, 1)
+    return _signed_grid(Q.IQ2_S, idx, db, _lut(_SIGN_VALUES, b[:, 34:66]))
+
+
+def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
+    """d, qs[64] (grid indices), 8 x uint32 (four 7-bit sign indices and a 4-bit scale)."""
+    n = b.shape[0]
+    aux = _u32(b[:, 66:98])
+    db = _half_plus(_f16(b, 0), aux >> 28, 0.5).reshape(n, 8, 1)
+    sign_idx = (aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21])) & 0x7F
+    return _signed_grid(Q.IQ3_XXS, b[:, 2:66], db, _lut(_KSIGN_VALUES, sign_idx))
+
+
+def _iq3_s(b: torch.Tensor) -> torch.Tensor:
+    """d, qs[64] (grid index low bytes), qh[8] (high bits), signs[32], scales[4] (nibbles); scale d*(1+2s)."""
+    n = b.shape[0]
+    high = _unpack(b[:, 66:74], 1, _BITS, 1).reshape(n, 64)
+    idx = b[:, 2:66].to(torch.int32) | (high.to(torch.int32) << 8)
+    scales = _unpack(b[:, 106:110], 1, _NIBBLE, 0x0F).reshape(n, 8)
+    db = (_f16(b, 0) * (scales.to(torch.float32) * 2 + 1)).reshape(n, 8, 1)
+    return _signed_grid(Q.IQ3_S, idx, db, _lut(_SIGN_VALUES, b[:, 74:106]))
+
+
+def _iq1_grid(qtype: GGMLQuantizationType, idx: torch.Tensor, dl: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """``dl * (grid[idx] + delta)``, delta -0.125 where ``negative`` else 0.125 (one per 8 weights)."""
+    n = idx.shape[0]
+    delta = torch.where(negative, -_IQ1S_DELTA, _IQ1S_DELTA).to(torch.float32)
+    w = _lut(_grid(qtype), idx)  # [n, 32, 8]
+    w.add_(delta.reshape(n, 32, 1))
+    return w.reshape(*dl.shape[:-1], -1).mul_(dl).reshape(n, _QK_K)
+
+
+def _iq1_s(b: torch.Tensor) -> torch.Tensor:
+    """d, qs[32] (grid index low bytes), qh[8] uint16 (4 x 3 high bits, a 3-bit scale, the delta's sign)."""
+    n = b.shape[0]
+    qh = _u16(b[:, 34:50])  # [n, 8]
+    dl = (_f16(b, 0) * (((qh >> 12) & 7) * 2 + 1).to(torch.float32)).reshape(n, 8, 1)
+    high = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], dtype=torch.int32)) & 7
+    idx = b[:, 2:34].to(torch.int32) | (high.reshape(n, 32) << 8)
+    negative = (qh & 0x8000).ne(0).unsqueeze(-1).expand(n, 8, 4)
+    return _iq1_grid(Q.IQ1_S, idx, dl, negative)
+
+
+def _iq1_m(b: torch.Tensor) -> torch.Tensor:
+    """qs[32], qh[16] (per nibble: 3 high index bits and the delta's sign), scales[8]: 4 uint16 holding
+    sixteen 3-bit scales and, in their top nibbles, the float16 d."""
+    n = b.shape[0]
+    sc = b[:, 48:56]
+    d_bytes = torch.stack([(sc[:, 1] >> 4) | (sc[:, 3] & 0xF0), (sc[:, 5] >> 4) | (sc[:, 7] & 0xF0)], dim=1)
+    d = d_bytes.view(torch.float16).to(torch.float32)  # [n, 1]
+    scales = (_u16(sc).unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], dtype=torch.int32)) & 7
+    dl = (d * (scales.reshape(n, 16) * 2 + 1).to(torch.float32)).reshape(n, 16, 1)
+    nib = _unpack(b[:, 32:48], 1, _NIBBLE, 0x0F).reshape(n, 32)
+    idx = b[:, :32].to(torch.int32) | ((nib & 7).to(torch.int32) << 8)
+    return _iq1_grid(Q.IQ1_M, idx, dl, (nib & 8).ne(0))
+
+
 _BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q4_0: _q4_0,
     Q.Q4_1: _q4_1,
@@ -202,6 +448,19 @@ _BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor
     Q.Q4_K: _q4_k,
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
+    Q.IQ4_NL: _iq4_nl,
+    Q.IQ4_XS: _iq4_xs,
+    Q.MXFP4: _mxfp4,
+    Q.NVFP4: _nvfp4,
+    Q.TQ1_0: _tq1_0,
+    Q.TQ2_0: _tq2_0,
+    Q.IQ2_XXS: _iq2_xxs,
+    Q.IQ2_XS: _iq2_xs,
+    Q.IQ2_S: _iq2_s,
+    Q.IQ3_XXS: _iq3_xxs,
+    Q.IQ3_S: _iq3_s,
+    Q.IQ1_S: _iq1_s,
+    Q.IQ1_M: _iq1_m,
 }
 _DENSE: dict[GGMLQuantizationType, torch.dtype] = {
     Q.F32: torch.float32,
@@ -215,6 +474,15 @@ PACKED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_BLOCK_DEQUANT)
 def _unsupported(qtype: GGMLQuantizationType) -> UnsupportedGGUFType:
     names = ", ".join(sorted(t.name for t in (*_BLOCK_DEQUANT, *_DENSE)))
     return UnsupportedGGUFType(f"GGML type {qtype.name} is not supported by the torch dequantizer (supported: {names})")
+
+
+def check_supported(qtype: GGMLQuantizationType, *, dense: bool = True) -> None:
+    """Raise :class:`UnsupportedGGUFType` unless :func:`dequantize_blocks_torch` takes ``qtype`` (``dense``: F32,
+    F16 and BF16 count), a lattice type's grid loaded here (from ``gguf``) so that a missing one fails now."""
+    if qtype not in _BLOCK_DEQUANT and not (dense and qtype in _DENSE):
+        raise _unsupported(qtype)
+    if qtype in _GRID_SHAPES:
+        _grid(qtype)
 
 
 def packed_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:

@@ -225,7 +225,8 @@ class GGUFLoader(TransformersLoader):
             BackendInfo(
                 "packed",
                 True,
-                description="Q4_0/Q4_1/Q5_x/Q8_0/K-quant linears, the token embedding and a tied "
+                description="block-quantized linears (Q4_0/Q4_1/Q5_x/Q8_0, K-quants, IQ-quants, TQ1_0/TQ2_0, MXFP4), "
+                "the token embedding and a tied "
                 "LM head stay packed (file-backed mmap), dequantized in torch on every forward "
                 "(embedding='dense' keeps a dense embedding and head)",
             ),

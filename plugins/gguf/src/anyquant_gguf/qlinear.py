@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dequant import (
-    _DENSE,
     _NIBBLE,
     _QK_K,
     PACKED_TYPES,
@@ -18,6 +17,7 @@ from .dequant import (
     _k_scales,
     _unpack,
     _unsupported,
+    check_supported,
     dequantize_blocks_torch,
     packed_nbytes,
 )
@@ -98,8 +98,7 @@ class GGUFLinear(nn.Module):
     ) -> None:
         super().__init__()
         qtype = GGMLQuantizationType(qtype)
-        if qtype not in PACKED_TYPES:
-            raise _unsupported(qtype)
+        check_supported(qtype, dense=False)
         out_features, in_features = (int(d) for d in shape_out_in)
         if qweight.dtype != torch.uint8 or qweight.numel() != packed_nbytes(qtype, (out_features, in_features)):
             shape = f"[{out_features}, {in_features}]"
@@ -179,8 +178,7 @@ class GGUFEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         qtype = GGMLQuantizationType(qtype)
-        if qtype not in PACKED_TYPES and qtype not in _DENSE:
-            raise _unsupported(qtype)
+        check_supported(qtype)
         num, dim = (int(d) for d in shape)
         if qweight.dtype != torch.uint8 or qweight.numel() != packed_nbytes(qtype, (num, dim)):
             raise ValueError(f"qweight must hold the uint8 {qtype.name} bytes of a [{num}, {dim}] table")
@@ -220,8 +218,7 @@ class GGUFTiedHead(nn.Module):
     def __init__(self, qweight: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, int]) -> None:
         super().__init__()
         qtype = GGMLQuantizationType(qtype)
-        if qtype not in PACKED_TYPES:
-            raise _unsupported(qtype)
+        check_supported(qtype, dense=False)
         out_features, in_features = (int(d) for d in shape)
         if qweight.dtype != torch.uint8 or qweight.numel() != packed_nbytes(qtype, (out_features, in_features)):
             raise ValueError(

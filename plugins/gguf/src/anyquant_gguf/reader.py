@@ -42,7 +42,7 @@ from numpy.typing import NDArray
 
 from anyquant.plugin import CheckpointError, GGUFHeader, GGUFSkippedArray, GGUFTensorInfo, read_gguf_header
 
-from .dequant import UnsupportedGGUFType, dequantize_blocks_torch
+from .dequant import PACKED_TYPES, UnsupportedGGUFType, check_supported, dequantize_blocks_torch
 from .ggml import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 __all__ = [
@@ -78,24 +78,10 @@ class UnsupportedGGUFArchitecture(CheckpointError, ValueError):
 
 Q = GGMLQuantizationType
 
-#: Storage types :func:`load_tensor` dequantizes (:mod:`.dequant`, equal to ``gguf.quants.dequantize``).
-DEQUANTIZABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    {
-        Q.F32,
-        Q.F16,
-        Q.BF16,
-        Q.Q8_0,
-        Q.Q4_0,
-        Q.Q4_1,
-        Q.Q5_0,
-        Q.Q5_1,
-        Q.Q2_K,
-        Q.Q3_K,
-        Q.Q4_K,
-        Q.Q5_K,
-        Q.Q6_K,
-    }
-)
+#: Storage types :func:`load_tensor` dequantizes (:mod:`.dequant`, equal to ``gguf.quants.dequantize``): F32, F16,
+#: BF16 and every block type of :data:`~anyquant_gguf.dequant.PACKED_TYPES` (Q4_0 ... Q6_K, IQ1_S ... IQ4_XS, TQ1_0,
+#: TQ2_0, MXFP4).
+DEQUANTIZABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset({Q.F32, Q.F16, Q.BF16}) | PACKED_TYPES
 
 _HF_CLASSES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -802,6 +788,7 @@ def _check_type(tensor: GGUFTensor) -> None:
             f"tensor {tensor.name!r} has GGML type {tensor.tensor_type.name}, "
             f"which is not supported (supported: {supported})"
         )
+    check_supported(tensor.tensor_type)  # a lattice type's grid, from gguf
 
 
 def _as_torch(array: NDArray[Any]) -> torch.Tensor:
