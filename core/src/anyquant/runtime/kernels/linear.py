@@ -26,7 +26,15 @@ from torch import nn
 
 from . import GGML_TYPES, INTERLEAVED
 
-__all__ = ["BlockLinear", "fp16_exact", "q4_1_from_codes", "q8_0_blocks", "q8_0_from_codes"]
+__all__ = [
+    "BlockLinear",
+    "cpu_only_apply",
+    "fp16_exact",
+    "kernel_forward",
+    "q4_1_from_codes",
+    "q8_0_blocks",
+    "q8_0_from_codes",
+]
 
 
 class BlockLinear(nn.Module):
@@ -103,31 +111,18 @@ class BlockLinear(nn.Module):
         return raw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        y: torch.Tensor
-        if x2.shape[0] <= self.small_rows:
-            y = torch.ops.anyquant.ggml_gemv(
-                x2, self.blocks, self.ggml_type, self.out_features, self.in_features, -1, self.passes
-            ).to(x.dtype)
-        else:
-            dtype = self.prefill_dtype or x.dtype
-            y = torch.mm(x2.to(dtype), self.exact_weight(dtype).t()).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return kernel_forward(self, x, self._few_rows)
+
+    def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.anyquant.ggml_gemv(
+            x2, self.blocks, self.ggml_type, self.out_features, self.in_features, -1, self.passes
+        )
+        return y
 
     def _apply(self, fn: Any, recurse: bool = True) -> BlockLinear:
         """The blocks stay on the CPU as they are: device moves are refused, dtype casts reach the bias only."""
-        for name, buf in self._buffers.items():
-            if buf is None:
-                continue
-            moved = fn(buf)
-            if moved.device != buf.device:
-                raise RuntimeError("BlockLinear (cpu-fast backend) runs on the CPU only; load with another backend")
-            if name == "bias":
-                self._buffers[name] = moved
-        return self
+        out: BlockLinear = cpu_only_apply(self, fn)
+        return out
 
     def packed_bytes(self) -> int:
         return sum(b.nbytes for b in self._buffers.values() if b is not None)
@@ -138,6 +133,39 @@ class BlockLinear(nn.Module):
             f"({'interleaved at load' if self.interleaved else 'blocks read in place'}), passes={self.passes}, "
             f"small_rows={self.small_rows}, bias={self.bias is not None}"
         )
+
+
+def kernel_forward(layer: Any, x: torch.Tensor, few_rows: Any) -> torch.Tensor:
+    """The forward of a linear on a compiled kernel: ``few_rows(x2)`` (the kernel) up to ``layer.small_rows`` rows
+    (decode), else a GEMM in ``layer.prefill_dtype`` (default: the input's) with ``layer.exact_weight(dtype)``
+    (prompts); then the bias."""
+    shape = x.shape
+    x2 = x.reshape(-1, layer.in_features)
+    y: torch.Tensor
+    if x2.shape[0] <= layer.small_rows:
+        y = few_rows(x2).to(x.dtype)
+    else:
+        dtype = layer.prefill_dtype or x.dtype
+        y = torch.mm(x2.to(dtype), layer.exact_weight(dtype).t()).to(x.dtype)
+    if layer.bias is not None:
+        y = y + layer.bias.to(x.dtype)
+    return y.reshape(*shape[:-1], layer.out_features)
+
+
+def cpu_only_apply(layer: Any, fn: Any) -> Any:
+    """``nn.Module._apply`` of a kernel linear: its packed buffers stay on the CPU as they are (a device move is a
+    ``RuntimeError``), a dtype cast reaches the bias only."""
+    for name, buf in layer._buffers.items():
+        if buf is None:
+            continue
+        moved = fn(buf)
+        if moved.device != buf.device:
+            raise RuntimeError(
+                f"{type(layer).__name__} (cpu-fast backend) runs on the CPU only; load with another backend"
+            )
+        if name == "bias":
+            layer._buffers[name] = moved
+    return layer
 
 
 def gq4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

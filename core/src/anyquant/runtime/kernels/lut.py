@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .linear import cpu_only_apply, kernel_forward
+
 #: the ops' ``round``: each formed weight rounded to the format's dtype before the multiply-add
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -31,7 +33,37 @@ def lut4_codes(codes: torch.Tensor) -> torch.Tensor:
     return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
-class Lut4Linear(nn.Module):
+class _KernelRows(nn.Module):
+    """What the two share: :func:`~anyquant.runtime.kernels.linear.kernel_forward` over ``_few_rows`` and
+    :meth:`exact_weight`, CPU-only buffers, their bytes."""
+
+    in_features: int
+    out_features: int
+    small_rows: int
+    prefill_dtype: torch.dtype | None
+    bias: torch.Tensor | None
+
+    def dequantize(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def exact_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.dequantize().to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernel_forward(self, x, self._few_rows)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _KernelRows:
+        out: _KernelRows = cpu_only_apply(self, fn)
+        return out
+
+    def packed_bytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values() if b is not None)
+
+
+class Lut4Linear(_KernelRows):
     """``y = x @ W.T + b`` with ``W[n, k] = round_to(lut[q[n, k]] * scales[n, k // group])`` (see the module
     docstring for the two paths)."""
 
@@ -78,36 +110,11 @@ class Lut4Linear(nn.Module):
         s = self.scales.repeat_interleave(self.group, dim=1)
         return (self.lut[q] * s).to(self.round_to)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        y: torch.Tensor
-        if x2.shape[0] <= self.small_rows:
-            y = torch.ops.anyquant.lut4_gemv(
-                x2.to(torch.float32).contiguous(), self.codes, self.scales, self.lut, self.group, _ROUND[self.round_to]
-            )
-            y = y.to(x.dtype)
-        else:
-            dtype = self.prefill_dtype or x.dtype
-            y = torch.mm(x2.to(dtype), self.dequantize().to(dtype).t()).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Lut4Linear:
-        """The codes stay on the CPU as they are: device moves are refused, dtype casts reach the bias only."""
-        for name, buf in self._buffers.items():
-            if buf is None:
-                continue
-            moved = fn(buf)
-            if moved.device != buf.device:
-                raise RuntimeError("Lut4Linear (cpu-fast backend) runs on the CPU only; load with another backend")
-            if name == "bias":
-                self._buffers[name] = moved
-        return self
-
-    def packed_bytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers.values() if b is not None)
+    def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.anyquant.lut4_gemv(
+            x2.to(torch.float32).contiguous(), self.codes, self.scales, self.lut, self.group, _ROUND[self.round_to]
+        )
+        return y
 
     def extra_repr(self) -> str:
         return (
@@ -130,7 +137,7 @@ def expand_block_scales(scales: torch.Tensor, rows: int, cols: int, block: tuple
     return scales.to(torch.float32).repeat_interleave(bh, dim=0)[:rows].contiguous(), bw
 
 
-class E4M3Linear(nn.Module):
+class E4M3Linear(_KernelRows):
     """``y = x @ W.T + b`` with ``W[n, k] = round_to(e4m3(q[n, k]) * scales[n, k // group])``: FP8 weights kept as their
     bytes (``quant_method: fp8``, compressed-tensors' float-quantized). Few rows: ``torch.ops.anyquant.fp8_gemv``
     (each weight formed in float32 and rounded to ``round_to``: the exact weight; float32 activations); many rows and
@@ -170,26 +177,11 @@ class E4M3Linear(nn.Module):
         w = self.weight_bits.view(torch.float8_e4m3fn).to(torch.float32)
         return (w * self.scales.repeat_interleave(self.group, dim=1)).to(self.round_to)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        y: torch.Tensor
-        if x2.shape[0] <= self.small_rows:
-            y = torch.ops.anyquant.fp8_gemv(
-                x2.to(torch.float32).contiguous(), self.weight_bits, self.scales, self.group, _ROUND[self.round_to]
-            )
-            y = y.to(x.dtype)
-        else:
-            dtype = self.prefill_dtype or x.dtype
-            y = torch.mm(x2.to(dtype), self.dequantize().to(dtype).t()).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
-
-    _apply = Lut4Linear._apply  # the bytes stay on the CPU; casts reach the bias only
-
-    def packed_bytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers.values() if b is not None)
+    def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.anyquant.fp8_gemv(
+            x2.to(torch.float32).contiguous(), self.weight_bits, self.scales, self.group, _ROUND[self.round_to]
+        )
+        return y
 
     def extra_repr(self) -> str:
         return (
