@@ -309,14 +309,9 @@ def read_modules(probe: Probe, cfg: CTConfig) -> tuple[list[ModuleSpec], list[st
     problems: list[str] = []
     for name in _module_names(probe):
         try:
-            spec = _module(probe, cfg, name)
-        except (ConfigError, UnsupportedFormatError):
-            raise
-        except _Problem as p:
+            specs.append(_module(probe, cfg, name))
+        except _Problem as p:  # a ConfigError / UnsupportedFormatError of the config propagates as it is
             problems.append(f"{name}: {p}")
-            continue
-        if spec is not None:
-            specs.append(spec)
     return specs, problems
 
 
@@ -324,7 +319,7 @@ class _Problem(Exception):
     pass
 
 
-def _module(probe: Probe, cfg: CTConfig, name: str) -> ModuleSpec | None:
+def _module(probe: Probe, cfg: CTConfig, name: str) -> ModuleSpec:
     t = probe.tensors
     have = {s: f"{name}.{s}" for s in _SUFFIXES if f"{name}.{s}" in t}
     scale = t.get(have.get("weight_scale", ""))
