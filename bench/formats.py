@@ -21,7 +21,15 @@ tool and cached under ``--cache`` (default ``.cache/bench/formats/``):
   ``weight_quant`` arithmetic (as ``plugins/fp8/tests/make_fp8_fixtures.py`` writes its partial fixture):
   transformers refuses to load it, so its peer column shows that error;
 - ``mlx-q4``: MLX affine 4-bit, group 64, by ``python -m mlx_lm convert -q`` in mlx's own Python
-  (``--mlx-python``, default ``/root/peers/mlx/bin/python``).
+  (``--mlx-python``, default ``/root/peers/mlx/bin/python``);
+- ``mxfp4-gptoss``: a gpt-oss model with random weights (hidden 768, 8 layers, 32 experts of 768, 4 a token;
+  ``--model 1b``: hidden 1024, 12 layers: 1.2B expert weights), its experts written as random E2M1 codes and E8M0
+  exponents in gpt-oss-20b's layout (transformers quantizes to MXFP4 only through a GPU kernel package); the peer
+  reads it with ``Mxfp4Config(dequantize=True)``, what transformers does without that GPU kernel.
+
+``--model 1b``: the same formats made from a synthetic ~1.1B Llama (TinyLlama-1.1B's shape, SmolLM2's vocabulary,
+random bf16 weights), where the peak RSS / weight bytes row means something (the process itself, torch and
+transformers imported, is ~0.4 GB: more than SmolLM2's 4-bit weights).
 
 Engines, each sample a fresh process, the two engines alternating, ``--samples`` of each (medians):
 
@@ -49,7 +57,7 @@ its sample takes ~9 minutes, so a run of every format takes ~14 minutes a sample
 
     python bench/formats.py [--samples 3] [--formats ct-w4a16,ct-w8a8,ct-fp8,bnb-nf4,bnb-int8,fp8-b64,fp8-b128,mlx-q4]
         [--cache DIR] [--llmcompressor-python PATH] [--mlx-python PATH] [--threads 2] [--decode 64]
-        [--prefill 512] [--max-other 0.05] [--ct-peer auto|compressed|decompressed] [--make-only]
+        [--prefill 512] [--max-other 0.05] [--ct-peer auto|compressed|decompressed] [--model smollm2|1b] [--make-only]
 """
 
 from __future__ import annotations
@@ -90,6 +98,7 @@ FORMATS: dict[str, tuple[str, str]] = {
     "fp8-b64": ("quant_method fp8, 64x64 blocks", "transformers Fp8Quantize"),
     "fp8-b128": ("quant_method fp8, 128x128 padded edge blocks", "DeepSeek-V3 weight_quant arithmetic"),
     "mlx-q4": ("MLX affine 4-bit g64", "mlx_lm convert"),
+    "mxfp4-gptoss": ("gpt-oss MXFP4 experts (random weights)", "written in gpt-oss-20b's layout"),
 }
 
 # ---------------------------------------------------------------------- making the checkpoints
@@ -199,26 +208,68 @@ for f in pathlib.Path(src).iterdir():
 """
 
 
-def dense(cache: Path) -> Path:
-    """SmolLM2-135M-Instruct as a dense bf16 HF folder, exported once from the packaged GGUF (the code path of
-    ``_measure.dense_model()``, into this bench's cache)."""
-    out = cache / "smollm2-135m-dense"
-    if not (out / "config.json").is_file():
+#: ``--model``: the packaged SmolLM2-135M, or a synthetic ~1.1B Llama (TinyLlama-1.1B's shape, SmolLM2's vocabulary,
+#: random weights: bench/llamacpp.py's shape) where the process's own ~0.4 GB no longer dwarfs the weights
+MODELS = ("smollm2", "1b")
+SHAPE_1B = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "intermediate_size": 5632,
+    "max_position_embeddings": 8192,
+}
+
+
+def dense(cache: Path, model: str = "smollm2") -> Path:
+    """The dense bf16 HF folder every format is made from: SmolLM2-135M-Instruct exported once from the packaged
+    GGUF (the code path of ``_measure.dense_model()``, into this bench's cache), or the synthetic 1.1B Llama."""
+    small = cache / "smollm2-135m-dense"
+    if not (small / "config.json").is_file():
         _unshadow()
         import anyquant
 
         cache.mkdir(parents=True, exist_ok=True)
-        anyquant.export_dense(anyquant.default_model(), out, dtype="bfloat16", overwrite=True)
+        anyquant.export_dense(anyquant.default_model(), small, dtype="bfloat16", overwrite=True)
+    if model == "smollm2":
+        return small
+    out = cache / "llama-1b-dense"
+    if not (out / "config.json").is_file():
+        _unshadow()
+        import shutil
+
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = json.loads((small / "config.json").read_text())
+        config = LlamaConfig(
+            **{
+                **{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype", "dtype")},
+                **SHAPE_1B,
+                "tie_word_embeddings": False,
+            }
+        )
+        torch.manual_seed(0)
+        model_1b = LlamaForCausalLM(config).to(torch.bfloat16)
+        tmp = out.with_name(out.name + ".tmp")
+        model_1b.save_pretrained(tmp)
+        for f in small.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")) or f.name in (
+                "vocab.json",
+                "merges.txt",
+            ):
+                shutil.copy(f, tmp / f.name)
+        tmp.rename(out)
     return out
 
 
-def make(fmt: str, cache: Path, ct_python: str, mlx_python: str) -> tuple[Path | None, str]:
+def make(fmt: str, cache: Path, ct_python: str, mlx_python: str, model: str = "smollm2") -> tuple[Path | None, str]:
     """(the checkpoint folder, or None; seconds it took or the error)."""
-    out = cache / f"smollm2-135m-{fmt}"
+    out = cache / (f"smollm2-135m-{fmt}" if model == "smollm2" else f"llama-{model}-{fmt}")
     if (out / "config.json").is_file():
         made = out / "bench_make_seconds.txt"
         return out, (made.read_text().strip() + " s (cached)") if made.is_file() else "cached"
-    src = dense(cache)
+    src = dense(cache, model)
     tmp = out.with_name(out.name + ".tmp")
     subprocess.run(["rm", "-rf", str(tmp)], check=True)
     env = {**os.environ, **ENV, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
@@ -228,6 +279,8 @@ def make(fmt: str, cache: Path, ct_python: str, mlx_python: str) -> tuple[Path |
         cmd = [sys.executable, "-c", _BNB_MAKER, str(src), str(tmp), fmt]
     elif fmt.startswith("fp8-"):
         cmd = [sys.executable, "-c", _FP8_MAKER, str(src), str(tmp), fmt]
+    elif fmt == "mxfp4-gptoss":
+        cmd = [sys.executable, "-c", _MXFP4_MAKER, str(src), str(tmp), fmt]
     elif fmt == "mlx-q4":
         cmd = [mlx_python, "-m", "mlx_lm", "convert", "--hf-path", str(src), "--mlx-path", str(tmp), "-q"]
         cmd += ["--q-bits", "4", "--q-group-size", "64"]
@@ -261,6 +314,56 @@ def prompt_ids(cache: Path, src: Path, need: int) -> Path:
     return out
 
 
+_MXFP4_MAKER = r"""
+import json, shutil, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+from transformers import GptOssConfig, GptOssForCausalLM
+
+src, dst, kind = sys.argv[1:4]
+H, I, E, L, K = (768, 768, 32, 8, 4) if "smollm2" in Path(src).name else (1024, 1024, 32, 12, 4)
+cfg = json.loads((Path(src) / "config.json").read_text())
+config = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "head_dim": 64,
+    "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": H // 64,
+    "num_key_value_heads": 4, "num_local_experts": E, "num_experts_per_tok": K, "experts_per_token": K,
+    "layer_types": ["sliding_attention", "full_attention"] * (L // 2), "sliding_window": 128,
+    "max_position_embeddings": 131072, "initial_context_length": 4096, "rms_norm_eps": 1e-5,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": cfg["vocab_size"], "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
+    "pad_token_id": cfg.get("eos_token_id"), "use_cache": True,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+}
+torch.manual_seed(0)
+gen = torch.Generator().manual_seed(0)
+with torch.device("meta"):
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in GptOssForCausalLM(GptOssConfig(**{
+        k: v for k, v in config.items() if k != "quantization_config"})).state_dict().items()}
+sd = {}
+for name, (shape, _) in shapes.items():
+    if ".mlp.experts." in name and not name.endswith("_bias"):
+        rows, cols = shape[2], shape[1]  # the parameter is [E, in, out]; stored [E, out, in/32, 16]
+        codes = torch.randint(0, 16, (E, rows, cols), generator=gen, dtype=torch.uint8)
+        sd[name + "_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(E, rows, cols // 32, 16)
+        sd[name + "_scales"] = torch.randint(119, 124, (E, rows, cols // 32), generator=gen, dtype=torch.uint8)
+    elif "norm" in name:
+        sd[name] = torch.ones(shape, dtype=torch.bfloat16)
+    elif name.endswith("sinks") or name.endswith("bias"):
+        sd[name] = (0.05 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+    else:
+        sd[name] = (0.02 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+out = Path(dst)
+out.mkdir(parents=True)
+save_file({k: v.contiguous() for k, v in sd.items()}, out / "model.safetensors", metadata={"format": "pt"})
+(out / "config.json").write_text(json.dumps(config, indent=1))
+for f in Path(src).iterdir():
+    if f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("vocab.json", "merges.txt"):
+        shutil.copy(f, out / f.name)
+"""
+
 # ---------------------------------------------------------------------- one sample, in a fresh process
 
 
@@ -284,6 +387,11 @@ def _peer_torch(cfg: dict[str, Any]) -> tuple[Any, str]:
             how += ", compressed-tensors default (compressed modules)"
     elif fmt.startswith("bnb-"):
         import bitsandbytes  # noqa: F401
+    elif fmt.startswith("mxfp4-"):  # the Hub kernels transformers quantizes with are GPU-only: it dequantizes
+        from transformers import Mxfp4Config
+
+        kw["quantization_config"] = Mxfp4Config(dequantize=True)
+        how += ", Mxfp4Config(dequantize=True)"
     model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu", **kw).eval()
     how += f"; q_proj after the load: {_q_proj(model)}"
     if fmt.startswith("bnb-nf4"):
@@ -502,6 +610,7 @@ def main() -> int:
         help="compressed-tensors peer: its default (compressed) modules, or run_compressed=False; auto: the "
         "default, falling back to run_compressed=False where it fails",
     )
+    ap.add_argument("--model", choices=MODELS, default="smollm2", help="the model every format is made from")
     ap.add_argument("--make-only", action="store_true", help="make the checkpoints and stop")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -516,10 +625,10 @@ def main() -> int:
             ap.error(f"unknown format {f!r}; known: {', '.join(FORMATS)}")
     cache = args.cache.resolve()
     cache.mkdir(parents=True, exist_ok=True)
-    src = dense(cache)
+    src = dense(cache, args.model)
     made: dict[str, tuple[Path | None, str]] = {}
     for f in wanted:
-        made[f] = make(f, cache, args.llmcompressor_python, args.mlx_python)
+        made[f] = make(f, cache, args.llmcompressor_python, args.mlx_python, args.model)
         path, note = made[f]
         print(f"# {f}: {path or 'NOT made'} ({FORMATS[f][1]}: {note})", flush=True)
     if args.make_only:

@@ -35,3 +35,20 @@ def logits_after_prompt(model: Any, ids: torch.Tensor, prompt: int) -> torch.Ten
             out = model.module(ids[:, i : i + 1], use_cache=True, cache=out.cache)
             logits.append(out.logits)
     return torch.cat(logits, dim=1)
+
+
+def assert_step_is_module_path(model: Any, vocab: int, kind: str = "mixed_layer") -> None:
+    """A native cpu-fast ``model``'s compiled decode step plans every layer (as ``kind``'s function) and gives its
+    module path's logits bit for bit over 20 decode steps of a batch of two after a 40-token prompt."""
+    from anyquant.runtime.step import DecodeStep
+
+    ids = torch.randint(0, vocab, (2, 60), generator=torch.Generator().manual_seed(7))
+    model.module.__dict__.pop("_step", None)  # planned afresh on the first decode step
+    fast = logits_after_prompt(model, ids, 40)
+    step = model.module.__dict__["_step"]
+    assert isinstance(step, DecodeStep) and None not in step.layers
+    assert {getattr(function, "name", getattr(function, "__name__", "")) for function, _ in step.layers} == {kind}
+    model.module.__dict__["_step"] = None  # the module path
+    slow = logits_after_prompt(model, ids, 40)
+    del model.module.__dict__["_step"]
+    assert torch.equal(fast, slow)

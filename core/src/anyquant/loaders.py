@@ -188,6 +188,11 @@ class TransformersLoader:
         """The factory for quantized linears; ``None`` keeps every linear dense."""
         return None
 
+    def make_module(self, ctx: LoadContext) -> Callable[[str, nn.Module], nn.Module | None] | None:
+        """The factory for a format's own form of other modules (e.g. a fused experts module kept packed), asked for
+        each module of the skeleton before its parameters are read; ``None`` (the default) keeps them."""
+        return None
+
     def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
         """Build the input embedding in the checkpoint's 16-bit dtype (see :func:`anyquant.runtime.build.build_model`);
         a loader that says yes replaces it after the build."""
@@ -247,6 +252,7 @@ class TransformersLoader:
                 config,
                 source,
                 make_linear=self.make_linear(ctx),
+                make_module=self.make_module(ctx),
                 dtype=dtype,
                 device=device,
                 trust_remote_code=options.trust_remote_code,

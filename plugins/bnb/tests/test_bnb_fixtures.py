@@ -166,3 +166,16 @@ def test_int8_scales_of_the_wrong_length_are_a_conflict(tmp_path: Path) -> None:
 
     with pytest.raises(FormatConflictError, match="SCB"):
         sdk.load(_variant(tmp_path, "llama_int8", change))
+
+
+@pytest.mark.parametrize("name", ["llama_nf4", "qwen3_nf4"])
+def test_compiled_decode_step_runs_the_table_kernel(name: str) -> None:
+    """cpu-fast's 4-bit table linears in the native decoder's compiled decode step: every layer planned, its
+    logits the module path's bit for bit (where the table kernel is built)."""
+    from anyquant.runtime import kernels
+    from tests.decoding import assert_step_is_module_path
+
+    if not kernels.lut_available():
+        pytest.skip("the compiled 4-bit table kernel is not built")
+    model = sdk.load(FIXTURES / name, backend="cpu-fast")
+    assert_step_is_module_path(model, int(model.module.config.vocab_size))

@@ -32,10 +32,34 @@ def record() -> dict[str, Any]:
     return data
 
 
+def _lut_available() -> bool:
+    from anyquant.runtime import kernels
+
+    return kernels.lut_available()
+
+
+needs_kernel = pytest.mark.skipif(not _lut_available(), reason="the compiled 4-bit table kernel is not built")
+#: the backends that decode the experts to the model's dtype
+EXACT = ("dequantized", "reference")
+
+
 @pytest.fixture(scope="module")
 def models() -> dict[str, Any]:
     """One load per backend, shared by the tests that only read."""
-    return {b: sdk.load(FIXTURES / NAME, backend=b) for b in ("dequantized", "reference")}
+    out = {b: sdk.load(FIXTURES / NAME, backend=b) for b in EXACT}
+    if _lut_available():
+        # the head kept dense, prompts in float32: the experts judged alone (the defaults: their own test)
+        out["cpu-fast"] = sdk.load(
+            FIXTURES / NAME, backend="cpu-fast", cpu_fast_head="dense", cpu_fast_prefill="float32"
+        )
+    return out
+
+
+def _packed_parameter(model: Any, name: str) -> torch.Tensor:
+    """cpu-fast's packed experts as transformers' parameter ``[E, in, out]``: each expert's exact weight."""
+    experts = model.module.get_submodule(name.rpartition(".")[0])
+    linears = experts.gate_up if name.endswith("gate_up_proj") else experts.down
+    return torch.stack([m.dequantize().t() for m in linears])
 
 
 def _copy(tmp_path: Path) -> Path:
@@ -65,7 +89,7 @@ def test_detect() -> None:
     assert not det.details["problems"] and not det.details["unsupported"]
 
 
-@pytest.mark.parametrize("backend", ["dequantized", "reference"])
+@pytest.mark.parametrize("backend", EXACT)
 def test_experts_logits_and_tokens_are_transformers(models: dict[str, Any], backend: str) -> None:
     rec = record()
     model = models[backend]
@@ -82,6 +106,85 @@ def test_experts_logits_and_tokens_are_transformers(models: dict[str, Any], back
     logits = forward_logits(model, rec["prompt_ids"])
     assert rel_error(logits, torch.tensor(rec["logits_float32"])) <= 1e-5
     assert greedy_tokens(model, rec["prompt_ids"], 8) == rec["greedy_float32"]
+
+
+@needs_kernel
+def test_cpu_fast_keeps_experts_packed_and_matches_transformers(models: dict[str, Any]) -> None:
+    """cpu-fast (the default here): each expert's two weights are 4-bit table linears (half a byte a weight plus a
+    float32 scale per 32), never decoded as a whole; each one's exact weight is transformers' decoded expert bit for
+    bit (codes, scales, the 16-entry table, a bfloat16 bias: their bytes counted); logits within 1e-4 of transformers' float32 forward (float32 activations and sums on the kernel: only the
+    summation order differs, measured ~1e-6), greedy tokens identical."""
+    rec = record()
+    model = models["cpu-fast"]
+    assert model.info["mxfp4"]["held_dtype"] == "packed (4.25 bits)" and model.info["unused_tensors"] == []
+    for layer in range(2):
+        experts = model.module.get_submodule(EXPERTS.format(layer))
+        assert type(experts).__name__ == "PackedGptOssExperts"
+        assert not list(experts.parameters())  # no decoded copy beside the packed one
+        assert experts.packed_bytes() == sum(
+            n * (k // 2 + 4 * k // 32) + 2 * n + 64 for n, k in ((256, 128), (128, 128)) for _ in range(4)
+        )
+    for name, want in rec["dequantized_experts"].items():
+        got = _packed_parameter(model, name)
+        assert list(got.shape) == want["shape"] and sha256_f32(got) == want["sha256"], name
+    for name, want in rec["other_params"].items():
+        if "experts." in name and name.endswith("_bias"):
+            experts = model.module.get_submodule(name.rpartition(".")[0])
+            linears = experts.gate_up if "gate_up" in name else experts.down
+            got = torch.stack([m.bias for m in linears])
+        else:  # the head is cpu-fast's decode head: its exact table
+            owner, _, attr = name.rpartition(".")
+            got = getattr(model.module.get_submodule(owner), attr)
+        assert sha256_f32(got) == want["sha256"], name
+    logits = forward_logits(model, rec["prompt_ids"])
+    want = torch.tensor(rec["logits_float32"])
+    assert rel_error(logits, want) <= 1e-4
+    gain = float((logits * want).sum() / (want * want).sum())
+    assert abs(gain - 1) <= 1e-5  # no bias hiding under the tolerance
+    assert greedy_tokens(model, rec["prompt_ids"], 8) == rec["greedy_float32"]
+
+
+@needs_kernel
+def test_cpu_fast_defaults_are_within_the_bfloat16_class() -> None:
+    """The default load (``auto``: cpu-fast) runs prompts through bfloat16 GEMMs where the CPU has AMX or
+    AVX512-BF16 and the head on cpu-fast's Q8_0 decode kernel, as every cpu-fast format: logits within the
+    bfloat16 class's 3e-2 of the largest, no bias (fitted gain within 5e-3 of 1), greedy tokens identical."""
+    rec = record()
+    model = sdk.load(FIXTURES / NAME)
+    assert model.backend == "cpu-fast" and model.info["cpu_fast"]["lm_head"]["head"] == "Q8_0 blocks"
+    logits = forward_logits(model, rec["prompt_ids"])
+    want = torch.tensor(rec["logits_float32"])
+    assert rel_error(logits, want) <= 3e-2
+    gain = float((logits * want).sum() / (want * want).sum())
+    assert abs(gain - 1) <= 5e-3
+    assert greedy_tokens(model, rec["prompt_ids"], 8) == rec["greedy_float32"]
+
+
+@needs_kernel
+def test_cpu_fast_decode_and_prompt_paths_agree_with_the_exact_experts(models: dict[str, Any]) -> None:
+    """A one-token call (the kernel) and a many-token call (the exact weights and a GEMM) of one experts module give
+    the dequantized module's outputs: the same routing, weights, clamped SwiGLU and sums."""
+    torch.manual_seed(0)
+    fast = models["cpu-fast"].module.get_submodule(EXPERTS.format(1))
+    exact = models["dequantized"].module.get_submodule(EXPERTS.format(1))
+    for tokens in (1, 3, 80):
+        x = torch.randn(tokens, 128)
+        idx = torch.randint(0, 4, (tokens, 2))
+        w = torch.rand(tokens, 2)
+        want = exact(x, idx, w)
+        got = fast(x, idx, w)
+        assert rel_error(got, want) <= (1e-5 if tokens <= 64 else 1e-6), tokens
+
+
+def test_backend_choice_on_other_devices() -> None:
+    """cpu-fast runs on the CPU only: ``auto`` on another device takes ``dequantized``; naming it is an error."""
+    from anyquant.errors import UnsupportedBackendError
+    from anyquant_mxfp4.loader import MXFP4Loader
+
+    loader = MXFP4Loader()
+    assert loader.choose_backend("auto", torch.device("meta")) == "dequantized"
+    with pytest.raises(UnsupportedBackendError, match="runs on the CPU"):
+        loader.choose_backend("cpu-fast", torch.device("meta"))
 
 
 def test_decoding_is_the_mx_rule(models: dict[str, Any]) -> None:
@@ -106,12 +209,14 @@ def test_decoding_is_the_mx_rule(models: dict[str, Any]) -> None:
 def test_bfloat16_load_is_transformers_bfloat16_model() -> None:
     """dtype='bfloat16': the checkpoint's own dtype, as transformers loads it; the same modules, the same weights."""
     rec = record()
-    model = sdk.load(FIXTURES / NAME, dtype="bfloat16")
+    model = sdk.load(FIXTURES / NAME, dtype="bfloat16", backend="dequantized")
     assert model.module.get_parameter(f"{EXPERTS.format(0)}.down_proj").dtype == torch.bfloat16
-    logits = forward_logits(model, rec["prompt_ids"])
-    # 0.0 here (the same ops on the same weights); the tolerance allows another CPU's bfloat16 GEMMs
-    assert rel_error(logits, torch.tensor(rec["logits_bf16_model"])) <= 2e-2
-    assert greedy_tokens(model, rec["prompt_ids"], 8) == rec["greedy_bf16_model"]
+    # 0.0 here (the same ops on the same weights; cpu-fast: float32 sums rounded once, 0.0 too); the tolerance
+    # allows another CPU's bfloat16 GEMMs
+    for loaded in (model, *([sdk.load(FIXTURES / NAME, dtype="bfloat16")] if _lut_available() else [])):
+        logits = forward_logits(loaded, rec["prompt_ids"])
+        assert rel_error(logits, torch.tensor(rec["logits_bf16_model"])) <= 2e-2, loaded.backend
+        assert greedy_tokens(loaded, rec["prompt_ids"], 8) == rec["greedy_bf16_model"], loaded.backend
 
 
 def test_inspect_rows() -> None:
@@ -130,7 +235,7 @@ def test_without_quantization_config_the_tensors_decide(tmp_path: Path) -> None:
     det = sdk.detect(path)
     assert det.format == "mxfp4" and "no quantization_config" in det.evidence
     rec = record()
-    model = sdk.load(path)
+    model = sdk.load(path, backend="dequantized")
     assert rel_error(forward_logits(model, rec["prompt_ids"]), torch.tensor(rec["logits_float32"])) <= 1e-5
 
 
@@ -168,7 +273,7 @@ def test_nan_scale_is_refused_naming_the_tensor(tmp_path: Path) -> None:
     path = _copy(tmp_path)
     name = f"{EXPERTS.format(1)}.gate_up_proj_scales"
     _rewrite(path, lambda t: t[name][2, 5].__setitem__(1, 255))
-    for backend in ("dequantized", "reference"):
+    for backend in EXACT + (("cpu-fast",) if _lut_available() else ()):
         with pytest.raises(NumericalError, match=rf"'{name}' holds 1 NaN"):
             sdk.load(path, backend=backend)
 
@@ -185,8 +290,9 @@ def test_overflowing_scale_is_refused_naming_the_weight(tmp_path: Path) -> None:
         t[f"{pre}_blocks"][0, 0, 0, 0] = 0x07
 
     _rewrite(path, edit)
-    with pytest.raises(NumericalError, match=rf"'{pre}' holds 1 inf"):
-        sdk.load(path)
+    for backend in EXACT + (("cpu-fast",) if _lut_available() else ()):
+        with pytest.raises(NumericalError, match=rf"'{pre}' holds 1 inf"):
+            sdk.load(path, backend=backend)
 
 
 def test_malformed_modules_to_not_convert_is_a_config_error(tmp_path: Path) -> None:
@@ -275,6 +381,10 @@ def test_scales_typed_e8m0_read_as_the_same_bytes(tmp_path: Path) -> None:
             t[name] = t[name].view(torch.float8_e8m0fnu)
 
     _rewrite(path, edit)
-    model = sdk.load(path)
+    model = sdk.load(path, backend="dequantized")
     for name, want in rec["dequantized_experts"].items():
         assert sha256_f32(model.module.get_parameter(name)) == want["sha256"], name
+    if _lut_available():
+        fast = sdk.load(path, backend="cpu-fast")
+        for name, want in rec["dequantized_experts"].items():
+            assert sha256_f32(_packed_parameter(fast, name)) == want["sha256"], name

@@ -21,6 +21,7 @@ from .tensors import FileRows, TensorSource, fill_file_tables
 __all__ = [
     "RUNTIMES",
     "LinearFactory",
+    "ModuleFactory",
     "build_model",
     "check_config",
     "choose_runtime",
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 
 #: ``factory(name, meta_linear) -> module or None``; None keeps a dense ``nn.Linear``.
 LinearFactory = Callable[[str, nn.Linear], nn.Module | None]
+#: ``(name, module) -> replacement | None`` for any other module of the skeleton (still on the meta device), asked
+#: before its parameters are read: a format's own form of a fused experts module (gpt-oss's MXFP4 experts kept packed)
+ModuleFactory = Callable[[str, nn.Module], nn.Module | None]
 
 _DROP_KEYS = ("quantization_config", "compression_config", "auto_map")
 
@@ -282,6 +286,7 @@ def build_model(
     source: TensorSource,
     *,
     make_linear: LinearFactory | None = None,
+    make_module: ModuleFactory | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
@@ -294,7 +299,8 @@ def build_model(
     """Assemble a model: skeleton -> quantized linears -> tensors -> tie -> dtype/device.
 
     ``make_linear(name, linear)`` returns the replacement for each ``nn.Linear`` (already holding
-    its tensors), or ``None`` to keep it dense. The output head is tied to the input embeddings
+    its tensors), or ``None`` to keep it dense. ``make_module(name, module)`` may replace any other module before
+    its parameters are read (``None``: keep it; asked before core's own per-expert split). The output head is tied to the input embeddings
     only when the source has no head tensor of its own (a stale ``tie_word_embeddings: true`` beside a head
     is ignored; ``false`` with no head is a :class:`MissingTensorError`, unless ``tie_absent_head``: formats
     whose own loader ties whenever the head tensor is absent, whatever the flag says, as exllamav3's does).
@@ -325,10 +331,15 @@ def build_model(
                     f"{name}: a bias of shape {tuple(bias.shape)} for a layer of {lin.out_features} outputs"
                 )
             _set_module(model, name, replacement.to(device))
+    replaced: list[str] = []
     for name, module in list(model.named_modules()):
-        experts = layers.experts(name, module)
+        if any(name.startswith(r + ".") for r in replaced) or isinstance(module, nn.Linear) or not name:
+            continue
+        made = make_module(name, module) if make_module is not None else None
+        experts = made if made is not None else layers.experts(name, module)
         if experts is not None:
             _set_module(model, name, experts.to(device))
+            replaced.append(name)
     tie = _tied_head(model)
     head = model.get_output_embeddings() if tie is not None else None
     # the registered parameter, not getattr: a replacement head's ``weight`` may be a property that decodes

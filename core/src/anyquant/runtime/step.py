@@ -379,6 +379,19 @@ def _experts(
     return y
 
 
+def _lut4(x: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, group: int, rows: int, rnd: int) -> torch.Tensor:
+    """:class:`~anyquant.runtime.kernels.lut.Lut4Linear`'s decode path on float32 rows ``x``: ``table`` holds its 16
+    values, then its ``[rows, in / group]`` scales (the module's two buffers are views of it)."""
+    y: torch.Tensor = torch.ops.anyquant.lut4_gemv(x, codes, table[16:].view(rows, -1), table[:16], group, rnd)
+    return y
+
+
+def _fp8(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, group: int, rnd: int) -> torch.Tensor:
+    """:class:`~anyquant.runtime.kernels.lut.E4M3Linear`'s decode path on float32 rows ``x``."""
+    y: torch.Tensor = torch.ops.anyquant.fp8_gemv(x, bits, scales, group, rnd)
+    return y
+
+
 def _in_python(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``function`` left to Python by TorchScript (for compiling where the kernel op it calls is not loaded): a call
     back with ``function``'s signature, which TorchScript reads from the annotations (types, not strings)."""
@@ -399,6 +412,8 @@ def _in_python(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
 _ggml_in_python = _in_python(_ggml)
 _ggml_cat_in_python = _in_python(_ggml_cat)
 _experts_in_python = _in_python(_experts)
+_lut4_in_python = _in_python(_lut4)
+_fp8_in_python = _in_python(_fp8)
 
 
 def ggml_layer(
@@ -439,7 +454,9 @@ def ggml_layer(
 
 #: one linear of a :func:`mixed_layer`: ``(kind, a, b, c, rows, passes)``. kind 0: cpu-fast int4 (``a`` the packed
 #: weight, ``b`` its scales and offsets, ``c`` the kernel group); 1: bfloat16 prepacked (``a`` the oneDNN weight);
-#: 2: GGUF blocks read in place (``a`` the blocks, ``c`` the GGUF type, ``passes`` the activation passes).
+#: 2: GGUF blocks read in place (``a`` the blocks, ``c`` the GGUF type, ``passes`` the activation passes); 3: a 4-bit
+#: table (``a`` the codes, ``b`` the table and scales, ``c`` the group, ``passes`` the rounding); 4: FP8 E4M3 (``a``
+#: the weight's bytes, ``b`` the scales, ``c`` the group, ``passes`` the rounding).
 #: ``rows``: the output features. Unused fields hold an empty tensor or 0.
 Linear = Tuple[int, torch.Tensor, torch.Tensor, int, int, int]  # noqa: UP006 - TorchScript reads Tuple
 
@@ -451,6 +468,10 @@ def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
         return _int4(x, p[1], p[3], p[2])
     if kind == 1:
         return _bf16(x, p[1])
+    if kind == 3:
+        return _lut4(x, p[1], p[2], p[3], p[4], p[5])
+    if kind == 4:
+        return _fp8(x, p[1], p[2], p[3], p[5])
     return _ggml(x, p[1], p[3], p[4], p[5])
 
 
@@ -642,14 +663,16 @@ def _scripting(kinds: Collection[str]) -> Iterator[None]:
     """While TorchScript compiles functions of ``kinds``: where the kernel op is not loaded, the ``mixed``
     functions' block branch is compiled as a call back into Python (no GGUF-block linear can exist without
     the op, which TorchScript must resolve)."""
-    global _ggml, _ggml_cat, _experts, _rms
+    global _ggml, _ggml_cat, _experts, _rms, _lut4, _fp8
     from . import kernels
 
-    compiled = _ggml, _ggml_cat, _experts, _rms
+    compiled = _ggml, _ggml_cat, _experts, _rms, _lut4, _fp8
     if not kernels.available():
         _rms = _rms_torch
         if any(kind.startswith("mixed") for kind in kinds):
             _ggml, _ggml_cat, _experts = _ggml_in_python, _ggml_cat_in_python, _experts_in_python
+    if not kernels.lut_available() and any(kind.startswith("mixed") for kind in kinds):
+        _lut4, _fp8 = _lut4_in_python, _fp8_in_python
     try:
         with warnings.catch_warnings():
             # torch 2.9+ marks torch.jit.script deprecated; it is what runs a fixed op sequence
@@ -658,7 +681,7 @@ def _scripting(kinds: Collection[str]) -> Iterator[None]:
             warnings.simplefilter("ignore", FutureWarning)
             yield
     finally:
-        _ggml, _ggml_cat, _experts, _rms = compiled
+        _ggml, _ggml_cat, _experts, _rms, _lut4, _fp8 = compiled
 
 
 def compiled_layer(kind: str) -> Callable[..., torch.Tensor]:
@@ -924,6 +947,21 @@ def _linear_spec(m: Any) -> tuple[tuple[Any, ...], int] | None:
         return (1, m.packed, _NO_TENSOR, 0, m.out_features, 0), 2**62 if m.small_rows is None else m.small_rows
     if _plain_ggml(m):
         return (2, m.blocks, _NO_TENSOR, m.ggml_type, m.out_features, m.passes), m.small_rows
+    return _table_spec(m)
+
+
+def _table_spec(m: Any) -> tuple[tuple[Any, ...], int] | None:
+    """:func:`_linear_spec` of a plain :class:`~anyquant.runtime.kernels.lut.Lut4Linear` or
+    :class:`~anyquant.runtime.kernels.lut.E4M3Linear` (no bias, its forward the class's own), else ``None``."""
+    from .kernels.lut import _ROUND, E4M3Linear, Lut4Linear
+
+    if type(m) is Lut4Linear and m.bias is None:
+        table = m.table()
+        if table is None:
+            return None
+        return (3, m.codes, table, m.group, m.out_features, _ROUND[m.round_to]), m.small_rows
+    if type(m) is E4M3Linear and m.bias is None and m.scales.is_contiguous():
+        return (4, m.weight_bits, m.scales, m.group, m.out_features, _ROUND[m.round_to]), m.small_rows
     return None
 
 

@@ -108,6 +108,18 @@ class MXFP4Source:
         self.used.add(name)
         return value
 
+    def packed(self, name: str) -> MXFP4Tensor | None:
+        """The packed weight served as ``name``, counted as used (its reader takes the ``_blocks``/``_scales``
+        pair from :meth:`raw`), or ``None``."""
+        spec = self._packed.get(name)
+        if spec is not None:
+            self.used.add(name)
+        return spec
+
+    def raw(self, name: str) -> torch.Tensor:
+        """A stored tensor as it is in the file (a ``_blocks`` or ``_scales`` one included)."""
+        return self._inner.get(name)
+
     def file_rows(self, name: str) -> FileRows | None:
         return None if name in self._packed or name in self._hidden else self._inner.file_rows(name)
 

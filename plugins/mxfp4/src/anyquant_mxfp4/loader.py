@@ -5,14 +5,20 @@ gpt-oss builds transformers' own ``GptOssForCausalLM``, whose ``GptOssExperts`` 
 module (its form is not the one it splits into per-expert linears) and fills its parameters by name from the tensor
 source. :class:`~anyquant_mxfp4.dequant.MXFP4Source` serves those names, decoded from the ``_blocks``/``_scales``
 pairs: no linear is replaced (``make_linear`` is ``None``), attention, router, embeddings and head are the checkpoint's
-bfloat16 tensors.
+bfloat16 tensors. On ``cpu-fast`` (the default where the compiled 4-bit table kernel is built) :meth:`make_module`
+replaces each ``GptOssExperts`` before anything is read by :class:`~anyquant_mxfp4.experts.PackedGptOssExperts`:
+the experts stay packed, 4.25 bits a weight, never decoded as a whole.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from anyquant.plugin import (
+    CPU_FAST_OPTIONS,
+    RUNTIME_OPTIONS,
     BackendInfo,
     CheckpointError,
     ConfigError,
@@ -24,6 +30,7 @@ from anyquant.plugin import (
     ModuleInfo,
     Probe,
     TransformersLoader,
+    UnsupportedBackendError,
     UnsupportedFormatError,
     dense_rows,
     tensors_by_module,
@@ -32,8 +39,16 @@ from anyquant.runtime.tensors import TensorSource
 
 from .scheme import BLOCK, read_scheme
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
 __all__ = ["MXFP4Loader"]
 
+_PACKED = (
+    "the experts kept packed (4.25 bits a weight) on the compiled 4-bit table kernel: each weight formed as "
+    "transformers decodes it (bit for bit), float32 activations and sums on decode; prompts use the exact weights"
+)
 _EXACT = (
     "the experts decoded once at load to transformers' own dequantized values (Mxfp4Config(dequantize=True)), held in "
     "the compute dtype: 2 bytes a weight in bfloat16, 4 in float32"
@@ -48,12 +63,33 @@ def raise_config_error(detection: Detection) -> None:
         raise (UnsupportedFormatError if kind == "UnsupportedFormatError" else ConfigError)(message)
 
 
+#: the cpu-fast options this loader reads (the prompt GEMM's dtype, the decode rows, the head)
+_FAST_OPTIONS = ("cpu_fast_prefill", "cpu_fast_small_rows", "cpu_fast_head")
+#: rows up to which an expert runs the decode kernel by default: a prompt's tokens spread over the experts, a few
+#: each, and the kernel's cost grows with every row while a GEMM's barely does
+EXPERT_SMALL_ROWS = 4
+
+
 class MXFP4Loader(TransformersLoader):
     format = "mxfp4"
-    backend_order = ("dequantized", "reference")
+    backend_order = ("cpu-fast", "dequantized", "reference")
+    load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            **RUNTIME_OPTIONS,
+            **{k: CPU_FAST_OPTIONS[k] for k in _FAST_OPTIONS},
+            "cpu_fast_small_rows": f"rows up to which the experts (default {EXPERT_SMALL_ROWS}) and the head "
+            "(default 64) run the decode kernels",
+        }
+    )
 
     def backends(self) -> list[BackendInfo]:
+        import torch
+
+        from .experts import packed_unsupported
+
+        why = packed_unsupported(torch.bfloat16)
         return [
+            BackendInfo("cpu-fast", why is None, reason=why or "", description=_PACKED),
             BackendInfo("dequantized", True, description=_EXACT),
             BackendInfo(
                 "reference",
@@ -61,6 +97,16 @@ class MXFP4Loader(TransformersLoader):
                 description="for now the same as 'dequantized' (" + _EXACT.split(" (", 1)[0] + "); no packed kernel",
             ),
         ]
+
+    def choose_backend(self, requested: str, device: torch.device) -> str:
+        """``cpu-fast`` on a CPU only: elsewhere ``auto`` skips it, naming it is an error."""
+        kind = getattr(device, "type", "cpu")
+        if kind != "cpu":
+            if requested == "cpu-fast":
+                raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
+            if requested == "auto":
+                return "dequantized"
+        return super().choose_backend(requested, device)
 
     def validate(self, probe: Probe, detection: Detection) -> None:
         raise_config_error(detection)
@@ -81,6 +127,40 @@ class MXFP4Loader(TransformersLoader):
 
         return MXFP4Source(SafetensorsSource(probe), read_scheme(probe))
 
+    def make_module(self, ctx: LoadContext) -> Callable[[str, nn.Module], nn.Module | None] | None:
+        """On cpu-fast, each gpt-oss experts module whose two weights are packed becomes a
+        :class:`~anyquant_mxfp4.experts.PackedGptOssExperts`, read straight from the ``_blocks``/``_scales``."""
+        if ctx.backend != "cpu-fast":
+            return None
+        import torch
+
+        from .dequant import MXFP4Source
+        from .experts import build_packed, packed_unsupported
+
+        source = ctx.source
+        scheme = read_scheme(ctx.probe)
+        dtype: torch.dtype = getattr(torch, scheme.dtype)
+        why = packed_unsupported(dtype)
+        if why is not None:
+            raise UnsupportedFormatError(f"{ctx.probe.root}: the cpu-fast backend cannot run: {why}")
+        assert isinstance(source, MXFP4Source)
+        names = {t.name for t in scheme.tensors}
+        plan = _fast_plan(ctx)
+        rows = plan.small_rows if "cpu_fast_small_rows" in ctx.options.extra else EXPERT_SMALL_ROWS
+
+        def factory(name: str, module: nn.Module) -> nn.Module | None:
+            gate_up, down = f"{name}.gate_up_proj", f"{name}.down_proj"
+            if type(module).__name__ != "GptOssExperts" or gate_up not in names or down not in names:
+                return None
+            gu, dn = source.packed(gate_up), source.packed(down)
+            assert gu is not None and dn is not None
+            biases = (source.get(f"{gate_up}_bias"), source.get(f"{down}_bias"))
+            return build_packed(
+                module, gu, dn, source.raw, biases, dtype, small_rows=rows, prefill_dtype=plan.prefill_dtype
+            )
+
+        return factory
+
     def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
         from .dequant import MXFP4Source
 
@@ -94,10 +174,12 @@ class MXFP4Loader(TransformersLoader):
                     f"for the MXFP4 weight(s) {', '.join(left[:3])}: anyquant reads gpt-oss's packed experts "
                     "(GptOssExperts' gate_up_proj / down_proj)"
                 )
+        if ctx.backend == "cpu-fast":
+            loaded.info = {**loaded.info, "cpu_fast": _finish_fast(loaded, ctx)}
         info: dict[str, Any] = {
             "packed_tensors": len(scheme.tensors),
             "decoded_dtype": scheme.dtype,
-            "held_dtype": str(ctx.dtype).replace("torch.", ""),
+            "held_dtype": "packed (4.25 bits)" if ctx.backend == "cpu-fast" else str(ctx.dtype).replace("torch.", ""),
         }
         loaded.info = {**loaded.info, "mxfp4": info}
         return loaded
@@ -112,3 +194,23 @@ class MXFP4Loader(TransformersLoader):
             module = t.name.rpartition(".")[0]  # its biases stay a dense row of the experts module
             groups[module] = [x for x in groups.get(module, []) if x.name not in (t.blocks, t.scales)]
         return rows + dense_rows(probe, groups={k: v for k, v in groups.items() if v})
+
+
+def _fast_plan(ctx: LoadContext) -> Any:
+    """cpu-fast's options, parsed and checked as every cpu-fast loader's are."""
+    from anyquant.runtime.fastcpu import FastCPUPlan
+
+    return FastCPUPlan.from_options({k: v for k, v in ctx.options.extra.items() if k in _FAST_OPTIONS})
+
+
+def _finish_fast(loaded: LoadedModel, ctx: LoadContext) -> dict[str, Any]:
+    """The LM head on cpu-fast's decode kernel (the top 64 logits exact), as every cpu-fast format's."""
+    from anyquant.runtime.fastcpu import install_fast_head
+
+    plan = _fast_plan(ctx)
+    head = (
+        install_fast_head(loaded.module, small_rows=plan.small_rows, compute_dtype=ctx.dtype, kind=plan.head_kind)
+        if plan.head
+        else {"head": "dense", "reason": "cpu_fast_head='dense'"}
+    )
+    return {"experts": "MXFP4 packed, 4-bit table kernel", "prefill_dtype": plan.prefill_name, "lm_head": head}

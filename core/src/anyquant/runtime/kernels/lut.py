@@ -98,9 +98,22 @@ class Lut4Linear(_KernelRows):
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.round_to, self.small_rows, self.prefill_dtype = round_to, small_rows, prefill_dtype
         self.register_buffer("codes", lut4_codes(codes))
-        self.register_buffer("scales", scales.to(torch.float32).contiguous())
-        self.register_buffer("lut", lut.to(torch.float32).reshape(16).contiguous())
+        # one storage: the 16 values, then the scales (the compiled decode step passes it as one tensor)
+        table = torch.cat((lut.to(torch.float32).reshape(16), scales.to(torch.float32).reshape(-1)))
+        self.register_buffer("lut", table[:16])
+        self.register_buffer("scales", table[16:].view(out_features, in_features // group))
         self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
+
+    def table(self) -> torch.Tensor | None:
+        """The values and the scales as the one tensor they are views of (``None`` where they no longer are)."""
+        lut, scales = self.lut, self.scales
+        if lut.dtype != torch.float32 or scales.dtype != torch.float32 or not scales.is_contiguous():
+            return None
+        if lut.untyped_storage().data_ptr() != scales.untyped_storage().data_ptr():
+            return None
+        if scales.storage_offset() != lut.storage_offset() + 16 or not lut.is_contiguous():
+            return None
+        return torch.as_strided(lut, (16 + scales.numel(),), (1,), lut.storage_offset())
 
     def dequantize(self) -> torch.Tensor:
         """The exact weight ``[out, in]`` in ``round_to``."""
