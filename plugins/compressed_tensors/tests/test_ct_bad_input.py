@@ -160,3 +160,115 @@ def test_a_catastrophic_target_pattern_is_bounded(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="too long"):
         sdk.load(variant(tmp_path, config=cfg))
     assert time.monotonic() - start < 30
+
+
+# ----------------------------------------------------------------------------------------- sparse layouts
+
+S24, S24_FP8, SBM = "llama_sparse24", "llama_sparse24_fp8", "llama_sparse_bitmask"
+
+
+@pytest.mark.parametrize(
+    ("name", "part", "value", "match"),
+    [
+        (S24, "bitmask", lambda t: t[:, :-1].clone(), r"bitmask \[128, 15\]"),  # one byte short per row
+        (S24, "bitmask", lambda t: t.view(torch.int8), "bitmask is I8"),
+        (S24, "compressed", lambda t: t[:, :-1].clone(), r"compressed is \[128, 63\]"),  # too few values for 2:4
+        (S24_FP8, "shape", lambda t: t.reshape(1, 2), r"shape is I64\[1, 2\]"),
+        (SBM, "row_offsets", lambda t: t[:-1].clone(), r"row_offsets is I64\[63\]"),
+        (SBM, "compressed", lambda t: t.reshape(1, -1), "compressed is"),
+    ],
+)
+def test_sparse_tensors_whose_headers_disagree(
+    tmp_path: Path, name: str, part: str, value: Callable[[torch.Tensor], torch.Tensor], match: str
+) -> None:
+    """Caught from the headers, before any value is read: the load names the module and the tensor."""
+
+    def t(d: dict[str, torch.Tensor]) -> None:
+        d[f"{Q}.{part}"] = value(d[f"{Q}.{part}"])
+
+    with pytest.raises(FormatConflictError, match=match):
+        sdk.load(variant(tmp_path, name, tensors=t), backend="reference")
+
+
+def test_a_24_bitmask_keeping_three_of_four_is_refused(tmp_path: Path) -> None:
+    """A 2:4 mask keeps exactly 2 of each 4; a third bit set (the values unchanged) would place them wrongly."""
+
+    def t(d: dict[str, torch.Tensor]) -> None:
+        mask = d[f"{Q}.bitmask"].clone()
+        low = int(mask[5, 0]) & 0x0F  # the first group of four of row 5: two bits set, set a third
+        free = next(b for b in range(4) if not low >> b & 1)
+        mask[5, 0] = int(mask[5, 0]) | (1 << free)
+        d[f"{Q}.bitmask"] = mask
+
+    with pytest.raises(CheckpointError, match=r"keeps 3 of the 4 values at row 5, columns 0\.\.3"):
+        sdk.load(variant(tmp_path, S24, tensors=t), backend="reference")
+
+
+def test_a_bitmask_counting_other_values_is_refused(tmp_path: Path) -> None:
+    """The general bitmask: one value fewer than its set bits (row_offsets and headers still consistent in shape)."""
+
+    def t(d: dict[str, torch.Tensor]) -> None:
+        d[f"{Q}.compressed"] = d[f"{Q}.compressed"][:-1].clone()
+
+    with pytest.raises(CheckpointError, match="set bits for 2046 values"):
+        sdk.load(variant(tmp_path, SBM, tensors=t), backend="reference")
+
+
+def test_row_offsets_that_disagree_with_the_mask(tmp_path: Path) -> None:
+    def t(d: dict[str, torch.Tensor]) -> None:
+        d[f"{Q}.row_offsets"] = d[f"{Q}.row_offsets"] + 1
+
+    with pytest.raises(CheckpointError, match="row_offsets"):
+        sdk.load(variant(tmp_path, SBM, tensors=t), backend="reference")
+
+
+def test_a_huge_sparse_shape_is_refused_before_any_allocation(tmp_path: Path) -> None:
+    """``shape`` is data: a value past the headers' [out, in] is a CheckpointError, never a 10^18-element zeros."""
+
+    def t(d: dict[str, torch.Tensor]) -> None:
+        d[f"{Q}.shape"] = torch.tensor([[10**9], [10**9]])
+
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"shape says \[1000000000, 1000000000\]"):
+        sdk.load(variant(tmp_path, S24, tensors=t), backend="reference")
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize(
+    ("fmt", "error", "match"),
+    [
+        ("marlin-24", UnsupportedFormatError, "GPU-only 2:4"),
+        ("sparse-8-16", UnsupportedFormatError, "sparse-8-16"),
+        (["sparse-24-bitmask"], ConfigError, "sparsity_config.format"),
+    ],
+)
+def test_sparsity_formats_anyquant_does_not_read(tmp_path: Path, fmt: Any, error: type[Exception], match: str) -> None:
+    def cfg(qc: dict[str, Any]) -> None:
+        qc["sparsity_config"]["format"] = fmt
+
+    with pytest.raises(error, match=match):
+        sdk.load(variant(tmp_path, S24_FP8, config=cfg))
+
+
+def test_sparse_tensors_under_a_dense_sparsity_config(tmp_path: Path) -> None:
+    def cfg(qc: dict[str, Any]) -> None:
+        qc["sparsity_config"]["format"] = "dense"
+
+    with pytest.raises(FormatConflictError, match="sparse tensors"):
+        sdk.load(variant(tmp_path, S24, config=cfg))
+
+
+def test_sparse_tensors_of_a_module_the_config_ignores(tmp_path: Path) -> None:
+    """compressed-tensors decompresses the sparsity_config's targets only: an ignored module's tensors contradict it."""
+
+    def cfg(qc: dict[str, Any]) -> None:
+        qc["sparsity_config"]["ignore"] = [Q]
+
+    with pytest.raises(FormatConflictError, match="does not target it"):
+        sdk.load(variant(tmp_path, S24, config=cfg))
+
+
+def test_inspect_names_the_sparse_layout() -> None:
+    rows = {r.name: r for r in sdk.inspect(FIXTURES / S24_FP8).modules}
+    assert rows[Q].format == "ct-fp8+sparse-24-bitmask" and rows[Q].shape == (128, 128)
+    assert rows["lm_head"].format == "ct-sparse-24-bitmask" and rows["lm_head"].shape == (259, 128)

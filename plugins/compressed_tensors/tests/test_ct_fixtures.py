@@ -44,13 +44,30 @@ def logits(entry: dict[str, Any]) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(entry["shape"])
 
 
-def _fp8_activations(name: str) -> bool:
+def _groups(name: str) -> dict[str, Any]:
     qc = json.loads((FIXTURES / name / "config.json").read_text())["quantization_config"]
+    groups: dict[str, Any] = qc.get("config_groups") or {}  # a sparse-only checkpoint has none
+    return groups
+
+
+def _fp8_activations(name: str) -> bool:
     return any(
         (g.get("input_activations") or {}).get("type") == "float"
         and (g.get("input_activations") or {}).get("num_bits") == 8
-        for g in qc["config_groups"].values()
+        for g in _groups(name).values()
     )
+
+
+def weight_of(model: Any, name: str) -> tuple[torch.Tensor, bool]:
+    """A module's weight as the model computes with it, and whether it keeps the checkpoint's dtype: a quantized
+    linear's decode (yes), or a dense one's parameter (a sparse-only module decompressed at load, then held in the
+    compute dtype like every dense weight: float32 holds a bfloat16 value exactly, so its sha256_f32 still judges)."""
+    mod = model.module.get_submodule(name)
+    if hasattr(mod, "dequantize"):
+        out: torch.Tensor = mod.dequantize()
+        return out, True
+    assert isinstance(mod, torch.nn.Linear), (name, type(mod))
+    return mod.weight.detach(), False
 
 
 def peer_logits(rec: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
@@ -67,6 +84,7 @@ def fixture(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
 
 def test_fixtures_present() -> None:
     assert {"llama_w4a16", "llama_w4a16_asym_g32", "llama_w8a16", "llama_w8a8", "llama_fp8"} <= set(NAMES)
+    assert {"llama_sparse24", "llama_sparse24_fp8", "llama_sparse_bitmask"} <= set(NAMES)
 
 
 def test_detect_names_the_format(fixture: tuple[str, dict[str, Any]]) -> None:
@@ -74,7 +92,13 @@ def test_detect_names_the_format(fixture: tuple[str, dict[str, Any]]) -> None:
     det = sdk.detect(FIXTURES / name)
     assert det.format == "compressed-tensors"
     assert det.variant in (rec["format"], "mixed-precision")
-    assert det.details["modules"] == len(rec["weights"]) and not det.details["problems"]
+    assert not det.details["problems"]
+    assert det.details["sparsity"] == rec.get("sparsity_format")
+    if rec.get("sparsity_format"):  # every recorded module is stored sparse; the quantized ones are counted apart
+        assert det.details["sparse_modules"] == len(rec["weights"])
+        assert det.details["modules"] == sum(1 for w in rec["weights"].values() if w["format"])
+    else:
+        assert det.details["modules"] == len(rec["weights"])
 
 
 def test_reference_weights_are_the_decompressors(fixture: tuple[str, dict[str, Any]]) -> None:
@@ -82,8 +106,8 @@ def test_reference_weights_are_the_decompressors(fixture: tuple[str, dict[str, A
     name, rec = fixture
     model = sdk.load(FIXTURES / name, backend="reference")
     for mod_name, w in rec["weights"].items():
-        dq = model.module.get_submodule(mod_name).dequantize()
-        assert str(dq.dtype).removeprefix("torch.") == w["dtype"], mod_name
+        dq, decoded = weight_of(model, mod_name)
+        assert str(dq.dtype).removeprefix("torch.") == (w["dtype"] if decoded else model.dtype), mod_name
         assert list(dq.shape) == w["shape"]
         assert sha256_f32(dq) == w["sha256_f32"], (mod_name, dq.flatten()[:4].tolist(), w["first4"])
 
@@ -108,9 +132,7 @@ def test_cpu_fast_default(fixture: tuple[str, dict[str, Any]]) -> None:
     fast = info.get("fast_layers", 0)
     four_bit = "4" in rec["format"] or any(
         g.get("weights", {}).get("num_bits") == 4 and g.get("format") == "pack-quantized"
-        for g in json.loads((FIXTURES / name / "config.json").read_text())["quantization_config"][
-            "config_groups"
-        ].values()
+        for g in _groups(name).values()
     )
     if model.backend == "cpu-fast" and four_bit and rec["format"] == "pack-quantized":
         assert fast > 0
@@ -122,7 +144,9 @@ def test_cpu_fast_default(fixture: tuple[str, dict[str, Any]]) -> None:
         tol = 1e-1
     if fast:  # the fast modules' exact form (GQ4 / Q8_0 blocks, ...) decodes to the reference's weight
         exact = sdk.load(FIXTURES / name, backend="reference")
-        assert assert_fast_modules_exact(model, exact, rec["weights"]) == len(rec["weights"])
+        # the quantized modules (a sparse checkpoint's sparse-only ones load dense, as its unquantized head does)
+        quantized = [n for n, w in rec["weights"].items() if w.get("format", True)]
+        assert assert_fast_modules_exact(model, exact, quantized) == len(quantized)
     assert (got - ref).abs().max().item() <= tol * ref.abs().max().item()
     ours = greedy_tokens(model, rec["prompt_ids"], len(tokens))
     if fast:
@@ -159,6 +183,8 @@ def test_live_decompressor(fixture: tuple[str, dict[str, Any]], live_weights: Pa
     assert set(peer) == {f"{m}.weight" for m in rec["weights"]}
     model = sdk.load(FIXTURES / name, backend="reference")
     for mod_name in rec["weights"]:
-        ours = model.module.get_submodule(mod_name).dequantize()
+        ours, decoded = weight_of(model, mod_name)
         theirs = peer[f"{mod_name}.weight"]
+        if not decoded:  # a dense parameter in the compute dtype: the peer's value, exactly representable there
+            theirs = theirs.to(ours.dtype)
         assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), mod_name

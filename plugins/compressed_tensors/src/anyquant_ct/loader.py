@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from anyquant.headers import SAFETENSORS_DTYPE_BITS
 from anyquant.int4.loader import Int4State, PackedFormatLoader
 from anyquant.plugin import (
     CheckpointError,
@@ -21,6 +22,7 @@ from anyquant.plugin import (
 )
 
 from .scheme import CTConfig, ModuleSpec, read_modules
+from .sparse import SparseSource, SparseSpec, read_sparse, sparse_view
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +41,13 @@ def _config(probe: Probe) -> CTConfig:
     return CTConfig.parse(qc if probe.quant_method in ("compressed-tensors", "compressed_tensors") else None)
 
 
+def _read(probe: Probe) -> tuple[CTConfig, dict[str, SparseSpec], list[ModuleSpec]]:
+    """The config, the modules stored sparse, and the quantized modules as they read once decompressed."""
+    cfg = _config(probe)
+    sparse, _ = read_sparse(probe, cfg.sparsity)
+    return cfg, sparse, read_modules(sparse_view(probe, sparse), cfg)[0]
+
+
 class CTLoader(PackedFormatLoader):
     format = "compressed-tensors"
     cpu_fast_description = (
@@ -47,7 +56,13 @@ class CTLoader(PackedFormatLoader):
     )
 
     def read_signature(self, probe: Probe) -> list[ModuleSpec]:
-        return read_modules(probe, _config(probe))[0]
+        return _read(probe)[2]
+
+    def tensor_source(self, probe: Probe, options: LoadOptions) -> Any:
+        """The checkpoint's tensors, and each sparse module's dense ``weight`` decompressed from them when read."""
+        source = super().tensor_source(probe, options)
+        sparse = _read(probe)[1]
+        return SparseSource(source, sparse) if sparse else source
 
     def cpu_fast_available(self) -> tuple[bool, str]:
         from anyquant.int4.loader import cpu_fast_backend
@@ -87,11 +102,6 @@ class CTLoader(PackedFormatLoader):
                 f"{probe.root}: the config has a transform_config (rotations applied to the weights, e.g. QuIP or "
                 "SpinQuant): anyquant does not apply them, and the weights alone would give garbage; serve it with vLLM"
             )
-        if cfg.sparsity and cfg.sparsity.get("format") not in (None, "dense"):
-            raise UnsupportedFormatError(
-                f"{probe.root}: sparsity_config format {cfg.sparsity.get('format')!r}: compressed sparse weights are "
-                "not decoded by anyquant yet (dense-stored sparse models load)"
-            )
         problems = d.get("problems") or []
         if problems:
             raise FormatConflictError(
@@ -99,10 +109,10 @@ class CTLoader(PackedFormatLoader):
                 + "; ".join(problems[:3])
                 + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
             )
-        if not d.get("modules"):
+        if not d.get("modules") and not d.get("sparse_modules"):
             raise CheckpointError(
-                f"{probe.root}: the config says compressed-tensors, but no tensor is quantized "
-                "(no weight_packed or weight_scale): refusing to load it as dense"
+                f"{probe.root}: the config says compressed-tensors, but no tensor is quantized or sparse "
+                "(no weight_packed, weight_scale or bitmask): refusing to load it as dense"
             )
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
@@ -110,7 +120,7 @@ class CTLoader(PackedFormatLoader):
 
         state = self.state(ctx)
         plan = state.fast_plan
-        specs = state.signature if isinstance(state.signature, list) else read_modules(ctx.probe, _config(ctx.probe))[0]
+        specs = state.signature if isinstance(state.signature, list) else _read(ctx.probe)[2]
         by_name: dict[str, ModuleSpec] = {s.name: s for s in specs}
         mode = "dequantized" if ctx.backend == "dequantized" else "reference"
 
@@ -194,14 +204,23 @@ class CTLoader(PackedFormatLoader):
         return loaded
 
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
-        specs, _ = read_modules(probe, _config(probe))
+        _, sparse, specs = _read(probe)
+        view = sparse_view(probe, sparse)
         rows, covered = [], set()
         for s in specs:
-            nbytes = sum(probe.tensors[n].nbytes for n in s.tensors.values())
+            nbytes = sum(view.tensors[n].nbytes for n in s.tensors.values())
             covered.add(s.name)
             gs = s.weights.group_size if s.weights.strategy in ("group", "tensor_group") else None
             in_f = s.in_features or 0
-            rows.append(ModuleInfo(s.name, f"ct-{s.storage}", (s.out_features, in_f), float(s.bits), gs or -1, nbytes))
+            kind = f"ct-{s.storage}" + (f"+{sparse[s.name].layout}" if s.name in sparse else "")
+            rows.append(ModuleInfo(s.name, kind, (s.out_features, in_f), float(s.bits), gs or -1, nbytes))
+        for sp in sparse.values():
+            if sp.name in covered:
+                continue
+            covered.add(sp.name)
+            bits = float(SAFETENSORS_DTYPE_BITS.get(sp.dtype, 0))
+            shape = (sp.out_features, sp.in_features)
+            rows.append(ModuleInfo(sp.name, f"ct-{sp.layout}", shape, bits, None, sp.nbytes, extra={"dtype": sp.dtype}))
         return rows + dense_rows(probe, skip=covered)
 
 

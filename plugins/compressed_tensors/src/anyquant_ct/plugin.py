@@ -8,6 +8,7 @@ from collections.abc import Callable
 from anyquant.plugin import Claim, ConfigError, FormatSpec, Probe, UnsupportedFormatError, hookimpl
 
 from .scheme import STORAGE_FORMAT, CTConfig, read_modules
+from .sparse import read_sparse, sparse_format, sparse_view
 
 FORMAT = "compressed-tensors"
 QUANT_METHODS = ("compressed-tensors", "compressed_tensors")
@@ -21,7 +22,10 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
             loader="anyquant_ct.loader:CTLoader",
             quantizer="anyquant_ct.quantize:CTQuantizer",
             requires=("torch>=2.4", "transformers>=4.56", "safetensors>=0.4"),
-            description="compressed-tensors (llm-compressor, vLLM): pack-quantized, int/float-quantized, NVFP4, MXFP4",
+            description=(
+                "compressed-tensors (llm-compressor, vLLM): pack-quantized, int/float-quantized, NVFP4, MXFP4; "
+                "sparse-24-bitmask and sparse-bitmask decompressed to dense"
+            ),
             install_hint="pip install anyquant-compressed-tensors",
         )
     )
@@ -39,7 +43,9 @@ def anyquant_detect(probe: Probe) -> Claim | None:
         )
     try:
         cfg = CTConfig.parse(probe.quantization_config if says else None)
-        specs, problems = read_modules(probe, cfg)
+        sparse, problems = read_sparse(probe, cfg.sparsity)
+        specs, quant_problems = read_modules(sparse_view(probe, sparse), cfg)
+        problems += quant_problems
     except (ConfigError, UnsupportedFormatError) as e:  # claimed, and malformed: the loader raises it as it is
         return Claim(
             FORMAT,
@@ -55,7 +61,14 @@ def anyquant_detect(probe: Probe) -> Claim | None:
     formats = sorted({STORAGE_FORMAT[k] for k in kinds})
     if cfg.format in ("naive-quantized", "int-quantized") and kinds and set(kinds) <= {"int8", "fp8"}:
         formats = [cfg.format]  # the same storage under another name: the config's
-    variant = formats[0] if len(formats) == 1 else "mixed-precision" if formats else cfg.format
+    sparsity = sparse_format(cfg.sparsity)
+    if sparse:
+        layouts = Counter(s.layout for s in sparse.values())
+        evidence.append(
+            f"{len(sparse)} modules stored sparse ({', '.join(f'{n} {k}' for k, n in sorted(layouts.items()))}), "
+            "decompressed to dense weights on load"
+        )
+    variant = formats[0] if len(formats) == 1 else "mixed-precision" if formats else sparsity or cfg.format
     acts = sorted({s.input_activations.describe() for s in specs if s.input_activations is not None})
     if acts:
         evidence.append(f"input activations quantized: {', '.join(acts)}")
@@ -70,10 +83,11 @@ def anyquant_detect(probe: Probe) -> Claim | None:
         "weights": sorted({s.weights.describe() for s in specs}),
         "input_activations": acts,
         "kv_cache_scheme": cfg.kv_cache.describe() if cfg.kv_cache else None,
-        "sparsity": bool(cfg.sparsity),
+        "sparsity": sparsity,  # the sparsity_config's compressed layout (None: none, or stored dense)
+        "sparse_modules": len(sparse),
         "transform": bool(cfg.transform),
         "problems": problems,
     }
-    if says and not specs and not problems:
+    if says and not specs and not sparse and not problems:
         evidence.append("no quantized tensors")
     return Claim(FORMAT, confidence=1.0, evidence=tuple(evidence + problems[:3]), variant=variant, details=details)

@@ -39,8 +39,8 @@ REFUSED_FORMATS = {
     "marlin-24": "a GPU-only 2:4 sparse layout (Marlin kernels)",
     "mxfp6-pack-quantized": "MXFP6 weights, not decoded by anyquant yet",
     "mxfp8-quantized": "MXFP8 weights, not decoded by anyquant yet",
-    "sparse-bitmask": "a sparse bitmask layout, not decoded by anyquant yet",
-    "sparse-24-bitmask": "a 2:4 sparse bitmask layout, not decoded by anyquant yet",
+    "sparse-bitmask": "a sparsity layout, which compressed-tensors names in sparsity_config.format",
+    "sparse-24-bitmask": "a sparsity layout, which compressed-tensors names in sparsity_config.format",
 }
 STRATEGIES = frozenset({"tensor", "channel", "group", "block", "token", "tensor_group", "attn_head"})
 #: regex targets are matched under this time limit each (a pattern from an untrusted config cannot hang a load)
@@ -197,6 +197,9 @@ class CTConfig:
             raise ConfigError("quantization_config.sparsity_config must be an object or null")
         if transform is not None and not isinstance(transform, Mapping):
             raise ConfigError("quantization_config.transform_config must be an object or null")
+        from .sparse import sparse_format
+
+        sparse_format(sparsity)  # a layout anyquant decompresses, or a typed error
         status = qc.get("quantization_status")
         return cls(
             format=fmt,
