@@ -1,6 +1,7 @@
 """The probe: everything detection may look at, read from a checkpoint without touching tensor data.
 
 :meth:`Probe.open` reads ``config.json``, ``quantization_config.json``, ``quantize_config.json``,
+ModelOpt's ``hf_quant_config.json``,
 the tokenizer file names, every ``*.safetensors`` header (found by globbing, not from the index),
 the shard index, and GGUF headers. The result is immutable. Standard library only: never
 imports torch.
@@ -51,7 +52,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILES = ("config.json", "quantization_config.json", "quantize_config.json")
+CONFIG_FILES = ("config.json", "quantization_config.json", "quantize_config.json", "hf_quant_config.json")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -105,6 +106,8 @@ class Probe:
     missing_shards: tuple[str, ...] = ()
     #: links leaving the directory were allowed when they end at a regular file (:func:`allow_symlinks`)
     allow_symlinks: bool = False
+    #: NVIDIA ModelOpt's ``hf_quant_config.json`` (``{"producer": {"name": "modelopt"}, "quantization": {...}}``)
+    hf_quant_config_file: Mapping[str, Any] | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -196,6 +199,7 @@ class Probe:
             by_suffix=_suffix_index(tensors),
             missing_shards=missing,
             allow_symlinks=allow_symlinks,
+            hf_quant_config_file=_freeze(configs[3]) if configs[3] is not None else None,
         )
 
     # ------------------------------------------------------------------ queries
@@ -215,7 +219,9 @@ class Probe:
         """The declared quantization method, lowercased (``None`` when nothing declares one).
 
         ``config.json``'s ``quant_method`` (or GPTQModel's ``method``) wins; a lone
-        ``quantize_config.json`` with GPTQ keys (old AutoGPTQ) declares ``gptq``.
+        ``quantize_config.json`` with GPTQ keys (old AutoGPTQ) declares ``gptq``; a lone ``hf_quant_config.json``
+        whose producer is ModelOpt (its exports before ``quantization_config`` went into ``config.json``) declares
+        ``modelopt``.
         """
         for qc in (self.quantization_config, self.quantization_config_file):
             if qc is not None:
@@ -230,6 +236,11 @@ class Probe:
                 return value.strip().lower()
             if "bits" in qf and ("group_size" in qf or "desc_act" in qf):
                 return "gptq"
+        hq = self.hf_quant_config_file
+        if hq is not None:
+            producer = hq.get("producer")
+            if isinstance(producer, Mapping) and str(producer.get("name", "")).strip().lower() == "modelopt":
+                return "modelopt"
         if self.quantization_config is not None and (
             self.quantization_config.get("load_in_4bit") or self.quantization_config.get("load_in_8bit")
         ):

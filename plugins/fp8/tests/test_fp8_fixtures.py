@@ -130,3 +130,16 @@ def test_block_size_not_a_pair_is_a_config_error(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="weight_block_size"):
         sdk.load(path)
+
+
+@pytest.mark.parametrize("name", ["llama_fp8_block", "qwen3_fp8_block"])
+def test_compiled_decode_step_runs_the_fp8_kernel(name: str) -> None:
+    """cpu-fast's FP8 linears in the native decoder's compiled decode step: every layer planned, its logits the
+    module path's bit for bit (where fp8_gemv has its vector path: AVX512F)."""
+    from anyquant.runtime.kernels.lut import fp8_kernel_runs
+    from tests.decoding import assert_step_is_module_path
+
+    if not fp8_kernel_runs():
+        pytest.skip("fp8_gemv's vector path does not run here (AVX512F)")
+    model = sdk.load(FIXTURES / name, backend="cpu-fast")
+    assert_step_is_module_path(model, int(model.module.config.vocab_size))

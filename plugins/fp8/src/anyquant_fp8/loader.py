@@ -22,9 +22,25 @@ from anyquant.plugin import (
 from .scheme import FP8Scheme, read_scheme
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
+    from anyquant.plugin import LoadedModel
+
 __all__ = ["FP8Loader"]
+
+#: ``ctx.state`` key of ModelOpt's KV-cache scales (read in prepare, installed in finish)
+KV_KEY = "fp8_modelopt_kv"
+
+
+def _positive_scale(name: str, t: torch.Tensor) -> None:
+    """ModelOpt's scales are ``amax / 448`` (it asserts them positive): a NaN, infinite, zero or negative one, or one
+    that is not a float, is refused before any forward."""
+    if not t.is_floating_point() or not bool(t.isfinite().all()) or not bool((t > 0).all()):
+        shown = t.flatten()[:4].tolist() if t.numel() else []
+        raise CheckpointError(
+            f"{name} is {str(t.dtype).removeprefix('torch.')} {shown}: expected positive finite scales"
+        )
 
 
 class FP8Loader(PackedFormatLoader):
@@ -65,6 +81,45 @@ class FP8Loader(PackedFormatLoader):
                 f"{probe.root}: the FP8 tensors disagree with each other or with the config: " + "; ".join(problems[:3])
             )
 
+    def prepare(self, ctx: LoadContext) -> None:
+        """The backend's plan, and ModelOpt's KV-cache scales (read and checked here)."""
+        super().prepare(ctx)
+        ctx.state[KV_KEY] = None
+        state = self.state(ctx)
+        scheme = state.signature if isinstance(state.signature, FP8Scheme) else read_scheme(ctx.probe)
+        if not scheme.kv_scales:
+            return
+        scales = {}
+        for attn, (kn, vn) in scheme.kv_scales.items():
+            k, v = ctx.source.get(kn), ctx.source.get(vn)
+            _positive_scale(kn, k)
+            _positive_scale(vn, v)
+            scales[attn] = (k, v)
+        ctx.state[KV_KEY] = scales
+
+    def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
+        """cpu-fast's head and record (the base's), and ModelOpt's FP8 KV cache on each attention layer of the native
+        decoder (transformers' classes have no place for it: refused, never silently left 16-bit)."""
+        from .qlinear import KVQuantFP8
+
+        loaded = super().finish(loaded, ctx)
+        scales = ctx.state.get(KV_KEY)
+        if not scales:
+            return loaded
+        done = 0
+        for name, module in loaded.module.named_modules():
+            if name in scales and hasattr(module, "kv_quant"):
+                module.kv_quant = KVQuantFP8(*scales[name])
+                done += 1
+        if done != len(scales):
+            raise UnsupportedFormatError(
+                f"{ctx.probe.root}: ModelOpt's FP8 KV cache (k_scale/v_scale) is applied by anyquant's native decoder "
+                f"only; this model built {loaded.info.get('runtime')!r} and {done} of {len(scales)} attention layers "
+                "took it"
+            )
+        loaded.info = {**loaded.info, "kv_cache": f"fp8 e4m3, static k_scale/v_scale, {done} layers (ModelOpt)"}
+        return loaded
+
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         import torch
 
@@ -76,6 +131,7 @@ class FP8Loader(PackedFormatLoader):
         modules = {m.name: m for m in scheme.modules}
         round_to = getattr(torch, scheme.dtype)
         mode = "dequantized" if ctx.backend == "dequantized" else "reference"
+        modelopt = scheme.modelopt is not None
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             m = modules.get(name)
@@ -87,14 +143,25 @@ class FP8Loader(PackedFormatLoader):
                     f"[{linear.out_features}, {linear.in_features}]"
                 )
             src = ctx.source
+            scale = src.get(f"{name}.{scheme.scale_name}")
+            input_scale = None
+            if modelopt:
+                _positive_scale(f"{name}.{scheme.scale_name}", scale)
+                if scheme.block is not None:  # ModelOpt's [out/128, 1, in/128, 1]
+                    scale = scale.reshape(scale.shape[0], scale.shape[-2] if scale.dim() == 4 else scale.shape[1])
+                if scheme.input_quant == "static":
+                    input_scale = src.get(f"{name}.input_scale")
+                    _positive_scale(f"{name}.input_scale", input_scale)
             layer = FP8Linear(
                 src.get(f"{name}.weight"),
-                src.get(f"{name}.weight_scale_inv"),
+                scale,
                 src.get(f"{name}.bias") if m.has_bias else None,
                 block=scheme.block,
                 round_to=round_to,
                 mode=mode,
                 compute_dtype=ctx.dtype,
+                input_quant=scheme.input_quant,
+                input_scale=input_scale,
             )
             return layer if plan is None else plan.convert(name, layer)
 
@@ -103,8 +170,10 @@ class FP8Loader(PackedFormatLoader):
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
         scheme = read_scheme(probe)
         rows, covered = [], set()
+        kind = "fp8" if scheme.modelopt is None else scheme.variant
         for m in scheme.modules:
-            nbytes = sum(probe.tensors[f"{m.name}.{s}"].nbytes for s in ("weight", "weight_scale_inv"))
+            names = ("weight", scheme.scale_name) + (("input_scale",) if m.has_input_scale else ())
+            nbytes = sum(probe.tensors[f"{m.name}.{s}"].nbytes for s in names)
             covered.add(m.name)
-            rows.append(ModuleInfo(m.name, "fp8", (m.out_features, m.in_features), 8.0, -1, nbytes))
+            rows.append(ModuleInfo(m.name, kind, (m.out_features, m.in_features), 8.0, -1, nbytes))
         return rows + dense_rows(probe, skip=covered)

@@ -1,4 +1,5 @@
-"""anyquant hooks for FP8 (``quant_method: "fp8"``): format registration and header-only detection."""
+"""anyquant hooks for FP8 (``quant_method: "fp8"``, and NVIDIA ModelOpt's FP8 exports: ``quant_method: "modelopt"`` or
+a ModelOpt ``hf_quant_config.json``): format registration and header-only detection."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
             name=FORMAT,
             loader="anyquant_fp8.loader:FP8Loader",
             requires=("torch>=2.4", "transformers>=4.56", "safetensors>=0.4"),
-            description="FP8 e4m3 weights with weight_scale_inv (quant_method fp8: DeepSeek-V3, Qwen3-FP8)",
+            description=(
+                "FP8 e4m3 weights with weight_scale_inv (quant_method fp8: DeepSeek-V3, Qwen3-FP8) or ModelOpt's "
+                "weight_scale/input_scale (quant_method modelopt: FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO)"
+            ),
             install_hint="pip install anyquant-fp8",
         )
     )
@@ -27,6 +31,9 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
 @hookimpl
 def anyquant_detect(probe: Probe) -> Claim | None:
     qm = probe.quant_method
+    modelopt = qm is not None and qm.startswith("modelopt")
+    if modelopt:
+        return _detect_modelopt(probe)
     if qm not in (None, "fp8", "fbgemm_fp8") or (qm is None and not list(probe.modules_with("weight_scale_inv"))):
         return None  # compressed-tensors' FP8 (weight_scale) is its plugin's; other methods are theirs
     try:
@@ -51,3 +58,45 @@ def anyquant_detect(probe: Probe) -> Claim | None:
     }
     variant = "block" if scheme.block else "tensor"
     return Claim(FORMAT, evidence=tuple(evidence + scheme.problems[:3]), variant=variant, details=details)
+
+
+def _detect_modelopt(probe: Probe) -> Claim:
+    """ModelOpt's config says so: claimed, its variant named (an algorithm anyquant does not read is kept as the
+    typed error the load raises)."""
+    qm = probe.quant_method
+    try:
+        scheme = read_scheme(probe)
+    except (ConfigError, UnsupportedFormatError) as e:
+        return Claim(
+            FORMAT,
+            evidence=(f"quant_method={qm!r} (NVIDIA ModelOpt)", f"{type(e).__name__}: {e}"),
+            variant="modelopt",
+            details={"config_error": [type(e).__name__, str(e)], "problems": [str(e)]},
+        )
+    m = scheme.modelopt
+    assert m is not None
+    evidence = [f"quant_method={qm!r}: {scheme.describe()}"]
+    if scheme.modules:
+        inputs = sum(1 for x in scheme.modules if x.has_input_scale)
+        evidence.append(
+            f"{len(scheme.modules)} modules with F8_E4M3 weight + F32 weight_scale"
+            + (f" + input_scale ({inputs})" if inputs else "")
+        )
+    if m.exclude:
+        evidence.append(f"exclude_modules {list(m.exclude)[:4]} kept dense")
+    if scheme.kv_scales:
+        evidence.append(f"{len(scheme.kv_scales)} attention layers with k_scale/v_scale")
+    details = {
+        "modules": len(scheme.modules),
+        "block": list(scheme.block) if scheme.block else None,
+        "activation_scheme": scheme.activation_scheme,
+        "dtype": scheme.dtype,
+        "problems": scheme.problems,
+        "producer": m.producer,
+        "quant_algo": m.algo,
+        "config_source": m.source,
+        "exclude_modules": list(m.exclude),
+        "kv_cache_quant_algo": m.kv_algo,
+        "kv_layers": len(scheme.kv_scales),
+    }
+    return Claim(FORMAT, evidence=tuple(evidence + scheme.problems[:3]), variant=scheme.variant, details=details)

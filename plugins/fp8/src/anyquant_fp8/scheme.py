@@ -2,7 +2,10 @@
 
 transformers' FineGrainedFP8 format (``quant_method: "fp8"``): every quantized linear stores ``weight`` as
 float8_e4m3fn ``[out, in]`` and ``weight_scale_inv`` float32, either ``[ceil(out/bh), ceil(in/bw)]`` for
-``weight_block_size: [bh, bw]`` or one value (``weight_block_size: null``). Standard library only.
+``weight_block_size: [bh, bw]`` or one value (``weight_block_size: null``). NVIDIA ModelOpt's FP8 exports
+(``quant_method: "modelopt"`` or ``hf_quant_config.json``, :mod:`anyquant_fp8.modelopt`) store ``weight_scale`` (the
+multiplier, per tensor / per output channel / per 128x128 block) and, for ``FP8``, a static ``input_scale``.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anyquant.plugin import ConfigError, Probe, UnsupportedFormatError
+
+from .modelopt import ModelOptConfig, is_modelopt, read_modelopt_config
 
 __all__ = ["FP8Module", "FP8Scheme", "read_scheme"]
 
@@ -25,6 +30,8 @@ class FP8Module:
     out_features: int
     in_features: int
     has_bias: bool
+    #: ModelOpt FP8: the linear's static per-tensor ``input_scale``
+    has_input_scale: bool = False
 
 
 @dataclass
@@ -35,8 +42,36 @@ class FP8Scheme:
     dtype: str
     modules: list[FP8Module] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: the weight's multiplier tensor: ``weight_scale_inv`` (``quant_method: fp8``) or ``weight_scale`` (ModelOpt)
+    scale_name: str = "weight_scale_inv"
+    #: ModelOpt's config (``None``: transformers' ``quant_method: fp8``)
+    modelopt: ModelOptConfig | None = None
+    #: ModelOpt FP8 KV cache: the attention modules with their ``k_scale``/``v_scale`` tensor names
+    kv_scales: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    @property
+    def variant(self) -> str:
+        if self.modelopt is not None:
+            return self.modelopt.variant
+        return "block" if self.block else "tensor"
+
+    @property
+    def input_quant(self) -> str | None:
+        """How activations are quantized before each FP8 linear: ``"static"`` (per tensor, the stored
+        ``input_scale``), ``"token"`` (dynamic per token) or ``None``."""
+        return self.modelopt.input_quant if self.modelopt is not None else None
 
     def describe(self) -> str:
+        if self.modelopt is not None:
+            m = self.modelopt
+            acts = {"static": "static per-tensor FP8 input_scale", "token": "dynamic per-token FP8 inputs"}.get(
+                m.input_quant or "", "16-bit inputs"
+            )
+            weights = {"tensor": "one weight_scale per tensor", "channel": "weight_scale per output channel"}.get(
+                m.scales, "weight_scale per 128x128 block"
+            )
+            kv = ", FP8 KV cache (k_scale/v_scale)" if m.kv_algo else ""
+            return f"{m.producer} quant_algo {m.algo} from {m.source}: {weights}, {acts}{kv}"
         if self.block:
             return f"{self.block[0]}x{self.block[1]} blocks, {self.activation_scheme} activations"
         return f"one scale per tensor, {self.activation_scheme} activations"
@@ -57,6 +92,8 @@ def _block(qc: Mapping[str, Any]) -> tuple[int, int] | None:
 
 
 def read_scheme(probe: Probe) -> FP8Scheme:
+    if is_modelopt(probe):
+        return read_modelopt_scheme(probe)
     qc = probe.quantization_config or {}
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
@@ -100,4 +137,99 @@ def read_scheme(probe: Probe) -> FP8Scheme:
         scheme.problems.append(f"{len(stray)} FP8 tensors without a weight_scale_inv (e.g. {stray[0]})")
     if probe.quant_method == "fp8" and not scheme.modules and not scheme.problems:
         scheme.problems.append("the config says fp8, but no tensor is FP8 with a weight_scale_inv")
+    return scheme
+
+
+def _modelopt_scale_shapes(m: ModelOptConfig, out: int, inp: int) -> tuple[tuple[int, ...], ...]:
+    if m.scales == "tensor":
+        return ((), (1,))
+    if m.scales == "channel":
+        return ((out,), (out, 1))
+    rows, cols = math.ceil(out / 128), math.ceil(inp / 128)
+    return ((rows, 1, cols, 1), (rows, cols))  # as ModelOpt exports it, and as vLLM squeezes it
+
+
+def read_modelopt_scheme(probe: Probe) -> FP8Scheme:
+    """A ModelOpt FP8 checkpoint: every ``weight_scale`` module checked against the algorithm's layout, excluded
+    modules dense, the static ``input_scale`` of ``FP8`` present, the KV-cache scales found; what disagrees in
+    ``problems`` (a :class:`~anyquant.errors.FormatConflictError` at load)."""
+    m = read_modelopt_config(probe)
+    scheme = FP8Scheme(
+        (128, 128) if m.scales == "block" else None,
+        {"static": "static", "token": "dynamic"}.get(m.input_quant or "", "none"),
+        "float32",  # the weight is float32(e4m3) * weight_scale: ModelOpt's FP8QTensor.dequantize, vLLM's GEMM
+        scale_name="weight_scale",
+        modelopt=m,
+    )
+    t = probe.tensors
+    scaled = set(probe.modules_with("weight_scale"))
+    leaves = set()
+    for prefix in sorted(scaled):
+        w, s = t.get(f"{prefix}.weight"), t[f"{prefix}.weight_scale"]
+        if w is None:
+            scheme.problems.append(f"{prefix}: weight_scale without weight")
+            continue
+        if w.dtype != "F8_E4M3" or len(w.shape) != 2:
+            scheme.problems.append(
+                f"{prefix}.weight is {w.dtype}{list(w.shape)}; ModelOpt {m.algo} stores F8_E4M3 [out, in]"
+            )
+            continue
+        if m.excluded(prefix):
+            scheme.problems.append(f"{prefix} is FP8, but the config's exclude_modules keep it dense")
+            continue
+        if s.dtype != "F32":
+            scheme.problems.append(f"{prefix}.weight_scale is {s.dtype}; ModelOpt {m.algo} stores F32")
+            continue
+        out, inp = w.shape
+        want = _modelopt_scale_shapes(m, out, inp)
+        if tuple(s.shape) not in want:
+            scheme.problems.append(
+                f"{prefix}.weight_scale is {list(s.shape)}; ModelOpt {m.algo} of [{out}, {inp}] stores {list(want[0])}"
+            )
+            continue
+        has_input = f"{prefix}.input_scale" in t
+        if m.input_quant == "static":
+            si = t.get(f"{prefix}.input_scale")
+            if si is None:
+                scheme.problems.append(f"{prefix}: ModelOpt {m.algo} without its static input_scale")
+                continue
+            if si.dtype != "F32" or tuple(si.shape) not in ((), (1,)):
+                scheme.problems.append(f"{prefix}.input_scale is {si.dtype}{list(si.shape)}; expected one F32 value")
+                continue
+        leaves.add(prefix.rpartition(".")[2])
+        scheme.modules.append(
+            FP8Module(prefix, out, inp, f"{prefix}.bias" in t, has_input and m.input_quant == "static")
+        )
+    stray = [n for n, ti in t.items() if ti.dtype == "F8_E4M3" and n.rpartition(".")[0] not in scaled]
+    if stray:
+        scheme.problems.append(f"{len(stray)} FP8 tensors without a weight_scale (e.g. {stray[0]})")
+    # a linear of a quantized kind (same leaf name) left dense and not excluded: vLLM would expect it FP8
+    dense = [
+        n.removesuffix(".weight")
+        for n, ti in t.items()
+        if n.endswith(".weight")
+        and ti.dtype in ("BF16", "F16", "F32")
+        and len(ti.shape) == 2
+        and n.removesuffix(".weight").rpartition(".")[2] in leaves
+        and not m.excluded(n.removesuffix(".weight"))
+    ]
+    if dense:
+        scheme.problems.append(
+            f"{len(dense)} linears are dense but not in exclude_modules (e.g. {dense[0]}): the config says they are FP8"
+        )
+    if not scheme.modules and not scheme.problems:
+        scheme.problems.append(f"the config says ModelOpt {m.algo}, but no tensor is FP8 with a weight_scale")
+    if m.kv_algo:
+        for prefix in sorted(probe.modules_with("k_scale")):
+            attn = prefix.removesuffix(".k_proj")
+            v = f"{attn}.v_proj.v_scale" if prefix.endswith(".k_proj") else f"{attn}.v_scale"
+            if v not in t:
+                scheme.problems.append(f"{prefix}.k_scale without {v}")
+                continue
+            for name in (f"{prefix}.k_scale", v):
+                if t[name].dtype != "F32" or tuple(t[name].shape) not in ((), (1,)):
+                    scheme.problems.append(f"{name} is {t[name].dtype}{list(t[name].shape)}; expected one F32 value")
+            scheme.kv_scales[attn] = (f"{prefix}.k_scale", v)
+        if not scheme.kv_scales:
+            scheme.problems.append(f"kv_cache_quant_algo {m.kv_algo}, but no k_scale/v_scale tensors")
     return scheme
