@@ -12,7 +12,7 @@ import pytest
 
 import anyquant
 from anyquant import Claim, Probe, Registry, hookimpl, registry
-from anyquant.errors import AmbiguousFormatError, PluginError, UnknownFormatError
+from anyquant.errors import AmbiguousFormatError, CheckpointError, ConfigError, PluginError, UnknownFormatError
 from anyquant.testing import fixtures
 from anyquant.testing.fixtures import FIXTURES
 from core.tests.test_third_party_plugins import _install  # the same fake distribution the third-party tests install
@@ -26,10 +26,12 @@ def _set_qc(root: Path, **changes: object) -> Path:
 
 
 def test_awq_non_list_modules_to_not_convert_names_the_field(tmp_path: Path) -> None:
-    """``list(7)`` raised TypeError inside the AWQ plugin: the user read "no installed plugin recognises"."""
+    """``list(7)`` raised TypeError inside the AWQ plugin; then its typed error hid under "no installed plugin
+    recognises": the plugin that owns the declared format found the field malformed, and that is the error."""
     root = _set_qc(FIXTURES["awq_gemm"].build(tmp_path / "m"), modules_to_not_convert=7)
     with pytest.raises(
-        UnknownFormatError, match=r"ConfigError: config.json: quantization_config.modules_to_not_convert is 7"
+        ConfigError,
+        match=r"^config.json: quantization_config.modules_to_not_convert is 7.*found by anyquant-awq",
     ):
         Registry().detect(Probe.open(root))  # its own registry: the process's keeps no plugin error from it
 
@@ -44,16 +46,14 @@ def test_awq_one_dimensional_qzeros_names_the_tensor_and_file(tmp_path: Path) ->
         t[f"{p}.scales"] = ("F16", [fixtures.HIDDEN // 32, fixtures.HIDDEN])
     qc = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
     root = fixtures._write_dir(tmp_path / "m", t, fixtures._config(qc))
-    with pytest.raises(
-        UnknownFormatError, match=r"CheckpointError: model.safetensors: model.layers.0.\S+.qzeros has shape \[128\]"
-    ):
+    with pytest.raises(CheckpointError, match=r"^model.safetensors: model.layers.0.\S+.qzeros has shape \[128\]"):
         Registry().detect(Probe.open(root))  # its own registry: the process's keeps no plugin error from it
 
 
 def test_gptq_object_valued_bits_names_the_field(tmp_path: Path) -> None:
     """``{cfg["bits"]}`` raised "unhashable type: 'dict'" inside the GPTQ plugin."""
     root = _set_qc(FIXTURES["gptq_v2"].build(tmp_path / "m"), bits={"x": 4})
-    with pytest.raises(UnknownFormatError, match=r"ConfigError: config.json quantization_config: bits is \{'x': 4\}"):
+    with pytest.raises(ConfigError, match=r"^config.json quantization_config: bits is \{'x': 4\}"):
         Registry().detect(Probe.open(root))  # its own registry: the process's keeps no plugin error from it
 
 
@@ -63,7 +63,8 @@ def _plugin(detect):  # type: ignore[no-untyped-def]
 
 def test_a_plugin_crashing_in_detect_is_named_as_the_cause(tmp_path: Path) -> None:
     """A bare exception from a plugin's detect was counted as "no claim": now it is a PluginError that names
-    the plugin, the exception and how to disable the plugin. A typed error keeps the "unknown format" message."""
+    the plugin, the exception and how to disable the plugin. A typed error is the plugin's verdict on the
+    checkpoint: raised as it is, naming the plugin (#44 item 8)."""
     root = FIXTURES["gptq_v2"].build(tmp_path / "m")  # asked of the plugin alone: nothing else claims it
 
     def crash(probe: Probe) -> Claim:
@@ -79,10 +80,17 @@ def test_a_plugin_crashing_in_detect_is_named_as_the_cause(tmp_path: Path) -> No
         raise anyquant.errors.ConfigError("config.json: toyq_levels is not a list")
 
     typed = Registry(entry_points=False, builtin=False, plugins=[("toyq", _plugin(refuse))])
-    with pytest.raises(
-        UnknownFormatError, match=r"toyq's anyquant_detect raised ConfigError: config.json: toyq_levels"
-    ):
+    with pytest.raises(anyquant.errors.ConfigError, match=r"^config.json: toyq_levels is not a list \(found by toyq"):
         typed.detect(Probe.open(root))
+
+    def refuse_too(probe: Probe) -> Claim:
+        raise anyquant.errors.CheckpointError("model.safetensors: toyr_codes is missing")
+
+    both = Registry(
+        entry_points=False, builtin=False, plugins=[("toyq", _plugin(refuse)), ("toyr", _plugin(refuse_too))]
+    )
+    with pytest.raises(UnknownFormatError, match=r"toyq's anyquant_detect raised ConfigError"):
+        both.detect(Probe.open(root))  # two verdicts, neither the declared format's plugin: nobody's in particular
 
 
 def test_a_hanging_detect_is_abandoned_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,6 +99,7 @@ QUANT_METHOD_ALIASES: dict[str, str] = {
     "bnb": "bnb",
     "fp8": "fp8",
     "fbgemm_fp8": "fp8",
+    "modelopt": "fp8",  # NVIDIA ModelOpt: its FP8 algorithms are the fp8 plugin's (others refused there by name)
     "hqq": "hqq",
     "mxfp4": "mxfp4",
 }
@@ -372,7 +373,11 @@ class Registry:
 
     # ------------------------------------------------------------------ detection
     def claims(
-        self, probe: Probe, failures: list[str] | None = None, broken: list[str] | None = None
+        self,
+        probe: Probe,
+        failures: list[str] | None = None,
+        broken: list[str] | None = None,
+        verdicts: list[tuple[str, AnyquantError]] | None = None,
     ) -> list[tuple[str, Claim]]:
         """Ask every plugin; return ``(plugin name, claim)`` for each that claimed. A plugin whose hook raises
         is skipped for this checkpoint (logged, shown by :meth:`plugins` with the checkpoint's path, and
@@ -380,7 +385,8 @@ class Registry:
         ask it. A third-party plugin's hook runs under :data:`DETECT_SECONDS`; one that overruns is abandoned
         for this checkpoint like one that raised. A failure other than a typed :class:`AnyquantError` (the
         plugin's own bug, or a hang) is also collected in ``broken``: :meth:`detect` raises it as a
-        :class:`PluginError` when no other plugin claimed the checkpoint."""
+        :class:`PluginError` when no other plugin claimed the checkpoint. A typed :class:`AnyquantError` (the
+        plugin's verdict that the checkpoint is its format but malformed) is also collected in ``verdicts``."""
         out: list[tuple[str, Claim]] = []
         for impl in self.pm.hook.anyquant_detect.get_hookimpls():
             name = impl.plugin_name
@@ -409,6 +415,8 @@ class Registry:
                     failures.append(f"{name}'s {failure}")
                 if broken is not None and not isinstance(exc, AnyquantError):
                     broken.append(f"{name}'s {failure}")
+                if verdicts is not None and isinstance(exc, AnyquantError):
+                    verdicts.append((name, exc))
                 continue
             if claim is None:
                 continue
@@ -422,7 +430,8 @@ class Registry:
         """Resolve detection to exactly one format, or raise a typed error (see ARCHITECTURE.md)."""
         failures: list[str] = []
         broken: list[str] = []
-        claims = self.claims(probe, failures, broken)
+        verdicts: list[tuple[str, AnyquantError]] = []
+        claims = self.claims(probe, failures, broken, verdicts)
         declared = probe.quant_method
         declared_id = QUANT_METHOD_ALIASES.get(declared, declared) if declared else None
         if format is not None:
@@ -441,6 +450,8 @@ class Registry:
                 f"on {probe.path}, plugin {'; plugin '.join(broken)}. Without it: "
                 + self._unknown_message(probe, declared_id, [f for f in failures if f not in broken])
             )
+        if not claims and format is None:
+            _raise_verdict(verdicts, PLUGIN_FOR_FORMAT.get(declared_id or ""))
         if not claims:
             from .builtin import looks_dense
 
@@ -562,6 +573,22 @@ def _install_hint(fmt: str) -> str:
 
 def _plugin_name(plugin: object) -> str:
     return str(getattr(plugin, "__name__", None) or type(plugin).__name__)
+
+
+def _raise_verdict(verdicts: list[tuple[str, AnyquantError]], owner: str | None) -> None:
+    """When no plugin claimed a checkpoint, the typed error of the plugin that found it to be its format but
+    malformed (a field or tensor it names) is the error, not "no installed plugin recognises it": the declared
+    format's plugin's, else the one plugin's that raised one."""
+    mine = [v for v in verdicts if v[0] == owner] if owner else []
+    chosen = mine or (verdicts if len(verdicts) == 1 else [])
+    if len(chosen) != 1:
+        return
+    name, exc = chosen[0]
+    try:
+        typed = type(exc)(f"{exc} (found by {name}, which reads this format)")
+    except Exception:  # an error class with another constructor: raised as it is
+        raise exc from None
+    raise typed from exc
 
 
 #: the format plugins anyquant itself ships (entry-point name = distribution name)
