@@ -71,6 +71,8 @@ _EXPORTS: dict[str, str] = {
     "GGUFSkippedArray": "headers",
     "GGUFTensorInfo": "headers",
     "read_gguf_header": "headers",
+    "SAFETENSORS_DTYPE_BITS": "headers",
+    "TensorInfo": "headers",
     # quantizers: calibration, backend routing, worker subprocesses
     "calibration_texts": "tools.quantize",
     "calibration_batch": "tools.quantize",
@@ -121,8 +123,10 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "QuantizeSpec",
     "Quantizer",
     "RUNTIME_OPTIONS",
+    "SAFETENSORS_DTYPE_BITS",
     "SizingError",
     "TOKENIZER_FILES",
+    "TensorInfo",
     "TransformersLoader",
     "UnsupportedBackendError",
     "UnsupportedFormatError",
@@ -173,7 +177,15 @@ if TYPE_CHECKING:
         UnsupportedBackendError,
         UnsupportedFormatError,
     )
-    from .headers import GGUF_TYPE_SIZES, GGUFHeader, GGUFSkippedArray, GGUFTensorInfo, read_gguf_header
+    from .headers import (
+        GGUF_TYPE_SIZES,
+        SAFETENSORS_DTYPE_BITS,
+        GGUFHeader,
+        GGUFSkippedArray,
+        GGUFTensorInfo,
+        TensorInfo,
+        read_gguf_header,
+    )
     from .hookspecs import CalibrationRegistrar, CommandRegistrar, hookimpl
     from .loaders import (
         CPU_FAST_OPTIONS,

@@ -7,9 +7,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from anyquant.headers import SAFETENSORS_DTYPE_BITS
 from anyquant.int4.loader import Int4State, PackedFormatLoader
 from anyquant.plugin import (
+    SAFETENSORS_DTYPE_BITS,
     CheckpointError,
     Detection,
     LoadContext,

@@ -197,8 +197,6 @@ class CTConfig:
             raise ConfigError("quantization_config.sparsity_config must be an object or null")
         if transform is not None and not isinstance(transform, Mapping):
             raise ConfigError("quantization_config.transform_config must be an object or null")
-        from .sparse import sparse_format
-
         sparse_format(sparsity)  # a layout anyquant decompresses, or a typed error
         status = qc.get("quantization_status")
         return cls(
@@ -237,6 +235,31 @@ def _check_format(fmt: Any, where: str) -> None:
             f"{where} is {fmt!r}, a compressed-tensors format anyquant does not know "
             f"(it reads {', '.join(sorted(WEIGHT_FORMATS))})"
         )
+
+
+#: the sparsity layouts anyquant decompresses (compressed-tensors 0.14's sparse compressors; see sparse.py)
+SPARSE_FORMATS = frozenset({"sparse-24-bitmask", "sparse-bitmask"})
+
+
+def sparse_format(sparsity: Mapping[str, Any] | None) -> str | None:
+    """The ``sparsity_config``'s compressed layout (``None``: none, or ``dense``: the weights are stored dense)."""
+    if not sparsity:
+        return None
+    fmt = sparsity.get("format")
+    if fmt is not None and not isinstance(fmt, str):
+        raise ConfigError(f"sparsity_config.format is {fmt!r}; expected a format name")
+    if fmt in (None, "dense"):
+        return None
+    if fmt in SPARSE_FORMATS:
+        return str(fmt)
+    if fmt == "marlin-24":
+        raise UnsupportedFormatError(
+            "sparsity_config.format is 'marlin-24': a GPU-only 2:4 sparse layout (Marlin kernels); serve it with vLLM"
+        )
+    raise UnsupportedFormatError(
+        f"sparsity_config.format is {fmt!r}, a sparse layout anyquant does not know "
+        f"(it decompresses {', '.join(sorted(SPARSE_FORMATS))})"
+    )
 
 
 def _strings(value: Any, where: str) -> tuple[str, ...]:

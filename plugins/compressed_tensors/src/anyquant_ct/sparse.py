@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from anyquant.headers import TensorInfo
-from anyquant.plugin import CheckpointError, ConfigError, Probe, UnsupportedFormatError
+from anyquant.plugin import CheckpointError, Probe, TensorInfo
+
+from .scheme import SPARSE_FORMATS, sparse_format
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["SPARSE_FORMATS", "SparseSource", "SparseSpec", "decompress", "read_sparse", "sparse_format", "sparse_view"]
 
-SPARSE_FORMATS = frozenset({"sparse-24-bitmask", "sparse-bitmask"})
 _PARTS = {
     "sparse-24-bitmask": ("shape", "compressed", "bitmask"),
     "sparse-bitmask": ("shape", "compressed", "bitmask", "row_offsets"),
@@ -55,27 +55,6 @@ class SparseSpec:
     in_features: int
     tensors: Mapping[str, str]  # part -> full tensor name
     nbytes: int
-
-
-def sparse_format(sparsity: Mapping[str, Any] | None) -> str | None:
-    """The ``sparsity_config``'s compressed layout (``None``: none, or ``dense``: the weights are stored dense)."""
-    if not sparsity:
-        return None
-    fmt = sparsity.get("format")
-    if fmt is not None and not isinstance(fmt, str):
-        raise ConfigError(f"sparsity_config.format is {fmt!r}; expected a format name")
-    if fmt in (None, "dense"):
-        return None
-    if fmt in SPARSE_FORMATS:
-        return str(fmt)
-    if fmt == "marlin-24":
-        raise UnsupportedFormatError(
-            "sparsity_config.format is 'marlin-24': a GPU-only 2:4 sparse layout (Marlin kernels); serve it with vLLM"
-        )
-    raise UnsupportedFormatError(
-        f"sparsity_config.format is {fmt!r}, a sparse layout anyquant does not know "
-        f"(it decompresses {', '.join(sorted(SPARSE_FORMATS))})"
-    )
 
 
 def read_sparse(probe: Probe, sparsity: Mapping[str, Any] | None) -> tuple[dict[str, SparseSpec], list[str]]:
