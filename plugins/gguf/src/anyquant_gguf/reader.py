@@ -29,12 +29,13 @@ sliding window), the config says what llama.cpp computes.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -44,11 +45,13 @@ from anyquant.plugin import CheckpointError, GGUFHeader, GGUFSkippedArray, GGUFT
 
 from .dequant import PACKED_TYPES, UnsupportedGGUFType, check_supported, dequantize_blocks_torch
 from .ggml import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from .metadata import MAX_SIZE, GGUFMetadataError, metadata_float, metadata_int
 
 __all__ = [
     "DEQUANTIZABLE_TYPES",
     "GGUFField",
     "GGUFFile",
+    "GGUFMetadataError",
     "GGUFRawTensor",
     "GGUFTensor",
     "SUPPORTED_ARCHITECTURES",
@@ -70,6 +73,9 @@ __all__ = [
     "tokenizer_from_gguf",
     "unpermute_qk_rows",
 ]
+
+
+log = logging.getLogger(__name__)
 
 
 class UnsupportedGGUFArchitecture(CheckpointError, ValueError):
@@ -391,47 +397,156 @@ def _arch_value(reader: GGUFFile, arch: str, key: str, default: Any = None) -> A
     return field_value(reader, f"{arch}.{key}", default)
 
 
-def _required(reader: GGUFFile, arch: str, key: str) -> Any:
+# Every number read from the metadata goes through metadata_int / metadata_float (anyquant_gguf.metadata): type,
+# finiteness and range checked where it is read, a GGUFMetadataError naming the key and the value otherwise.
+
+
+def _scalar(reader: GGUFFile, arch: str, key: str) -> Any:
     value = _arch_value(reader, arch, key)
-    if value is None:
-        raise ValueError(f"GGUF metadata key {arch}.{key!s} is missing")
     if isinstance(value, list):
         raise UnsupportedGGUFArchitecture(f"per-layer {arch}.{key} values are not supported")
     return value
 
 
+@overload
+def _arch_int(
+    reader: GGUFFile, arch: str, key: str, default: int, *, minimum: int = ..., maximum: int = ...
+) -> int: ...
+@overload
+def _arch_int(
+    reader: GGUFFile, arch: str, key: str, default: None = None, *, minimum: int = ..., maximum: int = ...
+) -> int | None: ...
+def _arch_int(
+    reader: GGUFFile, arch: str, key: str, default: int | None = None, *, minimum: int = 1, maximum: int = MAX_SIZE
+) -> int | None:
+    """``{arch}.{key}``, an integer in ``[minimum, maximum]`` (a count or a size: at least 1 unless told), or
+    ``default`` when the key is absent."""
+    value = metadata_int(f"{arch}.{key}", _scalar(reader, arch, key), minimum=minimum, maximum=maximum)
+    return default if value is None else value
+
+
+def _required_int(reader: GGUFFile, arch: str, key: str, *, minimum: int = 1, maximum: int = MAX_SIZE) -> int:
+    value = metadata_int(f"{arch}.{key}", _scalar(reader, arch, key), minimum=minimum, maximum=maximum, required=True)
+    assert value is not None
+    return value
+
+
+@overload
+def _arch_float(
+    reader: GGUFFile, arch: str, key: str, default: float, *, minimum: float | None = ..., above: bool = ...
+) -> float: ...
+@overload
+def _arch_float(
+    reader: GGUFFile, arch: str, key: str, default: None = None, *, minimum: float | None = ..., above: bool = ...
+) -> float | None: ...
+def _arch_float(
+    reader: GGUFFile,
+    arch: str,
+    key: str,
+    default: float | None = None,
+    *,
+    minimum: float | None = None,
+    above: bool = False,
+) -> float | None:
+    """``{arch}.{key}``, a finite number (``minimum``: at least that, more than it with ``above``), or ``default``
+    when the key is absent."""
+    value = metadata_float(f"{arch}.{key}", _scalar(reader, arch, key), minimum=minimum, above=above)
+    return default if value is None else value
+
+
+def _required_float(
+    reader: GGUFFile, arch: str, key: str, *, minimum: float | None = None, above: bool = False
+) -> float:
+    value = metadata_float(f"{arch}.{key}", _scalar(reader, arch, key), minimum=minimum, above=above, required=True)
+    assert value is not None
+    return value
+
+
+def _rows(reader: GGUFFile, gguf_name: str) -> int | None:
+    """The rows (HF's first dimension) of a 2-D table tensor, ``None`` when the file has no such tensor."""
+    if not _has_tensor(reader, gguf_name):
+        return None
+    shape = _hf_shape(get_tensor(reader, gguf_name))
+    if len(shape) != 2:
+        raise CheckpointError(f"{gguf_name} has shape {shape}; a [vocabulary, hidden] table has two dimensions")
+    return shape[0]
+
+
 def _vocab_size(reader: GGUFFile, arch: str) -> int:
-    value = _arch_value(reader, arch, "vocab_size")
-    if value is not None:
-        return int(value)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is not None:
-        return tokens.count
-    return int(get_tensor(reader, "token_embd.weight").shape[-1])
+    """The model's vocabulary: the token embedding's rows, checked against what else says a size.
+
+    ``{arch}.vocab_size``, where given, is the embedding's rows (llama.cpp builds ``token_embd`` as
+    ``[n_embd, n_vocab]`` with it); the LM head (``output.weight``, when untied) has as many rows; the tokenizer may
+    have fewer tokens (a padded embedding) but not more: an id past the embedding's rows would index past it (in
+    ``generate``, as a bare ``IndexError``). Any disagreement is a :class:`GGUFMetadataError` naming both sizes.
+    """
+    key = f"{arch}.vocab_size"
+    declared = _arch_int(reader, arch, "vocab_size")
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    tokens = None if field is None else field.count
+    rows = _rows(reader, "token_embd.weight")
+    if rows is None:  # a file without the table (the config alone is asked for): what the metadata says
+        vocab = declared if declared is not None else tokens
+        if vocab is None:
+            raise GGUFMetadataError(f"the GGUF file has no token_embd.weight, {key} or tokenizer: no vocabulary size")
+        if tokens is not None and tokens > vocab:
+            raise GGUFMetadataError(f"the tokenizer has {tokens} tokens (tokenizer.ggml.tokens), {key} says {vocab}")
+        return vocab
+    if declared is not None and declared != rows:
+        raise GGUFMetadataError(
+            f"GGUF metadata {key} = {declared}, but the token embedding token_embd.weight has {rows} rows; the file "
+            "is damaged or was written wrongly (re-download or re-convert it)"
+        )
+    if tokens is not None and tokens > rows:
+        raise GGUFMetadataError(
+            f"the tokenizer has {tokens} tokens (tokenizer.ggml.tokens) but the token embedding token_embd.weight has "
+            f"{rows} rows: token ids {rows}..{tokens - 1} would index past it; the file is damaged or was written "
+            "wrongly (re-download or re-convert it)"
+        )
+    head = _rows(reader, "output.weight")
+    if head is not None and head != rows:
+        raise GGUFMetadataError(
+            f"the LM head output.weight has {head} rows but the token embedding token_embd.weight has {rows}: "
+            f"{'generated ids would index past the embedding' if head > rows else 'the model has one vocabulary'}; "
+            "the file is damaged or was written wrongly (re-download or re-convert it)"
+        )
+    return rows
 
 
 def _head_dim(reader: GGUFFile, arch: str) -> int | None:
-    key_length = _arch_value(reader, arch, "attention.key_length")
+    key_length = _arch_int(reader, arch, "attention.key_length")
     if key_length is not None:
-        return int(key_length)
+        return key_length
     if arch == "llama":  # transformers maps rope.dimension_count -> head_dim for llama
-        rope_dims = _arch_value(reader, arch, "rope.dimension_count")
-        return None if rope_dims is None else int(rope_dims)
+        return _arch_int(reader, arch, "rope.dimension_count")
     return None
 
 
-def _token_ids(reader: GGUFFile) -> dict[str, int]:
-    keys = {
-        "bos_token_id": "tokenizer.ggml.bos_token_id",
-        "eos_token_id": "tokenizer.ggml.eos_token_id",
-        "pad_token_id": "tokenizer.ggml.padding_token_id",
-        "unk_token_id": "tokenizer.ggml.unknown_token_id",
-    }
+#: the config's special token ids and the GGUF keys they come from
+TOKEN_ID_KEYS = {
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+    "unk_token_id": "tokenizer.ggml.unknown_token_id",
+}
+
+
+def _token_ids(reader: GGUFFile, vocab: int) -> dict[str, int]:
+    """The special token ids that are tokens of the vocabulary (``vocab`` ids, or the tokenizer's fewer). An id
+    that is no integer is a :class:`GGUFMetadataError`; one outside the vocabulary (``0xFFFFFFFF``, past the last
+    token) is left out with a warning, as llama.cpp ignores it ("bad special token"): it never reaches the
+    embedding."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    limit = vocab if field is None else min(vocab, field.count)
     out = {}
-    for hf_key, gguf_key in keys.items():
-        value = field_value(reader, gguf_key)
-        if value is not None:
-            out[hf_key] = int(value)
+    for hf_key, gguf_key in TOKEN_ID_KEYS.items():
+        value = metadata_int(gguf_key, field_value(reader, gguf_key), minimum=None, maximum=None)
+        if value is None:
+            continue
+        if 0 <= value < limit:
+            out[hf_key] = value
+        else:
+            log.warning("GGUF metadata %s = %d is not one of the %d token ids: ignored", gguf_key, value, limit)
     return out
 
 
@@ -476,14 +591,17 @@ def _rope_parameters(reader: GGUFFile, arch: str, rope_theta: float, head_dim: i
         freqs = load_tensor(reader, "rope_freqs.weight").numpy()
         params = _llama3_rope_parameters(freqs, rope_theta, head_dim)
     elif scaling in ("linear", "yarn"):
-        params = {"rope_type": scaling, "factor": float(_arch_value(reader, arch, "rope.scaling.factor", 1.0))}
-        orig = _arch_value(reader, arch, "rope.scaling.original_context_length")
+        params = {
+            "rope_type": scaling,
+            "factor": _arch_float(reader, arch, "rope.scaling.factor", 1.0, minimum=0.0, above=True),
+        }
+        orig = _arch_int(reader, arch, "rope.scaling.original_context_length")
         if orig is not None:
-            params["original_max_position_embeddings"] = int(orig)
+            params["original_max_position_embeddings"] = orig
         for key in ("beta_fast", "beta_slow"):
-            value = _arch_value(reader, arch, f"rope.scaling.yarn_{key}")
+            value = _arch_float(reader, arch, f"rope.scaling.yarn_{key}")
             if value is not None and scaling == "yarn":
-                params[key] = float(value)
+                params[key] = value
     elif scaling not in (None, "none"):
         raise UnsupportedGGUFArchitecture(f"RoPE scaling type {scaling!r} is not supported")
     params["rope_theta"] = rope_theta
@@ -494,9 +612,9 @@ def hf_config_from_gguf(reader: GGUFFile) -> dict[str, Any]:
     """A transformers ``config.json``-style dict for a GGUF file of a supported architecture."""
     arch = gguf_architecture(reader)
     model_type, hf_class = _HF_CLASSES[arch]
-    n_heads = int(_required(reader, arch, "attention.head_count"))
-    hidden = int(_required(reader, arch, "embedding_length"))
-    rope_theta = float(_arch_value(reader, arch, "rope.freq_base", 10000.0))
+    hidden = _required_int(reader, arch, "embedding_length")
+    n_heads = _required_int(reader, arch, "attention.head_count", maximum=hidden)
+    rope_theta = _arch_float(reader, arch, "rope.freq_base", 10000.0, minimum=0.0, above=True)
     head_dim = _head_dim(reader, arch)
     if head_dim is None and arch not in ("llama", "qwen2"):
         head_dim = hidden // n_heads  # llama.cpp's default; the HF classes' own defaults differ (128, 256)
@@ -505,13 +623,13 @@ def hf_config_from_gguf(reader: GGUFFile) -> dict[str, Any]:
         "architectures": [hf_class],
         "vocab_size": _vocab_size(reader, arch),
         "hidden_size": hidden,
-        "intermediate_size": int(_required(reader, arch, "feed_forward_length")),
-        "num_hidden_layers": int(_required(reader, arch, "block_count")),
+        "intermediate_size": _required_int(reader, arch, "feed_forward_length"),
+        "num_hidden_layers": _required_int(reader, arch, "block_count"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(_arch_value(reader, arch, "attention.head_count_kv", n_heads)),
-        "rms_norm_eps": float(_required(reader, arch, "attention.layer_norm_rms_epsilon")),
+        "num_key_value_heads": _arch_int(reader, arch, "attention.head_count_kv", n_heads, maximum=n_heads),
+        "rms_norm_eps": _required_float(reader, arch, "attention.layer_norm_rms_epsilon", minimum=0.0),
         "rope_theta": rope_theta,
-        "max_position_embeddings": int(_required(reader, arch, "context_length")),
+        "max_position_embeddings": _required_int(reader, arch, "context_length"),
         "hidden_act": "silu",
         "attention_bias": arch == "qwen2"
         or (arch in ("qwen3", "qwen3moe") and _has_tensor(reader, "blk.0.attn_q.bias")),
@@ -529,12 +647,12 @@ def hf_config_from_gguf(reader: GGUFFile) -> dict[str, Any]:
     experts = _expert_count(reader, arch)
     if experts:
         _moe_config(reader, arch, config, experts)
-    config.update(_token_ids(reader))
+    config.update(_token_ids(reader, config["vocab_size"]))
     return config
 
 
 def _expert_count(reader: GGUFFile, arch: str) -> int:
-    return int(_arch_value(reader, arch, "expert_count", 0) or 0)
+    return _arch_int(reader, arch, "expert_count", 0, minimum=0)
 
 
 def _moe_config(reader: GGUFFile, arch: str, config: dict[str, Any], experts: int) -> None:
@@ -542,13 +660,13 @@ def _moe_config(reader: GGUFFile, arch: str, config: dict[str, Any], experts: in
     logits, keeps the top ``expert_used_count`` and renormalizes their weights (``build_moe_ffn``)."""
     if arch not in ("llama", "qwen3moe", "qwen2moe"):
         raise UnsupportedGGUFArchitecture(f"{arch} with experts is not supported")
-    gating = _arch_value(reader, arch, "expert_gating_func")
-    scale = _arch_value(reader, arch, "expert_weights_scale")
-    if (gating is not None and int(gating) != 1) or (scale is not None and float(scale) not in (0.0, 1.0)):
+    gating = _arch_int(reader, arch, "expert_gating_func", minimum=0)
+    scale = _arch_float(reader, arch, "expert_weights_scale")
+    if (gating is not None and gating != 1) or (scale is not None and scale not in (0.0, 1.0)):
         raise UnsupportedGGUFArchitecture(f"{arch} expert gating {gating} / weights scale {scale} is not supported")
-    if _arch_value(reader, arch, "expert_shared_count") and arch != "qwen2moe":
+    if _arch_int(reader, arch, "expert_shared_count", 0, minimum=0) and arch != "qwen2moe":
         raise UnsupportedGGUFArchitecture(f"{arch} with shared experts is not supported")
-    used = int(_required(reader, arch, "expert_used_count"))
+    used = _required_int(reader, arch, "expert_used_count", maximum=experts)
     if arch == "llama":
         config["model_type"], config["architectures"] = _MIXTRAL[0], [_MIXTRAL[1]]
         del config["attention_bias"]  # not a MixtralConfig key (it has no biases)
@@ -557,15 +675,15 @@ def _moe_config(reader: GGUFFile, arch: str, config: dict[str, Any], experts: in
         config.update(
             num_experts=experts,
             num_experts_per_tok=used,
-            moe_intermediate_size=int(_required(reader, arch, "expert_feed_forward_length")),
+            moe_intermediate_size=_required_int(reader, arch, "expert_feed_forward_length"),
             norm_topk_prob=arch == "qwen3moe",  # llama.cpp's qwen2moe graph keeps the top-k softmax weights as they are
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
     if arch == "qwen2moe":
         config["qkv_bias"] = config.pop("attention_bias") or _has_tensor(reader, "blk.0.attn_q.bias")
-        config["shared_expert_intermediate_size"] = int(
-            _arch_value(reader, arch, "expert_shared_feed_forward_length", config["intermediate_size"])
+        config["shared_expert_intermediate_size"] = _arch_int(
+            reader, arch, "expert_shared_feed_forward_length", config["intermediate_size"]
         )
         config["use_sliding_window"] = False
 
@@ -574,14 +692,16 @@ def _sliding_layers(reader: GGUFFile, arch: str, layers: int, default_pattern: i
     """Which layers use the sliding window, as llama.cpp decides (``load_swa_pattern``): the
     ``attention.sliding_window_pattern`` array (one bool per layer), or its period ``n`` (every
     ``n``-th layer is global, the others slide; 0: all slide), or the architecture's period."""
-    value = _arch_value(reader, arch, "attention.sliding_window_pattern")
+    key = f"{arch}.attention.sliding_window_pattern"
+    value = field_value(reader, key)
     if isinstance(value, list):
         if len(value) != layers:
-            raise UnsupportedGGUFArchitecture(
-                f"{arch}.attention.sliding_window_pattern has {len(value)} entries for {layers} layers"
-            )
-        return [bool(v) for v in value]
-    period = default_pattern if value is None else int(value)
+            raise UnsupportedGGUFArchitecture(f"{key} has {len(value)} entries for {layers} layers")
+        # bools as llama.cpp writes them; 0/1 integers taken as such, anything else refused
+        return [
+            v if isinstance(v, bool) else bool(metadata_int(f"{key}[{i}]", v, maximum=1)) for i, v in enumerate(value)
+        ]
+    period = _arch_int(reader, arch, "attention.sliding_window_pattern", default_pattern, minimum=0)
     return [period == 0 or i % period < period - 1 for i in range(layers)]
 
 
@@ -594,29 +714,34 @@ def _gemma_config(reader: GGUFFile, arch: str, config: dict[str, Any], head_dim:
     config["query_pre_attn_scalar"] = hidden // n_heads if layers == {"gemma2": 46, "gemma3": 62}[arch] else head_dim
     rope_theta = config["rope_theta"]
     global_rope = _rope_parameters(reader, arch, rope_theta, head_dim)
-    swa_theta = _arch_value(reader, arch, "rope.freq_base_swa")
-    final_cap = _arch_value(reader, arch, "final_logit_softcapping")
-    window = _arch_value(reader, arch, "attention.sliding_window")
+    swa_theta = _arch_float(reader, arch, "rope.freq_base_swa", minimum=0.0, above=True)
+    window: int | None
     if arch == "gemma2":
         # llama.cpp: window 4096 and every other layer sliding unless the file says otherwise; soft-capping
         # 50 / 30 by default; the sliding layers use the global RoPE unless rope.freq_base_swa is set
-        if swa_theta is not None and float(swa_theta) != rope_theta:
+        if swa_theta is not None and swa_theta != rope_theta:
             raise UnsupportedGGUFArchitecture(
                 f"gemma2 with a sliding-window RoPE base ({swa_theta}) other than the global one ({rope_theta})"
             )
-        window = 4096 if window is None else int(window)
+        window = _arch_int(reader, arch, "attention.sliding_window", 4096)
         sliding = _sliding_layers(reader, arch, layers, 2)
-        config["attn_logit_softcapping"] = float(_arch_value(reader, arch, "attn_logit_softcapping", 50.0))
-        config["final_logit_softcapping"] = float(30.0 if final_cap is None else final_cap)
+        # both caps divide (tanh(x / cap) * cap): positive
+        config["attn_logit_softcapping"] = _arch_float(
+            reader, arch, "attn_logit_softcapping", 50.0, minimum=0.0, above=True
+        )
+        config["final_logit_softcapping"] = _arch_float(
+            reader, arch, "final_logit_softcapping", 30.0, minimum=0.0, above=True
+        )
         config["rope_parameters"] = global_rope
     else:
-        # llama.cpp: no sliding window unless the file gives one; then every 6th layer is global and the
+        # llama.cpp: no sliding window unless the file gives one (0: none); then every 6th layer is global and the
         # sliding ones use rope.freq_base_swa (10000 by default) without scaling
-        window = None if window is None or int(window) <= 0 else int(window)
+        window = _arch_int(reader, arch, "attention.sliding_window", 0, minimum=0) or None
         sliding = [False] * layers if window is None else _sliding_layers(reader, arch, layers, 6)
+        final_cap = _arch_float(reader, arch, "final_logit_softcapping", minimum=0.0)
         config["attn_logit_softcapping"] = None
-        config["final_logit_softcapping"] = None if not final_cap else float(final_cap)
-        local = {"rope_type": "default", "rope_theta": float(10000.0 if swa_theta is None else swa_theta)}
+        config["final_logit_softcapping"] = final_cap or None
+        local = {"rope_type": "default", "rope_theta": 10000.0 if swa_theta is None else swa_theta}
         config["rope_parameters"] = {"full_attention": global_rope, "sliding_attention": local}
     config["sliding_window"] = window
     config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
@@ -627,12 +752,12 @@ def _phi3_config(reader: GGUFFile, arch: str, config: dict[str, Any], head_dim: 
     del config["attention_bias"]  # not a Phi3Config key (it has no biases)
     # llama.cpp runs Phi-3 without its sliding window ("Phi SWA is currently disabled"), whatever the file says
     config["sliding_window"] = None
-    rope_dims = _arch_value(reader, arch, "rope.dimension_count")
-    partial = 1.0 if rope_dims is None else int(rope_dims) / head_dim
-    orig = _arch_value(reader, arch, "rope.scaling.original_context_length")
+    rope_dims = _arch_int(reader, arch, "rope.dimension_count", maximum=head_dim)
+    partial = 1.0 if rope_dims is None else rope_dims / head_dim
+    orig = _arch_int(reader, arch, "rope.scaling.original_context_length")
     if orig is not None:
-        config["original_max_position_embeddings"] = int(orig)
-    attn_factor = float(_arch_value(reader, arch, "rope.scaling.attn_factor", 1.0))
+        config["original_max_position_embeddings"] = orig
+    attn_factor = _arch_float(reader, arch, "rope.scaling.attn_factor", 1.0, minimum=0.0, above=True)
     scaling = _arch_value(reader, arch, "rope.scaling.type")
     has_long, has_short = (_has_tensor(reader, name) for name in sorted(_LONGROPE_TENSORS))
     params: dict[str, Any]
@@ -643,7 +768,7 @@ def _phi3_config(reader: GGUFFile, arch: str, config: dict[str, Any], head_dim: 
             "rope_type": "longrope",
             "long_factor": [float(v) for v in load_tensor(reader, "rope_factors_long.weight").tolist()],
             "short_factor": [float(v) for v in load_tensor(reader, "rope_factors_short.weight").tolist()],
-            "original_max_position_embeddings": int(config["max_position_embeddings"] if orig is None else orig),
+            "original_max_position_embeddings": config["max_position_embeddings"] if orig is None else orig,
             "attention_factor": attn_factor,
         }
     elif has_long or has_short:
@@ -651,7 +776,7 @@ def _phi3_config(reader: GGUFFile, arch: str, config: dict[str, Any], head_dim: 
     elif (
         scaling in (None, "none", "linear", "longrope")
         and attn_factor == 1.0
-        and not _arch_value(reader, arch, "rope.scaling.factor")
+        and not _arch_float(reader, arch, "rope.scaling.factor")
     ):
         params = {"rope_type": "default"}
     else:
@@ -732,10 +857,10 @@ def qk_permutation_heads(reader: GGUFFile, gguf_name: str) -> int | None:
     match = _QK_RE.match(gguf_name)
     if match is None or gguf_architecture(reader) not in _PERMUTED_QK:
         return None
-    n_heads = int(_required(reader, "llama", "attention.head_count"))
+    n_heads = _required_int(reader, "llama", "attention.head_count")
     if match.group(1) == "q":
         return n_heads
-    return int(_arch_value(reader, "llama", "attention.head_count_kv", n_heads))
+    return _arch_int(reader, "llama", "attention.head_count_kv", n_heads, maximum=n_heads)
 
 
 def norm_offset(reader: GGUFFile, gguf_name: str) -> float:

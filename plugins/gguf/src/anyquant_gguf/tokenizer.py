@@ -29,12 +29,16 @@ a transformers without it, to ``AutoTokenizer`` on the file.
 from __future__ import annotations
 
 import functools
+import logging
+import math
 import os
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
 from anyquant.runtime.tokenizer import LazyTokenizer
+
+from .metadata import GGUFMetadataError, metadata_int
 
 __all__ = [
     "PLAIN_BYTE_LEVEL_PRE",
@@ -44,6 +48,8 @@ __all__ = [
     "tokenizer_from_reader",
     "tokenizer_metadata",
 ]
+
+log = logging.getLogger(__name__)
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -120,7 +126,50 @@ def tokenizer_metadata(reader: Any) -> dict[str, Any]:
         field = reader.fields.get(key)
         if field is not None:
             out[key] = field.contents()
+    _check_numbers(out)
     return out
+
+
+#: flags llama.cpp reads as bools
+_BOOL_KEYS = ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_space_prefix")
+
+
+def _check_numbers(meta: dict[str, Any]) -> None:
+    """The numbers of the tokenizer metadata, checked as they are read (in place): a special token id is an
+    integer (else :class:`~anyquant_gguf.metadata.GGUFMetadataError`) and one of the vocabulary's, or it is left out
+    with a warning, as llama.cpp ignores it ("bad special token"); the flags are bools; the scores finite numbers,
+    the token types integers."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    count = len(tokens) if isinstance(tokens, list) else None
+    for key in _SPECIAL_IDS.values():
+        if key not in meta:
+            continue
+        token_id = metadata_int(key, meta[key], minimum=None, maximum=None)
+        if count is not None and not 0 <= (token_id or 0) < count:
+            log.warning("GGUF metadata %s = %s is not one of the %d token ids: ignored", key, token_id, count)
+            del meta[key]
+        else:
+            meta[key] = token_id
+    for key in _BOOL_KEYS:
+        if key in meta and not isinstance(meta[key], bool):
+            raise GGUFMetadataError(f"GGUF metadata {key} = {meta[key]!r:.80} is not a bool; the file is damaged")
+    for key, finite in (("tokenizer.ggml.scores", True), ("tokenizer.ggml.token_type", False)):
+        values = meta.get(key)
+        if values is None:
+            continue
+        if not isinstance(values, list):
+            raise GGUFMetadataError(f"GGUF metadata {key} = {values!r:.80} is not an array; the file is damaged")
+        types = set(map(type, values))  # whole-array checks first (a vocabulary's 150k scores: milliseconds)
+        if types <= ({float, int} if finite else {int}) and (not finite or all(map(math.isfinite, values))):
+            continue
+        for index, value in enumerate(values):
+            good = type(value) in (float, int) and math.isfinite(value) if finite else type(value) is int
+            if not good:
+                what = "a finite number" if finite else "an integer"
+                raise GGUFMetadataError(
+                    f"GGUF metadata {key}[{index}] = {value!r:.80} is not {what}; the file is damaged or was written "
+                    "wrongly (re-download or re-convert it)"
+                )
 
 
 def tokenizer_config_from_metadata(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,7 +182,7 @@ def tokenizer_config_from_metadata(meta: Mapping[str, Any]) -> dict[str, Any]:
         config["add_bos_token"] = False
     tokens = meta.get("tokenizer.ggml.tokens") or []
     for name, key in _SPECIAL_IDS.items():
-        token_id = meta.get(key)
+        token_id = metadata_int(key, meta.get(key), minimum=None, maximum=None)
         config[name] = tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
     return config
 

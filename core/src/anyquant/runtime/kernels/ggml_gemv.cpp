@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -539,23 +540,47 @@ QX& thread_qx(int slot) {
   return mine[slot];
 }
 
+// Every op checks every argument before it reads or writes anything (sizes, types, dtypes, layout, device, options),
+// with overflow-checked arithmetic: rows * (cols / 32) * block_bytes computed in int64 wrapped for hostile sizes (a
+// 20-byte tensor passed as 2**62 + 1 rows of Q4_1, and ggml_interleave wrote past its copy). A failed check is a
+// TORCH_CHECK naming the op (a RuntimeError in Python).
+
+// a * b, or false when the product does not fit int64
+inline bool mul_fits(int64_t a, int64_t b, int64_t& out) { return !__builtin_mul_overflow(a, b, &out); }
+
+void check_passes_isa(int64_t passes, int64_t isa, const char* name) {
+  TORCH_CHECK(passes == 1 || passes == 2, "anyquant::", name, ": passes is 1 or 2, not ", passes);
+  TORCH_CHECK(isa >= -1 && isa <= ISA_VNNI, "anyquant::", name, ": isa is -1 (the best path here) or 0..", ISA_VNNI,
+              " (a path, the best here when it is higher), not ", isa);
+}
+
+// x: floating point [..., cols] on the CPU
+void check_x(const at::Tensor& x, int64_t cols, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), "anyquant::", name, " runs on the CPU");
+  TORCH_CHECK(x.dim() >= 1, "anyquant::", name, ": x has no dimensions; it is [..., cols]");
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "anyquant::", name, ": x is floating point, not ", x.scalar_type());
+  TORCH_CHECK(x.size(-1) == cols, "anyquant::", name, ": x has ", x.size(-1), " columns, not ", cols);
+}
+
 // y[:, col0 + n] for every part's row n, the parts' groups of 8 rows split over torch's threads together
 at::Tensor gemv_parts(const at::Tensor& x, std::vector<Part>& parts, int64_t cols, int64_t isa, int64_t passes,
                       const char* name) {
-  TORCH_CHECK(passes == 1 || passes == 2, "anyquant::", name, ": passes is 1 or 2, not ", passes);
+  check_passes_isa(passes, isa, name);
   TORCH_CHECK(cols % QK == 0 && cols > 0, "anyquant::", name, ": cols ", cols, " is not a positive multiple of 32");
-  TORCH_CHECK(x.device().is_cpu(), "anyquant::", name, " runs on the CPU");
-  TORCH_CHECK(x.size(-1) == cols, "anyquant::", name, ": x has ", x.size(-1), " columns, not ", cols);
+  check_x(x, cols, name);
   isa = pick_isa(isa);
   int64_t total = 0;
   for (Part& p : parts) {  // side by side (check_part made them all read every activation row)
     p.col0 = total;
-    total += p.rows;
+    TORCH_CHECK(!__builtin_add_overflow(total, p.rows, &total), "anyquant::", name, ": the parts' rows add up past int64");
   }
   auto out_shape = x.sizes().vec();
   out_shape.back() = total;
   const at::Tensor xf = x.reshape({-1, cols}).to(at::kFloat).contiguous();
   const int64_t m = xf.size(0);
+  int64_t outputs = 0;
+  TORCH_CHECK(mul_fits(m, total, outputs), "anyquant::", name, ": ", m, " rows of x times ", total,
+              " output columns overflow int64");
   QX& qx = thread_qx(0);
   quantize_x(xf.data_ptr<float>(), m, cols, passes == 2, isa != ISA_SCALAR, qx);
   at::Tensor y = at::empty({m, total}, xf.options());
@@ -568,16 +593,21 @@ bool known_type(int64_t type) {
   return base == TYPE_Q4_0 || base == TYPE_Q4_1 || base == TYPE_Q8_0 || base == TYPE_GQ4;
 }
 
+// A weight [rows, cols] of blocks: every argument checked, the byte count in overflow-checked int64 (a size that wraps
+// is refused, never compared with the tensor's numel modulo 2**64)
 Part check_part(const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols, const char* name) {
   TORCH_CHECK(known_type(type), "anyquant::", name, ": block type ", type,
               " is not Q4_0 (2), Q4_1 (3), Q8_0 (8) or GQ4 (100), or one of them interleaved (+1000)");
   TORCH_CHECK(rows > 0, "anyquant::", name, ": rows ", rows, " is not positive");
+  TORCH_CHECK(cols % QK == 0 && cols > 0, "anyquant::", name, ": cols ", cols, " is not a positive multiple of 32");
   TORCH_CHECK(blocks.device().is_cpu(), "anyquant::", name, " runs on the CPU");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "anyquant::", name,
               ": blocks must be a contiguous uint8 tensor");
-  TORCH_CHECK(cols % QK == 0 && cols > 0, "anyquant::", name, ": cols ", cols, " is not a positive multiple of 32");
-  TORCH_CHECK(blocks.numel() == rows * (cols / QK) * block_bytes(type), "anyquant::", name, ": blocks hold ",
-              blocks.numel(), " bytes, not ", rows * (cols / QK) * block_bytes(type));
+  int64_t count = 0, bytes = 0;
+  const bool fits = mul_fits(rows, cols / QK, count) && mul_fits(count, block_bytes(type), bytes);
+  TORCH_CHECK(fits && blocks.numel() == bytes, "anyquant::", name, ": blocks hold ", blocks.numel(), " bytes, not ",
+              fits ? std::to_string(bytes)
+                   : "the bytes of [" + std::to_string(rows) + ", " + std::to_string(cols) + "] weights (past int64)");
   return Part{blocks.data_ptr<uint8_t>(), type, rows, 0, 0, -1};
 }
 
@@ -594,6 +624,7 @@ at::Tensor ggml_gemv_cat(const at::Tensor& x, at::TensorList blocks, at::IntArra
   TORCH_CHECK(!blocks.empty() && blocks.size() == types.size() && blocks.size() == rows.size(),
               "anyquant::ggml_gemv_cat: ", blocks.size(), " blocks, ", types.size(), " types and ", rows.size(),
               " row counts (one each, at least one)");
+  TORCH_CHECK(x.dim() >= 1, "anyquant::ggml_gemv_cat: x has no dimensions; it is [..., cols]");
   const int64_t cols = x.size(-1);
   std::vector<Part> parts;
   for (size_t j = 0; j < blocks.size(); ++j) parts.push_back(check_part(blocks[j], types[j], rows[j], cols, "ggml_gemv_cat"));
@@ -615,7 +646,8 @@ at::Tensor ggml_experts(const at::Tensor& x, const at::Tensor& index, const at::
   TORCH_CHECK(index.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && index.dim() == 2 &&
                   index.sizes() == weights.sizes() && index.size(0) == x.size(0),
               "anyquant::ggml_experts: index (int64) and weights (float32) are [tokens, top_k] alike");
-  TORCH_CHECK(passes == 1 || passes == 2, "anyquant::ggml_experts: passes is 1 or 2, not ", passes);
+  TORCH_CHECK(index.device().is_cpu() && weights.device().is_cpu(), "anyquant::ggml_experts runs on the CPU");
+  check_passes_isa(passes, isa, "ggml_experts");
   TORCH_CHECK(!blocks.empty() && blocks.size() % 3 == 0 && types.size() == blocks.size(),
               "anyquant::ggml_experts: gate, up and down blocks and types for each expert");
   const int64_t experts = static_cast<int64_t>(blocks.size() / 3), hidden = x.size(1), tokens = x.size(0);
@@ -851,9 +883,11 @@ void dequantize_rows(const uint8_t* w, int64_t type, int64_t rows, int64_t nb, i
 }
 
 at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols, at::ScalarType dtype) {
-  check_part(blocks, type, rows, cols, "ggml_dequantize");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-              "anyquant::ggml_dequantize: dtype float32, float16 or bfloat16");
+              "anyquant::ggml_dequantize: dtype float32, float16 or bfloat16, not ", dtype);
+  check_part(blocks, type, rows, cols, "ggml_dequantize");
+  int64_t outputs = 0;
+  TORCH_CHECK(mul_fits(rows, cols, outputs), "anyquant::ggml_dequantize: [", rows, ", ", cols, "] overflows int64");
   at::Tensor out = at::empty({rows, cols}, blocks.options().dtype(dtype));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const int64_t nb = cols / QK;
@@ -873,6 +907,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "anyquant::rms_norm: float32 x and weight");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "anyquant::rms_norm runs on the CPU");
+  TORCH_CHECK(weight.dim() == 1, "anyquant::rms_norm: weight is one-dimensional, not ", weight.dim(), "-D");
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "anyquant::rms_norm: eps is a finite number >= 0, not ", eps);
   const int64_t n = weight.numel();
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == n, "anyquant::rms_norm: x's last dimension is not the weight's ", n);
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();

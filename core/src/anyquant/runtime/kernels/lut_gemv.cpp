@@ -184,22 +184,34 @@ int64_t lut_isa_here() {
   return 0;
 }
 
+// Both ops check every argument before reading anything (a failed check is a TORCH_CHECK naming the op: a RuntimeError
+// in Python): dtypes, dimensions, contiguity, the CPU, every size against the others (all of them sizes of real
+// tensors, so no product below can overflow), group, round and isa.
 at::Tensor lut4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut,
                      int64_t group, int64_t round, int64_t isa) {
-  TORCH_CHECK(round >= 0 && round <= 2, "round is 0 (float32), 1 (bfloat16) or 2 (float16), not ", round);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: uint8 [N, K/2]");
+  TORCH_CHECK(round >= 0 && round <= 2, "anyquant::lut4_gemv: round is 0 (float32), 1 (bfloat16) or 2 (float16), not ",
+              round);
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu() && lut.device().is_cpu(),
+              "anyquant::lut4_gemv runs on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "anyquant::lut4_gemv: x: contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "anyquant::lut4_gemv: codes: contiguous uint8 [N, K/2]");
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "scales: contiguous float32 [N, K/group]");
-  TORCH_CHECK(lut.numel() == 16 && lut.scalar_type() == at::kFloat && lut.is_contiguous(), "lut: 16 float32 values");
+              "anyquant::lut4_gemv: scales: contiguous float32 [N, K/group]");
+  TORCH_CHECK(lut.numel() == 16 && lut.scalar_type() == at::kFloat && lut.is_contiguous(),
+              "anyquant::lut4_gemv: lut: 16 float32 values");
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(k > 0 && k % 32 == 0, "K must be a positive multiple of 32, not ", k);
-  TORCH_CHECK(codes.size(1) == k / 2, "codes hold ", codes.size(1) * 2, " values a row, x has ", k);
-  TORCH_CHECK(group >= 16 && group % 16 == 0 && k % group == 0, "group ", group, " must be a multiple of 16 dividing ", k);
-  TORCH_CHECK(scales.size(0) == n && scales.size(1) == k / group, "scales must be [", n, ", ", k / group, "]");
+  TORCH_CHECK(k > 0 && k % 32 == 0, "anyquant::lut4_gemv: K must be a positive multiple of 32, not ", k);
+  TORCH_CHECK(codes.size(1) == k / 2, "anyquant::lut4_gemv: codes hold ", codes.size(1) * 2, " values a row, x has ", k);
+  TORCH_CHECK(group >= 16 && group % 16 == 0 && k % group == 0, "anyquant::lut4_gemv: group ", group,
+              " must be a multiple of 16 dividing ", k);
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == k / group, "anyquant::lut4_gemv: scales must be [", n, ", ",
+              k / group, "]");
   const int64_t here = lut_isa_here();
+  TORCH_CHECK(isa >= -1, "anyquant::lut4_gemv: isa is -1 (the best path here) or 0..2, not ", isa);
   const int64_t path = isa < 0 ? here : isa;
-  TORCH_CHECK(path <= here, "isa ", isa, " does not run on this CPU (best: ", here, ")");
+  TORCH_CHECK(path <= here, "anyquant::lut4_gemv: isa ", isa, " does not run on this CPU (best: ", here, ")");
   auto y = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -227,19 +239,29 @@ at::Tensor lut4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t group,
                     int64_t round, int64_t isa) {
-  TORCH_CHECK(round >= 0 && round <= 2, "round is 0 (float32), 1 (bfloat16) or 2 (float16), not ", round);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(weight.dim() == 2 && weight.element_size() == 1 && weight.is_contiguous(),
-              "weight: contiguous one-byte [N, K] (float8_e4m3fn or its uint8 bits)");
+  TORCH_CHECK(round >= 0 && round <= 2, "anyquant::fp8_gemv: round is 0 (float32), 1 (bfloat16) or 2 (float16), not ",
+              round);
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && scales.device().is_cpu(),
+              "anyquant::fp8_gemv runs on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "anyquant::fp8_gemv: x: contiguous float32 [M, K]");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kByte || weight.scalar_type() == at::kFloat8_e4m3fn) &&
+                  weight.is_contiguous(),
+              "anyquant::fp8_gemv: weight: contiguous [N, K] float8_e4m3fn or its uint8 bits, not ", weight.scalar_type());
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "scales: contiguous float32 [N, K/group]");
+              "anyquant::fp8_gemv: scales: contiguous float32 [N, K/group]");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(k > 0 && k % 16 == 0 && weight.size(1) == k, "K must be a positive multiple of 16 and the weight's width");
-  TORCH_CHECK(group >= 16 && group % 16 == 0 && k % group == 0, "group ", group, " must be a multiple of 16 dividing ", k);
-  TORCH_CHECK(scales.size(0) == n && scales.size(1) == k / group, "scales must be [", n, ", ", k / group, "]");
+  TORCH_CHECK(k > 0 && k % 16 == 0 && weight.size(1) == k,
+              "anyquant::fp8_gemv: K must be a positive multiple of 16 and the weight's width");
+  TORCH_CHECK(group >= 16 && group % 16 == 0 && k % group == 0, "anyquant::fp8_gemv: group ", group,
+              " must be a multiple of 16 dividing ", k);
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == k / group, "anyquant::fp8_gemv: scales must be [", n, ", ",
+              k / group, "]");
   const int64_t here = lut_isa_here() == 2 ? 2 : 0;  // the vector path is AVX512F's; else scalar
+  TORCH_CHECK(isa >= -1, "anyquant::fp8_gemv: isa is -1 (the best path here), 0 or 2, not ", isa);
   const int64_t path = isa < 0 ? here : isa;
-  TORCH_CHECK(path == 0 || path == here, "isa ", isa, " does not run fp8_gemv on this CPU (best: ", here, ")");
+  TORCH_CHECK(path == 0 || path == here, "anyquant::fp8_gemv: isa ", isa, " does not run fp8_gemv on this CPU (best: ",
+              here, ")");
   auto y = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(weight.data_ptr());
