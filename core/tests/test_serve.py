@@ -220,6 +220,39 @@ def test_errors(server: str, client: Any) -> None:
         conn.close()
 
 
+def test_client_mistakes_on_the_model_are_a_400(server: str) -> None:
+    """Issue #44's bodies against the real model, tokenizer and sampler (a 500 or a 200 ignoring the value before):
+    each a 400 naming the parameter, from the schema, before any work. ``n: 8`` with the largest seed is valid
+    (choice i samples with seed + i, from 0 again past 2**63 - 1): 8 choices. ``core/tests/test_serve_hardening.py``
+    has the whole list and the schema fuzz on a stand-in engine."""
+
+    def post(body: dict[str, Any]) -> tuple[int, Any]:
+        req = urllib.request.Request(
+            server + "/v1/chat/completions",
+            data=json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], **body}).encode(),
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    for body, param in [
+        ({"logit_bias": {"²": 1}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+        ({"temperature": 1e-320, "max_tokens": 2}, "temperature"),
+        ({"model": "\ud800"}, "model"),
+        ({"messages": [{"role": "\ud800", "content": "hi"}]}, "messages"),
+        ({"stop": 5}, "stop"),
+        ({"stream": True, "stream_options": False}, "stream_options"),
+    ]:
+        status, answer = post(body)
+        assert status == 400 and answer["error"]["param"] == param, (body, answer)
+    status, answer = post({"n": 8, "seed": 2**63 - 1, "temperature": 1.0, "max_tokens": 2})
+    assert status == 200 and len(answer["choices"]) == 8, answer
+
+
 def test_disconnect_cancels_the_work(server: str, client: Any) -> None:
     stream = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": QUESTIONS[6]}], max_tokens=4000, stream=True

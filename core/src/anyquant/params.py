@@ -12,7 +12,12 @@ from typing import Any, TypedDict
 
 from .errors import ParameterError
 
-__all__ = ["GenerationKwargs", "GenerationParams", "Prompt"]
+__all__ = ["MIN_TEMPERATURE", "GenerationKwargs", "GenerationParams", "Prompt"]
+
+#: the smallest temperature above 0 that sampling can divide float32 logits by: a smaller one rounds to 0 in
+#: float32 and turns the best logit into 0/0 = NaN (a ``ParameterError`` here, not a bare ``RuntimeError`` from
+#: torch's sampler at the first token)
+MIN_TEMPERATURE = 1e-45
 
 #: a plain prompt, token ids (a list of ints, passed to the model as they are: no special tokens added, no chat
 #: template), or chat messages (``[{"role": "user", "content": "..."}]``; a message's content may be anything its
@@ -54,6 +59,8 @@ class GenerationParams:
             raise bad("max_new_tokens", "an integer >= 0")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "a number >= 0 (0 = greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise bad("temperature", f"0 (greedy) or at least {MIN_TEMPERATURE:g} (smaller ones underflow float32)")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "an integer >= 0 (0 = off)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:

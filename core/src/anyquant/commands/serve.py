@@ -8,6 +8,7 @@ import logging
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,36 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queueing included")
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted")
+    # what one client may hold (a slow or idle client must not hold the server): docs/serving.md, "Exposing"
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send its request line and headers, from opening or its previous "
+        "answer; then it is closed (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request's body may take to arrive after its headers; then 408 (default 30)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="open connections at most, kept below the file-descriptor limit; past it the one waiting longest "
+        "for its headers is closed, or the new one answered 503 (default 512)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=int,
+        default=5,
+        help="seconds an idle connection stays open between requests (default 5)",
+    )
+    p.add_argument(
+        "--max-header-kb", type=int, default=16, help="largest request line and headers; more is a 431 (default 16)"
+    )
     p.add_argument(
         "--engine",
         choices=("anyquant", "vllm", "exllamav3"),
@@ -79,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.timeout <= 0 or args.max_body_kb <= 0:
         raise ParameterError("--timeout and --max-body-kb must be positive")
     _need_http_stack()
+    limits = _limits(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use it", args.host)
     scheduler: Any
@@ -100,18 +132,37 @@ def _run(args: argparse.Namespace) -> int:
         scheduler = Scheduler(ModelAdapter(model), max_batch=args.max_batch, max_queue=args.max_queue)
     from ..serve.app import ServerConfig, build_app
 
-    config = ServerConfig(name, api_key, args.timeout, args.max_body_kb * 1024)
-    return _serve(build_app(scheduler, config), scheduler, args.host, args.port, args.timeout)
+    config = ServerConfig(name, api_key, args.timeout, args.max_body_kb * 1024, args.body_timeout)
+    return _serve(build_app(scheduler, config), scheduler, args.host, args.port, args.timeout, limits)
 
 
-def _serve(app: Any, scheduler: Any, host: str, port: int, timeout: float) -> int:
-    import uvicorn
+def _limits(args: argparse.Namespace) -> Any:
+    """The per-client limits of the built-in server (:class:`~anyquant.serve.http.Limits`), checked."""
+    for flag, value in (
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
+        ("--max-connections", args.max_connections),
+        ("--keep-alive-timeout", args.keep_alive_timeout),
+        ("--max-header-kb", args.max_header_kb),
+    ):
+        if not value > 0:  # NaN too
+            raise ParameterError(f"{flag}: expected a positive number, got {value}")
+    from ..serve.http import Limits
 
+    return Limits(args.header_timeout, args.max_connections, args.keep_alive_timeout, args.max_header_kb * 1024)
+
+
+def _serve(app: Any, scheduler: Any, host: str, port: int, timeout: float, limits: Any = None) -> int:
+    from ..serve.http import GuardedServer, Limits, connection_budget, uvicorn_config
+
+    limits = limits or Limits()
+    fit, note = connection_budget(limits.max_connections)
+    if note is not None:
+        log.warning("%s", note)
+        limits = replace(limits, max_connections=fit)
     # SIGTERM / Ctrl-C: uvicorn stops accepting, lets in-flight requests finish (up to --timeout), then exits
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=int(timeout) + 5, lifespan="off"
-    )
-    server = uvicorn.Server(config)
+    config = uvicorn_config(app, host, port, limits, graceful=int(timeout) + 5)
+    server = GuardedServer(config)
     print(f"anyquant serve: http://{host}:{port}/v1 (Ctrl-C or SIGTERM to stop)", file=sys.stderr, flush=True)
     try:
         server.run()
@@ -123,7 +174,7 @@ def _serve(app: Any, scheduler: Any, host: str, port: int, timeout: float) -> in
 def _need_http_stack() -> None:
     import importlib.util
 
-    missing = [m for m in ("starlette", "uvicorn", "sse_starlette") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("starlette", "uvicorn", "sse_starlette", "pydantic") if importlib.util.find_spec(m) is None]
     if missing:
         raise MissingDependencyError(f"anyquant serve needs {', '.join(missing).replace('_', '-')}: {INSTALL}")
 

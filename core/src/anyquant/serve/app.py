@@ -20,8 +20,9 @@ from typing import Any
 from ..errors import AnyquantError
 from ..results import TokenLogprob
 from .scheduler import Finished, QueueFull, Request
+from .schema import MAX_CHOICES, ChatRequest, CompletionRequest, RequestError, parse_json, validate
 
-__all__ = ["ApiError", "ServerConfig", "build_app"]
+__all__ = ["MAX_CHOICES", "ApiError", "ServerConfig", "build_app"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class ServerConfig:
     api_key: str | None = None
     timeout: float = 600.0  # seconds a request may run, queueing included
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0  # seconds a request's body may take to arrive after its headers
 
 
 class ApiError(Exception):
@@ -50,8 +52,6 @@ class ApiError(Exception):
 # ---------------------------------------------------------------------- request parsing
 
 
-#: the most choices (``n``) one request may ask for: each runs as its own row of the batched decode
-MAX_CHOICES = 8
 #: the longest prompt ``echo`` with ``logprobs`` scores (one forward keeps every position's logits)
 MAX_SCORED_PROMPT = 4096
 
@@ -68,90 +68,31 @@ class _Job:
     echo: str | None = None  # completions' echo: the prompt's text, put before each choice's text
 
 
-def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ApiError(400, f"{name}={value!r}: expected a number in [{lo:g}, {hi:g}]", "invalid_value", name)
-    return float(value)
-
-
-def _integer(body: Mapping[str, Any], name: str, lo: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ApiError(400, f"{name}={value!r}: expected an integer >= {lo}", "invalid_value", name)
-    return value
-
-
-def _unsupported(body: Mapping[str, Any], name: str, neutral: Sequence[Any]) -> None:
-    value = body.get(name)
-    if value is not None and value not in neutral:
-        raise ApiError(400, f"{name}={value!r} is not supported by anyquant serve", "unsupported_parameter", name)
-
-
-def _text_of(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"{where}: only text content parts are supported", "invalid_value", where)
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(400, f"{where}: expected a string or a list of text parts", "invalid_value", where)
-
-
-def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages: expected a non-empty list of {role, content}", "invalid_value", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}]: expected an object with a string role", "invalid_value", "messages")
-        out.append({"role": m["role"], "content": _text_of(m.get("content") or "", f"messages[{i}].content")})
-    return out
-
-
-def _prompt_ids(app: _Server, body: Mapping[str, Any], chat: bool) -> list[int]:
+def _validated(app: _Server, body: Mapping[str, Any], chat: bool) -> ChatRequest | CompletionRequest:
+    """The body against OpenAI's schema (:mod:`.schema`), token ids against the model's vocabulary: a 400 naming
+    the first parameter that does not fit."""
     try:
-        if chat:
-            return list(app.adapter.encode(_messages(body), chat=True))
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # one prompt in a list (what clients send for a single prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = app.adapter.vocab_size()
-            if any(not 0 <= t < vocab for t in prompt):
-                raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", "invalid_value", "prompt")
-            return [int(t) for t in prompt]
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError(
-                400, "prompt: expected one non-empty string or one list of token ids", "invalid_value", "prompt"
-            )
-        return list(app.adapter.encode(prompt, chat=False))
+        return validate(body, chat, vocab=lambda: int(app.adapter.vocab_size()))
+    except RequestError as exc:
+        raise ApiError(400, exc.message, exc.code, exc.param) from None
+
+
+def _prompt_ids(app: _Server, request: ChatRequest | CompletionRequest) -> list[int]:
+    try:
+        if isinstance(request, ChatRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+            return list(app.adapter.encode(messages, chat=True))
+        if isinstance(request.prompt, list):  # token ids, checked against the vocabulary by the schema
+            return list(request.prompt)
+        return list(app.adapter.encode(request.prompt, chat=False))
     except AnyquantError as exc:
+        chat = isinstance(request, ChatRequest)
         raise ApiError(400, str(exc), "invalid_value", "messages" if chat else "prompt") from None
 
 
-def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
-    from ..protocols import GenerationParams
-
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise ApiError(400, "model: expected the served model's id (GET /v1/models)", "invalid_value", "model")
-    if model != app.config.model_name:
-        raise ApiError(
-            404, f"The model '{model}' does not exist; this server serves '{app.config.model_name}'", "model_not_found"
-        )
-    n = _integer(body, "n", 1) or 1
-    if n > MAX_CHOICES:
-        raise ApiError(400, f"n={n}: at most {MAX_CHOICES} choices per request", "invalid_value", "n")
+def _engine_refuses(app: _Server, request: ChatRequest | CompletionRequest) -> None:
+    """What the schema allows but this server's engine cannot do: a 400 naming the parameter."""
+    n = request.n or 1
     capacity = getattr(app.scheduler, "capacity", None)
     if capacity is not None and n > capacity:  # a 503 "retry later" that no retry could satisfy
         raise ApiError(
@@ -160,55 +101,69 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
             "invalid_value",
             "n",
         )
-    extras, logprobs = _sampling(app, body, chat)
-    echo = body.get("echo", False)
-    if chat or not isinstance(echo, bool):
-        _unsupported(body, "echo", (False,))
-    if echo and logprobs is not None and not getattr(app.scheduler, "prompt_scoring", False):
+    if not getattr(app.scheduler, "full_sampling", False):
+        asked = [
+            name
+            for name in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias")
+            if getattr(request, name)  # neutral values (0, {}) are no request
+        ]
+        asked += ["logprobs"] if request.top() is not None else []
+        if asked:
+            name = asked[0]
+            raise ApiError(400, f"{name} is not supported by this server's engine", "unsupported_parameter", name)
+    echo = isinstance(request, CompletionRequest) and bool(request.echo)
+    if echo and request.top() is not None and not getattr(app.scheduler, "prompt_scoring", False):
         raise ApiError(
             400, "echo with logprobs is not supported by this server's engine", "unsupported_parameter", "echo"
         )
-    _unsupported(body, "best_of", (1,))
-    _unsupported(body, "suffix", ("",))
-    _unsupported(body, "tools", ([],))
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
-        raise ApiError(400, "response_format: only text is supported", "unsupported_parameter", "response_format")
-    stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
-    if stop is not None and (not all(isinstance(s, str) and s for s in stops) or len(stops) > 4):
-        raise ApiError(400, "stop: expected a string or up to 4 non-empty strings", "invalid_value", "stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream: expected true or false", "invalid_value", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping):
-        raise ApiError(400, "stream_options: expected an object", "invalid_value", "stream_options")
-    try:
-        params = GenerationParams(
-            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-            top_k=int(_integer(body, "top_k", 0) or 0),
-            repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 10.0),
-            seed=_integer(body, "seed", 0),
-            stop=stops,
-            logprobs=logprobs is not None,
-            top_logprobs=logprobs or 0,
-            **extras,
-        )
-    except AnyquantError as exc:
-        raise ApiError(400, str(exc), "invalid_value") from None
-    asked = _integer(body, "max_completion_tokens", 1) if chat else None
-    asked = asked if asked is not None else _integer(body, "max_tokens", 0 if echo else 1)
-    if asked == 0 and not getattr(app.scheduler, "prompt_only", False):
+    if request.asked_tokens() == 0 and not getattr(app.scheduler, "prompt_only", False):
         raise ApiError(
             400,
             "max_tokens=0 (echo's prompt alone) is not supported by this server's engine",
             "unsupported_parameter",
             "max_tokens",
         )
-    ids = _prompt_ids(app, body, chat)
-    if echo and logprobs is not None and len(ids) > MAX_SCORED_PROMPT:
+
+
+def _params(request: ChatRequest | CompletionRequest) -> Any:
+    from ..protocols import GenerationParams
+
+    extras: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias"):
+        value = getattr(request, name)
+        if value:
+            extras[name] = value
+    top = request.top()
+    try:
+        return GenerationParams(
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            seed=request.seed,
+            stop=request.stops(),
+            logprobs=top is not None,
+            top_logprobs=top or 0,
+            **extras,
+        )
+    except AnyquantError as exc:  # the schema holds every bound GenerationParams checks: not reached
+        raise ApiError(400, str(exc), "invalid_value") from None
+
+
+def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
+    request = _validated(app, body, chat)
+    if request.model != app.config.model_name:
+        raise ApiError(
+            404,
+            f"The model {request.model!r} does not exist; this server serves {app.config.model_name!r}",
+            "model_not_found",
+        )
+    _engine_refuses(app, request)
+    params = _params(request)
+    top = request.top()
+    echo = isinstance(request, CompletionRequest) and bool(request.echo)
+    ids = _prompt_ids(app, request)
+    if echo and top is not None and len(ids) > MAX_SCORED_PROMPT:
         raise ApiError(
             400, f"echo with logprobs scores prompts of up to {MAX_SCORED_PROMPT} tokens", "invalid_value", "prompt"
         )
@@ -221,83 +176,19 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
             "messages" if chat else "prompt",
         )
     room = context + 1 - len(ids) if context is not None else None  # as generate: a full prompt still gets one
+    asked = request.asked_tokens()
     if asked is None:
         if room is None:
-            raise ApiError(400, "max_tokens is required: this model's context length is unknown", "invalid_value")
+            raise ApiError(
+                400, "max_tokens is required: this model's context length is unknown", "invalid_value", "max_tokens"
+            )
         asked = room
     max_tokens = min(asked, room) if room is not None else asked
     text = None
-    if echo:
-        prompt = body.get("prompt")
-        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
-        text = prompt if isinstance(prompt, str) else app.adapter.decode(ids)
-    include_usage = bool(options.get("include_usage"))
-    return _Job(ids, params, max_tokens, stream, include_usage, logprobs is not None, n, text)
-
-
-def _sampling(app: _Server, body: Mapping[str, Any], chat: bool) -> tuple[dict[str, Any], int | None]:
-    """The sampling and log-probability parameters beyond the basic ones: ``GenerationParams`` keywords for the
-    non-neutral ones, and how many alternatives to report per token (``None``: no log-probabilities). Chat takes
-    ``logprobs: true`` with ``top_logprobs: k``, completions ``logprobs: k`` (OpenAI's two shapes); k in [0, 20]."""
-    extras: dict[str, Any] = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _number(body, name, 0.0, -2.0, 2.0)
-        if value:
-            extras[name] = value
-    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
-    if min_p >= 1:
-        raise ApiError(400, f"min_p={min_p!r}: expected a number in [0, 1)", "invalid_value", "min_p")
-    if min_p:
-        extras["min_p"] = min_p
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, Mapping):
-            raise ApiError(400, "logit_bias: expected an object of token ids to numbers", "invalid_value", "logit_bias")
-        vocab = app.adapter.vocab_size()
-        table: dict[int, float] = {}
-        for key, value in bias.items():
-            if not (isinstance(key, str) and key.isdigit() and int(key) < vocab):
-                raise ApiError(
-                    400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", "invalid_value", "logit_bias"
-                )
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-                raise ApiError(
-                    400,
-                    f"logit_bias[{key!r}]={value!r}: expected a number in [-100, 100]",
-                    "invalid_value",
-                    "logit_bias",
-                )
-            table[int(key)] = float(value)
-        if table:
-            extras["logit_bias"] = table
-    logprobs: int | None = None
-    if chat:
-        asked = body.get("logprobs")
-        if asked is not None and not isinstance(asked, bool):
-            raise ApiError(400, f"logprobs={asked!r}: expected true or false", "invalid_value", "logprobs")
-        top = _bounded(body, "top_logprobs", 20)
-        if top and not asked:
-            raise ApiError(400, "top_logprobs needs logprobs: true", "invalid_value", "top_logprobs")
-        logprobs = (top or 0) if asked else None
-    else:
-        logprobs = _bounded(body, "logprobs", 20)
-    unsupported: list[str] = [
-        n for n in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias") if n in extras
-    ]
-    unsupported += ["logprobs"] if logprobs is not None else []
-    if unsupported and not getattr(app.scheduler, "full_sampling", False):
-        name = unsupported[0]
-        raise ApiError(400, f"{name} is not supported by this server's engine", "unsupported_parameter", name)
-    return extras, logprobs
-
-
-def _bounded(body: Mapping[str, Any], name: str, hi: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
-        raise ApiError(400, f"{name}={value!r}: expected an integer in [0, {hi}]", "invalid_value", name)
-    return value
+    if isinstance(request, CompletionRequest) and echo:
+        text = request.prompt if isinstance(request.prompt, str) else app.adapter.decode(ids)
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    return _Job(ids, params, max_tokens, bool(request.stream), include_usage, top is not None, request.n or 1, text)
 
 
 # ---------------------------------------------------------------------- the app
@@ -363,6 +254,7 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
     another engine's with the same ``submit``, ``adapter``, ``running`` and ``waiting``."""
     from sse_starlette.sse import EventSourceResponse
     from starlette.applications import Starlette
+    from starlette.requests import ClientDisconnect
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
@@ -370,8 +262,10 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
     server = _Server(scheduler, config)
 
     def error(exc: ApiError) -> Response:
-        headers = {"Retry-After": "1"} if exc.status == 503 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        headers = {"Retry-After": "1"} if exc.status == 503 else {"Connection": "close"} if exc.status == 408 else None
+        # ASCII JSON: a message quoting what a client sent stays encodable whatever it held
+        body = json.dumps(exc.body(), ensure_ascii=True)
+        return Response(body, status_code=exc.status, headers=headers, media_type="application/json")
 
     def authorize(request: HttpRequest) -> None:
         if config.api_key is None:
@@ -383,21 +277,34 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
 
     async def read_json(request: HttpRequest) -> Mapping[str, Any]:
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > config.max_body_bytes):
+        if declared is not None and (
+            not (declared.isascii() and declared.isdigit())
+            or len(declared) > 12
+            or int(declared) > config.max_body_bytes
+        ):
             raise ApiError(413, f"the request body is over {config.max_body_bytes} bytes", "request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > config.max_body_bytes:
-                raise ApiError(413, f"the request body is over {config.max_body_bytes} bytes", "request_too_large")
-            chunks.append(chunk)
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > config.max_body_bytes:
+                    raise ApiError(413, f"the request body is over {config.max_body_bytes} bytes", "request_too_large")
+                chunks.append(chunk)
+
+        try:  # a client that sends its body slowly, or not at all, holds a connection and a task: not for long
+            await asyncio.wait_for(read(), config.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(
+                408, f"the request body did not arrive within {config.body_timeout:g} s", "request_timeout"
+            ) from None
+        except ClientDisconnect:  # gone mid-body (or its framing refused by h11): nobody reads the answer
+            raise ApiError(400, "the client went away before its request body arrived", "client_disconnected") from None
         try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON", "invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object", "invalid_json")
-        return body
+            return parse_json(b"".join(chunks))
+        except RequestError as exc:
+            raise ApiError(400, exc.message, exc.code, exc.param) from None
 
     async def health(request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting})
@@ -424,7 +331,7 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
                 run = _Run(loop, queue, i)
                 params = job.params
                 if i and params.seed is not None:  # choice i samples with seed + i: reproducible, not identical
-                    params = replace(params, seed=params.seed + i)
+                    params = replace(params, seed=(params.seed + i) % 2**63)  # past 2**63 - 1: from 0 again
                 work = Request(job.ids, params, job.max_tokens, run.emit, run.finish, deadline)
                 if job.logprobs:
                     work.logprob = run.logprob
