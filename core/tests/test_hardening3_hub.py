@@ -18,7 +18,7 @@ from types import ModuleType
 import pytest
 
 from anyquant import detect
-from anyquant.errors import DownloadError, ParameterError, ProbeError, RevisionNotFoundError
+from anyquant.errors import DownloadError, ParameterError, ProbeError, RevisionNotFoundError, UnsafePathError
 from anyquant.testing import fixtures
 
 
@@ -164,9 +164,10 @@ def test_a_cache_ref_leaving_refs_through_the_pr_alias_is_not_followed(tmp_path:
     outside.write_text(commit)
     (repo / "refs" / "refs" / "pr").mkdir(parents=True)
     (repo / "refs" / "refs" / "pr" / "1").symlink_to(outside)
-    with pytest.raises(RevisionNotFoundError):
+    # a ref linked out of the cached repository is refused as a file would be (item 5 (b)), never read
+    with pytest.raises(UnsafePathError, match="outside the Hugging Face cache"):
         detect("org/tiny@pr/1")
-    with pytest.raises(RevisionNotFoundError):
+    with pytest.raises(UnsafePathError, match="outside the Hugging Face cache"):
         detect(f"org/tiny@{PR}")
 
 

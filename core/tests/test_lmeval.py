@@ -171,7 +171,7 @@ def test_lm_eval_command_line_through_python_m(tmp_path: Path) -> None:
     )
     (tmp_path / "anyquant_mc.yaml").write_text(head + "test_split: test\n" + TASKS["anyquant_mc"])
     out_dir = tmp_path / "out"
-    args = ["run", "--model", "anyquant", "--model_args", f"pretrained={anyquant.default_model()}"]
+    args = ["run", "--model", "anyquant", "--model_args", f"pretrained={anyquant.default_model()},batch_size=4"]
     args += ["--tasks", "anyquant_mc", "--include_path", str(tmp_path), "--output_path", str(out_dir)]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
@@ -181,6 +181,11 @@ def test_lm_eval_command_line_through_python_m(tmp_path: Path) -> None:
     (result,) = out_dir.rglob("results_*.json")
     assert json.loads(result.read_text())["results"]["anyquant_mc"]["acc,none"] == 1.0
     assert json.loads(result.read_text())["config"]["model"] == "anyquant"
+    # issue #44 item 14: model_args' batch_size is the one used and printed (not lm-eval's default of 1), with
+    # lm-eval's progress bar on stderr
+    assert json.loads(result.read_text())["config"]["batch_sizes"] == [4]
+    assert "batch_size: 4 (4)" in proc.stdout
+    assert "Running loglikelihood requests" in proc.stderr and "6/6" in proc.stderr
 
 
 def test_lm_eval_default_device_falls_back_but_an_explicit_one_is_strict(tmp_path: Path) -> None:

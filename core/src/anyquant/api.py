@@ -118,7 +118,7 @@ def load(
     if download and not Path(path).expanduser().exists():  # a local path is read as it is
         from .hub import download as fetch
 
-        path, revision = fetch(os.fspath(path), revision=revision), None
+        path, revision = fetch(os.fspath(path), revision=revision, allow_symlinks=allow_symlinks), None
     # no full garbage collection over the whole process in the middle of the load (anyquant._memory)
     with collector_paused():
         probe = Probe.open(path, revision=revision, allow_symlinks=allow_symlinks)

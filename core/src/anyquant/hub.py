@@ -13,17 +13,21 @@ import fnmatch
 import logging
 import os
 import re
+import socket
 import uuid
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
-from .errors import AnyquantError, DownloadError, ParameterError, ProbeError
+from .errors import AnyquantError, DownloadError, ParameterError, ProbeError, UnsafePathError
 from .headers import MAX_JSON_BYTES
 from .probe import (
     CONFIG_FILES,
     INDEX_NAMES,
     TOKENIZER_FILES,
     ModelId,
+    _check_cache_path,
+    _hub_snapshot,
+    allow_symlinks_opt,
     download_command,
     hub_cache_dir,
     parse_model_id,
@@ -45,20 +49,26 @@ def offline() -> bool:
     return (env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE") or "").strip().upper() in _TRUE
 
 
-def download(model: str, *, revision: str | None = None, include: str | None = None) -> Path:
+def download(
+    model: str, *, revision: str | None = None, include: str | None = None, allow_symlinks: bool | None = None
+) -> Path:
     """Fetch the files of Hub model ``model`` (``owner/name``, ``owner/name/file.gguf``, with
     ``@revision`` or ``revision=``) that its format needs into the Hugging Face cache, and return the
     path to load: the snapshot directory, or the one ``.gguf`` file chosen. ``include``: a glob over the
     repository's files choosing the weights (``"*Q4_K_M*"``); a GGUF repository with several ``.gguf``
     files and none chosen is a :class:`DownloadError` listing them. Files already in the cache are not
     fetched again; an interrupted file resumes. With ``HF_HUB_OFFLINE=1`` nothing is fetched: the cached
-    copy is returned, or a :class:`DownloadError` says it is missing."""
+    copy is returned when it is complete (:func:`_cached`), or a :class:`DownloadError` says what is missing.
+    When the Hub cannot be reached (a refused connection, a name that does not resolve: no network), the
+    same: a complete cached copy is returned with a warning (as ``HF_HUB_OFFLINE=1`` would), else a
+    :class:`DownloadError` that says the Hub cannot be reached. ``allow_symlinks``: the cache's own links,
+    as :func:`~anyquant.probe.resolve_checkpoint` checks them."""
     mid = parse_model_id(model, revision)
     if mid is None or Path(model).expanduser().exists():
         raise ParameterError(f"{model}: not a Hugging Face model id (owner/name): only a Hub model is downloaded")
     _check_hub_revision(mid.revision, str(mid))
     if offline():
-        return _cached(mid, include)
+        return _cached(mid, include, allow_symlinks, "HF_HUB_OFFLINE is set, so nothing is downloaded")
     try:
         from huggingface_hub import HfApi, snapshot_download
     except ImportError as exc:
@@ -94,6 +104,9 @@ def download(model: str, *, revision: str | None = None, include: str | None = N
     except AnyquantError:
         raise
     except Exception as exc:  # huggingface_hub's HTTP errors (not found, gated, 5xx), a dropped connection, a full disk
+        reason = _unreachable(exc)
+        if reason is not None:  # no connection at all: nothing was interrupted, nothing resumes
+            return _unreachable_fallback(mid, include, allow_symlinks, reason, exc)
         raise DownloadError(
             f"{mid}: the download failed: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}. Run it again "
             f"(a partial file resumes), or `{download_command(mid, include)}`"
@@ -164,22 +177,113 @@ def _keep_ref(storage: Path, revision: str, sha: str, mid: ModelId) -> None:
     os.replace(tmp, ref)
 
 
-def _cached(mid: ModelId, include: str | None) -> Path:
-    """Offline: the cached copy, or a DownloadError."""
+#: the names (in an exception's class hierarchy) of "no connection could be made" in the HTTP libraries
+#: huggingface_hub has used: httpx's ``ConnectError``/``ConnectTimeout`` (a refused connection, a DNS failure, no
+#: route), urllib3's ``NewConnectionError``/``NameResolutionError``, requests' ``ConnectTimeout``, and
+#: huggingface_hub's ``OfflineModeIsEnabled``. A timeout or a broken transfer after connecting is not one.
+_NO_CONNECTION = {"ConnectError", "ConnectTimeout", "NewConnectionError", "NameResolutionError", "OfflineModeIsEnabled"}
+
+
+def _unreachable(exc: BaseException) -> str | None:
+    """Why the Hub could not be reached at all (``"ConnectError: [Errno -2] Name or service not known"``), when
+    ``exc`` or an exception it was raised from says so; None for any other failure (an HTTP error, a transfer
+    broken half-way, a full disk)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        names = {c.__name__ for c in type(cause).__mro__}
+        if isinstance(cause, (socket.gaierror, ConnectionRefusedError)) or names & _NO_CONNECTION:
+            return f"{type(cause).__name__}: {' '.join(str(cause).split())[:200]}"
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _unreachable_fallback(
+    mid: ModelId, include: str | None, allow_symlinks: bool | None, reason: str, exc: BaseException
+) -> Path:
+    """The Hub cannot be reached: the complete cached copy, with a warning, or a DownloadError."""
+    why = f"the Hub cannot be reached ({reason})"
     try:
-        path = resolve_checkpoint(str(mid))
-    except ProbeError as exc:
-        raise DownloadError(f"HF_HUB_OFFLINE is set, so nothing is downloaded, and {exc}") from exc
-    if not path.exists():
+        path = _cached(mid, include, allow_symlinks, why, hint=False)
+    except DownloadError as err:
         raise DownloadError(
-            f"{mid}: HF_HUB_OFFLINE is set, so nothing is downloaded, and the Hugging Face cache ({hub_cache_dir()}) "
-            f"does not hold it: unset HF_HUB_OFFLINE, or `{download_command(mid, include)}` where the Hub is reachable"
-        )
-    if include is not None and path.is_dir():
-        found = sorted(str(f.relative_to(path)) for f in path.glob(include) if f.suffix == ".gguf")
-        if len(found) == 1:
-            return path / found[0]
+            f"{err}. Check the network (and HF_ENDPOINT, if set) and run it again, or "
+            f"`{download_command(mid, include)}` where the Hub is reachable"
+        ) from exc
+    log.warning(
+        "%s: %s; the copy in the Hugging Face cache is complete and is used: %s (as HF_HUB_OFFLINE=1 would; set "
+        "HF_HUB_OFFLINE=1 to use the cache without asking the Hub)",
+        mid,
+        why,
+        path,
+    )
     return path
+
+
+def _cached(mid: ModelId, include: str | None, allow_symlinks: bool | None, why: str, *, hint: bool = True) -> Path:
+    """Without the Hub (``why``: HF_HUB_OFFLINE, or the Hub cannot be reached): the cached copy when it is
+    complete, the path an online download would return; else a DownloadError. Complete: every file an online
+    download would fetch (:func:`select_files` over huggingface_hub's cached listing of the commit,
+    ``trees/<commit>.json``; without one, over the snapshot's own files) is in the snapshot, and so is every
+    shard its index names. Links in the cache: :func:`~anyquant.probe.resolve_checkpoint`'s rule, an
+    :class:`~anyquant.errors.UnsafePathError` as it is."""
+    how = f": unset HF_HUB_OFFLINE, or `{download_command(mid, include)}` where the Hub is reachable" if hint else ""
+    try:
+        path = resolve_checkpoint(str(ModelId(mid.repo_id, "", mid.revision)), allow_symlinks=allow_symlinks)
+    except UnsafePathError:
+        raise
+    except ProbeError as exc:
+        raise DownloadError(f"{mid}: {why}, and {exc}") from exc
+    snapshot = _hub_snapshot(Path(os.path.abspath(path)))
+    if not path.is_dir() or snapshot is None:
+        raise DownloadError(f"{mid}: {why}, and the Hugging Face cache ({hub_cache_dir()}) does not hold it{how}")
+    listing = _cached_listing(snapshot, allow_symlinks_opt(allow_symlinks))
+    try:
+        chosen = select_files(listing, mid, include)
+        index = next((f for f in chosen if PurePosixPath(f).name in INDEX_NAMES), None)
+        named: set[str] = set()
+        if index is not None and (snapshot / index).is_file():
+            shards = _index_shards(str(snapshot / index), index)
+            named = {(PurePosixPath(index).parent / s).as_posix() for s in shards}
+            chosen = select_files(listing, mid, include, index_shards=shards)
+    except DownloadError as exc:
+        raise DownloadError(f"{why}, and in the Hugging Face cache's copy: {exc}") from exc
+    missing = sorted(
+        {f for f in chosen if not (snapshot / f).is_file()} | {s for s in named if not (snapshot / s).is_file()}
+    )
+    if missing:
+        shown = ", ".join(missing[:3]) + (f", ... ({len(missing)} in all)" if len(missing) > 3 else "")
+        raise DownloadError(
+            f"{mid}: {why}, and the Hugging Face cache's copy ({snapshot}) is incomplete: it lacks {shown}{how}"
+        )
+    weights = [f for f in chosen if f.endswith(".gguf")]
+    if mid.inside:
+        return snapshot / mid.inside
+    return snapshot / weights[0] if len(weights) == 1 else snapshot
+
+
+def _cached_listing(snapshot: Path, allow_symlinks: bool) -> list[str]:
+    """The repository's files at the snapshot's commit, as huggingface_hub cached its listing
+    (``<repo>/trees/<commit>.json``: ``{"files": {path: ...}}``), else the files the snapshot holds."""
+    repo, tree = snapshot.parent.parent, snapshot.parent.parent / "trees" / f"{snapshot.name}.json"
+    try:
+        if tree.is_file():
+            _check_cache_path(repo, tree, allow_symlinks)  # as a ref: the cache's own structure
+            if tree.stat().st_size <= MAX_JSON_BYTES:
+                from .headers import loads_json
+
+                value = loads_json(tree.read_bytes(), tree.name, error=DownloadError)
+                files = value.get("files") if isinstance(value, dict) else None
+                if isinstance(files, dict) and files and all(isinstance(f, str) for f in files):
+                    return sorted(files)
+    except (DownloadError, OSError) as exc:
+        log.info("%s: not read (%s); the snapshot's own files stand for the listing", tree, exc)
+    return sorted(
+        os.path.relpath(os.path.join(d, f), snapshot).replace(os.sep, "/")
+        for d, _, names in os.walk(snapshot)
+        for f in names
+    )
 
 
 def _index_shards(path: str, name: str) -> set[str]:

@@ -6,14 +6,16 @@ lm-eval as ``"anyquant"`` when this module is imported.
     lm_eval.simple_evaluate(model=anyquant.lmeval.AnyquantLM(model=sdk.load(path)), tasks=[...])
 
 ``loglikelihood``, ``loglikelihood_rolling`` and ``generate_until`` go through :meth:`LoadedModel.loglikelihood`,
-:meth:`LoadedModel.loglikelihood_rolling` and :meth:`LoadedModel.complete`. Needs ``pip install anyquant[lmeval]``
+:meth:`LoadedModel.loglikelihood_rolling` and :meth:`LoadedModel.complete`, ``batch_size`` pairs at a time, with a
+progress bar on stderr (tqdm, lm-eval's own wording) unless lm-eval passes ``disable_tqdm=True``. Needs ``pip install anyquant[lmeval]``
 (``lm-eval``); importing this module without it is a :class:`~anyquant.errors.MissingDependencyError`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,8 @@ DEFAULT_MAX_GEN_TOKS = 256
 class AnyquantLM(LM):  # type: ignore[misc]  # lm-eval is untyped
     """An lm-eval ``LM`` over a :class:`~anyquant.protocols.LoadedModel`: pass ``model=`` (a loaded model) or
     ``pretrained=`` (what :func:`anyquant.load` takes) with ``backend``/``device``/``dtype``. ``batch_size`` is the
-    scoring batch; ``max_length`` the rolling window (default: the model's context)."""
+    scoring batch (``"auto"``, lm-eval's, is 8), reported as lm-eval's HF model reports its own (``batch_size``,
+    ``batch_sizes``); ``max_length`` the rolling window (default: the model's context)."""
 
     def __init__(
         self,
@@ -78,6 +81,12 @@ class AnyquantLM(LM):  # type: ignore[misc]  # lm-eval is untyped
     ) -> AnyquantLM:
         args = dict(arg_dict)
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k in ("batch_size", "device")}
+        if "batch_size" in extra and "batch_size" in args:
+            # lm-eval's command line passes its --batch_size, 1 unless given, beside every model_args: a batch_size in
+            # model_args is the user's own and wins (lm-eval's HF model takes only one of them)
+            if str(extra["batch_size"]) != str(args["batch_size"]):
+                log.info("batch_size=%s from model_args, not lm-eval's %s", args["batch_size"], extra["batch_size"])
+            del extra["batch_size"]
         if "device" in extra and "device" not in args and not _device_available(str(extra["device"])):
             # lm-eval's own default is "cuda:0" whether or not the user asked for it (its HFLM falls back the same
             # way); a device in model_args is the user's and stays strict
@@ -85,20 +94,59 @@ class AnyquantLM(LM):  # type: ignore[misc]  # lm-eval is untyped
             extra["device"] = "auto"
         return cls(**{**args, **extra})
 
+    @property
+    def batch_sizes(self) -> dict[int, int]:
+        """The batch size used, where lm-eval looks for it (its HF model's ``batch_sizes``: ``simple_evaluate``'s
+        ``results["config"]["batch_sizes"]``, printed after ``batch_size:``)."""
+        return {0: self.batch_size}
+
     # ------------------------------------------------------------------ lm-eval's three requests
     def loglikelihood(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        return self.model.loglikelihood([tuple(r.args) for r in requests], batch_size=self.batch_size)
+        pairs = [tuple(r.args) for r in requests]
+        # longest first (in characters: the tokens are the model's to count), as lm-eval's HF model orders its
+        # requests, so that each batch of batch_size holds pairs of about one length; answers in the requests' order
+        order = sorted(range(len(pairs)), key=lambda i: -sum(len(part) for part in pairs[i]))
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
+        with self._progress(len(pairs), "Running loglikelihood requests", disable_tqdm) as bar:
+            for start in range(0, len(order), self.batch_size):
+                rows = order[start : start + self.batch_size]
+                answers = self.model.loglikelihood([pairs[i] for i in rows], batch_size=self.batch_size)
+                for i, answer in zip(rows, answers, strict=True):
+                    out[i] = answer
+                bar.update(len(rows))
+        return out
 
     def loglikelihood_rolling(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[float]:
-        texts = [r.args[0] for r in requests]
-        return self.model.loglikelihood_rolling(texts, window=self.max_length, batch_size=self.batch_size)
+        out: list[float] = []
+        with self._progress(len(requests), "Running loglikelihood_rolling requests", disable_tqdm) as bar:
+            for request in requests:  # each text's windows are scored batch_size at a time
+                (total,) = self.model.loglikelihood_rolling(
+                    [request.args[0]], window=self.max_length, batch_size=self.batch_size
+                )
+                out.append(total)
+                bar.update(1)
+        return out
 
     def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
         out = []
-        for request in requests:
-            context, gen_kwargs = request.args
-            out.append(self.model.complete(context, **generation_keywords(gen_kwargs)).text)
+        with self._progress(len(requests), "Running generate_until requests", disable_tqdm) as bar:
+            for request in requests:
+                context, gen_kwargs = request.args
+                out.append(self.model.complete(context, **generation_keywords(gen_kwargs)).text)
+                bar.update(1)
         return out
+
+    @contextmanager
+    def _progress(self, total: int, desc: str, disable: bool) -> Iterator[Any]:
+        """lm-eval's progress bar (tqdm on stderr), off with ``disable_tqdm`` and on ranks other than 0 as in its HF
+        model."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=desc, disable=bool(disable) or getattr(self, "rank", 0) != 0)
+        try:
+            yield bar
+        finally:
+            bar.close()
 
     # ------------------------------------------------------------------ chat templates, caching
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -151,9 +199,35 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from lm_eval.__main__ import cli_evaluate
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    sys.argv = [sys.argv[0], *_cli_argv(list(sys.argv[1:] if argv is None else argv))]
     cli_evaluate()
+
+
+def _cli_argv(argv: list[str]) -> list[str]:
+    """``argv`` with ``--batch_size N`` added when ``--model_args`` names ``batch_size=N`` and no ``--batch_size``
+    (``-b``) is given: lm-eval's command line passes (and prints, ``batch_size: 1``) its own default of 1 otherwise,
+    while the model uses the one in model_args."""
+    if any(a == "-b" or a.startswith(("-b", "--batch")) for a in argv):
+        return argv
+    values: list[str] = []
+    taking = False
+    for a in argv:
+        if a in ("--model_args", "-a"):
+            taking = True
+        elif a.startswith("--model_args="):
+            values.append(a.partition("=")[2])
+            taking = False
+        elif taking and not a.startswith("-"):
+            values.append(a)
+        else:
+            taking = False
+    size = None
+    for value in values:
+        for part in value.split(","):
+            key, eq, val = part.partition("=")
+            if eq and key.strip() == "batch_size" and val.strip():
+                size = val.strip()
+    return argv if size is None else [*argv, "--batch_size", size]
 
 
 if __name__ == "__main__":

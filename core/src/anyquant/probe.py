@@ -12,6 +12,12 @@ Hugging Face hub cache (``models--<owner>--<name>/snapshots/<revision>``), whose
 the same repository's ``blobs/``. With ``allow_symlinks=True`` (or ``ANYQUANT_ALLOW_SYMLINKS=1``) a link
 may leave the directory when it ends at a regular file (never a device, fifo or directory), whose
 content is then checked as any other file's (:func:`_check_inside` is the one place that decides).
+
+The cache's own structure gets the same rule (:func:`_check_cache_path`): ``snapshots/``, a snapshot, a
+folder in it, ``refs/`` and a ref must resolve inside the cached repository's folder
+``models--<owner>--<name>``, which may itself be a link (a repository folder, or the whole cache, moved
+to another disk and linked back as one); a link leaving it is an :class:`~anyquant.errors.UnsafePathError`
+unless links are allowed, and then a snapshot or folder must end at a directory, a ref at a regular file.
 """
 
 from __future__ import annotations
@@ -132,7 +138,7 @@ class Probe:
     @classmethod
     def _open(cls, path: str | os.PathLike[str], allow_symlinks: bool = False) -> Probe:
         notes: list[str] = []
-        p, asked = resolve_checkpoint(path), Path(path).expanduser()
+        p, asked = resolve_checkpoint(path, allow_symlinks=allow_symlinks), Path(path).expanduser()
         if not p.exists():
             model_id, hint = _model_id(path), ""
             if model_id is not None and p != asked:  # the model is cached, the file is not
@@ -395,7 +401,9 @@ def _model_id(path: str | os.PathLike[str]) -> ModelId | None:
         return None
 
 
-def resolve_checkpoint(path: str | os.PathLike[str], revision: str | None = None) -> Path:
+def resolve_checkpoint(
+    path: str | os.PathLike[str], revision: str | None = None, *, allow_symlinks: bool | None = None
+) -> Path:
     """``path`` itself when it exists (a cached repository's own directory, ``.../models--owner--name``,
     stands for its snapshot); else, when it reads as a model id ``owner/name`` (:func:`parse_model_id`),
     that model's snapshot in the local Hugging Face cache (:func:`hub_cache_dir`), and for
@@ -406,13 +414,18 @@ def resolve_checkpoint(path: str | os.PathLike[str], revision: str | None = None
     ``refs/main`` names, or the only one there is. Reads only the local cache: nothing is downloaded. A
     revision the cache does not hold is a :class:`~anyquant.errors.RevisionNotFoundError` listing those
     it holds; a ref that is not a commit hash, or names no snapshot, or several snapshots and no
-    ``refs/main`` and no revision asked, are a :class:`ProbeError`."""
+    ``refs/main`` and no revision asked, are a :class:`ProbeError`. Every part of the cache's structure it
+    goes through resolves inside the cached repository's folder, or is an
+    :class:`~anyquant.errors.UnsafePathError` (:func:`_check_cache_path`; ``allow_symlinks``: as
+    :meth:`Probe.open`'s)."""
+    allow = allow_symlinks_opt(allow_symlinks)
     p = Path(path).expanduser()
     if p.exists():
         if p.name.startswith("models--") and (p / "snapshots").is_dir() and not (p / "config.json").exists():
-            return _cached_snapshot(p, ModelId(_repo_id_of(p), "", revision))
+            return _cached_snapshot(p, ModelId(_repo_id_of(p), "", revision), allow)
         if revision is not None:
             with_revision(path, revision)  # raises: a revision for a local path
+        _check_snapshot_path(Path(os.path.abspath(p)), allow)  # a path into a cache's snapshot, named as a path
         return p
     mid = parse_model_id(path, revision)
     if mid is None:
@@ -420,27 +433,103 @@ def resolve_checkpoint(path: str | os.PathLike[str], revision: str | None = None
     repo = hub_cache_dir() / ("models--" + mid.repo_id.replace("/", "--"))
     if not (repo / "snapshots").is_dir():
         return p
-    return _cached_snapshot(repo, mid) / mid.inside
+    snapshot = _cached_snapshot(repo, mid, allow)
+    if mid.inside:
+        _check_inner(repo, snapshot, snapshot / mid.inside, allow)
+    return snapshot / mid.inside
 
 
-def _cached_snapshot(repo: Path, mid: ModelId) -> Path:
+def _cached_snapshot(repo: Path, mid: ModelId, allow_symlinks: bool = False) -> Path:
     """The snapshot of cached repository ``repo`` for ``mid.revision``; without one, the snapshot
-    ``refs/main`` names, or its only one."""
+    ``refs/main`` names, or its only one; checked by :func:`_check_cache_path`."""
+    snapshots = repo / "snapshots"
+    _check_cache_path(repo, snapshots, allow_symlinks)
+    if (repo / "refs").exists() or (repo / "refs").is_symlink():
+        _check_cache_path(repo, repo / "refs", allow_symlinks)
+    snapshot = _find_snapshot(repo, mid, allow_symlinks)
+    _check_cache_path(repo, snapshot, allow_symlinks)
+    return snapshot
+
+
+def _find_snapshot(repo: Path, mid: ModelId, allow_symlinks: bool) -> Path:
     snapshots = repo / "snapshots"
     if mid.revision is not None:
-        return _revision_snapshot(repo, mid)
+        return _revision_snapshot(repo, mid, allow_symlinks)
     ref = repo / "refs" / "main"
+    if ref.is_symlink() or ref.exists():
+        _check_cache_path(repo, ref, allow_symlinks)
     if ref.is_file():
         return _ref_snapshot(repo, ref, mid)
     found = sorted(d.name for d in snapshots.iterdir() if d.is_dir())
     if len(found) == 1 and _named_refs(repo):  # only other branches were downloaded (hf download --revision X)
-        return _revision_snapshot(repo, ModelId(mid.repo_id, mid.inside, "main"))
+        return _revision_snapshot(repo, ModelId(mid.repo_id, mid.inside, "main"), allow_symlinks)
     if len(found) != 1:
         raise RevisionNotFoundError(
             f"{mid.repo_id}: the Hugging Face cache ({repo}) has no refs/main and {len(found)} snapshots: "
             f"{_present(repo)}. Pick one: revision=... in Python, {mid.repo_id}@<revision> on the command line"
         )
     return snapshots / found[0]
+
+
+def _check_cache_path(repo: Path, path: Path, allow_symlinks: bool = False) -> None:
+    """``path``, a part of cached repository ``repo``'s own structure (``snapshots/``, a snapshot or a
+    folder in it, ``refs/``, a ref, huggingface_hub's ``trees/<commit>.json``), resolves inside ``repo``'s folder: the rule :func:`_check_inside`
+    applies to a checkpoint's files. ``repo`` itself may be a link (a ``models--…`` folder, or the whole
+    cache, moved and linked back as one), and links that stay in it (a ref naming another, huggingface_hub's
+    snapshot files linked into ``blobs/``) are the cache's own. With ``allow_symlinks`` a link may leave it
+    when it ends at a directory (``snapshots/``, a snapshot, a folder) or at a regular file (a ref, a listing); never at
+    a device, fifo or socket. A ref is read only once it has passed."""
+    real_repo, real = repo.resolve(), path.resolve()
+    if real_repo in real.parents:
+        return
+    try:
+        where = path.relative_to(repo).as_posix()
+    except ValueError:
+        where = str(path)
+    where = f"{repo.name}/{where}"
+    is_ref = (repo / "refs") in path.parents or (repo / "trees") in path.parents  # a file; else a folder
+    if allow_symlinks:
+        try:
+            mode = os.stat(real).st_mode
+        except OSError as exc:
+            raise UnsafePathError(f"{where}: is a link to {real}, which cannot be read ({exc.strerror})") from None
+        if stat.S_ISREG(mode) if is_ref else stat.S_ISDIR(mode):
+            return
+        raise UnsafePathError(
+            f"{where}: is a link to {real}, which is not a {'regular file' if is_ref else 'directory'}; "
+            "allow_symlinks follows a ref only to a regular file, a snapshot only to a directory"
+        )
+    raise UnsafePathError(
+        f"{where}: is a link to {real}, outside the Hugging Face cache's {repo} (links in a cached repository stay "
+        "in its folder; the folder itself may be a link). To follow it, pass allow_symlinks=True (CLI: "
+        "--allow-symlinks; or ANYQUANT_ALLOW_SYMLINKS=1)"
+    )
+
+
+def _check_inner(repo: Path, snapshot: Path, target: Path, allow_symlinks: bool) -> None:
+    """Every folder from ``snapshot`` down to ``target`` (a path in it: the folder asked for, or the folder
+    of the file asked for) under :func:`_check_cache_path`; a file's own link is the probe's to check."""
+    inner = target.relative_to(snapshot).parts
+    folder = snapshot
+    for i, part in enumerate(inner):
+        folder = folder / part
+        if i == len(inner) - 1 and not folder.is_dir():
+            return
+        _check_cache_path(repo, folder, allow_symlinks)
+
+
+def _check_snapshot_path(p: Path, allow_symlinks: bool) -> None:
+    """A path given as such that lies in a cache's snapshot (``.../models--o--n/snapshots/<commit>/...``,
+    ``p`` made absolute without following links): its snapshot and folders under :func:`_check_cache_path`.
+    A path leading into a snapshot through a link of the caller's own is not one: the caller named it."""
+    snap = _hub_snapshot(p)
+    if snap is None:
+        return
+    repo = snap.parent.parent
+    _check_cache_path(repo, snap.parent, allow_symlinks)
+    _check_cache_path(repo, snap, allow_symlinks)
+    if p != snap:
+        _check_inner(repo, snap, p, allow_symlinks)
 
 
 def _ref_snapshot(repo: Path, ref: Path, mid: ModelId) -> Path:
@@ -457,14 +546,16 @@ def _ref_snapshot(repo: Path, ref: Path, mid: ModelId) -> Path:
     return snapshots / commit
 
 
-def _revision_snapshot(repo: Path, mid: ModelId) -> Path:
+def _revision_snapshot(repo: Path, mid: ModelId, allow_symlinks: bool = False) -> Path:
     """The snapshot of a branch or tag (a file under ``refs/``, whose name may hold ``/``) or of a
     commit hash (or a unique prefix of at least 7 hexadecimal digits)."""
     rev = mid.revision or "main"
     refs, snapshots = repo / "refs", repo / "snapshots"
     for name in _ref_names(rev):
         ref = refs / name
-        if ref.is_file() and refs.resolve() in ref.resolve().parents:
+        if ref.is_symlink() or ref.exists():
+            _check_cache_path(repo, ref, allow_symlinks)
+        if ref.is_file():
             return _ref_snapshot(repo, ref, mid)
     if _COMMIT_PREFIX.fullmatch(rev):
         found = sorted(d.name for d in snapshots.iterdir() if d.is_dir() and d.name.startswith(rev))
