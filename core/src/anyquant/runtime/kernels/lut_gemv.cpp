@@ -52,29 +52,54 @@ inline float round1(float w, int64_t round) {
   return w;
 }
 
+// The decode paths form each group's 16 weights once, round(lut * s) (the same rounding of the same product as
+// forming each weight: bit for bit the format's weights), and then only look the codes up in them, walking the groups
+// in order (no division per block); the two halves of a block go to two accumulators.
+template <int M>
+__attribute__((target("avx512f"))) inline void lut_block512(const uint8_t* c, const float* x, int64_t ldx,
+                                                           __m512 w_lo, __m512 w_hi, __m512* acc_lo, __m512* acc_hi) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), w_lo);
+  const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), w_hi);
+  for (int r = 0; r < M; ++r) {
+    acc_lo[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * ldx), acc_lo[r]);
+    acc_hi[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * ldx + 16), acc_hi[r]);
+  }
+}
+
+// M activation rows, a compile-time count: the accumulators stay in registers.
+template <int M>
+__attribute__((target("avx512f"))) void rows_avx512(const uint8_t* c, const float* s, const float* x, int64_t ldx,
+                                                    int64_t k, int64_t group, const float* lut, int64_t round,
+                                                    float* y) {
+  const __m512 table = _mm512_loadu_ps(lut);
+  __m512 acc_lo[M], acc_hi[M];
+  for (int r = 0; r < M; ++r) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
+  if (group == 16) {  // NVFP4: a scale per half block
+    for (int64_t b = 0; b < k / 32; ++b) {
+      const __m512 w_lo = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[2 * b])), round);
+      const __m512 w_hi = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[2 * b + 1])), round);
+      lut_block512<M>(c + b * 16, x + b * 32, ldx, w_lo, w_hi, acc_lo, acc_hi);
+    }
+  } else {
+    const int64_t per = group / 32;  // blocks a group
+    for (int64_t g = 0; g < k / group; ++g) {
+      const __m512 w = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[g])), round);
+      for (int64_t b = g * per; b < (g + 1) * per; ++b) lut_block512<M>(c + b * 16, x + b * 32, ldx, w, w, acc_lo, acc_hi);
+    }
+  }
+  for (int r = 0; r < M; ++r) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
+}
+
 __attribute__((target("avx512f"))) void row_avx512(const uint8_t* c, const float* s, const float* x, int64_t ldx,
                                                    int64_t m, int64_t k, int64_t group, const float* lut,
                                                    int64_t round, float* y) {
-  const __m512 table = _mm512_loadu_ps(lut);
-  const __m512i fifteen = _mm512_set1_epi32(15);
-  __m512 acc[MAX_ROWS];
-  for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t blocks = k / 32;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16)));
-    const __m512 lo = round512(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v, fifteen), table),
-                                             _mm512_set1_ps(s[(b * 32) / group])),
-                               round);
-    const __m512 hi = round512(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table),
-                                             _mm512_set1_ps(s[(b * 32 + 16) / group])),
-                               round);
-    for (int64_t r = 0; r < m; ++r) {
-      const float* xr = x + r * ldx + b * 32;
-      acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
-      acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[r]);
-    }
+  switch (m) {
+    case 1: return rows_avx512<1>(c, s, x, ldx, k, group, lut, round, y);
+    case 2: return rows_avx512<2>(c, s, x, ldx, k, group, lut, round, y);
+    case 3: return rows_avx512<3>(c, s, x, ldx, k, group, lut, round, y);
+    default: return rows_avx512<MAX_ROWS>(c, s, x, ldx, k, group, lut, round, y);
   }
-  for (int64_t r = 0; r < m; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
 __attribute__((target("avx2,fma,f16c"))) inline __m256 lookup8(__m256i idx, __m256 lut_lo, __m256 lut_hi) {
@@ -84,34 +109,66 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 lookup8(__m256i idx, __m2
   return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(high));
 }
 
+template <int M>
+__attribute__((target("avx2,fma,f16c"))) inline void lut_block256(const uint8_t* c, const float* x, int64_t ldx,
+                                                                  const __m256* w_lo, const __m256* w_hi,
+                                                                  __m256* acc_lo, __m256* acc_hi) {
+  for (int half = 0; half < 2; ++half) {  // bytes 0..7 then 8..15 of the block
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + half * 8)));
+    const __m256 lo = lookup8(_mm256_and_si256(v, _mm256_set1_epi32(15)), w_lo[0], w_lo[1]);
+    const __m256 hi = lookup8(_mm256_srli_epi32(v, 4), w_hi[0], w_hi[1]);
+    for (int r = 0; r < M; ++r) {
+      const float* xr = x + r * ldx + half * 8;
+      acc_lo[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xr), acc_lo[r]);
+      acc_hi[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xr + 16), acc_hi[r]);
+    }
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline void lut_weights256(const __m256* table, float scale, int64_t round,
+                                                                    __m256* w) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  w[0] = round256(_mm256_mul_ps(table[0], sv), round);
+  w[1] = round256(_mm256_mul_ps(table[1], sv), round);
+}
+
+template <int M>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* c, const float* s, const float* x, int64_t ldx,
+                                                       int64_t k, int64_t group, const float* lut, int64_t round,
+                                                       float* y) {
+  const __m256 table[2] = {_mm256_loadu_ps(lut), _mm256_loadu_ps(lut + 8)};
+  __m256 acc_lo[M], acc_hi[M];
+  for (int r = 0; r < M; ++r) acc_lo[r] = acc_hi[r] = _mm256_setzero_ps();
+  __m256 w_lo[2], w_hi[2];
+  if (group == 16) {
+    for (int64_t b = 0; b < k / 32; ++b) {
+      lut_weights256(table, s[2 * b], round, w_lo);
+      lut_weights256(table, s[2 * b + 1], round, w_hi);
+      lut_block256<M>(c + b * 16, x + b * 32, ldx, w_lo, w_hi, acc_lo, acc_hi);
+    }
+  } else {
+    const int64_t per = group / 32;
+    for (int64_t g = 0; g < k / group; ++g) {
+      lut_weights256(table, s[g], round, w_lo);
+      for (int64_t b = g * per; b < (g + 1) * per; ++b) lut_block256<M>(c + b * 16, x + b * 32, ldx, w_lo, w_lo, acc_lo, acc_hi);
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    const __m256 a = _mm256_add_ps(acc_lo[r], acc_hi[r]);
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    y[r] = _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+  }
+}
+
 __attribute__((target("avx2,fma,f16c"))) void row_avx2(const uint8_t* c, const float* s, const float* x, int64_t ldx,
                                                       int64_t m, int64_t k, int64_t group, const float* lut,
                                                       int64_t round, float* y) {
-  const __m256 lut_lo = _mm256_loadu_ps(lut), lut_hi = _mm256_loadu_ps(lut + 8);
-  const __m256i fifteen = _mm256_set1_epi32(15);
-  __m256 acc[MAX_ROWS];
-  for (int64_t r = 0; r < m; ++r) acc[r] = _mm256_setzero_ps();
-  const int64_t blocks = k / 32;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float s_lo = s[(b * 32) / group], s_hi = s[(b * 32 + 16) / group];
-    for (int half = 0; half < 2; ++half) {  // bytes 0..7 then 8..15 of the block
-      const __m256i v =
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + b * 16 + half * 8)));
-      const __m256 lo =
-          round256(_mm256_mul_ps(lookup8(_mm256_and_si256(v, fifteen), lut_lo, lut_hi), _mm256_set1_ps(s_lo)), round);
-      const __m256 hi =
-          round256(_mm256_mul_ps(lookup8(_mm256_srli_epi32(v, 4), lut_lo, lut_hi), _mm256_set1_ps(s_hi)), round);
-      for (int64_t r = 0; r < m; ++r) {
-        const float* xr = x + r * ldx + b * 32 + half * 8;
-        acc[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xr), acc[r]);
-        acc[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xr + 16), acc[r]);
-      }
-    }
-  }
-  for (int64_t r = 0; r < m; ++r) {
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    y[r] = _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+  switch (m) {
+    case 1: return rows_avx2<1>(c, s, x, ldx, k, group, lut, round, y);
+    case 2: return rows_avx2<2>(c, s, x, ldx, k, group, lut, round, y);
+    case 3: return rows_avx2<3>(c, s, x, ldx, k, group, lut, round, y);
+    default: return rows_avx2<MAX_ROWS>(c, s, x, ldx, k, group, lut, round, y);
   }
 }
 
@@ -149,17 +206,40 @@ __attribute__((target("avx512f"))) inline __m512 e4m3_16(__m128i raw) {
   return _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(normal), sub);
 }
 
+template <int M>
+__attribute__((target("avx512f"))) void fp8_rows_avx512(const uint8_t* c, const float* s, const float* x, int64_t ldx,
+                                                        int64_t k, int64_t group, int64_t round, float* y) {
+  __m512 acc_a[M], acc_b[M];  // even and odd chunks of 16: two dependency chains, in registers
+  for (int r = 0; r < M; ++r) acc_a[r] = acc_b[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < k / group; ++g) {  // groups in order: no division per chunk (group: a multiple of 16)
+    const __m512 sv = _mm512_set1_ps(s[g]);
+    int64_t j = g * group;
+    const int64_t end = j + group;
+    for (; j + 32 <= end; j += 32) {
+      const __m512 w0 = round512(_mm512_mul_ps(e4m3_16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j))), sv), round);
+      const __m512 w1 =
+          round512(_mm512_mul_ps(e4m3_16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j + 16))), sv), round);
+      for (int r = 0; r < M; ++r) {
+        acc_a[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * ldx + j), acc_a[r]);
+        acc_b[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + j + 16), acc_b[r]);
+      }
+    }
+    if (j < end) {  // a group of 16, 48, ...: its last chunk
+      const __m512 w = round512(_mm512_mul_ps(e4m3_16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j))), sv), round);
+      for (int r = 0; r < M; ++r) acc_a[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * ldx + j), acc_a[r]);
+    }
+  }
+  for (int r = 0; r < M; ++r) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_a[r], acc_b[r]));
+}
+
 __attribute__((target("avx512f"))) void fp8_row_avx512(const uint8_t* c, const float* s, const float* x, int64_t ldx,
                                                        int64_t m, int64_t k, int64_t group, int64_t round, float* y) {
-  __m512 acc[MAX_ROWS];
-  for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < k; j += 16) {
-    const __m512 w = round512(
-        _mm512_mul_ps(e4m3_16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j))), _mm512_set1_ps(s[j / group])),
-        round);
-    for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * ldx + j), acc[r]);
+  switch (m) {
+    case 1: return fp8_rows_avx512<1>(c, s, x, ldx, k, group, round, y);
+    case 2: return fp8_rows_avx512<2>(c, s, x, ldx, k, group, round, y);
+    case 3: return fp8_rows_avx512<3>(c, s, x, ldx, k, group, round, y);
+    default: return fp8_rows_avx512<MAX_ROWS>(c, s, x, ldx, k, group, round, y);
   }
-  for (int64_t r = 0; r < m; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
 inline float e4m3_scalar(uint8_t b) {
