@@ -234,6 +234,14 @@ def _lut_cases() -> list[Case]:
         a = {"x": x, "weight": weight, "scales": scales, "group": 32, "round": 0, "isa": -1, **kw}
         return lambda: fp8(a["x"], a["weight"], a["scales"], a["group"], a["round"], a["isa"])
 
+    def l4d(**kw: Any) -> Callable[[], Any]:
+        a = {"codes": codes, "scales": scales, "lut": table, "group": 32, "round": 0, **kw}
+        return lambda: torch.ops.anyquant.lut4_dequant(a["codes"], a["scales"], a["lut"], a["group"], a["round"])
+
+    def f8d(**kw: Any) -> Callable[[], Any]:
+        a = {"weight": weight, "scales": scales, "group": 32, "round": 0, **kw}
+        return lambda: torch.ops.anyquant.fp8_dequant(a["weight"], a["scales"], a["group"], a["round"])
+
     return [
         ("lut4_gemv", "1-D x", l4(x=_x(64)[0]), True),
         ("lut4_gemv", "float64 x", l4(x=x.double()), True),
@@ -270,6 +278,27 @@ def _lut_cases() -> list[Case]:
         ("fp8_gemv", "round 7", f8(round=7), True),
         ("fp8_gemv", "isa 2**40", f8(isa=2**40), True),
         ("fp8_gemv", "isa -2", f8(isa=-2), True),
+        ("lut4_dequant", "int8 codes", l4d(codes=codes.view(torch.int8)), True),
+        ("lut4_dequant", "1-D codes", l4d(codes=_u8(64)), True),
+        ("lut4_dequant", "strided codes", l4d(codes=_u8(4 * 64).reshape(4, 64)[:, ::2]), True),
+        ("lut4_dequant", "codes on meta", l4d(codes=codes.to("meta")), True),
+        ("lut4_dequant", "K 0", l4d(codes=_u8(0).reshape(4, 0), scales=torch.ones(4, 0)), True),
+        ("lut4_dequant", "K 48", l4d(codes=_u8(4 * 24).reshape(4, 24)), True),
+        ("lut4_dequant", "scales rows not the codes'", l4d(scales=torch.ones(5, 2)), True),
+        ("lut4_dequant", "scales of 2**40 groups", l4d(scales=torch.ones(4, 1).expand(4, 2**40)), True),
+        ("lut4_dequant", "15-entry table", l4d(lut=torch.zeros(15)), True),
+        ("lut4_dequant", "group 2**62", l4d(group=2**62), True),
+        ("lut4_dequant", "group 24", l4d(group=24), True),
+        ("lut4_dequant", "round 3", l4d(round=3), True),
+        ("fp8_dequant", "int8 weight", f8d(weight=weight.view(torch.int8)), True),
+        ("fp8_dequant", "1-D weight", f8d(weight=_u8(64)), True),
+        ("fp8_dequant", "weight on meta", f8d(weight=weight.to("meta")), True),
+        ("fp8_dequant", "K 24", f8d(weight=_u8(4 * 24).reshape(4, 24)), True),
+        ("fp8_dequant", "scales rows not the weight's", f8d(scales=torch.ones(3, 2)), True),
+        ("fp8_dequant", "float16 scales", f8d(scales=scales.half()), True),
+        ("fp8_dequant", "group 0", f8d(group=0), True),
+        ("fp8_dequant", "group -32", f8d(group=-32), True),
+        ("fp8_dequant", "round -1", f8d(round=-1), True),
     ]
 
 

@@ -558,3 +558,31 @@ def test_fp8_gemv_is_the_e4m3_weights_product(isa: int, rnd: int) -> None:
     got = torch.ops.anyquant.fp8_gemv(x, codes, scales, 64, rnd, isa)
     want = x.double() @ (w.to(torch.bfloat16) if rnd else w).double().T
     assert torch.allclose(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.skipif(not kernels.lut_available(), reason="lut4_gemv not built")
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
+def test_exact_weight_ops_are_the_torch_decode(group: int) -> None:
+    """``lut4_dequant`` / ``fp8_dequant`` (what a prompt's GEMM multiplies) give the layers' torch decode bit for bit:
+    every table and E4M3 code (subnormals, both zeros, 448), every rounding."""
+    from anyquant.runtime.kernels import lut
+
+    g = torch.Generator().manual_seed(group)
+    n, k = 37, 512
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scales = torch.rand(n, k // group, generator=g) * torch.logspace(-3, 2, k // group)
+    table = torch.randn(16, generator=g)
+    fp = torch.arange(256, dtype=torch.int64).repeat(n * k // 256 + 1)[: n * k].reshape(n, k).to(torch.uint8)
+    fp[(fp & 0x7F) == 0x7F] = 0
+    for dtype, rnd in ((torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2)):
+        layer = lut.Lut4Linear(codes, scales, table, group=group, round_to=dtype)
+        q = torch.stack((layer.codes.reshape(n, k // 32, 16) & 0x0F, layer.codes.reshape(n, k // 32, 16) >> 4), dim=2)
+        want = (table[q.reshape(n, k).long()] * scales.repeat_interleave(group, dim=1)).to(dtype)
+        got = torch.ops.anyquant.lut4_dequant(layer.codes, layer.scales, layer.lut, group, rnd)
+        assert got.dtype == torch.float32 and torch.equal(got.to(dtype), want), (dtype, "lut4")
+        assert torch.equal(layer.dequantize(), want)
+        e4m3 = lut.E4M3Linear(fp.view(torch.float8_e4m3fn), scales, group=group, round_to=dtype)
+        want = (fp.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(group, dim=1)).to(dtype)
+        got = torch.ops.anyquant.fp8_dequant(fp, scales, group, rnd)
+        assert torch.equal(got.to(dtype), want), (dtype, "fp8")
+        assert torch.equal(e4m3.dequantize(), want)

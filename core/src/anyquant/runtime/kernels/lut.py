@@ -25,6 +25,13 @@ _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 __all__ = ["E4M3Linear", "Lut4Linear", "expand_block_scales", "fp8_kernel_runs", "lut4_codes"]
 
 
+def _dequant_op() -> bool:
+    """Whether the compiled exact-weight ops are loaded (the library's ``lut4_dequant`` / ``fp8_dequant``)."""
+    from . import lut_available
+
+    return lut_available() and hasattr(torch.ops.anyquant, "fp8_dequant")
+
+
 def lut4_codes(codes: torch.Tensor) -> torch.Tensor:
     """uint8 ``[N, K/2]`` of codes ``[N, K]`` (0..15) in the op's layout: per block of 32, byte ``j`` holds code ``j``
     (low nibble) and code ``j + 16`` (high nibble)."""
@@ -116,7 +123,12 @@ class Lut4Linear(_KernelRows):
         return torch.as_strided(lut, (16 + scales.numel(),), (1,), lut.storage_offset())
 
     def dequantize(self) -> torch.Tensor:
-        """The exact weight ``[out, in]`` in ``round_to``."""
+        """The exact weight ``[out, in]`` in ``round_to`` (``anyquant::lut4_dequant`` where built: the same values)."""
+        if _dequant_op():
+            w: torch.Tensor = torch.ops.anyquant.lut4_dequant(
+                self.codes, self.scales, self.lut, self.group, _ROUND[self.round_to]
+            )
+            return w.to(self.round_to)
         n, k = self.out_features, self.in_features
         packed = self.codes.reshape(n, k // 32, 16)
         q = torch.stack((packed & 0x0F, packed >> 4), dim=2).reshape(n, k).to(torch.long)
@@ -187,6 +199,12 @@ class E4M3Linear(_KernelRows):
         self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
 
     def dequantize(self) -> torch.Tensor:
+        """The exact weight ``[out, in]`` in ``round_to`` (``anyquant::fp8_dequant`` where built: the same values)."""
+        if _dequant_op():
+            out: torch.Tensor = torch.ops.anyquant.fp8_dequant(
+                self.weight_bits, self.scales, self.group, _ROUND[self.round_to]
+            )
+            return out.to(self.round_to)
         w = self.weight_bits.view(torch.float8_e4m3fn).to(torch.float32)
         return (w * self.scales.repeat_interleave(self.group, dim=1)).to(self.round_to)
 

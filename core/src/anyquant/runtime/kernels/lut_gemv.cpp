@@ -362,6 +362,112 @@ at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------------- exact weights
+// anyquant::lut4_dequant / fp8_dequant: the format's exact weight [N, K] in float32, each value round(lut[q] * s) /
+// round(e4m3(q) * s) as the decode ops form it (bit for bit): what a prompt's GEMM multiplies, formed at memory speed
+// from a table of each group's values instead of torch's unpack, gather and repeat (a dozen passes over the weight).
+
+__attribute__((target("avx512f"))) void lut4_dequant_row512(const uint8_t* c, const float* s, int64_t k, int64_t group,
+                                                            const float* lut, int64_t round, float* out) {
+  const __m512 table = _mm512_loadu_ps(lut);
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const __m512 w_lo = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[(b * 32) / group])), round);
+    const __m512 w_hi = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[(b * 32 + 16) / group])), round);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16)));
+    _mm512_storeu_ps(out + b * 32, _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), w_lo));
+    _mm512_storeu_ps(out + b * 32 + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), w_hi));
+  }
+}
+
+at::Tensor lut4_dequant(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut, int64_t group,
+                        int64_t round) {
+  TORCH_CHECK(round >= 0 && round <= 2, "anyquant::lut4_dequant: round is 0 (float32), 1 (bfloat16) or 2 (float16), "
+              "not ", round);
+  TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu() && lut.device().is_cpu(),
+              "anyquant::lut4_dequant runs on the CPU");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "anyquant::lut4_dequant: codes: contiguous uint8 [N, K/2]");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "anyquant::lut4_dequant: scales: contiguous float32 [N, K/group]");
+  TORCH_CHECK(lut.numel() == 16 && lut.scalar_type() == at::kFloat && lut.is_contiguous(),
+              "anyquant::lut4_dequant: lut: 16 float32 values");
+  const int64_t n = codes.size(0), k = codes.size(1) * 2;
+  TORCH_CHECK(k > 0 && k % 32 == 0, "anyquant::lut4_dequant: K must be a positive multiple of 32, not ", k);
+  TORCH_CHECK(group >= 16 && group % 16 == 0 && k % group == 0, "anyquant::lut4_dequant: group ", group,
+              " must be a multiple of 16 dividing ", k);
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == k / group, "anyquant::lut4_dequant: scales must be [", n, ", ",
+              k / group, "]");
+  auto w = at::empty({n, k}, codes.options().dtype(at::kFloat));
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* lp = lut.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  const int64_t sk = k / group;
+  const bool vector = lut_isa_here() == 2;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float table[16];
+    for (int64_t row = begin; row < end; ++row) {
+      const uint8_t* c = cp + row * (k / 2);
+      float* out = wp + row * k;
+      if (vector) {
+        lut4_dequant_row512(c, sp + row * sk, k, group, lp, round, out);
+        continue;
+      }
+      for (int64_t g = 0; g < sk; ++g) {  // a group is one or more halves of 16 values of blocks of 32
+        for (int i = 0; i < 16; ++i) table[i] = round1(lp[i] * sp[row * sk + g], round);
+        for (int64_t j = g * group; j < (g + 1) * group; ++j) {  // value j of the row: block j / 32, its half
+          const int64_t b = j / 32, i = j % 32;
+          const uint8_t byte = c[b * 16 + (i & 15)];
+          out[j] = table[i < 16 ? (byte & 15) : (byte >> 4)];
+        }
+      }
+    }
+  });
+  return w;
+}
+
+at::Tensor fp8_dequant(const at::Tensor& weight, const at::Tensor& scales, int64_t group, int64_t round) {
+  TORCH_CHECK(round >= 0 && round <= 2, "anyquant::fp8_dequant: round is 0 (float32), 1 (bfloat16) or 2 (float16), "
+              "not ", round);
+  TORCH_CHECK(weight.device().is_cpu() && scales.device().is_cpu(), "anyquant::fp8_dequant runs on the CPU");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kByte || weight.scalar_type() == at::kFloat8_e4m3fn) &&
+                  weight.is_contiguous(),
+              "anyquant::fp8_dequant: weight: contiguous [N, K] float8_e4m3fn or its uint8 bits, not ",
+              weight.scalar_type());
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "anyquant::fp8_dequant: scales: contiguous float32 [N, K/group]");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(k > 0 && k % 16 == 0, "anyquant::fp8_dequant: K must be a positive multiple of 16, not ", k);
+  TORCH_CHECK(group >= 16 && group % 16 == 0 && k % group == 0, "anyquant::fp8_dequant: group ", group,
+              " must be a multiple of 16 dividing ", k);
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == k / group, "anyquant::fp8_dequant: scales must be [", n, ", ",
+              k / group, "]");
+  auto w = at::empty({n, k}, scales.options());
+  const uint8_t* cp = static_cast<const uint8_t*>(weight.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  const int64_t sk = k / group;
+  float codes[256];
+  for (int i = 0; i < 256; ++i) codes[i] = e4m3_scalar(static_cast<uint8_t>(i));
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const uint8_t* c = cp + row * k;
+      float* out = wp + row * k;
+      for (int64_t g = 0; g < sk; ++g) {
+        const float sg = sp[row * sk + g];
+        if (group >= 512) {  // a table of the group's 256 values, then lookups
+          float table[256];
+          for (int i = 0; i < 256; ++i) table[i] = round1(codes[i] * sg, round);
+          for (int64_t j = g * group; j < (g + 1) * group; ++j) out[j] = table[c[j]];
+        } else {
+          for (int64_t j = g * group; j < (g + 1) * group; ++j) out[j] = round1(codes[c[j]] * sg, round);
+        }
+      }
+    }
+  });
+  return w;
+}
+
 int64_t lut_isa() { return lut_isa_here(); }
 
 }  // namespace
@@ -370,9 +476,13 @@ TORCH_LIBRARY_FRAGMENT(anyquant, m) {
   m.def("lut4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor lut, int group, int round=0, int isa=-1) -> Tensor");
   m.def("fp8_gemv(Tensor x, Tensor weight, Tensor scales, int group, int round=0, int isa=-1) -> Tensor");
   m.def("lut_isa() -> int", &lut_isa);
+  m.def("lut4_dequant(Tensor codes, Tensor scales, Tensor lut, int group, int round=0) -> Tensor");
+  m.def("fp8_dequant(Tensor weight, Tensor scales, int group, int round=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(anyquant, CPU, m) {
   m.impl("lut4_gemv", &lut4_gemv);
   m.impl("fp8_gemv", &fp8_gemv);
+  m.impl("lut4_dequant", &lut4_dequant);
+  m.impl("fp8_dequant", &fp8_dequant);
 }
