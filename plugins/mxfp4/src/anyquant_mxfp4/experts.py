@@ -123,6 +123,13 @@ class PackedGptOssExperts(nn.Module):
         self, hidden_states: torch.Tensor, router_indices: torch.Tensor, routing_weights: torch.Tensor
     ) -> torch.Tensor:
         next_states = torch.zeros_like(hidden_states)
+        if hidden_states.shape[0] == 1:  # decode: the token's experts, the same sums without a gather or scatter
+            chosen = router_indices[0].tolist()
+            for pos, e in sorted(enumerate(chosen), key=lambda item: item[1]):
+                if 0 <= e < self.num_experts:
+                    out = self._expert(e, hidden_states) * routing_weights[0, pos]
+                    next_states = next_states + out.to(hidden_states.dtype)
+            return next_states
         for e in torch.unique(router_indices).tolist():  # ascending, as transformers adds them
             if not 0 <= e < self.num_experts:
                 continue
