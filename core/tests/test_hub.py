@@ -158,7 +158,25 @@ def repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[
         "tiny-Q8_0.gguf": (GGUF_FIXTURES / "gemma2.Q4_K_M.gguf").read_bytes(),
         "README.md": b"# tiny GGUF\n",
     }
-    return {"org/tiny": {"main": main, "4bit/awq": awq}, "org/tiny-GGUF": {"main": ggufs}}
+    split = {  # two quantizations split by gguf-split, each in its folder (header-only parts: detection reads them)
+        f"{q}/tiny-{q}-0000{k + 1}-of-00002.gguf": fixtures.write_gguf(
+            base / "split" / q / f"tiny-{q}-0000{k + 1}-of-00002.gguf",
+            {
+                **({"general.architecture": "llama", "llama.block_count": 1} if k == 0 else {}),
+                "split.no": k,
+                "split.count": 2,
+                "split.tensors.count": 2,
+            },
+            {f"blk.0.t{k}.weight": (0, [8, 8])},
+        ).read_bytes()
+        for q in ("Q4_K_M", "Q8_0")
+        for k in range(2)
+    }
+    return {
+        "org/tiny": {"main": main, "4bit/awq": awq},
+        "org/tiny-GGUF": {"main": ggufs},
+        "org/split-GGUF": {"main": {**split, "README.md": b"# split GGUF\n"}},
+    }
 
 
 @pytest.fixture
@@ -252,6 +270,31 @@ def test_a_gguf_repository_downloads_one_quantization(hub: FakeHub, tmp_path: Pa
     assert detect("org/tiny-GGUF/tiny-Q8_0.gguf").format == "gguf"
     with pytest.raises(DownloadError, match="matches no weight file"):
         download("org/tiny-GGUF", include="*Q3_K*")
+
+
+def test_a_split_gguf_quantization_downloads_all_its_parts(hub: FakeHub, tmp_path: Path) -> None:
+    """A quantization stored split by gguf-split (``NAME-0000K-of-0000N.gguf``): its folder, any of its parts, or
+    an include pattern fetches every part (and only those); the path returned loads the model."""
+    from anyquant.hub import download, select_files
+    from anyquant.probe import ModelId
+
+    parts = [f"tiny-Q4_K_M-0000{k}-of-00002.gguf" for k in (1, 2)]
+    with pytest.raises(DownloadError, match="4 GGUF files"):
+        download("org/split-GGUF")  # two quantizations: one must be chosen
+    folder = download("org/split-GGUF/Q4_K_M")
+    assert folder.name == "Q4_K_M" and detect(folder).details["parts"] == parts
+    assert _cached_files(tmp_path, "org/split-GGUF") == {f"Q4_K_M/{p}" for p in parts}
+    later = download("org/split-GGUF/Q8_0/tiny-Q8_0-00002-of-00002.gguf")
+    assert later.name == "tiny-Q8_0-00002-of-00002.gguf"
+    assert detect(later).details["parts"] == [f"tiny-Q8_0-0000{k}-of-00002.gguf" for k in (1, 2)]
+    hub.log.clear()
+    first = download("org/split-GGUF", include="*Q4_K_M*")
+    assert first.name == parts[0] and hub.resolve_gets() == []  # already cached: the first part's path
+    # the selection alone: a flat repository holding one split model, a part named by --include
+    flat = ["a-00001-of-00003.gguf", "a-00002-of-00003.gguf", "a-00003-of-00003.gguf", "README.md"]
+    assert select_files(flat, ModelId("o/r", "", None)) == flat[:3]
+    assert select_files(flat, ModelId("o/r", "", None), "*00002*") == flat[:3]
+    assert select_files(flat, ModelId("o/r", "a-00003-of-00003.gguf", None)) == flat[:3]
 
 
 def test_a_dropped_connection_resumes_and_a_failed_download_leaves_nothing_complete(

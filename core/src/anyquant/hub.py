@@ -56,8 +56,10 @@ def download(
     ``@revision`` or ``revision=``) that its format needs into the Hugging Face cache, and return the
     path to load: the snapshot directory, or the one ``.gguf`` file chosen. ``include``: a glob over the
     repository's files choosing the weights (``"*Q4_K_M*"``); a GGUF repository with several ``.gguf``
-    files and none chosen is a :class:`DownloadError` listing them. Files already in the cache are not
-    fetched again; an interrupted file resumes. With ``HF_HUB_OFFLINE=1`` nothing is fetched: the cached
+    files and none chosen is a :class:`DownloadError` listing them; a quantization split by llama.cpp's
+    gguf-split (``NAME-00001-of-00003.gguf`` ...) is one of them: naming its folder, any of its parts, or an
+    ``include`` matching one fetches every part (the first part's path is returned). Files already in the
+    cache are not fetched again; an interrupted file resumes. With ``HF_HUB_OFFLINE=1`` nothing is fetched: the cached
     copy is returned when it is complete (:func:`_cached`), or a :class:`DownloadError` says what is missing.
     When the Hub cannot be reached (a refused connection, a name that does not resolve: no network), the
     same: a complete cached copy is returned with a warning (as ``HF_HUB_OFFLINE=1`` would), else a
@@ -111,10 +113,10 @@ def download(
             f"{mid}: the download failed: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}. Run it again "
             f"(a partial file resumes), or `{download_command(mid, include)}`"
         ) from exc
-    weights = [f for f in chosen if f.endswith(".gguf")]
+    weights = _gguf_models([f for f in chosen if f.endswith(".gguf")])
     if mid.inside:
         return snapshot / mid.inside
-    return snapshot / weights[0] if len(weights) == 1 else snapshot
+    return snapshot / next(iter(weights)) if len(weights) == 1 else snapshot
 
 
 #: a commit hash as huggingface_hub's cache names it (its ``REGEX_COMMIT_HASH``)
@@ -257,10 +259,10 @@ def _cached(mid: ModelId, include: str | None, allow_symlinks: bool | None, why:
         raise DownloadError(
             f"{mid}: {why}, and the Hugging Face cache's copy ({snapshot}) is incomplete: it lacks {shown}{how}"
         )
-    weights = [f for f in chosen if f.endswith(".gguf")]
+    weights = _gguf_models([f for f in chosen if f.endswith(".gguf")])
     if mid.inside:
         return snapshot / mid.inside
-    return snapshot / weights[0] if len(weights) == 1 else snapshot
+    return snapshot / next(iter(weights)) if len(weights) == 1 else snapshot
 
 
 def _cached_listing(snapshot: Path, allow_symlinks: bool) -> list[str]:
@@ -310,7 +312,7 @@ def select_files(
     names = list(files)
     if mid.inside:
         if mid.inside in names:
-            return [mid.inside]
+            return _gguf_parts(names, mid.inside)
         under = [f for f in names if f.startswith(mid.inside + "/")]
         if not under:
             raise DownloadError(f"{mid}: the repository has no {mid.inside!r}; its weight files: {_listing(names)}")
@@ -331,7 +333,7 @@ def select_files(
                 f"{mid}: --include {include!r} matches no weight file; the repository has {_listing(names)}"
             )
         if all(f.endswith(".gguf") for f in weights):
-            return weights
+            return sorted({p for f in weights for p in _gguf_parts(names, f)})
         return sorted(set(meta) | set(weights))
     safetensors = [f for f in top if f.endswith(".safetensors")]
     if index_shards and index_shards <= set(safetensors):
@@ -339,7 +341,7 @@ def select_files(
     if safetensors:
         return sorted(set(meta) | set(safetensors))
     ggufs = [f for f in names if f.endswith(".gguf")]
-    if len(ggufs) == 1:
+    if len(_gguf_models(ggufs)) == 1:  # one file, or the parts of one split model
         return ggufs
     if ggufs:
         raise DownloadError(
@@ -350,6 +352,31 @@ def select_files(
         f"{mid}: the repository has no .safetensors or .gguf weights ({_listing(names)}); anyquant downloads no "
         "pickle (.bin/.pt) weights: fetch them yourself with `hf download` and load with allow_pickle=True"
     )
+
+
+#: the parts of a GGUF model split by llama.cpp's gguf-split: ``<prefix>-00001-of-00003.gguf`` (1-based)
+_GGUF_PART = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5,})-of-(?P<count>\d{5,})\.gguf$")
+
+
+def _gguf_models(ggufs: Sequence[str]) -> dict[str, list[str]]:
+    """GGUF files by model, in listing order: a file alone, or every part of a split model under its first
+    part's name (the file a load is given)."""
+    models: dict[str, list[str]] = {}
+    for f in ggufs:
+        m = _GGUF_PART.match(f)
+        key = f if m is None else f"{m['prefix']}-{1:0{len(m['no'])}d}-of-{m['count']}.gguf"
+        models.setdefault(key, []).append(f)
+    return models
+
+
+def _gguf_parts(names: Sequence[str], file: str) -> list[str]:
+    """``file`` and, when it is a part of a split GGUF model, the other parts of that model in the listing."""
+    if not file.endswith(".gguf"):
+        return [file]
+    for parts in _gguf_models([f for f in names if f.endswith(".gguf")]).values():
+        if file in parts:
+            return sorted(parts)
+    return [file]
 
 
 def _listing(names: Sequence[str]) -> str:

@@ -283,6 +283,20 @@ def _gguf_config(header: Any) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if v is not None}
 
 
+def gguf_parts(probe: Any) -> list[Any]:
+    """The GGUF headers of the model ``probe`` holds: its one file's, or, for a model split by gguf-split, every part's
+    (the parts the GGUF plugin's detection names, each read with the same bounded parser)."""
+    from ..api import default_registry
+    from ..headers import read_gguf_header
+
+    first = probe.gguf[0]
+    count = first.metadata.get("split.count")
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 1:
+        return [first]
+    parts = default_registry().detect(probe).details.get("parts") or []
+    return [first if name == first.file else read_gguf_header(probe.root / name, name) for name in parts] or [first]
+
+
 def _gguf_tensor_bytes(header: Any) -> int:
     from ..headers import GGUF_TYPE_SIZES
 
@@ -470,7 +484,10 @@ def _checkpoint_weights(path: Path, bits: float | None, head_bits: float) -> Wei
 
     probe = Probe.open(path)
     if probe.gguf and not probe.safetensors:
-        g = probe.gguf[0]
+        parts = gguf_parts(probe)
+        g = replace(
+            parts[0], tensors=tuple(t for h in parts for t in h.tensors)
+        )  # a split model's tensors: every part's
         shape = model_shape(_gguf_config(g), name=display_name(path))
         size = _gguf_tensor_bytes(g)
         embd = next((t for t in g.tensors if t.name == "token_embd.weight"), None)

@@ -139,6 +139,9 @@ def build_report(probe: Probe, detection: Detection, loader: Any | None) -> Repo
     quant = [m for m in rows if m.format != "dense"]
     params = sum(_numel(m.shape) for m in rows)
     files = [h.size for h in probe.safetensors] + [g.size for g in probe.gguf]
+    parts = detection.details.get("parts") if probe.gguf else None
+    if isinstance(parts, list) and len(parts) > 1:  # a GGUF model split by gguf-split: every part's bytes
+        files = [(probe.root / str(name)).stat().st_size for name in parts]
     totals = {
         "modules": len(rows),
         "quantized_modules": len(quant),

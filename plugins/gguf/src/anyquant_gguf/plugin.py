@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from anyquant.plugin import Claim, FormatSpec, Probe, display_name, hookimpl
+from anyquant.plugin import (
+    AnyquantError,
+    CheckpointError,
+    Claim,
+    FormatSpec,
+    GGUFHeader,
+    Probe,
+    display_name,
+    hookimpl,
+)
+
+from .split import SplitModel, model_entries, resolve_split
 
 FORMAT = "gguf"
 
@@ -66,24 +79,26 @@ def anyquant_detect(probe: Probe) -> Claim | None:
     if not probe.gguf or probe.safetensors:
         return None
     files = [g.file for g in probe.gguf]
-    g = probe.gguf[0]
+    problems: list[str] = []
+    model: SplitModel | None = None
+    try:
+        model = gguf_model(probe)
+    except AnyquantError as exc:
+        problems.append(str(exc))
+    headers = model.headers if model is not None else probe.gguf[:1]
+    g = headers[0]
     types: dict[str, int] = {}
-    for t in g.tensors:
-        types[t.type_name] = types.get(t.type_name, 0) + 1
+    for h in headers:
+        for t in h.tensors:
+            types[t.type_name] = types.get(t.type_name, 0) + 1
     ftype = g.metadata.get("general.file_type")
     ftype_name = FILE_TYPES.get(ftype, str(ftype)) if isinstance(ftype, int) else None
     evidence = [
         f"GGUF v{g.version} magic in {g.file}",
         f"general.architecture={g.architecture!r}, file_type={ftype_name}",
-        f"{len(g.tensors)} tensors: {types}",
+        f"{sum(len(h.tensors) for h in headers)} tensors: {types}",
     ]
-    problems = []
-    part = split_part(probe)
-    if part is not None:
-        problems.append(part)
-    elif len(files) > 1:
-        problems.append(f"{len(files)} .gguf files in one directory: {files}; pass the path of one{which(probe)}")
-    details = {
+    details: dict[str, Any] = {
         "files": files,
         "architecture": g.architecture,
         "file_type": ftype_name,
@@ -91,25 +106,48 @@ def anyquant_detect(probe: Probe) -> Claim | None:
         "name": g.metadata.get("general.name"),
         "problems": problems,
     }
+    if model is not None and model.is_split:
+        evidence.append(model.describe())
+        if model.asked != model.paths[0]:
+            evidence.append(f"{model.asked.name} is a later part: the model loads from its first part, {g.file}")
+        details["parts"] = model.names
     return Claim(FORMAT, evidence=tuple(evidence + problems), variant=ftype_name, details=details)
 
 
-def split_part(probe: Probe) -> str | None:
-    """What to say when a GGUF file is one part of a model split by llama.cpp's ``gguf-split``
-    (metadata ``split.count`` > 1): the parts hold different tensors, and anyquant loads one file."""
-    for g in probe.gguf:
-        count, no = g.metadata.get("split.count"), g.metadata.get("split.no", 0)
-        if isinstance(count, int) and not isinstance(count, bool) and count > 1:
-            number = no + 1 if isinstance(no, int) else "?"
-            return (
-                f"{g.file} is part {number} of a GGUF model split into {count} files (llama.cpp's gguf-split); "
-                f"anyquant loads a GGUF model that is one file: merge the parts with "
-                f"`llama-gguf-split --merge <first part> merged.gguf` and load merged.gguf"
-            )
-    return None
+#: the last probe's model (detect, then the loader's validate, plan and reader, read the same probe): one
+#: reading of the other parts' headers per load
+_LAST: tuple[Probe, SplitModel] | None = None
 
 
-def which(probe: Probe) -> str:
+def gguf_model(probe: Probe) -> SplitModel:
+    """The GGUF model a probe holds: its one file, or every part of a model split by llama.cpp's gguf-split
+    (:func:`~anyquant_gguf.split.resolve_split`: the probe's own file or directory gives the first part, the other
+    parts are found by name beside it, each header read as the probe reads one and checked). A directory holding
+    more than one model (several files, or parts of several split models) is a :class:`CheckpointError` naming
+    them; so are parts that do not fit together (:class:`~anyquant_gguf.split.GGUFSplitError`)."""
+    global _LAST
+    last = _LAST
+    if last is not None and last[0] is probe:
+        return last[1]
+    entries = model_entries(probe.gguf)
+    if len(entries) != 1:
+        names = [h.file for h in entries]
+        raise CheckpointError(
+            f"{probe.root} holds {len(entries)} GGUF models {names}: pass the path of the one to load"
+            f"{which(probe, names[0])}"
+        )
+    entry = entries[0]
+
+    def read_part(path: Path) -> GGUFHeader:
+        return Probe.open(path, allow_symlinks=probe.allow_symlinks).gguf[0]
+
+    model = resolve_split(probe.root / entry.file, entry, read_part, probe.gguf)
+    _LAST = (probe, model)
+    return model
+
+
+def which(probe: Probe, file: str | None = None) -> str:
     """For a Hugging Face cache snapshot holding several GGUF files: how to name one by model id."""
     name = display_name(probe.root)
-    return f" (or by model id: {name}/{probe.gguf[0].file})" if "/" in name and probe.gguf else ""
+    file = file if file is not None else (probe.gguf[0].file if probe.gguf else None)
+    return f" (or by model id: {name}/{file})" if "/" in name and file else ""

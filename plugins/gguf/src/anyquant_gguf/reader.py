@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
@@ -289,9 +290,19 @@ class GGUFFile:
     count and offset checked against the file and the header budget, tensors contiguous in order); a long
     array is walked there but decoded here only when asked for. ``header``: that parse of this file, when the
     caller has it (the load's probe), so it is not read twice.
+
+    A model split by gguf-split: ``parts``, the other parts' ``(path, header)`` in order (the header ``None`` to
+    read it), each mapped by a :class:`GGUFFile` of its own (``parts``, this file first); the metadata (``fields``)
+    is this file's (the first part's), ``tensors`` every part's in order, each viewing its own part's map. Nothing
+    is merged or copied; :func:`open_gguf` finds and checks the parts (:mod:`anyquant_gguf.split`).
     """
 
-    def __init__(self, path: str | os.PathLike[str], header: GGUFHeader | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        header: GGUFHeader | None = None,
+        parts: Sequence[tuple[str | os.PathLike[str], GGUFHeader | None]] = (),
+    ) -> None:
         self.path = os.fspath(path)
         if header is None:
             header = read_gguf_header(Path(self.path), os.path.basename(self.path))
@@ -312,14 +323,46 @@ class GGUFFile:
             for key, value in header.metadata.items()
         }
         self.tensors: list[GGUFTensor] = [GGUFTensor(t, header.data_offset, self) for t in header.tensors]
-        self._index = {t.name: t for t in self.tensors}
+        #: this file and, for a split model, its other parts in order (each with its own map)
+        self.parts: list[GGUFFile] = [self]
+        for part_path, part_header in parts:
+            part = GGUFFile(part_path, part_header)
+            self.parts.append(part)
+            self.tensors.extend(part.tensors)
+        self._index: dict[str, GGUFTensor] = {}
+        for t in self.tensors:
+            if t.name in self._index:
+                raise CheckpointError(
+                    f"tensor {t.name!r} is in two parts of the split GGUF model: "
+                    f"{os.path.basename(self._index[t.name]._file.path)} and {os.path.basename(t._file.path)}"
+                )
+            self._index[t.name] = t
 
 
-def open_gguf(path: str | os.PathLike[str], header: GGUFHeader | None = None) -> GGUFFile:
+def open_gguf(
+    path: str | os.PathLike[str],
+    header: GGUFHeader | None = None,
+    *,
+    parts: Sequence[tuple[str | os.PathLike[str], GGUFHeader | None]] | None = None,
+) -> GGUFFile:
     """Open a GGUF file (:class:`GGUFFile`: metadata, tensors viewing a copy-on-write map); ``header``: the
     file's :func:`~anyquant.headers.read_gguf_header`, when already parsed. A malformed header raises
-    :class:`anyquant.errors.HeaderError`, an unknown tensor type :class:`UnsupportedGGUFType`."""
-    return GGUFFile(path, header)
+    :class:`anyquant.errors.HeaderError`, an unknown tensor type :class:`UnsupportedGGUFType`.
+
+    A part of a model split by gguf-split opens the whole model: its first part's metadata and every part's
+    tensors, the parts found beside it by name and checked (:func:`anyquant_gguf.split.resolve_split`;
+    :class:`~anyquant_gguf.split.GGUFSplitError` when they do not fit together). ``parts``: the other parts'
+    ``(path, header)``, already found and checked (the loader's), so they are not looked for again."""
+    if parts is not None:
+        return GGUFFile(path, header, parts)
+    from .split import resolve_split
+
+    first = Path(path)
+    if header is None:
+        header = read_gguf_header(first, first.name)
+    model = resolve_split(first, header, lambda p: read_gguf_header(p, p.name))
+    others = list(zip(model.paths[1:], model.headers[1:], strict=True))
+    return GGUFFile(model.paths[0], model.headers[0], others)
 
 
 def release_pages(reader: GGUFFile, data: torch.Tensor | None = None) -> None:
@@ -331,6 +374,13 @@ def release_pages(reader: GGUFFile, data: torch.Tensor | None = None) -> None:
     from the file (nothing is ever written to it), but the page cache it occupied stops
     counting in the process's RSS.
     """
+    for part in reader.parts:  # a split model: every part's map, or the one whose map holds ``data``
+        if data is None or part.data.ctypes.data <= data.data_ptr() < part.data.ctypes.data + part.data.nbytes:
+            _release_map(part, data)
+
+
+def _release_map(reader: GGUFFile, data: torch.Tensor | None) -> None:
+    """:func:`release_pages` for one file's map."""
     import mmap
 
     mm = getattr(reader.data, "_mmap", None)
