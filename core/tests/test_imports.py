@@ -193,6 +193,7 @@ PLUGIN_API = [
     "MissingTensorError",
     "ModelClosedError",
     "ModuleInfo",
+    "NumericalError",
     "ParameterError",
     "PickleRefusedError",
     "Probe",

@@ -371,7 +371,6 @@ def build_model(
                     _check_value(name, model.get_parameter(name), table.shape, table.dtype)
                     file_tables[name] = table
     skip = file_tables or {}
-    input_embedding = embedding or _embedding_weight_name(model)  # checked for NaN/inf at load, as 1-D tensors are
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if not param.is_meta or name in skip:
             continue
@@ -386,7 +385,7 @@ def build_model(
             and value.dtype in (torch.float16, torch.bfloat16)
             and value.dtype != dtype
         )
-        _fill(model, name, value, value.dtype if keep else dtype, device, is_param=True, check=name == input_embedding)
+        _fill(model, name, value, value.dtype if keep else dtype, device, is_param=True)
     for name, buf in list(model.named_buffers()):
         if buf.is_meta:
             key = src(name)
@@ -565,21 +564,19 @@ def _fill(
     device: torch.device,
     *,
     is_param: bool,
-    check: bool = False,
 ) -> None:
-    """Put the checkpoint's ``value`` at ``name`` in ``model``. Floating 1-D tensors (norms, biases) and, with
-    ``check``, any other (the input embedding) are checked for NaN/inf (:func:`~.finite.check_finite`): they
-    are small, and a NaN there makes every logit NaN. Large linear weights are not read here: checking them
-    faults in every page of a memory-mapped file at load (0.8-4.6 s with ``isfinite`` on a 135M float32 model
-    whose load is 0.6 s); generation still refuses the NaN logits they would give."""
+    """Put the checkpoint's ``value`` at ``name`` in ``model``. Every floating tensor (norms, biases, the
+    embedding, dense linear weights) is checked for NaN/inf (:func:`~.finite.check_finite`, a
+    :class:`~anyquant.errors.NumericalError` naming it): a NaN weight otherwise loads and makes the logits NaN
+    (or, for a few values of a linear, only those of a long prompt). The check is one ``sum`` over the values
+    as converted (the exact count only on failure): SECURITY.md gives its measured load cost."""
     mod_name, _, attr = name.rpartition(".")
     module = model.get_submodule(mod_name) if mod_name else model
     _check_value(name, getattr(module, attr), value.shape, value.dtype)
     if value.is_floating_point():
         stored = value
         value = value.to(device=device, dtype=dtype)
-        if check or value.dim() <= 1:
-            check_finite(name, value, source=stored)  # a NaN norm or embedding row would make every logit NaN
+        check_finite(name, value, source=stored)  # a NaN norm, embedding row or weight would make logits NaN
     else:
         value = value.to(device=device)
     if is_param:

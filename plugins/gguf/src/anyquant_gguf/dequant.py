@@ -35,7 +35,14 @@ from anyquant.plugin import CheckpointError
 
 from .ggml import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["PACKED_TYPES", "UnsupportedGGUFType", "check_supported", "dequantize_blocks_torch", "packed_nbytes"]
+__all__ = [
+    "PACKED_TYPES",
+    "UnsupportedGGUFType",
+    "check_finite_blocks",
+    "check_supported",
+    "dequantize_blocks_torch",
+    "packed_nbytes",
+]
 
 Q = GGMLQuantizationType
 _QK_K = 256
@@ -494,6 +501,83 @@ def packed_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
     if shape and shape[-1] % block_size:
         raise ValueError(f"row size {shape[-1]} is not a multiple of the {qtype.name} block size {block_size}")
     return numel // block_size * type_size
+
+
+#: each block type's float16 scales (``d``; ``m``/``dmin``), by the byte offset of their high byte (little
+#: endian: the byte holding the sign and the five exponent bits); IQ1_M's ``d`` is spread over four nibbles
+_F16_SCALE_HIGH_BYTES: dict[GGMLQuantizationType, tuple[tuple[str, int], ...]] = {
+    Q.Q4_0: (("d", 1),),
+    Q.Q4_1: (("d", 1), ("m", 3)),
+    Q.Q5_0: (("d", 1),),
+    Q.Q5_1: (("d", 1), ("m", 3)),
+    Q.Q8_0: (("d", 1),),
+    Q.Q2_K: (("d", 81), ("dmin", 83)),
+    Q.Q3_K: (("d", 109),),
+    Q.Q4_K: (("d", 1), ("dmin", 3)),
+    Q.Q5_K: (("d", 1), ("dmin", 3)),
+    Q.Q6_K: (("d", 209),),
+    Q.IQ4_NL: (("d", 1),),
+    Q.IQ4_XS: (("d", 1),),
+    Q.TQ1_0: (("d", 53),),
+    Q.TQ2_0: (("d", 65),),
+    Q.IQ2_XXS: (("d", 1),),
+    Q.IQ2_XS: (("d", 1),),
+    Q.IQ2_S: (("d", 1),),
+    Q.IQ3_XXS: (("d", 1),),
+    Q.IQ3_S: (("d", 1),),
+    Q.IQ1_S: (("d", 1),),
+}
+
+
+def _non_finite_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[str, torch.Tensor] | None:
+    """``(scale name, bool [n] mask)`` of the blocks (``[n, type_size]`` uint8) whose ``qtype`` scale is NaN or
+    infinite, for the first scale that has one; ``None`` when every scale is finite.
+
+    A float16 is NaN or +-inf exactly when its five exponent bits are all set: ``hi & 0x7C == 0x7C`` on its
+    high byte. One strided byte column per scale, masked and reduced with a max (0x7C is the largest masked
+    value): one pass over the blocks, no per-block Python and no float conversion."""
+    if qtype == Q.IQ1_M:  # d's high byte: the top nibbles of scale bytes 5 and 7 (at 48 + 5, 48 + 7)
+        high = (blocks[:, 53] >> 4) | (blocks[:, 55] & 0xF0)
+        columns: tuple[tuple[str, torch.Tensor, int], ...] = (("d", high, 0x7C),)
+    elif qtype == Q.MXFP4:  # E8M0 exponent byte: 0xFF is its NaN (the OCP MX spec; the mxfp4 plugin refuses it)
+        columns = (("e8m0 scale", blocks[:, 0], 0xFF),)
+    else:
+        columns = tuple((scale, blocks[:, at], 0x7C) for scale, at in _F16_SCALE_HIGH_BYTES.get(qtype, ()))
+    for scale, column, code in columns:
+        if blocks.shape[0] and int((column & code).max()) == code:
+            return scale, (column & code) == code
+    return None
+
+
+def check_finite_blocks(name: str, raw: torch.Tensor, qtype: GGMLQuantizationType | int) -> None:
+    """:class:`~anyquant.errors.NumericalError` naming tensor ``name`` when the raw GGUF bytes ``raw`` (``uint8``,
+    ``qtype``) hold a NaN or infinite value: a block's float16 scale (``d``, Q4_1/Q5_1's ``m``, the K-quants'
+    ``dmin``; IQ1_M's nibble-spread ``d``; MXFP4's E8M0 ``0xFF``), or an F32/F16/BF16 element. A NaN or inf scale
+    makes its 32 (or 256) weights NaN/inf and every logit after them, yet loads; this check reads one byte per
+    scale (vectorised over the blocks), once, where the loader takes the bytes (``GGUFSource.raw``). NVFP4's
+    unsigned E4M3 scales have no non-finite code as ggml reads them."""
+    from anyquant.plugin import NumericalError
+    from anyquant.runtime.finite import check_finite
+
+    qtype = GGMLQuantizationType(qtype)
+    flat = raw.reshape(-1)
+    if qtype in _DENSE:
+        check_finite(name, flat.view(_DENSE[qtype]))
+        return
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    if flat.dtype != torch.uint8 or flat.numel() % type_size:
+        return  # not whole blocks: the dequantizer's own size checks report it
+    blocks = flat.view(-1, type_size) if flat.is_contiguous() else flat.reshape(-1, type_size)
+    found = _non_finite_blocks(blocks, qtype)
+    if found is None:
+        return
+    scale, bad = found
+    count, first = int(bad.sum()), int(bad.nonzero()[0, 0])
+    raise NumericalError(
+        f"tensor {name!r} ({qtype.name}) holds {count} block(s) of its {blocks.shape[0]} whose {scale} is NaN or "
+        f"infinite (first: block {first}): its weights would be NaN/inf and every output after them NaN. The "
+        "checkpoint is damaged or was quantized wrongly: re-download or re-export it"
+    )
 
 
 def dequantize_blocks_torch(

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from anyquant.plugin import (
     CPU_FAST_OPTIONS,
     RUNTIME_OPTIONS,
+    AnyquantError,
     BackendInfo,
     CheckpointError,
     Detection,
@@ -51,7 +52,7 @@ from anyquant.plugin import (
     UnsupportedFormatError,
 )
 
-from .plugin import split_part, which
+from .plugin import gguf_model
 
 if TYPE_CHECKING:
     import torch
@@ -71,25 +72,21 @@ _HEAD = "lm_head.weight"
 
 
 def gguf_path(probe: Probe) -> Path:
-    part = split_part(probe)
-    if part is not None:
-        raise CheckpointError(part)
-    if len(probe.gguf) != 1:
-        files = [g.file for g in probe.gguf]
-        raise CheckpointError(
-            f"{probe.root} holds {len(files)} GGUF files {files}: pass the path of the one to load{which(probe)}"
-        )
-    return probe.root / probe.gguf[0].file
+    """The file whose metadata is the model's: the probe's one GGUF file, or the first part of a split model
+    (:func:`~anyquant_gguf.plugin.gguf_model` checks the parts)."""
+    return gguf_model(probe).paths[0]
 
 
 def _int4_linears(probe: Probe) -> int:
-    """How many of the GGUF file's tensors, the token embedding aside, have an int4 kernel type."""
+    """How many of the GGUF model's tensors (every part's), the token embedding aside, have an int4 kernel type."""
     from .qlinear import INT4_TYPES
 
-    if len(probe.gguf) != 1:
+    try:
+        headers = gguf_model(probe).headers
+    except AnyquantError:
         return 0
     kinds = {int(t) for t in INT4_TYPES}
-    return sum(1 for t in probe.gguf[0].tensors if t.type_id in kinds and not t.name.startswith("token_embd"))
+    return sum(1 for h in headers for t in h.tensors if t.type_id in kinds and not t.name.startswith("token_embd"))
 
 
 class GGUFSource:
@@ -147,8 +144,9 @@ class GGUFSource:
         return value
 
     def _in_map(self, tensor: torch.Tensor) -> bool:
-        base = self.reader.data.ctypes.data
-        return base <= tensor.data_ptr() < base + self.reader.data.nbytes
+        """Whether ``tensor`` views the map of the file (of any part of a split model)."""
+        ptr = tensor.data_ptr()
+        return any(p.data.ctypes.data <= ptr < p.data.ctypes.data + p.data.nbytes for p in self.reader.parts)
 
     def release(self, name: str) -> None:
         """Drop the file pages under tensor ``name`` from RSS (they are re-read if touched)."""
@@ -169,10 +167,13 @@ class GGUFSource:
         return shape[1:] if name in self.experts else shape
 
     def raw(self, name: str, *, unpermute: bool = True) -> Any:
+        from .dequant import check_finite_blocks
         from .reader import load_raw
 
         self.used.add(name)
-        return load_raw(self.reader, self.gguf_names[name], expert=self.experts.get(name), unpermute=unpermute)
+        raw = load_raw(self.reader, self.gguf_names[name], expert=self.experts.get(name), unpermute=unpermute)
+        check_finite_blocks(name, raw.data, raw.qtype)  # a NaN/inf scale: refused at load (SECURITY.md)
+        return raw
 
     def qtype(self, name: str) -> Any:
         from .reader import get_tensor
@@ -251,12 +252,13 @@ class GGUFLoader(TransformersLoader):
         reads."""
         from .reader import open_gguf
 
-        path = gguf_path(probe)
-        if self._readers is None:
-            return open_gguf(path, probe.gguf[0])
-        reader = self._readers.get(path)
+        model = gguf_model(probe)
+        path = model.paths[0]
+        reader = None if self._readers is None else self._readers.get(path)
         if reader is None:
-            reader = self._readers[path] = open_gguf(path, probe.gguf[0])
+            reader = open_gguf(path, model.headers[0], parts=list(zip(model.paths[1:], model.headers[1:], strict=True)))
+            if self._readers is not None:
+                self._readers[path] = reader
         return reader
 
     def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> Any:
@@ -482,9 +484,13 @@ class GGUFLoader(TransformersLoader):
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
         from anyquant.plugin import GGUF_TYPE_SIZES
 
-        g = probe.gguf[0]
+        try:
+            headers, split = gguf_model(probe).headers, True
+        except AnyquantError:  # parts that do not fit, several models: the rows of the first file (detect says why)
+            headers, split = probe.gguf[:1], False
+        split = split and len(headers) > 1
         rows = []
-        for t in g.tensors:
+        for header, t in ((h, t) for h in headers for t in h.tensors):
             name, block, block_bytes = GGUF_TYPE_SIZES.get(t.type_id, (t.type_name, 0, 0))
             numel = 1
             for d in t.shape:
@@ -499,7 +505,7 @@ class GGUFLoader(TransformersLoader):
                     8 * nbytes / numel if numel else None,
                     block if fmt == "gguf" else None,
                     nbytes,
-                    extra={"type": name},
+                    extra={"type": name, "part": header.file} if split else {"type": name},
                 )
             )
         return rows
