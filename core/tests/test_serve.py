@@ -629,3 +629,17 @@ def test_logprob_bytes_concatenate_to_the_answer(client: Any) -> None:
     )
     pieces = [c.choices[0].logprobs.content for c in streamed if c.choices and c.choices[0].logprobs]
     assert [bytes(t.bytes) for p in pieces for t in p] == [bytes(t.bytes) for t in content]
+
+
+def test_serve_says_what_it_loads_and_the_name_clients_send() -> None:
+    """A first-day user waited in silence while it loaded and was never told the model id to send (#44 item 13)."""
+    proc, _ = _start()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    err = proc.stderr.read().decode()  # type: ignore[union-attr]
+    assert "anyquant serve: loading " in err
+    assert f"model '{NAME}' (what clients send as `model`)" in err
+    assert err.index("loading") < err.index("/v1")

@@ -81,9 +81,81 @@ def test_vllm_command_from_detection(tmp_path: Path, fixture: str, quantization:
 
 @pytest.mark.parametrize("fixture", ["exl3_mul1", "exl2"])
 def test_vllm_refuses_exllama_formats_with_the_way_out(tmp_path: Path, fixture: str) -> None:
+    """EXL3: exllamav3's engine; EXL2: never exllamav3 (which refuses EXL2: advice that loops, #44 item 11) but the
+    built-in server; both: the quantize way to vLLM."""
+    path = _fixture(tmp_path, fixture)
     with pytest.raises(EngineError) as err:
-        vllm_command(_fixture(tmp_path, fixture))
-    assert "--engine exllamav3" in str(err.value) and "anyquant quantize" in str(err.value)
+        vllm_command(path)
+    assert "anyquant quantize" in str(err.value)
+    if fixture == "exl2":
+        assert "--engine exllamav3" not in str(err.value) and f"`anyquant serve {path}`" in str(err.value)
+    else:
+        assert "--engine exllamav3" in str(err.value)
+
+
+def _with_config(tmp_path: Path, fixture: str, **changes: Any) -> Path:
+    path = _fixture(tmp_path, fixture)
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("changes", "tp", "says"),
+    [
+        ({"num_attention_heads": 9, "num_key_value_heads": 9, "hidden_size": 9 * 16}, 2, "9 attention heads"),
+        ({"num_attention_heads": 8, "num_key_value_heads": 3}, 2, "3 KV heads"),
+        ({"num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 100}, 8, "intermediate_size 100"),
+    ],
+)
+def test_tensor_parallel_that_vllm_refuses_is_refused_before_the_command(
+    tmp_path: Path, changes: dict[str, Any], tp: int, says: str
+) -> None:
+    """A tensor-parallel size the heads, KV heads or MLP width do not divide over: refused naming the sizes (vLLM would
+    refuse the printed command), with the sizes that fit (#44 item 11); KV heads fewer than GPUs replicate: fine."""
+    path = _with_config(tmp_path, "dense", **changes)
+    with pytest.raises(AnyquantError, match=rf"--tensor-parallel-size {tp}: .*{says}.*Sizes up to 8 that fit"):
+        vllm_command(path, tensor_parallel_size=tp)
+    run = _cli("serve", str(path), "--engine", "vllm", "--tensor-parallel-size", str(tp), "--print-command")
+    assert run.returncode != 0 and says in run.stderr and "Traceback" not in run.stderr
+    fine = _with_config(tmp_path / "ok", "dense", num_attention_heads=8, num_key_value_heads=2, intermediate_size=128)
+    assert _flags(vllm_command(fine, tensor_parallel_size=8).argv())["--tensor-parallel-size"] == "8"
+
+
+def test_group_quantized_shards_must_hold_whole_groups(tmp_path: Path) -> None:
+    path = _fixture(tmp_path, "awq_gemm")
+    config = json.loads((path / "config.json").read_text())
+    group = config["quantization_config"]["group_size"]
+    width = config["intermediate_size"]
+    tp = next(n for n in (2, 4, 8, 16) if width % n == 0 and (width // n) % group)
+    with pytest.raises(AnyquantError, match=rf"not whole groups of {group}"):
+        vllm_command(path, tensor_parallel_size=tp)
+
+
+def test_a_hub_id_with_a_revision_is_given_to_vllm_as_revision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve owner/name@BRANCH --engine vllm``: vLLM gets ``owner/name --revision BRANCH`` (``@BRANCH`` in the id is
+    no model vLLM knows), and the served name is ``owner/name`` (``@refs/pr/1`` gave ``--served-model-name 1``)."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    commit = "a" * 40
+    (repo / "snapshots").mkdir(parents=True)
+    _fixture(tmp_path, "awq_gemm").rename(repo / "snapshots" / commit)
+    for ref in ("refs/main", "refs/dev", "refs/pr/1"):
+        (repo / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / ref).write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for rev in ("dev", "refs/pr/1"):
+        run = _cli("serve", f"org/tiny@{rev}", "--engine", "vllm", "--print-command")
+        assert run.returncode == 0, run.stderr
+        argv = shlex.split(run.stdout.strip())
+        flags = _flags(argv)
+        assert argv[2] == "org/tiny" and flags["--revision"] == rev, argv
+        assert flags["--served-model-name"] == "org/tiny"
+        assert set(flags) <= VLLM_FLAGS
+    plain = _flags(shlex.split(_cli("serve", "org/tiny", "--engine", "vllm", "--print-command").stdout.strip()))
+    assert "--revision" not in plain and plain["--served-model-name"] == "org/tiny"
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -70,6 +70,8 @@ def _run(args: argparse.Namespace) -> int:
     path = args.path or default_model()
     flags = {"backend": "--backend", "device": "--device", "dtype": "--dtype", "format": "--format"}
     options = options_from(args.option, {**flags, "registry": "the Python API"})
+    if sys.stderr.isatty():  # a person at a terminal: say what the next seconds are (pipes and logs stay clean)
+        print(f"loading {path} ...", file=sys.stderr, flush=True)
     model = load(path, format=args.format, backend=args.backend, device=args.device, dtype=args.dtype, **options)
     if args.json:
         result = model.complete(prompt, **kwargs)

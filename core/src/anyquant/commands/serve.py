@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
 
     path = str(args.path or default_model())
     api_key = args.api_key or os.environ.get("ANYQUANT_API_KEY") or None
-    name = args.model_name or Path(path).name
+    name = args.model_name or _default_name(path)
     if args.engine != "anyquant":
         given = [f for f, v in (("--backend", args.backend), ("--device", args.device)) if v != "auto"]
         given += ["-o"] if args.option else []
@@ -128,12 +128,22 @@ def _run(args: argparse.Namespace) -> int:
 
         flags = {"backend": "--backend", "device": "--device", "dtype": "--dtype", "format": "--format"}
         options = options_from(args.option, {**flags, "registry": "the Python API"})
+        print(f"anyquant serve: loading {path} ...", file=sys.stderr, flush=True)
         model = load(path, format=args.format, backend=args.backend, device=args.device, dtype=args.dtype, **options)
         scheduler = Scheduler(ModelAdapter(model), max_batch=args.max_batch, max_queue=args.max_queue)
     from ..serve.app import ServerConfig, build_app
 
     config = ServerConfig(name, api_key, args.timeout, args.max_body_kb * 1024, args.body_timeout)
-    return _serve(build_app(scheduler, config), scheduler, args.host, args.port, args.timeout, limits)
+    return _serve(build_app(scheduler, config), scheduler, args.host, args.port, args.timeout, limits, name)
+
+
+def _default_name(path: str) -> str:
+    """The model name clients send by default: a Hub id's ``owner/name`` (never its revision: ``@refs/pr/1`` is not
+    a name), else the folder's or file's name."""
+    from ..probe import parse_model_id
+
+    mid = None if Path(path).exists() else parse_model_id(path)
+    return mid.repo_id if mid is not None else Path(path).name
 
 
 def _limits(args: argparse.Namespace) -> Any:
@@ -152,7 +162,9 @@ def _limits(args: argparse.Namespace) -> Any:
     return Limits(args.header_timeout, args.max_connections, args.keep_alive_timeout, args.max_header_kb * 1024)
 
 
-def _serve(app: Any, scheduler: Any, host: str, port: int, timeout: float, limits: Any = None) -> int:
+def _serve(
+    app: Any, scheduler: Any, host: str, port: int, timeout: float, limits: Any = None, name: str | None = None
+) -> int:
     from ..serve.http import GuardedServer, Limits, connection_budget, uvicorn_config
 
     limits = limits or Limits()
@@ -163,7 +175,8 @@ def _serve(app: Any, scheduler: Any, host: str, port: int, timeout: float, limit
     # SIGTERM / Ctrl-C: uvicorn stops accepting, lets in-flight requests finish (up to --timeout), then exits
     config = uvicorn_config(app, host, port, limits, graceful=int(timeout) + 5)
     server = GuardedServer(config)
-    print(f"anyquant serve: http://{host}:{port}/v1 (Ctrl-C or SIGTERM to stop)", file=sys.stderr, flush=True)
+    model = f", model {name!r} (what clients send as `model`)" if name else ""
+    print(f"anyquant serve: http://{host}:{port}/v1{model} (Ctrl-C or SIGTERM to stop)", file=sys.stderr, flush=True)
     try:
         server.run()
     finally:

@@ -66,6 +66,9 @@ class _Job:
     logprobs: bool = False  # report each token's log-probability (params.top_logprobs alternatives with it)
     n: int = 1  # choices, each its own request (seed + i when a seed is given)
     echo: str | None = None  # completions' echo: the prompt's text, put before each choice's text
+    #: structured output: the field that asked (``response_format``, ``guided_json``, ...) and its format
+    format: tuple[str, Any] | None = None
+    grammar: Any = None  # the format compiled (off the event loop: :func:`_compiled`)
 
 
 def _validated(app: _Server, body: Mapping[str, Any], chat: bool) -> ChatRequest | CompletionRequest:
@@ -111,6 +114,10 @@ def _engine_refuses(app: _Server, request: ChatRequest | CompletionRequest) -> N
         if asked:
             name = asked[0]
             raise ApiError(400, f"{name} is not supported by this server's engine", "unsupported_parameter", name)
+    asked_format = request.output_format()
+    if asked_format is not None and not getattr(app.scheduler, "structured_output", False):
+        name = asked_format[0]
+        raise ApiError(400, f"{name} is not supported by this server's engine", "unsupported_parameter", name)
     echo = isinstance(request, CompletionRequest) and bool(request.echo)
     if echo and request.top() is not None and not getattr(app.scheduler, "prompt_scoring", False):
         raise ApiError(
@@ -150,6 +157,46 @@ def _params(request: ChatRequest | CompletionRequest) -> Any:
         raise ApiError(400, str(exc), "invalid_value") from None
 
 
+def _output_format(request: ChatRequest | CompletionRequest) -> tuple[str, Any] | None:
+    """The constraint the request asks for, as ``(field, OutputFormat)``; a 400 naming the field when it is too
+    large to compile."""
+    from ..runtime.grammar import GrammarError, OutputFormat
+
+    asked = request.output_format()
+    if asked is None:
+        return None
+    name, value = asked
+    try:
+        if name == "response_format":
+            schema = value.json_schema.schema_ if value.json_schema is not None else None
+            fmt = OutputFormat.json_object() if schema is None else OutputFormat.json_schema(schema)
+        elif name == "guided_json":
+            fmt = OutputFormat.json_schema(value)
+        elif name == "guided_regex":
+            fmt = OutputFormat.regex(value)
+        else:
+            fmt = OutputFormat.choice(value)
+    except GrammarError as exc:
+        raise ApiError(400, f"{name}: {exc}", "invalid_value", name) from None
+    return name, fmt
+
+
+async def _compiled(app: _Server, name: str, fmt: Any) -> Any:
+    """``fmt`` compiled for the model, in a worker thread (the event loop goes on): a 400 naming ``name`` when it
+    cannot be compiled (or not in the time allowed), or when xgrammar is not installed."""
+    from ..runtime.grammar import GrammarError, GrammarUnavailable, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        raise ApiError(400, f"{name}: {reason}", "unsupported_parameter", name)
+    try:
+        return await asyncio.to_thread(app.adapter.grammars().compile, fmt)
+    except GrammarUnavailable as exc:
+        raise ApiError(400, f"{name}: {exc}", "unsupported_parameter", name) from None
+    except GrammarError as exc:
+        raise ApiError(400, f"{name}: {exc}", "invalid_value", name) from None
+
+
 def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
     request = _validated(app, body, chat)
     if request.model != app.config.model_name:
@@ -159,6 +206,7 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
             "model_not_found",
         )
     _engine_refuses(app, request)
+    fmt = _output_format(request)
     params = _params(request)
     top = request.top()
     echo = isinstance(request, CompletionRequest) and bool(request.echo)
@@ -188,7 +236,9 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
     if isinstance(request, CompletionRequest) and echo:
         text = request.prompt if isinstance(request.prompt, str) else app.adapter.decode(ids)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return _Job(ids, params, max_tokens, bool(request.stream), include_usage, top is not None, request.n or 1, text)
+    job = _Job(ids, params, max_tokens, bool(request.stream), include_usage, top is not None, request.n or 1, text)
+    job.format = fmt
+    return job
 
 
 # ---------------------------------------------------------------------- the app
@@ -323,6 +373,8 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
             authorize(request)
             body = await read_json(request)
             job = _job(server, body, chat)
+            if job.format is not None:
+                job.grammar = await _compiled(server, *job.format)
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
             deadline = time.monotonic() + config.timeout
@@ -333,6 +385,7 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
                 if i and params.seed is not None:  # choice i samples with seed + i: reproducible, not identical
                     params = replace(params, seed=(params.seed + i) % 2**63)  # past 2**63 - 1: from 0 again
                 work = Request(job.ids, params, job.max_tokens, run.emit, run.finish, deadline)
+                work.grammar = job.grammar  # each choice its own matcher over the one compiled grammar
                 if job.logprobs:
                     work.logprob = run.logprob
                     if job.echo is not None:

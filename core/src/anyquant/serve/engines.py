@@ -46,6 +46,7 @@ VLLM_FLAGS = frozenset(
         "--port",
         "--api-key",
         "--served-model-name",
+        "--revision",
         "--tokenizer",
         "--dtype",
         "--max-model-len",
@@ -97,9 +98,15 @@ class VllmPlan:
 
 
 def _refusal(fmt: str, path: str) -> EngineError:
-    if fmt in ("exl3", "exl2"):
+    if fmt == "exl2":  # exllamav3 reads EXL3 only: no advice that leads to another refusal
         return EngineError(
-            f"vLLM cannot read {fmt.upper()} ({path}). Serve it with exllamav3 instead: "
+            f"vLLM cannot read EXL2 ({path}), and exllamav3 does not serve it either. Serve it with the built-in "
+            f"server (`anyquant serve {path}`) or with exllamav2's TabbyAPI, or quantize the original model to a "
+            "format vLLM reads: `anyquant quantize SRC DST --method awq` (or gptq), then `anyquant serve DST --engine vllm`"
+        )
+    if fmt == "exl3":
+        return EngineError(
+            f"vLLM cannot read EXL3 ({path}). Serve it with exllamav3 instead: "
             f"`anyquant serve {path} --engine exllamav3` (a CUDA GPU, Ampere or newer), or quantize the original "
             "model to a format vLLM reads: `anyquant quantize SRC DST --method awq` (or gptq), then "
             "`anyquant serve DST --engine vllm`"
@@ -131,8 +138,11 @@ def vllm_plan(
     max_num_seqs: int | None = None,
     kv_cache_dtype: str | None = None,
     ampere_or_newer: bool = True,
+    revision: str | None = None,
 ) -> VllmPlan:
-    """The ``vllm serve`` invocation for a checkpoint of format ``fmt`` (``config``: its ``config.json``)."""
+    """The ``vllm serve`` invocation for a checkpoint of format ``fmt`` (``config``: its ``config.json``;
+    ``revision``: a Hub model id's branch, tag or commit, passed as ``--revision``). A tensor-parallel size the model's
+    heads, KV heads or MLP widths do not divide over is a :class:`ParameterError` (vLLM would refuse it)."""
     path = str(path)
     if fmt not in VLLM_QUANTIZATION:
         raise _refusal(fmt, path)
@@ -144,6 +154,8 @@ def vllm_plan(
             raise ParameterError(f"{name}={value!r}: expected an integer >= 1")
     cfg = dict(config or {})
     qc = dict(quantization_config or cfg.get("quantization_config") or {})
+    if tensor_parallel_size > 1:
+        check_tensor_parallel(cfg, qc, fmt, tensor_parallel_size)
     flags: list[tuple[str, str | None]] = []
     notes: list[str] = []
     quant = VLLM_QUANTIZATION[fmt]
@@ -162,6 +174,8 @@ def vllm_plan(
                 "no --tokenizer: vLLM converts the GGUF's own tokenizer (slow, and vLLM advises the base model's); "
                 "pass --tokenizer BASE_MODEL_DIR_OR_ID"
             )
+    if revision is not None:
+        flags.append(("--revision", revision))
     if tokenizer is not None:
         flags.append(("--tokenizer", tokenizer))
     if quant is not None:
@@ -194,6 +208,52 @@ def vllm_plan(
     if api_key is not None:
         flags.append(("--api-key", api_key))
     return VllmPlan(path, tuple(flags), tuple(notes))
+
+
+def _size(cfg: Mapping[str, Any], key: str) -> int | None:
+    value = cfg.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def check_tensor_parallel(cfg: Mapping[str, Any], qc: Mapping[str, Any], fmt: str, tp: int) -> None:
+    """What vLLM checks before it shards a model over ``tp`` GPUs: the attention heads divide over them, the KV heads
+    divide over them or are replicated (``tp`` a multiple of them), each MLP's (or expert's) intermediate width
+    divides, and for group-quantized GPTQ/AWQ/compressed-tensors each shard of a row-parallel weight holds whole
+    groups. A model that fails one: a :class:`ParameterError` naming the sizes that would work."""
+    text = cfg.get("text_config")
+    cfg = text if isinstance(text, Mapping) else cfg
+    heads = _size(cfg, "num_attention_heads")
+    kv = _size(cfg, "num_key_value_heads") or heads
+    problems = []
+    if heads is not None and heads % tp:
+        problems.append(f"its {heads} attention heads do not divide over {tp} GPUs")
+    if kv is not None and (kv % tp if kv >= tp else tp % kv):
+        problems.append(f"its {kv} KV heads neither divide over {tp} GPUs nor are replicated evenly on them")
+    group = qc.get("group_size")
+    group = group if isinstance(group, int) and not isinstance(group, bool) and group > 0 else None
+    for key in ("intermediate_size", "moe_intermediate_size"):
+        width = _size(cfg, key)
+        if width is None:
+            continue
+        if width % tp:
+            problems.append(f"its {key} {width} does not divide over {tp} GPUs")
+        elif group is not None and fmt in ("gptq", "awq") and (width // tp) % group:
+            problems.append(f"a shard of its {key} {width} ({width // tp}) is not whole groups of {group}")
+    if problems:
+        sizes = [n for n in range(1, 9) if n != tp and _fits(cfg, n)]
+        raise ParameterError(
+            f"--tensor-parallel-size {tp}: "
+            + "; ".join(problems)
+            + f" (vLLM refuses it). Sizes up to 8 that fit the heads and widths: {sizes or 'none'}"
+        )
+
+
+def _fits(cfg: Mapping[str, Any], tp: int) -> bool:
+    heads = _size(cfg, "num_attention_heads")
+    kv = _size(cfg, "num_key_value_heads") or heads
+    ok = heads is None or heads % tp == 0
+    ok = ok and (kv is None or (kv % tp == 0 if kv >= tp else tp % kv == 0))
+    return ok and all((_size(cfg, k) or tp) % tp == 0 for k in ("intermediate_size", "moe_intermediate_size"))
 
 
 def exllamav3_available() -> str | None:

@@ -3,8 +3,9 @@
 One thread owns the model. Requests wait in a bounded queue; between decode steps the thread admits waiting
 requests (up to ``max_batch`` running at once), prefills each alone and adds it to the running
 :class:`~anyquant.serve.batch.DecodeBatch`, then runs one step for every running request, samples each row with
-its own parameters, and hands each request its text as it becomes final (stop strings held back until decided)
-through a callback the HTTP side gives. A request that finishes, is cancelled (its client went away) or passes
+its own parameters (its logits masked first by its grammar when it asks for structured output), and hands each
+request its text as it becomes final (stop strings held back until decided) through a callback the HTTP side
+gives. A request that finishes, is cancelled (its client went away) or passes
 its deadline leaves the batch at once.
 
 :class:`ModelAdapter` is the one place that reads the loaded model (tokens in, text out, counts); it is what
@@ -27,6 +28,8 @@ from ..runtime.stops import find_stop, held_back, stable
 __all__ = ["Finished", "ModelAdapter", "QueueFull", "Request", "Scheduler"]
 
 log = logging.getLogger(__name__)
+
+_GRAMMARS_LOCK = threading.Lock()
 
 
 class QueueFull(AnyquantError):
@@ -75,6 +78,29 @@ class ModelAdapter:
     def vocab_size(self) -> int:
         return len(self.model.tokenizer)
 
+    def logits_width(self) -> int:
+        """The width of the model's logits (its LM head's rows; may exceed the tokenizer's vocabulary)."""
+        module = self.model.module
+        head = getattr(module, "lm_head", None)
+        width = getattr(head, "out_features", None)
+        if width is None:
+            width = getattr(getattr(module, "config", None), "vocab_size", None)
+        return int(width) if isinstance(width, int) and width > 0 else self.vocab_size()
+
+    def grammars(self) -> Any:
+        """The model's :class:`~anyquant.runtime.grammar.Grammars` (structured output), made on the first call."""
+        grammars = self.__dict__.get("_grammars")
+        if grammars is None:
+            from ..runtime.grammar import Grammars
+
+            with _GRAMMARS_LOCK:
+                grammars = self.__dict__.get("_grammars")
+                if grammars is None:
+                    grammars = self.__dict__["_grammars"] = Grammars(
+                        self.model.tokenizer, self.logits_width(), self.eos_ids
+                    )
+        return grammars
+
     def token_logprob(self, logits: Any, token: int, top: int) -> Any:
         """``token``'s :class:`~anyquant.results.TokenLogprob` under ``logits`` [1, vocab], with the ``top`` best."""
         return self.generator._token_logprob(logits, token, top)
@@ -120,6 +146,8 @@ class Request:
     #: (:meth:`ModelAdapter.prompt_logprobs`, ``prompt_top`` alternatives each)
     prompt_logprobs: Callable[[list[Any]], None] | None = None
     prompt_top: int = 0
+    #: structured output: a compiled grammar (:meth:`ModelAdapter.grammars`) the tokens must follow
+    grammar: Any = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -138,6 +166,10 @@ class _Live:
         self.done: Finished | None = None
         self.counted = 0  # tokens sampled: the generated ones, and an end-of-sequence token (as vLLM counts)
         self.rng: Any = None
+        #: the grammar's state (:class:`~anyquant.runtime.grammar.Constraint`) when the output is constrained
+        self.constraint: Any = None
+        if request.grammar is not None:
+            self.constraint = adapter.grammars().constraint(request.grammar)
         if request.params.temperature > 0:
             from ..runtime.generate import row_generators
 
@@ -192,6 +224,8 @@ class Scheduler:
     prompt_scoring = True
     #: answers ``max_tokens: 0`` (``echo``'s prompt alone, scored with ``logprobs``)
     prompt_only = True
+    #: constrains rows to a grammar (``Request.grammar``): ``response_format`` and the ``guided_*`` extensions
+    structured_output = True
 
     def __init__(self, adapter: ModelAdapter, *, max_batch: int = 16, max_queue: int = 64) -> None:
         if max_batch < 1 or max_queue < 0:
@@ -328,8 +362,9 @@ class Scheduler:
         return [row for row in live if row.done is None]
 
     def _sample(self, row: _Live, logits: Any) -> tuple[int, Any]:
-        """The row's next token from its logits ``[1, vocab]`` and, when asked for, its log-probability (under
-        the model's own distribution, as ``complete`` reports it)."""
+        """The row's next token from its logits ``[1, vocab]`` (masked by its grammar first, when it has one)
+        and, when asked for, its log-probability (under the model's own distribution, as ``complete`` reports it,
+        the grammar's mask not applied)."""
         import torch
 
         from ..runtime.generate import sample_next
@@ -343,7 +378,15 @@ class Scheduler:
         generated = None
         if params.presence_penalty or params.frequency_penalty:
             generated = torch.tensor([row.generated], dtype=torch.long, device=device).reshape(1, -1)
-        token = int(sample_next(logits, params, history, row.rng, generated)[0])
+        scores = logits
+        if row.constraint is not None:  # the tokens the grammar does not allow next: -inf, before any sampler
+            scores = logits.float()  # in place on the row's own logits (nothing else reads them) ...
+            if params.logprobs and scores.data_ptr() == logits.data_ptr():
+                scores = scores.clone()  # ... unless its log-probabilities read them after
+            row.constraint.mask(scores)
+        token = int(sample_next(scores, params, history, row.rng, generated)[0])
+        if row.constraint is not None and not row.constraint.accept(token):
+            raise AnyquantError(f"token {token} was sampled outside the request's grammar")
         if not params.logprobs:
             return token, None
         return token, self.adapter.token_logprob(logits, token, params.top_logprobs)

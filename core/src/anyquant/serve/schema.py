@@ -6,7 +6,8 @@ Every field the server reads is typed and bounded here (strict types: ``"1"`` is
 integer; numbers finite; strings valid Unicode, no lone surrogates). OpenAI's fields that the server cannot honour
 are refused unless they hold their neutral value (``tools: []``, ``best_of: 1``, ...); its fields that only say who
 asks (``user``, ``metadata``, ``store``, ...) are accepted and not used; a field OpenAI does not define, and that is
-not one of the extensions (``top_k``, ``min_p``, ``repetition_penalty``), is refused, as OpenAI refuses it
+not one of the extensions (``top_k``, ``min_p``, ``repetition_penalty``, vLLM's ``guided_json``, ``guided_regex``
+and ``guided_choice``), is refused, as OpenAI refuses it
 ("Unrecognized request argument supplied"): a misspelt parameter is never silently ignored.
 
 What depends on the model (token ids within its vocabulary) is checked here too, from the validation context
@@ -61,6 +62,8 @@ MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
 #: seeds are integers in [0, 2**63): what torch's generators take
 MAX_SEED = 2**63 - 1
+#: the most strings ``guided_choice`` may list
+MAX_GUIDED_CHOICES = 1024
 
 
 class RequestError(Exception):
@@ -270,15 +273,31 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # accepted: nothing is padded
 
 
+class JsonSchema(_Strict):
+    """``response_format.json_schema``: OpenAI's ``name`` (optional here), ``description``, ``schema`` (absent:
+    any JSON object) and ``strict`` (accepted either way: the schema is always enforced)."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    description: Text | None = None
+    schema_: Annotated[dict[str, Any] | bool | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("invalid_value", 'type "json_schema" needs a json_schema object')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise PydanticCustomError("invalid_value", 'json_schema goes with type "json_schema" only')
+        return self
 
 
-def _text_format(value: ResponseFormat | None) -> ResponseFormat | None:
-    if value is not None and value.type != "text":
-        raise PydanticCustomError("unsupported_parameter", "only text is supported, not {kind}", {"kind": value.type})
-    return value
+#: the fields that constrain the output, one per request: OpenAI's and vLLM's extensions
+FORMAT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
 
 class _Request(_Strict):
@@ -296,11 +315,14 @@ class _Request(_Strict):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
-    response_format: Annotated[ResponseFormat | None, AfterValidator(_text_format)] = None
+    response_format: ResponseFormat | None = None
     # extensions (vLLM's and llama.cpp's names)
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    guided_json: dict[str, Any] | bool | Text | None = None  # a JSON schema (or its JSON text)
+    guided_regex: NonEmptyText | None = None
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = None
     # who asks, and how OpenAI bills or stores it: accepted, not used
     user: Text | None = None
     metadata: dict[Text, Text] | None = None
@@ -313,6 +335,32 @@ class _Request(_Strict):
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @model_validator(mode="after")
+    def _one_format(self) -> _Request:
+        asked = [name for name in FORMAT_FIELDS if self._format_of(name) is not None]
+        if len(asked) > 1:
+            raise PydanticCustomError(
+                "invalid_value",
+                "one output constraint per request: {names} were sent",
+                {"names": " and ".join(asked), "param": asked[-1]},
+            )
+        return self
+
+    def _format_of(self, name: str) -> Any:
+        value = getattr(self, name)
+        if name == "response_format" and value is not None and value.type == "text":
+            return None
+        return value
+
+    def output_format(self) -> tuple[str, Any] | None:
+        """The constraint asked for, as ``(field, value)``: ``response_format`` (not ``text``) or one of the
+        ``guided_*`` extensions; ``None`` for free text."""
+        for name in FORMAT_FIELDS:
+            value = self._format_of(name)
+            if value is not None:
+                return name, value
+        return None
 
 
 class ChatRequest(_Request):
