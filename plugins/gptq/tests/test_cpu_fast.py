@@ -257,6 +257,8 @@ def test_closing_while_a_stream_is_read(root: Path) -> None:
         ("embedding_int16", anyquant.CheckpointError, r"'model.embed_tokens.weight' is int16 in the checkpoint"),
         ("norm_int32", anyquant.CheckpointError, r"'model.layers.0.input_layernorm.weight' is int32"),
         ("head_missing", anyquant.MissingTensorError, r"tie_word_embeddings: false, but the checkpoint has no"),
+        ("embedding_nan", anyquant.NumericalError, r"'model.embed_tokens.weight' holds 1 NaN"),
+        ("head_inf", anyquant.NumericalError, r"'lm_head.weight' holds 2 NaN/inf|'lm_head.weight' holds 2 inf"),
     ],
 )
 def test_tables_left_in_the_file_are_checked_at_load(
@@ -286,6 +288,11 @@ def test_tables_left_in_the_file_are_checked_at_load(
         t["model.embed_tokens.weight"] = emb[:100].clone()
     elif case == "embedding_int16":
         t["model.embed_tokens.weight"] = (emb * 100).to(torch.int16)
+    elif case == "embedding_nan":
+        t["model.embed_tokens.weight"][7, 3] = float("nan")
+    elif case == "head_inf":
+        t["lm_head.weight"][5, 1] = float("inf")
+        t["lm_head.weight"][-1, -1] = -float("inf")
     elif case == "norm_int32":
         norm = t["model.layers.0.input_layernorm.weight"]
         t["model.layers.0.input_layernorm.weight"] = (norm * 10).to(torch.int32)

@@ -369,6 +369,7 @@ def build_model(
                 table = rows_of(src(name))
                 if table is not None:
                     _check_value(name, model.get_parameter(name), table.shape, table.dtype)
+                    _check_table(src(name), table)
                     file_tables[name] = table
     skip = file_tables or {}
     for name, param in list(model.named_parameters(remove_duplicate=False)):
@@ -406,6 +407,13 @@ def build_model(
     model.requires_grad_(False)
     assembled: nn.Module = model
     return assembled
+
+
+def _check_table(name: str, table: FileRows, rows: int = 4096) -> None:
+    """A table left in the file (cpu-fast's embedding and head) checked for NaN/inf as a filled tensor is, read a
+    slice of ``rows`` at a time (the memory of one slice, not of the table)."""
+    for start in range(0, len(table), rows):
+        check_finite(name, table.slice(start, min(rows, len(table) - start)))
 
 
 class _StoredNames:
