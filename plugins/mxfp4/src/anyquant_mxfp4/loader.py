@@ -64,7 +64,7 @@ def raise_config_error(detection: Detection) -> None:
 
 
 #: the cpu-fast options this loader reads (the prompt GEMM's dtype, the decode rows, the head)
-_FAST_OPTIONS = ("cpu_fast_prefill", "cpu_fast_small_rows", "cpu_fast_head")
+_FAST_OPTIONS = ("cpu_fast_prefill", "cpu_fast_small_rows", "cpu_fast_head", "cpu_fast_tables")
 #: rows up to which an expert runs the decode kernel by default: a prompt's tokens spread over the experts, a few
 #: each, and the kernel's cost grows with every row while a GEMM's barely does
 EXPERT_SMALL_ROWS = 4
@@ -127,6 +127,20 @@ class MXFP4Loader(TransformersLoader):
 
         return MXFP4Source(SafetensorsSource(probe), read_scheme(probe))
 
+    def prepare(self, ctx: LoadContext) -> None:
+        if ctx.backend == "cpu-fast":
+            ctx.state["fast_plan"] = _fast_plan(ctx)
+
+    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
+        """cpu-fast's head replaces the 16-bit embedding the build keeps (as every cpu-fast format's)."""
+        plan = ctx.state.get("fast_plan")
+        return plan is not None and bool(plan.keeps_embedding_dtype())
+
+    def file_tables(self, ctx: LoadContext) -> bool:
+        """cpu-fast's head and embedding read their tables from the checkpoint file (``cpu_fast_tables``)."""
+        plan = ctx.state.get("fast_plan")
+        return plan is not None and ctx.device.type == "cpu" and bool(plan.file_tables())
+
     def make_module(self, ctx: LoadContext) -> Callable[[str, nn.Module], nn.Module | None] | None:
         """On cpu-fast, each gpt-oss experts module whose two weights are packed becomes a
         :class:`~anyquant_mxfp4.experts.PackedGptOssExperts`, read straight from the ``_blocks``/``_scales``."""
@@ -145,7 +159,7 @@ class MXFP4Loader(TransformersLoader):
             raise UnsupportedFormatError(f"{ctx.probe.root}: the cpu-fast backend cannot run: {why}")
         assert isinstance(source, MXFP4Source)
         names = {t.name for t in scheme.tensors}
-        plan = _fast_plan(ctx)
+        plan = ctx.state["fast_plan"]
         rows = plan.small_rows if "cpu_fast_small_rows" in ctx.options.extra else EXPERT_SMALL_ROWS
 
         def factory(name: str, module: nn.Module) -> nn.Module | None:
@@ -204,13 +218,10 @@ def _fast_plan(ctx: LoadContext) -> Any:
 
 
 def _finish_fast(loaded: LoadedModel, ctx: LoadContext) -> dict[str, Any]:
-    """The LM head on cpu-fast's decode kernel (the top 64 logits exact), as every cpu-fast format's."""
-    from anyquant.runtime.fastcpu import install_fast_head
-
-    plan = _fast_plan(ctx)
-    head = (
-        install_fast_head(loaded.module, small_rows=plan.small_rows, compute_dtype=ctx.dtype, kind=plan.head_kind)
-        if plan.head
-        else {"head": "dense", "reason": "cpu_fast_head='dense'"}
-    )
-    return {"experts": "MXFP4 packed, 4-bit table kernel", "prefill_dtype": plan.prefill_name, "lm_head": head}
+    """The LM head on cpu-fast's decode kernel (the top 64 logits exact) and the embedding as cpu-fast keeps it, both
+    from the file's tables where the build left them there, as every cpu-fast format's."""
+    plan = ctx.state["fast_plan"]
+    plan.converted = sum(len(m.gate_up) + len(m.down) for m in loaded.module.modules() if hasattr(m, "gate_up"))
+    plan.finish(loaded.module, ctx.dtype, tables=ctx.file_tables)
+    summary: dict[str, Any] = plan.summary()
+    return {"experts": "MXFP4 packed, 4-bit table kernel", **summary}
