@@ -45,7 +45,7 @@ COMPILE_TIMEOUT = 10.0
 #: compiled grammars kept (least recently used dropped first)
 CACHE_SIZE = 64
 
-Kind = Literal["json_object", "json_schema", "regex", "choice"]
+Kind = Literal["json_object", "json_schema", "regex", "choice", "tool_calls"]
 
 
 class GrammarError(ParameterError):
@@ -100,6 +100,22 @@ class OutputFormat:
         text = _bounded(text, "the JSON schema")
         _check_enforced(schema, "", 0)
         return cls("json_schema", text)
+
+    @classmethod
+    def tool_calls(
+        cls, schema: Mapping[str, Any], begin: str = "", end: str = "", sep: str = "", max_calls: int = 1
+    ) -> OutputFormat:
+        """Tool calls: ``begin``, a JSON value of ``schema`` (one call), ``end``; then up to ``max_calls - 1`` more,
+        each after ``sep`` (``spec``: those as JSON text)."""
+        if not isinstance(schema, Mapping) or max_calls < 1:
+            raise GrammarError("a tool call's schema is an object, and at least one call is allowed")
+        _check_enforced(schema, "", 0)
+        spec = {"schema": schema, "begin": begin, "end": end, "sep": sep, "max_calls": int(max_calls)}
+        try:
+            text = json.dumps(spec, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise GrammarError(f"the tools' parameters are not JSON: {exc}") from None
+        return cls("tool_calls", _bounded(text, "the tools' schema"))
 
     @classmethod
     def regex(cls, pattern: str) -> OutputFormat:
@@ -254,6 +270,8 @@ class Grammars:
                 return compiler.compile_json_schema(fmt.spec, any_whitespace=False, strict_mode=True)
             if fmt.kind == "regex":
                 return compiler.compile_regex(fmt.spec)
+            if fmt.kind == "tool_calls":
+                return compiler.compile_grammar(_tool_calls_grammar(json.loads(fmt.spec)))
             choices = json.loads(fmt.spec)
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
         except Exception as exc:  # xgrammar raises RuntimeError (and ValueError) with its parser's message
@@ -267,10 +285,32 @@ class Grammars:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _tool_calls_grammar(spec: Mapping[str, Any]) -> Any:
+    """``begin schema end`` once, or up to ``max_calls`` times joined by ``sep``, as one xgrammar grammar (the
+    JSON on one line, strict: no property the schema does not name)."""
+    import xgrammar as xg
+
+    def literal(text: str) -> Any:
+        return xg.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
+
+    value = xg.Grammar.from_json_schema(json.dumps(spec["schema"]), any_whitespace=False, strict_mode=True)
+    one = [literal(spec["begin"])] if spec["begin"] else []
+    one += [value] + ([literal(spec["end"])] if spec["end"] else [])
+    call = xg.Grammar.concat(*one) if len(one) > 1 else one[0]
+    options, calls = [call], call
+    for _ in range(int(spec["max_calls"]) - 1):
+        calls = xg.Grammar.concat(calls, literal(spec["sep"]), call) if spec["sep"] else xg.Grammar.concat(calls, call)
+        options.append(calls)
+    return xg.Grammar.union(*options) if len(options) > 1 else call
+
+
 def _what(fmt: OutputFormat) -> str:
-    return {"json_object": "JSON grammar", "json_schema": "JSON schema", "regex": "regular expression"}.get(
-        fmt.kind, "list of choices"
-    )
+    return {
+        "json_object": "JSON grammar",
+        "json_schema": "JSON schema",
+        "regex": "regular expression",
+        "tool_calls": "tools' call schema",
+    }.get(fmt.kind, "list of choices")
 
 
 class Constraint:

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,6 +21,7 @@ from ..errors import AnyquantError
 from ..results import TokenLogprob
 from .scheduler import Finished, QueueFull, Request
 from .schema import MAX_CHOICES, ChatRequest, CompletionRequest, RequestError, parse_json, validate
+from .tools import ToolStream, parse_tool_calls
 
 __all__ = ["MAX_CHOICES", "ApiError", "ServerConfig", "build_app"]
 
@@ -69,6 +70,8 @@ class _Job:
     #: structured output: the field that asked (``response_format``, ``guided_json``, ...) and its format
     format: tuple[str, Any] | None = None
     grammar: Any = None  # the format compiled (off the event loop: :func:`_compiled`)
+    #: tool calls: the format the chat template's model writes them in, parsed back from each answer
+    tools: Any = None
 
 
 def _validated(app: _Server, body: Mapping[str, Any], chat: bool) -> ChatRequest | CompletionRequest:
@@ -83,7 +86,9 @@ def _validated(app: _Server, body: Mapping[str, Any], chat: bool) -> ChatRequest
 def _prompt_ids(app: _Server, request: ChatRequest | CompletionRequest) -> list[int]:
     try:
         if isinstance(request, ChatRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+            messages = [m.template_dict() for m in request.messages]
+            if request.tool_mode() != "none":
+                return list(app.adapter.encode_chat(messages, _tool_dicts(request)))
             return list(app.adapter.encode(messages, chat=True))
         if isinstance(request.prompt, list):  # token ids, checked against the vocabulary by the schema
             return list(request.prompt)
@@ -91,6 +96,73 @@ def _prompt_ids(app: _Server, request: ChatRequest | CompletionRequest) -> list[
     except AnyquantError as exc:
         chat = isinstance(request, ChatRequest)
         raise ApiError(400, str(exc), "invalid_value", "messages" if chat else "prompt") from None
+
+
+def _tool_dicts(request: ChatRequest) -> list[dict[str, Any]]:
+    """The request's tools as chat templates and schemas read them: OpenAI's ``{"type": "function", ...}``."""
+    return [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
+
+
+def _tool_format(app: _Server, request: ChatRequest) -> Any:
+    """The tool-call format of the model's chat template (:mod:`.tools`), or ``None`` when the request offers no
+    tools (or ``tool_choice: "none"``); a 400 when the engine or the template cannot take tools."""
+    from .tools import detect_format, supports_tools
+
+    mode = request.tool_mode()
+    if mode == "none":
+        return None
+    if not hasattr(app.adapter, "encode_chat"):
+        raise ApiError(400, "tools are not supported by this server's engine", "unsupported_parameter", "tools")
+    source = app.adapter.chat_template()
+    if source is None or not supports_tools(source):
+        raise ApiError(400, "this model's chat template has no tool support", "unsupported_parameter", "tools")
+    fmt = detect_format(source)
+    if fmt is None:
+        raise ApiError(
+            400,
+            "this model's chat template writes tool calls in a format anyquant serve does not parse "
+            "(it parses Hermes/Qwen <tool_call>, Llama 3 JSON and Mistral [TOOL_CALLS])",
+            "unsupported_parameter",
+            "tools",
+        )
+    if mode in ("required", "function"):
+        asked = request.output_format()
+        if asked is not None:
+            name = asked[0]
+            raise ApiError(
+                400, f"one output constraint per request: tool_choice {mode} and {name}", "invalid_value", name
+            )
+        if not getattr(app.scheduler, "structured_output", False):
+            raise ApiError(
+                400,
+                f"tool_choice {mode} is not supported by this server's engine (it needs constrained decoding)",
+                "unsupported_parameter",
+                "tool_choice",
+            )
+    return fmt
+
+
+def _tool_constraint(request: ChatRequest, fmt: Any) -> tuple[str, Any] | None:
+    """``tool_choice: "required"`` or a named function as a grammar: the template's call markers around a JSON
+    call of one of the tools (the named one), so the answer always parses as calls; ``None`` for ``auto``."""
+    from ..runtime.grammar import GrammarError, OutputFormat
+    from .tools import MAX_PARALLEL_CALLS, call_schema
+
+    mode = request.tool_mode()
+    if mode not in ("required", "function"):
+        return None
+    name = request.tool_choice.function.name if mode == "function" else None  # type: ignore[union-attr]
+    calls = MAX_PARALLEL_CALLS if mode == "required" and request.parallel_tool_calls is not False else 1
+    try:
+        schema = call_schema(_tool_dicts(request), fmt, name)
+        if fmt.array:  # one JSON array of calls after the marker
+            schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": calls}
+            grammar = OutputFormat.tool_calls(schema, fmt.begin, fmt.end)
+        else:
+            grammar = OutputFormat.tool_calls(schema, fmt.begin, fmt.end, fmt.sep, calls)
+    except GrammarError as exc:
+        raise ApiError(400, f"tools: {exc}", "invalid_value", "tools") from None
+    return "tools", grammar
 
 
 def _engine_refuses(app: _Server, request: ChatRequest | CompletionRequest) -> None:
@@ -206,7 +278,10 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
             "model_not_found",
         )
     _engine_refuses(app, request)
+    tools = _tool_format(app, request) if isinstance(request, ChatRequest) else None
     fmt = _output_format(request)
+    if isinstance(request, ChatRequest) and tools is not None:
+        fmt = _tool_constraint(request, tools) or fmt
     params = _params(request)
     top = request.top()
     echo = isinstance(request, CompletionRequest) and bool(request.echo)
@@ -237,7 +312,7 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
         text = request.prompt if isinstance(request.prompt, str) else app.adapter.decode(ids)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     job = _Job(ids, params, max_tokens, bool(request.stream), include_usage, top is not None, request.n or 1, text)
-    job.format = fmt
+    job.format, job.tools = fmt, tools
     return job
 
 
@@ -515,7 +590,13 @@ def _choice(shapes: _Shapes, job: _Job, index: int, c: _Choice) -> dict[str, Any
     text = "".join(c.pieces)
     reason = "length" if c.done.reason == "length" else "stop"
     if shapes.chat:
-        out: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if job.tools is not None:
+            content, calls = parse_tool_calls(text, job.tools)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                reason = "tool_calls"
+        out: dict[str, Any] = {"index": index, "message": message}
     else:
         out = {"index": index, "text": (job.echo or "") + text}
     shape = None
@@ -582,6 +663,25 @@ async def _sse(
     pending: list[list[TokenLogprob | None]] = [[] for _ in works]  # each choice's tokens since its last chunk
     offsets = [0] * len(works)
     done: list[Finished | None] = [None] * len(works)
+    # tool calls: each choice's text held from where a call may start, its calls sent whole at its end
+    calls: list[ToolStream] | None = None
+    if chat and job.tools is not None:
+        calls = [ToolStream(job.tools) for _ in works]
+
+    def tool_chunks(index: int) -> Iterator[str]:
+        """The rest of a choice's content, then its calls as OpenAI streams them: the id, type and name with empty
+        arguments, then the arguments; ``"tool_calls"`` once any came."""
+        assert calls is not None
+        rest, made = calls[index].finish()
+        if rest:
+            yield chunk([piece(index, rest, None)])
+        for i, call in enumerate(made):
+            head_delta = {"index": i, "id": call["id"], "type": "function"}
+            head_delta["function"] = {"name": call["function"]["name"], "arguments": ""}
+            for delta in (head_delta, {"index": i, "function": {"arguments": call["function"]["arguments"]}}):
+                yield chunk(
+                    [{"index": index, "delta": {"tool_calls": [delta]}, "finish_reason": None, "logprobs": None}]
+                )
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return json.dumps({**head, "object": obj, "choices": choices, **extra}, ensure_ascii=False)
@@ -618,7 +718,12 @@ async def _sse(
                 if bad is not None:
                     yield json.dumps(bad.body())
                     break
-                yield chunk([piece(index, None if chat else "", "length" if item.reason == "length" else "stop")])
+                reason = "length" if item.reason == "length" else "stop"
+                if calls is not None:
+                    for out in tool_chunks(index):
+                        yield out
+                    reason = "tool_calls" if calls[index].called else reason
+                yield chunk([piece(index, None if chat else "", reason)])
                 continue
             if isinstance(item, _PromptScores):  # echo with logprobs: the prompt and its scores, first
                 pending[index].extend(item.items)
@@ -631,6 +736,10 @@ async def _sse(
             if isinstance(item, TokenLogprob):
                 pending[index].append(item)
                 continue
+            if calls is not None:
+                item = calls[index].feed(item)
+                if not item:
+                    continue
             yield chunk([piece(index, item, None)])
         else:
             if job.include_usage:

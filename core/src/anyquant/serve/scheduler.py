@@ -69,6 +69,21 @@ class ModelAdapter:
 
         return list(self.generator.encode(prompt, GenerationParams(chat=chat)))
 
+    def chat_template(self, with_tools: bool = True) -> str | None:
+        """The chat template's source (the ``tool_use`` one of a set, ``with_tools``), or ``None``."""
+        from .tools import template_source
+
+        return template_source(self.generator.tokenizer, with_tools)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Chat messages and OpenAI tools rendered by the model's own chat template (``tools=``), as token ids."""
+        from ..runtime.chat import render_chat
+        from ..runtime.tokenizer import encode_text
+
+        tok = self.generator.tokenizer
+        text = render_chat(tok, list(messages), context_length=self.context, add_generation_prompt=True, tools=tools)
+        return encode_text(tok, text, add_special_tokens=False)
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.generator.decode(ids))
 

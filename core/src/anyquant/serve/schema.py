@@ -4,7 +4,7 @@ before any work starts: :class:`ChatRequest` (``POST /v1/chat/completions``) and
 
 Every field the server reads is typed and bounded here (strict types: ``"1"`` is not a number, ``true`` is not an
 integer; numbers finite; strings valid Unicode, no lone surrogates). OpenAI's fields that the server cannot honour
-are refused unless they hold their neutral value (``tools: []``, ``best_of: 1``, ...); its fields that only say who
+are refused unless they hold their neutral value (``best_of: 1``, ``functions: []``, ...); its fields that only say who
 asks (``user``, ``metadata``, ``store``, ...) are accepted and not used; a field OpenAI does not define, and that is
 not one of the extensions (``top_k``, ``min_p``, ``repetition_penalty``, vLLM's ``guided_json``, ``guided_regex``
 and ``guided_choice``), is refused, as OpenAI refuses it
@@ -64,6 +64,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 #: the most strings ``guided_choice`` may list
 MAX_GUIDED_CHOICES = 1024
+#: the most tools one request may offer (OpenAI's bound), and calls one message may carry
+MAX_TOOLS = 128
 
 
 class RequestError(Exception):
@@ -247,6 +249,22 @@ Content = Annotated[
 ]
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: Text  # JSON text, as the API returned it
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made, sent back in the history."""
+
+    id: Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_unicode)]
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Strict):
     role: NonEmptyText
     content: Content | None = None
@@ -255,10 +273,34 @@ class Message(_Strict):
     #: an assistant message sent back as the API returned it carries these, empty
     refusal: Text | None = None
     annotations: list[Any] | None = None
-    tool_calls: Annotated[Any, AfterValidator(_neutral([]))] = None
-    tool_call_id: Unsupported = None
+    #: an assistant message's calls, and a ``tool`` message's answer to one (both passed to the chat template)
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_unicode)] | None = None
     function_call: Unsupported = None
     audio: Unsupported = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: role and content; an assistant's ``tool_calls`` with their
+        arguments as a mapping where the JSON text is one (what Hugging Face's templates expect); a tool message's
+        ``tool_call_id`` (and ``name``)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                try:
+                    arguments: Any = json.loads(call.function.arguments)
+                except ValueError:
+                    arguments = call.function.arguments
+                if not isinstance(arguments, dict):
+                    arguments = call.function.arguments
+                function = {"name": call.function.name, "arguments": arguments}
+                calls.append({"id": call.id, "type": "function", "function": function})
+            out["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -296,6 +338,40 @@ class ResponseFormat(_Strict):
         return self
 
 
+class FunctionDef(_Strict):
+    """A tool's function: ``name``, ``description``, ``parameters`` (a JSON schema of its arguments: absent, none)
+    and ``strict`` (accepted either way: a constrained call always follows the schema)."""
+
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("~str")] | Annotated[NamedToolChoice, Tag("~dict")],
+    Discriminator(
+        lambda v: "~str" if isinstance(v, str) else "~dict" if isinstance(v, dict) else None,
+        custom_error_type="invalid_value",
+        custom_error_message='expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    ),
+]
+
+
 #: the fields that constrain the output, one per request: OpenAI's and vLLM's extensions
 FORMAT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
@@ -330,8 +406,6 @@ class _Request(_Strict):
     service_tier: Text | None = None
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None
-    # OpenAI's, that this server cannot honour: refused unless neutral
-    tools: Annotated[Any, AfterValidator(_neutral([]))] = None
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -369,8 +443,9 @@ class ChatRequest(_Request):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tool_choice: Annotated[Any, AfterValidator(_neutral("none"))] = None
-    parallel_tool_calls: bool | None = None  # without tools there is nothing to call
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Annotated[Any, AfterValidator(_neutral([]))] = None
     function_call: Annotated[Any, AfterValidator(_neutral("none"))] = None
     modalities: Annotated[Any, AfterValidator(_neutral(["text"]))] = None
@@ -387,6 +462,37 @@ class ChatRequest(_Request):
             raise PydanticCustomError("invalid_value", "needs logprobs: true", {"param": "top_logprobs"})
         return self
 
+    @model_validator(mode="after")
+    def _tool_choice_in_tools(self) -> ChatRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise PydanticCustomError(
+                "invalid_value", "two tools are named {name}", {"name": _short(dup), "param": "tools"}
+            )
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return self
+        if not names:
+            raise PydanticCustomError(
+                "invalid_value", "{choice} needs tools", {"choice": _short(choice), "param": "tool_choice"}
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise PydanticCustomError(
+                "invalid_value",
+                "names {name}, which is not one of the tools",
+                {"name": _short(choice.function.name), "param": "tool_choice"},
+            )
+        return self
+
+    def tool_mode(self) -> str:
+        """``none`` (no tools, or ``tool_choice: "none"``), ``auto``, ``required`` or ``function`` (a named one)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function"
+        return self.tool_choice or "auto"
+
     def asked_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -400,6 +506,7 @@ class CompletionRequest(_Request):
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = None
     best_of: Annotated[Any, AfterValidator(_neutral(1))] = None
+    tools: Annotated[Any, AfterValidator(_neutral([]))] = None  # chat's only
     suffix: Annotated[Any, AfterValidator(_neutral(""))] = None
 
     @model_validator(mode="after")

@@ -1,0 +1,416 @@
+"""Tool calls in ``anyquant serve`` (issue #43 §2): ``tools``, ``tool_choice`` (``none``, ``auto``, ``required``, a
+named function) and ``parallel_tool_calls`` on chat, rendered by the checkpoint's own chat template, the answer's
+tool-call text parsed back into OpenAI ``tool_calls`` (streamed as OpenAI streams them), ``tool`` messages accepted.
+
+The parsers (Hermes/Qwen ``<tool_call>``, Llama 3 JSON, Mistral ``[TOOL_CALLS]``) and the request schema are tested
+on fixed inputs; the rest against real server processes: the bundled model (its template has no tool support: a
+400) and the bundled model with Qwen2.5's chat template written into a copy of its GGUF, where ``required`` and a
+named function constrain the answer so that even this tiny model's call parses and validates (``jsonschema``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from anyquant.serve.schema import RequestError, validate
+from anyquant.serve.tools import (
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    ToolStream,
+    call_schema,
+    detect_format,
+    parse_tool_calls,
+    supports_tools,
+)
+
+NAME = "smol"
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Qwen2.5-Instruct's chat template (Hermes-style tool calls), as its tokenizer_config.json holds it
+QWEN25_TEMPLATE = (
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n    {%- else %}\n"
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n"
+    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are '
+    'provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
+    '    {%- for tool in tools %}\n        {{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n'
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
+    '<args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
+    "{%- else %}\n    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
+    '(message.role == "assistant" and not message.tool_calls) %}\n'
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- elif message.role == \"assistant\" %}\n        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n            {{- '\\n' + message.content }}\n        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n"
+    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n'
+    '            {{- \'", "arguments": \' }}\n            {{- tool_call.arguments | tojson }}\n'
+    "            {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n"
+    '    {%- elif message.role == "tool" %}\n'
+    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
+    "            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n        {{- '\\n</tool_response>' }}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
+    "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+)
+LLAMA3_SNIPPET = (
+    '{%- if tools is not none %}{{- \'Respond in the format {"name": function name, "parameters": dictionary of '
+    "argument name and its value}.' }}{%- endif %}{{- '<|python_tag|>' }}"
+)
+MISTRAL_SNIPPET = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{%- endif %}[TOOL_CALLS]"
+CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 12},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "minLength": 1, "maxLength": 8}},
+            "required": ["zone"],
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+
+
+# ---------------------------------------------------------------------- formats and parsers
+
+
+def test_template_detection() -> None:
+    assert supports_tools(QWEN25_TEMPLATE) and detect_format(QWEN25_TEMPLATE) is HERMES
+    assert supports_tools(LLAMA3_SNIPPET) and detect_format(LLAMA3_SNIPPET) is LLAMA3_JSON
+    assert supports_tools(MISTRAL_SNIPPET) and detect_format(MISTRAL_SNIPPET) is MISTRAL
+    assert not supports_tools(CHATML)
+    assert not supports_tools("{{ 'tools' }}{% set x = 1 %}")  # the word, not the variable
+    assert supports_tools("{% for t in tools %}{{ t }}{% endfor %}")
+
+
+def _calls(calls: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    for call in calls:
+        assert call["id"].startswith("call_") and call["type"] == "function"
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_hermes_parser() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text, HERMES)
+    assert content is None and _calls(calls) == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    two = "Let me check.\n" + text + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    content, calls = parse_tool_calls(two, HERMES)
+    assert content == "Let me check." and [n for n, _ in _calls(calls)] == ["get_weather", "get_time"]
+    assert len({c["id"] for c in calls}) == 2
+    # arguments as JSON text, and a call the model did not close before its end
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}', HERMES)
+    assert content is None and _calls(calls) == [("f", {"a": 1})]
+    for bad in ("no call at all", "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>'):
+        assert parse_tool_calls(bad, HERMES) == (bad, [])
+
+
+def test_llama3_parser() -> None:
+    content, calls = parse_tool_calls('{"name": "get_time", "parameters": {"zone": "UTC"}}', LLAMA3_JSON)
+    assert content is None and _calls(calls) == [("get_time", {"zone": "UTC"})]
+    text = '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": [1]}}'
+    assert _calls(parse_tool_calls(text, LLAMA3_JSON)[1]) == [("a", {}), ("b", {"x": [1]})]
+    for plain in ("The answer is 4.", '{"not": "a call"}', '{"name": "a", "parameters": {}} and more'):
+        assert parse_tool_calls(plain, LLAMA3_JSON) == (plain, [])
+
+
+def test_mistral_parser() -> None:
+    text = 'Sure.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "b", "arguments": {}}]'
+    content, calls = parse_tool_calls(text, MISTRAL)
+    assert content == "Sure." and _calls(calls) == [("get_time", {"zone": "UTC"}), ("b", {})]
+    newer = '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}[TOOL_CALLS]b[ARGS]{}'
+    assert _calls(parse_tool_calls(newer, MISTRAL)[1]) == [("get_time", {"zone": "UTC"}), ("b", {})]
+    for plain in ("Hello", "[TOOL_CALLS]not json"):
+        assert parse_tool_calls(plain, MISTRAL) == (plain, [])
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_stream_holds_calls_and_sends_the_rest(size: int) -> None:
+    text = 'Checking <tool!\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    stream = ToolStream(HERMES)
+    sent = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
+    rest, calls = stream.finish()
+    assert sent + rest == "Checking <tool!\n" and stream.called
+    assert _calls(calls) == [("get_time", {"zone": "UTC"})]
+    plain = ToolStream(HERMES)
+    sent = "".join(plain.feed(c) for c in "a <tool_ca")
+    assert sent == "a " and plain.finish() == ("<tool_ca", []) and not plain.called
+    llama = ToolStream(LLAMA3_JSON)
+    assert llama.feed(" ") == "" and llama.feed("Hi") == " Hi" and llama.feed(" {") == " {"
+    llama = ToolStream(LLAMA3_JSON)
+    assert llama.feed('{"name": "a", ') == "" and llama.feed('"parameters": {}}') == ""
+    assert _calls(llama.finish()[1]) == [("a", {})]
+
+
+def test_call_schema() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = call_schema(TOOLS, HERMES)
+    jsonschema.validate({"name": "get_time", "arguments": {"zone": "UTC"}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "get_time", "arguments": {"city": "x", "unit": "celsius"}}, schema)
+    named = call_schema(TOOLS, LLAMA3_JSON, "get_weather")
+    assert named["properties"]["name"] == {"enum": ["get_weather"]} and "parameters" in named["properties"]
+
+
+# ---------------------------------------------------------------------- the request schema
+
+
+CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "required"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "two tools"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "pattern"),
+        ({"tools": [{"type": "code", "function": {"name": "a"}}]}, "tools", "function"),
+        ({"tools": [{"type": "function", "function": {"name": "a", "parameters": []}}]}, "tools", "dict"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "bool"),
+    ],
+)
+def test_schema_refuses(extra: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(RequestError) as info:
+        validate({**CHAT, **extra}, chat=True)
+    assert info.value.param == param and words in info.value.message, info.value.message
+
+
+def test_schema_takes_tools_and_their_messages() -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    body = {"model": NAME, "messages": messages, "tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False}
+    request = validate(body, chat=True)
+    assert request.tool_mode() == "auto"  # type: ignore[union-attr]
+    rendered = [m.template_dict() for m in request.messages]  # type: ignore[union-attr]
+    assert rendered[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "P"}}
+    assert rendered[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    for choice, mode in (("none", "none"), ("required", "required"), (None, "auto")):
+        assert validate({**body, "tool_choice": choice}, chat=True).tool_mode() == mode  # type: ignore[union-attr]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert validate({**body, "tool_choice": named}, chat=True).tool_mode() == "function"  # type: ignore[union-attr]
+    assert validate({**CHAT, "tools": []}, chat=True).tool_mode() == "none"  # type: ignore[union-attr]
+    with pytest.raises(RequestError):  # completions take no tools
+        validate({"model": NAME, "prompt": "x", "tools": TOOLS}, chat=False)
+
+
+# ---------------------------------------------------------------------- real servers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(path: str | None) -> Iterator[str]:
+    for module in ("starlette", "uvicorn", "sse_starlette", "xgrammar", "openai", "jsonschema"):
+        pytest.importorskip(module)
+    port = _free_port()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [
+            str(ROOT / "core" / "src"),
+            *[str(p / "src") for p in sorted((ROOT / "plugins").iterdir())],
+            env.get("PYTHONPATH", ""),
+        ]
+    )
+    cmd = [sys.executable, "-m", "anyquant.cli", "serve", *([path] if path else []), "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--model-name", NAME], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("server did not start") from None
+            time.sleep(0.5)
+    yield base
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _with_template(dest: Path, template: str) -> Path:
+    """A copy of the bundled GGUF with ``template`` as its chat template."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    import anyquant
+
+    reader = gguf.GGUFReader(str(anyquant.default_model()))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    writer = gguf.GGUFWriter(str(dest), arch=arch, endianess=reader.endianess)
+    writer.data_alignment = reader.alignment
+    new = {gguf.Keys.Tokenizer.CHAT_TEMPLATE: MetadataDetails(gguf.GGUFValueType.STRING, template)}
+    copy_with_new_metadata(reader, writer, new, [])
+    return dest
+
+
+@pytest.fixture(scope="module")
+def qwen_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    path = _with_template(tmp_path_factory.mktemp("tools") / "smol-qwen-template.gguf", QWEN25_TEMPLATE)
+    openai = pytest.importorskip("openai")
+    for base in _serve(str(path)):
+        yield openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _valid_calls(calls: Any, allowed: list[dict[str, Any]]) -> list[str]:
+    jsonschema = pytest.importorskip("jsonschema")
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in allowed}
+    names = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in by_name, call.function.name
+        jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+        names.append(call.function.name)
+    return names
+
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_required_and_named_calls_are_well_formed(qwen_client: Any) -> None:
+    for seed in (0, 1):
+        r = qwen_client.chat.completions.create(
+            model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0.8,
+            seed=seed,
+        )  # fmt: skip
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert _valid_calls(choice.message.tool_calls, TOOLS)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = qwen_client.chat.completions.create(
+        model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=80, parallel_tool_calls=False
+    )
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and _valid_calls(calls, [TIME]) == ["get_time"]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_streamed_calls_as_openai_streams_them(qwen_client: Any) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = qwen_client.chat.completions.create(
+        model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=80, stream=True
+    )
+    calls: dict[int, dict[str, str]] = {}
+    reasons = []
+    for chunk in stream:
+        for c in chunk.choices:
+            for delta in c.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                call["name"] += (delta.function.name if delta.function else None) or ""
+                call["arguments"] += (delta.function.arguments if delta.function else None) or ""
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert reasons == ["tool_calls"] and list(calls) == [0]
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    pytest.importorskip("jsonschema").validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_auto_none_and_a_tool_round_trip(qwen_client: Any) -> None:
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21}'},
+    ]
+    for choice in ("auto", "none"):
+        r = qwen_client.chat.completions.create(
+            model=NAME, messages=history, tools=TOOLS, tool_choice=choice, max_tokens=16, temperature=0
+        )
+        c = r.choices[0]
+        if c.message.tool_calls:  # whatever the tiny model writes: a call only when it parses as one
+            assert choice == "auto" and c.finish_reason == "tool_calls"
+            assert all(json.loads(t.function.arguments) is not None for t in c.message.tool_calls)
+        else:
+            assert c.finish_reason in ("stop", "length") and isinstance(c.message.content, str)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_refusals(qwen_client: Any) -> None:
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError, match="one output constraint"):
+        qwen_client.chat.completions.create(
+            model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=8,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
+    for base in _serve(None):  # the bundled template never reads tools
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+        with pytest.raises(openai.BadRequestError, match="chat template has no tool support") as info:
+            client.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS, max_tokens=8)
+        assert info.value.body["param"] == "tools"  # type: ignore[index]
+        r = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=4)
+        assert r.choices[0].message.tool_calls is None
