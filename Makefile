@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.anyquant-installed
 PINS := torch==2.13.0 transformers==5.24.0 safetensors==0.8.0 pluggy==1.7.0 packaging \
         accelerate==1.16.0 optimum==2.3.0 gguf==0.19.0 numpy==2.2.6 \
         gptqmodel==7.6.0 autoawq==0.2.9 exllamav3==1.6.5 lm-eval==0.4.13 \
-        compressed-tensors==0.20.0 bitsandbytes==0.50.2 starlette==1.10.0 uvicorn==0.55.0 sse-starlette==3.7.1 pydantic==2.14.4 openai==3.63.0 xgrammar==0.2.9 jsonschema==4.26.0 \
+        compressed-tensors==0.20.0 bitsandbytes==0.50.2 starlette==1.10.0 uvicorn==0.55.0 sse-starlette==3.7.1 pydantic==2.14.4 openai==3.63.0 xgrammar==0.2.9 jsonschema==4.26.0 prometheus-client==0.26.0 \
         pytest hypothesis tqdm matplotlib ruff mypy
 EDITABLE := -e core -e plugins/gptq -e plugins/awq -e plugins/exl3 -e plugins/gguf -e plugins/compressed_tensors -e plugins/fp8 -e plugins/bnb -e plugins/mlx -e plugins/mxfp4
 # llm-compressor pins an older transformers than ours: its own venv, which `quantize --quantizer-backend

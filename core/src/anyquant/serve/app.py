@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API of ``anyquant serve``: a Starlette app over a :class:`~.scheduler.Scheduler`.
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as
+Routes: ``GET /health``, ``GET /metrics`` (Prometheus, :mod:`.metrics`), ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as
 server-sent events ending in ``data: [DONE]`` with ``"stream": true``). Errors take OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}`` with the status that fits; no traceback leaves the server.
 """
@@ -35,6 +35,7 @@ class ServerConfig:
     timeout: float = 600.0  # seconds a request may run, queueing included
     max_body_bytes: int = 1 << 20
     body_timeout: float = 30.0  # seconds a request's body may take to arrive after its headers
+    metrics: bool = True  # GET /metrics (Prometheus), open like /health: the key does not guard it
 
 
 class ApiError(Exception):
@@ -72,6 +73,7 @@ class _Job:
     grammar: Any = None  # the format compiled (off the event loop: :func:`_compiled`)
     #: tool calls: the format the chat template's model writes them in, parsed back from each answer
     tools: Any = None
+    stats: Any = None  # the request's :class:`~.metrics.RequestStats` when the server keeps metrics
 
 
 def _validated(app: _Server, body: Mapping[str, Any], chat: bool) -> ChatRequest | CompletionRequest:
@@ -331,25 +333,34 @@ class _Run:
     """A submitted request (one choice) seen from the event loop: its text pieces, log-probabilities and end, in
     order, put on a queue the choices of one HTTP request share, each item with the choice's index."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[int, Any]], index: int) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[int, Any]], index: int, stats: Any = None
+    ) -> None:
         self.loop = loop
         self.queue = queue
         self.index = index
+        self.stats = stats  # :class:`~.metrics.RequestStats` or None
         self.prompt: list[TokenLogprob | None] | None = None  # echo with logprobs: the prompt's, when scored
 
     def _put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
 
     def emit(self, text: str) -> None:
+        if self.stats is not None:
+            self.stats.token(self.index)
         self._put(text)
 
     def logprob(self, item: TokenLogprob) -> None:
+        if self.stats is not None:
+            self.stats.token(self.index)
         self._put(item)
 
     def prompt_logprobs(self, items: list[TokenLogprob | None]) -> None:
         self._put(_PromptScores(items))
 
     def finish(self, done: Finished) -> None:
+        if self.stats is not None:
+            self.stats.finished(self.index, done.reason, done.completion_tokens)
         self._put(done)
 
 
@@ -385,6 +396,14 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
     from starlette.routing import Route
 
     server = _Server(scheduler, config)
+    metrics = None
+    if config.metrics:
+        try:
+            from .metrics import Metrics
+
+            metrics = Metrics(scheduler, config.model_name)
+        except ImportError:  # the [serve] extra before prometheus_client joined it
+            log.warning("GET /metrics is off: prometheus_client is not installed (pip install 'anyquant[serve]')")
 
     def error(exc: ApiError) -> Response:
         headers = {"Retry-After": "1"} if exc.status == 503 else {"Connection": "close"} if exc.status == 408 else None
@@ -434,6 +453,11 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
     async def health(request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting})
 
+    async def metrics_page(request: HttpRequest) -> Response:
+        assert metrics is not None
+        body, kind = metrics.render()
+        return Response(body, headers={"Content-Type": kind})
+
     async def models(request: HttpRequest) -> Response:
         try:
             authorize(request)
@@ -444,6 +468,7 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
 
     async def completions(request: HttpRequest, chat: bool) -> Response:
         works: list[Request] = []
+        start = time.monotonic()
         try:
             authorize(request)
             body = await read_json(request)
@@ -453,9 +478,11 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
             deadline = time.monotonic() + config.timeout
+            if metrics is not None:
+                job.stats = metrics.request(job.n, start)
             choices: list[Request] = []
             for i in range(job.n):
-                run = _Run(loop, queue, i)
+                run = _Run(loop, queue, i, job.stats)
                 params = job.params
                 if i and params.seed is not None:  # choice i samples with seed + i: reproducible, not identical
                     params = replace(params, seed=(params.seed + i) % 2**63)  # past 2**63 - 1: from 0 again
@@ -476,6 +503,8 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
             except QueueFull as exc:
                 raise ApiError(503, str(exc), "queue_full") from None
             works = choices
+            if job.stats is not None:
+                job.stats.prompt(len(job.ids))
         except ApiError as exc:
             for work in works:
                 work.cancel()
@@ -495,7 +524,11 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
                 shutdown_event=None,
                 shutdown_grace_period=config.timeout,
             )
-        answer: Response = await _whole(request, queue, works, head, shapes, job, error)
+        try:
+            answer: Response = await _whole(request, queue, works, head, shapes, job, error)
+        finally:
+            if job.stats is not None:
+                job.stats.close()  # an error answer or a cancelled handler: the engine's reasons count
         return answer
 
     async def chat_completions(request: HttpRequest) -> Response:
@@ -517,6 +550,7 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        *([Route("/metrics", metrics_page, methods=["GET"])] if metrics is not None else []),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", text_completions, methods=["POST"]),
     ]
@@ -651,6 +685,9 @@ async def _whole(
             return error(bad)
     obj = "chat.completion" if shapes.chat else "text_completion"
     body = [_choice(shapes, job, i, c) for i, c in enumerate(choices)]
+    if job.stats is not None:
+        for i, answer in enumerate(body):
+            job.stats.outcome(i, answer["finish_reason"])
     usage = _usage_of([c.done for c in choices if c.done is not None])
     return JSONResponse({**head, "object": obj, "choices": body, "usage": usage})
 
@@ -723,6 +760,8 @@ async def _sse(
                     for out in tool_chunks(index):
                         yield out
                     reason = "tool_calls" if calls[index].called else reason
+                if job.stats is not None:
+                    job.stats.outcome(index, reason)
                 yield chunk([piece(index, None if chat else "", reason)])
                 continue
             if isinstance(item, _PromptScores):  # echo with logprobs: the prompt and its scores, first
@@ -748,3 +787,5 @@ async def _sse(
     finally:
         for work in works:
             work.cancel()  # the client went away (or the stream ended): the scheduler drops it at its next step
+        if job.stats is not None:
+            job.stats.close()
