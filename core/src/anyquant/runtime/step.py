@@ -953,15 +953,15 @@ def _linear_spec(m: Any) -> tuple[tuple[Any, ...], int] | None:
 def _table_spec(m: Any) -> tuple[tuple[Any, ...], int] | None:
     """:func:`_linear_spec` of a plain :class:`~anyquant.runtime.kernels.lut.Lut4Linear` or
     :class:`~anyquant.runtime.kernels.lut.E4M3Linear` (no bias, its forward the class's own), else ``None``."""
-    from .kernels.lut import _ROUND, E4M3Linear, Lut4Linear
+    from .kernels.lut import ROUND_CODES, E4M3Linear, Lut4Linear
 
     if type(m) is Lut4Linear and m.bias is None:
         table = m.table()
         if table is None:
             return None
-        return (3, m.codes, table, m.group, m.out_features, _ROUND[m.round_to]), m.small_rows
+        return (3, m.codes, table, m.group, m.out_features, ROUND_CODES[m.round_to]), m.small_rows
     if type(m) is E4M3Linear and m.bias is None and m.scales.is_contiguous():
-        return (4, m.weight_bits, m.scales, m.group, m.out_features, _ROUND[m.round_to]), m.small_rows
+        return (4, m.weight_bits, m.scales, m.group, m.out_features, ROUND_CODES[m.round_to]), m.small_rows
     return None
 
 

@@ -189,11 +189,13 @@ class CTLinear(QuantLinearBase):
             prefill_dtype=prefill_dtype,
             compute_dtype=self.compute_dtype,
         )
-        if self.input_args is not None:
-            layer = InputQuantized(
-                layer, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale
-            )
-        return layer
+        return self._behind_inputs(layer)
+
+    def _behind_inputs(self, layer: torch.nn.Module) -> torch.nn.Module:
+        """A fast layer behind the input quantization the config asks for (the layer itself where it asks none)."""
+        if self.input_args is None:
+            return layer
+        return InputQuantized(layer, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale)
 
     def _fp4_table(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
         """NVFP4/MXFP4 codes kept packed on the 4-bit table kernel: the E2M1 table, each group's scale as
@@ -222,11 +224,7 @@ class CTLinear(QuantLinearBase):
             prefill_dtype=prefill_dtype,
             compute_dtype=self.compute_dtype,
         )
-        if self.input_args is not None:
-            layer = InputQuantized(
-                layer, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale
-            )
-        return layer
+        return self._behind_inputs(layer)
 
     def _q8_0(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
         """The int8 weight as Q8_0 blocks (its codes as stored, its scale per block of 32), run on the compiled kernel;
@@ -254,11 +252,7 @@ class CTLinear(QuantLinearBase):
             compute_dtype=self.compute_dtype,
             interleave=True,
         )
-        if self.input_args is not None:
-            layer = InputQuantized(
-                layer, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale
-            )
-        return layer
+        return self._behind_inputs(layer)
 
     def to_fast_cpu(
         self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None

@@ -4,10 +4,11 @@ a ModelOpt ``hf_quant_config.json``): format registration and header-only detect
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from anyquant.plugin import Claim, ConfigError, FormatSpec, Probe, UnsupportedFormatError, hookimpl
 
-from .scheme import read_scheme
+from .scheme import FP8Scheme, read_scheme
 
 FORMAT = "fp8"
 
@@ -49,15 +50,20 @@ def anyquant_detect(probe: Probe) -> Claim | None:
         evidence.append(
             f"{len(scheme.modules)} modules with F8_E4M3 weight + F32 weight_scale_inv ({scheme.describe()})"
         )
-    details = {
+    details = _details(scheme)
+    variant = "block" if scheme.block else "tensor"
+    return Claim(FORMAT, evidence=tuple(evidence + scheme.problems[:3]), variant=variant, details=details)
+
+
+def _details(scheme: FP8Scheme) -> dict[str, Any]:
+    """What detection reports of every FP8 checkpoint's scheme."""
+    return {
         "modules": len(scheme.modules),
         "block": list(scheme.block) if scheme.block else None,
         "activation_scheme": scheme.activation_scheme,
         "dtype": scheme.dtype,
         "problems": scheme.problems,
     }
-    variant = "block" if scheme.block else "tensor"
-    return Claim(FORMAT, evidence=tuple(evidence + scheme.problems[:3]), variant=variant, details=details)
 
 
 def _detect_modelopt(probe: Probe) -> Claim:
@@ -87,11 +93,7 @@ def _detect_modelopt(probe: Probe) -> Claim:
     if scheme.kv_scales:
         evidence.append(f"{len(scheme.kv_scales)} attention layers with k_scale/v_scale")
     details = {
-        "modules": len(scheme.modules),
-        "block": list(scheme.block) if scheme.block else None,
-        "activation_scheme": scheme.activation_scheme,
-        "dtype": scheme.dtype,
-        "problems": scheme.problems,
+        **_details(scheme),
         "producer": m.producer,
         "quant_algo": m.algo,
         "config_source": m.source,

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from anyquant.runtime.tensors import FileRows, SafetensorsSource
 
-__all__ = ["FP4_VALUES", "MXFP4Source", "dequantize", "dequantize_tensor"]
+__all__ = ["FP4_VALUES", "MXFP4Source", "check_scales", "dequantize", "dequantize_tensor"]
 
 #: E2M1 code -> value (transformers' ``FP4_VALUES``, the OCP MX spec's table)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -49,6 +49,18 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return out.view(out_features, groups * BLOCK)
 
 
+def check_scales(spec: MXFP4Tensor, scales: torch.Tensor) -> None:
+    """A NaN scale (E8M0 ``0xFF``, in ``scales`` U8) is a :class:`~anyquant.errors.NumericalError` naming the scales
+    tensor, counted as any NaN weight is (float8_e8m0fnu needs torch 2.7)."""
+    import torch
+
+    from anyquant.runtime.finite import check_finite
+
+    nan = scales == E8M0_NAN
+    if bool(nan.any()):
+        check_finite(spec.scales, torch.where(nan, float("nan"), 0.0))
+
+
 def dequantize_tensor(
     spec: MXFP4Tensor, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -66,9 +78,7 @@ def dequantize_tensor(
             f"{list(want_blocks)} / {list(want_blocks[:-1])} (the file changed after it was probed)"
         )
     blocks, scales = blocks.view(torch.uint8), scales.view(torch.uint8)
-    nan = scales == E8M0_NAN
-    if bool(nan.any()):  # named and counted as any NaN weight is (float8_e8m0fnu needs torch 2.7)
-        check_finite(spec.scales, torch.where(nan, float("nan"), 0.0))
+    check_scales(spec, scales)
     out = torch.empty(spec.shape, dtype=dtype)
     for e in range(spec.experts):
         out[e].copy_(dequantize(blocks[e], scales[e], dtype).t())

@@ -18,7 +18,7 @@ from torch import nn
 
 from anyquant.plugin import CheckpointError
 
-from .dequant import E8M0_NAN, FP4_VALUES
+from .dequant import FP4_VALUES, check_scales
 from .scheme import BLOCK, BLOCK_BYTES, MXFP4Tensor
 
 if TYPE_CHECKING:
@@ -43,13 +43,10 @@ def packed_unsupported(dtype: torch.dtype) -> str | None:
 
 
 def _check_range(spec: MXFP4Tensor, codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -> None:
-    """A NaN scale (E8M0 ``0xFF``), or values past ``dtype``'s range: the :class:`~anyquant.errors.NumericalError`
-    the exact decode gives, naming the tensor (only blocks with a large exponent are formed to find them)."""
+    """Values past ``dtype``'s range: the :class:`~anyquant.errors.NumericalError` the exact decode gives, naming the
+    tensor (only blocks with a large exponent are formed to find them)."""
     from anyquant.runtime.finite import check_finite
 
-    nan = exps == E8M0_NAN - 127
-    if bool(nan.any()):
-        check_finite(spec.scales, torch.where(nan, float("nan"), 0.0))
     big = exps > _SAFE_EXPONENT if dtype != torch.float16 else exps > -127
     if not bool(big.any()):
         return
@@ -81,6 +78,7 @@ def lut4_linear(
             f"[{n}, {k // BLOCK}, {BLOCK_BYTES}] / [{n}, {k // BLOCK}] (the file changed after it was probed)"
         )
     blocks, scales = blocks.view(torch.uint8), scales.view(torch.uint8)
+    check_scales(spec, scales)
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(n, k)
     exps = scales.to(torch.int32) - 127
     _check_range(spec, codes, exps, dtype)

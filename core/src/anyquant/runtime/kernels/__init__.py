@@ -148,27 +148,24 @@ def available() -> bool:
     return _registered()
 
 
-def _registered() -> bool:
+def has_op(name: str) -> bool:
+    """Whether ``anyquant::<name>`` is registered (by the loaded library); loads nothing."""
     import torch
 
     try:
-        torch.ops.anyquant.ggml_gemv.default  # noqa: B018 - raises when the op is not registered
+        getattr(torch.ops.anyquant, name).default  # noqa: B018 - raises when the op is not registered
     except (AttributeError, RuntimeError):
         return False
     return True
+
+
+def _registered() -> bool:
+    return has_op("ggml_gemv")
 
 
 def lut_available() -> bool:
     """Whether ``anyquant::lut4_gemv`` (4-bit codes into a 16-entry float table) is loaded with the library."""
-    import torch
-
-    if not available():
-        return False
-    try:
-        torch.ops.anyquant.lut4_gemv.default  # noqa: B018 - raises when the op is not registered
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    return available() and has_op("lut4_gemv")
 
 
 def lut_isa() -> int:

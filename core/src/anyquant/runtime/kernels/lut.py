@@ -20,16 +20,16 @@ from torch import nn
 from .linear import cpu_only_apply, kernel_forward
 
 #: the ops' ``round``: each formed weight rounded to the format's dtype before the multiply-add
-_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ROUND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-__all__ = ["E4M3Linear", "Lut4Linear", "expand_block_scales", "fp8_kernel_runs", "lut4_codes"]
+__all__ = ["ROUND_CODES", "E4M3Linear", "Lut4Linear", "expand_block_scales", "fp8_kernel_runs", "lut4_codes"]
 
 
 def _dequant_op() -> bool:
     """Whether the compiled exact-weight ops are loaded (the library's ``lut4_dequant`` / ``fp8_dequant``)."""
-    from . import lut_available
+    from . import has_op, lut_available
 
-    return lut_available() and hasattr(torch.ops.anyquant, "fp8_dequant")
+    return lut_available() and has_op("fp8_dequant")
 
 
 def lut4_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -126,7 +126,7 @@ class Lut4Linear(_KernelRows):
         """The exact weight ``[out, in]`` in ``round_to`` (``anyquant::lut4_dequant`` where built: the same values)."""
         if _dequant_op():
             w: torch.Tensor = torch.ops.anyquant.lut4_dequant(
-                self.codes, self.scales, self.lut, self.group, _ROUND[self.round_to]
+                self.codes, self.scales, self.lut, self.group, ROUND_CODES[self.round_to]
             )
             return w.to(self.round_to)
         n, k = self.out_features, self.in_features
@@ -137,7 +137,7 @@ class Lut4Linear(_KernelRows):
 
     def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.anyquant.lut4_gemv(
-            x2.to(torch.float32).contiguous(), self.codes, self.scales, self.lut, self.group, _ROUND[self.round_to]
+            x2.to(torch.float32).contiguous(), self.codes, self.scales, self.lut, self.group, ROUND_CODES[self.round_to]
         )
         return y
 
@@ -202,7 +202,7 @@ class E4M3Linear(_KernelRows):
         """The exact weight ``[out, in]`` in ``round_to`` (``anyquant::fp8_dequant`` where built: the same values)."""
         if _dequant_op():
             out: torch.Tensor = torch.ops.anyquant.fp8_dequant(
-                self.weight_bits, self.scales, self.group, _ROUND[self.round_to]
+                self.weight_bits, self.scales, self.group, ROUND_CODES[self.round_to]
             )
             return out.to(self.round_to)
         w = self.weight_bits.view(torch.float8_e4m3fn).to(torch.float32)
@@ -210,7 +210,7 @@ class E4M3Linear(_KernelRows):
 
     def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.anyquant.fp8_gemv(
-            x2.to(torch.float32).contiguous(), self.weight_bits, self.scales, self.group, _ROUND[self.round_to]
+            x2.to(torch.float32).contiguous(), self.weight_bits, self.scales, self.group, ROUND_CODES[self.round_to]
         )
         return y
 
