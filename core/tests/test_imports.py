@@ -168,6 +168,7 @@ def test_plugins_do_not_import_each_other(package: str) -> None:
 PLUGIN_API = [
     "AnyquantError",
     "BackendInfo",
+    "BackendSpec",
     "CPU_FAST_OPTIONS",
     "CalibrationRegistrar",
     "CheckpointError",
@@ -213,6 +214,7 @@ PLUGIN_API = [
     "__version__",
     "calibration_batch",
     "calibration_texts",
+    "choose_backend",
     "dense_rows",
     "display_name",
     "emit_progress",

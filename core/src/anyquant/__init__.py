@@ -54,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "Report": "tools.report",
     "QuantizeSpec": "protocols",
     "BackendInfo": "protocols",
+    "BackendSpec": "protocols",
     "ModuleInfo": "protocols",
     "Loader": "protocols",
     "Quantizer": "protocols",
@@ -125,6 +126,7 @@ __all__ = [  # a literal list: type checkers read it (mypy --strict's re-export 
     "Report",
     "QuantizeSpec",
     "BackendInfo",
+    "BackendSpec",
     "ModuleInfo",
     "Loader",
     "Quantizer",
@@ -204,6 +206,7 @@ if TYPE_CHECKING:
     from .probe import Probe
     from .protocols import (
         BackendInfo,
+        BackendSpec,
         Claim,
         Detection,
         FormatSpec,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from .hookspecs import hookimpl
 from .probe import Probe
-from .protocols import Claim, FormatSpec
+from .protocols import BackendSpec, Claim, FormatSpec
 
 #: tensor name suffixes that mark some quantization scheme (never seen in a dense checkpoint).
 QUANT_SUFFIXES = frozenset(
@@ -63,6 +63,29 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
     )
     for name, (description, hint) in UNLOADABLE.items():
         register(FormatSpec(name=name, loader=None, description=description, install_hint=hint))
+
+
+@hookimpl
+def anyquant_register_backends(register: Callable[[BackendSpec], None]) -> None:
+    register(
+        BackendSpec(
+            name="cpu-fast",
+            description="anyquant's CPU engine: packed weights on its compiled kernel or torch's int4 kernel, "
+            "other layers as bfloat16 prepacked for oneDNN; the compiled decode step",
+            devices=("cpu",),
+            layouts=("int4-groups", "affine4-blocks", "int8-blocks", "table4", "e4m3-groups", "gguf-blocks", "decoded"),
+            status="anyquant.backends:cpu_fast_status",
+        )
+    )
+    register(
+        BackendSpec(
+            name="gptqmodel",
+            description="GPTQModel's CUDA kernels (GPTQ; AWQ's GEMM layout)",
+            devices=("cuda",),
+            layouts=("int4-groups",),
+            status="anyquant.int4.loader:gptqmodel_status",
+        )
+    )
 
 
 @hookimpl

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import argparse
 
     from .probe import Probe
-    from .protocols import Claim, FormatSpec
+    from .protocols import BackendSpec, Claim, FormatSpec
 
 __all__ = ["CalibrationRegistrar", "CommandRegistrar", "hookimpl", "hookspec"]
 
@@ -47,6 +47,19 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
 
     Registering a format id another plugin already registered is an error (the second plugin is
     skipped and reported by ``anyquant plugins``).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def anyquant_register_backends(register: Callable[[BackendSpec], None]) -> None:
+    """Register the backends this plugin provides: call ``register(BackendSpec(...))`` once per backend (its
+    name, the devices and packed layouts it runs, and where its availability check lives).
+
+    A format's loader offers a registered backend for the layouts its layers come in, and
+    :func:`anyquant.backends.choose_backend` picks among them; registering a backend name another plugin
+    already registered is an error (the second plugin is skipped and reported by ``anyquant plugins``).
 
     .. versionadded:: 0.1
     """

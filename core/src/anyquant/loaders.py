@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .errors import CheckpointError, UnsupportedBackendError
+from .errors import CheckpointError
 from .probe import Probe, thaw
 from .protocols import (
     BackendInfo,
@@ -141,24 +141,11 @@ class TransformersLoader:
         """Second line of defence: re-check the tensor signature before any weights are read."""
 
     def choose_backend(self, requested: str, device: torch.device) -> str:
-        available = {b.name: b for b in self.backends()}
-        if requested == "auto":
-            for name in self.backend_order:
-                info = available.get(name)
-                if info is not None and info.available:
-                    return name
-            raise UnsupportedBackendError(
-                f"no {self.format} backend can run here: "
-                + "; ".join(f"{b.name}: {b.reason}" for b in available.values())
-            )
-        info = available.get(requested)
-        if info is None:
-            raise UnsupportedBackendError(
-                f"backend {requested!r} is not a {self.format} backend; choose one of {sorted(available)}"
-            )
-        if not info.available:
-            raise UnsupportedBackendError(f"{self.format} backend {requested!r} cannot run here: {info.reason}")
-        return requested
+        """The backend for ``requested`` on ``device``: :func:`anyquant.backends.choose_backend` over
+        :meth:`backends` in :attr:`backend_order` (a loader whose checkpoint rules some out passes ``skip``)."""
+        from .backends import choose_backend
+
+        return choose_backend(self.format, self.backends(), self.backend_order, requested, device)
 
     def plan(self, probe: Probe, detection: Detection, options: LoadOptions, device: torch.device) -> LoadPlan:
         """The first step of a load, before the tokenizer or any weight is read: the backend

@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "Detection": "protocols",
     "FormatSpec": "protocols",
     "BackendInfo": "protocols",
+    "BackendSpec": "protocols",
     "ModuleInfo": "protocols",
     "LoadOptions": "protocols",
     "QuantizeSpec": "protocols",
@@ -55,6 +56,8 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedBackendError": "errors",
     "UnsupportedFormatError": "errors",
     "FormatConflictError": "errors",
+    # backends: the one choice among a format's backends
+    "choose_backend": "backends",
     # loaders: the transformers-skeleton base and its option declarations
     "TransformersLoader": "loaders",
     "LoadContext": "loaders",
@@ -90,6 +93,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_imports.py pins it)
     "AnyquantError",
     "BackendInfo",
+    "BackendSpec",
     "CPU_FAST_OPTIONS",
     "CalibrationRegistrar",
     "CheckpointError",
@@ -135,6 +139,7 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "__version__",
     "calibration_batch",
     "calibration_texts",
+    "choose_backend",
     "dense_rows",
     "display_name",
     "emit_progress",
@@ -165,6 +170,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from .backends import choose_backend
     from .errors import (
         AnyquantError,
         CheckpointError,
@@ -202,6 +208,7 @@ if TYPE_CHECKING:
     from .probe import TOKENIZER_FILES, Probe, display_name, thaw
     from .protocols import (
         BackendInfo,
+        BackendSpec,
         Claim,
         Detection,
         FormatSpec,

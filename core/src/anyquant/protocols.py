@@ -154,10 +154,53 @@ class QuantizeFlag:
 
 @dataclass(frozen=True)
 class BackendInfo:
+    """One backend of a format's loader, as ``anyquant backends`` lists it and :func:`anyquant.backends.choose_backend`
+    chooses among them."""
+
     name: str
     available: bool
     reason: str = ""  # why not, when unavailable
     description: str = ""
+    #: the device types it runs on (``("cpu",)``, ``("cuda",)``); empty: any device
+    devices: tuple[str, ...] = ()
+
+
+#: the packed layouts a backend may say it runs (:class:`BackendSpec`; :mod:`anyquant.runtime.layouts` describes
+#: each): 4-bit groups with zero points (GPTQ, AWQ, compressed-tensors int4), 4-bit affine blocks (MLX), 8-bit
+#: blocks, a 4-bit code table (NF4/FP4, MXFP4/NVFP4), FP8 E4M3 groups, GGUF's blocks, EXL3's trellis, and any
+#: weight decoded to bfloat16
+LAYOUT_KINDS = (
+    "int4-groups",
+    "affine4-blocks",
+    "int8-blocks",
+    "table4",
+    "e4m3-groups",
+    "gguf-blocks",
+    "exl3-trellis",
+    "decoded",
+)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend a plugin registers (``anyquant_register_backends``): what runs formats' layers fast somewhere.
+
+    ``devices``: the device types it runs on (empty: any); ``layouts``: the packed layouts (:data:`LAYOUT_KINDS`)
+    it runs, so a format whose layers come in one of them gets it without code of its own; ``status``: an import
+    reference (``"package.module:function"``) to a function returning ``(available, reason)`` on this machine,
+    imported only when asked (``anyquant backends``); ``requires``: its distributions, as a format's."""
+
+    name: str
+    description: str = ""
+    devices: tuple[str, ...] = ()
+    layouts: tuple[str, ...] = ()
+    status: str | None = None
+    requires: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.layouts) - set(LAYOUT_KINDS))
+        if unknown:
+            raise ParameterError(f"backend {self.name!r}: layouts {unknown} are not among {LAYOUT_KINDS}")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
+from .backends import EXACT_BACKENDS
 from .errors import (
     AmbiguousFormatError,
     AnyquantError,
@@ -32,7 +33,7 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .probe import Probe
-from .protocols import Claim, Detection, FormatSpec
+from .protocols import BackendSpec, Claim, Detection, FormatSpec
 
 __all__ = [
     "DETECT_SECONDS",
@@ -213,6 +214,7 @@ class Registry:
         self._lock = threading.RLock()
         self._infos: dict[str, PluginInfo] = {}
         self._formats: dict[str, tuple[FormatSpec, str]] = {}
+        self._backends: dict[str, tuple[BackendSpec, str]] = {}
 
     # ------------------------------------------------------------------ plugins
     @property
@@ -243,6 +245,7 @@ class Registry:
             except BaseException:  # strict mode's PluginError, Ctrl-C: the next use starts again from empty
                 self._infos.clear()
                 self._formats.clear()
+                self._backends.clear()
                 raise
             else:
                 self._pm = building
@@ -262,6 +265,7 @@ class Registry:
                 self.pm.unregister(plugin)
             self._infos.pop(name, None)
             self._formats = {k: v for k, v in self._formats.items() if v[1] != name}
+            self._backends = {k: v for k, v in self._backends.items() if v[1] != name}
 
     def _blocked(self, name: str) -> bool:
         disabled = self._disable if self._disable is not None else _disabled()
@@ -278,14 +282,18 @@ class Registry:
         try:
             pm.register(plugin, name=name)
             self._collect_formats(name, plugin, info)
+            self._collect_backends(name, plugin)
             notes = unknown_hooks(plugin)
             if notes and _strict():
                 raise PluginError(f"plugin {name}: {'; '.join(notes)}")
             for note in notes:
                 log.warning("anyquant plugin %s: %s", name, note)
-        except Exception as exc:  # a broken plugin is logged and skipped
+        except Exception as exc:  # a broken plugin is logged and skipped (whole: none of its formats or backends)
             if pm.get_plugin(name) is not None:
                 pm.unregister(name=name)
+            self._formats = {k: v for k, v in self._formats.items() if v[1] != name}
+            self._backends = {k: v for k, v in self._backends.items() if v[1] != name}
+            info.formats.clear()
             info.error = f"{type(exc).__name__}: {exc}"
             if _strict():
                 raise
@@ -335,6 +343,31 @@ class Registry:
         for spec in specs:
             self._formats[spec.name] = (spec, name)
             info.formats.append(spec.name)
+
+    def _collect_backends(self, name: str, plugin: object) -> None:
+        impl = getattr(plugin, "anyquant_register_backends", None)
+        if impl is None:
+            return
+        specs: list[BackendSpec] = []
+        impl(register=specs.append)
+        for spec in specs:
+            if not isinstance(spec, BackendSpec):
+                raise PluginError(f"plugin {name} registered {spec!r}, not a BackendSpec")
+            if spec.name in self._backends or spec.name in EXACT_BACKENDS:
+                owner = self._backends[spec.name][1] if spec.name in self._backends else "every format loader"
+                raise PluginError(f"plugin {name} registers backend {spec.name!r}, already registered by {owner}")
+        for spec in specs:
+            self._backends[spec.name] = (spec, name)
+
+    def backends(self) -> dict[str, BackendSpec]:
+        """The registered backends by name (``anyquant_register_backends``)."""
+        self.pm  # noqa: B018 - discover
+        return {k: v[0] for k, v in self._backends.items()}
+
+    def backend_owner(self, name: str) -> str:
+        """The plugin that registered backend ``name``."""
+        self.pm  # noqa: B018
+        return self._backends[name][1]
 
     def call_each(self, hook: str, what: str, **kwargs: Any) -> None:
         """Call every plugin's ``hook`` with ``kwargs``; one that raises is logged, marked in its

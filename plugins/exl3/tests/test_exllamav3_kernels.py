@@ -78,11 +78,13 @@ def test_tensor_parallel_needs_the_exllamav3_backend(exl3_dir: Path) -> None:
 
 def test_auto_on_cpu_picks_a_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     loader = EXL3Loader()
-    avail = cb.BackendInfo("exllamav3", True)
+    avail = cb.BackendInfo("exllamav3", True, devices=("cuda",))  # as the real one: CUDA only
     monkeypatch.setattr("anyquant_exl3.loader._exllamav3_backend", lambda: avail)
     fast = "cpu-fast" if loader_module.cpu_fast_backend().available else "dequantized"
     assert loader.choose_backend("auto", torch.device("cpu")) == fast  # exllamav3 is CUDA-only
-    monkeypatch.setattr(loader_module, "cpu_fast_backend", lambda: cb.BackendInfo("cpu-fast", False, "no AMX"))
+    monkeypatch.setattr(
+        loader_module, "cpu_fast_backend", lambda: cb.BackendInfo("cpu-fast", False, "no AMX", devices=("cpu",))
+    )
     assert loader.choose_backend("auto", torch.device("cpu")) == "dequantized"
     assert loader.choose_backend("auto", torch.device("cuda")) == "exllamav3"
     with pytest.raises(anyquant.UnsupportedBackendError, match="CUDA GPUs only"):

@@ -316,7 +316,7 @@ def gpu_visible(monkeypatch: pytest.MonkeyPatch) -> None:
     from anyquant.int4 import loader as int4_loader
     from anyquant.protocols import BackendInfo
 
-    info = BackendInfo("gptqmodel", True)
+    info = BackendInfo("gptqmodel", True, devices=("cuda",))  # as the real one: CUDA only
     monkeypatch.setattr(int4_loader, "gptqmodel_backend", lambda: info)  # GPTQ's and AWQ's (their base's)
     monkeypatch.setattr(gptqmodel_kernels, "gptqmodel_backend_info", lambda: info)
 

@@ -160,5 +160,23 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         for b in rows:
             state = "available" if b.available else f"not available: {b.reason}"
             lines.append(f"  {b.name:<12} {state}" + (f" -- {b.description}" if b.description else ""))
-    emit(args, {"formats": payload}, "\n".join(lines))
+    backends: dict[str, Any] = {}
+    if not args.format:
+        from ..backends import backend_status
+
+        lines.append("registered backends (anyquant_register_backends)")
+        for name, spec in sorted(reg.backends().items()):
+            ok, reason = backend_status(spec.status)
+            backends[name] = {
+                "plugin": reg.backend_owner(name),
+                "devices": list(spec.devices),
+                "layouts": list(spec.layouts),
+                "available": ok,
+                "reason": reason,
+                "description": spec.description,
+            }
+            where = ", ".join(spec.devices) or "any device"
+            state = "available" if ok else "not available"
+            lines.append(f"  {name:<12} {state} on {where}; layouts: {', '.join(spec.layouts)} ({reason or 'ok'})")
+    emit(args, {"formats": payload, **({"backends": backends} if backends else {})}, "\n".join(lines))
     return 0

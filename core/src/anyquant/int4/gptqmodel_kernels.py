@@ -124,10 +124,15 @@ def import_gptqmodel() -> None:
 def gptqmodel_backend_info() -> BackendInfo:
     """Whether backend ``gptqmodel`` can run here. Imports torch, never gptqmodel."""
     if importlib.util.find_spec("gptqmodel") is None:
-        return BackendInfo(BACKEND_NAME, False, "gptqmodel is not installed (pip install gptqmodel)")
+        return BackendInfo(BACKEND_NAME, False, "gptqmodel is not installed (pip install gptqmodel)", devices=("cuda",))
     if not torch.cuda.is_available():
-        return BackendInfo(BACKEND_NAME, False, "needs a CUDA GPU (GPTQModel's kernels run on CUDA); none is visible")
-    return BackendInfo(BACKEND_NAME, True, description=DESCRIPTION)
+        return BackendInfo(
+            BACKEND_NAME,
+            False,
+            "needs a CUDA GPU (GPTQModel's kernels run on CUDA); none is visible",
+            devices=("cuda",),
+        )
+    return BackendInfo(BACKEND_NAME, True, description=DESCRIPTION, devices=("cuda",))
 
 
 def check_gptqmodel_request(fmt: str, device: torch.device, extra: Mapping[str, Any]) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "PackedFormatLoader",
     "cpu_fast_backend",
     "gptqmodel_backend",
+    "gptqmodel_status",
 ]
 
 #: auto picks "dequantized" over "reference" when the dense weights take less than this share of RAM
@@ -78,6 +79,7 @@ def cpu_fast_backend() -> BackendInfo:
         "cpu-fast",
         ok,
         reason,
+        devices=("cpu",),
         description="4-bit layers repacked for torch's int4 CPU kernel (bf16 decode) + on-the-fly "
         "dequantized GEMM for prompts; packed memory; other layers dequantized",
     )
@@ -88,8 +90,14 @@ def gptqmodel_backend() -> BackendInfo:
     try:
         from .gptqmodel_kernels import gptqmodel_backend_info
     except ImportError:  # pragma: no cover - torch missing
-        return BackendInfo("gptqmodel", False, "torch is not installed")
+        return BackendInfo("gptqmodel", False, "torch is not installed", devices=("cuda",))
     return gptqmodel_backend_info()
+
+
+def gptqmodel_status() -> tuple[bool, str]:
+    """The registered ``gptqmodel`` backend's availability here (:class:`~anyquant.protocols.BackendSpec`)."""
+    info = gptqmodel_backend()
+    return info.available, info.reason
 
 
 @dataclass
@@ -150,13 +158,13 @@ class Int4Loader(TransformersLoader):
         return LoadPlan(self.choose_backend(options.backend, device, facts), {STATE_KEY: facts})
 
     def choose_backend(self, requested: str, device: Any, facts: Int4State | None = None) -> str:
-        """The backend for ``requested`` on ``device``; ``facts`` (:meth:`facts`) are this checkpoint's (without
+        """The backend for ``requested`` on ``device`` (:func:`anyquant.backends.choose_backend`, with what this
+        checkpoint rules out: :meth:`backend_skips`); ``facts`` (:meth:`facts`) are this checkpoint's (without
         them, as in a call outside a load, the layout is taken to run on GPTQModel and every layer to fit cpu-fast and
         dequantized)."""
+        from ..backends import choose_backend
+
         facts = Int4State() if facts is None else facts
-        kind = getattr(device, "type", "cpu")
-        if requested == "cpu-fast" and kind != "cpu":
-            raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
         if requested == "gptqmodel":
             from .gptqmodel_kernels import check_gptqmodel_request
 
@@ -168,17 +176,22 @@ class Int4Loader(TransformersLoader):
                     f"use backend='dequantized' (or re-export it as {layouts})"
                 )
             return requested
-        if requested != "auto":
-            return super().choose_backend(requested, device)
-        # GPTQModel's kernels only on CUDA: on the CPU never, even where a GPU is visible
-        if kind == "cuda" and self._gptqmodel_runs(facts.layout) and gptqmodel_backend().available:
-            return "gptqmodel"
-        # cpu-fast decodes faster than dense float32 at a quarter of its memory wherever torch's int4
-        # kernel is vectorized (AVX2, AVX512; docs/benchmarks.md)
-        if kind == "cpu" and (facts.fast_layers is None or facts.fast_layers > 0) and cpu_fast_backend().available:
-            return "cpu-fast"
-        fits = facts.dense_bytes is None or facts.dense_bytes < DEQUANT_RAM_SHARE * _ram_bytes()
-        return "dequantized" if fits else "reference"
+        return choose_backend(
+            self.format, self.backends(), self.backend_order, requested, device, skip=self.backend_skips(facts)
+        )
+
+    def backend_skips(self, facts: Int4State) -> dict[str, str]:
+        """What ``auto`` passes by for this checkpoint: GPTQModel's kernels where they do not run its layout,
+        ``cpu-fast`` where no layer takes its kernels, ``dequantized`` where the dense weights would take
+        :data:`DEQUANT_RAM_SHARE` of RAM or more (``reference`` then, packed)."""
+        skip: dict[str, str] = {}
+        if not self._gptqmodel_runs(facts.layout):
+            skip["gptqmodel"] = f"its kernels do not run the {facts.layout} layout"
+        if facts.fast_layers == 0:
+            skip["cpu-fast"] = "no layer of this checkpoint runs on its kernels"
+        if facts.dense_bytes is not None and facts.dense_bytes >= DEQUANT_RAM_SHARE * _ram_bytes():
+            skip["dequantized"] = f"the dense weights would take {DEQUANT_RAM_SHARE:.0%} of RAM or more"
+        return skip
 
     def _gptqmodel_runs(self, layout: str | None) -> bool:
         return self.gptqmodel_layouts is None or layout is None or layout in self.gptqmodel_layouts
@@ -271,7 +284,7 @@ class PackedFormatLoader(Int4Loader):
     def backends(self) -> list[BackendInfo]:
         ok, reason = self.cpu_fast_available()
         return [
-            BackendInfo("cpu-fast", ok, reason, description=self.cpu_fast_description),
+            BackendInfo("cpu-fast", ok, reason, description=self.cpu_fast_description, devices=("cpu",)),
             *(b for b in super().backends() if b.name in ("dequantized", "reference")),
         ]
 
@@ -281,8 +294,6 @@ class PackedFormatLoader(Int4Loader):
                 f"{self.format} has no 'gptqmodel' backend; on a GPU {self.serve_hint}, here use 'cpu-fast', "
                 "'dequantized' or 'reference'"
             )
-        if requested == "cpu-fast":
-            return TransformersLoader.choose_backend(self, requested, device)
         return super().choose_backend(requested, device, Int4State(layout=self.format) if facts is None else facts)
 
     def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:

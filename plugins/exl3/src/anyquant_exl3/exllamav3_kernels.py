@@ -142,6 +142,12 @@ def backend_info() -> BackendInfo:
     )
 
 
+def backend_status() -> tuple[bool, str]:
+    """The registered ``exllamav3`` backend's availability here (``anyquant backends``)."""
+    info = backend_info()
+    return info.available, info.reason
+
+
 def check_tensor_parallel(options: LoadOptions) -> bool:
     """``tensor_parallel=True`` asked: exllamav3's tensor-parallel load on 2+ GPUs, else a typed error.
 

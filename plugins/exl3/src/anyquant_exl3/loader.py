@@ -20,7 +20,6 @@ from anyquant.plugin import (
     ModuleInfo,
     Probe,
     TransformersLoader,
-    UnsupportedBackendError,
     UnsupportedFormatError,
     dense_rows,
     require_dtypes,
@@ -50,9 +49,11 @@ LOCKED_MARKERS = {"mcg": -877912083, "mul1": -2082680531}
 
 def _exllamav3_backend() -> BackendInfo:
     """Cheap availability check (never imports exllamav3: its import JIT-compiles a CUDA extension)."""
+    from dataclasses import replace
+
     from .exllamav3_kernels import backend_info
 
-    return backend_info()
+    return replace(backend_info(), devices=("cuda",))
 
 
 def _modules(probe: Probe) -> dict[str, dict[str, Any]]:
@@ -199,6 +200,7 @@ def cpu_fast_backend() -> BackendInfo:
         "cpu-fast",
         ok,
         reason,
+        devices=("cpu",),
         description="decode once at load to a bfloat16 weight prepacked for oneDNN (AMX/AVX512-BF16), bfloat16 "
         "activations: 2 bytes per weight (SmolLM2-sized against dequantized: 0.6x the memory, 1.24x decode, "
         "1.67x prompt speed); a dense head likewise",
@@ -209,17 +211,6 @@ class BF16CpuFast:
     """The ``cpu-fast`` backend shared by the EXL3 and EXL2 loaders: each quantized linear as a
     :class:`~anyquant.runtime.fastcpu.PrepackedBf16Linear`, a 16-bit LM head prepacked as GPTQ/AWQ's cpu-fast
     does (its exact table and the embedding left in the checkpoint file)."""
-
-    @staticmethod
-    def cpu_fast_choice(order: tuple[str, ...], available: set[str], requested: str, kind: str) -> str | None:
-        """``auto`` off CUDA: the first available backend of ``order`` that runs on this device (``None``: let the
-        base class decide); ``cpu-fast`` asked for off the CPU: a typed error."""
-        if requested == "cpu-fast" and kind != "cpu":
-            raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {kind}")
-        if requested != "auto" or kind == "cuda":
-            return None
-        runs = [n for n in order if n in available and n != "exllamav3" and (n != "cpu-fast" or kind == "cpu")]
-        return runs[0] if runs else None
 
     @staticmethod
     def fast_layer(ctx: LoadContext, layer: QuantLinearBase) -> Any:
@@ -289,17 +280,6 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
             BackendInfo("dequantized", True, description="decode once at load (pure torch); dense speed and memory"),
             BackendInfo("reference", True, description="pure torch, decode on every forward; packed memory"),
         ]
-
-    def choose_backend(self, requested: str, device: Any) -> str:
-        kind = getattr(device, "type", "cpu")
-        # exllamav3 runs on CUDA only, cpu-fast on the CPU only: auto elsewhere picks among the rest in order
-        available = {b.name for b in self.backends() if b.available}
-        chosen = self.cpu_fast_choice(self.backend_order, available, requested, kind)
-        if chosen is not None:
-            return chosen
-        if requested == "exllamav3" and kind != "cuda" and _exllamav3_backend().available:
-            raise UnsupportedBackendError(f"backend 'exllamav3' runs on CUDA GPUs only, not on device {str(device)!r}")
-        return super().choose_backend(requested, device)
 
     def load(self, probe: Probe, detection: Detection, options: LoadOptions) -> LoadedModel:
         """``backend="exllamav3"`` (the ``auto`` choice on a CUDA device when exllamav3 can run) hands the

@@ -6,7 +6,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from anyquant.plugin import Claim, FormatSpec, Probe, hookimpl
+from anyquant.plugin import BackendSpec, Claim, FormatSpec, Probe, hookimpl
 
 #: the codebook markers' int32 values (uint32 0xCBAC1FED / 0x83DCD12D viewed as int32).
 CODEBOOK_MARKERS = {"mcg": "mcg", "mul1": "mul1"}
@@ -87,6 +87,20 @@ def ring_tables(probe: Probe) -> tuple[dict[str, RingTableInfo], list[str]]:
             continue
         tables[key] = RingTableInfo(key, names, rows, width, signs.name, signs.shape[0], k, nbytes + signs.nbytes)
     return tables, problems
+
+
+@hookimpl
+def anyquant_register_backends(register: Callable[[BackendSpec], None]) -> None:
+    register(
+        BackendSpec(
+            name="exllamav3",
+            description="exllamav3's CUDA kernels and generator (EXL3 checkpoints, one GPU or tensor-parallel)",
+            devices=("cuda",),
+            layouts=("exl3-trellis",),
+            status="anyquant_exl3.exllamav3_kernels:backend_status",
+            requires=("exllamav3",),
+        )
+    )
 
 
 @hookimpl

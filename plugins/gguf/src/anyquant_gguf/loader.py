@@ -48,7 +48,6 @@ from anyquant.plugin import (
     ParameterError,
     Probe,
     TransformersLoader,
-    UnsupportedBackendError,
     UnsupportedFormatError,
 )
 
@@ -189,12 +188,13 @@ def cpu_fast_backend() -> BackendInfo:
     try:
         from anyquant.runtime.fastcpu import fast_cpu_capable
     except ImportError as exc:  # pragma: no cover - an anyquant without the fast CPU runtime
-        return BackendInfo("cpu-fast", False, f"anyquant.runtime.fastcpu is unavailable ({exc})")
+        return BackendInfo("cpu-fast", False, f"anyquant.runtime.fastcpu is unavailable ({exc})", devices=("cpu",))
     ok, reason = fast_cpu_capable()
     return BackendInfo(
         "cpu-fast",
         ok,
         reason,
+        devices=("cpu",),
         description="Q4_0/Q4_1/Q4_K linears repacked for torch's int4 CPU kernel, other quantized linears "
         "as bfloat16 prepacked for oneDNN where AMX/AVX512-BF16 runs it (else dequantized at load) "
         "(bfloat16 decode, exact float32 prompts over 64 tokens); the "
@@ -325,17 +325,13 @@ class GGUFLoader(TransformersLoader):
         module.set_input_embeddings(new.to(weight.device))
 
     def choose_backend(self, requested: str, device: Any, *, int4_linears: int = 0) -> str:
-        """``int4_linears``: how many of the file's linears torch's int4 kernel takes (:meth:`plan` counts)."""
-        if requested == "cpu-fast" and getattr(device, "type", "cpu") != "cpu":
-            raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
-        if requested != "auto":
-            return super().choose_backend(requested, device)
-        # auto: cpu-fast where its int4 kernel takes the file's linears, else the exact dequantized.
-        # cpu-fast (packed embedding) loads faster, peaks lower and decodes faster than dequantized,
-        # and both beat transformers' gguf load on all three (docs/benchmarks.md)
-        if getattr(device, "type", "cpu") == "cpu" and int4_linears and cpu_fast_backend().available:
-            return "cpu-fast"
-        return "dequantized"
+        """``int4_linears``: how many of the file's linears torch's int4 kernel takes (:meth:`plan` counts). ``auto``:
+        cpu-fast where its kernels take some (it loads faster, peaks lower and decodes faster than dequantized, and
+        both beat transformers' gguf load on all three: docs/benchmarks.md), else the exact dequantized."""
+        from anyquant.plugin import choose_backend
+
+        skip = {} if int4_linears else {"cpu-fast": "no linear of this file takes its int4 kernel"}
+        return choose_backend(self.format, self.backends(), self.backend_order, requested, device, skip=skip)
 
     def tensor_source(self, probe: Probe, options: LoadOptions) -> GGUFSource:
         return GGUFSource(gguf_path(probe), self._reader(probe))

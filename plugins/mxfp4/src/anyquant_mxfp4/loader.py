@@ -30,7 +30,6 @@ from anyquant.plugin import (
     ModuleInfo,
     Probe,
     TransformersLoader,
-    UnsupportedBackendError,
     UnsupportedFormatError,
     dense_rows,
     tensors_by_module,
@@ -89,7 +88,7 @@ class MXFP4Loader(TransformersLoader):
 
         why = packed_unsupported(torch.bfloat16)
         return [
-            BackendInfo("cpu-fast", why is None, reason=why or "", description=_PACKED),
+            BackendInfo("cpu-fast", why is None, reason=why or "", description=_PACKED, devices=("cpu",)),
             BackendInfo("dequantized", True, description=_EXACT),
             BackendInfo(
                 "reference",
@@ -97,16 +96,6 @@ class MXFP4Loader(TransformersLoader):
                 description="for now the same as 'dequantized' (" + _EXACT.split(" (", 1)[0] + "); no packed kernel",
             ),
         ]
-
-    def choose_backend(self, requested: str, device: torch.device) -> str:
-        """``cpu-fast`` on a CPU only: elsewhere ``auto`` skips it, naming it is an error."""
-        kind = getattr(device, "type", "cpu")
-        if kind != "cpu":
-            if requested == "cpu-fast":
-                raise UnsupportedBackendError(f"backend 'cpu-fast' runs on the CPU, not on {device}")
-            if requested == "auto":
-                return "dequantized"
-        return super().choose_backend(requested, device)
 
     def validate(self, probe: Probe, detection: Detection) -> None:
         raise_config_error(detection)

@@ -87,11 +87,6 @@ class EXL2Loader(BF16CpuFast, TransformersLoader):
             BackendInfo("reference", True, description="pure torch, decode on every forward; packed memory"),
         ]
 
-    def choose_backend(self, requested: str, device: Any) -> str:
-        available = {b.name for b in self.backends() if b.available}
-        chosen = self.cpu_fast_choice(self.backend_order, available, requested, getattr(device, "type", "cpu"))
-        return chosen if chosen is not None else super().choose_backend(requested, device)
-
     def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
         self.finish_cpu_fast(loaded, ctx)
         return loaded
