@@ -31,6 +31,13 @@ at load and every input is gathered the same way (``x[:, perm]``).
 The kernel's packed layout depends on the CPU's vector ISA (blocks of 64 output columns with
 AVX512, 32 with AVX2, something else without SIMD); :func:`int4pack_status` finds it with a
 self-test once per process, and the fast path is unavailable when no known layout matches.
+
+The formats build none of this module's linears themselves: a format's linear describes its weight in the packed
+layouts of :mod:`anyquant.runtime.layouts`, and :meth:`FastCPUPlan.convert` (:func:`fast_cpu_module`) checks each
+offered layout against what runs here and builds the first that runs (:func:`fast_linear`): ``Int4Groups`` ->
+:class:`FastInt4Linear`, ``Int8Blocks`` -> :class:`Int8BlockLinear` (Q8_0 blocks), ``Affine4Blocks`` ->
+:class:`Affine4BlockLinear` (Q4_1 blocks), ``Table4`` -> :class:`~anyquant.runtime.kernels.lut.Lut4Linear`,
+``E4M3Groups`` -> :class:`~anyquant.runtime.kernels.lut.E4M3Linear`, ``Decoded`` -> :class:`PrepackedBf16Linear`.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,14 +54,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ParameterError
+from .kernels.linear import BlockLinear
+from .layouts import Affine4Blocks, Decoded, E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
+from .layouts import tensor as layout_tensor
 from .tensors import FileRows, fill_file_tables
 
 __all__ = [
     "DEFAULT_SMALL_ROWS",
+    "Affine4BlockLinear",
     "CompactEmbedding",
     "FastCPUPlan",
     "FastHead",
     "FastInt4Linear",
+    "Int8BlockLinear",
     "KV_CACHE_DTYPES",
     "Int4PackStatus",
     "PrepackedBf16Linear",
@@ -68,11 +80,15 @@ __all__ = [
     "kernel_norms",
     "contiguous_group_size",
     "fast_cpu_capable",
+    "fast_cpu_module",
+    "fast_cpu_reasons",
+    "fast_linear",
     "group_permutation",
     "int4_codes_from_cols",
     "int4_codes_from_rows",
     "int4pack_status",
     "kernel_group_size",
+    "layout_unsupported",
     "pack_int4_blocked",
     "pack_int4_pairs",
     "to_block_kernel",
@@ -1072,12 +1088,298 @@ def to_block_kernel(module: nn.Module, interleave: bool = True) -> dict[str, Any
     return {"gq4_layers": converted, "int4_kernel": skipped}
 
 
+# --------------------------------------------------------------------------- packed layouts: the CPU engine
+
+
+class Int8BlockLinear(BlockLinear):
+    """:class:`~anyquant.runtime.layouts.Int8Blocks` as Q8_0 blocks on the compiled kernel (its codes as they are, its
+    scale per block of 32): the exact weight, ``round_to(q * d)`` (the format's own arithmetic), from the blocks."""
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+        *,
+        round_to: torch.dtype,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(blocks, "Q8_0", out_features, in_features, bias, **kwargs)
+        self.round_to = round_to
+
+    def dequantize(self) -> torch.Tensor:
+        assert self.round_to is not None
+        return self.exact_weight(self.round_to)
+
+
+class Affine4BlockLinear(BlockLinear):
+    """:class:`~anyquant.runtime.layouts.Affine4Blocks` (mlx's 4-bit affine) as Q4_1 blocks (``d`` the scale, ``m``
+    the offset, per block of 32) on the compiled kernel. Few rows: the kernel (``q d + m`` in float32). Many rows and
+    :meth:`dequantize`: the format's own arithmetic from the blocks, ``scale * q`` then ``+ offset``, each rounded to
+    the scales' dtype."""
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+        *,
+        scale_dtype: torch.dtype,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(blocks, "Q4_1", out_features, in_features, bias, **kwargs)
+        self.scale_dtype = scale_dtype
+
+    def dequantize(self) -> torch.Tensor:
+        raw = self.raw_blocks().reshape(self.out_features, self.in_features // 32, 20)
+        d = raw[..., 0:2].contiguous().view(torch.float16).to(self.scale_dtype)
+        m = raw[..., 2:4].contiguous().view(torch.float16).to(self.scale_dtype)
+        qs = raw[..., 4:]
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(self.scale_dtype)
+        return (d * q + m).reshape(self.out_features, self.in_features)
+
+    def exact_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.dequantize().to(dtype)
+
+
+@dataclass(frozen=True)
+class _Build:
+    """What the engine builds a layout's module with (``None`` in its place: check only)."""
+
+    small_rows: int
+    prefill_dtype: torch.dtype | None
+    compute_dtype: torch.dtype
+
+
+def _int4_groups(lay: Int4Groups, build: _Build | None) -> nn.Module | str | None:
+    """torch's int4 kernel (:class:`FastInt4Linear`; GQ4 blocks on the compiled kernel after :func:`to_block_kernel`)."""
+    status = int4pack_status()
+    if not status.available or lay.bits != 4:
+        return unsupported_reason(lay.bits, lay.in_features, lay.out_features, None, status=status)
+    scales = None
+    if lay.g_idx is None and lay.group_size is not None:
+        group = lay.group_size if lay.in_features % lay.group_size == 0 else None
+    else:
+        scales = layout_tensor(lay.scales)
+        group = contiguous_group_size(lay.g_idx, lay.in_features, scales.shape[0])
+    reason = unsupported_reason(4, lay.in_features, lay.out_features, group, status=status)
+    if reason is not None or build is None:
+        return reason
+    return FastInt4Linear(
+        layout_tensor(lay.codes),
+        layout_tensor(lay.zeros),
+        layout_tensor(lay.scales) if scales is None else scales,
+        lay.g_idx,
+        lay.bias,
+        compute_dtype=build.compute_dtype,
+        small_rows=build.small_rows,
+        prefill_dtype=build.prefill_dtype,
+    )
+
+
+def _int8_blocks(lay: Int8Blocks, build: _Build | None) -> nn.Module | str | None:
+    """Q8_0 blocks of the codes as they are on the compiled kernel (:class:`Int8BlockLinear`)."""
+    from .kernels.linear import fp16_exact, q8_0_from_codes
+
+    if not block_kernel_is_fast():
+        return "8-bit weights run on the compiled block kernel, which is not built (or not vectorized) here"
+    if lay.in_features % 32 or lay.group % 32 or lay.in_features % lay.group:
+        return f"8-bit groups of {lay.group} in rows of {lay.in_features} (Q8_0 blocks are 32)"
+    scales = layout_tensor(lay.scales)
+    if not fp16_exact(scales):
+        return "8-bit scales that float16 does not hold exactly (Q8_0 blocks keep float16 scales)"
+    if build is None:
+        return None
+    per = lay.group // 32
+    d = scales.repeat_interleave(per, dim=1) if per > 1 else scales
+    return Int8BlockLinear(
+        q8_0_from_codes(layout_tensor(lay.codes), d),
+        lay.out_features,
+        lay.in_features,
+        lay.bias,
+        round_to=lay.round_to,
+        small_rows=build.small_rows,
+        prefill_dtype=build.prefill_dtype,
+        compute_dtype=build.compute_dtype,
+        interleave=True,
+    )
+
+
+def _affine4_blocks(lay: Affine4Blocks, build: _Build | None) -> nn.Module | str | None:
+    """Q4_1 blocks (``d`` the scale, ``m`` the offset) on the compiled kernel (:class:`Affine4BlockLinear`)."""
+    from .kernels.linear import fp16_exact, q4_1_from_codes
+
+    if lay.group % 32 or lay.in_features % lay.group:
+        return f"4-bit affine groups of {lay.group} in rows of {lay.in_features} (Q4_1 blocks are 32)"
+    if not block_kernel_is_fast():
+        return "4-bit affine groups run on the compiled block kernel, which is not built (or not vectorized) here"
+    scales, biases = layout_tensor(lay.scales), layout_tensor(lay.biases)
+    if scales.dtype not in (torch.bfloat16, torch.float16):
+        return f"{scales.dtype} scales"
+    if not (fp16_exact(scales) and fp16_exact(biases)):
+        return "scales or biases that float16 does not hold exactly"
+    if build is None:
+        return None
+    per = lay.group // 32
+    blocks = q4_1_from_codes(
+        layout_tensor(lay.codes), scales.repeat_interleave(per, dim=1), biases.repeat_interleave(per, dim=1)
+    )
+    return Affine4BlockLinear(
+        blocks,
+        lay.out_features,
+        lay.in_features,
+        lay.bias,
+        scale_dtype=scales.dtype,
+        small_rows=build.small_rows,
+        prefill_dtype=build.prefill_dtype,
+        compute_dtype=build.compute_dtype,
+        interleave=True,
+    )
+
+
+def _table4(lay: Table4, build: _Build | None) -> nn.Module | str | None:
+    """The codes kept packed on the compiled 4-bit table kernel (:class:`~anyquant.runtime.kernels.lut.Lut4Linear`)."""
+    from . import kernels
+
+    if not kernels.lut_available():
+        return "4-bit table codes run on the compiled 4-bit table kernel, which is not built here"
+    k, group = lay.in_features, lay.group
+    if k % 32 or group < 16 or group % 16 or k % group:
+        return f"groups of {group} in rows of {k} (the 4-bit table kernel takes rows of 32s in groups of 16s)"
+    if build is None:
+        return None
+    from .kernels.lut import Lut4Linear
+
+    return Lut4Linear(
+        layout_tensor(lay.codes),
+        layout_tensor(lay.scales),
+        layout_tensor(lay.table),
+        group=group,
+        round_to=lay.round_to,
+        bias=lay.bias,
+        small_rows=build.small_rows,
+        prefill_dtype=build.prefill_dtype,
+        compute_dtype=build.compute_dtype,
+    )
+
+
+def _e4m3_groups(lay: E4M3Groups, build: _Build | None) -> nn.Module | str | None:
+    """The FP8 bytes as they are on the compiled kernel's ``fp8_gemv`` (:class:`~anyquant.runtime.kernels.lut.E4M3Linear`)."""
+    from .kernels.lut import fp8_kernel_runs
+
+    if not fp8_kernel_runs():
+        return "FP8 weights run on the compiled kernel's fp8_gemv, which has no vector path here (AVX512F)"
+    k, group = lay.in_features, lay.group
+    if k % 16 or group < 16 or group % 16 or k % group:
+        return f"FP8 scales per {group} inputs in rows of {k} (fp8_gemv takes groups of 16s)"
+    if build is None:
+        return None
+    from .kernels.lut import E4M3Linear
+
+    scales = layout_tensor(lay.scales).to(torch.float32)
+    if lay.rows > 1:  # the op's groups are per row: each block's scale repeated over its rows
+        scales = scales.repeat_interleave(lay.rows, dim=0)[: lay.out_features]
+    return E4M3Linear(
+        layout_tensor(lay.weight),
+        scales.contiguous(),
+        group=group,
+        round_to=lay.round_to,
+        bias=lay.bias,
+        small_rows=build.small_rows,
+        prefill_dtype=build.prefill_dtype,
+        compute_dtype=build.compute_dtype,
+    )
+
+
+def _decoded(lay: Decoded, build: _Build | None) -> nn.Module | str | None:
+    """A bfloat16 copy prepacked for oneDNN (:class:`PrepackedBf16Linear`)."""
+    ok, reason = bf16_head_status()
+    if not ok:
+        return reason
+    return None if build is None else PrepackedBf16Linear(lay.source)
+
+
+def _engine(layout: Layout, build: _Build | None) -> nn.Module | str | None:
+    if isinstance(layout, Int4Groups):
+        return _int4_groups(layout, build)
+    if isinstance(layout, Int8Blocks):
+        return _int8_blocks(layout, build)
+    if isinstance(layout, Affine4Blocks):
+        return _affine4_blocks(layout, build)
+    if isinstance(layout, Table4):
+        return _table4(layout, build)
+    if isinstance(layout, E4M3Groups):
+        return _e4m3_groups(layout, build)
+    if isinstance(layout, Decoded):
+        return _decoded(layout, build)
+    raise TypeError(f"{type(layout).__name__} is not a packed layout of anyquant.runtime.layouts")
+
+
+def layout_unsupported(layout: Layout) -> str | None:
+    """Why the CPU engine cannot run ``layout`` here (``None`` when it can): the kernel it needs is not built or not
+    vectorized, or its shapes, groups or scales are not ones that kernel takes."""
+    out = _engine(layout, None)
+    return out if isinstance(out, str) else None
+
+
+def fast_linear(
+    layout: Layout,
+    *,
+    small_rows: int = DEFAULT_SMALL_ROWS,
+    prefill_dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> nn.Module | str:
+    """The CPU engine's module for ``layout`` (the weight as its layout's kernel reads it; decode up to ``small_rows``
+    rows on the kernel, longer prompts through the exact weight and a GEMM in ``prefill_dtype``; bias and outputs in
+    ``compute_dtype``), or why it cannot run here (:func:`layout_unsupported`)."""
+    out = _engine(layout, _Build(small_rows, prefill_dtype, compute_dtype))
+    assert out is not None
+    return out
+
+
+def fast_cpu_module(
+    layer: _Convertible, *, small_rows: int = DEFAULT_SMALL_ROWS, prefill_dtype: torch.dtype | None = None
+) -> nn.Module | str:
+    """``layer``'s first offered layout (:meth:`~anyquant.runtime.qlinear.QuantLinearBase.packed_layouts`) that runs
+    here, as :func:`fast_linear` builds it behind the layer's input quantization (``layer.behind_inputs``); or why
+    none runs: the layer's own reason, or each offered layout's, joined."""
+    offered = layer.packed_layouts()
+    if isinstance(offered, str):
+        return offered
+    reasons: list[str] = []
+    for layout in offered:
+        fast = fast_linear(
+            layout, small_rows=small_rows, prefill_dtype=prefill_dtype, compute_dtype=layer.compute_dtype
+        )
+        if not isinstance(fast, str):
+            return layer.behind_inputs(fast)
+        reasons.append(fast)
+    return "; ".join(dict.fromkeys(reasons)) or f"{type(layer).__name__} offers no packed layout"
+
+
+def fast_cpu_reasons(layer: _Convertible) -> str | None:
+    """Why :func:`fast_cpu_module` cannot run ``layer`` here (``None`` when it can), without building anything."""
+    offered = layer.packed_layouts()
+    if isinstance(offered, str):
+        return offered
+    reasons: list[str] = []
+    for layout in offered:
+        reason = layout_unsupported(layout)
+        if reason is None:
+            return None
+        reasons.append(reason)
+    return "; ".join(dict.fromkeys(reasons)) or f"{type(layer).__name__} offers no packed layout"
+
+
 class _Convertible(Protocol):
     mode: str
+    compute_dtype: torch.dtype
 
-    def fast_cpu_unsupported(self) -> str | None: ...
+    def packed_layouts(self) -> Sequence[Layout] | str: ...
 
-    def to_fast_cpu(self, *, small_rows: int | None = ..., prefill_dtype: torch.dtype | None = ...) -> nn.Module: ...
+    def behind_inputs(self, fast: nn.Module) -> nn.Module: ...
 
     def finalize(self) -> Any: ...
 
@@ -1230,13 +1532,13 @@ class FastCPUPlan:
             _restore_embedding_dtype(module, compute_dtype)
 
     def convert(self, name: str, layer: _Convertible) -> nn.Module:
-        """``layer`` (built in ``reference`` mode) as a :class:`FastInt4Linear`, or dequantized with the
-        reason recorded when the fast path cannot run it."""
-        reason = layer.fast_cpu_unsupported()
-        if reason is None:
+        """``layer`` (built in ``reference`` mode) as the module of the first packed layout it offers that runs here
+        (:func:`fast_cpu_module`), or dequantized (its exact path) with the reasons recorded when none runs."""
+        fast = fast_cpu_module(layer, small_rows=self.small_rows, prefill_dtype=self.prefill_dtype)
+        if not isinstance(fast, str):
             self.converted += 1
-            return layer.to_fast_cpu(small_rows=self.small_rows, prefill_dtype=self.prefill_dtype)
-        self.fallback[name] = reason
+            return fast
+        self.fallback[name] = fast
         layer.mode = "dequantized"
         out: nn.Module = layer.finalize()
         return out

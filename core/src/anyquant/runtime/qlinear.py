@@ -6,15 +6,26 @@ weight, ``[out_features, in_features]``). The base gives two execution modes:
 - ``"reference"``: dequantize on every forward (memory stays at the packed size; slow);
 - ``"dequantized"``: dequantize once at load, keep the weight in the compute dtype (dense speed
   and dense memory).
+
+The ``cpu-fast`` backend runs a layer from its packed weight where the subclass describes it:
+:meth:`QuantLinearBase.packed_layouts` (the layouts of :mod:`anyquant.runtime.layouts` it can be run from, in the
+format's order of preference) and :meth:`QuantLinearBase.behind_inputs` (the format's input quantization around the
+module the engine builds); :class:`anyquant.runtime.fastcpu.FastCPUPlan` does the rest.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .finite import check_finite
+
+if TYPE_CHECKING:
+    from .layouts import Layout
 
 __all__ = ["QuantLinearBase"]
 
@@ -44,6 +55,36 @@ class QuantLinearBase(nn.Module):
 
     def dequantize(self) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def packed_layouts(self) -> Sequence[Layout] | str:
+        """The packed layouts (:mod:`anyquant.runtime.layouts`) this layer's weight can be run from, in the format's
+        order of preference, or why it must stay on its exact path (e.g. ``"the packed tensors were dropped"``). The
+        CPU engine runs the first it can and falls back to the exact dequantized weight when none runs. The default:
+        none (a format that describes no layout stays exact)."""
+        return f"{type(self).__name__} describes no packed layout"
+
+    def behind_inputs(self, fast: nn.Module) -> nn.Module:
+        """``fast`` (the engine's module for one of :meth:`packed_layouts`) behind this format's input quantization,
+        when it quantizes its inputs (a module that applies it, then ``fast``); the default: ``fast`` itself."""
+        return fast
+
+    def fast_cpu_unsupported(self) -> str | None:
+        """Why the CPU engine cannot run this layer here (``None`` when it can): see
+        :func:`anyquant.runtime.fastcpu.fast_cpu_reasons`."""
+        from .fastcpu import fast_cpu_reasons
+
+        return fast_cpu_reasons(self)
+
+    def to_fast_cpu(self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None) -> nn.Module:
+        """This layer as the CPU engine runs it (:func:`anyquant.runtime.fastcpu.fast_cpu_module`, as
+        :meth:`~anyquant.runtime.fastcpu.FastCPUPlan.convert` builds it); ``ValueError`` when it cannot."""
+        from .fastcpu import DEFAULT_SMALL_ROWS, fast_cpu_module
+
+        rows = DEFAULT_SMALL_ROWS if small_rows is None else small_rows
+        fast = fast_cpu_module(self, small_rows=rows, prefill_dtype=prefill_dtype)
+        if isinstance(fast, str):
+            raise ValueError(f"{type(self).__name__} cannot run on the fast CPU path: {fast}")
+        return fast
 
     def set_packed(self, bias: torch.Tensor | None = None, **tensors: torch.Tensor | None) -> QuantLinearBase:
         """Register the packed tensors (named as in ``packed_names``; ``None`` allowed) and the bias,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from anyquant.runtime.fastcpu import FastInt4Linear, int4_codes_from_cols, unsupported_reason
+from anyquant.runtime.fastcpu import int4_codes_from_cols
+from anyquant.runtime.layouts import Int4Groups, Layout
 from anyquant.runtime.packing import unpack_cols
 from anyquant.runtime.qlinear import QuantLinearBase
 
@@ -53,44 +52,48 @@ class AWQLinear(QuantLinearBase):
     def _group(self) -> int:
         return self.in_features if self.group_size == -1 else self.group_size
 
-    def fast_cpu_unsupported(self) -> str | None:
-        """Why :meth:`to_fast_cpu` cannot convert this layer (``None`` when it can)."""
+    def packed_layouts(self) -> list[Layout] | str:
+        """Integer codes with a scale and a zero point per contiguous group (GEMM and GEMV layouts alike)."""
         if self.qweight is None:
             return "the packed tensors were dropped"
-        group = self._group()
-        return unsupported_reason(
-            self.bits, self.in_features, self.out_features, group if self.in_features % group == 0 else None
-        )
+        return [
+            Int4Groups(
+                self.in_features,
+                self.out_features,
+                codes=self._codes,
+                zeros=self._zeros,
+                scales=self._scales,
+                bits=self.bits,
+                group_size=self._group(),
+                bias=self._buffers.get("bias"),
+            )
+        ]
 
-    def to_fast_cpu(self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None) -> FastInt4Linear:
-        """The same layer as a :class:`~anyquant.runtime.fastcpu.FastInt4Linear`."""
-        reason = self.fast_cpu_unsupported()
-        if reason is not None:
-            raise ValueError(f"AWQ layer cannot run on the fast CPU path: {reason}")
-        groups = self.in_features // self._group()
+    def _groups(self) -> int:
+        return self.in_features // self._group()
+
+    def _codes(self) -> torch.Tensor:
+        """The codes ``[in, out]`` in the natural column order."""
         if self.layout == "gemm":
             natural = int4_codes_from_cols(self.qweight)  # [K, N] in AWQ's interleaved column order
             order = torch.tensor(AWQ_UNPACK_ORDER, dtype=torch.int64)
-            codes = natural.view(self.in_features, -1, 8)[..., order].reshape(self.in_features, self.out_features)
-            scales = self.scales
-            zeros = None if self.qzeros is None else unpack_awq_gemm_cols(self.qzeros)
-        else:
-            codes = int4_codes_from_cols(self.qweight).t()  # [N, K] -> [K, N]
-            scales = self.scales[:, :groups].t().contiguous()
-            zeros = None if self.qzeros is None else unpack_cols(self.qzeros, self.bits, count=groups).t()
-        if zeros is None:  # zero_point=False: the implicit 2**(b-1), as the reference dequantizer
-            zeros = torch.full((groups, self.out_features), 1 << (self.bits - 1), dtype=torch.int32)
-        extra: dict[str, Any] = {} if small_rows is None else {"small_rows": small_rows}
-        return FastInt4Linear(
-            codes,
-            zeros,
-            scales,
-            None,
-            self._buffers.get("bias"),
-            compute_dtype=self.compute_dtype,
-            prefill_dtype=prefill_dtype,
-            **extra,
-        )
+            return natural.view(self.in_features, -1, 8)[..., order].reshape(self.in_features, self.out_features)
+        return int4_codes_from_cols(self.qweight).t()  # [N, K] -> [K, N]
+
+    def _scales(self) -> torch.Tensor:
+        """The scales ``[G, out]``."""
+        if self.layout == "gemm":
+            return self.scales
+        return self.scales[:, : self._groups()].t().contiguous()
+
+    def _zeros(self) -> torch.Tensor:
+        """The zero points ``[G, out]`` (``zero_point=False``: the implicit ``2 ** (bits - 1)``, as the reference)."""
+        groups = self._groups()
+        if self.qzeros is None:
+            return torch.full((groups, self.out_features), 1 << (self.bits - 1), dtype=torch.int32)
+        if self.layout == "gemm":
+            return unpack_awq_gemm_cols(self.qzeros)
+        return unpack_cols(self.qzeros, self.bits, count=groups).t()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layout={self.layout}, bits={self.bits}, group_size={self.group_size}"

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from anyquant.plugin import CheckpointError
+from anyquant.runtime.layouts import Decoded, Layout, Table4
 from anyquant.runtime.qlinear import QuantLinearBase
 
 __all__ = ["Bnb4bitLinear", "Bnb8bitLinear", "parse_quant_state"]
@@ -123,42 +124,24 @@ class Bnb4bitLinear(QuantLinearBase):
         nested = ", double quantization" if self.nested_absmax is not None else ""
         return f"{super().extra_repr()}, {self.quant_type} blocksize={self.blocksize}{nested}"
 
-    def _lut_unsupported(self) -> str | None:
-        from anyquant.runtime import kernels
-
-        if not kernels.lut_available():
-            return "the compiled 4-bit table kernel is not built here"
-        if self.in_features % 32 or self.in_features % self.blocksize or self.blocksize < 16:
-            return f"blocks of {self.blocksize} that do not tile rows of {self.in_features}"
-        return None
-
-    def fast_cpu_unsupported(self) -> str | None:
-        return None if self._lut_unsupported() is None else _bf16_unsupported()
-
-    def to_fast_cpu(
-        self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None
-    ) -> torch.nn.Module:
-        """The codes kept packed on the compiled 4-bit table kernel (the ``quant_map`` the table, each block's absmax its
-        scale: :class:`~anyquant.runtime.kernels.lut.Lut4Linear`), else a bfloat16 copy prepacked for oneDNN."""
-        if self._lut_unsupported() is None:
-            from anyquant.runtime.kernels.lut import Lut4Linear
-
-            n, k = self.out_features, self.in_features
-            codes = torch.stack((self.codes >> 4, self.codes & 0x0F), -1).reshape(-1)[: n * k].reshape(n, k)
-            return Lut4Linear(
-                codes,
-                self.block_absmax().reshape(n, k // self.blocksize),
-                self.quant_map,
-                group=self.blocksize,
-                round_to=self.round_to,
-                bias=self._buffers.get("bias"),
-                small_rows=small_rows or 64,
-                prefill_dtype=prefill_dtype,
-                compute_dtype=self.compute_dtype,
-            )
-        from anyquant.runtime.fastcpu import PrepackedBf16Linear
-
-        return PrepackedBf16Linear(self)
+    def packed_layouts(self) -> list[Layout]:
+        """The codes into the ``quant_map`` with each block's absmax as its scale (where the blocks tile the rows),
+        else a bfloat16 copy of the exact weight."""
+        n, k, block = self.out_features, self.in_features, self.blocksize
+        decoded: list[Layout] = [Decoded(self)]
+        if k % block:  # blocks run across rows: no scale per group of one row's inputs
+            return decoded
+        table = Table4(
+            k,
+            n,
+            block,
+            codes=lambda: torch.stack((self.codes >> 4, self.codes & 0x0F), -1).reshape(-1)[: n * k].reshape(n, k),
+            scales=lambda: self.block_absmax().reshape(n, k // block),
+            table=self.quant_map,
+            round_to=self.round_to,
+            bias=self._buffers.get("bias"),
+        )
+        return [table, *decoded]
 
 
 class Bnb8bitLinear(QuantLinearBase):
@@ -187,22 +170,9 @@ class Bnb8bitLinear(QuantLinearBase):
             return self._weight
         return (self.cb.to(torch.float32) * self.scb.view(-1, 1)) * INV_127
 
-    def fast_cpu_unsupported(self) -> str | None:
-        return _bf16_unsupported()
-
-    def to_fast_cpu(
-        self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None
-    ) -> torch.nn.Module:
-        from anyquant.runtime.fastcpu import PrepackedBf16Linear
-
-        return PrepackedBf16Linear(self)
+    def packed_layouts(self) -> list[Layout]:
+        """A bfloat16 copy of the exact weight."""
+        return [Decoded(self)]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, int8 per row"
-
-
-def _bf16_unsupported() -> str | None:
-    from anyquant.runtime.fastcpu import bf16_head_status
-
-    ok, reason = bf16_head_status()
-    return None if ok else reason

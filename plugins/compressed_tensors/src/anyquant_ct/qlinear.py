@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
-from anyquant.runtime.fastcpu import FastInt4Linear, contiguous_group_size, unsupported_reason
+from anyquant.runtime.layouts import E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
 from anyquant.runtime.qlinear import QuantLinearBase
 
 from .dequant import dequantize_fp4, dequantize_naive, dequantize_packed, quantize_input, unpack_int32
@@ -89,206 +88,133 @@ class CTLinear(QuantLinearBase):
             x = quantize_input(x, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale)
         return super().forward(x)
 
-    # ------------------------------------------------------------------ cpu-fast
+    # ------------------------------------------------------------------ packed layouts
 
-    def _group_size(self) -> int | None:
-        if self.args.strategy == "channel":
-            return self.in_features
-        if self.args.strategy != "group":
-            return None
-        return contiguous_group_size(self.weight_g_idx, self.in_features, self.weight_scale.shape[-1])
-
-    def fast_cpu_unsupported(self) -> str | None:
-        """Why :meth:`to_fast_cpu` cannot convert this layer (``None`` when it can): 4-bit packed integers go to core's
-        int4 path (GQ4 blocks on the compiled kernel), 8-bit integers to Q8_0 blocks on it; the rest stays exact."""
+    def packed_layouts(self) -> list[Layout] | str:
+        """4-bit packed integers as integer groups, 8-bit integers as int8 blocks, FP8 as E4M3 groups, NVFP4/MXFP4 as
+        codes into the E2M1 table; the rest stays on the exact path."""
         if self.weight_packed is None and self.weight_q is None:
             return "the packed tensors were dropped"
-        if self.storage in ("int8", "packed-int") and self.args.num_bits == 8:
-            return self._q8_0_unsupported()
+        a = self.args
+        if self.storage in ("int8", "packed-int") and a.num_bits == 8:
+            return self._int8_blocks()
         if self.storage == "fp8":
-            return self._e4m3_unsupported()
+            return self._e4m3_groups()
         if self.storage in ("nvfp4", "mxfp4"):
-            from anyquant.runtime import kernels
-
-            if not kernels.lut_available():
-                return "FP4 weights run on the compiled 4-bit table kernel, which is not built here"
             if self.input_args is not None and self.input_args.num_bits == 4:
                 # FP4 activations amplify the kernel's unrounded weights past any tolerance: the exact path
                 return "FP4 input activations (NVFP4 W4A4) run on the exact path"
-            return None if self.in_features % 32 == 0 else f"in_features {self.in_features} not a multiple of 32"
-        if self.storage != "packed-int" or self.args.num_bits != 4:
-            return f"{self.storage} {self.args.num_bits}-bit weights have no fast CPU path yet"
+            return [self._fp4_table()]
+        if self.storage != "packed-int" or a.num_bits != 4:
+            return f"{self.storage} {a.num_bits}-bit weights have no packed layout yet"
         if self.input_args is not None:
             return "its input activations are quantized (the exact path applies them)"
-        if self.args.strategy not in ("group", "channel"):
-            return f"per-{self.args.strategy} scales"
-        return unsupported_reason(4, self.in_features, self.out_features, self._group_size())
+        if a.strategy not in ("group", "channel"):
+            return f"per-{a.strategy} scales"
+        return [
+            Int4Groups(
+                self.in_features,
+                self.out_features,
+                codes=self._int4_codes,
+                zeros=self._int4_zeros,
+                scales=lambda: self.weight_scale.reshape(self.out_features, -1).t().contiguous(),  # [G, out]
+                group_size=self.in_features if a.strategy == "channel" else None,
+                g_idx=self.weight_g_idx if a.strategy == "group" else None,
+                bias=self._buffers.get("bias"),
+            )
+        ]
 
-    def _q8_0_unsupported(self) -> str | None:
-        from anyquant.runtime.fastcpu import block_kernel_is_fast
-        from anyquant.runtime.kernels.linear import fp16_exact
+    def _int4_codes(self) -> torch.Tensor:
+        """``q + 8`` ``[in, out]``: compressed-tensors' signed 4-bit values offset as stored, so that ``(q' - z') s``,
+        with the zero points offset alike, is its weight."""
+        assert self.weight_packed is not None
+        q = unpack_int32(self.weight_packed, 4, self.in_features)  # [out, in], -8..7
+        return (q.to(torch.int16) + 8).to(torch.uint8).t()
 
-        if not block_kernel_is_fast():
-            return "8-bit weights run on the compiled block kernel, which is not built (or not vectorized) here"
+    def _int4_zeros(self) -> torch.Tensor:
+        """``z + 8`` ``[G, out]`` (8 where the scheme is symmetric)."""
+        groups = self.weight_scale.reshape(self.out_features, -1).shape[1]
+        if self.weight_zero_point is None:
+            return torch.full((groups, self.out_features), 8, dtype=torch.uint8)
+        z = unpack_int32(self.weight_zero_point.t(), 4, self.out_features).t().reshape(self.out_features, groups)
+        return (z.to(torch.int16) + 8).to(torch.uint8).t().contiguous()
+
+    def _int8_blocks(self) -> list[Layout] | str:
+        """The int8 codes as stored with their scale per group, per channel or for the whole tensor."""
+        a, n, k, s = self.args, self.out_features, self.in_features, self.weight_scale
         if self.weight_zero_point is not None:
-            return "8-bit weights with zero points (Q8_0 blocks have none)"
-        if self.weight_g_idx is not None or self.in_features % 32:
-            return "8-bit weights whose groups are not contiguous blocks of 32"
-        if self.args.strategy == "group" and (self.args.group_size or 1) % 32:
-            return f"8-bit groups of {self.args.group_size} (Q8_0 blocks are 32)"
-        if self.args.strategy not in ("tensor", "channel", "group"):
-            return f"8-bit weights with per-{self.args.strategy} scales"
-        if not fp16_exact(self.weight_scale):
-            return "8-bit scales that float16 does not hold exactly (Q8_0 blocks keep float16 scales)"
-        return None
+            return "8-bit weights with zero points (no symmetric int8 layout)"
+        if self.weight_g_idx is not None:
+            return "8-bit weights whose groups are not contiguous (a g_idx)"
+        if a.strategy not in ("tensor", "channel", "group"):
+            return f"8-bit weights with per-{a.strategy} scales"
+        group = (a.group_size or 1) if a.strategy == "group" else k
 
-    def _e4m3_scales(self) -> tuple[torch.Tensor, int] | None:
-        """The FP8 kernel's per-row group scales (``None``: a layout its groups cannot hold)."""
-        from anyquant.runtime.kernels.lut import expand_block_scales
+        def scales() -> torch.Tensor:
+            if a.strategy == "group":
+                return s.reshape(n, -1)
+            # one scale per row or for the whole tensor
+            return (s.reshape(-1, 1) if s.numel() == n else s.reshape(1, 1)).expand(n, 1)
 
-        n, k, s, a = self.out_features, self.in_features, self.weight_scale, self.args
+        def codes() -> torch.Tensor:
+            if self.weight_q is not None:
+                return self.weight_q
+            assert self.weight_packed is not None
+            return unpack_int32(self.weight_packed, 8, k)
+
+        bias = self._buffers.get("bias")
+        return [Int8Blocks(k, n, group, codes=codes, scales=scales, round_to=s.dtype, bias=bias)]
+
+    def _e4m3_groups(self) -> list[Layout] | str:
+        """The FP8 bytes as stored with their scale per tensor, output channel, group or block."""
+        a, n, k, s = self.args, self.out_features, self.in_features, self.weight_scale
+        if self.weight_zero_point is not None:
+            return "FP8 weights with zero points"
+        scales: Callable[[], torch.Tensor]
         if a.strategy == "tensor":
-            return s.reshape(1, 1).to(torch.float32).expand(n, 1).contiguous(), k
-        if a.strategy == "channel":
-            return s.reshape(n, 1).to(torch.float32), k
-        if a.strategy == "group" and a.group_size and a.group_size % 16 == 0 and self.weight_g_idx is None:
-            return s.reshape(n, -1).to(torch.float32), a.group_size
-        if (
-            a.strategy == "block"
-            and a.block_structure
-            and k % a.block_structure[1] == 0
-            and a.block_structure[1] % 16 == 0
-        ):
-            return expand_block_scales(s, n, k, a.block_structure)
-        return None
+            scales, rows, group = (lambda: s.reshape(1, 1)), n, k
+        elif a.strategy == "channel":
+            scales, rows, group = (lambda: s.reshape(n, 1)), 1, k
+        elif a.strategy == "group" and a.group_size and self.weight_g_idx is None:
+            scales, rows, group = (lambda: s.reshape(n, -1)), 1, a.group_size
+        elif a.strategy == "block" and a.block_structure:
+            scales, (rows, group) = (lambda: s), a.block_structure
+        else:
+            return f"FP8 scales per {a.strategy} with no packed layout"
+        assert self.weight_q is not None
+        bias = self._buffers.get("bias")
+        return [E4M3Groups(k, n, group, self.weight_q, scales, round_to=s.dtype, rows=rows, bias=bias)]
 
-    def _e4m3_unsupported(self) -> str | None:
-        from anyquant.runtime.kernels.lut import fp8_kernel_runs
-
-        if not fp8_kernel_runs():
-            return "FP8 weights run on the compiled kernel's fp8_gemv, which has no vector path here (AVX512F)"
-        if self.weight_zero_point is not None or self.in_features % 16:
-            return "FP8 weights with zero points or rows not a multiple of 16"
-        return (
-            None if self._e4m3_scales() is not None else f"FP8 scales per {self.args.strategy} the kernel does not hold"
-        )
-
-    def _e4m3(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
-        """FP8 bytes as stored on ``fp8_gemv``, behind the input quantization the config asks for."""
-        from anyquant.runtime.kernels.lut import E4M3Linear
-
-        kernel = self._e4m3_scales()
-        assert kernel is not None and self.weight_q is not None
-        layer: torch.nn.Module = E4M3Linear(
-            self.weight_q,
-            kernel[0],
-            group=kernel[1],
-            round_to=self.weight_scale.dtype,
-            bias=self._buffers.get("bias"),
-            small_rows=small_rows or 64,
-            prefill_dtype=prefill_dtype,
-            compute_dtype=self.compute_dtype,
-        )
-        return self._behind_inputs(layer)
-
-    def _behind_inputs(self, layer: torch.nn.Module) -> torch.nn.Module:
-        """A fast layer behind the input quantization the config asks for (the layer itself where it asks none)."""
-        if self.input_args is None:
-            return layer
-        return InputQuantized(layer, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale)
-
-    def _fp4_table(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
-        """NVFP4/MXFP4 codes kept packed on the 4-bit table kernel: the E2M1 table, each group's scale as
-        compressed-tensors forms it (``bf16(fp8 scale) / weight_global_scale``, or ``2 ** (e - 127)``)."""
-        from anyquant.runtime.kernels.lut import Lut4Linear
-
+    def _fp4_table(self) -> Table4:
+        """NVFP4/MXFP4 codes into the E2M1 table, each group's scale as compressed-tensors forms it
+        (``bf16(fp8 scale) / weight_global_scale``, or ``2 ** (e - 127)``)."""
         from .dequant import E2M1, mx_scale
 
         assert self.weight_packed is not None
-        packed = self.weight_packed
-        codes = torch.stack((packed & 0x0F, packed >> 4), -1).reshape(self.out_features, self.in_features)
-        if self.storage == "mxfp4":
-            scales, group = mx_scale(self.weight_scale).to(torch.float32), 32
-        else:
+        packed, n, k = self.weight_packed, self.out_features, self.in_features
+
+        def scales() -> torch.Tensor:
+            if self.storage == "mxfp4":
+                return mx_scale(self.weight_scale).to(torch.float32)
             assert self.weight_global_scale is not None
-            scales, group = self.weight_scale.to(torch.bfloat16) / self.weight_global_scale, 16
-        lut = torch.tensor([*E2M1, *(-v for v in E2M1)], dtype=torch.float32)
-        layer: torch.nn.Module = Lut4Linear(
-            codes,
-            scales,
-            lut,
-            group=group,
+            return self.weight_scale.to(torch.bfloat16) / self.weight_global_scale
+
+        return Table4(
+            k,
+            n,
+            32 if self.storage == "mxfp4" else 16,
+            codes=lambda: torch.stack((packed & 0x0F, packed >> 4), -1).reshape(n, k),
+            scales=scales,
+            table=torch.tensor([*E2M1, *(-v for v in E2M1)], dtype=torch.float32),
             round_to=torch.bfloat16,
             bias=self._buffers.get("bias"),
-            small_rows=small_rows or 64,
-            prefill_dtype=prefill_dtype,
-            compute_dtype=self.compute_dtype,
         )
-        return self._behind_inputs(layer)
 
-    def _q8_0(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
-        """The int8 weight as Q8_0 blocks (its codes as stored, its scale per block of 32), run on the compiled kernel;
-        wrapped in the input quantization the config asks for."""
-        from anyquant.runtime.kernels.linear import q8_0_from_codes
-
-        codes = self.weight_q if self.weight_q is not None else None
-        if codes is None:
-            assert self.weight_packed is not None
-            codes = unpack_int32(self.weight_packed, 8, self.in_features)
-        out, k = self.out_features, self.in_features
-        s = self.weight_scale
-        if self.args.strategy == "group":
-            d = s.reshape(out, -1).repeat_interleave((self.args.group_size or 32) // 32, dim=1)
-        else:  # one scale per row or for the whole tensor
-            d = s.reshape(-1, 1).expand(out, k // 32) if s.numel() == out else s.reshape(1, 1).expand(out, k // 32)
-        layer: torch.nn.Module = _int8_block_linear_class()(
-            q8_0_from_codes(codes, d),
-            out,
-            k,
-            self._buffers.get("bias"),
-            round_to=s.dtype,
-            small_rows=small_rows or 64,
-            prefill_dtype=prefill_dtype,
-            compute_dtype=self.compute_dtype,
-            interleave=True,
-        )
-        return self._behind_inputs(layer)
-
-    def to_fast_cpu(
-        self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None
-    ) -> torch.nn.Module:
-        """The same layer as a :class:`~anyquant.runtime.fastcpu.FastInt4Linear`: codes ``q + 8`` and zero points
-        ``z + 8`` (compressed-tensors' signed 4-bit values, offset as stored), so ``(q' - z') s`` is its weight."""
-        reason = self.fast_cpu_unsupported()
-        if reason is not None:
-            raise ValueError(f"compressed-tensors layer cannot run on the fast CPU path: {reason}")
-        if self.storage in ("int8", "packed-int") and self.args.num_bits == 8:
-            return self._q8_0(small_rows, prefill_dtype)
-        if self.storage in ("nvfp4", "mxfp4"):
-            return self._fp4_table(small_rows, prefill_dtype)
-        if self.storage == "fp8":
-            return self._e4m3(small_rows, prefill_dtype)
-        assert self.weight_packed is not None
-        q = unpack_int32(self.weight_packed, 4, self.in_features)  # [out, in], -8..7
-        codes = (q.to(torch.int16) + 8).to(torch.uint8).t()
-        scales = self.weight_scale.reshape(self.out_features, -1).t().contiguous()  # [G, out]
-        if self.weight_zero_point is not None:
-            groups = scales.shape[0]
-            z = unpack_int32(self.weight_zero_point.t(), 4, self.out_features).t().reshape(self.out_features, groups)
-            zeros = (z.to(torch.int16) + 8).to(torch.uint8).t().contiguous()
-        else:
-            zeros = torch.full_like(scales, 8, dtype=torch.uint8)
-        extra: dict[str, Any] = {} if small_rows is None else {"small_rows": small_rows}
-        return FastInt4Linear(
-            codes,
-            zeros,
-            scales,
-            self.weight_g_idx if self.args.strategy == "group" else None,
-            self._buffers.get("bias"),
-            compute_dtype=self.compute_dtype,
-            prefill_dtype=prefill_dtype,
-            **extra,
-        )
+    def behind_inputs(self, fast: torch.nn.Module) -> torch.nn.Module:
+        """A fast layer behind the input quantization the config asks for (the layer itself where it asks none)."""
+        if self.input_args is None:
+            return fast
+        return InputQuantized(fast, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale)
 
     def extra_repr(self) -> str:
         acts = f", input={self.input_args.describe()}" if self.input_args else ""
@@ -348,31 +274,3 @@ class InputQuantized(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"input={self.args.describe()}"
-
-
-@functools.cache
-def _int8_block_linear_class() -> type[torch.nn.Module]:
-    from anyquant.runtime.kernels.linear import BlockLinear
-
-    class CTInt8BlockLinear(BlockLinear):
-        """compressed-tensors' int8 weight as Q8_0 blocks on the compiled kernel: its exact weight is
-        ``round_to(scale dtype, q * s)``, compressed-tensors' own arithmetic, from the blocks."""
-
-        def __init__(
-            self,
-            blocks: torch.Tensor,
-            out_features: int,
-            in_features: int,
-            bias: torch.Tensor | None,
-            *,
-            round_to: torch.dtype,
-            **kwargs: Any,
-        ) -> None:
-            super().__init__(blocks, "Q8_0", out_features, in_features, bias, **kwargs)
-            self.round_to = round_to
-
-        def dequantize(self) -> torch.Tensor:
-            assert self.round_to is not None
-            return self.exact_weight(self.round_to)
-
-    return CTInt8BlockLinear

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from anyquant.runtime.layouts import Decoded, E4M3Groups, Layout
 from anyquant.runtime.qlinear import QuantLinearBase
 
 __all__ = ["FP8InputQuant", "FP8Linear", "KVQuantFP8", "dequantize_fp8", "quantize_fp8_activations"]
@@ -100,61 +101,34 @@ class FP8Linear(QuantLinearBase):
         acts = {"static": ", static FP8 inputs", "token": ", per-token FP8 inputs"}.get(self.input_quant or "", "")
         return f"{super().extra_repr()}, fp8 e4m3 {blocks}{acts}"
 
-    # ------------------------------------------------------------------ cpu-fast
+    # ------------------------------------------------------------------ packed layouts
 
-    def _kernel_scales(self) -> tuple[torch.Tensor, int] | None:
-        """The op's per-row group scales, or ``None`` where its groups cannot hold this layout (partial blocks)."""
-        from anyquant.runtime.kernels.lut import expand_block_scales
-
-        n, k = self.out_features, self.in_features
-        if self.weight_scale_inv.numel() == 1:
-            return self.weight_scale_inv.reshape(1, 1).to(torch.float32).expand(n, 1).contiguous(), k
-        if self.block is None:  # per output channel
-            return self.weight_scale_inv.reshape(n, 1).to(torch.float32).contiguous(), k
-        if k % self.block[1] or self.block[1] % 16:
-            return None
-        return expand_block_scales(self.weight_scale_inv, n, k, self.block)
-
-    def fast_cpu_unsupported(self) -> str | None:
-        """Why :meth:`to_fast_cpu` cannot convert this layer (``None`` when it can): the FP8 kernel where it has its
-        vector path, else a bfloat16 copy where the CPU runs bfloat16 fast."""
-        from anyquant.runtime.fastcpu import bf16_head_status
-        from anyquant.runtime.kernels.lut import fp8_kernel_runs
-
-        if fp8_kernel_runs() and self.in_features % 16 == 0 and self._kernel_scales() is not None:
-            return None
-        ok, reason = bf16_head_status()
-        return None if ok else reason
-
-    def to_fast_cpu(
-        self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None
-    ) -> torch.nn.Module:
-        """The FP8 bytes as they are on the compiled kernel's ``fp8_gemv`` (one byte a weight; the exact weight
-        transformers' dequantization), else a bfloat16 copy prepacked for oneDNN; behind the input quantization
-        ModelOpt's config asks for."""
-        layer = self._fast_weights(small_rows, prefill_dtype)
-        if self.input_quant is None:
-            return layer
-        return FP8InputQuant(layer, self.input_scale)
-
-    def _fast_weights(self, small_rows: int | None, prefill_dtype: torch.dtype | None) -> torch.nn.Module:
-        from anyquant.runtime.fastcpu import PrepackedBf16Linear
-        from anyquant.runtime.kernels.lut import E4M3Linear, fp8_kernel_runs
-
-        kernel = self._kernel_scales() if fp8_kernel_runs() and self.in_features % 16 == 0 else None
-        if kernel is None:
-            return PrepackedBf16Linear(self)
-        scales, group = kernel
-        return E4M3Linear(
-            self.weight_fp8,
-            scales,
-            group=group,
+    def packed_layouts(self) -> list[Layout]:
+        """The FP8 bytes as stored with their scale per tensor, output channel or block (the exact weight
+        transformers' dequantization gives), else a bfloat16 copy of that weight (within FP8's own tolerance)."""
+        n, k, s = self.out_features, self.in_features, self.weight_scale_inv
+        shape: tuple[int, ...]
+        if s.numel() == 1:
+            rows, group, shape = n, k, (1, 1)
+        elif self.block is None:  # per output channel
+            rows, group, shape = 1, k, (n, 1)
+        else:  # [ceil(out / bh), ceil(in / bw)]: blocks at the edges shorter than the block read their block's scale
+            (rows, group), shape = self.block, tuple(s.shape)
+        fp8 = E4M3Groups(
+            k,
+            n,
+            group,
+            weight=self.weight_fp8,
+            scales=lambda: s.reshape(shape),
             round_to=self.round_to,
+            rows=rows,
             bias=self._buffers.get("bias"),
-            small_rows=small_rows or 64,
-            prefill_dtype=prefill_dtype,
-            compute_dtype=self.compute_dtype,
         )
+        return [fp8, Decoded(self)]
+
+    def behind_inputs(self, fast: torch.nn.Module) -> torch.nn.Module:
+        """A fast layer behind the input quantization ModelOpt's config asks for."""
+        return fast if self.input_quant is None else FP8InputQuant(fast, self.input_scale)
 
 
 class FP8InputQuant(torch.nn.Module):

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from anyquant.runtime.fastcpu import FastInt4Linear, contiguous_group_size, int4_codes_from_rows, unsupported_reason
+from anyquant.runtime.fastcpu import int4_codes_from_rows
+from anyquant.runtime.layouts import Int4Groups, Layout
 from anyquant.runtime.qlinear import QuantLinearBase
 
 from .dequant import dequantize_gptq, gptq_zero_points
@@ -59,37 +58,28 @@ class GPTQLinear(QuantLinearBase):
             in_features=self.in_features,
         )
 
-    def fast_cpu_unsupported(self) -> str | None:
-        """Why :meth:`to_fast_cpu` cannot convert this layer (``None`` when it can)."""
+    def packed_layouts(self) -> list[Layout] | str:
+        """Integer codes with a scale and a zero point per group (``g_idx`` as stored)."""
         if self.qweight is None:
             return "the packed tensors were dropped"
-        groups = contiguous_group_size(self.g_idx, self.in_features, self.scales.shape[0])
-        return unsupported_reason(self.bits, self.in_features, self.out_features, groups)
-
-    def to_fast_cpu(self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None) -> FastInt4Linear:
-        """The same layer as a :class:`~anyquant.runtime.fastcpu.FastInt4Linear` (4-bit only)."""
-        reason = self.fast_cpu_unsupported()
-        if reason is not None:
-            raise ValueError(f"GPTQ layer cannot run on the fast CPU path: {reason}")
-        codes = int4_codes_from_rows(self.qweight)[: self.in_features]
-        zeros = gptq_zero_points(
-            self.qzeros,
-            bits=self.bits,
-            checkpoint_format=self.checkpoint_format,  # type: ignore[arg-type]
-            out_features=self.out_features,
-            sym=self.sym,
-        )
-        extra: dict[str, Any] = {} if small_rows is None else {"small_rows": small_rows}
-        return FastInt4Linear(
-            codes,
-            zeros,
-            self.scales,
-            self.g_idx,
-            self._buffers.get("bias"),
-            compute_dtype=self.compute_dtype,
-            prefill_dtype=prefill_dtype,
-            **extra,
-        )
+        return [
+            Int4Groups(
+                self.in_features,
+                self.out_features,
+                codes=lambda: int4_codes_from_rows(self.qweight)[: self.in_features],
+                zeros=lambda: gptq_zero_points(
+                    self.qzeros,
+                    bits=self.bits,
+                    checkpoint_format=self.checkpoint_format,  # type: ignore[arg-type]
+                    out_features=self.out_features,
+                    sym=self.sym,
+                ),
+                scales=self.scales,
+                bits=self.bits,
+                g_idx=self.g_idx,
+                bias=self._buffers.get("bias"),
+            )
+        ]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, bits={self.bits}, format={self.checkpoint_format}"

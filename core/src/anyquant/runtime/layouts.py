@@ -1,0 +1,137 @@
+"""How a format's quantized linear describes its packed weight to the CPU engine: a small typed vocabulary.
+
+A format plugin's linear (a :class:`~anyquant.runtime.qlinear.QuantLinearBase`) supplies the exact reference decode
+(``dequantize()``) and, with :meth:`~anyquant.runtime.qlinear.QuantLinearBase.packed_layouts`, the layouts its weight
+can be run from, in the format's order of preference: each a frozen dataclass below that states exactly which weight
+it is, with the metadata the engine checks (shapes, group, dtypes) and the tensors. The engine (``cpu-fast``,
+:meth:`anyquant.runtime.fastcpu.FastCPUPlan.convert`) checks each offered layout against what runs here (the
+compiled kernels built and vectorized, the shapes they take, float16-exact block scales ...) and builds its module
+from the first that runs; a format writes no backend code.
+
+A tensor field holds the tensor, or a zero-argument callable that forms it (unpacking the codes is work: it is done
+only for the layout that runs). Weights are ``w[o, i]`` for output ``o`` and input ``i``; ``bias`` is the layer's
+(``None``: none). Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    import torch
+
+    #: a tensor, or a zero-argument callable that forms it
+    TensorOr: TypeAlias = torch.Tensor | Callable[[], torch.Tensor]
+
+__all__ = ["Affine4Blocks", "Decoded", "E4M3Groups", "Int4Groups", "Int8Blocks", "Layout", "Table4", "tensor"]
+
+
+def tensor(value: TensorOr) -> torch.Tensor:
+    """A layout's tensor field as a tensor (the callable called)."""
+    return value() if callable(value) else value
+
+
+@dataclass(frozen=True, eq=False)
+class Int4Groups:
+    """4-bit integer codes with a scale and a zero point per group of inputs (GPTQ, AWQ, compressed-tensors' int4):
+    ``w[o, i] = round_to(scales.dtype, (codes[i, o] - zeros[g(i), o]) * scales[g(i), o])`` (float32 arithmetic, one
+    rounding to the scales' dtype).
+
+    ``codes``: ``[in, out]``, 0..15, any integer dtype; ``zeros``: ``[G, out]`` integers (0..255); ``scales``:
+    ``[G, out]``. ``g(i)`` is ``g_idx[i]`` where ``g_idx`` is given (``[in]``; the engine sorts the columns by group
+    and needs groups of equal size), else ``i // group_size``; ``group_size=None`` with no ``g_idx``: ``in / G``.
+    ``bits``: the codes' width (the engine refuses anything but 4; a format with other widths may still say so).
+    """
+
+    in_features: int
+    out_features: int
+    codes: TensorOr
+    zeros: TensorOr
+    scales: TensorOr
+    bits: int = 4
+    group_size: int | None = None
+    g_idx: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Affine4Blocks:
+    """4-bit codes with a scale and an offset per group of inputs, computed in the scales' dtype (mlx's ``affine``):
+    ``w[o, i] = scales[o, i // group] * codes[o, i] + biases[o, i // group]``, rounded to the scales' dtype after the
+    product and after the sum (no fused multiply-add).
+
+    ``codes``: ``[out, in]``, 0..15; ``scales`` and ``biases``: ``[out, in / group]``, one dtype."""
+
+    in_features: int
+    out_features: int
+    group: int
+    codes: TensorOr
+    scales: TensorOr
+    biases: TensorOr
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Blocks:
+    """Symmetric 8-bit integer codes with a scale per group of inputs (compressed-tensors' int8):
+    ``w[o, i] = round_to(float32(codes[o, i]) * float32(scales[o, i // group]))``.
+
+    ``codes``: ``[out, in]``, int8 values; ``scales``: ``[out, in / group]`` (a per-channel scale: ``group = in``)."""
+
+    in_features: int
+    out_features: int
+    group: int
+    codes: TensorOr
+    scales: TensorOr
+    round_to: torch.dtype
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Table4:
+    """4-bit codes into a 16-entry float table with a float scale per group of inputs (bitsandbytes' nf4/fp4, FP4
+    E2M1 with E8M0 or E4M3 scales): ``w[o, i] = round_to(float32(table[codes[o, i]]) * float32(scales[o, i // group]))``.
+
+    ``codes``: ``[out, in]``, 0..15; ``scales``: ``[out, in / group]``; ``table``: the 16 values."""
+
+    in_features: int
+    out_features: int
+    group: int
+    codes: TensorOr
+    scales: TensorOr
+    table: TensorOr
+    round_to: torch.dtype
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class E4M3Groups:
+    """FP8 E4M3 weights with a float scale per block of ``rows`` outputs by ``group`` inputs (FP8 checkpoints,
+    compressed-tensors' fp8): ``w[o, i] = round_to(float32(weight[o, i]) * float32(scales[o // rows, i // group]))``.
+
+    ``weight``: ``[out, in]`` ``float8_e4m3fn`` (or its bytes as uint8); ``scales``: ``[ceil(out / rows), in / group]``
+    (per tensor: ``rows = out``, ``group = in``, ``[1, 1]``; per output channel: ``rows = 1``, ``group = in``)."""
+
+    in_features: int
+    out_features: int
+    group: int
+    weight: TensorOr
+    scales: TensorOr
+    round_to: torch.dtype
+    rows: int = 1
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Decoded:
+    """A bfloat16 copy of ``source.dequantize()`` is within the format's tolerance (its weights have no packed layout
+    the engine runs, and the format accepts bfloat16 rounding of them). ``source``: the format's module
+    (``dequantize()``, ``in_features``, ``out_features``, ``bias``), kept for its exact weight."""
+
+    source: Any
+
+
+#: one packed layout of the vocabulary
+Layout: TypeAlias = Int4Groups | Affine4Blocks | Int8Blocks | Table4 | E4M3Groups | Decoded

@@ -1,0 +1,317 @@
+"""Packed layouts (anyquant.runtime.layouts): a format's linear describes its weight, the CPU engine
+(``FastCPUPlan.convert``) checks and builds the fast module; formats hold no engine code.
+
+The toy linears here belong to no format: a ``QuantLinearBase`` with a ``dequantize()`` and ``packed_layouts()``
+gets the engine's module where its kernel runs (its output within the engine's tolerance of its own exact weight),
+else its exact path with the reasons recorded. Kernel-dependent expectations branch on what runs here."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from anyquant.runtime import kernels
+from anyquant.runtime.fastcpu import (
+    FastCPUPlan,
+    FastInt4Linear,
+    PrepackedBf16Linear,
+    bf16_head_status,
+    fast_cpu_reasons,
+    fast_linear,
+    int4pack_status,
+    layout_unsupported,
+)
+from anyquant.runtime.layouts import Decoded, Int4Groups, Layout, Table4
+from anyquant.runtime.qlinear import QuantLinearBase
+
+ROOT = Path(__file__).resolve().parents[2]
+#: the formats whose linears describe packed layouts (their src holds no CPU-engine code)
+FORMATS = ("gptq", "awq", "compressed_tensors", "fp8", "bnb", "mlx")
+#: relative to max |y|: torch's int4 kernel (bfloat16 activations), a bfloat16 copy; exact weights in float32
+BF16_TOL = 2e-2
+EXACT_TOL = 1e-5
+#: the table kernel: exact weights and float32 activations, only the summation order differs
+TABLE_TOL = 1e-4
+#: bitsandbytes' nf4 values, rounded
+NF4 = [-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461, 0.3379, 0.4407]
+NF4 += [0.5626, 0.7230, 1.0]
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def _never() -> torch.Tensor:
+    raise AssertionError("a refused layout's tensors are not formed")
+
+
+class ToyTable(QuantLinearBase):
+    """``w = bf16(table[q] * scale[o, i // 32])``: a 4-bit table format of no plugin."""
+
+    packed_names = ("codes", "scales")
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, n: int, k: int, *, seed: int = 0, extra: Sequence[str] = ()) -> None:
+        super().__init__(k, n)
+        gen = torch.Generator().manual_seed(seed)
+        self.table = torch.tensor(NF4)
+        self.extra = extra
+        self.formed = 0
+        self.set_packed(
+            torch.randn(n, generator=gen),
+            codes=torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+            scales=torch.rand(n, k // 32, generator=gen) + 0.5,
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        if self._weight is not None:  # dequantized mode: the packed tensors are dropped
+            return self._weight
+        w = self.table[self.codes.long()] * self.scales.repeat_interleave(32, dim=1)
+        return w.to(torch.bfloat16)
+
+    def _codes(self) -> torch.Tensor:
+        self.formed += 1
+        return self.codes
+
+    def packed_layouts(self) -> list[Layout]:
+        table = Table4(
+            self.in_features,
+            self.out_features,
+            32,
+            codes=self._codes,
+            scales=self.scales,
+            table=self.table,
+            round_to=torch.bfloat16,
+            bias=self._buffers.get("bias"),
+        )
+        return [table, *(Decoded(self) for _ in self.extra)]
+
+
+class ToyInt4(QuantLinearBase):
+    """``w = f16((q - z) * s)`` per group of 64 inputs: GPTQ's arithmetic in a format of no plugin."""
+
+    packed_names = ("codes", "zeros", "scales")
+    codes: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, n: int, k: int, *, bits: int = 4, group: int = 64) -> None:
+        super().__init__(k, n)
+        gen = torch.Generator().manual_seed(1)
+        self.bits, self.group = bits, group
+        self.set_packed(
+            None,
+            codes=torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8),
+            zeros=torch.randint(0, 16, (k // group, n), generator=gen, dtype=torch.uint8),
+            scales=(torch.rand(k // group, n, generator=gen) * 0.02 + 1e-3).half(),
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        z = self.zeros.repeat_interleave(self.group, 0).float()
+        w = (self.codes.float() - z) * self.scales.repeat_interleave(self.group, 0).float()
+        return w.half().t().contiguous()
+
+    def packed_layouts(self) -> list[Layout]:
+        return [
+            Int4Groups(
+                self.in_features,
+                self.out_features,
+                codes=self.codes if self.bits == 4 else _never,
+                zeros=self.zeros,
+                scales=self.scales,
+                bits=self.bits,
+                group_size=self.group,
+            )
+        ]
+
+
+class Refusing(ToyTable):
+    def __init__(self, why: str | Callable[[], list[Layout]]) -> None:
+        super().__init__(64, 64)
+        self.why = why
+
+    def packed_layouts(self) -> list[Layout] | str:  # type: ignore[override]
+        return self.why if isinstance(self.why, str) else self.why()
+
+
+class Plain(QuantLinearBase):
+    """A format that describes no layout: the default keeps it exact."""
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.ones(self.out_features, self.in_features)
+
+
+def _exact(layer: QuantLinearBase, x: torch.Tensor) -> torch.Tensor:
+    bias = layer._buffers.get("bias")
+    return F.linear(x, layer.dequantize().float(), bias)
+
+
+# ---------------------------------------------------------------- (a) a layout that runs gets the engine's module
+
+
+def test_a_table_layout_runs_on_the_table_kernel_or_its_exact_path() -> None:
+    layer, plan = ToyTable(48, 128), FastCPUPlan(small_rows=4)
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(2))
+    want = _exact(layer, x)
+    fast = plan.convert("toy", layer)
+    if kernels.lut_available():
+        assert type(fast).__name__ == "Lut4Linear" and plan.converted == 1 and not plan.fallback
+        assert layer.formed == 1  # the codes formed once, for the layout that ran
+        assert torch.equal(fast.dequantize(), layer.dequantize())  # type: ignore[operator]
+        with torch.no_grad():
+            assert _rel(fast(x[:3]), want[:3]) < TABLE_TOL  # decode: the kernel
+            assert _rel(fast(x), want) < EXACT_TOL  # prompts: the exact weight
+    else:
+        assert fast is layer and layer.mode == "dequantized" and plan.converted == 0
+        assert "table kernel" in plan.fallback["toy"] and layer.formed == 0
+        with torch.no_grad():
+            assert _rel(fast(x), want) < EXACT_TOL
+
+
+def test_the_first_layout_that_runs_wins() -> None:
+    """[Table4, Decoded]: the table kernel where it is built, else a bfloat16 copy where that runs fast."""
+    layer, plan = ToyTable(48, 64, extra=("decoded",)), FastCPUPlan(small_rows=4)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    want = _exact(layer, x)
+    fast = plan.convert("toy", layer)
+    if kernels.lut_available():
+        assert type(fast).__name__ == "Lut4Linear"
+    elif bf16_head_status()[0]:
+        assert type(fast) is PrepackedBf16Linear and fast.source is layer
+        with torch.no_grad():
+            assert _rel(fast(x), want) < BF16_TOL
+    else:
+        assert fast is layer and "; " in plan.fallback["toy"]  # both layouts' reasons
+
+
+def test_an_int4_layout_runs_on_torchs_int4_kernel() -> None:
+    layer, plan = ToyInt4(96, 256), FastCPUPlan(small_rows=4)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(4))
+    want = _exact(layer, x)
+    fast = plan.convert("toy", layer)
+    if not int4pack_status().available:
+        assert fast is layer and plan.fallback["toy"] == int4pack_status().reason
+        return
+    assert type(fast) is FastInt4Linear and plan.converted == 1
+    assert fast.group_size == 64 and fast.small_rows == 4
+    assert torch.equal(fast.dequantize(), layer.dequantize())
+    with torch.no_grad():
+        assert _rel(fast(x[:2]), want[:2]) < BF16_TOL
+        assert _rel(fast(x), want) < EXACT_TOL
+
+
+def test_fast_linear_takes_the_plans_options() -> None:
+    layer = ToyTable(32, 64)
+    (layout,) = layer.packed_layouts()
+    fast = fast_linear(layout, small_rows=7, prefill_dtype=torch.bfloat16, compute_dtype=torch.float16)
+    if isinstance(fast, str):
+        assert fast == layout_unsupported(layout) and not kernels.lut_available()
+        return
+    assert fast.small_rows == 7 and fast.prefill_dtype == torch.bfloat16
+    assert fast.bias is not None and fast.bias.dtype == torch.float16
+    assert layout_unsupported(layout) is None and fast_cpu_reasons(layer) is None
+
+
+# ---------------------------------------------------------------- (b) no layout runs: the exact path, the reasons
+
+
+def test_a_layers_own_reason_keeps_it_exact() -> None:
+    layer, plan = Refusing("the packed tensors were dropped"), FastCPUPlan()
+    x = torch.randn(2, 64)
+    want = _exact(layer, x)
+    out = plan.convert("model.layers.0.mlp.up_proj", layer)
+    assert out is layer and layer.mode == "dequantized"
+    assert plan.fallback == {"model.layers.0.mlp.up_proj": "the packed tensors were dropped"}
+    assert plan.converted == 0 and plan.summary()["dequantized_layers"] == plan.fallback
+    with torch.no_grad():
+        assert torch.equal(out(x), want)
+
+
+def test_refused_layouts_are_recorded_and_never_formed() -> None:
+    """Rows the table kernel cannot take (48 is not a multiple of 32) and 3-bit integer groups: every layout's
+    reason is recorded, joined, and no layout's tensors are formed."""
+    bad_table = Table4(48, 64, 16, codes=_never, scales=_never, table=_never, round_to=torch.bfloat16)
+    three_bit = Int4Groups(64, 64, codes=_never, zeros=_never, scales=_never, bits=3, group_size=32)
+    layer, plan = Refusing(lambda: [bad_table, three_bit]), FastCPUPlan()
+    assert plan.convert("toy", layer) is layer and layer.mode == "dequantized"
+    reasons = plan.fallback["toy"].split("; ")
+    assert len(reasons) == 2
+    table_reason, int4_reason = reasons
+    if kernels.lut_available():
+        assert "rows of 48" in table_reason
+    else:
+        assert "not built" in table_reason
+    if int4pack_status().available:
+        assert "3-bit" in int4_reason and "4-bit" in int4_reason
+
+
+def test_a_format_without_layouts_stays_exact() -> None:
+    layer, plan = Plain(32, 8), FastCPUPlan()
+    assert plan.convert("toy", layer) is layer and layer.mode == "dequantized"
+    assert "describes no packed layout" in plan.fallback["toy"]
+    assert fast_cpu_reasons(layer) == plan.fallback["toy"]
+
+
+def test_the_layers_conveniences_ask_the_engine() -> None:
+    """``fast_cpu_unsupported()``/``to_fast_cpu()`` on any QuantLinearBase: the engine's answer for that layer."""
+    refused = Refusing("FP4 input activations (NVFP4 W4A4) run on the exact path")
+    assert refused.fast_cpu_unsupported() == "FP4 input activations (NVFP4 W4A4) run on the exact path"
+    with pytest.raises(ValueError, match="W4A4"):
+        refused.to_fast_cpu()
+    layer = ToyInt4(64, 128)
+    if int4pack_status().available:
+        assert layer.fast_cpu_unsupported() is None
+        fast = layer.to_fast_cpu(small_rows=2)
+        assert type(fast) is FastInt4Linear and fast.small_rows == 2
+
+
+def test_a_layout_of_another_vocabulary_is_refused_loudly() -> None:
+    with pytest.raises(TypeError, match="not a packed layout"):
+        layout_unsupported(object())  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- (c) the formats hold no engine code
+
+
+def _format_sources() -> list[Path]:
+    return [p for name in FORMATS for p in sorted((ROOT / "plugins" / name / "src").rglob("*.py"))]
+
+
+def test_the_formats_write_no_cpu_engine_code() -> None:
+    """The six formats describe their layouts; the engine's methods and modules appear in none of their sources."""
+    engine = re.compile(
+        r"to_fast_cpu|fast_cpu_unsupported|PrepackedBf16Linear|Lut4Linear|E4M3Linear|FastInt4Linear|"
+        r"q8_0_from_codes|q4_1_from_codes|BlockLinear"
+    )
+    sources = _format_sources()
+    assert len(sources) > 6
+    found = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in sources
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if engine.search(line)
+    ]
+    assert not found, found
+
+
+def test_importing_the_layouts_imports_no_torch() -> None:
+    code = "import sys, anyquant.runtime.layouts\nassert 'torch' not in sys.modules\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_layout_classes_are_frozen_descriptions() -> None:
+    layout = Int4Groups(64, 64, codes=_never, zeros=_never, scales=_never)
+    with pytest.raises(AttributeError):
+        layout.bits = 3  # type: ignore[misc]
+    assert layout.bits == 4 and layout.group_size is None and layout.g_idx is None and layout.bias is None
+    assert isinstance(Decoded(nn.Linear(2, 2)).source, nn.Linear)
