@@ -29,6 +29,9 @@ from anyquant.runtime import kernels
 #: bytes a block wrap it to 36 and 68
 WRAP = 2**62 + 1
 Q4_0, Q4_1, Q8_0, GQ4 = 2, 3, 8, 100
+#: the K-quants' super-blocks of 256 weights: 144 (Q4_K) and 176 (Q5_K) bytes times 2**62+1 rows of one super-block
+#: wrap int64 to 144 and 176; Q6_K's 210 to 2**63 + 210 (negative as int64)
+Q4_K, Q5_K, Q6_K = 12, 13, 14
 
 #: ops with no argument (nothing to check)
 NO_ARGUMENTS = {"kernel_isa", "kernel_threads", "lut_isa"}
@@ -160,8 +163,85 @@ def _cases() -> list[Case]:
         ("rms_norm", "weight on meta", lambda: rms(_x(16), torch.ones(16, device="meta"), 1e-6), True),
     ]
     cases += _experts_cases()
+    cases += _k_quant_cases()
     cases += _lut_cases()
     return cases
+
+
+def _k_quant_cases() -> list[Case]:
+    """The K-quants: sizes that wrap int64 with their super-block sizes, columns not a multiple of 256."""
+    ops = torch.ops.anyquant
+    gemv, cat = ops.ggml_gemv, ops.ggml_gemv_cat
+    interleave, dequantize = ops.ggml_interleave, ops.ggml_dequantize
+    q4k = _u8(4 * 144)  # 4 rows x 256 columns of Q4_K: a valid part
+    return [
+        (
+            "ggml_gemv",
+            "144 bytes as 2**62+1 rows of Q4_K",
+            lambda: gemv(_x(256), _u8(144), Q4_K, WRAP, 256, -1, 2),
+            True,
+        ),
+        (
+            "ggml_gemv",
+            "176 bytes as 2**62+1 rows of Q5_K",
+            lambda: gemv(_x(256), _u8(176), Q5_K, WRAP, 256, -1, 2),
+            True,
+        ),
+        (
+            "ggml_gemv",
+            "210 bytes as 2**62+1 rows of Q6_K",
+            lambda: gemv(_x(256), _u8(210), Q6_K, WRAP, 256, -1, 2),
+            True,
+        ),
+        (
+            "ggml_gemv",
+            "144 bytes as 2**62+1 interleaved rows of Q4_K",
+            lambda: gemv(_x(256), _u8(144), 1000 + Q4_K, WRAP, 256, -1, 2),
+            True,
+        ),
+        ("ggml_gemv", "Q4_K cols 32", lambda: gemv(_x(32), _u8(4 * 18), Q4_K, 4, 32, -1, 2), True),
+        ("ggml_gemv", "Q6_K cols 288", lambda: gemv(_x(288), _u8(4 * 210), Q6_K, 4, 288, -1, 2), True),
+        ("ggml_gemv", "Q4_K cols 2**63-256", lambda: gemv(_x(256), q4k, Q4_K, 4, 2**63 - 256, -1, 2), True),
+        ("ggml_gemv", "Q4_K blocks a byte short", lambda: gemv(_x(256), q4k[:-1], Q4_K, 4, 256, -1, 2), True),
+        ("ggml_gemv", "Q4_K read as Q6_K", lambda: gemv(_x(256), q4k, Q6_K, 4, 256, -1, 2), True),
+        ("ggml_gemv", "type 15 (Q8_K)", lambda: gemv(_x(256), q4k, 15, 4, 256, -1, 2), True),
+        (
+            "ggml_gemv_cat",
+            "a Q8_0 part of 32 columns beside a Q4_K part",
+            lambda: cat(_x(32), [_u8(34), q4k], [Q8_0, Q4_K], [1, 4], -1, 2),
+            True,
+        ),
+        (
+            "ggml_interleave",
+            "176 bytes as 2**62+1 rows of Q5_K (the write past the copy)",
+            lambda: interleave(_u8(176), Q5_K, WRAP, 256, True, 0),
+            True,
+        ),
+        ("ggml_interleave", "an interleaved Q4_K", lambda: interleave(q4k, 1000 + Q4_K, 4, 256, True, 0), True),
+        ("ggml_interleave", "Q6_K cols 32", lambda: interleave(_u8(8 * 210), Q6_K, 8, 32, True, 0), True),
+        (
+            "ggml_dequantize",
+            "144 bytes as 2**62+1 rows of Q4_K",
+            lambda: dequantize(_u8(144), Q4_K, WRAP, 256, torch.float32),
+            True,
+        ),
+        ("ggml_dequantize", "Q6_K a byte long", lambda: dequantize(_u8(211), Q6_K, 1, 256, torch.float32), True),
+        (
+            "ggml_experts",
+            "a Q4_K down of 32 columns",
+            lambda: ops.ggml_experts(
+                _x(256),
+                torch.zeros(1, 1, dtype=torch.long),
+                torch.ones(1, 1),
+                [_u8(32 * 144), _u8(32 * 144), _u8(256 * 18)],
+                [Q4_K, Q4_K, Q4_K],
+                32,
+                -1,
+                2,
+            ),
+            True,
+        ),
+    ]
 
 
 def _experts_cases() -> list[Case]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 import anyquant
 from anyquant.runtime.tokenizer import LazyTokenizer, encode_text
@@ -389,15 +390,20 @@ def test_phi3_rope_refusals_and_unknown_tensors(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
-def test_cpu_fast_k_quant_linears_are_bfloat16(name: str) -> None:
-    """A Q4_K_M file's Q6_K linears (``attn_v``, some ``ffn_down``; per-expert ones in the MoE file) run on cpu-fast
-    as bfloat16 prepacked for oneDNN: the weight is the file's dequantized weight rounded to bfloat16, bit for bit,
-    held at 2 bytes a weight with no float32 copy beside it. Host-dependent: AMX / AVX512-BF16 (else float32)."""
+def test_cpu_fast_k_quant_linears_are_bfloat16(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the block kernel does not take K-quants (not built here), a Q4_K_M file's Q6_K linears (``attn_v``, some
+    ``ffn_down``; per-expert ones in the MoE file) run on cpu-fast as bfloat16 prepacked for oneDNN: the weight is the
+    file's dequantized weight rounded to bfloat16, bit for bit, held at 2 bytes a weight with no float32 copy beside
+    it. Host-dependent: AMX / AVX512-BF16 (else float32). (Where it is built they run on it:
+    test_gguf_kquant_kernel.py.)"""
     from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_head_status
+    from anyquant_gguf import qlinear as gguf_qlinear
 
     ok, reason = bf16_head_status()
     if not ok:
         pytest.skip(f"bfloat16 prepacked linears need AMX or AVX512-BF16: {reason}")
+    for qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+        monkeypatch.delitem(gguf_qlinear.BLOCK_KERNEL_TYPES, qtype)
     model = _model(name, "cpu-fast")
     bf16 = model.info["cpu_fast"]["bf16"]
     assert bf16 and set(bf16.values()) == {"Q6_K"} and not model.info["cpu_fast"]["dequantized"]
@@ -416,17 +422,21 @@ def test_cpu_fast_k_quant_linears_are_bfloat16(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
-def test_cpu_fast_decode_step_compiles_q4_k_m_layers(name: str) -> None:
-    """A Q4_K_M file's layers mix Q4_K (int4) and Q6_K (bfloat16 prepacked) linears, and its MoE experts mix them
-    too (gate/up int4, down bfloat16): every layer runs in the compiled decode step (a layer with a bfloat16 linear
-    by the ``mixed`` / ``mixed_moe`` function), with bitwise the module path's logits (the same kernels on the
-    same tensors in the same order), one row and a batch, and llama.cpp's greedy tokens (test_default_backend's)."""
+def test_cpu_fast_decode_step_compiles_q4_k_m_layers(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the block kernel does not take K-quants, a Q4_K_M file's layers mix Q4_K (int4) and Q6_K (bfloat16
+    prepacked) linears, and its MoE experts mix them too (gate/up int4, down bfloat16): every layer runs in the
+    compiled decode step (a layer with a bfloat16 linear by the ``mixed`` / ``mixed_moe`` function), with bitwise the
+    module path's logits (the same kernels on the same tensors in the same order), one row and a batch, and
+    llama.cpp's greedy tokens (test_default_backend's)."""
     from anyquant.runtime.fastcpu import FastInt4Linear, PrepackedBf16Linear, bf16_head_status
     from anyquant.runtime.step import DecodeStep, compiled_layer
+    from anyquant_gguf import qlinear as gguf_qlinear
 
     ok, reason = bf16_head_status()
     if not ok:
         pytest.skip(f"bfloat16 prepacked linears need AMX or AVX512-BF16: {reason}")
+    for qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+        monkeypatch.delitem(gguf_qlinear.BLOCK_KERNEL_TYPES, qtype)
     model = _model(name, "cpu-fast")
     layers = model.module.model.layers
     linears = (FastInt4Linear, PrepackedBf16Linear)

@@ -7,12 +7,13 @@ memory-mapped :class:`~anyquant_gguf.reader.GGUFFile`.
 Backends:
 
 * ``cpu-fast`` (auto on a CPU with torch's vectorized int4 kernel, for files whose linears are
-  Q4_0/Q4_1/Q4_K): those linears repacked for torch's int4 CPU kernel (decode and prompts of up to
-  64 tokens in bfloat16, longer prompts exact in float32); other quantized linears (Q5_K, Q6_K,
-  Q8_0, ...) as bfloat16 weights prepacked for oneDNN where AMX or AVX512-BF16 runs them (the same
-  split: longer prompts exact from the file's blocks), else dequantized at load; the token embedding and a tied LM head stay packed unless ``embedding="dense"`` (faster
-  decode, more memory). Greedy text can leave the exact path's at a near-tie, as llama.cpp's own
-  CPU path (8-bit activations) can.
+  Q4_0/Q4_1/Q4_K): Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K linears on anyquant's compiled GGUF-block kernel
+  (the stored blocks, interleaved at load; int8 activations in two passes) where it is built, else Q4_0/Q4_1/Q4_K
+  repacked for torch's int4 CPU kernel; other quantized linears (the IQ and TQ types, Q2_K, Q3_K, Q5_0, ...) as
+  bfloat16 weights prepacked for oneDNN where AMX or AVX512-BF16 runs them, else dequantized at load; prompts over
+  ``small_rows`` tokens exact from the file's blocks; the token embedding and a tied LM head stay packed unless
+  ``embedding="dense"`` (faster decode, more memory). Greedy text can leave the exact path's at a near-tie, as
+  llama.cpp's own CPU path (8-bit activations) can.
 * ``dequantized`` (auto elsewhere; the exact choice): every weight dequantized to the compute
   dtype at load (the packed ``GGUFLinear`` keeps its bytes and a cached dense weight); the file's
   pages are then released from the process (``madvise``), so RSS holds the dense weights only.
@@ -184,7 +185,8 @@ class GGUFSource:
 
 
 def cpu_fast_backend() -> BackendInfo:
-    """``cpu-fast``: Q4_0/Q4_1/Q4_K through torch's int4 CPU kernel (:mod:`anyquant.runtime.fastcpu`)."""
+    """``cpu-fast``: GGUF blocks on the compiled kernel, else Q4_0/Q4_1/Q4_K through torch's int4 CPU kernel
+    (:mod:`anyquant.runtime.fastcpu`)."""
     try:
         from anyquant.runtime.fastcpu import fast_cpu_capable
     except ImportError as exc:  # pragma: no cover - an anyquant without the fast CPU runtime
@@ -195,7 +197,8 @@ def cpu_fast_backend() -> BackendInfo:
         ok,
         reason,
         devices=("cpu",),
-        description="Q4_0/Q4_1/Q4_K linears repacked for torch's int4 CPU kernel, other quantized linears "
+        description="Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears on the compiled GGUF-block kernel where it is built "
+        "(else Q4_0/Q4_1/Q4_K repacked for torch's int4 CPU kernel), other quantized linears "
         "as bfloat16 prepacked for oneDNN where AMX/AVX512-BF16 runs it (else dequantized at load) "
         "(bfloat16 decode, exact float32 prompts over 64 tokens); the "
         "embedding and a tied head stay packed (embedding='dense': faster decode, more memory)",
@@ -402,8 +405,8 @@ class GGUFLoader(TransformersLoader):
 
         def fast_head(raw: Any) -> tuple[nn.Module | None, bool]:
             """cpu-fast's head over the file's table, and whether it decodes from a copy of another type: the
-            table's Q4_0/Q4_1/Q8_0 blocks on the kernel, else a decode copy (``cpu_fast_head``) of any other type
-            (the table read for prompts and the exact top logits); ``None`` where neither runs."""
+            table's blocks on the kernel (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K), else a decode copy (``cpu_fast_head``) of any
+            other type (the table read for prompts and the exact top logits); ``None`` where neither runs."""
             rows, interleave = fast_kwargs["small_rows"], plan.interleave
             head = block_kernel_head(raw.data, raw.qtype, raw.shape, small_rows=rows, interleave=interleave)
             if head is not None:
@@ -447,12 +450,14 @@ class GGUFLoader(TransformersLoader):
             elif fast is not None:
                 qk = {} if raw.qk_heads is None else {"qk_heads": raw.qk_heads}
                 module = gguf_block_linear(raw.data, raw.qtype, raw.shape, bias, **block_kwargs, **qk)
-            if module is not None:
+            if module is not None:  # on the GGUF-block kernel
                 assert fast is not None
                 fast["converted"] += 1
                 in_place = not getattr(module, "interleaved", False)  # an interleaved copy: the pages can go
                 key_name = "in_place" if in_place else "interleaved"
                 fast[key_name] = fast.get(key_name, 0) + 1
+                on_kernel = fast.setdefault("block_kernel", {})  # linears per block type
+                on_kernel[raw.qtype.name] = on_kernel.get(raw.qtype.name, 0) + 1
             elif fast is not None:
                 reason = "" if raw.qtype in INT4_TYPES else f"{raw.qtype.name} has no int4 kernel"
                 if not reason:
@@ -462,8 +467,9 @@ class GGUFLoader(TransformersLoader):
                     except ValueError as exc:
                         reason = str(exc)
                 if reason and bf16_ok:
-                    # no int4 layout (Q5_K, Q6_K, Q8_0, ...): a bfloat16 copy prepacked for oneDNN for decode
-                    # (2 bytes per weight, not float32's 4); prompts over small_rows exact from the file's blocks
+                    # no int4 layout and not on the GGUF-block kernel (Q5_K, Q2_K, ...; Q6_K and Q8_0 where the kernel
+                    # is not built): a bfloat16 copy prepacked for oneDNN for decode (2 bytes per weight, not
+                    # float32's 4); prompts over small_rows exact from the file's blocks
                     exact = GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode="on-the-fly")
                     module = PrepackedBf16Linear(exact, small_rows=fast_kwargs["small_rows"])
                     fast["bf16"][name] = raw.qtype.name

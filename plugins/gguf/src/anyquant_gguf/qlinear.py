@@ -279,7 +279,7 @@ def fast_rows_head(
     kind: str = "auto",
     interleave: bool = True,
 ) -> nn.Module | None:
-    """``cpu-fast``'s LM head over a packed table of a type the GGUF-block kernel does not read (Q6_K, Q5_K, ...;
+    """``cpu-fast``'s LM head over a packed table of a type the GGUF-block kernel does not read (Q5_K, Q2_K, ...;
     an untied head, or one tied to a packed token embedding): a decode copy as
     :class:`~anyquant.runtime.fastcpu.FastHead` makes it (``kind``: ``cpu_fast_head``, ``auto``: Q8_0 blocks on
     the compiled kernel, else bfloat16 prepacked for oneDNN; the format's tolerance class, as every ``cpu-fast``
@@ -457,8 +457,18 @@ def gguf_linear_from_reader(
 
 # --------------------------------------------------------------------------- GGUF-block kernel
 
-#: Types :func:`torch.ops.anyquant.ggml_gemv` reads as stored or interleaved (:mod:`anyquant.runtime.kernels`).
-BLOCK_KERNEL_TYPES: dict[GGMLQuantizationType, str] = {Q.Q4_0: "Q4_0", Q.Q4_1: "Q4_1", Q.Q8_0: "Q8_0"}
+#: Types cpu-fast runs on :func:`torch.ops.anyquant.ggml_gemv`, read as stored or interleaved
+#: (:mod:`anyquant.runtime.kernels`): a Q4_K_M file's Q4_K and Q6_K linears at their stored size (4.5 and 6.56 bits a
+#: weight, where torch's int4 kernel needs a repacked copy of Q4_K and Q6_K had a bfloat16 copy). The op reads Q5_K too;
+#: cpu-fast keeps Q5_K linears on their bfloat16 copy for now (one entry here moves them).
+BLOCK_KERNEL_TYPES: dict[GGMLQuantizationType, str] = {
+    Q.Q4_0: "Q4_0",
+    Q.Q4_1: "Q4_1",
+    Q.Q8_0: "Q8_0",
+    Q.Q4_K: "Q4_K",
+    Q.Q5_K: "Q5_K",
+    Q.Q6_K: "Q6_K",
+}
 
 
 def block_kernel_available(qtype: GGMLQuantizationType | int) -> bool:
@@ -473,9 +483,9 @@ def _block_linear_class() -> type[nn.Module]:
     from anyquant.runtime.kernels.linear import BlockLinear
 
     class GGUFBlockLinear(BlockLinear):
-        """A Q4_0/Q4_1/Q8_0 linear on the GGUF-block kernel (decode), its blocks read in place or held in the
-        kernel's interleaved form (``interleave``); prompts dequantize the blocks per forward
-        (:func:`~anyquant_gguf.dequant.dequantize_blocks_torch`, exact)."""
+        """A linear of a :data:`BLOCK_KERNEL_TYPES` type on the GGUF-block kernel (decode), its blocks read in place
+        or held in the kernel's interleaved form (``interleave``); prompts dequantize the blocks per forward
+        (the kernel's ``ggml_dequantize``: bitwise :func:`~anyquant_gguf.dequant.dequantize_blocks_torch`)."""
 
         def __init__(
             self,
@@ -502,7 +512,7 @@ def gguf_block_linear(
     bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> nn.Module | None:
-    """A Q4_0/Q4_1/Q8_0 weight on the GGUF-block kernel (``kwargs``: ``small_rows``, ``prefill_dtype``,
+    """A Q4_0/Q4_1/Q8_0/Q4_K/Q6_K weight on the GGUF-block kernel (``kwargs``: ``small_rows``, ``prefill_dtype``,
     ``compute_dtype``, ``passes``, ``interleave``: a copy in the kernel's interleaved form instead of the blocks read
     in place); ``None`` where the kernel is not built or takes not the type."""
     if not block_kernel_available(qtype):
@@ -547,7 +557,7 @@ def block_kernel_head(
     small_rows: int,
     interleave: bool = False,
 ) -> nn.Module | None:
-    """``cpu-fast``'s LM head over a Q4_0/Q4_1/Q8_0 table through the GGUF-block kernel (``None`` where it
+    """``cpu-fast``'s LM head over a Q4_0/Q4_1/Q8_0/Q4_K/Q6_K table through the GGUF-block kernel (``None`` where it
     cannot run): the exact top logits as :class:`~anyquant.runtime.fastcpu.FastHead`'s; ``interleave``: the
     blocks copied into the kernel's interleaved form (SmolLM2's Q8_0 head, 1 row, 2 threads: ~1.2 ms against
     ~1.8 ms read in place)."""

@@ -1,8 +1,11 @@
-"""An optional compiled kernel: GEMV on raw GGUF Q4_0 / Q4_1 / Q8_0 blocks (and GQ4) with int8 activations.
+"""An optional compiled kernel: GEMV on raw GGUF Q4_0 / Q4_1 / Q8_0 blocks, K-quant super-blocks (Q4_K / Q5_K /
+Q6_K) and GQ4 blocks, with int8 activations.
 
 ``torch.ops.anyquant.ggml_gemv(x, blocks, type, rows, cols, isa=-1, passes=2)`` computes ``x @ W.T``
 (float32, returned in ``x``'s dtype) for ``W`` ``[rows, cols]`` stored as GGUF blocks (``blocks``: a
-contiguous uint8 tensor of ``rows * cols/32`` blocks, e.g. a zero-copy view of the mmapped file), or as
+contiguous uint8 tensor of ``rows * cols/32`` blocks, e.g. a zero-copy view of the mmapped file; for the K-quants
+``rows * cols/256`` super-blocks of 256 weights, llama.cpp's ``block_q4_K`` / ``block_q5_K`` / ``block_q6_K`` as
+stored: ``cols`` a multiple of 256), or as
 GQ4 blocks (type 100, not a GGUF type): GPTQ / AWQ group-quantized int4 ``w = s (q - z)`` repacked once at
 load, 20 bytes per block of 32: ``s`` as float16, the zero point ``z`` as float16, then the 16 bytes of
 nibbles in Q4_1's order (byte ``j``: element ``j`` low, ``j + 16`` high). Float16 holds the checkpoints'
@@ -10,7 +13,9 @@ float16 scales and every integer zero point up to 2048 exactly, and the kernel's
 in float32, so the blocks hold exactly the weight ``s (q - z)`` (a float32 pair of ``s`` and ``-s z``
 would take 24 bytes for nothing more). Each row
 of ``x`` is quantized per block of 32 inside the op, each weight block is dotted with it in integers, then
-scaled: llama.cpp's CPU approach. ``passes=1``: int8 codes ``round(x / d)``, ``d = max|x| / 127`` (round half
+scaled: llama.cpp's CPU approach. A K-quant super-block is 8 sub-blocks of 32, each on one activation block: Q4_K /
+Q5_K sub-block ``j`` as Q4_1 with scale ``d sc_j`` and offset ``-dmin m_j`` (both exact in float32: a float16 times a
+6-bit integer), Q6_K with two integer sums per sub-block (its int8 scales ``d sc`` are per 16 weights). ``passes=1``: int8 codes ``round(x / d)``, ``d = max|x| / 127`` (round half
 to even), llama.cpp's Q8_0 activations; ``passes=2`` (the default): the residual's int8 code as well,
 ``c = 256 round(x / d) + round((x - d round(x / d)) * 256 / d)`` with scale ``d / 256`` (about 15 bits per
 activation, one more integer dot product per block): int8 activations alone flip near-tied greedy tokens
@@ -27,8 +32,9 @@ layer's chosen experts on rows ``x`` in one call (``blocks``/``types``: each exp
 form (``qk_heads``: of the rows as they are before llama.cpp's converter permuted Q/K rows in that many heads, read
 from the permuted rows without an un-permuted copy first; a new
 tensor of the same size), which the op reads with ``type + INTERLEAVED``: per group of 8 rows and block, the 8 rows'
-scales side by side, then their code bytes in the 32-byte chunks its vector path multiplies (the file's layout
-makes it gather and transpose them per block: ~1.3x slower where memory is not the limit), in column tiles of 2,048
+float16 scales side by side, then the rest of their bytes (codes; a K-quant's packed sub-block scales too) in the
+32-byte chunks its vector path reads, in the order it reads them (the file's layout makes it gather and transpose
+them per block: ~1.3x slower where memory is not the limit, ~2-2.5x for the K-quants), in column tiles of 2,048
 (every group's pieces of one tile before the next tile's, so that a wide row's activation codes stay in L1 while the
 op runs a tile over all its rows); ``forward=False`` gives the blocks back. Rows past the last whole group of 8 stay
 as they are.
@@ -53,6 +59,7 @@ __all__ = [
     "INTERLEAVED",
     "ISA_NAMES",
     "available",
+    "block_nbytes",
     "build",
     "build_dir",
     "gemv",
@@ -70,8 +77,17 @@ _SOURCE = Path(__file__).with_name("ggml_gemv.cpp")
 #: every source of the one library (the 4-bit table lookups beside the GGUF blocks: anyquant::lut4_gemv)
 _SOURCES = (_SOURCE, Path(__file__).with_name("lut_gemv.cpp"))
 _NAME = "anyquant_ggml_gemv"
-#: block types the op takes, by name: (type id, bytes per block of 32 weights); GGUF's ids, and GQ4
-GGML_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34), "GQ4": (100, 20)}
+#: block types the op takes, by name: (type id, bytes per block, weights per block: 32, or a K-quant's super-block of
+#: 256, which a row's columns are a multiple of); GGUF's ids, and GQ4
+GGML_TYPES = {
+    "Q4_0": (2, 18, 32),
+    "Q4_1": (3, 20, 32),
+    "Q8_0": (8, 34, 32),
+    "Q4_K": (12, 144, 256),
+    "Q5_K": (13, 176, 256),
+    "Q6_K": (14, 210, 256),
+    "GQ4": (100, 20, 32),
+}
 #: added to a type id: the op reads the blocks in their interleaved form (:func:`interleave`)
 INTERLEAVED = 1000
 ISA_NAMES = ("scalar", "avx2", "avx512-vnni")
@@ -189,8 +205,14 @@ def threads() -> int:
     return int(torch.ops.anyquant.kernel_threads()) if available() else 0
 
 
+def block_nbytes(type_name: str, rows: int, cols: int) -> int:
+    """How many bytes ``[rows, cols]`` weights take as blocks of ``type_name`` (``cols`` a multiple of its block)."""
+    _, size, weights = GGML_TYPES[type_name]
+    return rows * (cols // weights) * size
+
+
 def gemv(x: object, blocks: object, type_name: str, rows: int, cols: int, isa: int = -1, passes: int = 2) -> object:
-    """``torch.ops.anyquant.ggml_gemv`` with the type by name (``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"``, ``"GQ4"``)."""
+    """``torch.ops.anyquant.ggml_gemv`` with the type by name (``"Q4_0"``, ``"Q4_K"``, ...: :data:`GGML_TYPES`)."""
     import torch
 
     return torch.ops.anyquant.ggml_gemv(x, blocks, GGML_TYPES[type_name][0], rows, cols, isa, passes)

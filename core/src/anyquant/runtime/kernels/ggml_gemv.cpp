@@ -1,4 +1,5 @@
-// y[m, n] = sum_k w[n, k] * x[m, k] with w read as raw GGUF blocks (Q4_0, Q4_1, Q8_0) or anyquant's GQ4
+// y[m, n] = sum_k w[n, k] * x[m, k] with w read as raw GGUF blocks (Q4_0, Q4_1, Q8_0; the K-quants Q4_K, Q5_K and
+// Q6_K as their super-blocks of 256 weights, each sub-block of 32 on one activation block) or anyquant's GQ4
 // blocks (GPTQ / AWQ group-quantized int4 repacked at load: fp16 scale s, fp16 zero point z, then Q4_1's
 // 16 bytes of nibbles; w = s * (q - z), the offset -s * z exact in fp32) and x quantized
 // to int8 per block of 32 (scale max|x|/127, as GGUF's Q8_0) inside the op: integer dot products per
@@ -27,7 +28,9 @@
 namespace {
 
 constexpr int QK = 32;
+constexpr int QKK = 256;  // the K-quants' super-block: 8 sub-blocks of 32 weights
 constexpr int64_t TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_GQ4 = 100;
+constexpr int64_t TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14;
 constexpr int64_t TYPE_IL = 1000;  // added to a type: its interleaved form (below)
 constexpr int64_t ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2;
 
@@ -37,16 +40,30 @@ inline float half_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
-int block_bytes(int64_t type) {
-  type %= TYPE_IL;  // the interleaved form has the blocks' size
-  return type == TYPE_Q4_0 ? 18 : (type == TYPE_Q4_1 || type == TYPE_GQ4) ? 20 : 34;
+constexpr bool is_k(int64_t type) { return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K; }
+
+// weights per block: 32, or a K-quant's super-block of 256 (a row's cols are a multiple of it)
+constexpr int block_qk(int64_t type) { return is_k(type % TYPE_IL) ? QKK : QK; }
+
+// bytes per block (the interleaved form has the blocks' size). The K-quants' super-blocks (llama.cpp's block_q4_K,
+// block_q5_K, block_q6_K): Q4_K d, dmin (float16), 12 bytes of 6-bit scales and mins of its 8 sub-blocks of 32, 128
+// bytes of nibbles (w = d sc_j q - dmin m_j); Q5_K the same with 32 bytes of fifth bits (qh) before the nibbles; Q6_K
+// 128 bytes of low nibbles (ql), 64 of 2-bit highs (qh), 16 int8 scales (one per 16 weights), d last (w = d sc (q - 32)).
+constexpr int block_bytes(int64_t type) {
+  return type % TYPE_IL == TYPE_Q4_0                                  ? 18
+         : (type % TYPE_IL == TYPE_Q4_1 || type % TYPE_IL == TYPE_GQ4) ? 20
+         : type % TYPE_IL == TYPE_Q4_K                                 ? 144
+         : type % TYPE_IL == TYPE_Q5_K                                 ? 176
+         : type % TYPE_IL == TYPE_Q6_K                                 ? 210
+                                                                       : 34;
 }
 
 // The activations, quantized per row m and block b of 32: codes c with x ~ d * c. One pass (``fine`` off,
 // llama.cpp's Q8_0 activations): c = round(x / d), d = max|x| / 127, held as int8 q. Two passes (``fine``):
 // c = 256 q + l, with l = round((x - d q) * 256 / d) the int8 code of the first pass's residual (|l| <= 128,
 // clamped to 127), and the scale d / 256: about 15 bits per activation for one more integer dot product per
-// block. Also per block: sum(c) and d * sum(c). The same for every weight type.
+// block. Also per block: sum(c), d * sum(c) and the sum of its first 16 codes (Q6_K's scales are per 16 weights).
+// The same for every weight type.
 struct QX {
   int64_t rows = 0, blocks = 0;
   bool fine = false;
@@ -54,11 +71,12 @@ struct QX {
   std::vector<float> d;       // [rows, blocks]: the scale of c
   std::vector<float> dsum;    // [rows, blocks]: d * sum(c)
   std::vector<int32_t> csum;  // [rows, blocks]: sum(c)
+  std::vector<int32_t> csum_lo;  // [rows, blocks]: the sum of the block's first 16 codes c
 };
 
 // One block: scale d, codes into q (and l), returns sum(c). Scalar; the same IEEE operations as the vector
 // version below (no contraction: -ffp-contract=off), so the codes do not depend on the path.
-inline int32_t quantize_block(const float* src, bool fine, int8_t* q, int8_t* l, float& d_out) {
+inline int32_t quantize_block(const float* src, bool fine, int8_t* q, int8_t* l, float& d_out, int32_t& sum_lo) {
   float amax = 0.f;
   for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(src[j]));
   const float d = amax / 127.f;
@@ -77,6 +95,7 @@ inline int32_t quantize_block(const float* src, bool fine, int8_t* q, int8_t* l,
       code = 256 * v + lo;
     }
     sum += code;
+    if (j == 15) sum_lo = sum;
   }
   d_out = d;
   return sum;
@@ -102,7 +121,8 @@ AQ_TARGET_AVX2 inline void store_int8x32(int8_t* dst, const __m256i* v) {
 }
 
 // quantize_block in AVX2 (round half to even: the default rounding mode, as nearbyint)
-AQ_TARGET_AVX2 int32_t quantize_block_avx2(const float* src, bool fine, int8_t* q, int8_t* l, float& d_out) {
+AQ_TARGET_AVX2 int32_t quantize_block_avx2(const float* src, bool fine, int8_t* q, int8_t* l, float& d_out,
+                                           int32_t& sum_lo) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 x[4];
   __m256 amax = _mm256_setzero_ps();
@@ -119,7 +139,9 @@ AQ_TARGET_AVX2 int32_t quantize_block_avx2(const float* src, bool fine, int8_t* 
   constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   __m256i v[4], lo[4];
   __m256i sv = _mm256_setzero_si256(), sl = _mm256_setzero_si256();
+  __m256i sv_lo = sv, sl_lo = sl;  // the first 16 codes' (after k = 1)
   for (int k = 0; k < 4; ++k) {
+    if (k == 2) sv_lo = sv, sl_lo = sl;
     const __m256 vf = _mm256_round_ps(_mm256_mul_ps(x[k], id), RN);
     v[k] = _mm256_cvtps_epi32(vf);
     sv = _mm256_add_epi32(sv, v[k]);
@@ -134,6 +156,7 @@ AQ_TARGET_AVX2 int32_t quantize_block_avx2(const float* src, bool fine, int8_t* 
   store_int8x32(q, v);
   if (fine) store_int8x32(l, lo);
   d_out = d;
+  sum_lo = fine ? 256 * hsum_epi32(sv_lo) + hsum_epi32(sl_lo) : hsum_epi32(sv_lo);
   return fine ? 256 * hsum_epi32(sv) + hsum_epi32(sl) : hsum_epi32(sv);
 }
 #endif
@@ -148,17 +171,21 @@ void quantize_x(const float* x, int64_t rows, int64_t cols, bool fine, bool vect
   out.d.resize(rows * nb);
   out.dsum.resize(rows * nb);
   out.csum.resize(rows * nb);
+  out.csum_lo.resize(rows * nb);
   for (int64_t i = 0; i < rows * nb; ++i) {
     const float* src = x + i * QK;  // rows are contiguous and cols % 32 == 0: block i of the flat array
     int8_t* q = out.q.data() + i * QK;
     int8_t* l = fine ? out.l.data() + i * QK : nullptr;
     float d;
+    int32_t sum_lo = 0;
 #ifdef AQ_X86
-    const int32_t sum = vector ? quantize_block_avx2(src, fine, q, l, d) : quantize_block(src, fine, q, l, d);
+    const int32_t sum =
+        vector ? quantize_block_avx2(src, fine, q, l, d, sum_lo) : quantize_block(src, fine, q, l, d, sum_lo);
 #else
-    const int32_t sum = quantize_block(src, fine, q, l, d);
+    const int32_t sum = quantize_block(src, fine, q, l, d, sum_lo);
 #endif
     out.csum[i] = sum;
+    out.csum_lo[i] = sum_lo;
     const float dc = fine ? d * (1.f / 256.f) : d;
     out.d[i] = dc;
     out.dsum[i] = dc * static_cast<float>(sum);
@@ -185,17 +212,89 @@ inline float block_dot(const uint8_t* blk, const QX& qx, int64_t i) {
   return dw * (qx.d[i] * static_cast<float>(dot)) + mw * qx.dsum[i];
 }
 
+// ------------------------------------------------------------------------------------ K-quants, scalar
+// A K-quant super-block is 8 sub-blocks of 32 weights, each on one activation block of 32 (the activations are
+// quantized per block of 32 as for every type). Q4_K / Q5_K sub-block j: scale d sc_j and offset -dmin m_j, both exact
+// in float32 (a float16 times a 6-bit integer), so it is Q4_1's arithmetic: d sc_j dx isum + (-dmin m_j) dx sum(c).
+// Q6_K: one int8 scale per 16 weights, so two integer sums per sub-block, each with its own scale d sc; its codes
+// q - 32 are taken as q with the offset 32 taken back through the halves' sums of codes (QX's csum_lo).
+
+// Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 scale bytes (llama.cpp's get_scale_min_k4)
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// sub-block j's 32 codes, unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63: its offset 32 not taken off)
+template <int64_t TYPE>
+inline void k_codes(const uint8_t* blk, int j, int32_t* q) {
+  if (TYPE == TYPE_Q6_K) {  // half h = j / 4 of 128 weights, its sub-block c: ql's nibble, qh's 2-bit field c
+    const int h = j / 4, c = j % 4;
+    const uint8_t* ql = blk + 64 * h + 32 * (c & 1);
+    const uint8_t* qh = blk + 128 + 32 * h;
+    for (int l = 0; l < QK; ++l) q[l] = ((ql[l] >> (4 * (c >> 1))) & 15) | (((qh[l] >> (2 * c)) & 3) << 4);
+    return;
+  }
+  // 32 bytes of nibbles per pair of sub-blocks: the low nibbles sub-block 2 p, the high ones 2 p + 1
+  const uint8_t* qs = blk + (TYPE == TYPE_Q5_K ? 48 : 16) + 32 * (j / 2);
+  for (int l = 0; l < QK; ++l) q[l] = (qs[l] >> (4 * (j & 1))) & 15;
+  if (TYPE == TYPE_Q5_K) {
+    for (int l = 0; l < QK; ++l) q[l] |= ((blk[16 + l] >> j) & 1) << 4;  // qh byte l: bit j, sub-block j's
+  }
+}
+
+// acc plus one super-block times activation blocks i0 .. i0 + 7, from the codes c (the portable reference)
+template <int64_t TYPE>
+inline float kblock_dot(const uint8_t* blk, const QX& qx, int64_t i0, float acc) {
+  int32_t q[QK], c[QK];
+  for (int j = 0; j < 8; ++j) {
+    const int64_t i = i0 + j;
+    for (int l = 0; l < QK; ++l) c[l] = qx.fine ? 256 * qx.q[i * QK + l] + qx.l[i * QK + l] : qx.q[i * QK + l];
+    k_codes<TYPE>(blk, j, q);
+    if (TYPE == TYPE_Q6_K) {
+      int32_t lo = 0, hi = 0;
+      for (int l = 0; l < 16; ++l) lo += q[l] * c[l];
+      for (int l = 16; l < QK; ++l) hi += q[l] * c[l];
+      lo -= 32 * qx.csum_lo[i];
+      hi -= 32 * (qx.csum[i] - qx.csum_lo[i]);
+      const float d = half_at(blk + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      acc += static_cast<float>(lo) * (d * static_cast<float>(sc[2 * j]) * qx.d[i]);
+      acc += static_cast<float>(hi) * (d * static_cast<float>(sc[2 * j + 1]) * qx.d[i]);
+    } else {
+      int sc, m;
+      k_scale_min(blk + 4, j, sc, m);
+      int32_t dot = 0;
+      for (int l = 0; l < QK; ++l) dot += q[l] * c[l];
+      const float dw = half_at(blk) * static_cast<float>(sc), mw = -(half_at(blk + 2) * static_cast<float>(m));
+      acc += static_cast<float>(dot) * (dw * qx.d[i]);
+      acc += mw * qx.dsum[i];
+    }
+  }
+  return acc;
+}
+
+// acc plus block b (of 32 weights, or a K-quant's super-block) of a row times activation row m's
+template <int64_t TYPE>
+inline float unit_dot(const uint8_t* blk, const QX& qx, int64_t m, int64_t b, float acc) {
+  if (is_k(TYPE)) return kblock_dot<TYPE>(blk, qx, m * qx.blocks + 8 * b, acc);
+  return acc + block_dot<TYPE>(blk, qx, m * qx.blocks + b);
+}
+
 template <int64_t TYPE>
 void rows_scalar(const uint8_t* w, const QX& qx, int64_t mb, int64_t me, float* y, int64_t ld, int64_t n0, int64_t n1) {
-  const int64_t nb = qx.blocks;
+  const int64_t nb = qx.blocks / (block_qk(TYPE) / QK);  // blocks of the type per row
   const int bs = block_bytes(TYPE);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * nb * bs;
     for (int64_t m = mb; m < me; ++m) {
       float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        acc += block_dot<TYPE>(row + b * bs, qx, m * nb + b);
-      }
+      for (int64_t b = 0; b < nb; ++b) acc = unit_dot<TYPE>(row + b * bs, qx, m, b, acc);
       y[m * ld + n] = acc;
     }
   }
@@ -203,47 +302,65 @@ void rows_scalar(const uint8_t* w, const QX& qx, int64_t mb, int64_t me, float* 
 
 // ------------------------------------------------------------------------------------- interleaved form
 // The interleaved form of a weight (type | TYPE_IL): each group of 8 rows holds, per block b, the 8 rows' blocks as
-// one piece of 8 x block bytes: their scales d side by side (16 bytes), Q4_1's m / GQ4's z side by side (16
-// bytes), then the codes in 32-byte chunks k whose 4 bytes at 4 r are row r's code bytes 4k..4k+3 (Q4: 4 chunks
-// of nibble bytes, Q8_0: 8 chunks), the vectors the 8-row path multiplies; rows past the last whole group stay
-// as they are. Same size as the blocks; made once at load (llama.cpp repacks its Q4_0 the same way).
+// one piece of 8 x block bytes: their float16 scales side by side, 16 bytes each (d; Q4_1's m / GQ4's z / Q4_K's and
+// Q5_K's dmin after it), then the rest of the blocks' bytes (codes; the K-quants' sub-block scales too) in 32-byte
+// chunks k whose 4 bytes at 4 r are row r's bytes 4k..4k+3 of it (Q4: 4 chunks of nibble bytes, Q8_0: 8 chunks,
+// Q4_K: 3 of scales then 32 of nibbles, Q5_K: 3, 8 of qh, 32; Q6_K: 32 of ql, 16 of qh, 4 of scales, its d at the
+// front as the others'), the vectors the 8-row path multiplies; rows past the last whole group stay as they are.
+// Same size as the blocks; made once at load (llama.cpp repacks its Q4_0 and Q4_K the same way).
+
+// the float16 scales a block starts with (Q6_K: ends with): how many, and where the first one is
+constexpr int il_halves(int64_t type) {
+  return (type == TYPE_Q4_1 || type == TYPE_GQ4 || type == TYPE_Q4_K || type == TYPE_Q5_K) ? 2 : 1;
+}
+constexpr int il_half_at(int64_t type) { return type == TYPE_Q6_K ? 208 : 0; }
+// where the rest of the block (its 4-byte words) starts, and how many words
+constexpr int il_word_at(int64_t type) { return type == TYPE_Q6_K ? 0 : 2 * il_halves(type); }
+constexpr int il_words(int64_t type) { return (block_bytes(type) - 2 * il_halves(type)) / 4; }
+
+// the chunk word q (of the words after the scales) goes to: its own place, but Q6_K's in the order the kernel reads
+// them (a piece read front to back: out of order, its loads stalled the 8-row path): the 4 words of scales, then per
+// half of 128 weights its 8 words of qh and 16 of ql
+constexpr int il_chunk(int64_t type, int q) {
+  return type != TYPE_Q6_K ? q : q >= 48 ? q - 48 : q >= 32 ? 4 + 24 * ((q - 32) / 8) + (q - 32) % 8 : 12 + 24 * (q / 16) + q % 16;
+}
 
 // where byte j of row r's block lies within its group's interleaved piece
 inline int il_offset(int64_t type, int r, int j) {
-  const int head = (type == TYPE_Q4_1 || type == TYPE_GQ4) ? 4 : 2;  // bytes of scales before the codes
-  if (j < 2) return 2 * r + j;
-  if (j < head) return 16 + 2 * r + (j - 2);
-  const int q = j - head;
-  return 16 * (head / 2) + 32 * (q / 4) + 4 * r + q % 4;
+  const int nh = il_halves(type), hs = il_half_at(type);
+  if (j >= hs && j < hs + 2 * nh) return 16 * ((j - hs) / 2) + 2 * r + (j - hs) % 2;
+  const int q = j - il_word_at(type);  // byte q of the words
+  return 16 * nh + 32 * il_chunk(type, q / 4) + 4 * r + q % 4;
 }
 
-// The pieces in column tiles of IL_TILE blocks (2,048 columns): every group's pieces of a tile, group after group, before
-// the next tile's. A thread's share of a tile is then one contiguous stream, and the kernel runs each tile over all its
-// groups while the tile's activation codes stay in L1 (a 5,632-wide row's codes did not: the 25 KB of weights a group
-// streams between two uses of the same codes evicted them; 2048x5632 Q4_0 ran at 60 % of 5632x2048's bandwidth). Rows
-// of at most IL_TILE blocks are one tile: piece (g, b) at 8 bs (g nb + b).
+// The pieces in column tiles of IL_TILE blocks of 32 (2,048 columns; 8 super-blocks of a K-quant): every group's
+// pieces of a tile, group after group, before the next tile's. A thread's share of a tile is then one contiguous
+// stream, and the kernel runs each tile over all its groups while the tile's activation codes stay in L1 (a 5,632-wide
+// row's codes did not: the 25 KB of weights a group streams between two uses of the same codes evicted them;
+// 2048x5632 Q4_0 ran at 60 % of 5632x2048's bandwidth). Rows of at most one tile: piece (g, b) at 8 bs (g nb + b).
 constexpr int64_t IL_TILE = 64;
 
-// where the piece of group g, block b lies (bytes), for nb blocks per row and G whole groups of 8 rows
-inline int64_t il_piece(int64_t g, int64_t b, int64_t nb, int64_t G, int64_t bs) {
-  const int64_t t = b / IL_TILE, tw = std::min(IL_TILE, nb - t * IL_TILE);
-  return 8 * bs * (G * t * IL_TILE + g * tw + (b - t * IL_TILE));
+// where the piece of group g, block b of a type lies (bytes), for nb blocks per row and G whole groups of 8 rows
+inline int64_t il_piece(int64_t type, int64_t g, int64_t b, int64_t nb, int64_t G) {
+  const int64_t tile = IL_TILE * QK / block_qk(type), bs = block_bytes(type);
+  const int64_t t = b / tile, tw = std::min(tile, nb - t * tile);
+  return 8 * bs * (G * t * tile + g * tw + (b - t * tile));
 }
 
 template <int64_t TYPE>
 void rows_scalar_il(const uint8_t* w, const QX& qx, int64_t mb, int64_t me, float* y, int64_t ld, int64_t g0,
                     int64_t g1, int64_t G) {
-  const int64_t nb = qx.blocks;
-  const int bs = block_bytes(TYPE);
-  uint8_t raw[34];
+  const int64_t nb = qx.blocks / (block_qk(TYPE) / QK);
+  constexpr int bs = block_bytes(TYPE);
+  uint8_t raw[bs];
   for (int64_t g = g0; g < g1; ++g) {
     for (int r = 0; r < 8; ++r) {
       for (int64_t m = mb; m < me; ++m) {
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* piece = w + il_piece(g, b, nb, G, bs);
+          const uint8_t* piece = w + il_piece(TYPE, g, b, nb, G);
           for (int j = 0; j < bs; ++j) raw[j] = piece[il_offset(TYPE, r, j)];
-          acc += block_dot<TYPE>(raw, qx, m * nb + b);
+          acc = unit_dot<TYPE>(raw, qx, m, b, acc);
         }
         y[m * ld + 8 * g + r] = acc;
       }
@@ -344,7 +461,7 @@ AQ_TARGET_AVX2 inline void transpose8x8(const uint8_t* p, int64_t stride, __m256
   for (int64_t g = g0; g < g1; ++g) {                                                                    \
     const uint8_t* base = w + g * 8 * rb;                                                                \
     /* the tile's pieces of group g lie one after another from il_piece(g, b0) */                        \
-    const uint8_t* tile_base = IL ? w + il_piece(g, b0, nb, G, bs) - b0 * 8 * bs : base;                  \
+    const uint8_t* tile_base = IL ? w + il_piece(TYPE, g, b0, nb, G) - b0 * 8 * bs : base;                \
     __m256 acc[M];                                                                                       \
     for (int m = 0; m < M; ++m) acc[m] = b0 ? _mm256_loadu_ps(y + (m0 + m) * ld + g * 8) : _mm256_setzero_ps(); \
     for (int64_t b = b0; b < b1; ++b) {                                                                  \
@@ -424,6 +541,169 @@ AQ_TARGET_VNNI void rows8_vnni(const uint8_t* w, const QX& qx, int64_t m0, float
 #undef AQ_DOT8_VNNI
 }
 
+// ------------------------------------------------------------------------ K-quants, 8 rows at a time
+// The 8-row path on super-blocks (lanes = rows as above): per group of 8 rows and super-block, the rows' scales as
+// lane vectors (Q4_K / Q5_K: d and dmin, the 6-bit sub-block scales and mins unpacked from their 3 words with a few
+// whole-vector shifts and masks; Q6_K: d and the 16 int8 scales in 4 words), then per sub-block j the 8 chunks of 4
+// weights a row (Q4_K's nibbles; Q5_K's with its fifth bit from qh; Q6_K's low nibble from ql and 2-bit high from qh),
+// dotted with activation block 8 b + j and scaled: Q4_K / Q5_K as Q4_1 (d sc_j, -dmin m_j), Q6_K per 16 weights.
+
+// lane-wise byte k (0..3) of v, unsigned / signed, as 8 int32
+AQ_TARGET_AVX2 inline __m256i byte_of(__m256i v, int k) {
+  return _mm256_and_si256(_mm256_srli_epi32(v, 8 * k), _mm256_set1_epi32(0xFF));
+}
+AQ_TARGET_AVX2 inline __m256i sbyte_of(__m256i v, int k) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * k), 24); }
+
+// the 8 dot products of chunks v[0..3] (16 weights a row) with the codes at X, as two chains of two
+#define AQ_DOT2(DOT, V, X)                                                                         \
+  _mm256_add_epi32(DOT(DOT(_mm256_setzero_si256(), V[0], AQ_BCAST(X)), V[1], AQ_BCAST(X + 4)), \
+                   DOT(DOT(_mm256_setzero_si256(), V[2], AQ_BCAST(X + 8)), V[3], AQ_BCAST(X + 12)))
+
+// words WORD .. WORD + 7 of the 8 rows' super-block b (from the piece, or transposed from the rows in place) into OUT
+#define AQ_K_CHUNK8(WORD, OUT)                                                                             \
+  if (IL) {                                                                                                \
+    for (int k_ = 0; k_ < 8; ++k_)                                                                         \
+      OUT[k_] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 16 * nh + 32 * (il_chunk(TYPE, WORD) + k_))); \
+  } else {                                                                                                 \
+    transpose8x8(blk + il_word_at(TYPE) + 4 * (WORD), rb, OUT);                                            \
+  }
+
+#define AQ_UNROLL _Pragma("GCC unroll 8")
+#define AQ_ROWS8K_BODY(DOT)                                                                                  \
+  const int64_t nbx = qx.blocks, nb = nbx / 8; /* activation blocks, super-blocks per row */                \
+  constexpr int bs = block_bytes(TYPE), nh = il_halves(TYPE);                                               \
+  const int64_t rb = nb * bs;                                                                               \
+  const __m256i lowmask = _mm256_set1_epi8(15);                                                             \
+  const bool fine = qx.fine;                                                                                \
+  const int64_t tile = IL ? IL_TILE / 8 : nb;                                                               \
+  for (int64_t b0 = 0; b0 < nb; b0 += tile) {                                                               \
+    const int64_t b1 = std::min(nb, b0 + tile);                                                             \
+    for (int64_t g = g0; g < g1; ++g) {                                                                     \
+      const uint8_t* base = w + g * 8 * rb;                                                                 \
+      const uint8_t* tile_base = IL ? w + il_piece(TYPE, g, b0, nb, G) - b0 * 8 * bs : base;                \
+      __m256 acc[M];                                                                                        \
+      for (int m = 0; m < M; ++m) acc[m] = b0 ? _mm256_loadu_ps(y + (m0 + m) * ld + g * 8) : _mm256_setzero_ps(); \
+      for (int64_t b = b0; b < b1; ++b) {                                                                   \
+        const uint8_t* piece = tile_base + b * 8 * bs; /* IL: the group's piece of super-block b */         \
+        const uint8_t* blk = base + b * bs;            /* in place: row 0's super-block b, row r's + r rb */ \
+        if (!IL && g + 1 < g1) {                                                                            \
+          const char* pf = reinterpret_cast<const char*>(base + 8 * rb + b * 8 * bs);                       \
+          for (int l = 0; l < 8 * bs; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);                           \
+        }                                                                                                   \
+        __m256 dw;                                                                                          \
+        if (TYPE == TYPE_Q6_K) {                                                                            \
+          __m256i sc[4], ql[8], qh[8], v[8];                                                                \
+          if (IL) {                                                                                         \
+            dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece)));                 \
+            for (int k = 0; k < 4; ++k)                                                                     \
+              sc[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 16 + 32 * k));            \
+          } else {                                                                                          \
+            dw = halves8(_mm256_srli_epi32(dwords8(blk + 206, rb), 16));                                    \
+            transpose8x4(blk + 192, rb, sc);                                                                \
+          }                                                                                                 \
+          AQ_UNROLL for (int h = 0; h < 2; ++h) {                                                           \
+            AQ_K_CHUNK8(32 + 8 * h, qh)                                                                     \
+            AQ_UNROLL for (int e = 0; e < 4; ++e) { /* ql's first 32 bytes: c = 0 (low nibbles), 2 (high); then 1, 3 */ \
+              const int c = e / 2 + 2 * (e % 2), j = 4 * h + c;                                             \
+              if (e % 2 == 0) { AQ_K_CHUNK8(16 * h + 8 * (e / 2), ql) }                                     \
+              AQ_UNROLL for (int k = 0; k < 8; ++k) {                                                                 \
+                const __m256i lo = _mm256_and_si256(c < 2 ? ql[k] : _mm256_srli_epi16(ql[k], 4), lowmask); \
+                const __m256i hi = c == 0 ? _mm256_slli_epi16(qh[k], 4)                                     \
+                                   : c == 1 ? _mm256_slli_epi16(qh[k], 2)                                   \
+                                   : c == 2 ? qh[k]                                                         \
+                                            : _mm256_srli_epi16(qh[k], 2);                                  \
+                v[k] = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));                   \
+              }                                                                                             \
+              const __m256 s0 = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(sbyte_of(sc[j / 2], 2 * (j % 2))));     \
+              const __m256 s1 = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(sbyte_of(sc[j / 2], 2 * (j % 2) + 1))); \
+              for (int m = 0; m < M; ++m) {                                                                 \
+                const int64_t i = (m0 + m) * nbx + 8 * b + j;                                               \
+                const int8_t* xq = qx.q.data() + i * QK;                                                    \
+                __m256i lo = AQ_DOT2(DOT, v, xq), hi = AQ_DOT2(DOT, (v + 4), (xq + 16));                    \
+                if (fine) {                                                                                 \
+                  const int8_t* xl = qx.l.data() + i * QK;                                                  \
+                  lo = _mm256_add_epi32(_mm256_slli_epi32(lo, 8), AQ_DOT2(DOT, v, xl));                     \
+                  hi = _mm256_add_epi32(_mm256_slli_epi32(hi, 8), AQ_DOT2(DOT, (v + 4), (xl + 16)));        \
+                }                                                                                           \
+                const int32_t c_lo = qx.csum_lo[i], c_hi = qx.csum[i] - c_lo;                               \
+                lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * c_lo));                                    \
+                hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * c_hi));                                    \
+                const __m256 dx = _mm256_set1_ps(qx.d[i]);                                                  \
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dx), acc[m]);            \
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, dx), acc[m]);            \
+              }                                                                                             \
+            }                                                                                               \
+          }                                                                                                 \
+        } else {                                                                                            \
+          __m256 dmw;                                                                                       \
+          __m256i sw[4], qs[8], qh[8], v[8];                                                                \
+          if (IL) {                                                                                         \
+            dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece)));                 \
+            dmw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 16)));           \
+            for (int k = 0; k < 3; ++k)                                                                     \
+              sw[1 + k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 32 + 32 * k));        \
+          } else {                                                                                          \
+            transpose8x4(blk, rb, sw); /* d and dmin, then the 3 words of scales and mins */                \
+            dw = halves8(sw[0]);                                                                            \
+            dmw = halves8(_mm256_srli_epi32(sw[0], 16));                                                    \
+          }                                                                                                 \
+          /* bytes j of sc4[0] / mn4[0]: sub-block j's scale / min (j < 4); of sc4[1] / mn4[1]: j + 4's */  \
+          const __m256i m6 = _mm256_set1_epi8(63), m4 = lowmask, hi2 = _mm256_set1_epi8(0x30);             \
+          const __m256i sc4[2] = {                                                                          \
+              _mm256_and_si256(sw[1], m6),                                                                  \
+              _mm256_or_si256(_mm256_and_si256(sw[3], m4), _mm256_and_si256(_mm256_srli_epi32(sw[1], 2), hi2))}; \
+          const __m256i mn4[2] = {                                                                          \
+              _mm256_and_si256(sw[2], m6),                                                                  \
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(sw[3], 4), m4),                            \
+                              _mm256_and_si256(_mm256_srli_epi32(sw[2], 2), hi2))};                         \
+          constexpr int qs_word = TYPE == TYPE_Q5_K ? 11 : 3;                                               \
+          if (TYPE == TYPE_Q5_K) { AQ_K_CHUNK8(3, qh) }                                                     \
+          AQ_UNROLL for (int p = 0; p < 4; ++p) {                                                           \
+            AQ_K_CHUNK8(qs_word + 8 * p, qs)                                                                \
+            AQ_UNROLL for (int e = 0; e < 2; ++e) {                                                         \
+              const int j = 2 * p + e;                                                                      \
+              AQ_UNROLL for (int k = 0; k < 8; ++k) {                                                                 \
+                v[k] = _mm256_and_si256(e ? _mm256_srli_epi16(qs[k], 4) : qs[k], lowmask);                  \
+                if (TYPE == TYPE_Q5_K) {                                                                    \
+                  const __m256i bit = _mm256_and_si256(qh[k], _mm256_set1_epi8(static_cast<char>(1 << j))); \
+                  v[k] = _mm256_or_si256(v[k], j < 4 ? _mm256_slli_epi16(bit, 4 - j) : _mm256_srli_epi16(bit, j - 4)); \
+                }                                                                                           \
+              }                                                                                             \
+              const __m256 fdw = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(byte_of(sc4[j / 4], j % 4)));         \
+              const __m256 fmw = _mm256_sub_ps(_mm256_setzero_ps(),                                         \
+                                               _mm256_mul_ps(dmw, _mm256_cvtepi32_ps(byte_of(mn4[j / 4], j % 4)))); \
+              for (int m = 0; m < M; ++m) {                                                                 \
+                const int64_t i = (m0 + m) * nbx + 8 * b + j;                                               \
+                __m256i s = AQ_DOT4(DOT, v, qx.q.data() + i * QK);                                          \
+                if (fine) s = _mm256_add_epi32(_mm256_slli_epi32(s, 8), AQ_DOT4(DOT, v, qx.l.data() + i * QK)); \
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(fdw, _mm256_set1_ps(qx.d[i])), acc[m]); \
+                acc[m] = _mm256_fmadd_ps(fmw, _mm256_set1_ps(qx.dsum[i]), acc[m]);                          \
+              }                                                                                             \
+            }                                                                                               \
+          }                                                                                                 \
+        }                                                                                                   \
+      }                                                                                                     \
+      for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + (m0 + m) * ld + g * 8, acc[m]);                     \
+    }                                                                                                       \
+  }
+
+template <int64_t TYPE, int M, bool IL>
+AQ_TARGET_AVX2 void rows8k_avx2(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t ld, int64_t g0,
+                                int64_t g1, int64_t G) {
+  const __m256i ones = _mm256_set1_epi16(1);
+#define AQ_DOT8_AVX2(ACC, W, X) _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones))
+  AQ_ROWS8K_BODY(AQ_DOT8_AVX2)
+#undef AQ_DOT8_AVX2
+}
+
+template <int64_t TYPE, int M, bool IL>
+AQ_TARGET_VNNI void rows8k_vnni(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t ld, int64_t g0,
+                                int64_t g1, int64_t G) {
+#define AQ_DOT8_VNNI(ACC, W, X) _mm256_dpbusd_epi32(ACC, W, X)
+  AQ_ROWS8K_BODY(AQ_DOT8_VNNI)
+#undef AQ_DOT8_VNNI
+}
+
 #endif  // AQ_X86
 
 int64_t best_isa() {
@@ -459,7 +739,13 @@ void run_rows(int64_t isa, const uint8_t* w, const QX& qx, int64_t mb, int64_t m
     case 2: FN<TYPE, 2, IL>(w, qx, m0, y, ld, g0, full, n_rows / 8); break;   \
     default: FN<TYPE, 1, IL>(w, qx, m0, y, ld, g0, full, n_rows / 8); break;  \
   }
-      if (isa == ISA_VNNI) {
+      if constexpr (is_k(TYPE)) {
+        if (isa == ISA_VNNI) {
+          AQ_CALL(rows8k_vnni)
+        } else {
+          AQ_CALL(rows8k_avx2)
+        }
+      } else if (isa == ISA_VNNI) {
         AQ_CALL(rows8_vnni)
       } else {
         AQ_CALL(rows8_avx2)
@@ -515,6 +801,9 @@ void run_parts(const QX& qx, std::vector<Part>& parts, float* y, int64_t ld, int
   if (base == TYPE_Q4_0) run_rows<TYPE_Q4_0, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);               \
   else if (base == TYPE_Q4_1) run_rows<TYPE_Q4_1, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);          \
   else if (base == TYPE_GQ4) run_rows<TYPE_GQ4, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);            \
+  else if (base == TYPE_Q4_K) run_rows<TYPE_Q4_K, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);          \
+  else if (base == TYPE_Q5_K) run_rows<TYPE_Q5_K, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);          \
+  else if (base == TYPE_Q6_K) run_rows<TYPE_Q6_K, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);          \
   else run_rows<TYPE_Q8_0, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);
       const int64_t base = p.type % TYPE_IL;
       if (p.type >= TYPE_IL) {
@@ -590,21 +879,25 @@ at::Tensor gemv_parts(const at::Tensor& x, std::vector<Part>& parts, int64_t col
 
 bool known_type(int64_t type) {
   const int64_t base = type >= TYPE_IL ? type - TYPE_IL : type;
-  return base == TYPE_Q4_0 || base == TYPE_Q4_1 || base == TYPE_Q8_0 || base == TYPE_GQ4;
+  return base == TYPE_Q4_0 || base == TYPE_Q4_1 || base == TYPE_Q8_0 || base == TYPE_GQ4 || is_k(base);
 }
+
+#define AQ_TYPE_NAMES "Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14) or GQ4 (100)"
 
 // A weight [rows, cols] of blocks: every argument checked, the byte count in overflow-checked int64 (a size that wraps
 // is refused, never compared with the tensor's numel modulo 2**64)
 Part check_part(const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols, const char* name) {
   TORCH_CHECK(known_type(type), "anyquant::", name, ": block type ", type,
-              " is not Q4_0 (2), Q4_1 (3), Q8_0 (8) or GQ4 (100), or one of them interleaved (+1000)");
+              " is not " AQ_TYPE_NAMES ", or one of them interleaved (+1000)");
   TORCH_CHECK(rows > 0, "anyquant::", name, ": rows ", rows, " is not positive");
-  TORCH_CHECK(cols % QK == 0 && cols > 0, "anyquant::", name, ": cols ", cols, " is not a positive multiple of 32");
+  const int qk = block_qk(type);  // a K-quant's rows are whole super-blocks of 256
+  TORCH_CHECK(cols % qk == 0 && cols > 0, "anyquant::", name, ": cols ", cols, " is not a positive multiple of ", qk,
+              qk == QK ? "" : " (a K-quant's super-block)");
   TORCH_CHECK(blocks.device().is_cpu(), "anyquant::", name, " runs on the CPU");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "anyquant::", name,
               ": blocks must be a contiguous uint8 tensor");
   int64_t count = 0, bytes = 0;
-  const bool fits = mul_fits(rows, cols / QK, count) && mul_fits(count, block_bytes(type), bytes);
+  const bool fits = mul_fits(rows, cols / qk, count) && mul_fits(count, block_bytes(type), bytes);
   TORCH_CHECK(fits && blocks.numel() == bytes, "anyquant::", name, ": blocks hold ", blocks.numel(), " bytes, not ",
               fits ? std::to_string(bytes)
                    : "the bytes of [" + std::to_string(rows) + ", " + std::to_string(cols) + "] weights (past int64)");
@@ -719,28 +1012,28 @@ inline int64_t stored_row(int64_t r, int64_t qk_head) {
 }
 
 // groups [g0, g1) of blocks (src) into their interleaved form (dst), or back (forward false): il_offset's mapping, a
-// scale (2 bytes) and a code word (4 bytes) at a time; qk_head: forward from permuted rows (stored_row)
+// scale (2 bytes) and a word (4 bytes) at a time; qk_head: forward from permuted rows (stored_row)
 template <int64_t TYPE>
 void interleave_groups(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t G, int64_t g0, int64_t g1, bool forward,
                        int64_t qk_head) {
-  constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : TYPE == TYPE_Q8_0 ? 34 : 20;
-  constexpr int head = TYPE == TYPE_Q4_1 || TYPE == TYPE_GQ4 ? 4 : 2, scales = head / 2, words = (bs - head) / 4;
+  constexpr int bs = block_bytes(TYPE), scales = il_halves(TYPE), words = il_words(TYPE);
+  constexpr int hs = il_half_at(TYPE), ws = il_word_at(TYPE);
   int at_scale[8][scales], at_word[8][words];
   for (int r = 0; r < 8; ++r) {
-    for (int i = 0; i < scales; ++i) at_scale[r][i] = il_offset(TYPE, r, 2 * i);
-    for (int q = 0; q < words; ++q) at_word[r][q] = il_offset(TYPE, r, head + 4 * q);
+    for (int i = 0; i < scales; ++i) at_scale[r][i] = il_offset(TYPE, r, hs + 2 * i);
+    for (int q = 0; q < words; ++q) at_word[r][q] = il_offset(TYPE, r, ws + 4 * q);
   }
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t piece = il_piece(g, b, nb, G, bs);
+      const int64_t piece = il_piece(TYPE, g, b, nb, G);
       for (int r = 0; r < 8; ++r) {
         const int64_t row = (stored_row(8 * g + r, qk_head) * nb + b) * bs;
         if (forward) {
-          for (int i = 0; i < scales; ++i) std::memcpy(dst + piece + at_scale[r][i], src + row + 2 * i, 2);
-          for (int q = 0; q < words; ++q) std::memcpy(dst + piece + at_word[r][q], src + row + head + 4 * q, 4);
+          for (int i = 0; i < scales; ++i) std::memcpy(dst + piece + at_scale[r][i], src + row + hs + 2 * i, 2);
+          for (int q = 0; q < words; ++q) std::memcpy(dst + piece + at_word[r][q], src + row + ws + 4 * q, 4);
         } else {
-          for (int i = 0; i < scales; ++i) std::memcpy(dst + row + 2 * i, src + piece + at_scale[r][i], 2);
-          for (int q = 0; q < words; ++q) std::memcpy(dst + row + head + 4 * q, src + piece + at_word[r][q], 4);
+          for (int i = 0; i < scales; ++i) std::memcpy(dst + row + hs + 2 * i, src + piece + at_scale[r][i], 2);
+          for (int q = 0; q < words; ++q) std::memcpy(dst + row + ws + 4 * q, src + piece + at_word[r][q], 4);
         }
       }
     }
@@ -750,31 +1043,36 @@ void interleave_groups(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t G, 
 #ifdef AQ_X86
 // interleave_groups' forward direction with the kernel's own 8-row transposes (the same bytes where they belong;
 // one vector store per 32-byte chunk instead of eight 4-byte copies: the load's copy of a 1.1B model's weights,
-// ~0.2 s, is mostly these copies and the new pages' first touch)
+// ~0.2 s, is mostly these copies and the new pages' first touch): the words 8 at a time, then 4, then one by one
 template <int64_t TYPE>
 AQ_TARGET_AVX2 void interleave_groups_avx2(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t G, int64_t g0,
                                            int64_t g1, int64_t qk_head) {
-  constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : TYPE == TYPE_Q8_0 ? 34 : 20;
-  constexpr int head = TYPE == TYPE_Q4_1 || TYPE == TYPE_GQ4 ? 4 : 2;
+  constexpr int bs = block_bytes(TYPE), scales = il_halves(TYPE), words = il_words(TYPE);
+  constexpr int hs = il_half_at(TYPE), ws = il_word_at(TYPE);
   const int64_t rb = nb * bs, step = (qk_head ? 2 : 1) * rb;  // a group's 8 stored rows are step apart
   __m256i t[8];
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* const first = src + stored_row(8 * g, qk_head) * rb;
     for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* const piece = dst + il_piece(g, b, nb, G, bs);
+      uint8_t* const piece = dst + il_piece(TYPE, g, b, nb, G);
       const uint8_t* const blk = first + b * bs;  // output row 8 g's block b; row r's at + r step
       for (int r = 0; r < 8; ++r) {
-        std::memcpy(piece + 2 * r, blk + r * step, 2);
-        if (head == 4) std::memcpy(piece + 16 + 2 * r, blk + r * step + 2, 2);
+        for (int i = 0; i < scales; ++i) std::memcpy(piece + 16 * i + 2 * r, blk + r * step + hs + 2 * i, 2);
       }
-      uint8_t* const chunks = piece + 16 * (head / 2);
-      if (TYPE == TYPE_Q8_0) {
-        transpose8x8(blk + head, step, t);
-      } else {
-        transpose8x4(blk + head, step, t);
+      uint8_t* const chunks = piece + 16 * scales;
+      int q = 0;
+      for (; q + 8 <= words; q += 8) {
+        transpose8x8(blk + ws + 4 * q, step, t);
+        for (int c = 0; c < 8; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunks + 32 * il_chunk(TYPE, q + c)), t[c]);
       }
-      for (int c = 0; c < (TYPE == TYPE_Q8_0 ? 8 : 4); ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunks + 32 * c), t[c]);
+      if (q + 4 <= words) {
+        transpose8x4(blk + ws + 4 * q, step, t);
+        for (int c = 0; c < 4; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunks + 32 * il_chunk(TYPE, q + c)), t[c]);
+        q += 4;
+      }
+      for (; q < words; ++q) {
+        for (int r = 0; r < 8; ++r) std::memcpy(chunks + 32 * il_chunk(TYPE, q) + 4 * r, blk + r * step + ws + 4 * q, 4);
+      }
     }
   }
 }
@@ -786,31 +1084,39 @@ AQ_TARGET_AVX2 void interleave_groups_avx2(const uint8_t* src, uint8_t* dst, int
 at::Tensor ggml_interleave(const at::Tensor& blocks, int64_t type, int64_t rows, int64_t cols, bool forward,
                            int64_t qk_heads) {
   TORCH_CHECK(type < TYPE_IL && known_type(type), "anyquant::ggml_interleave: block type ", type,
-              " is not Q4_0 (2), Q4_1 (3), Q8_0 (8) or GQ4 (100)");
+              " is not " AQ_TYPE_NAMES);
   check_part(blocks, type, rows, cols, "ggml_interleave");
   TORCH_CHECK(qk_heads >= 0 && (qk_heads == 0 || (forward && rows % qk_heads == 0 && rows / qk_heads % 16 == 0)),
               "anyquant::ggml_interleave: qk_heads=", qk_heads, " needs the forward direction and heads of a multiple",
               " of 16 rows (", rows, " rows)");
   const int64_t qk_head = qk_heads ? rows / qk_heads : 0;
-  const int64_t nb = cols / QK, bs = block_bytes(type), groups = rows / 8;
+  const int64_t nb = cols / block_qk(type), bs = block_bytes(type), groups = rows / 8;
   at::Tensor out = at::empty_like(blocks);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const bool vector = forward && best_isa() != ISA_SCALAR;
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+#define AQ_EACH_TYPE(CALL)                     \
+  switch (type) {                              \
+    case TYPE_Q4_0: CALL(TYPE_Q4_0); break;    \
+    case TYPE_Q4_1: CALL(TYPE_Q4_1); break;    \
+    case TYPE_GQ4: CALL(TYPE_GQ4); break;      \
+    case TYPE_Q4_K: CALL(TYPE_Q4_K); break;    \
+    case TYPE_Q5_K: CALL(TYPE_Q5_K); break;    \
+    case TYPE_Q6_K: CALL(TYPE_Q6_K); break;    \
+    default: CALL(TYPE_Q8_0); break;           \
+  }
 #ifdef AQ_X86
     if (vector) {
-      if (type == TYPE_Q4_0) interleave_groups_avx2<TYPE_Q4_0>(src, dst, nb, groups, g0, g1, qk_head);
-      else if (type == TYPE_Q4_1) interleave_groups_avx2<TYPE_Q4_1>(src, dst, nb, groups, g0, g1, qk_head);
-      else if (type == TYPE_GQ4) interleave_groups_avx2<TYPE_GQ4>(src, dst, nb, groups, g0, g1, qk_head);
-      else interleave_groups_avx2<TYPE_Q8_0>(src, dst, nb, groups, g0, g1, qk_head);
+#define AQ_IL_AVX2(T) interleave_groups_avx2<T>(src, dst, nb, groups, g0, g1, qk_head)
+      AQ_EACH_TYPE(AQ_IL_AVX2)
+#undef AQ_IL_AVX2
       return;
     }
 #endif
-    if (type == TYPE_Q4_0) interleave_groups<TYPE_Q4_0>(src, dst, nb, groups, g0, g1, forward, qk_head);
-    else if (type == TYPE_Q4_1) interleave_groups<TYPE_Q4_1>(src, dst, nb, groups, g0, g1, forward, qk_head);
-    else if (type == TYPE_GQ4) interleave_groups<TYPE_GQ4>(src, dst, nb, groups, g0, g1, forward, qk_head);
-    else interleave_groups<TYPE_Q8_0>(src, dst, nb, groups, g0, g1, forward, qk_head);
+#define AQ_IL(T) interleave_groups<T>(src, dst, nb, groups, g0, g1, forward, qk_head)
+    AQ_EACH_TYPE(AQ_IL)
+#undef AQ_IL
   });
   const int64_t done = groups * 8 * nb * bs;  // rows past the last whole group: as they are
   std::memcpy(dst + done, src + done, blocks.numel() - done);
@@ -818,11 +1124,35 @@ at::Tensor ggml_interleave(const at::Tensor& blocks, int64_t type, int64_t rows,
 }
 
 // The exact weight [rows, cols] from its blocks (either form), as the formats' torch code computes it in float32:
-// Q4_0 (q - 8) * d, Q4_1 q * d + m, Q8_0 q * d, GQ4 (q - z) * s; then rounded to dtype (float32: as is; float16 or
-// bfloat16 to nearest even, as torch's .to()). One pass over the blocks for a prompt's GEMM, where the torch code
-// makes several (and the interleaved form was first copied back).
+// Q4_0 (q - 8) * d, Q4_1 q * d + m, Q8_0 q * d, GQ4 (q - z) * s, Q4_K / Q5_K q * (d * sc) - dmin * m, Q6_K
+// (q - 32) * (d * sc); then rounded to dtype (float32: as is; float16 or bfloat16 to nearest even, as torch's .to()).
+// One pass over the blocks for a prompt's GEMM, where the torch code makes several (and the interleaved form was first
+// copied back).
 inline void dequantize_block(int64_t base, const uint8_t* blk, float* v) {
-  const float d = half_at(blk);
+  const float d = half_at(blk + (base == TYPE_Q6_K ? 208 : 0));
+  if (is_k(base)) {
+    int32_t q[QK];
+    for (int j = 0; j < 8; ++j) {
+      float* vj = v + QK * j;
+      if (base == TYPE_Q6_K) {
+        k_codes<TYPE_Q6_K>(blk, j, q);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const float s0 = d * static_cast<float>(sc[2 * j]), s1 = d * static_cast<float>(sc[2 * j + 1]);
+        for (int l = 0; l < QK; ++l) vj[l] = static_cast<float>(q[l] - 32) * (l < 16 ? s0 : s1);
+        continue;
+      }
+      if (base == TYPE_Q4_K) {
+        k_codes<TYPE_Q4_K>(blk, j, q);
+      } else {
+        k_codes<TYPE_Q5_K>(blk, j, q);
+      }
+      int sc, m;
+      k_scale_min(blk + 4, j, sc, m);
+      const float dl = d * static_cast<float>(sc), ml = half_at(blk + 2) * static_cast<float>(m);
+      for (int l = 0; l < QK; ++l) vj[l] = static_cast<float>(q[l]) * dl - ml;
+    }
+    return;
+  }
   if (base == TYPE_Q8_0) {
     for (int i = 0; i < QK; ++i) v[i] = static_cast<float>(static_cast<int8_t>(blk[2 + i])) * d;
     return;
@@ -850,34 +1180,29 @@ inline void dequantize_block(int64_t base, const uint8_t* blk, float* v) {
 
 // Row r (0..7) of an interleaved piece (8 rows' block b) back in the stored block layout (il_offset's inverse).
 inline void deinterleave_row(int64_t base, const uint8_t* piece, int r, uint8_t* raw) {
-  const int head = (base == TYPE_Q4_1 || base == TYPE_GQ4) ? 4 : 2, bs = block_bytes(base);
-  raw[0] = piece[2 * r];
-  raw[1] = piece[2 * r + 1];
-  if (head == 4) {
-    raw[2] = piece[16 + 2 * r];
-    raw[3] = piece[16 + 2 * r + 1];
-  }
-  const uint8_t* codes = piece + 16 * (head / 2);
-  for (int c = 0; c < (bs - head) / 4; ++c) std::memcpy(raw + head + 4 * c, codes + 32 * c + 4 * r, 4);
+  const int nh = il_halves(base), hs = il_half_at(base), ws = il_word_at(base), words = il_words(base);
+  for (int i = 0; i < nh; ++i) std::memcpy(raw + hs + 2 * i, piece + 16 * i + 2 * r, 2);
+  const uint8_t* codes = piece + 16 * nh;
+  for (int c = 0; c < words; ++c) std::memcpy(raw + ws + 4 * c, codes + 32 * il_chunk(base, c) + 4 * r, 4);
 }
 
 template <typename OUT>
 void dequantize_rows(const uint8_t* w, int64_t type, int64_t rows, int64_t nb, int64_t r0, int64_t r1, OUT* out) {
   const int64_t base = type % TYPE_IL;
-  const int bs = block_bytes(base);
+  const int bs = block_bytes(base), qk = block_qk(base);
   const int64_t interleaved_rows = type >= TYPE_IL ? rows / 8 * 8 : 0;  // rows past the last whole group: as stored
-  uint8_t raw[34];
-  float v[QK];
+  uint8_t raw[block_bytes(TYPE_Q6_K)];
+  float v[QKK];
   for (int64_t r = r0; r < r1; ++r) {
-    OUT* dst = out + r * nb * QK;
+    OUT* dst = out + r * nb * qk;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = w + (r * nb + b) * bs;
       if (r < interleaved_rows) {
-        deinterleave_row(base, w + il_piece(r / 8, b, nb, rows / 8, bs), static_cast<int>(r % 8), raw);
+        deinterleave_row(base, w + il_piece(base, r / 8, b, nb, rows / 8), static_cast<int>(r % 8), raw);
         blk = raw;
       }
       dequantize_block(base, blk, v);
-      for (int i = 0; i < QK; ++i) dst[b * QK + i] = static_cast<OUT>(v[i]);
+      for (int i = 0; i < qk; ++i) dst[b * qk + i] = static_cast<OUT>(v[i]);
     }
   }
 }
@@ -890,7 +1215,7 @@ at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t type, int64_t rows,
   TORCH_CHECK(mul_fits(rows, cols, outputs), "anyquant::ggml_dequantize: [", rows, ", ", cols, "] overflows int64");
   at::Tensor out = at::empty({rows, cols}, blocks.options().dtype(dtype));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
-  const int64_t nb = cols / QK;
+  const int64_t nb = cols / block_qk(type);
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     if (dtype == at::kFloat) dequantize_rows(w, type, rows, nb, r0, r1, out.data_ptr<float>());
     else if (dtype == at::kHalf) dequantize_rows(w, type, rows, nb, r0, r1, out.data_ptr<c10::Half>());

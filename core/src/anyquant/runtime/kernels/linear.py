@@ -1,5 +1,5 @@
-"""``cpu-fast``'s linear over a weight kept as GGUF blocks (Q4_0, Q4_1, Q8_0), or as GQ4 blocks repacked at load
-from a GPTQ / AWQ 4-bit layer (:class:`GroupInt4BlockLinear`).
+"""``cpu-fast``'s linear over a weight kept as GGUF blocks (Q4_0, Q4_1, Q8_0; the K-quants Q4_K, Q5_K, Q6_K as their
+super-blocks of 256), or as GQ4 blocks repacked at load from a GPTQ / AWQ 4-bit layer (:class:`GroupInt4BlockLinear`).
 
 - few rows (``<= small_rows``: decode): :func:`torch.ops.anyquant.ggml_gemv` on the blocks as held
   (activations quantized per block of 32 in ``passes`` int8 passes, integer dot products: llama.cpp's
@@ -67,8 +67,12 @@ class BlockLinear(nn.Module):
         super().__init__()
         if type_name not in GGML_TYPES:
             raise ValueError(f"BlockLinear takes {sorted(GGML_TYPES)}, not {type_name}")
-        code, size = GGML_TYPES[type_name]
-        if in_features % 32 or blocks.dtype != torch.uint8 or blocks.numel() != out_features * in_features // 32 * size:
+        code, size, weights = GGML_TYPES[type_name]
+        if (
+            in_features % weights
+            or blocks.dtype != torch.uint8
+            or blocks.numel() != out_features * (in_features // weights) * size
+        ):
             raise ValueError(
                 f"{type_name} blocks of {blocks.numel()} bytes ({blocks.dtype}) do not hold [{out_features}, {in_features}]"
             )

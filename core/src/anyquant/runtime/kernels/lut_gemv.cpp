@@ -6,11 +6,11 @@
 // two scales: NVFP4's groups of 16). Each weight is formed in float32 as lut[q] * s and multiplied with the float32
 // activation (fused multiply-add in the vector paths), summed per row in float32: no activation rounding; with
 // ``round`` each weight is first rounded as the format rounds it (bfloat16, float16): the format's own weights.
-// Vector paths: AVX512F (vpermps over the 16-entry table), AVX2 + FMA (two 8-entry permutes and a blend), scalar.
+// Vector paths: AVX512F (vpermps over the 16-entry table), AVX2 + FMA (two 8-entry permutes and a blend), scalar (the
+// only one off x86-64: the portable path, bit for bit the vector paths' weights and float32 sums in another order).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -18,10 +18,18 @@
 #include <cmath>
 #include <cstdint>
 
+// The vector paths are x86-64's; elsewhere (ARM, POWER, ...) the scalar paths alone compile and run, as they do on
+// x86-64 with -DANYQUANT_PORTABLE (how the tests build and check the portable kernel here).
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(ANYQUANT_PORTABLE)
+#include <immintrin.h>
+#define AQ_LUT_X86 1
+#endif
+
 namespace {
 
 constexpr int64_t MAX_ROWS = 4;  // activation rows per pass over a weight row
 
+#ifdef AQ_LUT_X86
 // Each formed weight rounded as the format rounds it (round: 0 float32 as formed, 1 bfloat16, 2 float16; nearest
 // even), so that the decode path multiplies the format's own weights.
 __attribute__((target("avx512f"))) inline __m512 round512(__m512 w, int64_t round) {
@@ -46,12 +54,15 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 round256(__m256 w, int64_
   return w;
 }
 
+#endif  // AQ_LUT_X86
+
 inline float round1(float w, int64_t round) {
   if (round == 1) return static_cast<float>(c10::BFloat16(w));
   if (round == 2) return static_cast<float>(c10::Half(w));
   return w;
 }
 
+#ifdef AQ_LUT_X86
 // The decode paths form each group's 16 weights once, round(lut * s) (the same rounding of the same product as
 // forming each weight: bit for bit the format's weights), and then only look the codes up in them, walking the groups
 // in order (no division per block); the two halves of a block go to two accumulators.
@@ -172,6 +183,8 @@ __attribute__((target("avx2,fma,f16c"))) void row_avx2(const uint8_t* c, const f
   }
 }
 
+#endif  // AQ_LUT_X86
+
 void row_scalar(const uint8_t* c, const float* s, const float* x, int64_t ldx, int64_t m, int64_t k, int64_t group,
                 const float* lut, int64_t round, float* y) {
   for (int64_t r = 0; r < m; ++r) {
@@ -193,6 +206,7 @@ void row_scalar(const uint8_t* c, const float* s, const float* x, int64_t ldx, i
 // decoded to float32 by their bits (normal: sign | (exponent + 120) << 23 | mantissa << 20; subnormal: mantissa *
 // 2**-9), times their group's float scale, float32 activations and sums. NaN codes are the caller's to refuse.
 
+#ifdef AQ_LUT_X86
 __attribute__((target("avx512f"))) inline __m512 e4m3_16(__m128i raw) {
   const __m512i v = _mm512_cvtepu8_epi32(raw);
   const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
@@ -260,6 +274,8 @@ __attribute__((target("avx512f"))) void fp8_row_avx512(const uint8_t* c, const f
   }
 }
 
+#endif  // AQ_LUT_X86
+
 inline float e4m3_scalar(uint8_t b) {
   const int e = (b >> 3) & 15, mant = b & 7;
   const float mag = e == 0 ? mant / 512.0f : std::ldexp(1.0f + mant / 8.0f, e - 7);
@@ -276,9 +292,11 @@ void fp8_row_scalar(const uint8_t* c, const float* s, const float* x, int64_t ld
 }
 
 int64_t lut_isa_here() {
+#ifdef AQ_LUT_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f")) return 2;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
   return 0;
 }
 
@@ -325,9 +343,12 @@ at::Tensor lut4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
         const uint8_t* c = cp + row * (k / 2);
         const float* s = sp + row * sk;
         const float* xr = xp + r0 * k;
+#ifdef AQ_LUT_X86
         if (path == 2) row_avx512(c, s, xr, k, rows, k, group, lp, round, out);
         else if (path == 1) row_avx2(c, s, xr, k, rows, k, group, lp, round, out);
-        else row_scalar(c, s, xr, k, rows, k, group, lp, round, out);
+        else
+#endif
+          row_scalar(c, s, xr, k, rows, k, group, lp, round, out);
         for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * n + row] = out[r];
       }
     }
@@ -371,8 +392,11 @@ at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Ten
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
         const int64_t rows = std::min<int64_t>(MAX_ROWS, m - r0);
+#ifdef AQ_LUT_X86
         if (path == 2) fp8_row_avx512(cp + row * k, sp + row * sk, xp + r0 * k, k, rows, k, group, round, out);
-        else fp8_row_scalar(cp + row * k, sp + row * sk, xp + r0 * k, k, rows, k, group, round, out);
+        else
+#endif
+          fp8_row_scalar(cp + row * k, sp + row * sk, xp + r0 * k, k, rows, k, group, round, out);
         for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * n + row] = out[r];
       }
     }
@@ -385,6 +409,7 @@ at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Ten
 // round(e4m3(q) * s) as the decode ops form it (bit for bit): what a prompt's GEMM multiplies, formed at memory speed
 // from a table of each group's values instead of torch's unpack, gather and repeat (a dozen passes over the weight).
 
+#ifdef AQ_LUT_X86
 __attribute__((target("avx512f"))) void lut4_dequant_row512(const uint8_t* c, const float* s, int64_t k, int64_t group,
                                                             const float* lut, int64_t round, float* out) {
   const __m512 table = _mm512_loadu_ps(lut);
@@ -396,6 +421,8 @@ __attribute__((target("avx512f"))) void lut4_dequant_row512(const uint8_t* c, co
     _mm512_storeu_ps(out + b * 32 + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), w_hi));
   }
 }
+
+#endif  // AQ_LUT_X86
 
 at::Tensor lut4_dequant(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut, int64_t group,
                         int64_t round) {
@@ -427,10 +454,12 @@ at::Tensor lut4_dequant(const at::Tensor& codes, const at::Tensor& scales, const
     for (int64_t row = begin; row < end; ++row) {
       const uint8_t* c = cp + row * (k / 2);
       float* out = wp + row * k;
+#ifdef AQ_LUT_X86
       if (vector) {
         lut4_dequant_row512(c, sp + row * sk, k, group, lp, round, out);
         continue;
       }
+#endif
       for (int64_t g = 0; g < sk; ++g) {  // a group is one or more halves of 16 values of blocks of 32
         for (int i = 0; i < 16; ++i) table[i] = round1(lp[i] * sp[row * sk + g], round);
         for (int64_t j = g * group; j < (g + 1) * group; ++j) {  // value j of the row: block j / 32, its half
