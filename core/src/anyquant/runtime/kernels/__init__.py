@@ -68,6 +68,7 @@ __all__ = [
     "isa",
     "lut_available",
     "lut_isa",
+    "portable",
     "threads",
 ]
 
@@ -100,11 +101,22 @@ _CFLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 
 
+def portable() -> bool:
+    """``ANYQUANT_KERNELS_PORTABLE=1``: the library built and loaded with its scalar paths alone (``-DANYQUANT_PORTABLE``,
+    in a folder of its own), as any architecture other than x86-64 compiles it: how the tests check the portable
+    kernel on an x86 machine."""
+    return os.environ.get("ANYQUANT_KERNELS_PORTABLE", "0") == "1"
+
+
+def _cflags() -> tuple[str, ...]:
+    return (*_CFLAGS, "-DANYQUANT_PORTABLE") if portable() else _CFLAGS
+
+
 def _tag() -> str:
     import torch
 
     digest = hashlib.sha256(
-        b"".join(p.read_bytes() for p in _SOURCES) + repr((_CFLAGS, _LDFLAGS)).encode()
+        b"".join(p.read_bytes() for p in _SOURCES) + repr((_cflags(), _LDFLAGS)).encode()
     ).hexdigest()[:12]
     return f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
 
@@ -130,7 +142,7 @@ def build(verbose: bool = False) -> Path:
         name=_NAME,
         sources=[str(p) for p in _SOURCES],
         build_directory=str(out),
-        extra_cflags=list(_CFLAGS),
+        extra_cflags=list(_cflags()),
         extra_ldflags=list(_LDFLAGS),
         is_python_module=False,
         verbose=verbose,

@@ -20,7 +20,9 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
+// The vector paths are x86-64's; elsewhere (ARM, POWER, ...) the scalar paths alone compile and run, as they do on
+// x86-64 with -DANYQUANT_PORTABLE (how the tests build and check the portable kernel here).
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(ANYQUANT_PORTABLE)
 #include <immintrin.h>
 #define AQ_X86 1
 #endif
