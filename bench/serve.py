@@ -4,6 +4,7 @@ of structured output (issue #43: a ``json_schema`` ``response_format``) on ``any
 
     python bench/serve.py [--clients 1,4,8] [--max-tokens 48] [--rounds 2] [--llama-python /root/llvenv/bin/python]
                           [--schema-clients 1,8] [--schema-rounds 6] [--skip-schema]
+                          [--prefix-chunks 512,256] [--prefix-rounds 3] [--skip-prefix] [--prefix-only]
 
 Each server runs in its own process on a free port; each client sends ``--rounds`` greedy chat completions in a
 row (a different question each), through the official ``openai`` client. Aggregate tokens/s = completion
@@ -15,6 +16,13 @@ The schema rows stream the same prompts (asking for JSON) greedily with and with
 {"type": "json_schema", ...}`` (:data:`SCHEMA`), alternating per round; each stream's decode rate is its tokens
 after the first over the time from its first to its last piece of text (prefill left out: a constrained answer
 may be shorter, which would otherwise weigh its prefill more); the median over the streams of a level.
+
+The prefix-cache rows (issue #43: time to first token of a repeated 2,000-token system prompt at most 0.2x the
+cold request's) time non-streamed ``max_tokens: 1`` chat requests (the prefill, one token, the HTTP round trip)
+with a system prompt of about 2,000 tokens, per round: a new system prompt (its first words name the round, so
+nothing of it is cached: cold), a second question under it (its whole chunks reused: warm), and that request
+again (all of it reused: repeat); medians over ``--prefix-rounds``, one server per ``--prefill-chunk`` of
+``--prefix-chunks`` (the cache reuses whole chunks: a smaller chunk leaves less to prefill).
 """
 
 from __future__ import annotations
@@ -87,12 +95,12 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float = 300) ->
     raise RuntimeError(f"{url} not ready after {timeout} s")
 
 
-def start_anyquant(model: str, port: int, max_batch: int) -> subprocess.Popen[bytes]:
+def start_anyquant(model: str, port: int, max_batch: int, *extra: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     srcs = [str(ROOT / "core" / "src"), *[str(p / "src") for p in sorted((ROOT / "plugins").iterdir())]]
     env["PYTHONPATH"] = os.pathsep.join([*srcs, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "anyquant.cli", "serve", model, "--port", str(port), "--model-name", "m"]
-    cmd += ["--max-batch", str(max_batch)]
+    cmd += ["--max-batch", str(max_batch), *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_ready(proc, f"http://127.0.0.1:{port}/health")
     return proc
@@ -168,6 +176,40 @@ def decode_level(base: str, clients: int, rounds: int, max_tokens: int, schema: 
     return [rate for rate, _ in results if rate > 0], sum(n for _, n in results)
 
 
+def system_prompt(session: int, rules: int = 95) -> str:
+    """About 2,000 tokens of instructions (95 rules: 1,989 to 1,991 with a question in SmolLM2's chat template),
+    beginning with ``session``: no two sessions share a chunk."""
+    body = " ".join(f"Rule {i}: answer politely and cite section {i} when asked about topic {i}." for i in range(rules))
+    return f"Session {session}. {body}"
+
+
+def prefix_ttft(base: str, rounds: int) -> tuple[list[float], list[float], list[float], int]:
+    """Seconds to the first token, per round: (cold, warm, repeat) request times and the warm prompt's tokens."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=1800)
+
+    def timed(system: str, question: str) -> tuple[float, int]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        t0 = time.perf_counter()
+        answer = client.chat.completions.create(model="m", messages=messages, max_tokens=1, temperature=0)
+        assert answer.usage is not None
+        return time.perf_counter() - t0, answer.usage.prompt_tokens
+
+    cold, warm, repeat = [], [], []
+    tokens = 0
+    for r in range(rounds):
+        system = system_prompt(r)
+        cold.append(timed(system, QUESTIONS[r % len(QUESTIONS)])[0])
+        took, tokens = timed(system, QUESTIONS[(r + 1) % len(QUESTIONS)])
+        warm.append(took)
+        repeat.append(timed(system, QUESTIONS[(r + 1) % len(QUESTIONS)])[0])
+        print(
+            f"    round {r}: cold {cold[-1]:.2f} s, warm {warm[-1]:.2f} s, repeat {repeat[-1]:.2f} s", file=sys.stderr
+        )
+    return cold, warm, repeat, tokens
+
+
 def mask_cost(model: str, rows: int, steps: int) -> tuple[float, float, float]:
     """In this process, without HTTP: greedy batched decode of ``rows`` prompts under :data:`SCHEMA`, timing the
     grammar's work (mask the row's logits, accept its token) apart from the decode step. (mask ms per row-token,
@@ -229,6 +271,10 @@ def main() -> int:
     ap.add_argument("--skip-schema", action="store_true", help="no structured-output rows")
     ap.add_argument("--mask-steps", type=int, default=48, help="decode steps of the in-process mask timing")
     ap.add_argument("--skip-levels", action="store_true", help="only the structured-output rows")
+    ap.add_argument("--prefix-chunks", default="512,256", help="--prefill-chunk of each prefix-cache server")
+    ap.add_argument("--prefix-rounds", type=int, default=3, help="cold/warm/repeat requests per prefix-cache row")
+    ap.add_argument("--skip-prefix", action="store_true", help="no prefix-cache rows")
+    ap.add_argument("--prefix-only", action="store_true", help="only the prefix-cache rows")
     args = ap.parse_args()
     import anyquant
 
@@ -242,6 +288,8 @@ def main() -> int:
     schema_rows: list[tuple[int, float, int, float, int]] = []
     if args.skip_levels:
         servers = servers[:1]
+    if args.prefix_only:
+        servers, args.skip_schema, args.skip_levels = [], True, True
     for name, start in servers:
         port = free_port()
         proc = start(port)
@@ -272,6 +320,18 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(60)
+    prefix_rows: list[tuple[int, int, float, float, float]] = []
+    for chunk in [] if args.skip_prefix else [int(c) for c in args.prefix_chunks.split(",")]:
+        port = free_port()
+        proc = start_anyquant(model, port, 4, "--prefill-chunk", str(chunk))
+        try:
+            print(f"  prefix cache, --prefill-chunk {chunk}:", file=sys.stderr, flush=True)
+            cold, warm, repeat, tokens = prefix_ttft(f"http://127.0.0.1:{port}", args.prefix_rounds)
+            median = statistics.median
+            prefix_rows.append((chunk, tokens, median(cold), median(warm), median(repeat)))
+        finally:
+            proc.terminate()
+            proc.wait(60)
     print(f"bundled model {Path(model).name}, greedy, max_tokens {args.max_tokens}, {args.rounds} requests per client")
     if rows:
         print(f"{'server':<18} {'clients':>7} {'tok/s':>8} {'tokens':>7} {'wall s':>7} {'x 1 client':>10}")
@@ -295,6 +355,19 @@ def main() -> int:
         for n, free, free_n, constrained, constrained_n in schema_rows:
             print(
                 f"{n:>7} {free:>10.1f} {free_n:>7} {constrained:>12.1f} {constrained_n:>7} {constrained / free:>11.2f}"
+            )
+    if prefix_rows:
+        print(
+            "prefix cache: time to first token (non-streamed, max_tokens 1) under a new ~2,000-token system prompt "
+            f"(cold), a second question under it (warm), that request again (repeat); median of {args.prefix_rounds}"
+        )
+        print(
+            f"{'chunk':>5} {'tokens':>6} {'cold s':>7} {'warm s':>7} {'warm/cold':>9} {'repeat s':>8} {'repeat/cold':>11}"
+        )
+        for chunk, tokens, cold_s, warm_s, repeat_s in prefix_rows:
+            print(
+                f"{chunk:>5} {tokens:>6} {cold_s:>7.2f} {warm_s:>7.2f} {warm_s / cold_s:>9.3f} {repeat_s:>8.2f} "
+                f"{repeat_s / cold_s:>11.3f}"
             )
     return 0
 

@@ -15,6 +15,7 @@ from typing import Any
 from ..console import add_load_flags, add_option_flag, options_from
 from ..errors import MissingDependencyError, ParameterError
 from ..hookspecs import CommandRegistrar, hookimpl
+from ..serve.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
 
 __all__ = ["anyquant_register_commands", "build_parser_for_tests"]
 
@@ -38,6 +39,20 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queueing included")
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted")
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="memory for recent prompts' KV caches, which a prompt beginning the same way reuses in whole "
+        f"--prefill-chunk chunks, least recently used dropped first; 0: off (default {DEFAULT_PREFIX_CACHE_MB:g})",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        help="prompt positions per prefill forward and the most prefilled between two decode steps of the running "
+        f"requests; 0: each prompt in one forward (default {DEFAULT_PREFILL_CHUNK}; 512: generate's forwards, bitwise)",
+    )
     # what one client may hold (a slow or idle client must not hold the server): docs/serving.md, "Exposing"
     p.add_argument(
         "--header-timeout",
@@ -109,6 +124,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ParameterError(f"{flag}: expected a positive number")
     if args.timeout <= 0 or args.max_body_kb <= 0:
         raise ParameterError("--timeout and --max-body-kb must be positive")
+    if args.prefill_chunk < 0 or not 0 <= args.prefix_cache_mb < float("inf"):  # NaN too
+        raise ParameterError("--prefill-chunk and --prefix-cache-mb: expected 0 or more (a finite number of MB)")
     _need_http_stack()
     limits = _limits(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
@@ -130,7 +147,13 @@ def _run(args: argparse.Namespace) -> int:
         options = options_from(args.option, {**flags, "registry": "the Python API"})
         print(f"anyquant serve: loading {path} ...", file=sys.stderr, flush=True)
         model = load(path, format=args.format, backend=args.backend, device=args.device, dtype=args.dtype, **options)
-        scheduler = Scheduler(ModelAdapter(model), max_batch=args.max_batch, max_queue=args.max_queue)
+        scheduler = Scheduler(
+            ModelAdapter(model),
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            prefill_chunk=args.prefill_chunk,
+            prefix_cache_mb=args.prefix_cache_mb,
+        )
     from ..serve.app import ServerConfig, build_app
 
     config = ServerConfig(name, api_key, args.timeout, args.max_body_kb * 1024, args.body_timeout)

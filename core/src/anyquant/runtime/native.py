@@ -184,6 +184,33 @@ class NativeCache:
     def get_seq_length(self, layer: int = 0) -> int:
         return self.lengths[layer]
 
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions of every layer (the buffers stay: the next forward writes from
+        position ``length`` on, over what was there)."""
+        if length < 0:
+            raise ValueError(f"crop({length}): expected a length >= 0")
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    def copy(self, length: int | None = None) -> NativeCache:
+        """A cache of its own holding this one's first ``length`` positions of every layer (default: all it holds),
+        in buffers of exactly that size and this cache's ``dtype`` (the values as stored: a narrower ``dtype``'s
+        rounding included). The copy grows as any cache does when written past them."""
+        layers = len(self.lengths)
+        out = NativeCache(layers, None, self.dtype)
+        for i in range(layers):
+            kb, vb = self.keys[i], self.values[i]
+            n = self.lengths[i] if length is None else min(self.lengths[i], length)
+            if kb is None or vb is None or n == 0:
+                continue
+            out.keys[i] = kb.narrow(2, 0, n).clone()
+            out.values[i] = vb.narrow(2, 0, n).clone()
+            out.lengths[i] = n
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers held (their spare room included)."""
+        return sum(int(b.nbytes) for b in (*self.keys, *self.values) if b is not None)
+
     def reserve(
         self, layer: int, end: int, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,13 +1,17 @@
 """Batched decode across requests for the served model (imports torch).
 
-Each prompt is prefilled alone, exactly as :meth:`anyquant.LoadedModel.generate` runs it (the same rows, so the
-same kernels and the same numbers), and each request keeps its own KV cache (requests admitted together with the
-same prompt, such as the ``n`` choices of one HTTP request, prefill it once and copy the cache). A decode step then
-runs every request of the batch through one pass of the linears (the weights are read once for all rows), while attention runs row by row
-over each request's own cache, with no padding and no mask: a request's tokens do not depend on which others
-share its steps (padding shifts the summation order inside attention, and this model's bfloat16 activations
-turn such last-bit differences into different greedy tokens). Requests join and leave between steps
-(continuous batching).
+Each prompt is prefilled alone, exactly as :meth:`anyquant.LoadedModel.generate` runs it: in chunks that start at
+multiples of ``chunk`` positions (:data:`~anyquant.runtime.generate.PREFILL_CHUNK`, generate's, by default),
+keeping the last position's logits only where the module takes ``logits_to_keep`` (the same rows, so the same
+kernels and the same numbers). A prompt may be prefilled one chunk per call, the scheduler running decode steps of
+the batch in between (chunked prefill), and may start from a cache that already holds its first chunks (the
+prefix cache's copy, :mod:`.prefix`): the chunks left are then the very forwards a cold prefill makes. Each
+request keeps its own KV cache (requests admitted together with the same prompt, such as the ``n`` choices of one
+HTTP request, prefill it once and copy the cache). A decode step then runs every request of the batch through one
+pass of the linears (the weights are read once for all rows), while attention runs row by row over each request's
+own cache, with no padding and no mask: a request's tokens do not depend on which others share its steps (padding
+shifts the summation order inside attention, and this model's bfloat16 activations turn such last-bit differences
+into different greedy tokens). Requests join and leave between steps (continuous batching).
 
 The shared pass needs anyquant's native Llama-family decoder (:class:`~anyquant.runtime.native.NativeCausalLM`);
 any other module is stepped one request at a time (still interleaved, so every client streams), and so is a lone
@@ -24,7 +28,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DecodeBatch", "Slot"]
+__all__ = ["DecodeBatch", "Slot", "chunk_end"]
+
+
+def chunk_end(done: int, total: int, chunk: int) -> int:
+    """Where the prefill chunk from position ``done`` of a ``total``-token prompt ends: chunks start at multiples
+    of ``chunk`` (0: the rest of the prompt at once)."""
+    return total if chunk <= 0 else min(total, (done // chunk + 1) * chunk)
 
 
 @dataclass
@@ -38,35 +48,80 @@ class Slot:
 
 
 class DecodeBatch:
-    """The requests decoding together, each with its own cache."""
+    """The requests decoding together, each with its own cache, and the prompts on their way in."""
 
-    def __init__(self, module: Any, cache_keyword: str, device: torch.device) -> None:
+    def __init__(self, module: Any, cache_keyword: str, device: torch.device, chunk: int | None = None) -> None:
+        from ..runtime.generate import PREFILL_CHUNK, _takes
         from ..runtime.native import NativeCausalLM
 
         self.module = module
         self.cache_kw = cache_keyword
         self.device = device
+        #: prefill chunks start at multiples of this many positions (0: a prompt in one forward)
+        self.chunk = PREFILL_CHUNK if chunk is None else chunk
         self.slots: list[Slot] = []
         #: one shared pass per step (the native decoder), else one forward per request
         self.shared = isinstance(module, NativeCausalLM)
+        #: the module computes the last position's logits only when asked (as generate asks it)
+        self.keeps_logits = _takes(module, "logits_to_keep")
+        self._partial: dict[int, tuple[object, int, Any]] = {}  # id(key): (key, positions prefilled, cache)
 
     def __len__(self) -> int:
         return len(self.slots)
 
+    def prefilled(self, key: object) -> int:
+        """Positions of ``key``'s prompt in its cache so far (0 before its first chunk; a request in the batch is
+        not counted)."""
+        state = self._partial.get(id(key))
+        return state[1] if state is not None else 0
+
     @torch.inference_mode()
-    def prefill(self, key: object, ids: Sequence[int]) -> torch.Tensor:
-        """Run ``ids`` alone (as a single-request generation does), add the request to the batch and return its
-        next-token logits ``[vocab]``."""
+    def prefill(
+        self, key: object, ids: Sequence[int], chunks: int | None = None, reuse: tuple[int, Any] | None = None
+    ) -> torch.Tensor | None:
+        """Prefill ``key``'s prompt ``ids`` alone, as a single-request generation does: ``chunks`` chunks in this
+        call (default: every one left), from where the previous call for ``key`` stopped, or on the first call
+        from ``reuse``, ``(positions, cache)``: a cache of ``key``'s own holding the prompt's first ``positions``
+        (fewer than the prompt's; a multiple of :attr:`chunk` for a cold prefill's numbers). Once the whole
+        prompt is in, the request joins the batch and its next-token logits ``[vocab]`` are returned; until then
+        ``None``."""
         n = len(ids)
-        out = self.module(
-            input_ids=torch.tensor([list(ids)], dtype=torch.long, device=self.device),
-            attention_mask=torch.ones((1, n), dtype=torch.long, device=self.device),
-            position_ids=torch.arange(n, device=self.device)[None],
-            use_cache=True,
-        )
-        self.slots.append(Slot(key, n, getattr(out, self.cache_kw), list(ids)))
-        logits: torch.Tensor = out.logits[0, -1]
+        state = self._partial.pop(id(key), None)
+        done, cache = (state[1], state[2]) if state is not None else reuse if reuse is not None else (0, None)
+        if done >= n:
+            raise ValueError(f"prefill from position {done} of a {n}-token prompt: nothing left to feed")
+        runs = 0
+        logits: torch.Tensor | None = None
+        while done < n and (chunks is None or runs < chunks):
+            end = chunk_end(done, n, self.chunk)
+            kw: dict[str, Any] = {self.cache_kw: cache} if cache is not None else {}
+            if self.keeps_logits:
+                kw["logits_to_keep"] = 1
+            out = self.module(
+                input_ids=torch.tensor([list(ids[done:end])], dtype=torch.long, device=self.device),
+                attention_mask=torch.ones((1, end), dtype=torch.long, device=self.device),
+                position_ids=torch.arange(done, end, device=self.device)[None],
+                use_cache=True,
+                **kw,
+            )
+            cache = getattr(out, self.cache_kw)
+            done, runs = end, runs + 1
+            if done == n:
+                logits = out.logits[0, -1]
+        if logits is None:
+            self._partial[id(key)] = (key, done, cache)
+            return None
+        self.slots.append(Slot(key, n, cache, list(ids)))
         return logits
+
+    def join(self, key: object, ids: Sequence[int], cache: Any) -> None:
+        """Add ``key`` with a cache of its own that already holds the whole prompt ``ids`` (a prompt the prefix
+        cache kept): no forward."""
+        self.slots.append(Slot(key, len(ids), cache, list(ids)))
+
+    def cache_of(self, key: object) -> Any:
+        """The cache of ``key``'s slot (``None`` when ``key`` is not in the batch)."""
+        return next((slot.cache for slot in self.slots if slot.key is key), None)
 
     def fork(self, key: object, source: object) -> bool:
         """Add ``key`` as a copy of ``source``'s slot (its cache copied): the same prompt prefilled once for both.
@@ -142,6 +197,8 @@ class DecodeBatch:
         return logits
 
     def remove(self, keys: Sequence[object]) -> None:
-        """Drop the slots of ``keys`` (their caches go with them)."""
+        """Drop the slots of ``keys``, and their prompts' prefills in progress (their caches go with them)."""
         gone = set(map(id, keys))
         self.slots = [s for s in self.slots if id(s.key) not in gone]
+        for k in gone:
+            self._partial.pop(k, None)

@@ -2,9 +2,11 @@
 ``vllm:``) where the meaning is the same, every series labelled with ``model_name``.
 
 Each app owns its :class:`~prometheus_client.CollectorRegistry` (never the process-wide default one): anyquant is
-a library, and two servers in one process keep their own counts. The running and waiting gauges are read from the
-scheduler when scraped; the rest is counted as requests end (:class:`RequestStats`, one per HTTP request, its
-methods called from the scheduler's thread and the event loop alike).
+a library, and two servers in one process keep their own counts. The running and waiting gauges and the prefix
+cache's counters (tokens looked up and found, as vLLM's ``prefix_cache_queries``/``prefix_cache_hits``) are read
+from the scheduler when scraped (0 for an engine without them); the rest is counted as requests end
+(:class:`RequestStats`, one per HTTP request, its methods called from the scheduler's thread and the event loop
+alike).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Metrics:
             "Requests waiting for a place in the batch.",
             lambda: getattr(scheduler, "waiting", 0),
         )
+        self.registry.register(_SchedulerCounters(scheduler, model_name))
         self.prompt_tokens = Counter(
             "anyquant:prompt_tokens",
             "Prompt tokens taken (a prompt once per HTTP request, as usage counts).",
@@ -109,6 +112,28 @@ class Metrics:
 
     def request(self, choices: int, start: float) -> RequestStats:
         return RequestStats(self, choices, start)
+
+
+class _SchedulerCounters:
+    """Counters the scheduler keeps itself, read when scraped: the prefix cache's prompt tokens looked up and found
+    there (vLLM's ``prefix_cache_queries`` and ``prefix_cache_hits``, counted in tokens)."""
+
+    COUNTERS = (
+        ("anyquant:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up.", "prefix_cache_queries"),
+        ("anyquant:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached.", "prefix_cache_hits"),
+    )
+
+    def __init__(self, scheduler: Any, model_name: str) -> None:
+        self.scheduler = scheduler
+        self.model_name = model_name
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        for metric, doc, attribute in self.COUNTERS:
+            family = CounterMetricFamily(metric, doc, labels=("model_name",))
+            family.add_metric((self.model_name,), float(getattr(self.scheduler, attribute, 0) or 0))
+            yield family
 
 
 class RequestStats:

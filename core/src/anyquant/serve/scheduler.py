@@ -8,6 +8,12 @@ request its text as it becomes final (stop strings held back until decided) thro
 gives. A request that finishes, is cancelled (its client went away) or passes
 its deadline leaves the batch at once.
 
+Prompts are prefilled in chunks (``prefill_chunk`` positions, generate's 512 by default), at most one chunk's
+worth of prompt tokens between two decode steps of the running batch (chunked prefill: a long prompt does not
+stop the other streams for longer than one chunk); prompts that fit join in the round they are admitted. A prompt
+that begins as a recent one did starts from that one's KV cache (the prefix cache, :mod:`.prefix`, within
+``prefix_cache_mb``), in whole chunks, so its numbers are a cold prefill's.
+
 :class:`ModelAdapter` is the one place that reads the loaded model (tokens in, text out, counts); it is what
 switches to anyquant's generation-result API when there is one.
 """
@@ -25,11 +31,30 @@ from typing import Any
 from ..errors import AnyquantError, ParameterError
 from ..runtime.stops import find_stop, held_back, stable
 
-__all__ = ["Finished", "ModelAdapter", "QueueFull", "Request", "Scheduler"]
+__all__ = [
+    "DEFAULT_PREFILL_CHUNK",
+    "DEFAULT_PREFIX_CACHE_MB",
+    "Finished",
+    "ModelAdapter",
+    "QueueFull",
+    "Request",
+    "Scheduler",
+]
 
 log = logging.getLogger(__name__)
 
 _GRAMMARS_LOCK = threading.Lock()
+
+#: prompt positions per prefill forward, and the grain at which the prefix cache reuses a kept prompt (whole chunks:
+#: a warm prompt runs exactly the forwards a cold one runs). Half ``generate``'s
+#: (:data:`anyquant.runtime.generate.PREFILL_CHUNK`, 512): a new question after a repeated 2,000-token system prompt
+#: recomputes at most 255 of its tokens (time to first token ~0.14x the cold request's, against ~0.37x with 512), and
+#: a running stream waits at most one 256-token forward; a served prompt over 256 tokens is then within the decode
+#: tolerance of ``generate``'s logits rather than bitwise them (``--prefill-chunk 512`` gives those)
+DEFAULT_PREFILL_CHUNK = 256
+#: the prefix cache's budget: a 2,000-token prompt of SmolLM2-135M holds 92 MB of float32 keys and values, of a
+#: Llama-3-8B 524 MB
+DEFAULT_PREFIX_CACHE_MB = 1024.0
 
 
 class QueueFull(AnyquantError):
@@ -229,6 +254,19 @@ class _Live:
             self.emitted = len(text)
 
 
+class _Filling:
+    """A prompt being prefilled and the requests that wait for it: the first one's (``key``) cache is the one
+    filled, the others (the ``n`` choices of one request, or the same prompt arriving meanwhile) copy it."""
+
+    def __init__(self, row: _Live, reuse: tuple[int, Any] | None) -> None:
+        self.rows = [row]
+        self.key: object = row.request
+        self.ids = row.request.ids
+        self.prompt = tuple(self.ids)
+        self.reuse = reuse  # (positions, cache) from the prefix cache, for the first chunk
+        self.done = reuse[0] if reuse is not None else 0  # positions prefilled
+
+
 class Scheduler:
     """The bounded queue and the thread that decodes: ``submit`` from any thread, ``close`` to stop."""
 
@@ -242,12 +280,32 @@ class Scheduler:
     #: constrains rows to a grammar (``Request.grammar``): ``response_format`` and the ``guided_*`` extensions
     structured_output = True
 
-    def __init__(self, adapter: ModelAdapter, *, max_batch: int = 16, max_queue: int = 64) -> None:
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        *,
+        max_batch: int = 16,
+        max_queue: int = 64,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+    ) -> None:
+        """``prefill_chunk``: prompt positions per prefill forward, and the most prompt tokens prefilled between
+        two decode steps (0: each prompt in one forward, all admitted prompts before the next step).
+        ``prefix_cache_mb``: the prefix cache's budget in MB (2**20 bytes; 0: off)."""
         if max_batch < 1 or max_queue < 0:
             raise ParameterError(f"max_batch={max_batch} and max_queue={max_queue}: expected >= 1 and >= 0")
+        if prefill_chunk < 0 or not 0 <= prefix_cache_mb < float("inf"):
+            raise ParameterError(
+                f"prefill_chunk={prefill_chunk} and prefix_cache_mb={prefix_cache_mb}: expected >= 0 and a finite >= 0"
+            )
+        from .prefix import PrefixCache
+
         self.adapter = adapter
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        #: owned by the thread below (read, not changed, elsewhere)
+        self.prefix = PrefixCache(int(prefix_cache_mb * 2**20), prefill_chunk)
         self._waiting: collections.deque[Request] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -284,6 +342,16 @@ class Scheduler:
         return len(self._waiting)
 
     @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache (vLLM's ``prefix_cache_queries``)."""
+        return self.prefix.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens found there, not prefilled again (vLLM's ``prefix_cache_hits``)."""
+        return self.prefix.hits
+
+    @property
     def capacity(self) -> int:
         """The most requests taken at once when idle (the batch and the queue): more ``n`` choices would always be
         refused as a full queue."""
@@ -294,50 +362,26 @@ class Scheduler:
         from .batch import DecodeBatch
 
         gen = self.adapter.generator
-        batch = DecodeBatch(self.adapter.model.module, gen.cache_kw, gen.device)
+        batch = DecodeBatch(self.adapter.model.module, gen.cache_kw, gen.device, self.prefill_chunk)
         live: list[_Live] = []
+        filling: list[_Filling] = []  # prompts being prefilled, oldest first
         while True:
             with self._cond:
-                while not self._waiting and not live and not self._stopping:
+                while not self._waiting and not live and not filling and not self._stopping:
                     self._cond.wait()
-                if self._stopping and not self._waiting and not live:
+                if self._stopping and not self._waiting and not live and not filling:
                     return
                 joining: list[Request] = []
-                while self._waiting and len(live) + len(joining) < self.max_batch:
+                taken = len(live) + sum(len(f.rows) for f in filling)
+                while self._waiting and taken + len(joining) < self.max_batch:
                     joining.append(self._waiting.popleft())
-            # a prompt admitted twice in this round (n choices) is scored and prefilled once: exact copies
+            # a prompt admitted twice in this round (n choices) is scored once
             scored: dict[tuple[tuple[int, ...], int], list[Any]] = {}
-            prefilled: dict[tuple[int, ...], tuple[Request, Any]] = {}
             for request in joining:
-                row = _Live(request, self.adapter)
-                if self._ended(row):
-                    continue
-                prompt = tuple(request.ids)
-                try:
-                    if request.prompt_logprobs is not None:
-                        key = (prompt, request.prompt_top)
-                        if key not in scored:
-                            scored[key] = self.adapter.prompt_logprobs(request.ids, request.prompt_top)
-                        request.prompt_logprobs(list(scored[key]))
-                    if request.max_tokens == 0:  # the prompt scored, nothing generated (echo with max_tokens 0)
-                        row.end("length")
-                        request.finish(row.done)  # type: ignore[arg-type]
-                        continue
-                    first = prefilled.get(prompt)
-                    if first is not None and batch.fork(request, first[0]):
-                        logits = first[1].clone()
-                    else:
-                        logits = batch.prefill(request, request.ids)
-                        prefilled[prompt] = (request, logits.clone())  # kept apart from what its sampling reads
-                    live.append(row)
-                    row.take(*self._sample(row, logits[None]))
-                except Exception as exc:  # this request's failure, not the server's
-                    log.exception("request failed in prefill")
-                    row.end("error", exc)
-                    if row not in live:  # not yet running: nothing else will tell it
-                        request.finish(row.done)  # type: ignore[arg-type]
+                self._admit(request, batch, live, filling, scored)
+            self._fill(batch, live, filling)
             live = self._retire(batch, live)
-            self.running = len(live)
+            self.running = len(live) + sum(len(f.rows) for f in filling)
             if not live:
                 continue
             try:
@@ -349,7 +393,116 @@ class Scheduler:
                 for row in live:
                     row.end("error", exc)
             live = self._retire(batch, live)
-            self.running = len(live)
+            self.running = len(live) + sum(len(f.rows) for f in filling)
+
+    def _admit(
+        self,
+        request: Request,
+        batch: Any,
+        live: list[_Live],
+        filling: list[_Filling],
+        scored: dict[tuple[tuple[int, ...], int], list[Any]],
+    ) -> None:
+        """Score a new request's prompt when asked, then start it: with the prefix cache's copy of the whole
+        prompt (it joins the batch at once), behind the same prompt's prefill in progress, or as a prefill of its
+        own (from the prefix cache's first chunks of it, when kept)."""
+        row = _Live(request, self.adapter)
+        if self._ended(row):
+            return
+        try:
+            if request.prompt_logprobs is not None:  # every position's logits: one forward, no cache
+                key = (tuple(request.ids), request.prompt_top)
+                if key not in scored:
+                    scored[key] = self.adapter.prompt_logprobs(request.ids, request.prompt_top)
+                request.prompt_logprobs(list(scored[key]))
+            if request.max_tokens == 0:  # the prompt scored, nothing generated (echo with max_tokens 0)
+                row.end("length")
+                request.finish(row.done)  # type: ignore[arg-type]
+                return
+            self._start(row, batch, live, filling)
+        except Exception as exc:  # this request's failure, not the server's
+            log.exception("request failed in prefill")
+            row.end("error", exc)
+            if row not in live:  # not yet running: nothing else will tell it
+                request.finish(row.done)  # type: ignore[arg-type]
+
+    def _start(self, row: _Live, batch: Any, live: list[_Live], filling: list[_Filling]) -> None:
+        prompt = tuple(row.request.ids)
+        same = next((f for f in filling if f.prompt == prompt), None)
+        if same is not None:  # prefilled once, then copied
+            same.rows.append(row)
+            return
+        hit = self.prefix.lookup(prompt)
+        if hit is not None and hit.logits is not None:  # the whole prompt kept
+            batch.join(row.request, prompt, hit.cache)
+            live.append(row)
+            row.take(*self._sample(row, hit.logits[None]))
+            return
+        filling.append(_Filling(row, (hit.length, hit.cache) if hit is not None else None))
+
+    def _fill(self, batch: Any, live: list[_Live], filling: list[_Filling]) -> None:
+        """One round of prefill between two decode steps: chunks of the prompts in ``filling``, oldest first,
+        while their tokens fit in one chunk (always at least one chunk; with ``prefill_chunk`` 0, every prompt
+        whole). A prompt whose last chunk ran joins the batch with the requests waiting for it, each sampling its
+        first token."""
+        for f in filling:
+            f.rows = [row for row in f.rows if not self._ended(row)]
+        for f in [f for f in filling if not f.rows]:  # every request for it gone: its cache too
+            batch.remove([f.key])
+            filling.remove(f)
+        spent = 0
+        while filling:
+            f = filling[0]
+            piece = self._chunk_end(f.done, len(f.ids)) - f.done
+            if self.prefill_chunk and spent and spent + piece > self.prefill_chunk:
+                return
+            try:
+                logits = batch.prefill(f.key, f.ids, 1, f.reuse)
+            except Exception as exc:  # the prompt's failure: every request waiting for it ends with it
+                log.exception("request failed in prefill")
+                filling.pop(0)
+                batch.remove([f.key])
+                for row in f.rows:
+                    row.end("error", exc)
+                    row.request.finish(row.done)  # type: ignore[arg-type]
+                continue
+            f.reuse = None
+            f.done += piece
+            spent += piece
+            if logits is not None:
+                filling.pop(0)
+                self._joined(batch, f, logits, live, filling)
+
+    def _chunk_end(self, done: int, total: int) -> int:
+        from .batch import chunk_end
+
+        return chunk_end(done, total, self.prefill_chunk)
+
+    def _joined(self, batch: Any, f: _Filling, logits: Any, live: list[_Live], filling: list[_Filling]) -> None:
+        """``f``'s prompt is in: keep it in the prefix cache, copy its cache to every request waiting for it and
+        sample their first tokens."""
+        kept = logits.clone()  # apart from what sampling reads (a grammar masks a row's logits in place)
+        try:
+            self.prefix.store(f.ids, batch.cache_of(f.key), kept)
+        except Exception:  # the cache is an optimisation: the request goes on without it
+            log.exception("keeping a prompt in the prefix cache failed")
+        starting: list[tuple[_Live, Any]] = []
+        for row in f.rows:
+            if row.request is f.key:
+                starting.append((row, logits))
+            elif batch.fork(row.request, f.key):
+                starting.append((row, kept.clone()))
+            else:  # not copied: a prefill of its own
+                filling.append(_Filling(row, None))
+        if all(row.request is not f.key for row in f.rows):  # the request it was filled for is gone
+            batch.remove([f.key])
+        for row, row_logits in starting:
+            live.append(row)
+            try:
+                row.take(*self._sample(row, row_logits[None]))
+            except Exception as exc:  # ends the request (it leaves at the next retire)
+                log.exception("request failed in prefill")
+                row.end("error", exc)
 
     def _ended(self, row: _Live) -> bool:
         """Ends (and reports) a request that was cancelled or timed out before it ran."""
