@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anyquant.runtime import kernels
+from anyquant.runtime import fastcpu, kernels
 from anyquant.runtime.fastcpu import (
     FastCPUPlan,
     FastInt4Linear,
@@ -27,9 +27,12 @@ from anyquant.runtime.fastcpu import (
     fast_cpu_reasons,
     fast_linear,
     int4pack_status,
+    layout_kinds_run,
     layout_unsupported,
+    layouts_run,
 )
-from anyquant.runtime.layouts import Decoded, Int4Groups, Layout, Table4
+from anyquant.runtime.kernels import lut
+from anyquant.runtime.layouts import Affine4Blocks, Decoded, E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
 from anyquant.runtime.qlinear import QuantLinearBase
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -279,7 +282,78 @@ def test_a_layout_of_another_vocabulary_is_refused_loudly() -> None:
         layout_unsupported(object())  # type: ignore[arg-type]
 
 
-# ---------------------------------------------------------------- (c) the formats hold no engine code
+# ---------------------------------------------------------------- (c) a loader's count, from the layouts' metadata
+
+
+def _kernels(monkeypatch: pytest.MonkeyPatch, *, block: bool, table: bool, fp8: bool, bf16: bool) -> None:
+    """Which of the compiled kernels (and oneDNN's bfloat16 path) run here, as the engine asks."""
+    monkeypatch.setattr(fastcpu, "block_kernel_is_fast", lambda: block)
+    monkeypatch.setattr(kernels, "lut_available", lambda: table)
+    monkeypatch.setattr(lut, "fp8_kernel_runs", lambda: fp8)
+    monkeypatch.setattr(fastcpu, "bf16_head_status", lambda: (bf16, "" if bf16 else "no bfloat16 here"))
+
+
+def test_layouts_run_counts_the_layers_the_engine_takes_from_their_metadata() -> None:
+    """A loader describes its layers from the headers (tensor fields None) and core counts them, as it would convert
+    them: integer groups where torch's int4 kernel runs and the groups fit, never 3-bit ones or groups of 16."""
+    fits = Int4Groups(256, 64, None, None, None, group_size=64)
+    three_bit = Int4Groups(256, 64, None, None, None, bits=3, group_size=64)
+    small_groups = Int4Groups(256, 64, None, None, None, group_size=16)
+    int4 = int4pack_status().available
+    assert layouts_run([[fits]]) == int(int4)
+    assert layouts_run([[fits], [three_bit], [small_groups], "its input activations are quantized"]) == int(int4)
+    assert layouts_run([]) == 0
+    if int4:
+        assert layout_unsupported(fits, metadata_only=True) is None
+        assert "4-bit" in str(layout_unsupported(three_bit, metadata_only=True))
+        assert "multiple of 32" in str(layout_unsupported(small_groups, metadata_only=True))
+        # no group size in the metadata: the groups are not known before the tensors
+        assert "group_size" in str(layout_unsupported(Int4Groups(256, 64, None, None, None), metadata_only=True))
+
+
+def test_layouts_run_follows_the_kernels_built_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each kind counts where its kernel runs and its shapes fit; a layer counts once, by its first layout that runs
+    (a table the kernel cannot take falls to its bfloat16 copy). Callables are never formed."""
+    table = Table4(128, 48, 32, _never, _never, _never, torch.bfloat16)
+    bad_table = Table4(48, 48, 16, _never, _never, _never, torch.bfloat16)  # rows of 48: not 32s
+    eight = Int8Blocks(128, 48, 128, _never, _never, torch.bfloat16)
+    affine = Affine4Blocks(128, 48, 64, _never, _never, _never)
+    fp8 = E4M3Groups(128, 48, 128, None, None, torch.bfloat16, rows=128)
+    odd_fp8 = E4M3Groups(200, 48, 200, None, None, torch.bfloat16)  # 200 inputs: not 16s
+    layers: list[Sequence[Layout] | str] = [[table], [bad_table, Decoded(None)], [eight], [affine], [fp8], [odd_fp8]]
+
+    _kernels(monkeypatch, block=False, table=False, fp8=False, bf16=False)
+    assert layouts_run(layers) == 0
+    assert layout_kinds_run(E4M3Groups, Decoded) == (
+        False,
+        "FP8 weights run on the compiled kernel's fp8_gemv, which has no vector path here (AVX512F); no bfloat16 here",
+    )
+    _kernels(monkeypatch, block=False, table=False, fp8=False, bf16=True)
+    assert layouts_run(layers) == 1 and layout_kinds_run(E4M3Groups, Decoded) == (True, "")
+    assert layout_kinds_run(Decoded) == (True, "") and not layout_kinds_run(Table4)[0]
+    _kernels(monkeypatch, block=True, table=True, fp8=True, bf16=False)
+    assert layouts_run(layers) == 4  # table, Q8_0, Q4_1, FP8; the 48-wide table and the 200-wide FP8 do not fit
+    assert layout_kinds_run(Table4) == (True, "") and layout_kinds_run(Int8Blocks, Affine4Blocks) == (True, "")
+    assert "rows of 48" in str(layout_unsupported(bad_table, metadata_only=True))
+    _kernels(monkeypatch, block=True, table=True, fp8=True, bf16=True)
+    assert layouts_run(layers) == 5
+
+
+def test_the_metadata_check_leaves_the_tensor_checks_to_the_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scales float16 does not hold exactly: the layer counts (its metadata fits Q8_0 blocks), the conversion
+    refuses it; a description without tensors cannot be built."""
+    _kernels(monkeypatch, block=True, table=False, fp8=False, bf16=False)
+    codes = torch.zeros(48, 64, dtype=torch.int8)
+    inexact = Int8Blocks(64, 48, 32, codes, torch.full((48, 2), 1e-9), torch.float32)
+    assert layout_unsupported(inexact, metadata_only=True) is None and layouts_run([[inexact]]) == 1
+    assert "float16" in str(layout_unsupported(inexact))
+    with pytest.raises(ValueError, match="metadata"):
+        fast_linear(Int8Blocks(64, 48, 32, None, None, torch.float32))
+    with pytest.raises(TypeError, match="not a packed layout"):
+        layout_kinds_run(object)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- (d) the formats hold no engine code
 
 
 def _format_sources() -> list[Path]:
@@ -299,6 +373,24 @@ def test_the_formats_write_no_cpu_engine_code() -> None:
         for p in sources
         for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
         if engine.search(line)
+    ]
+    assert not found, found
+
+
+def test_the_formats_loaders_hold_no_kernel_knowledge() -> None:
+    """The loaders decide ``auto`` by describing their layers as layouts (:func:`layouts_run`): none of them asks
+    whether a kernel is built or which shapes it takes."""
+    kernel = re.compile(
+        r"kernels\.|fp8_kernel_runs|lut_available|block_kernel_is_fast|bf16_head_status|unsupported_reason"
+    )
+    loaders = [ROOT / "plugins" / name / "src" for name in FORMATS]
+    files = [p for src in loaders for p in sorted(src.glob("*/loader.py"))]
+    assert len(files) == len(FORMATS)
+    found = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in files
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if kernel.search(line)
     ]
     assert not found, found
 

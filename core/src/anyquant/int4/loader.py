@@ -27,6 +27,7 @@ from ..loaders import (
 )
 from ..probe import Probe
 from ..protocols import BackendInfo, Detection, LoadOptions
+from ..runtime.layouts import Decoded, Layout
 from . import GPTQMODEL_OPTIONS
 
 if TYPE_CHECKING:
@@ -71,7 +72,8 @@ def _ram_bytes() -> int:
 
 
 def cpu_fast_backend() -> BackendInfo:
-    """The ``cpu-fast`` backend (torch's int4 CPU kernel; see :mod:`anyquant.runtime.fastcpu`)."""
+    """The ``cpu-fast`` backend (torch's int4 CPU kernel, GQ4 blocks on the compiled kernel where it is built; see
+    :mod:`anyquant.runtime.fastcpu`)."""
     from ..runtime.fastcpu import fast_cpu_capable
 
     ok, reason = fast_cpu_capable()
@@ -80,8 +82,9 @@ def cpu_fast_backend() -> BackendInfo:
         ok,
         reason,
         devices=("cpu",),
-        description="4-bit layers repacked for torch's int4 CPU kernel (bf16 decode) + on-the-fly "
-        "dequantized GEMM for prompts; packed memory; other layers dequantized",
+        description="4-bit layers as GQ4 blocks on the compiled kernel where it is built (vectorized), else repacked "
+        "for torch's int4 CPU kernel (bf16 decode); on-the-fly dequantized GEMM for prompts; packed memory; other "
+        "layers dequantized",
     )
 
 
@@ -110,8 +113,8 @@ class Int4State:
     #: the checkpoint's layout (``detection.variant``), for :attr:`Int4Loader.gptqmodel_layouts` (``None``: not
     #: known, taken to be one GPTQModel runs)
     layout: str | None = None
-    #: 4-bit layers torch's int4 CPU kernel takes (``auto`` picks ``cpu-fast`` on the CPU when > 0); ``None``:
-    #: not counted, every layer is taken to
+    #: layers the CPU engine takes here, counted from the headers (:func:`anyquant.runtime.fastcpu.layouts_run`;
+    #: ``auto`` picks ``cpu-fast`` on the CPU when > 0); ``None``: not counted, every layer is taken to
     fast_layers: int | None = None
     #: float32 bytes of every quantized layer dequantized (``auto`` picks ``reference`` over ``dequantized``
     #: when they take :data:`DEQUANT_RAM_SHARE` of RAM or more); ``None``: not counted, they fit
@@ -150,7 +153,8 @@ class Int4Loader(TransformersLoader):
     def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
         """What the backend choice needs to know of this checkpoint, read once per load (header only). The
         base counts nothing (``fast_layers`` and ``dense_bytes`` stay ``None``); a format whose layers may not
-        all fit torch's int4 kernel counts them."""
+        all run on the CPU engine describes them as packed layouts and counts them
+        (:func:`anyquant.runtime.fastcpu.layouts_run`)."""
         return Int4State(extra=options.extra, layout=detection.variant)
 
     def plan(self, probe: Probe, detection: Detection, options: LoadOptions, device: torch.device) -> LoadPlan:
@@ -246,16 +250,21 @@ class PackedFormatLoader(Int4Loader):
     """The loader base of formats that GPTQModel's kernels do not run (compressed-tensors, FP8, bitsandbytes, MLX):
     :class:`Int4Loader`'s backend choice and cpu-fast plan without the ``gptqmodel`` backend.
 
-    A format sets :attr:`cpu_fast_description` and :attr:`serve_hint`, and implements :meth:`read_signature` (its
-    parsed modules, read once per load into ``Int4State.signature``) and :meth:`fast_layer_count` (how many of them
-    cpu-fast converts here: ``auto`` picks ``cpu-fast`` on the CPU when there are some). By default every layer
-    converts where the CPU runs a bfloat16 GEMM fast (:func:`~anyquant.runtime.fastcpu.bf16_head_status`: the
-    layers prepacked as bfloat16 for oneDNN), and cpu-fast is available exactly there.
+    A format sets :attr:`cpu_fast_description`, :attr:`serve_hint` and :attr:`layout_kinds`, and implements
+    :meth:`read_signature` (its parsed modules, read once per load into ``Int4State.signature``) and
+    :meth:`fast_layer_count` (how many of them cpu-fast converts here: ``auto`` picks ``cpu-fast`` on the CPU when
+    there are some), which describes each module in the packed layouts of :mod:`anyquant.runtime.layouts` from the
+    headers alone and lets the engine count them (:func:`anyquant.runtime.fastcpu.layouts_run`): the loader holds no
+    kernel knowledge. By default every layer is described as ``Decoded`` (a bfloat16 copy prepacked for oneDNN,
+    which runs where the CPU has AMX or AVX512-BF16).
     """
 
     gptqmodel_layouts: ClassVar[frozenset[str] | None] = frozenset()
     #: ``anyquant backends``' line for cpu-fast
     cpu_fast_description: ClassVar[str] = "weights decoded once to bfloat16 and prepacked for oneDNN"
+    #: the packed layout kinds this format's layers offer (:mod:`anyquant.runtime.layouts`): cpu-fast is available
+    #: where the kernel of one of them runs here (:func:`anyquant.runtime.fastcpu.layout_kinds_run`)
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (Decoded,)
     #: what to do on a GPU, said when ``gptqmodel`` is asked for
     serve_hint: ClassVar[str] = "serve it with vLLM (`anyquant serve --engine vllm`)"
 
@@ -271,15 +280,17 @@ class PackedFormatLoader(Int4Loader):
         if kept:
             raise (UnsupportedFormatError if kept[0] == "UnsupportedFormatError" else ConfigError)(str(kept[1]))
 
-    def fast_layer_count(self, signature: Any) -> int:
-        from ..runtime.fastcpu import bf16_head_status
+    def fast_layer_count(self, signature: Any, probe: Probe) -> int:
+        """How many of ``signature``'s modules cpu-fast converts here, before any tensor is read (``probe``: the
+        headers the signature was read from). By default each is described as ``Decoded``."""
+        from ..runtime.fastcpu import layouts_run
 
-        return len(getattr(signature, "modules", signature)) if bf16_head_status()[0] else 0
+        return layouts_run([Decoded(None)] for _ in getattr(signature, "modules", signature))
 
     def cpu_fast_available(self) -> tuple[bool, str]:
-        from ..runtime.fastcpu import bf16_head_status
+        from ..runtime.fastcpu import layout_kinds_run
 
-        return bf16_head_status()
+        return layout_kinds_run(*self.layout_kinds)
 
     def backends(self) -> list[BackendInfo]:
         ok, reason = self.cpu_fast_available()
@@ -300,5 +311,5 @@ class PackedFormatLoader(Int4Loader):
         facts = super().facts(probe, detection, options)
         facts.layout = self.format
         facts.signature = self.read_signature(probe)
-        facts.fast_layers = self.fast_layer_count(facts.signature)
+        facts.fast_layers = self.fast_layer_count(facts.signature, probe)
         return facts

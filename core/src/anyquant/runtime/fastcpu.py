@@ -38,16 +38,18 @@ offered layout against what runs here and builds the first that runs (:func:`fas
 :class:`FastInt4Linear`, ``Int8Blocks`` -> :class:`Int8BlockLinear` (Q8_0 blocks), ``Affine4Blocks`` ->
 :class:`Affine4BlockLinear` (Q4_1 blocks), ``Table4`` -> :class:`~anyquant.runtime.kernels.lut.Lut4Linear`,
 ``E4M3Groups`` -> :class:`~anyquant.runtime.kernels.lut.E4M3Linear`, ``Decoded`` -> :class:`PrepackedBf16Linear`.
+Before any tensor is read, a loader describes its checkpoint's layers in the same layouts from the headers and
+:func:`layouts_run` counts the ones the engine takes here (``auto``'s choice; :func:`layout_kinds_run`: whether
+cpu-fast is available to a format at all), with the checks of the conversion that need no tensor.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,7 @@ from ..errors import ParameterError
 from .kernels.linear import BlockLinear
 from .layouts import Affine4Blocks, Decoded, E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
 from .layouts import tensor as layout_tensor
+from .packing import int4_codes_from_cols, int4_codes_from_rows
 from .tensors import FileRows, fill_file_tables
 
 __all__ = [
@@ -88,7 +91,9 @@ __all__ = [
     "int4_codes_from_rows",
     "int4pack_status",
     "kernel_group_size",
+    "layout_kinds_run",
     "layout_unsupported",
+    "layouts_run",
     "pack_int4_blocked",
     "pack_int4_pairs",
     "to_block_kernel",
@@ -149,27 +154,6 @@ def pack_int4_pairs(pairs: torch.Tensor, block: int) -> torch.Tensor:
     torch.bitwise_or(first & 0x0F, second << 4, out=dst[..., 0, :])
     torch.bitwise_or(first >> 4, second & 0xF0, out=dst[..., 1, :])
     return out.view(n, k // 2)
-
-
-def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 ``[..., C]`` -> uint8 ``[..., C, 8]``: the 8 nibbles of each word, least significant first."""
-    if sys.byteorder != "little":  # pragma: no cover - every CPU torch supports is little endian
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-        return ((words.unsqueeze(-1) >> shifts) & 15).to(torch.uint8)
-    data = words.contiguous().view(torch.uint8).reshape(*words.shape, 4)
-    return torch.stack((data & 15, data >> 4), dim=-1).reshape(*words.shape, 8)
-
-
-def int4_codes_from_rows(words: torch.Tensor) -> torch.Tensor:
-    """GPTQ ``qweight`` ``[K/8, N]`` (packed along dim 0, LSB first) -> uint8 codes ``[K, N]``."""
-    rows, cols = words.shape
-    return _nibbles(words).permute(0, 2, 1).reshape(rows * 8, cols)
-
-
-def int4_codes_from_cols(words: torch.Tensor) -> torch.Tensor:
-    """Words ``[R, C]`` packed along the last dim (LSB first) -> uint8 codes ``[R, 8C]``."""
-    rows, cols = words.shape
-    return _nibbles(words).reshape(rows, cols * 8)
 
 
 @functools.cache
@@ -1153,19 +1137,55 @@ class _Build:
     compute_dtype: torch.dtype
 
 
-def _int4_groups(lay: Int4Groups, build: _Build | None) -> nn.Module | str | None:
+#: ``build`` of a check from the layout's metadata alone (its tensors neither read nor formed)
+_METADATA: Literal["metadata"] = "metadata"
+#: what an engine function is asked for: build with these options, check only (``None``), or check the metadata only
+_Stage: TypeAlias = _Build | Literal["metadata"] | None
+
+
+def _kind_unsupported(kind: type) -> str | None:
+    """Why the kernel that runs layouts of ``kind`` is not usable here (``None``: it is), shapes aside."""
+    if kind is Int4Groups:
+        status = int4pack_status()
+        return None if status.available else status.reason
+    if kind is Int8Blocks or kind is Affine4Blocks:
+        if block_kernel_is_fast():
+            return None
+        what = "8-bit weights" if kind is Int8Blocks else "4-bit affine groups"
+        return f"{what} run on the compiled block kernel, which is not built (or not vectorized) here"
+    if kind is Table4:
+        from . import kernels
+
+        if kernels.lut_available():
+            return None
+        return "4-bit table codes run on the compiled 4-bit table kernel, which is not built here"
+    if kind is E4M3Groups:
+        from .kernels.lut import fp8_kernel_runs
+
+        if fp8_kernel_runs():
+            return None
+        return "FP8 weights run on the compiled kernel's fp8_gemv, which has no vector path here (AVX512F)"
+    if kind is Decoded:
+        ok, reason = bf16_head_status()
+        return None if ok else reason
+    raise TypeError(f"{kind.__name__} is not a packed layout of anyquant.runtime.layouts")
+
+
+def _int4_groups(lay: Int4Groups, build: _Stage) -> nn.Module | str | None:
     """torch's int4 kernel (:class:`FastInt4Linear`; GQ4 blocks on the compiled kernel after :func:`to_block_kernel`)."""
     status = int4pack_status()
     if not status.available or lay.bits != 4:
         return unsupported_reason(lay.bits, lay.in_features, lay.out_features, None, status=status)
     scales = None
-    if lay.g_idx is None and lay.group_size is not None:
+    if (lay.g_idx is None or build == _METADATA) and lay.group_size is not None:
         group = lay.group_size if lay.in_features % lay.group_size == 0 else None
+    elif build == _METADATA:
+        return "no group_size in the layout's metadata (the groups' size is not known before the tensors)"
     else:
         scales = layout_tensor(lay.scales)
         group = contiguous_group_size(lay.g_idx, lay.in_features, scales.shape[0])
     reason = unsupported_reason(4, lay.in_features, lay.out_features, group, status=status)
-    if reason is not None or build is None:
+    if reason is not None or not isinstance(build, _Build):
         return reason
     return FastInt4Linear(
         layout_tensor(lay.codes),
@@ -1179,18 +1199,20 @@ def _int4_groups(lay: Int4Groups, build: _Build | None) -> nn.Module | str | Non
     )
 
 
-def _int8_blocks(lay: Int8Blocks, build: _Build | None) -> nn.Module | str | None:
+def _int8_blocks(lay: Int8Blocks, build: _Stage) -> nn.Module | str | None:
     """Q8_0 blocks of the codes as they are on the compiled kernel (:class:`Int8BlockLinear`)."""
     from .kernels.linear import fp16_exact, q8_0_from_codes
 
-    if not block_kernel_is_fast():
-        return "8-bit weights run on the compiled block kernel, which is not built (or not vectorized) here"
+    if (reason := _kind_unsupported(Int8Blocks)) is not None:
+        return reason
     if lay.in_features % 32 or lay.group % 32 or lay.in_features % lay.group:
         return f"8-bit groups of {lay.group} in rows of {lay.in_features} (Q8_0 blocks are 32)"
+    if build == _METADATA:
+        return None
     scales = layout_tensor(lay.scales)
     if not fp16_exact(scales):
         return "8-bit scales that float16 does not hold exactly (Q8_0 blocks keep float16 scales)"
-    if build is None:
+    if not isinstance(build, _Build):
         return None
     per = lay.group // 32
     d = scales.repeat_interleave(per, dim=1) if per > 1 else scales
@@ -1207,20 +1229,22 @@ def _int8_blocks(lay: Int8Blocks, build: _Build | None) -> nn.Module | str | Non
     )
 
 
-def _affine4_blocks(lay: Affine4Blocks, build: _Build | None) -> nn.Module | str | None:
+def _affine4_blocks(lay: Affine4Blocks, build: _Stage) -> nn.Module | str | None:
     """Q4_1 blocks (``d`` the scale, ``m`` the offset) on the compiled kernel (:class:`Affine4BlockLinear`)."""
     from .kernels.linear import fp16_exact, q4_1_from_codes
 
     if lay.group % 32 or lay.in_features % lay.group:
         return f"4-bit affine groups of {lay.group} in rows of {lay.in_features} (Q4_1 blocks are 32)"
-    if not block_kernel_is_fast():
-        return "4-bit affine groups run on the compiled block kernel, which is not built (or not vectorized) here"
+    if (reason := _kind_unsupported(Affine4Blocks)) is not None:
+        return reason
+    if build == _METADATA:
+        return None
     scales, biases = layout_tensor(lay.scales), layout_tensor(lay.biases)
     if scales.dtype not in (torch.bfloat16, torch.float16):
         return f"{scales.dtype} scales"
     if not (fp16_exact(scales) and fp16_exact(biases)):
         return "scales or biases that float16 does not hold exactly"
-    if build is None:
+    if not isinstance(build, _Build):
         return None
     per = lay.group // 32
     blocks = q4_1_from_codes(
@@ -1239,16 +1263,14 @@ def _affine4_blocks(lay: Affine4Blocks, build: _Build | None) -> nn.Module | str
     )
 
 
-def _table4(lay: Table4, build: _Build | None) -> nn.Module | str | None:
+def _table4(lay: Table4, build: _Stage) -> nn.Module | str | None:
     """The codes kept packed on the compiled 4-bit table kernel (:class:`~anyquant.runtime.kernels.lut.Lut4Linear`)."""
-    from . import kernels
-
-    if not kernels.lut_available():
-        return "4-bit table codes run on the compiled 4-bit table kernel, which is not built here"
+    if (reason := _kind_unsupported(Table4)) is not None:
+        return reason
     k, group = lay.in_features, lay.group
     if k % 32 or group < 16 or group % 16 or k % group:
         return f"groups of {group} in rows of {k} (the 4-bit table kernel takes rows of 32s in groups of 16s)"
-    if build is None:
+    if not isinstance(build, _Build):
         return None
     from .kernels.lut import Lut4Linear
 
@@ -1265,16 +1287,14 @@ def _table4(lay: Table4, build: _Build | None) -> nn.Module | str | None:
     )
 
 
-def _e4m3_groups(lay: E4M3Groups, build: _Build | None) -> nn.Module | str | None:
+def _e4m3_groups(lay: E4M3Groups, build: _Stage) -> nn.Module | str | None:
     """The FP8 bytes as they are on the compiled kernel's ``fp8_gemv`` (:class:`~anyquant.runtime.kernels.lut.E4M3Linear`)."""
-    from .kernels.lut import fp8_kernel_runs
-
-    if not fp8_kernel_runs():
-        return "FP8 weights run on the compiled kernel's fp8_gemv, which has no vector path here (AVX512F)"
+    if (reason := _kind_unsupported(E4M3Groups)) is not None:
+        return reason
     k, group = lay.in_features, lay.group
     if k % 16 or group < 16 or group % 16 or k % group:
         return f"FP8 scales per {group} inputs in rows of {k} (fp8_gemv takes groups of 16s)"
-    if build is None:
+    if not isinstance(build, _Build):
         return None
     from .kernels.lut import E4M3Linear
 
@@ -1293,15 +1313,14 @@ def _e4m3_groups(lay: E4M3Groups, build: _Build | None) -> nn.Module | str | Non
     )
 
 
-def _decoded(lay: Decoded, build: _Build | None) -> nn.Module | str | None:
+def _decoded(lay: Decoded, build: _Stage) -> nn.Module | str | None:
     """A bfloat16 copy prepacked for oneDNN (:class:`PrepackedBf16Linear`)."""
-    ok, reason = bf16_head_status()
-    if not ok:
+    if (reason := _kind_unsupported(Decoded)) is not None:
         return reason
-    return None if build is None else PrepackedBf16Linear(lay.source)
+    return PrepackedBf16Linear(lay.source) if isinstance(build, _Build) else None
 
 
-def _engine(layout: Layout, build: _Build | None) -> nn.Module | str | None:
+def _engine(layout: Layout, build: _Stage) -> nn.Module | str | None:
     if isinstance(layout, Int4Groups):
         return _int4_groups(layout, build)
     if isinstance(layout, Int8Blocks):
@@ -1317,11 +1336,42 @@ def _engine(layout: Layout, build: _Build | None) -> nn.Module | str | None:
     raise TypeError(f"{type(layout).__name__} is not a packed layout of anyquant.runtime.layouts")
 
 
-def layout_unsupported(layout: Layout) -> str | None:
+def layout_unsupported(layout: Layout, *, metadata_only: bool = False) -> str | None:
     """Why the CPU engine cannot run ``layout`` here (``None`` when it can): the kernel it needs is not built or not
-    vectorized, or its shapes, groups or scales are not ones that kernel takes."""
-    out = _engine(layout, None)
+    vectorized, or its shapes, groups or scales are not ones that kernel takes.
+
+    ``metadata_only``: decide from the layout's metadata alone (its shapes, group, bits; the checks that need no
+    tensor): its tensor fields are never read or formed, and may be ``None`` (a loader's description of a layer
+    from the headers, :func:`layouts_run`). What only the tensors tell (scales float16 holds exactly, a ``g_idx``'s
+    groups) is checked when the layer is converted."""
+    out = _engine(layout, _METADATA if metadata_only else None)
     return out if isinstance(out, str) else None
+
+
+def layouts_run(layers: Iterable[Sequence[Layout] | str]) -> int:
+    """How many of ``layers`` the CPU engine takes here, decided before any tensor is read: each item is one layer's
+    packed layouts as its format offers them (:meth:`~anyquant.runtime.qlinear.QuantLinearBase.packed_layouts`'s
+    order), described from the checkpoint's headers (tensor fields ``None``), or why it offers none; a layer counts
+    when one of its layouts runs (:func:`layout_unsupported` with ``metadata_only``). A loader's ``auto`` passes
+    cpu-fast by where this is 0."""
+    return sum(
+        1
+        for offered in layers
+        if not isinstance(offered, str) and any(layout_unsupported(lay, metadata_only=True) is None for lay in offered)
+    )
+
+
+def layout_kinds_run(*kinds: type[Layout]) -> tuple[bool, str]:
+    """(usable, reason): the kernel of one of these layout kinds (:mod:`anyquant.runtime.layouts`' classes) is built
+    and runs here, shapes aside: a format's cpu-fast is available where the layouts its layers offer can run. The
+    reason: each kind's, joined."""
+    reasons: list[str] = []
+    for kind in kinds:
+        reason = _kind_unsupported(kind)
+        if reason is None:
+            return True, ""
+        reasons.append(reason)
+    return False, "; ".join(dict.fromkeys(reasons)) or "no packed layout kind given"
 
 
 def fast_linear(

@@ -11,6 +11,11 @@ from the first that runs; a format writes no backend code.
 A tensor field holds the tensor, or a zero-argument callable that forms it (unpacking the codes is work: it is done
 only for the layout that runs). Weights are ``w[o, i]`` for output ``o`` and input ``i``; ``bias`` is the layer's
 (``None``: none). Importing this module does not import torch.
+
+A loader describes its checkpoint's layers in the same vocabulary from the headers alone, before any tensor is read:
+the metadata (shapes, group, bits, dtypes) set, the tensor fields ``None`` (``Decoded``'s ``source`` too), and
+:func:`anyquant.runtime.fastcpu.layouts_run` counts the layers the engine would take here (what ``auto`` decides
+from). Such a description is never built: forming one of its tensors raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ if TYPE_CHECKING:
 __all__ = ["Affine4Blocks", "Decoded", "E4M3Groups", "Int4Groups", "Int8Blocks", "Layout", "Table4", "tensor"]
 
 
-def tensor(value: TensorOr) -> torch.Tensor:
-    """A layout's tensor field as a tensor (the callable called)."""
+def tensor(value: TensorOr | None) -> torch.Tensor:
+    """A layout's tensor field as a tensor (the callable called); ``ValueError`` for a field a metadata-only
+    description left ``None``."""
+    if value is None:
+        raise ValueError("a layout described from metadata alone has no tensors to build from")
     return value() if callable(value) else value
 
 
@@ -43,13 +51,14 @@ class Int4Groups:
     ``[G, out]``. ``g(i)`` is ``g_idx[i]`` where ``g_idx`` is given (``[in]``; the engine sorts the columns by group
     and needs groups of equal size), else ``i // group_size``; ``group_size=None`` with no ``g_idx``: ``in / G``.
     ``bits``: the codes' width (the engine refuses anything but 4; a format with other widths may still say so).
+    A metadata-only description gives ``group_size`` (the size a ``g_idx``'s groups would have).
     """
 
     in_features: int
     out_features: int
-    codes: TensorOr
-    zeros: TensorOr
-    scales: TensorOr
+    codes: TensorOr | None
+    zeros: TensorOr | None
+    scales: TensorOr | None
     bits: int = 4
     group_size: int | None = None
     g_idx: torch.Tensor | None = None
@@ -67,9 +76,9 @@ class Affine4Blocks:
     in_features: int
     out_features: int
     group: int
-    codes: TensorOr
-    scales: TensorOr
-    biases: TensorOr
+    codes: TensorOr | None
+    scales: TensorOr | None
+    biases: TensorOr | None
     bias: torch.Tensor | None = None
 
 
@@ -83,8 +92,8 @@ class Int8Blocks:
     in_features: int
     out_features: int
     group: int
-    codes: TensorOr
-    scales: TensorOr
+    codes: TensorOr | None
+    scales: TensorOr | None
     round_to: torch.dtype
     bias: torch.Tensor | None = None
 
@@ -99,9 +108,9 @@ class Table4:
     in_features: int
     out_features: int
     group: int
-    codes: TensorOr
-    scales: TensorOr
-    table: TensorOr
+    codes: TensorOr | None
+    scales: TensorOr | None
+    table: TensorOr | None
     round_to: torch.dtype
     bias: torch.Tensor | None = None
 
@@ -117,8 +126,8 @@ class E4M3Groups:
     in_features: int
     out_features: int
     group: int
-    weight: TensorOr
-    scales: TensorOr
+    weight: TensorOr | None
+    scales: TensorOr | None
     round_to: torch.dtype
     rows: int = 1
     bias: torch.Tensor | None = None
@@ -128,7 +137,8 @@ class E4M3Groups:
 class Decoded:
     """A bfloat16 copy of ``source.dequantize()`` is within the format's tolerance (its weights have no packed layout
     the engine runs, and the format accepts bfloat16 rounding of them). ``source``: the format's module
-    (``dequantize()``, ``in_features``, ``out_features``, ``bias``), kept for its exact weight."""
+    (``dequantize()``, ``in_features``, ``out_features``, ``bias``), kept for its exact weight (``None`` in a
+    metadata-only description)."""
 
     source: Any
 

@@ -16,12 +16,16 @@ Packed tensors are ``torch.int32`` (two's complement view of the unsigned
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = [
     "SUPPORTED_BITS",
     "WORD_BITS",
     "check_bits",
+    "int4_codes_from_cols",
+    "int4_codes_from_rows",
     "pack_bits",
     "pack_cols",
     "pack_rows",
@@ -174,3 +178,26 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def pack_cols(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``[R, C]`` codes along the last dim into ``[R, ceil(C*b/32)]`` int32 words."""
     return pack_bits(codes, bits, dim=-1)
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., C]`` -> uint8 ``[..., C, 8]``: the 8 nibbles of each word, least significant first."""
+    if sys.byteorder != "little":  # pragma: no cover - every CPU torch supports is little endian
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+        return ((words.unsqueeze(-1) >> shifts) & 15).to(torch.uint8)
+    data = words.contiguous().view(torch.uint8).reshape(*words.shape, 4)
+    return torch.stack((data & 15, data >> 4), dim=-1).reshape(*words.shape, 8)
+
+
+def int4_codes_from_rows(words: torch.Tensor) -> torch.Tensor:
+    """GPTQ ``qweight`` ``[K/8, N]`` (packed along dim 0, LSB first) -> uint8 codes ``[K, N]`` (the 4-bit case of
+    :func:`unpack_rows`, through a byte view: no int32 shifts)."""
+    rows, cols = words.shape
+    return _nibbles(words).permute(0, 2, 1).reshape(rows * 8, cols)
+
+
+def int4_codes_from_cols(words: torch.Tensor) -> torch.Tensor:
+    """Words ``[R, C]`` packed along the last dim (LSB first) -> uint8 codes ``[R, 8C]`` (the 4-bit case of
+    :func:`unpack_cols`, through a byte view)."""
+    rows, cols = words.shape
+    return _nibbles(words).reshape(rows, cols * 8)

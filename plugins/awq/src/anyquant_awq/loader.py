@@ -101,7 +101,7 @@ class AWQLoader(Int4Loader):
         modules = _modules(ctx.probe, bits)
         src = ctx.source
         state = self.state(ctx)
-        plan, kernels = state.fast_plan, state.kernel_plan
+        plan, kernel_plan = state.fast_plan, state.kernel_plan
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             m = modules.get(name)
@@ -112,8 +112,8 @@ class AWQLoader(Int4Loader):
                     f"{name}: AWQ tensors are {m['in']}x{m['out']}, the model expects "
                     f"{linear.in_features}x{linear.out_features}"
                 )
-            if kernels is not None:
-                return _gptqmodel_layer(kernels, name, m, src, bits, group)
+            if kernel_plan is not None:
+                return _gptqmodel_layer(kernel_plan, name, m, src, bits, group)
             layer = AWQLinear(
                 src.get(f"{name}.qweight"),
                 src.get(f"{name}.qzeros") if f"{name}.qzeros" in src else None,
@@ -146,7 +146,7 @@ class AWQLoader(Int4Loader):
         return rows + dense_rows(probe, skip=set(modules))
 
 
-def _gptqmodel_layer(kernels: Any, name: str, m: dict[str, Any], src: Any, bits: int, group: int) -> nn.Module:
+def _gptqmodel_layer(kernel_plan: Any, name: str, m: dict[str, Any], src: Any, bits: int, group: int) -> nn.Module:
     """One AWQ GEMM layer on a GPTQModel kernel: GPTQModel's AWQ kernels take the GEMM tensors as
     stored (interleaved nibbles, true zero points); ``sym`` says whether every zero is ``2**(b-1)``."""
     from .dequant import unpack_awq_gemm_cols
@@ -156,7 +156,7 @@ def _gptqmodel_layer(kernels: Any, name: str, m: dict[str, Any], src: Any, bits:
     k, n = m["in"], m["out"]
     qzeros = src.get(f"{name}.qzeros")
     tensors = {"qweight": src.get(f"{name}.qweight"), "qzeros": qzeros, "scales": src.get(f"{name}.scales")}
-    layer: nn.Module = kernels.build(
+    layer: nn.Module = kernel_plan.build(
         name,
         tensors,
         src.get(f"{name}.bias") if m["bias"] else None,

@@ -1,5 +1,8 @@
 """The bitsandbytes loader: validation, the per-linear factory, and its backends (core's int4 loader base gives the
-backend choice and cpu-fast's plan; bitsandbytes layers run there as bfloat16 weights prepacked for oneDNN)."""
+backend choice and cpu-fast's plan). On cpu-fast an nf4/fp4 layer runs as its codes on the compiled 4-bit table kernel
+(Lut4) where that is built and its blocks tile the rows; it, and every LLM.int8 layer, otherwise as a bfloat16 copy
+prepacked for oneDNN where the CPU has AMX or AVX512-BF16, else exact. ``auto`` picks cpu-fast where the bfloat16
+copy runs (the base's count: the signature holds no widths to describe the table layout by)."""
 
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ __all__ = ["BnbLoader"]
 class BnbLoader(PackedFormatLoader):
     format = "bnb"
     cpu_fast_description = (
-        "bitsandbytes weights decoded once to bfloat16 and prepacked for oneDNN; bfloat16 activations"
+        "nf4/fp4 codes on the compiled 4-bit table kernel (Lut4) where it is built, else (and int8) decoded once to "
+        "bfloat16 and prepacked for oneDNN (AMX or AVX512-BF16), else exact"
     )
     serve_hint = "load it with transformers + bitsandbytes, or serve it with vLLM"
 

@@ -1,5 +1,8 @@
 """The compressed-tensors loader: validation, the per-linear factory, and the int4 backends of core's
-:class:`~anyquant.int4.loader.Int4Loader` (4-bit packed layers on ``cpu-fast``; the rest exact)."""
+:class:`~anyquant.int4.loader.Int4Loader`. On ``cpu-fast`` 4-bit packed integers run on torch's int4 kernel (as GQ4
+blocks on the compiled kernel where it is built), 8-bit integers as Q8_0 blocks, NVFP4/MXFP4 on the 4-bit table
+kernel (Lut4) and FP8 on ``fp8_gemv`` where the compiled kernel is built; every other layer exact. The loader
+describes each layer's packed layout from the headers and the engine decides (:mod:`anyquant.runtime.layouts`)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from anyquant.plugin import (
     UnsupportedFormatError,
     dense_rows,
 )
+from anyquant.runtime.layouts import E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
 
 from .scheme import CTConfig, ModuleSpec, read_modules
 from .sparse import SparseSource, SparseSpec, read_sparse, sparse_view
@@ -41,6 +45,51 @@ def _config(probe: Probe) -> CTConfig:
     return CTConfig.parse(qc if probe.quant_method in ("compressed-tensors", "compressed_tensors") else None)
 
 
+#: the scales' dtypes in the headers, by torch's name (an 8-bit or FP8 weight rounds to its scales' dtype)
+_SCALE_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def _described(spec: ModuleSpec, probe: Probe) -> list[Layout] | str:
+    """``spec``'s packed layout as :meth:`~anyquant_ct.qlinear.CTLinear.packed_layouts` offers it, from the headers
+    alone (no tensor read, the tensor fields ``None``), or why it offers none. A packed per-channel layer's width is
+    fixed by ``weight_shape``'s values only: the packed words' (an upper bound by less than a word) stands for it."""
+    import torch
+
+    a, n, k, have = spec.weights, spec.out_features, spec.in_features, spec.tensors
+    if k is None:
+        packed = probe.tensors.get(have.get("weight_packed", ""))
+        if packed is None:
+            return "its width is not in the headers"
+        k = packed.shape[-1] * 32 // a.num_bits
+    scale = probe.tensors.get(have["weight_scale"])
+    round_to = getattr(torch, _SCALE_DTYPES.get(scale.dtype if scale is not None else "", "float32"))
+    zero_points, g_idx = "weight_zero_point" in have, "weight_g_idx" in have
+    if spec.storage in ("int8", "packed-int") and a.num_bits == 8:
+        if zero_points or g_idx or a.strategy not in ("tensor", "channel", "group"):
+            return f"8-bit weights with zero points, a g_idx or per-{a.strategy} scales"
+        return [Int8Blocks(k, n, (a.group_size or 1) if a.strategy == "group" else k, None, None, round_to)]
+    if spec.storage == "fp8":
+        if zero_points:
+            return "FP8 weights with zero points"
+        if a.strategy in ("tensor", "channel"):
+            rows, group = (n if a.strategy == "tensor" else 1), k
+        elif a.strategy == "group" and a.group_size and not g_idx:
+            rows, group = 1, a.group_size
+        elif a.strategy == "block" and a.block_structure:
+            rows, group = a.block_structure
+        else:
+            return f"FP8 scales per {a.strategy} with no packed layout"
+        return [E4M3Groups(k, n, group, None, None, round_to, rows)]
+    acts = spec.input_activations
+    if spec.storage in ("nvfp4", "mxfp4"):
+        if acts is not None and acts.num_bits == 4:
+            return "FP4 input activations (NVFP4 W4A4) run on the exact path"
+        return [Table4(k, n, 32 if spec.storage == "mxfp4" else 16, None, None, None, torch.bfloat16)]
+    if spec.storage != "packed-int" or a.num_bits != 4 or acts is not None or a.strategy not in ("group", "channel"):
+        return f"{spec.storage} {a.num_bits}-bit weights per {a.strategy} have no packed layout"
+    return [Int4Groups(k, n, None, None, None, group_size=a.group_size if a.strategy == "group" else k)]
+
+
 def _read(probe: Probe) -> tuple[CTConfig, dict[str, SparseSpec], list[ModuleSpec]]:
     """The config, the modules stored sparse, and the quantized modules as they read once decompressed."""
     cfg = _config(probe)
@@ -51,7 +100,8 @@ def _read(probe: Probe) -> tuple[CTConfig, dict[str, SparseSpec], list[ModuleSpe
 class CTLoader(PackedFormatLoader):
     format = "compressed-tensors"
     cpu_fast_description = (
-        "int4 groups as GQ4 blocks and int8 as Q8_0 blocks on the compiled kernel (else torch's int4 kernel), "
+        "int4 groups on torch's int4 kernel (GQ4 blocks on the compiled kernel where it is built); where the compiled "
+        "kernel is built int8 as Q8_0 blocks, NVFP4/MXFP4 on its 4-bit table kernel (Lut4) and FP8 on its fp8_gemv; "
         "the other layers dequantized"
     )
 
@@ -70,21 +120,11 @@ class CTLoader(PackedFormatLoader):
         info = cpu_fast_backend()
         return info.available, info.reason or ""
 
-    def fast_layer_count(self, signature: list[ModuleSpec]) -> int:
-        """4-bit packed layers (core's int4 path), and 8-bit integers where the compiled block kernel runs (Q8_0)."""
-        from anyquant.runtime import kernels
-        from anyquant.runtime.fastcpu import block_kernel_is_fast
-        from anyquant.runtime.kernels.lut import fp8_kernel_runs
+    def fast_layer_count(self, signature: list[ModuleSpec], probe: Probe) -> int:
+        """Each layer described as its packed layout (:func:`_described`), counted by the CPU engine."""
+        from anyquant.runtime.fastcpu import layouts_run
 
-        eight, table, fp8 = block_kernel_is_fast(), kernels.lut_available(), fp8_kernel_runs()
-        return sum(
-            1
-            for s in signature
-            if (s.storage == "packed-int" and s.bits == 4 and s.input_activations is None)
-            or (eight and s.storage in ("packed-int", "int8") and s.bits == 8)
-            or (table and s.storage in ("nvfp4", "mxfp4") and s.input_activations is None)
-            or (fp8 and s.storage == "fp8")
-        )
+        return layouts_run(_described(s, probe) for s in signature)
 
     def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
         facts = super().facts(probe, detection, options)

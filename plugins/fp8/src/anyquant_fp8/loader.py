@@ -1,10 +1,12 @@
 """The FP8 loader: validation, the per-linear factory, and its backends (core's int4 loader base gives the backend
-choice and cpu-fast's plan; FP8 layers run there as bfloat16 weights prepacked for oneDNN)."""
+choice and cpu-fast's plan). On cpu-fast an FP8 layer runs as its bytes on the compiled kernel's ``fp8_gemv`` where
+that is built with its vector path (AVX512F), else as a bfloat16 copy prepacked for oneDNN where the CPU has AMX or
+AVX512-BF16, else exact: the layers are described as packed layouts and the engine decides."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from anyquant.int4.loader import Int4State, PackedFormatLoader
 from anyquant.plugin import (
@@ -18,8 +20,9 @@ from anyquant.plugin import (
     UnsupportedFormatError,
     dense_rows,
 )
+from anyquant.runtime.layouts import Decoded, E4M3Groups, Layout
 
-from .scheme import FP8Scheme, read_scheme
+from .scheme import FP8Module, FP8Scheme, read_scheme
 
 if TYPE_CHECKING:
     import torch
@@ -46,22 +49,31 @@ def _positive_scale(name: str, t: torch.Tensor) -> None:
 class FP8Loader(PackedFormatLoader):
     format = "fp8"
     cpu_fast_description = (
-        "FP8 weights kept as their bytes on the compiled kernel's fp8_gemv (AVX512F; float32 activations), else "
-        "decoded once to bfloat16 (transformers' own dequantized weight) and prepacked for oneDNN"
+        "FP8 weights kept as their bytes on the compiled kernel's fp8_gemv where it is built (AVX512F; float32 "
+        "activations), else decoded once to bfloat16 (transformers' own dequantized weight) and prepacked for oneDNN "
+        "(AMX or AVX512-BF16), else exact"
     )
     serve_hint = "with FP8 support serve it with vLLM (`anyquant serve --engine vllm`)"
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (E4M3Groups, Decoded)
 
     def read_signature(self, probe: Probe) -> FP8Scheme:
         return read_scheme(probe)
 
-    def cpu_fast_available(self) -> tuple[bool, str]:
-        from anyquant.runtime.fastcpu import bf16_head_status
-        from anyquant.runtime.kernels.lut import fp8_kernel_runs
+    def fast_layer_count(self, signature: FP8Scheme, probe: Probe) -> int:
+        """Each module as :class:`~anyquant_fp8.qlinear.FP8Linear` offers it: its FP8 bytes with a scale per tensor,
+        output channel or block, else a bfloat16 copy."""
+        import torch
 
-        return (True, "") if fp8_kernel_runs() else bf16_head_status()
+        from anyquant.runtime.fastcpu import layouts_run
 
-    def fast_layer_count(self, signature: FP8Scheme) -> int:
-        return len(signature.modules) if self.cpu_fast_available()[0] else 0
+        round_to = getattr(torch, signature.dtype)
+        per_channel = signature.modelopt is not None and signature.modelopt.scales == "channel"
+
+        def fp8(m: FP8Module) -> E4M3Groups:
+            rows, group = signature.block or (1 if per_channel else m.out_features, m.in_features)
+            return E4M3Groups(m.in_features, m.out_features, group, None, None, round_to, rows)
+
+        return layouts_run([fp8(m), Decoded(None)] for m in signature.modules)
 
     def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
         facts = super().facts(probe, detection, options)

@@ -1,5 +1,6 @@
 """The GPTQ loader: validation, the per-linear factory, and what GPTQ adds to the int4 backend choice
-(the layers torch's int4 CPU kernel takes, counted from the tensor signature read once per load)."""
+(its layers described as integer groups from the tensor signature, read once per load, and counted by the CPU
+engine)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from anyquant.plugin import (
     dense_rows,
     require_dtypes,
 )
+from anyquant.runtime.layouts import Int4Groups
 
 from .signature import GPTQSignature, read_signature
 
@@ -35,18 +37,21 @@ class GPTQLoader(Int4Loader):
     kernel_method = "gptq"
 
     def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
-        """The signature, read once for the load; from it the 4-bit layers torch's int4 CPU kernel takes and
-        the bytes of every quantized layer in float32."""
-        from anyquant.runtime.fastcpu import unsupported_reason
+        """The signature, read once for the load; from it the layers the CPU engine takes (each described as
+        integer groups of its bits and group size, :class:`~anyquant.runtime.layouts.Int4Groups`, as
+        :class:`~anyquant_gptq.qlinear.GPTQLinear` offers it) and the bytes of every quantized layer in float32."""
+        from anyquant.runtime.fastcpu import layouts_run
 
         facts = super().facts(probe, detection, options)
         sig = facts.signature = read_signature(probe)
         facts.dense_bytes = sum(m.in_features * m.out_features * 4 for m in sig.modules)
-        facts.fast_layers = sum(
-            1
+        facts.fast_layers = layouts_run(
+            [
+                Int4Groups(
+                    m.in_features, m.out_features, None, None, None, bits=m.bits, group_size=m.in_features // m.groups
+                )
+            ]
             for m in sig.modules
-            if m.bits == 4
-            and unsupported_reason(m.bits, m.in_features, m.out_features, m.in_features // m.groups) is None
         )
         return facts
 
@@ -79,7 +84,7 @@ class GPTQLoader(Int4Loader):
         from .qlinear import GPTQLinear
 
         state = self.state(ctx)
-        plan, kernels = state.fast_plan, state.kernel_plan
+        plan, kernel_plan = state.fast_plan, state.kernel_plan
         signature = state.signature if isinstance(state.signature, GPTQSignature) else read_signature(ctx.probe)
         sig = {m.name: m for m in signature.modules}
         d = ctx.detection.details
@@ -110,8 +115,8 @@ class GPTQLoader(Int4Loader):
                     )
             fmt = checked.get("label", declared)
             bias = src.get(f"{name}.bias") if m.has_bias else None
-            if kernels is not None:
-                return _gptqmodel_layer(kernels, name, m, src, qzeros, bias, fmt, d)
+            if kernel_plan is not None:
+                return _gptqmodel_layer(kernel_plan, name, m, src, qzeros, bias, fmt, d)
             layer = GPTQLinear(
                 src.get(f"{name}.qweight"),
                 qzeros,
@@ -145,7 +150,7 @@ class GPTQLoader(Int4Loader):
 
 
 def _gptqmodel_layer(
-    kernels: Any, name: str, m: Any, src: Any, qzeros: Any, bias: Any, fmt: str, details: Mapping[str, Any]
+    kernel_plan: Any, name: str, m: Any, src: Any, qzeros: Any, bias: Any, fmt: str, details: Mapping[str, Any]
 ) -> nn.Module:
     """One GPTQ layer on a GPTQModel kernel (zeros, sym and desc_act decided by the tensors)."""
     from .dequant import gptq_kernel_tensors
@@ -169,7 +174,7 @@ def _gptqmodel_layer(
         "qzeros_v2": t["qzeros_v2"],
         "qzeros_v1": t["qzeros_v1"],
     }
-    layer: nn.Module = kernels.build(
+    layer: nn.Module = kernel_plan.build(
         name,
         tensors,
         bias,

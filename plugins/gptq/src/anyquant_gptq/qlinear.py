@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from anyquant.runtime.fastcpu import int4_codes_from_rows
 from anyquant.runtime.layouts import Int4Groups, Layout
+from anyquant.runtime.packing import int4_codes_from_rows
 from anyquant.runtime.qlinear import QuantLinearBase
 
 from .dequant import dequantize_gptq, gptq_zero_points

@@ -1,5 +1,8 @@
 """The MLX loader: its tensor source (quantized tables served decoded), the per-linear factory, and the backends of
-core's int4 loader base (mlx layers run on cpu-fast as bfloat16 weights prepacked for oneDNN)."""
+core's int4 loader base. On cpu-fast a 4-bit affine layer runs as Q4_1 blocks and an MXFP4/NVFP4 one on the 4-bit
+table kernel (Lut4) where the compiled kernel is built; those and every other layer otherwise as a bfloat16 copy (mlx's
+own values) prepacked for oneDNN where the CPU has AMX or AVX512-BF16, else exact. ``auto`` picks cpu-fast where the
+bfloat16 copy runs (the base's count)."""
 
 from __future__ import annotations
 
@@ -109,8 +112,9 @@ class MlxSource:
 class MlxLoader(PackedFormatLoader):
     format = "mlx"
     cpu_fast_description = (
-        "4-bit affine layers as Q4_1 blocks on the compiled kernel, the others decoded once to bfloat16 (mlx's own "
-        "values) and prepacked for oneDNN"
+        "where the compiled kernel is built 4-bit affine layers as Q4_1 blocks and MXFP4/NVFP4 on its 4-bit table "
+        "kernel (Lut4); the others decoded once to bfloat16 (mlx's own values) and prepacked for oneDNN (AMX or "
+        "AVX512-BF16), else exact"
     )
     serve_hint = "there is no GPU engine for MLX's layout; export it to dense (`anyquant export`)"
 
