@@ -407,3 +407,25 @@ def test_the_layout_classes_are_frozen_descriptions() -> None:
         layout.bits = 3  # type: ignore[misc]
     assert layout.bits == 4 and layout.group_size is None and layout.g_idx is None and layout.bias is None
     assert isinstance(Decoded(nn.Linear(2, 2)).source, nn.Linear)
+
+
+def test_every_layout_is_named_among_the_kinds_backends_register() -> None:
+    """Each layout class's ``kind`` is one of :data:`anyquant.protocols.LAYOUT_KINDS` (a registered backend's
+    ``layouts``), and core's ``cpu-fast`` registers every one of them."""
+    from anyquant import Registry
+    from anyquant.protocols import LAYOUT_KINDS
+    from anyquant.runtime import layouts
+
+    kinds = {
+        cls.kind
+        for cls in (
+            layouts.Int4Groups,
+            layouts.Affine4Blocks,
+            layouts.Int8Blocks,
+            layouts.Table4,
+            layouts.E4M3Groups,
+            layouts.Decoded,
+        )
+    }
+    assert len(kinds) == 6 and kinds <= set(LAYOUT_KINDS)
+    assert kinds <= set(Registry(entry_points=False).backends()["cpu-fast"].layouts)

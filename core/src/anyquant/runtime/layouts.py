@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +54,9 @@ class Int4Groups:
     A metadata-only description gives ``group_size`` (the size a ``g_idx``'s groups would have).
     """
 
+    #: its name among :data:`anyquant.protocols.LAYOUT_KINDS` (what a registered backend says it runs)
+    kind: ClassVar[str] = "int4-groups"
+
     in_features: int
     out_features: int
     codes: TensorOr | None
@@ -73,6 +76,9 @@ class Affine4Blocks:
 
     ``codes``: ``[out, in]``, 0..15; ``scales`` and ``biases``: ``[out, in / group]``, one dtype."""
 
+    #: its name among :data:`anyquant.protocols.LAYOUT_KINDS` (what a registered backend says it runs)
+    kind: ClassVar[str] = "affine4-blocks"
+
     in_features: int
     out_features: int
     group: int
@@ -89,6 +95,9 @@ class Int8Blocks:
 
     ``codes``: ``[out, in]``, int8 values; ``scales``: ``[out, in / group]`` (a per-channel scale: ``group = in``)."""
 
+    #: its name among :data:`anyquant.protocols.LAYOUT_KINDS` (what a registered backend says it runs)
+    kind: ClassVar[str] = "int8-blocks"
+
     in_features: int
     out_features: int
     group: int
@@ -104,6 +113,9 @@ class Table4:
     E2M1 with E8M0 or E4M3 scales): ``w[o, i] = round_to(float32(table[codes[o, i]]) * float32(scales[o, i // group]))``.
 
     ``codes``: ``[out, in]``, 0..15; ``scales``: ``[out, in / group]``; ``table``: the 16 values."""
+
+    #: its name among :data:`anyquant.protocols.LAYOUT_KINDS` (what a registered backend says it runs)
+    kind: ClassVar[str] = "table4"
 
     in_features: int
     out_features: int
@@ -123,6 +135,9 @@ class E4M3Groups:
     ``weight``: ``[out, in]`` ``float8_e4m3fn`` (or its bytes as uint8); ``scales``: ``[ceil(out / rows), in / group]``
     (per tensor: ``rows = out``, ``group = in``, ``[1, 1]``; per output channel: ``rows = 1``, ``group = in``)."""
 
+    #: its name among :data:`anyquant.protocols.LAYOUT_KINDS` (what a registered backend says it runs)
+    kind: ClassVar[str] = "e4m3-groups"
+
     in_features: int
     out_features: int
     group: int
@@ -139,6 +154,9 @@ class Decoded:
     the engine runs, and the format accepts bfloat16 rounding of them). ``source``: the format's module
     (``dequantize()``, ``in_features``, ``out_features``, ``bias``), kept for its exact weight (``None`` in a
     metadata-only description)."""
+
+    #: its name among :data:`anyquant.protocols.LAYOUT_KINDS` (what a registered backend says it runs)
+    kind: ClassVar[str] = "decoded"
 
     source: Any
 
