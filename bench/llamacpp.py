@@ -8,7 +8,14 @@ Models:
   SmolLM2's 49,152-token vocabulary; Q4_0 layers, tied Q8_0 embedding): written once under
   ``.cache/bench/llamacpp/`` by the ``gguf`` package's writer, streaming tensor by tensor, with its ``gguf.quants``
   quantizers (one random matrix per shape, quantized once; each layer gets its own row permutation of it), and
-  the tokenizer metadata copied from SmolLM2's GGUF, so both engines load the same file and the same token ids.
+  the tokenizer metadata copied from SmolLM2's GGUF, so both engines load the same file and the same token ids;
+- the same 1.1B model as llama.cpp's own quantizer makes it (``--models 1b-q4_k_m,1b-q6_k,1b-q8_0``; issue #42 §3):
+  written once at F16 by the same writer from the same random floats (std 0.02, tied embedding), then quantized by
+  ``llama_model_quantize`` (``LLAMA_FTYPE_MOSTLY_Q4_K_M`` / ``_Q6_K`` / ``_Q8_0``, default parameters, no importance
+  matrix) in llama.cpp's Python, each file once: its Q4_K_M is Q4_K with Q6_K where it puts more bits (the tied
+  embedding; attn_v and ffn_down in 10 of the 22 layers), as for real models; its Q6_K is all Q6_K, its Q8_0 all
+  Q8_0. Those files need llama-cpp-python (below) to be made; the ~2.2 GB F16 source is deleted once all three
+  exist.
 
 Rows (each sample a fresh process per engine, the engines alternating, ``--samples`` of each; per-row medians):
 decode tokens/s (greedy, ``--decode`` tokens after a 32-token prompt, timed from the first new token on, end of
@@ -39,8 +46,8 @@ the bench tries them once in a child process (``--llama-extra-bufts auto``, the 
 them off (llama.cpp's plain kernels); the header says which.
 
     python bench/llamacpp.py [--threads 2] [--samples 3] [--decode 64] [--long] [--max-other 0.05]
-        [--models smollm2,1b] [--llama-python PATH] [--llama-extra-bufts auto|on|off] [--gptq DIR]
-        [--checkpoint LABEL=DIR]
+        [--models smollm2,1b,1b-q4_k_m,1b-q6_k,1b-q8_0] [--llama-python PATH] [--llama-extra-bufts auto|on|off]
+        [--gptq DIR] [--checkpoint LABEL=DIR]
 """
 
 from __future__ import annotations
@@ -71,6 +78,12 @@ from _measure import (
 ROOT = CACHE / "llamacpp"
 #: the >= 1B model: TinyLlama-1.1B's shape with SmolLM2's vocabulary
 SHAPE = {"hidden": 2048, "layers": 22, "heads": 32, "kv_heads": 4, "ffn": 5632, "context": 8192}
+#: ``--models`` names of the llama.cpp-quantized 1.1B files: (llama.cpp's ftype, the row's label)
+KQUANTS = {
+    "1b-q4_k_m": ("Q4_K_M", "Llama-shaped 1.1B Q4_K_M GGUF (llama.cpp's quantizer, synthetic weights)"),
+    "1b-q6_k": ("Q6_K", "Llama-shaped 1.1B Q6_K GGUF (llama.cpp's quantizer, synthetic weights)"),
+    "1b-q8_0": ("Q8_0", "Llama-shaped 1.1B Q8_0 GGUF (llama.cpp's quantizer, synthetic weights)"),
+}
 PROMPT = 32
 PREFILL = 512
 LONG = 8000
@@ -79,9 +92,10 @@ LONG = 8000
 # ---------------------------------------------------------------------- the synthetic >= 1B GGUF
 
 
-def make_gguf(smol: Path, out: Path) -> Path:
+def make_gguf(smol: Path, out: Path, f16: bool = False) -> Path:
     """The Llama-shaped Q4_0 GGUF (tied Q8_0 embedding), made once; peak memory ~0.5 GB (the embedding's floats are
-    quantized in slices of 4,096 rows)."""
+    quantized in slices of 4,096 rows). With ``f16`` every matrix is stored in F16 instead (the same floats: the
+    random draws are the same), the source for llama.cpp's quantizer (:func:`make_kquant`)."""
     if out.is_file():
         return out
     _unshadow()
@@ -100,7 +114,7 @@ def make_gguf(smol: Path, out: Path) -> Path:
         parts = []
         for start in range(0, rows, 4096):
             w = rng.standard_normal((min(4096, rows - start), cols), dtype=np.float32) * 0.02
-            parts.append(quantize(w, qtype))
+            parts.append(w.astype(np.float16) if f16 else quantize(w, qtype))
         return np.concatenate(parts)
 
     shapes = {"attn_q": (h, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, h)}
@@ -129,7 +143,7 @@ def make_gguf(smol: Path, out: Path) -> Path:
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.MOSTLY_Q4_0)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
@@ -141,6 +155,9 @@ def make_gguf(smol: Path, out: Path) -> Path:
         else:
             short = name.rsplit(".", 2)[-2]
             rows, cols = (vocab, h) if short == "token_embd" else shapes[short]
+            if f16:
+                writer.add_tensor_info(name, (rows, cols), np.dtype(np.float16), rows * cols * 2)
+                continue
             qtype = Q.Q8_0 if short == "token_embd" else Q.Q4_0
             size, block = gguf.GGML_QUANT_SIZES[qtype]
             byte_shape = (rows, cols // size * block)
@@ -152,6 +169,38 @@ def make_gguf(smol: Path, out: Path) -> Path:
         writer.write_tensor_data(make())
     writer.close()
     tmp.rename(out)
+    return out
+
+
+_QUANTIZE = """
+import ctypes, sys
+import llama_cpp
+src, dst, ftype = sys.argv[1:4]
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + ftype)
+sys.exit(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)))
+"""
+
+
+def make_kquant(smol: Path, ftype: str, llama_python: str) -> Path:
+    """The 1.1B model as llama.cpp's quantizer makes it at ``ftype`` (``Q4_K_M``, ``Q6_K``, ``Q8_0``), made once:
+    ``llama_model_quantize`` with its default parameters, run in llama.cpp's Python, from the F16 GGUF
+    (:func:`make_gguf`, made first if need be; deleted once every file of :data:`KQUANTS` exists)."""
+    out = ROOT / f"llama-1.1b-synthetic.{ftype}.gguf"
+    if out.is_file():
+        return out
+    src = make_gguf(smol, ROOT / "llama-1.1b-synthetic.F16.gguf", f16=True)
+    tmp = out.with_suffix(".tmp")
+    proc = subprocess.run(
+        [llama_python, "-c", _QUANTIZE, str(src), str(tmp), ftype], capture_output=True, text=True, env=os.environ
+    )
+    if proc.returncode or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        tail = " ".join((proc.stderr or proc.stdout).split())[-300:]
+        raise SystemExit(f"llama.cpp's quantizer ({ftype}) failed (exit status {proc.returncode}): {tail}")
+    tmp.rename(out)
+    if all((ROOT / f"llama-1.1b-synthetic.{f}.gguf").is_file() for f, _ in KQUANTS.values()):
+        src.unlink()
     return out
 
 
@@ -333,7 +382,12 @@ def main() -> int:
         help="also the 8,000-token prompt's peak RSS and seconds (slow; half as many samples, at least one)",
     )
     ap.add_argument("--max-other", type=float, default=0.05, help="discard samples where other processes used more")
-    ap.add_argument("--models", default="smollm2,1b", help="comma-separated: smollm2, 1b")
+    ap.add_argument(
+        "--models",
+        default="smollm2,1b",
+        help="comma-separated: smollm2, 1b (the synthetic 1.1B at Q4_0), 1b-q4_k_m, 1b-q6_k, 1b-q8_0 (the same "
+        "model through llama.cpp's quantizer; made once, needs llama-cpp-python)",
+    )
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python")
     ap.add_argument(
         "--llama-extra-bufts",
@@ -354,6 +408,8 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(json.loads(sys.stdin.read()))))
         return 0
+    if unknown := {m.strip() for m in args.models.split(",")} - {"smollm2", "1b", *KQUANTS}:
+        ap.error(f"--models: unknown {', '.join(sorted(unknown))}")
 
     _unshadow()
     import anyquant
@@ -390,6 +446,17 @@ def main() -> int:
         big = make_gguf(smol, ROOT / "llama-1.1b-synthetic.Q4_0.gguf")
         print(f"# 1B GGUF: {big} ({big.stat().st_size / 1e6:.0f} MB; {time.perf_counter() - t0:.0f} s to make or find)")
         models.append(("Llama-shaped 1.1B Q4_0 GGUF (synthetic weights)", big, None))
+    for name, (ftype, label) in KQUANTS.items():
+        if name not in wanted:
+            continue
+        if llama_python is None:
+            print(f"# {name} skipped: llama.cpp's quantizer makes it (--llama-python PATH; see the docstring)")
+            continue
+        t0 = time.perf_counter()
+        path = make_kquant(smol, ftype, llama_python)
+        took = time.perf_counter() - t0
+        print(f"# {name}: {path} ({path.stat().st_size / 1e6:.0f} MB; {took:.0f} s to make or find)", flush=True)
+        models.append((label, path, None))
     before = cpu_times()
     bw = bandwidth(args.threads)
     bw_other = other_share(before, cpu_times())
