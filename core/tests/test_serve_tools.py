@@ -1,9 +1,11 @@
 """Tool calls in ``anyquant serve`` (issue #43 §2): ``tools``, ``tool_choice`` (``none``, ``auto``, ``required``, a
 named function) and ``parallel_tool_calls`` on chat, rendered by the checkpoint's own chat template, the answer's
-tool-call text parsed back into OpenAI ``tool_calls`` (streamed as OpenAI streams them), ``tool`` messages accepted.
+tool-call text parsed back into OpenAI ``tool_calls`` (streamed as OpenAI streams them: the arguments piece by
+piece, joining into the unstreamed arguments), ``tool`` messages accepted.
 
-The parsers (Hermes/Qwen ``<tool_call>``, Llama 3 JSON, Mistral ``[TOOL_CALLS]``) and the request schema are tested
-on fixed inputs; the rest against real server processes: the bundled model (its template has no tool support: a
+The parsers (Hermes/Qwen ``<tool_call>``, Llama 3 JSON, Mistral ``[TOOL_CALLS]``), the streaming of their calls
+(``ToolStream``, and the server's event stream read by the openai client's accumulator) and the request schema are
+tested on fixed inputs; the rest against real server processes: the bundled model (its template has no tool support: a
 400) and the bundled model with Qwen2.5's chat template written into a copy of its GGUF, where ``required`` and a
 named function constrain the answer so that even this tiny model's call parses and validates (``jsonschema``).
 """
@@ -80,7 +82,7 @@ LLAMA3_SNIPPET = (
 MISTRAL_SNIPPET = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{%- endif %}[TOOL_CALLS]"
 CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -95,7 +97,7 @@ WEATHER = {
         },
     },
 }
-TIME = {
+TIME: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_time",
@@ -162,22 +164,197 @@ def test_mistral_parser() -> None:
         assert parse_tool_calls(plain, MISTRAL) == (plain, [])
 
 
+def test_arguments_are_the_model_text() -> None:
+    """The arguments are the model's own text of the arguments object (OpenAI's are), as they stream."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Zürich" ,  "unit": "celsius"}}\n</tool_call>'
+    assert parse_tool_calls(text, HERMES)[1][0]["function"]["arguments"] == '{"city":"Zürich" ,  "unit": "celsius"}'
+    # JSON text in a string: that text; none (or null): {}
+    assert parse_tool_calls('{"name": "a", "parameters": "{\\"x\\":1}"}', LLAMA3_JSON)[1][0]["function"] == {
+        "name": "a",
+        "arguments": '{"x":1}',
+    }
+    for none in ('{"name": "a"}', '{"name": "a", "parameters": null}'):
+        assert parse_tool_calls(none, LLAMA3_JSON)[1][0]["function"]["arguments"] == "{}"
+    # one name and at most one arguments member: anything else is no call
+    for bad in ('{"name": "a", "arguments": {}, "parameters": {}}', '{"name": "a", "name": "b", "arguments": {}}'):
+        assert parse_tool_calls(bad, LLAMA3_JSON) == (bad, [])
+    for bad in ('[TOOL_CALLS][{"name": "a", "arguments": {}},]', "[TOOL_CALLS][]", '[TOOL_CALLS]["a"]'):
+        assert parse_tool_calls(bad, MISTRAL) == (bad, [])
+
+
+def _streamed(text: str, fmt: Any, size: int, reason: str = "stop") -> tuple[str, list[dict[str, Any]], str]:
+    """``text`` fed to a :class:`ToolStream` ``size`` characters at a time: the content sent, the
+    ``delta.tool_calls`` entries sent, and the finish reason."""
+    stream = ToolStream(fmt)
+    content, deltas = "", list[dict[str, Any]]()
+    for i in range(0, len(text), size):
+        sent, more = stream.feed(text[i : i + size])
+        content, deltas = content + sent, deltas + more
+    sent, more = stream.finish()
+    return content + sent, deltas + more, stream.reason(reason)
+
+
+def _joined(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls the entries make, as a client puts them together by ``index``, with how many argument pieces
+    each came in; each call's first entry carries its id, type and name with empty arguments."""
+    calls: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        if delta["index"] not in calls:
+            assert delta["id"].startswith("call_") and delta["type"] == "function", delta
+            assert delta["function"]["arguments"] == "" and delta["function"]["name"], delta
+            calls[delta["index"]] = {"id": delta["id"], "name": delta["function"]["name"], "arguments": "", "n": 0}
+        else:
+            assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}, delta
+            assert delta["function"]["arguments"], delta
+            calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+            calls[delta["index"]]["n"] += 1
+    assert list(calls) == list(range(len(calls)))  # indexes 0, 1, ... in the order the calls began
+    return list(calls.values())
+
+
+WEATHER_CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+TIME_CALL = {"name": "get_time", "arguments": {"zone": "JST"}}
+#: answers with content before two parallel calls, in each format (the calls' arguments as models space them)
+ANSWERS = [
+    (
+        HERMES,
+        "Let me check <tool_ first.\n"
+        + "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in (WEATHER_CALL, TIME_CALL)),
+    ),
+    # the name after the arguments: they go out once it is read
+    (HERMES, '<tool_call>\n{"arguments": {"zone": "UTC"}, "name": "get_time"}\n</tool_call>'),
+    (
+        LLAMA3_JSON,
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+        '{"name": "get_time", "parameters": {"zone": "JST"}}',
+    ),
+    (MISTRAL, "Sure.[TOOL_CALLS]" + json.dumps([WEATHER_CALL, TIME_CALL])),
+    (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city":"Paris","unit":"celsius"}[TOOL_CALLS]get_time[ARGS]{"zone":"X"}'),
+    (MISTRAL, "".join("[TOOL_CALLS]" + json.dumps(c, separators=(",", ":")) for c in (WEATHER_CALL, TIME_CALL))),
+]
+
+
 @pytest.mark.parametrize("size", [1, 3, 1000])
-def test_stream_holds_calls_and_sends_the_rest(size: int) -> None:
+@pytest.mark.parametrize(("fmt", "text"), ANSWERS, ids=[f"{f.name}-{i}" for i, (f, _) in enumerate(ANSWERS)])
+def test_stream_sends_content_then_arguments_piece_by_piece(fmt: Any, text: str, size: int) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    content, calls = parse_tool_calls(text, fmt)
+    assert calls
+    sent, deltas, reason = _streamed(text, fmt, size)
+    assert reason == "tool_calls" and sent.strip() == (content or "")
+    streamed = _joined(deltas)
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls
+    ]  # the pieces join into the unstreamed arguments: the model's text
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in streamed:
+        jsonschema.validate(json.loads(call["arguments"]), params[call["name"]])
+        if size == 1 and text.rfind(call["name"], 0, text.find(call["arguments"])) >= 0:  # the name first
+            assert call["n"] == len(call["arguments"])  # one piece a character: the arguments as they come
+
+
+def test_stream_holds_what_may_be_a_call() -> None:
     text = 'Checking <tool!\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
     stream = ToolStream(HERMES)
-    sent = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
-    rest, calls = stream.finish()
-    assert sent + rest == "Checking <tool!\n" and stream.called
-    assert _calls(calls) == [("get_time", {"zone": "UTC"})]
+    assert stream.feed(text[:14]) == ("Checking ", [])  # "<tool" may begin a call
+    assert stream.feed(text[14:22]) == ("<tool!\n", [])  # it did not; "<tool_" may
+    assert stream.feed(text[22:40]) == ("", [])  # a call: the name is not read yet
+    sent, deltas = stream.feed(text[40:68])  # the name, then the arguments so far
+    assert sent == "" and deltas[0]["function"] == {"name": "get_time", "arguments": ""}
+    assert deltas[1] == {"index": 0, "function": {"arguments": '{"zone'}}
+    assert stream.feed(text[68:]) == ("", [{"index": 0, "function": {"arguments": '": "UTC"}'}}])
+    assert stream.finish() == ("", []) and stream.called and stream.reason("length") == "tool_calls"
+    assert stream.calls[0]["id"] == deltas[0]["id"]
     plain = ToolStream(HERMES)
-    sent = "".join(plain.feed(c) for c in "a <tool_ca")
+    sent = "".join(plain.feed(c)[0] for c in "a <tool_ca")
     assert sent == "a " and plain.finish() == ("<tool_ca", []) and not plain.called
     llama = ToolStream(LLAMA3_JSON)
-    assert llama.feed(" ") == "" and llama.feed("Hi") == " Hi" and llama.feed(" {") == " {"
+    assert llama.feed(" ") == ("", []) and llama.feed("Hi") == (" Hi", []) and llama.feed(" {") == (" {", [])
     llama = ToolStream(LLAMA3_JSON)
-    assert llama.feed('{"name": "a", ') == "" and llama.feed('"parameters": {}}') == ""
-    assert _calls(llama.finish()[1]) == [("a", {})]
+    assert llama.feed('{"name": "a", ')[1][0]["function"]["name"] == "a"
+    assert llama.feed('"parameters": {}}') == ("", [{"index": 0, "function": {"arguments": "{}"}}])
+    assert llama.finish() == ("", []) and _calls(llama.calls) == [("a", {})]
+    # arguments as JSON text in a string go out whole once read; none at all: {} at the end
+    sent, deltas, _ = _streamed('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', HERMES, 1)
+    assert [c["arguments"] for c in _joined(deltas)] == ['{"a": 1}'] and len(deltas) == 2
+    assert _joined(_streamed('{"name": "f"}', LLAMA3_JSON, 1)[1])[0]["arguments"] == "{}"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "reason", "content", "arguments", "finish"),
+    [
+        # nothing streamed as a call: as unstreamed, the text is the content
+        (HERMES, "Hi <tool_call>{not json}</tool_call>", "stop", None, [], "stop"),
+        (LLAMA3_JSON, '{"not": "a call"}', "stop", None, [], "stop"),
+        (HERMES, '<tool_call>{"name": 3, "arguments": {"a": 1}}', "length", None, [], "length"),
+        (MISTRAL, '[TOOL_CALLS]{"arguments": {"a": 1}}', "stop", None, [], "stop"),
+        # a call streamed, then the text does not parse: what was sent stands (vLLM's way)
+        (HERMES, 'Hi <tool_call>{"name": "f", "arguments": {"a": [1', "length", "Hi ", ['{"a": [1'], "length"),
+        (LLAMA3_JSON, '{"name": "f", "parameters": {"a": 1}} and more', "stop", "", ['{"a": 1}'], "tool_calls"),
+        (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": 2}]', "stop", "", ["{}"], "tool_calls"),
+    ],
+)
+def test_stream_of_calls_that_do_not_parse(
+    fmt: Any, text: str, reason: str, content: str | None, arguments: list[str], finish: str
+) -> None:
+    """What a client sees when the text turns out to hold no well-formed call: the text as content, as unstreamed,
+    when no call was streamed (``content`` ``None``); else what was sent, and nothing more."""
+    assert parse_tool_calls(text, fmt) == (text, [])
+    for size in (1, 4, 1000):
+        sent, deltas, why = _streamed(text, fmt, size, reason)
+        expected = (text if content is None else content, arguments, finish)
+        assert (sent, [c["arguments"] for c in _joined(deltas)], why) == expected
+
+
+def test_sse_streams_arguments_as_the_openai_client_reads_them() -> None:
+    """The server's stream of a scripted answer (``app._sse``) read by the openai client's own accumulator: the
+    message it builds equals the unstreamed answer's, and the arguments came piece by piece."""
+    import asyncio
+
+    openai = pytest.importorskip("openai")
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from anyquant.serve.app import _Choice, _choice, _Job, _Shapes, _sse
+    from anyquant.serve.scheduler import Finished
+
+    text = "Checking.\n" + "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in (WEATHER_CALL, TIME_CALL))
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # about a token each
+
+    class Work:
+        def cancel(self) -> None:
+            pass
+
+    async def stream() -> list[str]:
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        for item in [*pieces, Finished("stop", 5, len(pieces))]:
+            queue.put_nowait((0, item))
+        job = _Job(ids=[], params=None, max_tokens=100, stream=True, include_usage=False, tools=HERMES)
+        head = {"id": "chatcmpl-1", "created": 0, "model": NAME}
+        works: list[Any] = [Work()]
+        return [event async for event in _sse(queue, works, head, _Shapes(True, False, None), job)]
+
+    events = asyncio.run(stream())
+    assert events[-1] == "[DONE]"
+    state: Any = ChatCompletionStreamState()
+    pieces_of: dict[int, int] = {}
+    for event in events[:-1]:
+        chunk = ChatCompletionChunk.model_validate(json.loads(event))
+        state.handle_chunk(chunk)
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            if delta.id is None:
+                pieces_of[delta.index] = pieces_of.get(delta.index, 0) + 1
+    final = state.get_final_completion().choices[0]
+    job = _Job(ids=[], params=None, max_tokens=100, stream=False, include_usage=False, tools=HERMES)
+    whole = _choice(_Shapes(True, False, None), job, 0, _Choice(pieces, [], [], Finished("stop", 5, len(pieces))))
+    assert final.finish_reason == whole["finish_reason"] == "tool_calls"
+    assert final.message.content == "Checking.\n" and whole["message"]["content"] == "Checking."
+    got = [(c.function.name, c.function.arguments) for c in final.message.tool_calls or ()]
+    assert got == [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert got == [(c["name"], json.dumps(c["arguments"])) for c in (WEATHER_CALL, TIME_CALL)]
+    assert all(c.id.startswith("call_") for c in final.message.tool_calls or ())
+    assert pieces_of[0] > 3 and pieces_of[1] > 3  # the arguments piece by piece, not whole
+    assert isinstance(openai.__version__, str)
 
 
 def test_call_schema() -> None:
@@ -348,24 +525,29 @@ def test_required_and_named_calls_are_well_formed(qwen_client: Any) -> None:
 @pytest.mark.model
 @pytest.mark.slow
 def test_streamed_calls_as_openai_streams_them(qwen_client: Any) -> None:
+    """Read by the openai client's own streaming helper: each call's arguments come piece by piece, the pieces
+    join into the unstreamed answer's arguments (the same request, greedy or seeded) and parse."""
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]  # the helper parses these
     named = {"type": "function", "function": {"name": "get_weather"}}
-    stream = qwen_client.chat.completions.create(
-        model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=80, stream=True
-    )
-    calls: dict[int, dict[str, str]] = {}
-    reasons = []
-    for chunk in stream:
-        for c in chunk.choices:
-            for delta in c.delta.tool_calls or ():
-                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
-                call["id"] += delta.id or ""
-                call["name"] += (delta.function.name if delta.function else None) or ""
-                call["arguments"] += (delta.function.arguments if delta.function else None) or ""
-            if c.finish_reason:
-                reasons.append(c.finish_reason)
-    assert reasons == ["tool_calls"] and list(calls) == [0]
-    assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
-    pytest.importorskip("jsonschema").validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+    for choice, extra in ((named, {"temperature": 0}), ("required", {"temperature": 0.8, "seed": 1})):
+        request = {"model": NAME, "messages": MESSAGES, "tools": strict, "tool_choice": choice, "max_tokens": 120}
+        whole = qwen_client.chat.completions.create(**request, **extra).choices[0]
+        pieces: dict[int, list[str]] = {}
+        with qwen_client.chat.completions.stream(**request, **extra) as stream:
+            for event in stream:
+                if event.type == "tool_calls.function.arguments.delta":
+                    pieces.setdefault(event.index, []).append(event.arguments_delta)
+            final = stream.get_final_completion().choices[0]
+        assert final.finish_reason == whole.finish_reason == "tool_calls"
+        calls = final.message.tool_calls or []
+        got = [(c.function.name, c.function.arguments) for c in calls]
+        assert got == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+        assert list(pieces) == list(range(len(calls))) and all(len(p) > 1 for p in pieces.values()), pieces
+        assert ["".join(p) for p in pieces.values()] == [c.function.arguments for c in calls]
+        assert _valid_calls(calls, TOOLS) and len({c.id for c in calls}) == len(calls)
+        assert [c.function.parsed_arguments for c in calls] == [json.loads(c.function.arguments) for c in calls]
+        if choice is named:
+            assert [c.function.name for c in calls] == ["get_weather"]
 
 
 @pytest.mark.model
@@ -411,6 +593,6 @@ def test_refusals(qwen_client: Any) -> None:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
         with pytest.raises(openai.BadRequestError, match="chat template has no tool support") as info:
             client.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS, max_tokens=8)
-        assert info.value.body["param"] == "tools"  # type: ignore[index]
+        assert info.value.body["param"] == "tools"
         r = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=4)
         assert r.choices[0].message.tool_calls is None

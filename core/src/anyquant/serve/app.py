@@ -700,25 +700,18 @@ async def _sse(
     pending: list[list[TokenLogprob | None]] = [[] for _ in works]  # each choice's tokens since its last chunk
     offsets = [0] * len(works)
     done: list[Finished | None] = [None] * len(works)
-    # tool calls: each choice's text held from where a call may start, its calls sent whole at its end
+    # tool calls: each choice's content sent until a call may start, its calls streamed as they are generated
     calls: list[ToolStream] | None = None
     if chat and job.tools is not None:
         calls = [ToolStream(job.tools) for _ in works]
 
-    def tool_chunks(index: int) -> Iterator[str]:
-        """The rest of a choice's content, then its calls as OpenAI streams them: the id, type and name with empty
-        arguments, then the arguments; ``"tool_calls"`` once any came."""
-        assert calls is not None
-        rest, made = calls[index].finish()
-        if rest:
-            yield chunk([piece(index, rest, None)])
-        for i, call in enumerate(made):
-            head_delta = {"index": i, "id": call["id"], "type": "function"}
-            head_delta["function"] = {"name": call["function"]["name"], "arguments": ""}
-            for delta in (head_delta, {"index": i, "function": {"arguments": call["function"]["arguments"]}}):
-                yield chunk(
-                    [{"index": index, "delta": {"tool_calls": [delta]}, "finish_reason": None, "logprobs": None}]
-                )
+    def tool_chunks(index: int, content: str, deltas: list[dict[str, Any]]) -> Iterator[str]:
+        """A choice's content, then its ``delta.tool_calls`` entries as OpenAI streams them, one a chunk: a call's
+        index, id, type and name (empty arguments), then its arguments' text piece by piece (:class:`ToolStream`)."""
+        if content:
+            yield chunk([piece(index, content, None)])
+        for delta in deltas:
+            yield chunk([{"index": index, "delta": {"tool_calls": [delta]}, "finish_reason": None, "logprobs": None}])
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return json.dumps({**head, "object": obj, "choices": choices, **extra}, ensure_ascii=False)
@@ -757,9 +750,9 @@ async def _sse(
                     break
                 reason = "length" if item.reason == "length" else "stop"
                 if calls is not None:
-                    for out in tool_chunks(index):
+                    for out in tool_chunks(index, *calls[index].finish()):
                         yield out
-                    reason = "tool_calls" if calls[index].called else reason
+                    reason = calls[index].reason(reason)
                 if job.stats is not None:
                     job.stats.outcome(index, reason)
                 yield chunk([piece(index, None if chat else "", reason)])
@@ -776,9 +769,9 @@ async def _sse(
                 pending[index].append(item)
                 continue
             if calls is not None:
-                item = calls[index].feed(item)
-                if not item:
-                    continue
+                for out in tool_chunks(index, *calls[index].feed(item)):
+                    yield out
+                continue
             yield chunk([piece(index, item, None)])
         else:
             if job.include_usage:

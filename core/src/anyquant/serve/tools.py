@@ -13,6 +13,9 @@ and llama.cpp's chat formats do:
 * ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (and the newer
   ``[TOOL_CALLS]name[ARGS]{...}``).
 
+A call's ``arguments`` are the model's own text of its arguments object, as OpenAI's are, so that streamed
+(:class:`ToolStream`: piece by piece as they are generated) they join into the same text as unstreamed.
+
 Standard library only (the grammar itself is :mod:`anyquant.runtime.grammar`'s).
 """
 
@@ -99,44 +102,95 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _call(name: Any, arguments: Any) -> dict[str, Any] | None:
-    """One OpenAI tool call from a parsed name and arguments (a mapping, or JSON text of one), else ``None``."""
+#: the keys a call object may hold its arguments under (Llama 3's ``parameters``, everyone else's ``arguments``)
+ARGUMENT_KEYS = ("arguments", "parameters")
+_WS = " \t\n\r"  # JSON's whitespace
+_DECODER = json.JSONDecoder()
+
+
+def _skip(text: str, at: int, chars: str = _WS) -> int:
+    while at < len(text) and text[at] in chars:
+        at += 1
+    return at
+
+
+def _members(text: str, at: int) -> tuple[list[tuple[str, Any, int, int]], int]:
+    """The JSON object at ``text[at]``: each member's key, value and the span of the value's text, and where the
+    object ends; a ``ValueError`` when it is not a well-formed object."""
+    if text[at : at + 1] != "{":
+        raise ValueError("not an object")
+    members: list[tuple[str, Any, int, int]] = []
+    at = _skip(text, at + 1)
+    if text[at : at + 1] == "}":
+        return members, at + 1
+    while True:
+        if text[at : at + 1] != '"':
+            raise ValueError("not a key")
+        key, at = _DECODER.raw_decode(text, at)
+        at = _skip(text, at)
+        if text[at : at + 1] != ":":
+            raise ValueError("no colon")
+        start = _skip(text, at + 1)
+        value, at = _DECODER.raw_decode(text, start)
+        members.append((key, value, start, at))
+        at = _skip(text, at)
+        if text[at : at + 1] == "}":
+            return members, at + 1
+        if text[at : at + 1] != ",":
+            raise ValueError("no comma")
+        at = _skip(text, at + 1)
+
+
+def _call(name: Any, arguments: Any, raw: str) -> dict[str, Any] | None:
+    """One OpenAI tool call from a parsed name and arguments, else ``None``. The arguments are the model's own
+    text, as OpenAI's are (and as they stream): ``raw``, the arguments object's text as written; the string when
+    the model wrote the object as JSON text in a string; ``{}`` when it wrote none (or ``null``)."""
     if not isinstance(name, str) or not name:
         return None
     if arguments is None:
-        arguments = {}
+        return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": "{}"}}
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            parsed = json.loads(arguments)
         except ValueError:
             return None
-    if not isinstance(arguments, Mapping):
+        if not isinstance(parsed, Mapping):
+            return None
+        raw = arguments
+    elif not isinstance(arguments, Mapping):
         return None
-    text = json.dumps(arguments, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": text}}
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": raw}}
 
 
-def _from_object(obj: Any, fmt: ToolFormat) -> dict[str, Any] | None:
-    if not isinstance(obj, Mapping) or "name" not in obj:
-        return None
-    args = obj.get(fmt.arguments, obj.get("arguments", obj.get("parameters")))
-    return _call(obj.get("name"), args)
+def _object_call(text: str, at: int) -> tuple[dict[str, Any] | None, int]:
+    """The call written as the JSON object at ``text[at]`` (``None`` when it is an object but no call: one
+    ``name``, at most one of :data:`ARGUMENT_KEYS`), and where the object ends; a ``ValueError`` when it is no
+    well-formed object."""
+    members, end = _members(text, at)
+    names = [m for m in members if m[0] == "name"]
+    args = [m for m in members if m[0] in ARGUMENT_KEYS]
+    if len(names) != 1 or len(args) > 1:
+        return None, end
+    if not args:
+        return _call(names[0][1], None, ""), end
+    _, value, start, stop = args[0]
+    return _call(names[0][1], value, text[start:stop]), end
 
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 _MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})\[ARGS\]")
-_DECODER = json.JSONDecoder()
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     calls: list[dict[str, Any]] = []
     for match in _HERMES_CALL.finditer(text):
+        inner = match.group(1)
         try:
-            obj = json.loads(match.group(1))
+            call, end = _object_call(inner, 0)
         except ValueError:
             return text, []
-        call = _from_object(obj, HERMES)
-        if call is None:
+        if call is None or end != len(inner):
             return text, []
         calls.append(call)
     content = _HERMES_CALL.sub("", text).strip() if calls else text
@@ -153,16 +207,40 @@ def _llama3(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     at = 0
     while at < len(rest):
         try:
-            obj, at = _DECODER.raw_decode(rest, at)
+            call, at = _object_call(rest, at)
         except ValueError:
             return text, []
-        call = _from_object(obj, LLAMA3_JSON)
         if call is None:
             return text, []
         calls.append(call)
-        while at < len(rest) and rest[at] in " \t\r\n;":
-            at += 1
+        at = _skip(rest, at, _WS + ";")
     return None, calls
+
+
+def _mistral_part(part: str) -> list[dict[str, Any] | None]:
+    """The calls of the text after one ``[TOOL_CALLS]``: a JSON array of call objects, one call object, or
+    ``name[ARGS]{...}``; a ``ValueError`` when it holds none of those."""
+    named = _MISTRAL_NAMED.match(part)
+    if named is not None:  # [TOOL_CALLS]name[ARGS]{...}: the newer tokenizers' format
+        start = _skip(part, named.end())
+        value, end = _DECODER.raw_decode(part, start)
+        return [_call(named.group(1), value, part[start:end])]
+    at = len(part) - len(part.lstrip())
+    if part[at : at + 1] == "{":
+        return [_object_call(part, at)[0]]
+    if part[at : at + 1] != "[":
+        raise ValueError("no call")
+    calls: list[dict[str, Any] | None] = []
+    at = _skip(part, at + 1)
+    while True:  # text after the array's end is left, as before
+        call, at = _object_call(part, at)
+        calls.append(call)
+        at = _skip(part, at)
+        if part[at : at + 1] == "]":
+            return calls
+        if part[at : at + 1] != ",":
+            raise ValueError("no comma")
+        at = _skip(part, at + 1)
 
 
 def _mistral(text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -172,16 +250,8 @@ def _mistral(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     content = text[:start].strip() or None
     calls: list[dict[str, Any]] = []
     for part in text[start:].split("[TOOL_CALLS]")[1:]:
-        named = _MISTRAL_NAMED.match(part)
         try:
-            if named is not None:  # [TOOL_CALLS]name[ARGS]{...}: the newer tokenizers' format
-                args, _ = _DECODER.raw_decode(part, named.end())
-                call = _call(named.group(1), args)
-                objs: list[dict[str, Any] | None] = [call]
-            else:
-                value, _ = _DECODER.raw_decode(part.strip())
-                items = value if isinstance(value, list) else [value]
-                objs = [_from_object(obj, MISTRAL) for obj in items]
+            objs = _mistral_part(part)
         except ValueError:
             return text, []
         if not objs or any(c is None for c in objs):
@@ -195,7 +265,8 @@ _PARSERS = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral}
 
 def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict[str, Any]]]:
     """``(content, tool_calls)`` from a model's answer: the OpenAI tool calls it writes in ``fmt`` (each with a
-    fresh ``call_...`` id and its arguments as JSON text) and the text outside them (``None`` when empty). Text
+    fresh ``call_...`` id and its arguments as the model wrote them: :func:`_call`) and the text outside them
+    (``None`` when empty). Text
     that does not hold well-formed calls comes back whole, with no calls."""
     return _PARSERS[fmt.name](text)
 
@@ -222,10 +293,106 @@ def call_schema(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat, name: str |
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+class _Object:
+    """A JSON object read a character at a time as it is generated, without checking it (the parse at the end
+    does): where each of its members' values starts and ends, and where the object ends."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start  # the opening brace
+        self.pos = start  # the next character to read
+        self.depth = 0
+        self.string = False
+        self.escape = False
+        self.expect = "key"  # at depth 1: key, key-string, colon, value, string, scalar, container, next
+        self.key_at = 0
+        self.members: list[list[Any]] = []  # [key, value start, value end (-1 while it is read)]
+        self.end = -1  # after the closing brace, once read
+
+    def _close(self, end: int) -> None:
+        self.members[-1][2] = end
+        self.expect = "next"
+
+    def read(self, text: str) -> None:
+        """Read ``text`` (the stream's whole text) from where the last call stopped, up to the object's end."""
+        i = self.pos
+        while i < len(text) and self.end < 0:
+            c = text[i]
+            i += 1
+            if self.string:
+                if self.escape:
+                    self.escape = False
+                elif c == "\\":
+                    self.escape = True
+                elif c == '"':
+                    self.string = False
+                    if self.depth == 1 and self.expect == "key-string":
+                        try:
+                            key = json.loads(text[self.key_at : i])
+                        except ValueError:
+                            key = None
+                        self.members.append([key, -1, -1])
+                        self.expect = "colon"
+                    elif self.depth == 1 and self.expect == "string":
+                        self._close(i)
+                continue
+            if self.depth == 1 and self.expect == "scalar" and (c in ",}" or c.isspace()):
+                self._close(i - 1)
+            if c == '"':
+                self.string = True
+                if self.depth == 1 and self.expect == "key":
+                    self.key_at, self.expect = i - 1, "key-string"
+                elif self.depth == 1 and self.expect == "value":
+                    self.members[-1][1], self.expect = i - 1, "string"
+            elif c in "{[":
+                if self.depth == 1 and self.expect == "value":
+                    self.members[-1][1], self.expect = i - 1, "container"
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 1 and self.expect == "container":
+                    self._close(i)
+                elif self.depth <= 0:
+                    self.end = i
+            elif self.depth == 1:
+                if c == ":" and self.expect == "colon":
+                    self.expect = "value"
+                elif c == "," and self.expect == "next":
+                    self.expect = "key"
+                elif self.expect == "value" and not c.isspace():
+                    self.members[-1][1], self.expect = i - 1, "scalar"
+        self.pos = i
+
+    def member(self, keys: Sequence[str]) -> tuple[int, int] | None:
+        """The first member under one of ``keys`` once its value has begun: its start and end (-1: not yet)."""
+        for key, start, end in self.members:
+            if key in keys and start >= 0:
+                return start, end
+        return None
+
+
+@dataclass
+class _Streamed:
+    """A call whose name has been sent: its id, name and the arguments text sent so far."""
+
+    id: str
+    name: str
+    sent: str = ""
+    whole: bool = False  # its arguments were JSON text in a string: sent whole once read
+
+
 class ToolStream:
-    """A streamed answer's text, split into what can be sent as ``content`` now and what may be a tool call:
-    :meth:`feed` each piece (it returns the text safe to send), :meth:`finish` at the end (the rest of the
-    content, and the calls)."""
+    """A streamed answer's text, split into what can be sent as ``content`` now and the tool calls, streamed as
+    OpenAI streams them: :meth:`feed` each piece (it returns the content safe to send and the ``delta.tool_calls``
+    entries to send), :meth:`finish` at the end (the rest), :meth:`reason` the choice's ``finish_reason``.
+
+    A call's entry with its ``index``, ``id``, ``type`` and ``function.name`` (``arguments: ""``) goes out as soon
+    as its name is read; its arguments' text then goes out as it is generated, the model's own text, so that the
+    pieces join into the ``arguments`` the answer has unstreamed (:func:`parse_tool_calls`). Arguments written as
+    JSON text in a string go out whole once read. Anything else the text holds waits for the end, where the text
+    is parsed as an unstreamed answer is: the rest of each call's arguments and any call not streamed yet go out
+    then. When calls were streamed and the text then does not parse (a call cut off by ``max_tokens``, a broken
+    call in ``auto``), what was sent stands, as in vLLM: nothing more goes out, and the answer ends ``tool_calls``
+    (``length`` when cut off)."""
 
     def __init__(self, fmt: ToolFormat) -> None:
         self.fmt = fmt
@@ -233,28 +400,35 @@ class ToolStream:
         self.text = ""
         self.sent = 0  # characters of text already sent as content
         self.holding = False  # a call has started: everything from self.sent on is held to the end
-        self.called = False  # finish found calls
+        self.called = False  # finish found calls that agree with those streamed
+        self.calls: list[dict[str, Any]] = []  # finish's calls (their ids those streamed)
+        self.streamed: list[_Streamed] = []  # the calls whose names have been sent
+        self.at = 0  # where the reading of the held text stands, between calls
+        self.mode = "stop"  # what it expects there: seek, open, array, array-next, first, next; stop: no more
+        self.after = "stop"  # the mode after the current call's object
+        self.obj: _Object | None = None  # the call object being read
+        self.named: str | None = None  # Mistral's name[ARGS]: the object read is the arguments of this name
+        self.count = 0  # call objects begun
 
-    def feed(self, piece: str) -> str:
+    def feed(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
         self.text += piece
         if self.holding:
-            return ""
+            return "", self._advance()
         if not self.marker:  # llama3_json: a call is the whole answer, from its start
             if self.sent == 0:
                 head = self.text.lstrip()
                 if head.startswith(("{", "<|python_tag|>")):
-                    self.holding = True
-                    return ""
+                    return "", self._hold(0, "first")
                 if not head or "<|python_tag|>".startswith(head):  # not known yet
-                    return ""
+                    return "", []
             out = self.text[self.sent :]
             self.sent = len(self.text)
-            return out
+            return out, []
         at = self.text.find(self.marker, self.sent)
         if at >= 0:
             out = self.text[self.sent : at]
-            self.sent, self.holding = at, True
-            return out
+            self.sent = at
+            return out, self._hold(at, "seek")
         keep = 0  # the longest end of the text that could begin the marker: held back until it is known
         for k in range(min(len(self.marker) - 1, len(self.text) - self.sent), 0, -1):
             if self.marker.startswith(self.text[len(self.text) - k :]):
@@ -262,14 +436,182 @@ class ToolStream:
                 break
         out = self.text[self.sent : len(self.text) - keep]
         self.sent = len(self.text) - keep
-        return out
+        return out, []
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The content not sent yet and the calls (empty when the held text holds no well-formed call)."""
+        """The content not sent yet and the ``delta.tool_calls`` entries not sent yet: the held text's content and
+        the rest of its calls when it parses as calls that agree with those streamed; the held text as content
+        when it holds no well-formed call and none was streamed; nothing when a call was streamed and the text
+        does not parse (what was sent stands)."""
         rest = self.text[self.sent :]
         self.sent = len(self.text)
         content, calls = parse_tool_calls(rest, self.fmt)
-        if not calls:
-            return rest, []
-        self.called = True
-        return (content or ""), calls
+        if calls and self._agrees(calls):
+            self.called, self.calls = True, calls
+            deltas: list[dict[str, Any]] = []
+            for i, call in enumerate(calls):
+                function = call["function"]
+                if i < len(self.streamed):
+                    call["id"] = self.streamed[i].id
+                    more = function["arguments"][len(self.streamed[i].sent) :]
+                else:
+                    deltas.append(self._head(i, call["id"], function["name"]))
+                    more = function["arguments"]
+                if more:
+                    deltas.append(self._arguments(i, more))
+            return content or "", deltas
+        if self.streamed:
+            return "", []
+        return rest, []
+
+    def reason(self, reason: str) -> str:
+        """The choice's ``finish_reason`` from the model's (``stop`` or ``length``): ``tool_calls`` when its calls
+        parsed, or when calls were streamed and the model stopped (vLLM's rule)."""
+        if self.called or (self.streamed and reason == "stop"):
+            return "tool_calls"
+        return reason
+
+    def _agrees(self, calls: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether ``calls`` begin with those streamed: the same names, the arguments sent a start of theirs."""
+        if len(calls) < len(self.streamed):
+            return False
+        for call, done in zip(calls, self.streamed, strict=False):
+            function = call["function"]
+            if function["name"] != done.name or not function["arguments"].startswith(done.sent):
+                return False
+        return True
+
+    @staticmethod
+    def _head(index: int, call_id: str, name: str) -> dict[str, Any]:
+        return {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+
+    @staticmethod
+    def _arguments(index: int, text: str) -> dict[str, Any]:
+        return {"index": index, "function": {"arguments": text}}
+
+    def _hold(self, at: int, mode: str) -> list[dict[str, Any]]:
+        self.holding, self.at, self.mode = True, at, mode
+        return self._advance()
+
+    def _advance(self) -> list[dict[str, Any]]:
+        """The entries the text read since the last call lets out."""
+        out: list[dict[str, Any]] = []
+        while self.mode != "stop":
+            if self.obj is None:
+                if not self._between():
+                    break
+                continue
+            self.obj.read(self.text)
+            out.extend(self._stream())
+            if self.obj is None or self.obj.end < 0:
+                break
+            if len(self.streamed) < self.count:  # it ended without a name: no call, or not one to stream
+                self.mode = "stop"
+                break
+            self.at, self.obj, self.named, self.mode = self.obj.end, None, None, self.after
+        return out
+
+    def _stream(self) -> list[dict[str, Any]]:
+        """The entries the current call object's text read so far lets out: its name once read, then its
+        arguments' new text."""
+        obj, text, index = self.obj, self.text, self.count - 1
+        assert obj is not None
+        out: list[dict[str, Any]] = []
+        if len(self.streamed) == index:  # its name is not sent yet
+            if self.named is not None:
+                name: Any = self.named
+            else:
+                span = obj.member(("name",))
+                if span is None or span[1] < 0:
+                    return out
+                try:
+                    name = json.loads(text[span[0] : span[1]])
+                except ValueError:
+                    name = None
+                if not isinstance(name, str) or not name:  # not a call: left to the end's parse
+                    self.obj, self.mode = None, "stop"
+                    return out
+            self.streamed.append(_Streamed(new_call_id(), name))
+            out.append(self._head(index, self.streamed[-1].id, name))
+        call = self.streamed[index]
+        if self.named is not None:
+            start, end = obj.start, obj.end
+        else:
+            span = obj.member(ARGUMENT_KEYS)
+            if span is None:
+                return out
+            start, end = span
+        if text[start] == "{":  # the object's text as it comes
+            upto = end if end >= 0 else len(text)
+            more = text[start + len(call.sent) : upto]
+            if more:
+                call.sent += more
+                out.append(self._arguments(index, more))
+        elif text[start] == '"' and end >= 0 and not call.whole:  # JSON text in a string: whole, once read
+            call.whole = True
+            try:
+                value = json.loads(text[start:end])
+                ok = isinstance(value, str) and isinstance(json.loads(value), Mapping)
+            except ValueError:
+                ok = False
+            if ok:
+                call.sent = value
+                out.append(self._arguments(index, value))
+        return out
+
+    def _between(self) -> bool:
+        """Read the text between calls at ``self.at``: ``False`` when it must wait for more text."""
+        text, at, mode = self.text, self.at, self.mode
+        if mode == "seek":  # the next call marker
+            found = text.find(self.marker, at)
+            if found < 0:
+                self.at = max(at, len(text) - len(self.marker) + 1)
+                return False
+            self.at, self.mode = found + len(self.marker), "open"
+            return True
+        if mode == "next":  # Llama 3: calls joined by ';'
+            at = _skip(text, at, _WS + ";")
+        elif mode in ("array", "array-next"):
+            at = _skip(text, at)
+        else:
+            while at < len(text) and text[at].isspace():
+                at += 1
+        self.at = at
+        if at >= len(text):
+            return False
+        c = text[at]
+        if mode == "first":  # Llama 3: the answer may begin with <|python_tag|>
+            tag = "<|python_tag|>"
+            if text.startswith(tag, at):
+                self.at, self.mode = at + len(tag), "next"
+            elif tag.startswith(text[at:]):
+                return False
+            else:
+                self.mode = "next"
+            return True
+        if c == "{" and mode in ("open", "array", "next"):
+            self.obj, self.count = _Object(at), self.count + 1
+            self.after = {"open": "seek", "array": "array-next", "next": "next"}[mode]
+            return True
+        if mode == "open" and self.fmt.array and c == "[":
+            self.at, self.mode = at + 1, "array"
+            return True
+        if mode == "open" and self.fmt.array and _NAME.match(c):  # Mistral's name[ARGS]{...}
+            name = _NAME.match(text, at)
+            assert name is not None
+            tail = text[name.end() : name.end() + len("[ARGS]")]
+            if name.end() == len(text) or (len(tail) < len("[ARGS]") and "[ARGS]".startswith(tail)):
+                return False  # not known yet
+            if tail == "[ARGS]":
+                start = _skip(text, name.end() + len(tail))
+                if start >= len(text):
+                    return False
+                if text[start] == "{":
+                    self.obj, self.count, self.named = _Object(start), self.count + 1, name.group()
+                    self.after = "seek"
+                    return True
+        if mode == "array-next" and c in ",]":
+            self.at, self.mode = at + 1, ("array" if c == "," else "seek")
+            return True
+        self.mode = "stop"  # not what a call looks like here: left to the end's parse
+        return False
