@@ -30,7 +30,15 @@ Three tables (a fourth on request), all measured in this process, best of N (the
 4. **Model** (``--parts model``, not in the default set): the ``cpu-fast``, ``dequantized`` and ``reference``
    backends on SmolLM2-135M's shape as EXL3 K=4 with random trellises (timings and memory: load, RSS,
    prefill and decode tokens/s), each in a fresh process, against the dense model in float32.
-5. **Embed** (``--parts embed``, not in the default set): the token embedding ring-coded as exllamav3 1.6's
+5. **Weights** (``--parts weights``, not in the default set): ``cpu-fast``'s two forms of a decoded linear
+   (``cpu_fast_weights="bfloat16"``, prepacked for oneDNN; ``"q8_0"``, Q8_0 blocks on the compiled kernel) against
+   the exact ``dequantized`` backend, in one process: on the random-trellis model of part 4, the logits' error
+   (max abs over the max |logit|, the fitted gain ``|g - 1|``), greedy agreement, the bytes held, and decode
+   ms/token and 512-token prefill tokens/s with the two forms alternating (median of ``--repeat``); and on a trained
+   model's weights as EXL3 would decode them (a proxy: SmolLM2-135M's weights plus K=4-level noise, 7 % of each
+   row's rms, rounded to float16, each linear built by core's engine from the plugin's layouts), the same errors
+   and perplexity on 2,048 held-out wiki tokens in 64-token windows (the decode kernels' rows).
+6. **Embed** (``--parts embed``, not in the default set): the token embedding ring-coded as exllamav3 1.6's
    ``--embed_bits`` stores it (``--embed-k``), on the rows the perplexity text uses: bytes per row, relative
    error, encode weights/s, decode time, perplexity.
 
@@ -39,7 +47,7 @@ encodes, stores and decodes the padding, and GPTQ cannot use group 128 (576 = 4.
 
     python bench/exl3.py [--layers 15] [--proj all] [--ppl-tokens 4096] [--repeat 3]
                          [--enc-size 256] [--enc-threads 1] [--threads 1] [--parts decode,encode,quality]
-                         [--exl3 plain,ldlq] [--k 4] [--embed-k 3,4,5]
+                         [--exl3 plain,ldlq] [--k 4] [--embed-k 3,4,5] [--parts model,weights,embed]
 """
 
 from __future__ import annotations
@@ -511,6 +519,216 @@ def model_table(threads: int) -> str:
     )
 
 
+# ---------------------------------------------------------------------------------------------- weights
+
+#: EXL3 K=4's relative rms weight error (the format doc's relative MSE ~0.005): the proxy's noise
+PROXY_NOISE = 0.07
+PROXY_PROMPTS = (
+    "The capital of France is",
+    "In 1905, Albert Einstein published",
+    "def fibonacci(n):",
+    "The quick brown fox jumps over the lazy dog. Once upon a time",
+)
+
+
+def _greedy(module: Any, ids: torch.Tensor, steps: int) -> tuple[list[int], float, float]:
+    """``steps`` greedy tokens after the prompt ``ids`` (the native runtime's cache), with the wall and CPU
+    milliseconds per decode step."""
+
+    from anyquant.runtime.native import NativeCache
+
+    cache = NativeCache(module.config.num_hidden_layers)
+    nxt = module(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    tokens = [int(nxt)]
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps - 1):
+        nxt = module(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        tokens.append(int(nxt))
+    n = max(1, steps - 1)
+    return tokens, (time.perf_counter() - wall) / n * 1e3, (time.process_time() - cpu) / n * 1e3
+
+
+def _agreement(models: dict[str, Any], exact: Any, prompts: list[torch.Tensor], steps: int) -> dict[str, dict]:
+    """Per form against ``exact``: the logits' error on the exact model's greedy path (teacher-forced, at most 64
+    rows), the fitted gain, the argmax agreement there and the common prefix of free-running greedy tokens."""
+    import torch
+
+    out: dict[str, dict[str, Any]] = {
+        f: {"rel": 0.0, "dot": 0.0, "norm": 0.0, "agree": 0, "pos": 0, "prefix": []} for f in models
+    }
+    for ids in prompts:
+        ref = _greedy(exact.module, ids, steps)[0]
+        seq = torch.cat([ids, torch.tensor([ref[:-1]])], dim=1)[:, :64]
+        b = exact.module(seq).logits.double()
+        for form, model in models.items():
+            r = out[form]
+            a = model.module(seq).logits.double()
+            r["rel"] = max(r["rel"], float((a - b).abs().max() / b.abs().max()))
+            r["dot"], r["norm"] = r["dot"] + float((a * b).sum()), r["norm"] + float((b * b).sum())
+            r["agree"] += int((a.argmax(-1) == b.argmax(-1)).sum())
+            r["pos"] += seq.shape[1]
+            got = _greedy(model.module, ids, steps)[0]
+            r["prefix"].append(next((i for i, (x, y) in enumerate(zip(got, ref, strict=True)) if x != y), steps))
+    return out
+
+
+def _held_mib(module: Any) -> float:
+    """MiB the decoder layers' quantized linears hold: the fast form (``packed_bytes``) and the source kept beside
+    it (the bfloat16 form keeps the trellis for the exact weight)."""
+    total = 0
+    for name, m in module.named_modules():
+        if ".layers." in name and hasattr(m, "packed_bytes"):
+            total += m.packed_bytes()
+            source = getattr(m, "source", None)
+            total += sum(b.nbytes for b in source.buffers()) if hasattr(source, "buffers") else 0
+    return total / 2**20
+
+
+def _proxy_linear(w16: torch.Tensor, weights: str) -> Any:
+    """A float16 weight as cpu-fast builds a decoded EXL3 linear: the plugin's layouts, core's engine."""
+    from anyquant.runtime.qlinear import QuantLinearBase
+    from anyquant_exl3.qlinear import decoded_layouts
+
+    class Decoded16(QuantLinearBase):
+        def dequantize(self) -> torch.Tensor:
+            return w16
+
+        def packed_layouts(self) -> Any:
+            return decoded_layouts(self, weights)
+
+    return Decoded16(w16.shape[1], w16.shape[0]).to_fast_cpu()
+
+
+def proxy_table(threads: int, ppl_tokens: int = 2048) -> str:
+    """The trained-weight proxy: exact float32, bfloat16 and Q8_0 forms of the same float16 weights."""
+    import torch
+    from torch import nn
+
+    import anyquant
+
+    torch.set_num_threads(threads)
+    path = dense_model()
+    gen = torch.Generator().manual_seed(0)
+    base = anyquant.load(path, dtype="float32")
+    decoded: dict[str, torch.Tensor] = {}
+    for name, mod in base.module.named_modules():
+        if type(mod) is nn.Linear and ".layers." in name:
+            w = mod.weight.detach().float()
+            rms = w.pow(2).mean(dim=1, keepdim=True).sqrt()
+            decoded[name] = (w + PROXY_NOISE * rms * torch.randn(w.shape, generator=gen)).half()
+    tok = base.tokenizer
+    del base
+
+    def build(form: str) -> Any:
+        model = anyquant.load(path, dtype="float32")
+        for name, w16 in decoded.items():
+            parent, _, attr = name.rpartition(".")
+            if form == "exact":
+                lin: nn.Module = nn.Linear(w16.shape[1], w16.shape[0], bias=False)
+                lin.weight = nn.Parameter(w16.float(), requires_grad=False)
+            else:
+                lin = _proxy_linear(w16, form)
+            setattr(model.module.get_submodule(parent), attr, lin)
+        return model
+
+    exact = build("exact")
+    models = {form: build(form) for form in ("bfloat16", "q8_0")}
+    ids = torch.tensor([tok.encode(corpus_text("wiki", "evaluation"))[: ppl_tokens + 1]])
+    with torch.inference_mode():
+        agree = _agreement(models, exact, [torch.tensor([tok.encode(p)]) for p in PROXY_PROMPTS], 32)
+        nll = dict.fromkeys(["exact", *models], 0.0)
+        for s in range(0, ids.shape[1] - 1, 64):
+            x, y = ids[:, s : s + 64], ids[0, s + 1 : s + 65]
+            x = x[:, : len(y)]
+            for form, model in (("exact", exact), *models.items()):
+                lp = torch.log_softmax(model.module(x).logits[0].double(), -1)
+                nll[form] += float(-lp[torch.arange(len(y)), y].sum())
+    ppl = {form: math.exp(v / (ids.shape[1] - 1)) for form, v in nll.items()}
+    lines = [
+        f"Trained-weight proxy: SmolLM2-135M's linears plus {PROXY_NOISE:.0%}-of-row-rms noise, rounded to float16 "
+        f"(as EXL3 decodes); dense head; {threads} thread(s). Exact float32 perplexity {ppl['exact']:.4f} "
+        f"({ids.shape[1] - 1} wiki tokens, 64-token windows).",
+        "",
+        "| form | logits max err / max logit | gain error \\|g-1\\| | teacher-forced argmax agreement | greedy tokens "
+        "equal to the exact ones (of 32, per prompt) | perplexity (vs exact) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for form, r in agree.items():
+        lines.append(
+            f"| {form} | {r['rel']:.2e} | {abs(r['dot'] / r['norm'] - 1):.1e} | {r['agree']}/{r['pos']} | "
+            f"{', '.join(map(str, r['prefix']))} | {ppl[form]:.4f} ({(ppl[form] - ppl['exact']) / ppl['exact']:+.2%}) |"
+        )
+    return "\n".join(lines)
+
+
+def weights_table(threads: int, repeat: int, steps: int = 48) -> str:
+    """The random-trellis model (part 4's) under cpu-fast's two forms against ``dequantized``, in one process."""
+    import gc
+    import os
+    import statistics
+
+    import torch
+
+    import anyquant
+
+    torch.set_num_threads(threads)
+    path = random_exl3_model()
+    load0 = os.getloadavg()[0]
+    exact = anyquant.load(path, backend="dequantized")
+    models, load_s = {}, {}
+    for form in ("bfloat16", "q8_0"):
+        t0 = time.perf_counter()
+        models[form] = anyquant.load(path, backend="cpu-fast", cpu_fast_weights=form)
+        load_s[form] = time.perf_counter() - t0
+    tok = exact.tokenizer
+    with torch.inference_mode():
+        agree = _agreement(models, exact, [torch.tensor([tok.encode(p)]) for p in PROXY_PROMPTS[:2]], 32)
+        del exact
+        gc.collect()
+        prompt = torch.tensor([tok.encode(PROXY_PROMPTS[3])])
+        long = torch.tensor([tok.encode(corpus_text("wiki", "evaluation"))[:512]])
+        wall: dict[str, list[float]] = {f: [] for f in models}
+        cpu: dict[str, list[float]] = {f: [] for f in models}
+        prefill: dict[str, list[float]] = {f: [] for f in models}
+        for model in models.values():  # warm-up: the compiled step's first build, oneDNN's first calls
+            _greedy(model.module, prompt, 4)
+            model.module(long[:, :64])
+        for _ in range(repeat):
+            for form, model in models.items():
+                _, w, c = _greedy(model.module, prompt, steps)
+                wall[form].append(w)
+                cpu[form].append(c)
+                t0 = time.perf_counter()
+                model.module(long)
+                prefill[form].append(long.shape[1] / (time.perf_counter() - t0))
+    load1 = os.getloadavg()[0]
+    lines = [
+        f"Random-trellis model (part 4's: SmolLM2-135M's shape, EXL3 K=4 mul1; its outputs are noise), {threads} "
+        f"thread(s), load average {load0:.1f} -> {load1:.1f}; decode: {steps} greedy steps after a short prompt, "
+        f"prefill: {long.shape[1]} tokens; the two forms alternating, median of {repeat}.",
+        "",
+        "| cpu_fast_weights | linears | MiB held by the linears | load s | logits max err / max logit | "
+        "gain error \\|g-1\\| | teacher-forced argmax agreement | greedy tokens equal to dequantized's (of 32) | "
+        "decode ms/token (wall) | decode CPU ms/token (all threads) | prefill tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for form, model in models.items():
+        r = agree[form]
+        lines.append(
+            f"| {form} | {model.info['cpu_fast']['linears']} | {_held_mib(model.module):.0f} | {load_s[form]:.1f} | "
+            f"{r['rel']:.2e} | {abs(r['dot'] / r['norm'] - 1):.1e} | {r['agree']}/{r['pos']} | "
+            f"{', '.join(map(str, r['prefix']))} | {statistics.median(wall[form]):.1f} | "
+            f"{statistics.median(cpu[form]):.1f} | {statistics.median(prefill[form]):.0f} |"
+        )
+    b, q = statistics.median(wall["bfloat16"]), statistics.median(wall["q8_0"])
+    lines.append("")
+    lines.append(
+        f"Q8_0 decode speed-up over bfloat16: {b / q:.2f}x (wall), per-run ratios "
+        + ", ".join(f"{x / y:.2f}" for x, y in zip(wall["bfloat16"], wall["q8_0"], strict=True))
+    )
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- main
 # ---------------------------------------------------------------------------------------------- main
 
@@ -565,6 +783,11 @@ def main() -> int:
     if "model" in parts:
         print()
         print(model_table(args.threads))
+    if "weights" in parts:
+        print()
+        print(weights_table(args.threads, args.repeat))
+        print()
+        print(proxy_table(args.threads))
     if "embed" in parts:
         print()
         print(embed_table(args.ppl_tokens, [int(k) for k in _csv(args.embed_k)], args.threads, args.seed))

@@ -214,3 +214,44 @@ def run_peer(cases: dict[str, dict[str, torch.Tensor]], timeout: int = 900) -> d
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = max(float(b.abs().max()), 1e-30)
     return float((a.double() - b.double()).abs().max()) / scale
+
+
+# ------------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def exl2_from_dense(dense: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Pack every decoder linear of ``dense`` as EXL2 4-bit (groups of 32 rows, a random act-order) into the folder
+    ``out``; returns each linear's decoded weight by its name."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from anyquant_exl3.exl2.dequant import decode_exl2, pack_exl2
+
+    shutil.copytree(dense, out)
+    state = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    expected = {}
+    for name in [n for n in state if ".layers." in n and n.endswith("proj.weight")]:
+        w = state.pop(name)  # [out, in]
+        n_out, k = w.shape
+        n_pad = -(-n_out // 32) * 32
+        perm = torch.randperm(k, generator=gen)
+        wp = torch.zeros(k, n_pad)
+        wp[:, :n_out] = w.t()[perm]
+        groups = k // 32
+        q_scale_max = wp.abs().reshape(groups, 32, n_pad).amax(dim=(1, 2)) / 8 + 1e-3
+        codes = torch.full((groups, n_pad), 15, dtype=torch.int64)  # qscale 16: scale = q_scale_max
+        scale = (q_scale_max.half().float() / 256 * 256)[:, None].repeat_interleave(32, 0)
+        q = torch.clamp(torch.round(wp / scale) + 8, 0, 15).to(torch.int64)
+        packed = pack_exl2(q, [4] * groups, [32] * groups, codes, q_scale_max, torch.argsort(perm))
+        prefix = name.removesuffix(".weight")
+        state.update({f"{prefix}.{key}": value for key, value in packed.items()})
+        expected[prefix] = decode_exl2(
+            **{k2: packed[k2] for k2 in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")},
+            out_features=n_out,
+        )
+    (out / "model.safetensors").unlink()
+    save_file(state, out / "output.safetensors")
+    return expected

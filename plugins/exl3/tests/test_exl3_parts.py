@@ -125,12 +125,17 @@ def test_phi3_exl3_is_written_split_and_loads_fused(phi3: Path, tmp_path: Path) 
         a, b, c = ref.module(IDS).logits, deq.module(IDS).logits, src.module(IDS).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert ((a - c).abs().max() / c.abs().max()).item() < 0.15
-    from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_head_status
+    from anyquant.runtime.fastcpu import Int8BlockLinear, PrepackedBf16Linear, bf16_head_status, block_kernel_is_fast
 
-    if bf16_head_status()[0]:
-        fast = anyquant.load(q, backend="cpu-fast").module.model.layers[0].self_attn.qkv_proj
+    if bf16_head_status()[0]:  # cpu-fast builds each part: bfloat16 prepacked (its exact weight kept) ...
+        bf16 = anyquant.load(q, backend="cpu-fast", cpu_fast_weights="bfloat16")
+        fast = bf16.module.model.layers[0].self_attn.qkv_proj
         assert isinstance(fast, LinearParts) and all(isinstance(x, PrepackedBf16Linear) for x in fast.parts)
         assert torch.equal(fast.dequantize(), want)
+    if bf16_head_status()[0] and block_kernel_is_fast():  # ... or as Q8_0 blocks (the default there)
+        fast = anyquant.load(q, backend="cpu-fast").module.model.layers[0].self_attn.qkv_proj
+        assert isinstance(fast, LinearParts) and all(isinstance(x, Int8BlockLinear) for x in fast.parts)
+        assert float((fast.dequantize() - want.float()).abs().max()) <= float(want.abs().max()) / 127
     out = anyquant.export_dense(q, tmp_path / "exported", dtype="float32")
     exported = load_file(out / "model.safetensors")
     assert torch.equal(exported[f"{p}.qkv_proj.weight"], want.float())

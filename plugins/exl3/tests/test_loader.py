@@ -4,6 +4,7 @@ decoded by the loader exactly as the standalone decoders do."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from safetensors.torch import load_file, save_file
 
 import anyquant
 from anyquant_exl3.dequant import decode_exl3
-from anyquant_exl3.exl2.dequant import decode_exl2, pack_exl2
 from anyquant_exl3.quantize import allocate_bits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _exl3_testlib import exl2_from_dense as _exl2_from_dense
 
 pytestmark = pytest.mark.slow
 
@@ -127,38 +130,6 @@ def test_allocate_bits_as_exllamav3() -> None:
                 assert by_group.setdefault(key, k) == k
 
 
-def _exl2_from_dense(dense: Path, out: Path) -> dict[str, torch.Tensor]:
-    """Pack every decoder linear of ``dense`` as EXL2 4-bit (groups of 32 rows, a random act-order)."""
-    import shutil
-
-    shutil.copytree(dense, out)
-    state = load_file(out / "model.safetensors")
-    gen = torch.Generator().manual_seed(0)
-    expected = {}
-    for name in [n for n in state if ".layers." in n and n.endswith("proj.weight")]:
-        w = state.pop(name)  # [out, in]
-        n_out, k = w.shape
-        n_pad = -(-n_out // 32) * 32
-        perm = torch.randperm(k, generator=gen)
-        wp = torch.zeros(k, n_pad)
-        wp[:, :n_out] = w.t()[perm]
-        groups = k // 32
-        q_scale_max = wp.abs().reshape(groups, 32, n_pad).amax(dim=(1, 2)) / 8 + 1e-3
-        codes = torch.full((groups, n_pad), 15, dtype=torch.int64)  # qscale 16: scale = q_scale_max
-        scale = (q_scale_max.half().float() / 256 * 256)[:, None].repeat_interleave(32, 0)
-        q = torch.clamp(torch.round(wp / scale) + 8, 0, 15).to(torch.int64)
-        packed = pack_exl2(q, [4] * groups, [32] * groups, codes, q_scale_max, torch.argsort(perm))
-        prefix = name.removesuffix(".weight")
-        state.update({f"{prefix}.{key}": value for key, value in packed.items()})
-        expected[prefix] = decode_exl2(
-            **{k2: packed[k2] for k2 in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")},
-            out_features=n_out,
-        )
-    (out / "model.safetensors").unlink()
-    save_file(state, out / "output.safetensors")
-    return expected
-
-
 def test_exl2_loads_with_the_decoder_and_never_as_exl3(dense: Path, tmp_path: Path) -> None:
     expected = _exl2_from_dense(dense, tmp_path / "exl2")
     d = anyquant.detect(tmp_path / "exl2")
@@ -178,8 +149,9 @@ def test_exl2_loads_with_the_decoder_and_never_as_exl3(dense: Path, tmp_path: Pa
     assert ((a - c).abs().max() / c.abs().max()).item() < 0.2
     from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_head_status
 
-    if bf16_head_status()[0]:  # cpu-fast, the CPU default there: bfloat16 prepacked, exact dequantize()
-        fast = anyquant.load(tmp_path / "exl2")
+    if bf16_head_status()[0]:  # cpu-fast, the CPU default there; its bfloat16 form: exact dequantize() (the default
+        # form where the block kernel runs, Q8_0 blocks: test_exl3_cpu_q8.py)
+        fast = anyquant.load(tmp_path / "exl2", cpu_fast_weights="bfloat16")
         assert fast.backend == "cpu-fast"
         for prefix, want in expected.items():
             layer = fast.module.get_submodule(prefix)
@@ -220,7 +192,8 @@ def test_cpu_fast_prepacks_bfloat16_and_is_the_cpu_default(exl3: Path) -> None:
     from anyquant.runtime.fastcpu import FastHead, PrepackedBf16Linear
     from anyquant_exl3.loader import EXL3Loader
 
-    fast = anyquant.load(exl3)
+    assert anyquant.load(exl3).backend == "cpu-fast"
+    fast = anyquant.load(exl3, cpu_fast_weights="bfloat16")  # the Q8_0 form (default with the kernel): test_exl3_cpu_q8
     assert fast.backend == "cpu-fast" and fast.info["cpu_fast"]["linears"] == "bfloat16 prepacked"
     deq = anyquant.load(exl3, backend="dequantized")
     ref = anyquant.load(exl3, backend="reference")
@@ -245,8 +218,11 @@ def test_cpu_fast_prepacks_bfloat16_and_is_the_cpu_default(exl3: Path) -> None:
 
 @needs_bf16
 def test_cpu_fast_export_is_exact(exl3: Path, tmp_path: Path) -> None:
+    """The bfloat16 form keeps the trellis for the exact weight (the Q8_0 form exports the weight it runs:
+    test_exl3_cpu_q8.py)."""
     a = load_file(
-        anyquant.export_dense(exl3, tmp_path / "a", dtype="float32", backend="cpu-fast") / "model.safetensors"
+        anyquant.export_dense(exl3, tmp_path / "a", dtype="float32", backend="cpu-fast", cpu_fast_weights="bfloat16")
+        / "model.safetensors"
     )
     b = load_file(anyquant.export_dense(exl3, tmp_path / "b", dtype="float32") / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -34,12 +36,23 @@ if TYPE_CHECKING:
     from torch import nn
 
     from anyquant.plugin import LoadedModel
+    from anyquant.runtime.fastcpu import FastCPUPlan
     from anyquant.runtime.parts import PartsPlan
     from anyquant.runtime.qlinear import QuantLinearBase
 
     from .ring import RingTable
 
-__all__ = ["EXLLAMAV3_OPTIONS", "BF16CpuFast", "EXL3Loader", "cpu_fast_backend", "stored_parts"]
+__all__ = [
+    "CPU_FAST_WEIGHTS_OPTIONS",
+    "EXLLAMAV3_OPTIONS",
+    "BF16CpuFast",
+    "CpuFastState",
+    "DecodedCpuFast",
+    "EXL3Loader",
+    "cpu_fast_backend",
+    "cpu_fast_weights",
+    "stored_parts",
+]
 
 log = logging.getLogger(__name__)
 
@@ -190,9 +203,20 @@ class EXL3Source(SafetensorsSource):
         return RingTable(trellis, super().get(info.signs), info.k, self.hidden)
 
 
+#: the load option of EXL3's and EXL2's ``cpu-fast`` (besides core's ``CPU_FAST_OPTIONS``)
+CPU_FAST_WEIGHTS_OPTIONS: Mapping[str, str] = MappingProxyType(
+    {
+        "cpu_fast_weights": "cpu-fast's form of each decoded linear: 'auto' (default: Q8_0 blocks on the compiled "
+        "block kernel where it is built and vectorized, else bfloat16), 'q8_0' (re-quantized per block of 32, 1.06 "
+        "bytes per weight; refused where the kernel does not run) or 'bfloat16' (prepacked for oneDNN, 2 bytes)",
+    }
+)
+_STATE_KEY = "exl3_cpu_fast"
+
+
 def cpu_fast_backend() -> BackendInfo:
-    """``cpu-fast``: each linear decoded once at load, rounded to bfloat16 and prepacked for oneDNN
-    (:class:`anyquant.runtime.fastcpu.PrepackedBf16Linear`), where AMX or AVX512-BF16 makes that fast."""
+    """``cpu-fast``: each linear decoded once at load and held as Q8_0 blocks on the compiled block kernel (where it
+    is built and vectorized) or as bfloat16 prepacked for oneDNN, where AMX or AVX512-BF16 makes that fast."""
     from anyquant.runtime.fastcpu import bf16_head_status
 
     ok, reason = bf16_head_status()
@@ -201,34 +225,99 @@ def cpu_fast_backend() -> BackendInfo:
         ok,
         reason,
         devices=("cpu",),
-        description="decode once at load to a bfloat16 weight prepacked for oneDNN (AMX/AVX512-BF16), bfloat16 "
-        "activations: 2 bytes per weight (SmolLM2-sized against dequantized: 0.6x the memory, 1.24x decode, "
-        "1.67x prompt speed); a dense head likewise",
+        description="decode once at load to Q8_0 blocks on the compiled block kernel (1.06 bytes per weight; "
+        "where it is built and vectorized) or a bfloat16 weight prepacked for oneDNN (AMX/AVX512-BF16, 2 bytes "
+        "per weight; option cpu_fast_weights); a dense head as GPTQ/AWQ's cpu-fast",
     )
 
 
-class BF16CpuFast:
-    """The ``cpu-fast`` backend shared by the EXL3 and EXL2 loaders: each quantized linear as a
-    :class:`~anyquant.runtime.fastcpu.PrepackedBf16Linear`, a 16-bit LM head prepacked as GPTQ/AWQ's cpu-fast
-    does (its exact table and the embedding left in the checkpoint file)."""
+def cpu_fast_weights(extra: Mapping[str, Any]) -> str:
+    """Load option ``cpu_fast_weights`` checked (``"auto"``, ``"q8_0"`` or ``"bfloat16"``); ``"q8_0"`` asked for
+    where the compiled block kernel does not run is refused, before anything is read."""
+    from anyquant.plugin import ParameterError
+    from anyquant.runtime.fastcpu import block_kernel_is_fast
+
+    from .qlinear import CPU_FAST_WEIGHTS
+
+    weights = extra.get("cpu_fast_weights", "auto")
+    if weights not in CPU_FAST_WEIGHTS:
+        raise ParameterError(f"cpu_fast_weights={weights!r} is not one of {', '.join(map(repr, CPU_FAST_WEIGHTS))}")
+    if weights == "q8_0" and not block_kernel_is_fast():
+        raise ParameterError(
+            "cpu_fast_weights='q8_0' runs on the compiled block kernel, which is not built (or not vectorized) "
+            "here (python -m anyquant.runtime.kernels build); 'auto' or 'bfloat16' hold the weights in bfloat16"
+        )
+    return str(weights)
+
+
+@dataclass
+class CpuFastState:
+    """One cpu-fast load of an EXL3 / EXL2 checkpoint: core's plan (its options; :meth:`FastCPUPlan.convert` builds
+    each linear from the layouts the layer offers), the ``cpu_fast_weights`` asked for, and each built module's form
+    by ``id`` (for the record)."""
+
+    plan: FastCPUPlan
+    weights: str
+    forms: dict[int, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """The linears' forms: one, or each with its count."""
+        counts = Counter(self.forms.values())
+        if len(counts) == 1:
+            return next(iter(counts))
+        return ", ".join(f"{form} x{n}" for form, n in counts.most_common())
+
+
+class DecodedCpuFast:
+    """The ``cpu-fast`` backend shared by the EXL3 and EXL2 loaders: each quantized linear decoded once at load and
+    built by core's engine (:meth:`~anyquant.runtime.fastcpu.FastCPUPlan.convert`) from the layouts the layer offers
+    (:func:`anyquant_exl3.qlinear.decoded_layouts`: Q8_0 blocks on the compiled kernel, or bfloat16 prepacked for
+    oneDNN, per option ``cpu_fast_weights``); a 16-bit LM head as GPTQ/AWQ's cpu-fast does (its exact table and the
+    embedding left in the checkpoint file)."""
+
+    def prepare(self, ctx: LoadContext) -> None:
+        """cpu-fast: its options read (a bad one refused before any weight is read) into this load's state."""
+        if ctx.backend != "cpu-fast":
+            return
+        from anyquant.runtime.fastcpu import FastCPUPlan
+
+        plan = FastCPUPlan.from_options(ctx.options.extra)
+        ctx.state[_STATE_KEY] = CpuFastState(plan, cpu_fast_weights(ctx.options.extra))
 
     @staticmethod
-    def fast_layer(ctx: LoadContext, layer: QuantLinearBase) -> Any:
-        if ctx.backend != "cpu-fast":
-            return layer
-        from anyquant.runtime.fastcpu import PrepackedBf16Linear
+    def fast_state(ctx: LoadContext) -> CpuFastState | None:
+        """This load's cpu-fast state (``None``: another backend)."""
+        state = ctx.state.get(_STATE_KEY)
+        return state if isinstance(state, CpuFastState) else None
 
-        return PrepackedBf16Linear(layer)
+    def layer_weights(self, ctx: LoadContext) -> str:
+        """The ``cpu_fast_weights`` a layer is built with (its :meth:`packed_layouts` offer them)."""
+        state = self.fast_state(ctx)
+        return "auto" if state is None else state.weights
+
+    def fast_layer(self, ctx: LoadContext, name: str, layer: QuantLinearBase) -> Any:
+        """``layer`` (built in ``reference`` mode with :meth:`layer_weights`) as cpu-fast runs it; itself under the
+        other backends."""
+        state = self.fast_state(ctx)
+        if state is None:
+            return layer
+        fast = state.plan.convert(name, layer)
+        if fast is layer:  # no layout runs here: the exact dequantized weight (the plan recorded why)
+            form = "dequantized"
+        else:
+            form = "Q8_0 blocks" if getattr(fast, "type_name", None) == "Q8_0" else "bfloat16 prepacked"
+        state.forms[id(fast)] = form
+        return fast
 
     def linear_factory(
         self, ctx: LoadContext, stored: Mapping[str, Any], one: Callable[[str, int, int], QuantLinearBase]
     ) -> Callable[[str, nn.Linear], nn.Module | None]:
         """``make_linear``'s factory over ``one(name, in_features, out_features)``: a linear stored under its own
         name (a key of ``stored``), or one the checkpoint stores as parts (:func:`stored_parts`), each part
-        prepacked for cpu-fast."""
+        built for cpu-fast."""
 
         def built(name: str, in_features: int, out_features: int) -> Any:
-            return self.fast_layer(ctx, one(name, in_features, out_features))
+            return self.fast_layer(ctx, name, one(name, in_features, out_features))
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             if name in stored:
@@ -247,27 +336,33 @@ class BF16CpuFast:
         return ctx.backend == "cpu-fast" and ctx.device.type == "cpu"
 
     def finish_cpu_fast(self, loaded: LoadedModel, ctx: LoadContext) -> None:
-        """After the build: cpu-fast's head (a quantized head is a PrepackedBf16Linear already), and the record."""
-        if loaded.backend != "cpu-fast":
+        """After the build: cpu-fast's head (a quantized head is built as the linears are), and the record."""
+        state = self.fast_state(ctx)
+        if loaded.backend != "cpu-fast" or state is None:
             return
         import torch
 
-        from anyquant.runtime.fastcpu import FastCPUPlan, PrepackedBf16Linear
-
-        plan = FastCPUPlan.from_options(ctx.options.extra)
-        plan.converted = 1
+        plan = state.plan
         plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=ctx.file_tables)
         head = plan.head_info
-        if isinstance(loaded.module.get_output_embeddings(), PrepackedBf16Linear):
-            head = {"head": "bfloat16 prepacked (a quantized head)"}
-        loaded.info = {**loaded.info, "cpu_fast": {"linears": "bfloat16 prepacked", "lm_head": head}}
+        quantized_head = state.forms.get(id(loaded.module.get_output_embeddings()))
+        if quantized_head is not None:
+            head = {"head": f"{quantized_head} (a quantized head)"}
+        record: dict[str, Any] = {"linears": state.describe(), "weights": state.weights, "lm_head": head}
+        if plan.fallback:
+            record["dequantized_layers"] = dict(plan.fallback)
+        loaded.info = {**loaded.info, "cpu_fast": record}
 
 
-class EXL3Loader(BF16CpuFast, TransformersLoader):
+#: the mixin's former name (it held every linear in bfloat16), for code that imports it
+BF16CpuFast = DecodedCpuFast
+
+
+class EXL3Loader(DecodedCpuFast, TransformersLoader):
     format = "exl3"
     backend_order = ("exllamav3", "cpu-fast", "dequantized", "reference")
     load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
-        {**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS, **EXLLAMAV3_OPTIONS}
+        {**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS, **CPU_FAST_WEIGHTS_OPTIONS, **EXLLAMAV3_OPTIONS}
     )
     #: exllamav3's loader ties whenever lm_head is absent, and 1.6.x writes tie_word_embeddings: false always
     #: (format doc, "Tied embeddings"): the tensors decide, not the flag
@@ -378,6 +473,7 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
         from .qlinear import EXL3Linear
 
         modules = _modules(ctx.probe)
+        weights = self.layer_weights(ctx)
         src = ctx.source
         if isinstance(src, EXL3Source) and ctx.backend in ("reference", "cpu-fast"):
             # packed memory: the token embedding stays ring-coded (load() installs it after the build)
@@ -420,6 +516,7 @@ class EXL3Loader(BF16CpuFast, TransformersLoader):
                 multiplier=multiplier,
                 mode="dequantized" if ctx.backend == "dequantized" else "reference",
                 compute_dtype=ctx.dtype,
+                cpu_fast_weights=weights,
             )
 
         return self.linear_factory(ctx, modules, one)

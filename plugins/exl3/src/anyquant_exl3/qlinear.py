@@ -1,6 +1,10 @@
-"""``EXL3Linear``: an EXL3 trellis-coded linear layer over the pure-torch decoder."""
+"""``EXL3Linear``: an EXL3 trellis-coded linear layer over the pure-torch decoder, and the layouts ``cpu-fast`` runs
+EXL3's and EXL2's weights from (:func:`decoded_layouts`)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -11,7 +15,85 @@ from anyquant.runtime.qlinear import QuantLinearBase
 from .dequant import decode_exl3
 from .ring import RingTable
 
-__all__ = ["EXL3Linear", "EXL3TableEmbedding", "LinearParts"]
+if TYPE_CHECKING:
+    from anyquant.runtime.layouts import Layout
+
+__all__ = ["CPU_FAST_WEIGHTS", "EXL3Linear", "EXL3TableEmbedding", "LinearParts", "Q8Rounding", "decoded_layouts"]
+
+#: the forms ``cpu-fast`` may hold a decoded EXL3 / EXL2 weight in (load option ``cpu_fast_weights``)
+CPU_FAST_WEIGHTS = ("auto", "q8_0", "bfloat16")
+
+
+class Q8Rounding:
+    """A layer's decoded weight rounded to Q8_0 blocks, formed once on the first call of :meth:`codes` or
+    :meth:`scales`: per block of 32 inputs ``d = max|w| / 127`` (float16), codes ``round(w / d)`` (halves away from
+    zero), llama.cpp's ``quantize_row_q8_0`` bit for bit (:func:`anyquant.runtime.kernels.linear.q8_0_blocks`). A
+    second, lossy rounding of the format's weight: up to half a step, ``max|w_block| / 254``, per weight."""
+
+    #: weights rounded per step of :meth:`_form`
+    CHUNK = 1 << 22
+
+    def __init__(self, layer: QuantLinearBase) -> None:
+        self.layer = layer
+        self._codes: torch.Tensor | None = None
+        self._scales: torch.Tensor | None = None
+
+    def _form(self) -> None:
+        """The layer decoded once, rounded a few rows at a time (the float32 temporaries stay small)."""
+        from anyquant.runtime.kernels.linear import q8_0_blocks
+
+        n, k = self.layer.out_features, self.layer.in_features
+        weight = self.layer.dequantize()
+        codes = torch.empty(n, k, dtype=torch.int8)
+        scales = torch.empty(n, k // 32, dtype=torch.float16)
+        rows = max(1, self.CHUNK // k)
+        for start in range(0, n, rows):
+            blocks = q8_0_blocks(weight[start : start + rows]).view(-1, k // 32, 34)
+            scales[start : start + rows] = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+            codes[start : start + rows] = blocks[..., 2:].contiguous().view(torch.int8).flatten(1)
+        self._codes, self._scales = codes, scales
+
+    def codes(self) -> torch.Tensor:
+        """``[out, in]`` int8."""
+        if self._codes is None:
+            self._form()
+        assert self._codes is not None
+        return self._codes
+
+    def scales(self) -> torch.Tensor:
+        """``[out, in / 32]`` float16."""
+        if self._scales is None:
+            self._form()
+        assert self._scales is not None
+        return self._scales
+
+
+def decoded_layouts(layer: QuantLinearBase, weights: str) -> Sequence[Layout] | str:
+    """What ``cpu-fast`` runs an EXL3 / EXL2 layer from (their codes are trellis states or variable-bit groups, which
+    no CPU kernel reads): the decoded weight, held as ``weights`` says (load option ``cpu_fast_weights``):
+
+    - ``"q8_0"`` or ``"auto"``: re-quantized to Q8_0 blocks (:class:`Q8Rounding`, 1.0625 bytes per weight) on the
+      compiled block kernel, where it is built and vectorized and ``in_features`` is a multiple of 32; else, as
+      ``"bfloat16"``:
+    - ``"bfloat16"``: rounded to bfloat16 (2 bytes per weight; the layer kept for its exact weight).
+
+    Measured against the exact weights (docs/benchmarks.md, "EXL3 on a CPU: bfloat16 vs Q8_0 blocks"): both forms'
+    logits within cpu-fast's 2e-2 of the largest on the test fixtures; on a trained-weight proxy Q8_0 twice
+    bfloat16's logits error, +0.37 % perplexity against +0.13 %, at 2.4x its decode speed.
+    """
+    from anyquant.runtime.layouts import Decoded, Int8Blocks
+
+    if weights not in CPU_FAST_WEIGHTS:
+        raise ValueError(f"cpu_fast_weights={weights!r} is not one of {', '.join(map(repr, CPU_FAST_WEIGHTS))}")
+    if layer.mode != "reference":
+        return f"a {layer.mode} layer (cpu-fast decodes the packed tensors of a reference one)"
+    exact = Decoded(layer)
+    if weights == "bfloat16" or layer.in_features % 32:
+        return [exact]
+    q8 = Q8Rounding(layer)
+    bias = layer._buffers.get("bias")
+    k, n = layer.in_features, layer.out_features
+    return [Int8Blocks(k, n, 32, codes=q8.codes, scales=q8.scales, round_to=torch.float32, bias=bias), exact]
 
 
 class EXL3Linear(QuantLinearBase):
@@ -37,8 +119,11 @@ class EXL3Linear(QuantLinearBase):
         multiplier: int | None = None,
         mode: str = "reference",
         compute_dtype: torch.dtype = torch.float32,
+        cpu_fast_weights: str = "auto",
     ) -> None:
         super().__init__(in_features, out_features, mode=mode, compute_dtype=compute_dtype)
+        #: the form cpu-fast holds the decoded weight in (:func:`decoded_layouts`)
+        self.cpu_fast_weights = cpu_fast_weights
         self.codebook = codebook
         self.multiplier = multiplier
         self.k_bits = trellis.shape[-1] / 16
@@ -60,6 +145,10 @@ class EXL3Linear(QuantLinearBase):
             out_features=self.out_features,
             multiplier=self.multiplier,
         )
+
+    def packed_layouts(self) -> Sequence[Layout] | str:
+        """The decoded weight as Q8_0 blocks or in bfloat16 (:func:`decoded_layouts`)."""
+        return decoded_layouts(self, self.cpu_fast_weights)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, K={self.k_bits:g}, codebook={self.codebook}"

@@ -1,5 +1,5 @@
 """The EXL2 (exllamav2) loader: exllamav2 is archived and CUDA-only; this reads its checkpoints on any torch device,
-with EXL3's ``cpu-fast`` (bfloat16 prepacked) on the CPU."""
+with EXL3's ``cpu-fast`` (each linear decoded once at load, as Q8_0 blocks or bfloat16 prepacked) on the CPU."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from anyquant.plugin import (
     tensors_by_module,
 )
 
-from ..loader import BF16CpuFast, cpu_fast_backend
+from ..loader import CPU_FAST_WEIGHTS_OPTIONS, DecodedCpuFast, cpu_fast_backend
 
 if TYPE_CHECKING:
     from torch import nn
@@ -34,12 +34,14 @@ if TYPE_CHECKING:
 __all__ = ["EXL2Loader"]
 
 
-class EXL2Loader(BF16CpuFast, TransformersLoader):
+class EXL2Loader(DecodedCpuFast, TransformersLoader):
     """EXL2 on CPU: exllamav2 is archived and CUDA-only; this is a maintained way to read it."""
 
     format = "exl2"
     backend_order = ("cpu-fast", "dequantized", "reference")
-    load_options: ClassVar[Mapping[str, str]] = MappingProxyType({**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS})
+    load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS, **CPU_FAST_WEIGHTS_OPTIONS}
+    )
     SUFFIXES = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm")
 
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
@@ -95,6 +97,7 @@ class EXL2Loader(BF16CpuFast, TransformersLoader):
         from .qlinear import EXL2Linear
 
         src = ctx.source
+        weights = self.layer_weights(ctx)
         stored: dict[str, Any] = {p: {} for p in ctx.probe.modules_with("q_weight")}
 
         def one(name: str, in_features: int, out_features: int) -> QuantLinearBase:
@@ -107,6 +110,7 @@ class EXL2Loader(BF16CpuFast, TransformersLoader):
                 out_features=out_features,
                 mode="dequantized" if ctx.backend == "dequantized" else "reference",
                 compute_dtype=ctx.dtype,
+                cpu_fast_weights=weights,
             )
 
         return self.linear_factory(ctx, stored, one)  # a fused projection may be stored split
