@@ -78,14 +78,15 @@ def gguf_path(probe: Probe) -> Path:
 
 
 def _int4_linears(probe: Probe) -> int:
-    """How many of the GGUF model's tensors (every part's), the token embedding aside, have an int4 kernel type."""
-    from .qlinear import INT4_TYPES
+    """How many of the GGUF model's tensors (every part's), the token embedding aside, cpu-fast's kernels take: an int4
+    kernel type, or a type of the compiled block kernel where it is built (a Q6_K or Q8_0 file has no int4 tensor)."""
+    from .qlinear import BLOCK_KERNEL_TYPES, INT4_TYPES, block_kernel_available
 
     try:
         headers = gguf_model(probe).headers
     except AnyquantError:
         return 0
-    kinds = {int(t) for t in INT4_TYPES}
+    kinds = {int(t) for t in INT4_TYPES} | {int(t) for t in BLOCK_KERNEL_TYPES if block_kernel_available(t)}
     return sum(1 for h in headers for t in h.tensors if t.type_id in kinds and not t.name.startswith("token_embd"))
 
 
