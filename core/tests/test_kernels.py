@@ -5,6 +5,8 @@ Skipped where the kernel is not built (``python -m anyquant.runtime.kernels buil
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -39,6 +41,29 @@ def _quantize_x(x: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tenso
         return q.to(torch.int64), d.squeeze(-1)
     low = torch.round((blocks - q * d) * inv * 256).clamp(-127, 127)
     return q.to(torch.int64) * 256 + low.to(torch.int64), d.squeeze(-1) / 256
+
+
+def experts_reference(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    experts: int,
+    linear: Callable[[torch.Tensor, int, int], torch.Tensor],
+    inter: int,
+) -> torch.Tensor:
+    """``ggml_experts``' arithmetic from its linears (``linear(x, i, rows)``: expert ``i // 3``'s gate, up, down): per
+    row, ``0 + w * down(silu(gate x) * up x)`` over its chosen experts in ascending order, an index past ``experts``
+    skipped."""
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        out = torch.zeros(1, x.shape[1])
+        for pos, e in sorted(enumerate(index[t].tolist()), key=lambda item: item[1]):
+            if e < experts:
+                row = x[t : t + 1]
+                m = torch.nn.functional.silu(linear(row, 3 * e, inter)) * linear(row, 3 * e + 1, inter)
+                out = out + linear(m, 3 * e + 2, x.shape[1]) * weights[t, pos]
+        want[t] = out[0]
+    return want
 
 
 def _integer_reference(
@@ -217,16 +242,7 @@ def test_experts_is_each_chosen_expert_in_order(isa: int, passes: int) -> None:
     index = torch.tensor([[2, 0], [3, 3], [1, 4]])  # a repeated expert; 4: not one of the 4 (skipped)
     weights = torch.rand(3, 2, generator=gen)
     got = torch.ops.anyquant.ggml_experts(x, index, weights, blocks, types, inter, isa, passes)
-    want = torch.zeros_like(x)
-    for t in range(3):
-        out = torch.zeros(1, hidden)
-        for pos, e in sorted(enumerate(index[t].tolist()), key=lambda item: item[1]):
-            if e < len(forms):
-                row = x[t : t + 1]
-                m = torch.nn.functional.silu(linear(row, 3 * e, inter)) * linear(row, 3 * e + 1, inter)
-                out = out + linear(m, 3 * e + 2, hidden) * weights[t, pos]
-        want[t] = out[0]
-    assert torch.equal(got, want)
+    assert torch.equal(got, experts_reference(x, index, weights, len(forms), linear, inter))
     with pytest.raises(RuntimeError, match="gate, up and down"):
         torch.ops.anyquant.ggml_experts(x, index, weights, blocks[:4], types[:4], inter, isa, passes)
     with pytest.raises(RuntimeError, match="blocks hold"):

@@ -19,6 +19,8 @@ from anyquant.runtime import kernels
 gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
 
+from core.tests.test_kernels import _quantize_x, experts_reference  # noqa: E402  (the op's references, shared)
+
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
 
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
@@ -41,18 +43,6 @@ def _k_blocks(type_name: str, rows: int, cols: int, seed: int) -> tuple[torch.Te
         raw[:, at : at + 2] = value.to(torch.float16).view(torch.uint8).view(n, 2)
     exact = quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[type_name]).reshape(rows, cols)
     return raw.reshape(-1), torch.from_numpy(np.ascontiguousarray(exact))
-
-
-def _quantize_x(x: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> codes [M, K/32, 32] (int64) and their scales [M, K/32], as the op documents."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(blocks * inv)
-    if passes == 1:
-        return q.to(torch.int64), d.squeeze(-1)
-    low = torch.round((blocks - q * d) * inv * 256).clamp(-127, 127)
-    return q.to(torch.int64) * 256 + low.to(torch.int64), d.squeeze(-1) / 256
 
 
 def _codes_reference(x: torch.Tensor, w: torch.Tensor, passes: int) -> torch.Tensor:
@@ -211,16 +201,7 @@ def test_k_experts_is_each_chosen_expert_in_order(isa: int, passes: int) -> None
     index = torch.tensor([[2, 0], [1, 1], [0, 3]])  # a repeated expert; 3: not one of the 3 (skipped)
     weights = torch.rand(3, 2, generator=gen)
     got = torch.ops.anyquant.ggml_experts(x, index, weights, blocks, types, inter, isa, passes)
-    want = torch.zeros_like(x)
-    for t in range(3):
-        out = torch.zeros(1, hidden)
-        for pos, e in sorted(enumerate(index[t].tolist()), key=lambda item: item[1]):
-            if e < len(forms):
-                row = x[t : t + 1]
-                mid = torch.nn.functional.silu(linear(row, 3 * e, inter)) * linear(row, 3 * e + 1, inter)
-                out = out + linear(mid, 3 * e + 2, hidden) * weights[t, pos]
-        want[t] = out[0]
-    assert torch.equal(got, want)
+    assert torch.equal(got, experts_reference(x, index, weights, len(forms), linear, inter))
 
 
 def test_k_refusals() -> None:
