@@ -14,14 +14,9 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -442,32 +437,6 @@ def test_a_transformers_model_reuses_its_dynamic_cache() -> None:
 # ---------------------------------------------------------------------- a live server
 
 
-def _start(*extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    """``anyquant serve`` on the bundled model (model name ``smol``) in a process of its own, once healthy."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ)
-    srcs = [str(root / "core" / "src"), *[str(p / "src") for p in sorted((root / "plugins").iterdir())]]
-    env["PYTHONPATH"] = os.pathsep.join([*srcs, env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "anyquant.cli", "serve", "--port", str(port), "--model-name", "smol", *extra]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
 @pytest.mark.model
 @pytest.mark.slow
 def test_concurrent_clients_sharing_a_system_prompt(local: Any) -> None:
@@ -480,6 +449,8 @@ def test_concurrent_clients_sharing_a_system_prompt(local: Any) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from prometheus_client.parser import text_string_to_metric_families
+
+    from core.tests.test_serve import _start  # anyquant serve on the bundled model (model name smol), once healthy
 
     def messages(q: str) -> list[dict[str, str]]:
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
