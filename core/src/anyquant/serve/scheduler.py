@@ -8,7 +8,7 @@ request its text as it becomes final (stop strings held back until decided) thro
 gives. A request that finishes, is cancelled (its client went away) or passes
 its deadline leaves the batch at once.
 
-Prompts are prefilled in chunks (``prefill_chunk`` positions, generate's 512 by default), at most one chunk's
+Prompts are prefilled in chunks (``prefill_chunk`` positions, 256 by default: half generate's), at most one chunk's
 worth of prompt tokens between two decode steps of the running batch (chunked prefill: a long prompt does not
 stop the other streams for longer than one chunk); prompts that fit join in the round they are admitted. A prompt
 that begins as a recent one did starts from that one's KV cache (the prefix cache, :mod:`.prefix`, within
