@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
+
+from core.tests.servers import serving, start, stop
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -40,49 +37,10 @@ QUESTIONS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(*extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [
-            str(root / "core" / "src"),
-            *[str(p / "src") for p in sorted((root / "plugins").iterdir())],
-            env.get("PYTHONPATH", ""),
-        ]
-    )
-    cmd = [sys.executable, "-m", "anyquant.cli", "serve", "--port", str(port), "--model-name", NAME, *extra]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    proc, base = _start("--api-key", KEY, "--max-batch", "8", "--max-queue", "16")
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with serving("--model-name", NAME, "--api-key", KEY, "--max-batch", "8", "--max-queue", "16") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +242,7 @@ def test_eight_concurrent_clients_answer_as_one(client: Any) -> None:
 
 
 def test_queue_full_is_503() -> None:
-    proc, base = _start("--max-batch", "1", "--max-queue", "0")
+    proc, base = start("--model-name", NAME, "--max-batch", "1", "--max-queue", "0")
     try:
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=300)
         # n choices past what the batch and the queue hold together: never servable, a 400 naming n (was a 503)
@@ -633,12 +591,8 @@ def test_logprob_bytes_concatenate_to_the_answer(client: Any) -> None:
 
 def test_serve_says_what_it_loads_and_the_name_clients_send() -> None:
     """A first-day user waited in silence while it loaded and was never told the model id to send (#44 item 13)."""
-    proc, _ = _start()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    proc, _ = start("--model-name", NAME)
+    stop(proc)
     err = proc.stderr.read().decode()  # type: ignore[union-attr]
     assert "anyquant serve: loading " in err
     assert f"model '{NAME}' (what clients send as `model`)" in err

@@ -17,7 +17,6 @@ import random
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from anyquant.errors import ParameterError
 from anyquant.params import GenerationParams
 from anyquant.results import TokenLogprob
 from anyquant.serve.scheduler import Finished, Request
+from core.tests.servers import ROOT, free_port, in_thread
 
 NAME = "fake"
 VOCAB = 100
@@ -116,37 +116,15 @@ class FakeScheduler:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _server(scheduler: Any = None, body_timeout: float = 30.0, **limits: Any) -> Iterator[tuple[int, Any]]:
     """``anyquant serve``'s app and uvicorn configuration (``uvicorn_config``) on a free port, in a thread."""
     from anyquant.serve.app import ServerConfig, build_app
-    from anyquant.serve.http import RATE_LIMITED, GuardedServer, Limits, RateLimitFilter, uvicorn_config
+    from anyquant.serve.http import Limits
 
-    scheduler = scheduler or FakeScheduler()
-    app = build_app(scheduler, ServerConfig(NAME, body_timeout=body_timeout))
-    port = _free_port()
-    config = uvicorn_config(app, "127.0.0.1", port, Limits(**limits), graceful=1, log_level="warning", log_config=None)
-    server = GuardedServer(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield port, server
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        for name in RATE_LIMITED:
-            for f in [f for f in logging.getLogger(name).filters if isinstance(f, RateLimitFilter)]:
-                logging.getLogger(name).removeFilter(f)
+    app = build_app(scheduler or FakeScheduler(), ServerConfig(NAME, body_timeout=body_timeout))
+    with in_thread(app, Limits(**limits)) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -559,6 +537,7 @@ def test_repeated_errors_are_logged_once_per_interval() -> None:
 SERVE_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
+sys.path.insert(0, {root!r})
 import uvicorn
 from test_serve_hardening import FakeScheduler, NAME
 from anyquant.commands.serve import _serve
@@ -576,8 +555,8 @@ def test_more_half_sent_connections_than_descriptors(tmp_path: Path) -> None:
     out of descriptors: a normal request is answered meanwhile and the log stays small (EMFILE looped before)."""
     import resource
 
-    port = _free_port()
-    script = SERVE_SCRIPT.format(tests=str(Path(__file__).parent), port=port)
+    port = free_port()
+    script = SERVE_SCRIPT.format(tests=str(Path(__file__).parent), root=str(ROOT), port=port)
     log_path = tmp_path / "serve.log"
 
     def limit() -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import logging
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families
 
 from anyquant.serve.scheduler import Finished, Request
+from core.tests.servers import in_thread
 
 NAME = "fake"
 KEY = "secret"
@@ -74,35 +73,12 @@ class FakeScheduler:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _server(scheduler: Any, **config: Any) -> Iterator[int]:
     from anyquant.serve.app import ServerConfig, build_app
-    from anyquant.serve.http import RATE_LIMITED, GuardedServer, Limits, RateLimitFilter, uvicorn_config
 
-    app = build_app(scheduler, ServerConfig(NAME, **config))
-    port = _free_port()
-    config = uvicorn_config(app, "127.0.0.1", port, Limits(), graceful=1, log_level="warning", log_config=None)
-    server = GuardedServer(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
+    with in_thread(build_app(scheduler, ServerConfig(NAME, **config))) as (port, _):
         yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        for name in RATE_LIMITED:  # the filters uvicorn_config added, as test_serve_hardening removes them
-            for f in [f for f in logging.getLogger(name).filters if isinstance(f, RateLimitFilter)]:
-                logging.getLogger(name).removeFilter(f)
 
 
 def _call(port: int, method: str, path: str, body: Any = None) -> tuple[int, str, str]:

@@ -445,18 +445,16 @@ def test_concurrent_clients_sharing_a_system_prompt(local: Any) -> None:
     counts the tokens looked up and found."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("prometheus_client")
-    import signal
     from concurrent.futures import ThreadPoolExecutor
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from core.tests.test_serve import _start  # anyquant serve on the bundled model (model name smol), once healthy
+    from core.tests.servers import serving
 
     def messages(q: str) -> list[dict[str, str]]:
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
 
-    proc, base = _start("--max-batch", "8")
-    try:
+    with serving("--model-name", "smol", "--max-batch", "8") as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600)
 
         def ask(q: str) -> Any:
@@ -467,9 +465,6 @@ def test_concurrent_clients_sharing_a_system_prompt(local: Any) -> None:
             answers = list(pool.map(ask, QUESTIONS))
         with urllib.request.urlopen(base + "/metrics") as r:
             text = r.read().decode()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
     for q, answer in zip(QUESTIONS, answers, strict=True):
         assert answer.choices[0].message.content == local.generate(messages(q), max_new_tokens=12)
     samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}

@@ -9,15 +9,11 @@ size, compile time, what xgrammar cannot compile, xgrammar not installed) are a 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +22,7 @@ from typing import Any
 import pytest
 
 from anyquant.runtime.grammar import MAX_FORMAT_BYTES, GrammarError, Grammars, OutputFormat
+from core.tests.servers import serving
 
 NAME = "smol"
 ROOT = Path(__file__).resolve().parents[2]
@@ -229,49 +226,14 @@ def test_without_xgrammar_a_400_names_the_extra(monkeypatch: pytest.MonkeyPatch)
 # ---------------------------------------------------------------------- a real server on the bundled model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")
     pytest.importorskip("sse_starlette")
     pytest.importorskip("xgrammar")
-    port = _free_port()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [
-            str(ROOT / "core" / "src"),
-            *[str(p / "src") for p in sorted((ROOT / "plugins").iterdir())],
-            env.get("PYTHONPATH", ""),
-        ]
-    )
-    cmd = [sys.executable, "-m", "anyquant.cli", "serve", "--port", str(port), "--model-name", NAME]
-    proc = subprocess.Popen([*cmd, "--max-batch", "8"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("server did not start") from None
-            time.sleep(0.5)
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with serving("--model-name", NAME, "--max-batch", "8") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

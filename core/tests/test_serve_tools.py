@@ -13,13 +13,6 @@ named function constrain the answer so that even this tiny model's call parses a
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +30,7 @@ from anyquant.serve.tools import (
     parse_tool_calls,
     supports_tools,
 )
+from core.tests.servers import serving
 
 NAME = "smol"
 ROOT = Path(__file__).resolve().parents[2]
@@ -422,46 +416,11 @@ def test_schema_takes_tools_and_their_messages() -> None:
 # ---------------------------------------------------------------------- real servers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve(path: str | None) -> Iterator[str]:
     for module in ("starlette", "uvicorn", "sse_starlette", "xgrammar", "openai", "jsonschema"):
         pytest.importorskip(module)
-    port = _free_port()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [
-            str(ROOT / "core" / "src"),
-            *[str(p / "src") for p in sorted((ROOT / "plugins").iterdir())],
-            env.get("PYTHONPATH", ""),
-        ]
-    )
-    cmd = [sys.executable, "-m", "anyquant.cli", "serve", *([path] if path else []), "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--model-name", NAME], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("server did not start") from None
-            time.sleep(0.5)
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with serving(*([path] if path else []), "--model-name", NAME) as base:
+        yield base
 
 
 def _with_template(dest: Path, template: str) -> Path:
