@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias
 
@@ -1143,32 +1143,41 @@ _METADATA: Literal["metadata"] = "metadata"
 _Stage: TypeAlias = _Build | Literal["metadata"] | None
 
 
+def _int4_unsupported() -> str | None:
+    status = int4pack_status()
+    return None if status.available else status.reason
+
+
+def _block_kernel_unsupported(what: str) -> str | None:
+    if block_kernel_is_fast():
+        return None
+    return f"{what} run on the compiled block kernel, which is not built (or not vectorized) here"
+
+
+def _lut_unsupported() -> str | None:
+    from . import kernels
+
+    if kernels.lut_available():
+        return None
+    return "4-bit table codes run on the compiled 4-bit table kernel, which is not built here"
+
+
+def _fp8_unsupported() -> str | None:
+    from .kernels.lut import fp8_kernel_runs
+
+    if fp8_kernel_runs():
+        return None
+    return "FP8 weights run on the compiled kernel's fp8_gemv, which has no vector path here (AVX512F)"
+
+
+def _bf16_unsupported() -> str | None:
+    ok, reason = bf16_head_status()
+    return None if ok else reason
+
+
 def _kind_unsupported(kind: type) -> str | None:
     """Why the kernel that runs layouts of ``kind`` is not usable here (``None``: it is), shapes aside."""
-    if kind is Int4Groups:
-        status = int4pack_status()
-        return None if status.available else status.reason
-    if kind is Int8Blocks or kind is Affine4Blocks:
-        if block_kernel_is_fast():
-            return None
-        what = "8-bit weights" if kind is Int8Blocks else "4-bit affine groups"
-        return f"{what} run on the compiled block kernel, which is not built (or not vectorized) here"
-    if kind is Table4:
-        from . import kernels
-
-        if kernels.lut_available():
-            return None
-        return "4-bit table codes run on the compiled 4-bit table kernel, which is not built here"
-    if kind is E4M3Groups:
-        from .kernels.lut import fp8_kernel_runs
-
-        if fp8_kernel_runs():
-            return None
-        return "FP8 weights run on the compiled kernel's fp8_gemv, which has no vector path here (AVX512F)"
-    if kind is Decoded:
-        ok, reason = bf16_head_status()
-        return None if ok else reason
-    raise TypeError(f"{kind.__name__} is not a packed layout of anyquant.runtime.layouts")
+    return _kernel(kind)[0]()
 
 
 def _int4_groups(lay: Int4Groups, build: _Stage) -> nn.Module | str | None:
@@ -1320,20 +1329,26 @@ def _decoded(lay: Decoded, build: _Stage) -> nn.Module | str | None:
     return PrepackedBf16Linear(lay.source) if isinstance(build, _Build) else None
 
 
+#: each layout kind: why its kernel does not run here (``None``: it does), and the builder of its fast module
+_KERNELS: dict[type, tuple[Callable[[], str | None], Callable[[Any, _Stage], nn.Module | str | None]]] = {
+    Int4Groups: (_int4_unsupported, _int4_groups),
+    Int8Blocks: (lambda: _block_kernel_unsupported("8-bit weights"), _int8_blocks),
+    Affine4Blocks: (lambda: _block_kernel_unsupported("4-bit affine groups"), _affine4_blocks),
+    Table4: (_lut_unsupported, _table4),
+    E4M3Groups: (_fp8_unsupported, _e4m3_groups),
+    Decoded: (_bf16_unsupported, _decoded),
+}
+
+
+def _kernel(kind: type) -> tuple[Callable[[], str | None], Callable[[Any, _Stage], nn.Module | str | None]]:
+    for cls in kind.__mro__:
+        if cls in _KERNELS:
+            return _KERNELS[cls]
+    raise TypeError(f"{kind.__name__} is not a packed layout of anyquant.runtime.layouts")
+
+
 def _engine(layout: Layout, build: _Stage) -> nn.Module | str | None:
-    if isinstance(layout, Int4Groups):
-        return _int4_groups(layout, build)
-    if isinstance(layout, Int8Blocks):
-        return _int8_blocks(layout, build)
-    if isinstance(layout, Affine4Blocks):
-        return _affine4_blocks(layout, build)
-    if isinstance(layout, Table4):
-        return _table4(layout, build)
-    if isinstance(layout, E4M3Groups):
-        return _e4m3_groups(layout, build)
-    if isinstance(layout, Decoded):
-        return _decoded(layout, build)
-    raise TypeError(f"{type(layout).__name__} is not a packed layout of anyquant.runtime.layouts")
+    return _kernel(type(layout))[1](layout, build)
 
 
 def layout_unsupported(layout: Layout, *, metadata_only: bool = False) -> str | None:
