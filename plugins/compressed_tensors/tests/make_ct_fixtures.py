@@ -13,6 +13,20 @@ Run from the repo root (CPU only, a few minutes on 2 cores)::
     TORCH_COMPILE_DISABLE=1 HF_HUB_OFFLINE=1 PYTHONPATH=core/src \\
         /root/peers/ct/bin/python plugins/compressed_tensors/tests/make_ct_fixtures.py [NAME ...]
 
+The act-order fixtures (``ACTORDER_GROUP``: GPTQ ``actorder="group"``, which stores ``weight_g_idx``) need an
+older peer: compressed-tensors 0.19 removed ``ActivationOrdering.GROUP`` (its ``QuantizationArgs`` rejects
+``actorder="group"``, its pack-quantized decompressor reads no g_idx) and llm-compressor 0.14's GPTQ only runs
+``weight``/``static``, which reorders during calibration and stores no g_idx. llm-compressor 0.13.0 (deprecated but
+working) with compressed-tensors 0.18.0 still write and read it; their own venv borrows the first one's torch,
+transformers (5.17.0 instead of 0.13's pinned <=5.14.1, which wants another tokenizers) and the rest::
+
+    python3 -m venv /root/peers/ct_actorder
+    echo /root/peers/ct/lib/python3.11/site-packages \
+        > /root/peers/ct_actorder/lib/python3.11/site-packages/zz_ct_base.pth
+    /root/peers/ct_actorder/bin/pip install --no-deps llmcompressor==0.13.0 compressed-tensors==0.18.0
+    TORCH_COMPILE_DISABLE=1 HF_HUB_OFFLINE=1 PYTHONPATH=core/src /root/peers/ct_actorder/bin/python \
+        plugins/compressed_tensors/tests/make_ct_fixtures.py llama_gptq_actorder llama_gptq_actorder_asym
+
 For each fixture NAME it writes ``fixtures/NAME/`` exactly as llm-compressor writes it
 (``oneshot(...)`` then ``model.save_pretrained(dir, save_compressed=True)``) plus the byte-level
 tokenizer from ``anyquant.testing.tiny.make_tokenizer()``, and ``fixtures/NAME.json`` with the
@@ -225,6 +239,35 @@ FIXTURE_SPECS: dict[str, tuple[str, Callable[[], Any], bool, dict[str, Any]]] = 
     "llama_mxfp4a16": ("llama", lambda: qmod(scheme="MXFP4A16"), False, {}),
     "llama_gptq": ("llama", lambda: gptq(scheme="W4A16", actorder="weight"), True, {}),
     "llama_awq": ("llama", lambda: awq(scheme="W4A16_ASYM"), True, {}),
+    # GPTQ act-order that stores weight_g_idx (llm-compressor <= 0.13, compressed-tensors <= 0.18: see above)
+    "llama_gptq_actorder": (
+        "llama",
+        lambda: gptq(
+            config_groups={
+                "group_0": group(
+                    {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+                    ["Linear"],
+                )
+            },
+            actorder="group",
+        ),
+        True,
+        {},
+    ),
+    "llama_gptq_actorder_asym": (
+        "llama",
+        lambda: gptq(
+            config_groups={
+                "group_0": group(
+                    {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32},
+                    ["Linear"],
+                )
+            },
+            actorder="group",
+        ),
+        True,
+        {},
+    ),
     "llama_mixed_groups": (
         "llama",
         lambda: qmod(
@@ -245,6 +288,10 @@ FIXTURE_SPECS: dict[str, tuple[str, Callable[[], Any], bool, dict[str, Any]]] = 
     "llama_kv_fp8": ("llama", lambda: qmod(scheme="FP8_DYNAMIC", kv_cache_scheme=FP8_KV), True, {}),
     "llama_naive_w8a16": ("llama", lambda: qmod(scheme="W8A16"), False, {"quantization_format": "naive-quantized"}),
 }
+
+
+#: fixtures that need llm-compressor <= 0.13 / compressed-tensors <= 0.18 (``actorder="group"``)
+ACTORDER_GROUP = {"llama_gptq_actorder", "llama_gptq_actorder_asym"}
 
 
 # --------------------------------------------------------------------------- recording
@@ -438,6 +485,17 @@ def record(name: str, folder: Path, tok: Any, meta: dict[str, Any]) -> dict[str,
                 "quantized_forward fake-quantizes input activations (and kv cache if configured) "
                 "in float32; weights are the exact dequantized values (status DECOMPRESSED)."
             )
+    g_idx = {k[: -len(".weight_g_idx")]: v for k, v in raw.items() if k.endswith(".weight_g_idx")}
+    if g_idx:
+        # act-order: how far each stored g_idx is from the trivial arange(in) // group_size
+        out["g_idx"] = {
+            m: {
+                "group_size": (gs := int(v.numel() // (int(v.max()) + 1))),
+                "moved_columns": int((v.long() != torch.arange(v.numel()) // gs).sum()),
+                "first8": [int(x) for x in v[:8]],
+            }
+            for m, v in sorted(g_idx.items())
+        }
     out["tensors"] = _tensor_table(folder)
     return out
 
@@ -463,6 +521,12 @@ def make(name: str) -> dict[str, Any]:
     from llmcompressor import oneshot
 
     kind, recipe_fn, needs_data, save_kw = FIXTURE_SPECS[name]
+    if name in ACTORDER_GROUP:
+        import compressed_tensors
+
+        major_minor = tuple(int(x) for x in compressed_tensors.__version__.split(".")[:2])
+        if major_minor >= (0, 19):
+            raise RuntimeError(f"{name}: actorder='group' needs compressed-tensors <= 0.18 (see the docstring)")
     tok = make_tokenizer()
     model = base_model(kind)
     recipe = recipe_fn()
@@ -497,7 +561,7 @@ def make(name: str) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("names", nargs="*", default=list(FIXTURE_SPECS))
+    ap.add_argument("names", nargs="*", default=[n for n in FIXTURE_SPECS if n not in ACTORDER_GROUP])
     args = ap.parse_args()
     FIXTURES.mkdir(parents=True, exist_ok=True)
     for name in args.names:
