@@ -258,8 +258,8 @@ def test_actorder_g_idx_is_stored_and_not_trivial(name: str) -> None:
 
 @pytest.mark.parametrize("name", ACTORDER)
 def test_actorder_detect(name: str, tmp_path: Path) -> None:
-    """Detected as pack-quantized int4 group 32, the g_idx headers checked (a g_idx of the wrong length is a
-    problem). The detection does not name act-order itself (no evidence line or detail mentions the g_idx)."""
+    """Detected as pack-quantized int4 group 32, act-order named (every linear has its g_idx), the g_idx headers
+    checked (a g_idx of the wrong length is a problem)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -268,6 +268,9 @@ def test_actorder_detect(name: str, tmp_path: Path) -> None:
     assert det.variant == "pack-quantized" and not det.details["problems"]
     asym = "asym" in name
     assert det.details["weights"] == ["int4 group 32" + (" asymmetric" if asym else "")]
+    assert det.details["act_order_modules"] == det.details["modules"] == 14
+    assert any("act-order" in e for e in det.evidence)
+    assert sdk.detect(FIXTURES / "llama_gptq").details["act_order_modules"] == 0
     bad = tmp_path / name
     shutil.copytree(FIXTURES / name, bad)
     raw = load_file(bad / "model.safetensors")

@@ -69,6 +69,9 @@ def anyquant_detect(probe: Probe) -> Claim | None:
             "decompressed to dense weights on load"
         )
     variant = formats[0] if len(formats) == 1 else "mixed-precision" if formats else sparsity or cfg.format
+    act_order = sum(1 for s in specs if "weight_g_idx" in s.tensors)
+    if act_order:
+        evidence.append(f"{act_order} modules with a weight_g_idx (act-order: GPTQ's column groups)")
     acts = sorted({s.input_activations.describe() for s in specs if s.input_activations is not None})
     if acts:
         evidence.append(f"input activations quantized: {', '.join(acts)}")
@@ -82,6 +85,7 @@ def anyquant_detect(probe: Probe) -> Claim | None:
         "ignore": list(cfg.ignore),
         "weights": sorted({s.weights.describe() for s in specs}),
         "input_activations": acts,
+        "act_order_modules": act_order,  # modules with a weight_g_idx
         "kv_cache_scheme": cfg.kv_cache.describe() if cfg.kv_cache else None,
         "sparsity": sparsity,  # the sparsity_config's compressed layout (None: none, or stored dense)
         "sparse_modules": len(sparse),
