@@ -37,7 +37,7 @@ from anyquant.runtime.qlinear import QuantLinearBase
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the formats whose linears describe packed layouts (their src holds no CPU-engine code)
-FORMATS = ("gptq", "awq", "compressed_tensors", "fp8", "bnb", "mlx")
+FORMATS = ("gptq", "awq", "compressed_tensors", "fp8", "bnb", "mlx", "mxfp4")
 #: relative to max |y|: torch's int4 kernel (bfloat16 activations), a bfloat16 copy; exact weights in float32
 BF16_TOL = 2e-2
 EXACT_TOL = 1e-5
@@ -361,7 +361,7 @@ def _format_sources() -> list[Path]:
 
 
 def test_the_formats_write_no_cpu_engine_code() -> None:
-    """The six formats describe their layouts; the engine's methods and modules appear in none of their sources."""
+    """The seven formats describe their layouts; the engine's methods and modules appear in none of their sources."""
     engine = re.compile(
         r"to_fast_cpu|fast_cpu_unsupported|PrepackedBf16Linear|Lut4Linear|E4M3Linear|FastInt4Linear|"
         r"q8_0_from_codes|q4_1_from_codes|BlockLinear"

@@ -1596,10 +1596,13 @@ class FastCPUPlan:
         if self.head_info.get("head") == "dense" and compute_dtype is not None:
             _restore_embedding_dtype(module, compute_dtype)
 
-    def convert(self, name: str, layer: _Convertible) -> nn.Module:
+    def convert(self, name: str, layer: _Convertible, *, small_rows: int | None = None) -> nn.Module:
         """``layer`` (built in ``reference`` mode) as the module of the first packed layout it offers that runs here
-        (:func:`fast_cpu_module`), or dequantized (its exact path) with the reasons recorded when none runs."""
-        fast = fast_cpu_module(layer, small_rows=self.small_rows, prefill_dtype=self.prefill_dtype)
+        (:func:`fast_cpu_module`), or dequantized (its exact path) with the reasons recorded when none runs.
+        ``small_rows``: this layer's rows up to which the decode kernel runs, where the format knows better than the
+        plan's default (a mixture's experts: a prompt's tokens spread over them, a few each)."""
+        rows = self.small_rows if small_rows is None else small_rows
+        fast = fast_cpu_module(layer, small_rows=rows, prefill_dtype=self.prefill_dtype)
         if not isinstance(fast, str):
             self.converted += 1
             return fast

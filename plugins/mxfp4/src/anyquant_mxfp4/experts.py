@@ -1,48 +1,41 @@
-"""cpu-fast's gpt-oss experts: each expert's MXFP4 weights kept packed (4.25 bits a weight) on the compiled 4-bit
-table kernel, instead of decoded to the compute dtype.
+"""gpt-oss's experts as one linear per expert: each expert's two MXFP4 weights kept packed (4.25 bits a weight) as
+:class:`MXFP4Linear` layers, which describe their weight as a 4-bit table layout for the CPU engine, instead of decoded
+into transformers' fused ``[E, in, out]`` parameters.
 
-An expert's ``gate_up_proj`` and ``down_proj`` become one :class:`~anyquant.runtime.kernels.lut.Lut4Linear` each (the
-E2M1 table, each block's ``2**(s - 127)`` its scale, rounded to the checkpoint's dtype as transformers' decode is:
-the exact weight, bit for bit), with the expert's biases. :class:`PackedGptOssExperts` computes what transformers'
-eager ``GptOssExperts`` computes (the clamped SwiGLU on the interleaved gate/up columns, the routing weights, the
-per-expert sums in ascending expert order) and reads only the experts some token chose. Attention, router,
-embeddings and head stay the checkpoint's tensors.
+An expert's ``gate_up_proj`` and ``down_proj`` are each an :class:`MXFP4Linear` (the E2M1 table, each block's
+``2**(s - 127)`` its scale, rounded to the checkpoint's dtype as transformers' decode is: the exact weight, bit for
+bit), with the expert's biases; the loader hands them to the engine's plan, which runs them on the kernel of the
+first layout that runs here (or keeps them exact). :class:`PackedGptOssExperts` computes what transformers' eager
+``GptOssExperts`` computes (the clamped SwiGLU on the interleaved gate/up columns, the routing weights, the
+per-expert sums in ascending expert order) over whatever linears it holds, and reads only the experts some token
+chose. Attention, router, embeddings and head stay the checkpoint's tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from anyquant.plugin import CheckpointError
+from anyquant.runtime.qlinear import QuantLinearBase
 
-from .dequant import FP4_VALUES, check_scales
+from .dequant import FP4_VALUES, check_scales, dequantize
 from .scheme import BLOCK, BLOCK_BYTES, MXFP4Tensor
 
 if TYPE_CHECKING:
-    from anyquant.runtime.kernels.lut import Lut4Linear
+    from anyquant.runtime.layouts import Layout
 
-__all__ = ["PackedGptOssExperts", "lut4_linear", "packed_unsupported"]
+__all__ = ["MXFP4Linear", "PackedGptOssExperts", "build_packed", "table4_layout"]
 
 #: the largest E8M0 exponent (``s - 127``) whose blocks cannot pass the compute dtype's range (6 * 2**125 fits every
 #: dtype with float32's exponent; float16's is checked block by block)
 _SAFE_EXPONENT = 125
 
 
-def packed_unsupported(dtype: torch.dtype) -> str | None:
-    """Why the packed experts cannot run here (``None``: they can)."""
-    from anyquant.runtime import kernels
-
-    if not kernels.lut_available():
-        return "the compiled 4-bit table kernel is not built here"
-    if dtype not in (torch.bfloat16, torch.float32, torch.float16):
-        return f"MXFP4 decoded to {dtype}"
-    return None
-
-
-def _check_range(spec: MXFP4Tensor, codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -> None:
+def _check_range(spec: MXFP4Tensor, blocks: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -> None:
     """Values past ``dtype``'s range: the :class:`~anyquant.errors.NumericalError` the exact decode gives, naming the
     tensor (only blocks with a large exponent are formed to find them)."""
     from anyquant.runtime.finite import check_finite
@@ -51,55 +44,89 @@ def _check_range(spec: MXFP4Tensor, codes: torch.Tensor, exps: torch.Tensor, dty
     if not bool(big.any()):
         return
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    rows, blocks = big.nonzero(as_tuple=True)
-    values = lut[codes.view(codes.shape[0], -1, BLOCK)[rows, blocks].to(torch.long)]
-    check_finite(spec.name, torch.ldexp(values, exps[rows, blocks, None].to(torch.float32)).to(dtype))
+    rows, cols = big.nonzero(as_tuple=True)
+    chosen = blocks[rows, cols]
+    codes = torch.stack((chosen & 0x0F, chosen >> 4), dim=-1).reshape(-1, BLOCK)
+    check_finite(spec.name, torch.ldexp(lut[codes.to(torch.long)], exps[rows, cols, None].to(torch.float32)).to(dtype))
 
 
-def lut4_linear(
-    spec: MXFP4Tensor,
-    expert: int,
-    blocks: torch.Tensor,
-    scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
+def table4_layout(
+    in_features: int,
+    out_features: int,
     dtype: torch.dtype,
-    small_rows: int = 4,
-    prefill_dtype: torch.dtype | None = None,
-) -> Lut4Linear:
-    """Expert ``expert`` of ``spec``: ``blocks`` U8 ``[out, in/32, 16]`` (even element in the low nibble), ``scales``
-    U8 ``[out, in/32]``, as a packed linear ``[out, in]``."""
-    from anyquant.runtime.kernels.lut import Lut4Linear
+    codes: Callable[[], torch.Tensor] | None = None,
+    scales: Callable[[], torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
+) -> Layout:
+    """An MXFP4 weight as the engine's 4-bit table layout: E2M1 codes, ``2**(s - 127)`` per block of 32, each weight
+    rounded to ``dtype`` (transformers' decode); without tensors, its description from the headers."""
+    from anyquant.runtime.layouts import Table4
 
-    n, k = spec.out_features, spec.in_features
-    if tuple(blocks.shape) != (n, k // BLOCK, BLOCK_BYTES) or tuple(scales.shape) != (n, k // BLOCK):
-        raise CheckpointError(
-            f"{spec.blocks}: expert {expert} is {list(blocks.shape)} / {list(scales.shape)}; expected "
-            f"[{n}, {k // BLOCK}, {BLOCK_BYTES}] / [{n}, {k // BLOCK}] (the file changed after it was probed)"
-        )
-    blocks, scales = blocks.view(torch.uint8), scales.view(torch.uint8)
-    check_scales(spec, scales)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(n, k)
-    exps = scales.to(torch.int32) - 127
-    _check_range(spec, codes, exps, dtype)
-    return Lut4Linear(
-        codes,
-        torch.ldexp(torch.ones(n, k // BLOCK), exps.to(torch.float32)),
-        torch.tensor(FP4_VALUES, dtype=torch.float32),
-        group=BLOCK,
-        round_to=dtype,
-        bias=bias,
-        small_rows=small_rows,
-        prefill_dtype=prefill_dtype,
-        compute_dtype=dtype,
-    )
+    table = None if codes is None else (lambda: torch.tensor(FP4_VALUES, dtype=torch.float32))
+    return Table4(in_features, out_features, BLOCK, codes, scales, table, round_to=dtype, bias=bias)
+
+
+class MXFP4Linear(QuantLinearBase):
+    """Expert ``expert`` of a gpt-oss MXFP4 weight as a linear ``[out, in]``: ``blocks`` U8 ``[out, in/32, 16]``
+    (even element in the low nibble), ``scales`` U8 ``[out, in/32]`` (E8M0), ``bias`` ``[out]``. Its exact weight is
+    transformers' decoded expert (``dequantize``); :meth:`packed_layouts` offers the 4-bit table layout."""
+
+    packed_names = ("blocks", "scales")
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(
+        self,
+        spec: MXFP4Tensor,
+        expert: int,
+        blocks: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        dtype: torch.dtype,
+    ) -> None:
+        n, k = spec.out_features, spec.in_features
+        super().__init__(k, n, mode="reference", compute_dtype=dtype)
+        if tuple(blocks.shape) != (n, k // BLOCK, BLOCK_BYTES) or tuple(scales.shape) != (n, k // BLOCK):
+            raise CheckpointError(
+                f"{spec.blocks}: expert {expert} is {list(blocks.shape)} / {list(scales.shape)}; expected "
+                f"[{n}, {k // BLOCK}, {BLOCK_BYTES}] / [{n}, {k // BLOCK}] (the file changed after it was probed)"
+            )
+        blocks, scales = blocks.view(torch.uint8), scales.view(torch.uint8)
+        check_scales(spec, scales)
+        _check_range(spec, blocks, scales.to(torch.int32) - 127, dtype)
+        self.set_packed(bias, blocks=blocks, scales=scales)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.blocks, self.scales, self.compute_dtype)
+
+    def _codes(self) -> torch.Tensor:
+        return torch.stack((self.blocks & 0x0F, self.blocks >> 4), dim=-1).reshape(self.out_features, -1)
+
+    def _scales(self) -> torch.Tensor:
+        exps = self.scales.to(torch.int32) - 127
+        return torch.ldexp(torch.ones(exps.shape), exps.to(torch.float32))
+
+    def packed_layouts(self) -> Sequence[Layout] | str:
+        if self.mode != "reference":
+            return "the packed tensors were dropped (dequantized mode)"
+        return [
+            table4_layout(
+                self.in_features,
+                self.out_features,
+                self.compute_dtype,
+                self._codes,
+                self._scales,
+                self._buffers.get("bias"),
+            )
+        ]
 
 
 class PackedGptOssExperts(nn.Module):
     """``GptOssExperts`` with each expert's two weights packed: called as transformers calls it,
     ``experts(hidden_states [T, H], router_indices [T, k], routing_weights [T, k]) -> [T, H]``."""
 
-    def __init__(self, gate_up: list[Lut4Linear], down: list[Lut4Linear], *, alpha: float, limit: float) -> None:
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module], *, alpha: float, limit: float) -> None:
         super().__init__()
         if not gate_up or len(gate_up) != len(down):
             raise ValueError("PackedGptOssExperts needs one gate_up and one down linear per expert")
@@ -137,12 +164,16 @@ class PackedGptOssExperts(nn.Module):
         return next_states
 
     def packed_bytes(self) -> int:
-        return sum(int(m.packed_bytes()) for m in (*self.gate_up, *self.down))
+        """The bytes the experts' linears hold (their fast form's, or their exact weight's)."""
+        total = 0
+        for m in (*self.gate_up, *self.down):
+            held = getattr(m, "packed_bytes", None)
+            total += int(held()) if callable(held) else sum(t.numel() * t.element_size() for t in m.buffers())
+        return total
 
     def extra_repr(self) -> str:
-        return (
-            f"num_experts={self.num_experts}, MXFP4 packed (4-bit table kernel), alpha={self.alpha}, limit={self.limit}"
-        )
+        kinds = ", ".join(sorted({type(m).__name__ for m in (*self.gate_up, *self.down)}))
+        return f"num_experts={self.num_experts} ({kinds}), alpha={self.alpha}, limit={self.limit}"
 
 
 def build_packed(
@@ -152,21 +183,20 @@ def build_packed(
     read: Any,
     biases: tuple[torch.Tensor, torch.Tensor],
     dtype: torch.dtype,
-    **fast: Any,
+    convert: Callable[[str, MXFP4Linear], nn.Module],
 ) -> PackedGptOssExperts:
-    """The packed form of transformers' ``module`` (a ``GptOssExperts`` on the meta device) from ``read(name)``."""
+    """The per-expert form of transformers' ``module`` (a ``GptOssExperts`` on the meta device) from ``read(name)``,
+    each expert's :class:`MXFP4Linear` passed through ``convert(name, layer)`` (the engine's plan)."""
     if gate_up.experts != down.experts:
         raise CheckpointError(f"{gate_up.blocks} has {gate_up.experts} experts, {down.blocks} {down.experts}")
-    gu_blocks, gu_scales, d_blocks, d_scales = (
-        read(n) for n in (gate_up.blocks, gate_up.scales, down.blocks, down.scales)
-    )
-    gu_bias, d_bias = biases
+
+    def linears(spec: MXFP4Tensor, bias: torch.Tensor) -> list[nn.Module]:
+        blocks, scales = read(spec.blocks), read(spec.scales)
+        return [
+            convert(f"{spec.name}.{e}", MXFP4Linear(spec, e, blocks[e], scales[e], bias[e], dtype=dtype))
+            for e in range(spec.experts)
+        ]
+
     return PackedGptOssExperts(
-        [
-            lut4_linear(gate_up, e, gu_blocks[e], gu_scales[e], gu_bias[e], dtype=dtype, **fast)
-            for e in range(gate_up.experts)
-        ],
-        [lut4_linear(down, e, d_blocks[e], d_scales[e], d_bias[e], dtype=dtype, **fast) for e in range(down.experts)],
-        alpha=float(module.alpha),
-        limit=float(module.limit),
+        linears(gate_up, biases[0]), linears(down, biases[1]), alpha=float(module.alpha), limit=float(module.limit)
     )

@@ -5,23 +5,26 @@ gpt-oss builds transformers' own ``GptOssForCausalLM``, whose ``GptOssExperts`` 
 module (its form is not the one it splits into per-expert linears) and fills its parameters by name from the tensor
 source. :class:`~anyquant_mxfp4.dequant.MXFP4Source` serves those names, decoded from the ``_blocks``/``_scales``
 pairs: no linear is replaced (``make_linear`` is ``None``), attention, router, embeddings and head are the checkpoint's
-bfloat16 tensors. On ``cpu-fast`` (the default where the compiled 4-bit table kernel is built) :meth:`make_module`
-replaces each ``GptOssExperts`` before anything is read by :class:`~anyquant_mxfp4.experts.PackedGptOssExperts`:
-the experts stay packed, 4.25 bits a weight, never decoded as a whole.
+bfloat16 tensors. Where the chosen backend has an engine plan (core's :class:`~anyquant.int4.loader.PackedFormatLoader`
+makes it), :meth:`make_module` replaces each ``GptOssExperts`` before anything is read by a
+:class:`~anyquant_mxfp4.experts.PackedGptOssExperts` of per-expert :class:`~anyquant_mxfp4.experts.MXFP4Linear`
+layers, each handed to the plan: the experts stay packed, 4.25 bits a weight, never decoded as a whole. The loader
+describes their layout (a 4-bit table, :func:`~anyquant_mxfp4.experts.table4_layout`); it holds no kernel knowledge.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from anyquant.int4.loader import PackedFormatLoader
 from anyquant.plugin import (
     CPU_FAST_OPTIONS,
     RUNTIME_OPTIONS,
     BackendInfo,
     CheckpointError,
-    ConfigError,
     Detection,
     FormatConflictError,
     LoadContext,
@@ -29,14 +32,14 @@ from anyquant.plugin import (
     LoadOptions,
     ModuleInfo,
     Probe,
-    TransformersLoader,
     UnsupportedFormatError,
     dense_rows,
     tensors_by_module,
 )
+from anyquant.runtime.layouts import Layout, Table4
 from anyquant.runtime.tensors import TensorSource
 
-from .scheme import BLOCK, read_scheme
+from .scheme import BLOCK, MXFP4Scheme, read_scheme
 
 if TYPE_CHECKING:
     import torch
@@ -54,14 +57,6 @@ _EXACT = (
 )
 
 
-def raise_config_error(detection: Detection) -> None:
-    """The typed error detection kept for a claimed checkpoint whose config is malformed."""
-    kept = detection.details.get("config_error")
-    if kept:
-        kind, message = kept
-        raise (UnsupportedFormatError if kind == "UnsupportedFormatError" else ConfigError)(message)
-
-
 #: the cpu-fast options this loader reads (the prompt GEMM's dtype, the decode rows, the head)
 _FAST_OPTIONS = ("cpu_fast_prefill", "cpu_fast_small_rows", "cpu_fast_head", "cpu_fast_tables")
 #: rows up to which an expert runs the decode kernel by default: a prompt's tokens spread over the experts, a few
@@ -69,9 +64,10 @@ _FAST_OPTIONS = ("cpu_fast_prefill", "cpu_fast_small_rows", "cpu_fast_head", "cp
 EXPERT_SMALL_ROWS = 4
 
 
-class MXFP4Loader(TransformersLoader):
+class MXFP4Loader(PackedFormatLoader):
     format = "mxfp4"
-    backend_order = ("cpu-fast", "dequantized", "reference")
+    cpu_fast_description = _PACKED
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (Table4,)
     load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
         {
             **RUNTIME_OPTIONS,
@@ -82,23 +78,30 @@ class MXFP4Loader(TransformersLoader):
     )
 
     def backends(self) -> list[BackendInfo]:
+        exact = {
+            "dequantized": _EXACT,
+            "reference": "for now the same as 'dequantized' (" + _EXACT.split(" (", 1)[0] + "); no packed kernel",
+        }
+        return [replace(b, description=exact.get(b.name, b.description)) for b in super().backends()]
+
+    def read_signature(self, probe: Probe) -> MXFP4Scheme:
+        return read_scheme(probe)
+
+    def fast_layer_count(self, signature: Any, probe: Probe) -> int:
+        """Each expert's two weights, described from the headers as the engine's 4-bit table layout."""
         import torch
 
-        from .experts import packed_unsupported
+        from anyquant.runtime.fastcpu import layouts_run
 
-        why = packed_unsupported(torch.bfloat16)
-        return [
-            BackendInfo("cpu-fast", why is None, reason=why or "", description=_PACKED, devices=("cpu",)),
-            BackendInfo("dequantized", True, description=_EXACT),
-            BackendInfo(
-                "reference",
-                True,
-                description="for now the same as 'dequantized' (" + _EXACT.split(" (", 1)[0] + "); no packed kernel",
-            ),
-        ]
+        from .experts import table4_layout
+
+        dtype = getattr(torch, signature.dtype)
+        return sum(
+            t.experts * layouts_run([[table4_layout(t.in_features, t.out_features, dtype)]]) for t in signature.tensors
+        )
 
     def validate(self, probe: Probe, detection: Detection) -> None:
-        raise_config_error(detection)
+        self.raise_detected_error(detection)
         problems = detection.details.get("problems") or []
         if problems:
             raise FormatConflictError(
@@ -116,40 +119,27 @@ class MXFP4Loader(TransformersLoader):
 
         return MXFP4Source(SafetensorsSource(probe), read_scheme(probe))
 
-    def prepare(self, ctx: LoadContext) -> None:
-        if ctx.backend == "cpu-fast":
-            ctx.state["fast_plan"] = _fast_plan(ctx)
-
-    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
-        """cpu-fast's head replaces the 16-bit embedding the build keeps (as every cpu-fast format's)."""
-        plan = ctx.state.get("fast_plan")
-        return plan is not None and bool(plan.keeps_embedding_dtype())
-
-    def file_tables(self, ctx: LoadContext) -> bool:
-        """cpu-fast's head and embedding read their tables from the checkpoint file (``cpu_fast_tables``)."""
-        plan = ctx.state.get("fast_plan")
-        return plan is not None and ctx.device.type == "cpu" and bool(plan.file_tables())
-
     def make_module(self, ctx: LoadContext) -> Callable[[str, nn.Module], nn.Module | None] | None:
-        """On cpu-fast, each gpt-oss experts module whose two weights are packed becomes a
-        :class:`~anyquant_mxfp4.experts.PackedGptOssExperts`, read straight from the ``_blocks``/``_scales``."""
-        if ctx.backend != "cpu-fast":
+        """Where this load has an engine plan, each gpt-oss experts module whose two weights are packed becomes a
+        :class:`~anyquant_mxfp4.experts.PackedGptOssExperts` of per-expert linears the plan converts, read straight
+        from the ``_blocks``/``_scales``."""
+        plan = self.state(ctx).fast_plan
+        if plan is None:
             return None
         import torch
 
         from .dequant import MXFP4Source
-        from .experts import build_packed, packed_unsupported
+        from .experts import build_packed
 
         source = ctx.source
         scheme = read_scheme(ctx.probe)
         dtype: torch.dtype = getattr(torch, scheme.dtype)
-        why = packed_unsupported(dtype)
-        if why is not None:
-            raise UnsupportedFormatError(f"{ctx.probe.root}: the cpu-fast backend cannot run: {why}")
         assert isinstance(source, MXFP4Source)
         names = {t.name for t in scheme.tensors}
-        plan = ctx.state["fast_plan"]
-        rows = plan.small_rows if "cpu_fast_small_rows" in ctx.options.extra else EXPERT_SMALL_ROWS
+        rows = None if "cpu_fast_small_rows" in ctx.options.extra else EXPERT_SMALL_ROWS
+
+        def convert(name: str, layer: Any) -> nn.Module:
+            return plan.convert(name, layer, small_rows=rows)
 
         def factory(name: str, module: nn.Module) -> nn.Module | None:
             gate_up, down = f"{name}.gate_up_proj", f"{name}.down_proj"
@@ -158,14 +148,13 @@ class MXFP4Loader(TransformersLoader):
             gu, dn = source.packed(gate_up), source.packed(down)
             assert gu is not None and dn is not None
             biases = (source.get(f"{gate_up}_bias"), source.get(f"{down}_bias"))
-            return build_packed(
-                module, gu, dn, source.raw, biases, dtype, small_rows=rows, prefill_dtype=plan.prefill_dtype
-            )
+            return build_packed(module, gu, dn, source.raw, biases, dtype, convert)
 
         return factory
 
     def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
         from .dequant import MXFP4Source
+        from .experts import MXFP4Linear, PackedGptOssExperts
 
         scheme = read_scheme(ctx.probe)
         source = ctx.source
@@ -177,12 +166,15 @@ class MXFP4Loader(TransformersLoader):
                     f"for the MXFP4 weight(s) {', '.join(left[:3])}: anyquant reads gpt-oss's packed experts "
                     "(GptOssExperts' gate_up_proj / down_proj)"
                 )
-        if ctx.backend == "cpu-fast":
-            loaded.info = {**loaded.info, "cpu_fast": _finish_fast(loaded, ctx)}
+        loaded = super().finish(loaded, ctx)
+        linears = [
+            m for e in loaded.module.modules() if isinstance(e, PackedGptOssExperts) for m in (*e.gate_up, *e.down)
+        ]
+        packed = bool(linears) and not any(isinstance(m, MXFP4Linear) for m in linears)
         info: dict[str, Any] = {
             "packed_tensors": len(scheme.tensors),
             "decoded_dtype": scheme.dtype,
-            "held_dtype": "packed (4.25 bits)" if ctx.backend == "cpu-fast" else str(ctx.dtype).replace("torch.", ""),
+            "held_dtype": "packed (4.25 bits)" if packed else str(ctx.dtype).replace("torch.", ""),
         }
         loaded.info = {**loaded.info, "mxfp4": info}
         return loaded
@@ -197,20 +189,3 @@ class MXFP4Loader(TransformersLoader):
             module = t.name.rpartition(".")[0]  # its biases stay a dense row of the experts module
             groups[module] = [x for x in groups.get(module, []) if x.name not in (t.blocks, t.scales)]
         return rows + dense_rows(probe, groups={k: v for k, v in groups.items() if v})
-
-
-def _fast_plan(ctx: LoadContext) -> Any:
-    """cpu-fast's options, parsed and checked as every cpu-fast loader's are."""
-    from anyquant.runtime.fastcpu import FastCPUPlan
-
-    return FastCPUPlan.from_options({k: v for k, v in ctx.options.extra.items() if k in _FAST_OPTIONS})
-
-
-def _finish_fast(loaded: LoadedModel, ctx: LoadContext) -> dict[str, Any]:
-    """The LM head on cpu-fast's decode kernel (the top 64 logits exact) and the embedding as cpu-fast keeps it, both
-    from the file's tables where the build left them there, as every cpu-fast format's."""
-    plan = ctx.state["fast_plan"]
-    plan.converted = sum(len(m.gate_up) + len(m.down) for m in loaded.module.modules() if hasattr(m, "gate_up"))
-    plan.finish(loaded.module, ctx.dtype, tables=ctx.file_tables)
-    summary: dict[str, Any] = plan.summary()
-    return {"experts": "MXFP4 packed, 4-bit table kernel", **summary}
