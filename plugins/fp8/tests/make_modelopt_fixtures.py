@@ -1,4 +1,5 @@
-"""Write the ModelOpt FP8 fixtures (``fixtures/<name>/`` + ``fixtures/<name>.json``) with NVIDIA ModelOpt itself.
+"""Write the ModelOpt fixtures (``fixtures/<name>/`` + ``fixtures/<name>.json``) with NVIDIA ModelOpt itself: FP8,
+NVFP4 and MIXED_PRECISION (NVFP4 + FP8).
 
 Not run by the tests (they only read what this wrote). For each fixture it
 
@@ -34,6 +35,14 @@ transformers 5.14.1 here)::
     TORCH_COMPILE_DISABLE=1 HF_HUB_OFFLINE=1 PYTHONPATH=core/src \\
         /root/peers/modelopt/bin/python plugins/fp8/tests/make_modelopt_fixtures.py [NAME ...]
 
+NVFP4 (``NVFP4_DEFAULT_CFG``; the mixed fixture adds FP8 quantizers on the MLP linears, and the export writes
+``MIXED_PRECISION`` with ``quantized_layers``): ModelOpt quantizes (max calibration) and exports on a CPU, but its
+NVFP4 fake quantizer runs on CUDA only ("amax must be a CUDA tensor for dynamic block quantization"), so steps 3 and
+the weight comparison of 5 are skipped, the exported-weights forward of 6 runs with 16-bit inputs at the NVFP4
+linears, and one more forward is recorded (``logits_float32_vllm_emulation``): the exported weights (ModelOpt's
+``NVFP4QTensor.dequantize``) with every quantized linear's input quantized as vLLM does where the GPU has no FP4
+(NVFP4: its emulation, :func:`nvfp4_inputs_as_vllm_emulates`; FP8: ``QuantFP8``, :func:`fp8_inputs_as_vllm`).
+
 The output is deterministic for a given torch/transformers/modelopt.
 """
 
@@ -53,7 +62,7 @@ import torch
 import transformers
 from modelopt.torch.export import export_hf_checkpoint
 from modelopt.torch.export.quant_utils import from_quantized_weight
-from modelopt.torch.quantization.qtensor import FP8QTensor
+from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -95,6 +104,36 @@ FIXTURE_SPECS: dict[str, dict[str, Any]] = {
         "config": {"hidden_size": 256, "intermediate_size": 384},
         "quant_cfg": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",
     },
+    # NVFP4 (W4A4): uint8 weights (two E2M1 codes a byte), F8_E4M3 weight_scale per 16, F32 weight_scale_2 and
+    # input_scale; layer 1's down_proj left unquantized (exclude_modules names it)
+    "llama_modelopt_nvfp4": {
+        "seed": 14,
+        "config": {"hidden_size": 256, "intermediate_size": 384},
+        "quant_cfg": "NVFP4_DEFAULT_CFG",
+        "disable": ["*layers.1.mlp.down_proj*"],
+    },
+    "qwen3_modelopt_nvfp4": {
+        "seed": 15,
+        "config": {
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "hidden_size": 256,
+            "intermediate_size": 384,
+            "head_dim": 64,
+            "rope_theta": 1000000.0,
+            "max_window_layers": 2,
+            "use_sliding_window": False,
+        },
+        "quant_cfg": "NVFP4_DEFAULT_CFG",
+    },
+    # MIXED_PRECISION: NVFP4_DEFAULT_CFG with every MLP linear's weight and input quantizers set to FP8's (per tensor,
+    # static input scale), as FP8_DEFAULT_CFG sets them; the export finds two formats and writes quantized_layers
+    "llama_modelopt_mixed": {
+        "seed": 16,
+        "config": {"hidden_size": 256, "intermediate_size": 384},
+        "quant_cfg": "NVFP4_DEFAULT_CFG",
+        "fp8": ["*mlp*weight_quantizer", "*mlp*input_quantizer"],
+    },
 }
 
 
@@ -118,12 +157,17 @@ def quant_cfg(spec: dict[str, Any]) -> dict[str, Any]:
         kv = mtq.FP8_KV_CFG["quant_cfg"]
         entries += [e for e in (kv if isinstance(kv, list) else [kv]) if e.get("quantizer_name") != "*"]
     entries += [{"quantizer_name": pat, "enable": False} for pat in spec.get("disable", [])]
+    entries += [{"quantizer_name": pat, "cfg": {"num_bits": (4, 3), "axis": None}} for pat in spec.get("fp8", [])]
     cfg["quant_cfg"] = entries
     return cfg
 
 
-def modelopt_dequant(algo: str, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """ModelOpt's own decompression of an exported FP8 weight (``FP8QTensor.dequantize``) in float32."""
+def modelopt_dequant(algo: str, w: torch.Tensor, s: torch.Tensor, s2: torch.Tensor | None = None) -> torch.Tensor:
+    """ModelOpt's own decompression of an exported weight (``FP8QTensor.dequantize``, ``NVFP4QTensor.dequantize``) in
+    float32."""
+    if algo == "NVFP4":
+        qt = NVFP4QTensor(torch.Size((w.shape[0], 2 * w.shape[1])), torch.float32, w)
+        return qt.dequantize(dtype=torch.float32, scale=s, double_scale=s2, block_sizes={-1: 16})
     qt = FP8QTensor(w.shape, torch.float32, w)
     if algo == "FP8":
         out = qt.dequantize(dtype=torch.float32, scale=s)
@@ -136,6 +180,74 @@ def modelopt_dequant(algo: str, w: torch.Tensor, s: torch.Tensor) -> torch.Tenso
         grid = s.reshape(s.shape[0], s.shape[2]) if s.dim() == 4 else s
         return qt.dequantize(dtype=torch.float32, scale=grid, block_sizes={-1: 128, -2: 128})
     raise ValueError(algo)
+
+
+def nvfp4_inputs_as_vllm_emulates(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """A linear's input through NVFP4 as vLLM's emulation (``nvfp4_emulation_utils``: ``ref_nvfp4_quant`` then its
+    dequantization, ModelOpt's ``input_global_scale_inv = 1 / input_scale`` as the global scale ``g``) computes it:
+    per 16 inputs ``s = e4m3(clamp(g * (max|x| * (1 / 6)), +-448))``, ``q = E2M1(clamp(x * (1 / (s * (1 / g))),
+    +-6))`` (ties: 0.25, 1.25, 2.5, 5 down, 0.75, 1.75, 3.5 up), back as ``q * (s / g)`` in ``x``'s dtype. Written
+    out here from vLLM's description (vLLM is not installed here)."""
+
+    def recip(t: torch.Tensor) -> torch.Tensor:
+        return 1.0 / (t + (t == 0) * 1e8)
+
+    g = (1.0 / input_scale.reshape(())).to(torch.float32)
+    shape = x.shape
+    xb = x.reshape(-1, shape[-1] // 16, 16)
+    vmax = xb.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+    s = torch.clamp(g * (vmax * (1 / 6.0)), min=-448, max=448).to(torch.float8_e4m3fn).to(torch.float32)
+    scaled = torch.clamp(xb.to(torch.float32) * recip(s * recip(g)), -6.0, 6.0)
+    a = scaled.abs()
+    q = torch.full_like(a, 6.0)
+    for value, lo_ok in ((4.0, a <= 5.0), (3.0, a < 3.5), (2.0, a <= 2.5), (1.5, a < 1.75), (1.0, a <= 1.25)):
+        q = torch.where(lo_ok, torch.full_like(a, value), q)
+    q = torch.where(a < 0.75, torch.full_like(a, 0.5), q)
+    q = torch.where(a <= 0.25, torch.zeros_like(a), q)
+    q = q * torch.sign(scaled)
+    return (q * (s / g)).reshape(shape).to(x.dtype)
+
+
+def fp8_inputs_as_vllm(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """An FP8 linear's input (MIXED_PRECISION's FP8 layers) as vLLM's ``QuantFP8`` quantizes it with the static
+    ``input_scale`` ``s``: ``e4m3(clamp(float32(x) * (1 / s), +-448)) * s``."""
+    s = input_scale.reshape(()).to(torch.float32)
+    q = (x.to(torch.float32) * s.reciprocal()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (q.to(torch.float32) * s).to(x.dtype)
+
+
+def vllm_emulation_forward(
+    peer: torch.nn.Module,
+    sd: dict[str, torch.Tensor],
+    prefixes: list[str],
+    run: Any,
+    exported_logits: torch.Tensor,
+) -> dict[str, Any]:
+    """ModelOpt's model with the exported weights (ModelOpt's own dequantization, weight quantizers off) and each NVFP4
+    linear's input quantized as vLLM's emulation does (:func:`nvfp4_inputs_as_vllm_emulates` with the exported
+    ``input_scale``, ModelOpt's input quantizer off): the checkpoint as vLLM runs it where the GPU has no FP4."""
+    hooks = []
+    for prefix in prefixes:
+        mod = peer.get_submodule(prefix)
+        mod.input_quantizer.disable()
+        scale = sd[f"{prefix}.input_scale"].float()
+        how = nvfp4_inputs_as_vllm_emulates if sd[f"{prefix}.weight"].dtype == torch.uint8 else fp8_inputs_as_vllm
+        hooks.append(mod.register_forward_pre_hook(lambda m, args, s=scale, f=how: (f(args[0], s),)))
+    em_logits, gen, margins = run(peer)
+    for h in hooks:
+        h.remove()
+    top = float(em_logits.abs().max())
+    return {
+        "peer_forward_vllm_emulation": (
+            "ModelOpt's model with each NVFP4 linear's weight set to NVFP4QTensor.dequantize of the exported tensors "
+            "(weight quantizer disabled) and its input quantized as vLLM's NVFP4 emulation does (input_quantizer "
+            "disabled; nvfp4_inputs_as_vllm_emulates with the exported input_scale), float32"
+        ),
+        "logits_float32_vllm_emulation": f32_list(em_logits),
+        "greedy_float32_vllm_emulation": gen.tolist(),
+        "greedy_float32_vllm_emulation_top2_margins": margins,
+        "vllm_emulation_vs_16bit_inputs_max_rel": float((em_logits - exported_logits).abs().max()) / top,
+    }
 
 
 def build(name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -172,22 +284,32 @@ def build(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     export_hf_checkpoint(copy.deepcopy(model), export_dir=out)
     tok.save_pretrained(out)
 
-    # ModelOpt's own forward of the fake-quantized model, in float32
+    def run(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        with torch.no_grad():
+            lg = m(ids).logits[0]
+            res = m.generate(
+                ids,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=tok.pad_token_id,
+            )
+        margins = [float(sc[0].float().topk(2).values[0] - sc[0].float().topk(2).values[1]) for sc in res.scores]
+        return lg, res.sequences[0, ids.shape[1] :], margins
+
+    # ModelOpt's own forward of the fake-quantized model, in float32 (not for NVFP4 on a CPU: its NVFP4 fake
+    # quantizer asserts "amax must be a CUDA tensor for dynamic block quantization")
+    nvfp4 = str(spec["quant_cfg"]).startswith("NVFP4")  # NVFP4 and the mixed NVFP4 + FP8
     peer = model.float()
     for n, b in rotary.items():
         peer.get_buffer(n).copy_(b)
-    with torch.no_grad():
-        logits = peer(ids).logits[0]
-        res = peer.generate(
-            ids,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=tok.pad_token_id,
-        )
-    gen = res.sequences[0, ids.shape[1] :]
-    margins = [float(sc[0].float().topk(2).values[0] - sc[0].float().topk(2).values[1]) for sc in res.scores]
+    logits: torch.Tensor | None = None
+    gen: list[int] | None = None
+    margins: list[float] | None = None
+    if not nvfp4:
+        logits, g, margins = run(peer)
+        gen = g.tolist()
 
     hf = json.loads((out / "hf_quant_config.json").read_text())
     algo = str(hf["quantization"]["quant_algo"]).upper()
@@ -204,41 +326,39 @@ def build(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         if t.numel() <= 8 and t.dtype == torch.float32:
             entry["values"] = t.reshape(-1).tolist()
         tensors[key] = entry
-        if key.endswith(".weight") and t.dtype == torch.float8_e4m3fn:
+        if key.endswith(".weight") and t.dtype in (torch.float8_e4m3fn, torch.uint8):
             prefix = key.removesuffix(".weight")
-            dq = modelopt_dequant(algo, t, sd[f"{prefix}.weight_scale"])
+            layer_algo = "NVFP4" if t.dtype == torch.uint8 else ("FP8" if algo == "MIXED_PRECISION" else algo)
+            dq = modelopt_dequant(layer_algo, t, sd[f"{prefix}.weight_scale"], sd.get(f"{prefix}.weight_scale_2"))
             weights[key] = {
                 "dtype": "float32",
                 "shape": list(dq.shape),
                 "sha256": sha(dq),
-                "sha256_raw_fp8": raw_sha(t),
+                "sha256_raw_fp8" if t.dtype == torch.float8_e4m3fn else "sha256_raw_packed": raw_sha(t),
                 "first4": dq.reshape(-1)[:4].tolist(),
             }
-            mod = peer.get_submodule(prefix)
-            with torch.no_grad():
-                fake = mod.weight_quantizer(mod.weight.float())
-            same_as_fake[key] = bool(torch.equal(fake, dq))
-            fake_diff[key] = float((fake - dq).abs().max() / dq.abs().max())
+            if not nvfp4:
+                mod = peer.get_submodule(prefix)
+                with torch.no_grad():
+                    fake = mod.weight_quantizer(mod.weight.float())
+                same_as_fake[key] = bool(torch.equal(fake, dq))
+                fake_diff[key] = float((fake - dq).abs().max() / dq.abs().max())
             exported[prefix] = dq
 
-    # ModelOpt's forward again with the exported weights: each FP8 linear's weight replaced by its dequantized
-    # checkpoint weight and its weight quantizer disabled (inputs and KV cache still quantized by ModelOpt)
+    # ModelOpt's forward again with the exported weights: each quantized linear's weight replaced by its dequantized
+    # checkpoint weight and its weight quantizer disabled (inputs and KV cache still quantized by ModelOpt; NVFP4:
+    # inputs left 16-bit here, its input quantizer needs CUDA, and quantized below as vLLM's emulation does)
     for prefix, dq in exported.items():
         mod = peer.get_submodule(prefix)
         mod.weight.data = dq.clone()
         mod.weight_quantizer.disable()
-    with torch.no_grad():
-        ck_logits = peer(ids).logits[0]
-        ck_res = peer.generate(
-            ids,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=tok.pad_token_id,
-        )
-    ck_gen = ck_res.sequences[0, ids.shape[1] :]
-    ck_margins = [float(sc[0].float().topk(2).values[0] - sc[0].float().topk(2).values[1]) for sc in ck_res.scores]
+        if nvfp4 and sd[f"{prefix}.weight"].dtype == torch.uint8:
+            mod.input_quantizer.disable()
+    ck_logits, ck_g, ck_margins = run(peer)
+    ck_gen = ck_g.tolist()
+    emulated: dict[str, Any] = {}
+    if nvfp4:  # every quantized linear's input as vLLM quantizes it (NVFP4: its emulation; FP8: QuantFP8)
+        emulated = vllm_emulation_forward(peer, sd, list(exported), run, ck_logits)
 
     record: dict[str, Any] = {
         "name": name,
@@ -258,23 +378,32 @@ def build(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         "dequantized_equals_fake_quant_weight": same_as_fake,
         # the fake quantizer computes x * (448 / amax) and back by 1 / (448 / amax); the export divides by amax / 448
         "fake_quant_weight_max_rel_diff": fake_diff,
-        "peer_forward": "modelopt fake-quantized model (mtq.quantize), model.float(), inputs/KV quantized as it does",
-        "logits_float32": f32_list(logits),
-        "logits_float32_sha256": sha(logits),
-        "greedy_float32": gen.tolist(),
+        "peer_forward": (
+            "modelopt fake-quantized model (mtq.quantize), model.float(), inputs/KV quantized as it does"
+            if not nvfp4
+            else "none: ModelOpt 0.47's NVFP4 fake quantizer runs on CUDA only (it asserts a CUDA amax)"
+        ),
+        "logits_float32": None if logits is None else f32_list(logits),
+        "logits_float32_sha256": None if logits is None else sha(logits),
+        "greedy_float32": gen,
         "greedy_float32_top2_margins": margins,
         "peer_forward_exported_weights": (
             "the same ModelOpt model with each FP8 linear's weight set to its exported dequantized weight and its "
             "weight quantizer disabled (input and KV quantizers as calibrated), float32"
+            if not nvfp4
+            else "the same ModelOpt model with each NVFP4 linear's weight set to its exported dequantized weight "
+            "(NVFP4QTensor.dequantize), its weight and input quantizers disabled: 16-bit inputs, float32"
         ),
         "logits_float32_exported_weights": f32_list(ck_logits),
-        "greedy_float32_exported_weights": ck_gen.tolist(),
+        "greedy_float32_exported_weights": ck_gen,
         "greedy_float32_exported_weights_top2_margins": ck_margins,
+        **emulated,
     }
     print(
-        f"{name}: {algo}, {len(weights)} FP8 linears, dequant == fake-quant weight for "
-        f"{sum(same_as_fake.values())}/{len(same_as_fake)} (max rel diff {max(fake_diff.values()):.2e}), "
-        f"greedy {gen.tolist()}, with the exported weights {ck_gen.tolist()}"
+        f"{name}: {algo}, {len(weights)} quantized linears, dequant == fake-quant weight for "
+        f"{sum(same_as_fake.values())}/{len(same_as_fake)} (max rel diff {max(fake_diff.values(), default=0):.2e}), "
+        f"greedy {gen}, with the exported weights {ck_gen}, {emulated.get('greedy_float32_vllm_emulation')} "
+        f"emulated ({emulated.get('vllm_emulation_vs_16bit_inputs_max_rel')} from 16-bit inputs)"
     )
     return record
 

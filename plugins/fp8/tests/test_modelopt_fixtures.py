@@ -177,13 +177,13 @@ def test_unknown_quant_algo_is_refused_by_name(tmp_path: Path) -> None:
         sdk.load(path)
 
 
-def test_nvfp4_is_refused_by_name(tmp_path: Path) -> None:
+def test_awq_is_refused_by_name(tmp_path: Path) -> None:
     path = _copy("llama_modelopt_fp8_pb_wo", tmp_path / "m")
-    _edit_config(path, quant_algo="NVFP4")
+    _edit_config(path, quant_algo="W4A16_AWQ")
     hq = json.loads((path / "hf_quant_config.json").read_text())
-    hq["quantization"]["quant_algo"] = "NVFP4"
+    hq["quantization"]["quant_algo"] = "W4A16_AWQ"
     (path / "hf_quant_config.json").write_text(json.dumps(hq))
-    with pytest.raises(UnsupportedFormatError, match="NVFP4"):
+    with pytest.raises(UnsupportedFormatError, match="W4A16_AWQ"):
         sdk.load(path)
     assert sdk.detect(path).format == "fp8"  # claimed, refused at load with its name
 

@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from anyquant.runtime.activations import E2M1, round_fp4
+
 from .scheme import QArgs
 
 __all__ = [
@@ -22,19 +24,6 @@ __all__ = [
     "quantize_input",
     "unpack_int32",
 ]
-
-#: FP4 E2M1 magnitudes by their 3-bit code (bit 3 is the sign)
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-#: compressed-tensors' FP4 rounding of a magnitude: (value, upper bound, bound included) in ascending order
-_FP4_STEPS = (
-    (0.0, 0.25, True),
-    (0.5, 0.75, False),
-    (1.0, 1.25, True),
-    (1.5, 1.75, False),
-    (2.0, 2.5, True),
-    (3.0, 3.5, False),
-    (4.0, 5.0, True),
-)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
@@ -179,15 +168,6 @@ def _range(args: QArgs) -> tuple[float, float]:
     if args.num_bits == 4:
         return -6.0, 6.0
     raise ValueError(f"input activations of {args.describe()} are not supported")
-
-
-def round_fp4(x: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' ``cast_to_fp4``: the nearest E2M1 value, its ties as its thresholds break them."""
-    a = x.abs()
-    out = torch.full_like(a, 6.0)
-    for value, bound, included in reversed(_FP4_STEPS):  # a magnitude takes the lowest step whose bound holds it
-        out = torch.where(a <= bound if included else a < bound, torch.full_like(a, value), out)
-    return out * torch.sign(x)
 
 
 def _round(x: torch.Tensor, args: QArgs, lo: float, hi: float) -> torch.Tensor:

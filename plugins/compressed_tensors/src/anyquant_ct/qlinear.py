@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
+from anyquant.runtime.activations import QuantizedInputs
 from anyquant.runtime.layouts import E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
 from anyquant.runtime.qlinear import QuantLinearBase
 
@@ -214,7 +216,14 @@ class CTLinear(QuantLinearBase):
         """A fast layer behind the input quantization the config asks for (the layer itself where it asks none)."""
         if self.input_args is None:
             return fast
-        return InputQuantized(fast, self.input_args, self.input_scale, self.input_zero_point, self.input_global_scale)
+        return QuantizedInputs(
+            fast,
+            functools.partial(quantize_input, args=self.input_args),
+            f"input={self.input_args.describe()}",
+            scale=self.input_scale,
+            zero=self.input_zero_point,
+            global_scale=self.input_global_scale,
+        )
 
     def extra_repr(self) -> str:
         acts = f", input={self.input_args.describe()}" if self.input_args else ""
@@ -239,38 +248,3 @@ class KVQuant(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return self.args.describe()
-
-
-class InputQuantized(torch.nn.Module):
-    """A fast linear behind the input quantization of its compressed-tensors scheme (W8A8: per-token int8)."""
-
-    input_scale: torch.Tensor | None
-    input_zero_point: torch.Tensor | None
-    input_global_scale: torch.Tensor | None
-
-    def __init__(
-        self,
-        inner: torch.nn.Module,
-        args: QArgs,
-        scale: torch.Tensor | None,
-        zero: torch.Tensor | None,
-        global_scale: torch.Tensor | None,
-    ) -> None:
-        super().__init__()
-        self.inner, self.args = inner, args
-        self.register_buffer("input_scale", scale, persistent=False)
-        self.register_buffer("input_zero_point", zero, persistent=False)
-        self.register_buffer("input_global_scale", global_scale, persistent=False)
-        self.in_features, self.out_features = int(inner.in_features), int(inner.out_features)  # type: ignore[arg-type]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q = quantize_input(x, self.args, self.input_scale, self.input_zero_point, self.input_global_scale)
-        out: torch.Tensor = self.inner(q)
-        return out
-
-    def dequantize(self) -> torch.Tensor:
-        out: torch.Tensor = self.inner.dequantize()  # type: ignore[operator]
-        return out
-
-    def extra_repr(self) -> str:
-        return f"input={self.args.describe()}"

@@ -1,5 +1,6 @@
-"""The FP8 loader: validation, the per-linear factory, and its backends (core's int4 loader base gives the backend
-choice and cpu-fast's plan). On cpu-fast an FP8 layer runs as its bytes on the compiled kernel's ``fp8_gemv`` where
+"""The FP8 loader (and ModelOpt's NVFP4): validation, the per-linear factory, and its backends (core's int4 loader base
+gives the backend choice and cpu-fast's plan). NVFP4 layers run on cpu-fast as their codes on the compiled 4-bit table
+kernel behind their NVFP4 input quantization. On cpu-fast an FP8 layer runs as its bytes on the compiled kernel's ``fp8_gemv`` where
 that is built with its vector path (AVX512F), else as a bfloat16 copy prepacked for oneDNN where the CPU has AMX or
 AVX512-BF16, else exact: the layers are described as packed layouts and the engine decides."""
 
@@ -20,7 +21,7 @@ from anyquant.plugin import (
     UnsupportedFormatError,
     dense_rows,
 )
-from anyquant.runtime.layouts import Decoded, E4M3Groups, Layout
+from anyquant.runtime.layouts import Decoded, E4M3Groups, Layout, Table4
 
 from .scheme import FP8Module, FP8Scheme, read_scheme
 
@@ -46,6 +47,11 @@ def _positive_scale(name: str, t: torch.Tensor) -> None:
         )
 
 
+def _is_nvfp4(scheme: FP8Scheme, m: FP8Module) -> bool:
+    """Module ``m`` is ModelOpt NVFP4 (the checkpoint's algorithm, or its ``MIXED_PRECISION`` entry)."""
+    return m.algo == "NVFP4" or (scheme.modelopt is not None and scheme.modelopt.scales == "nvfp4")
+
+
 class FP8Loader(PackedFormatLoader):
     format = "fp8"
     cpu_fast_description = (
@@ -54,26 +60,33 @@ class FP8Loader(PackedFormatLoader):
         "(AMX or AVX512-BF16), else exact"
     )
     serve_hint = "with FP8 support serve it with vLLM (`anyquant serve --engine vllm`)"
-    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (E4M3Groups, Decoded)
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (E4M3Groups, Table4, Decoded)
 
     def read_signature(self, probe: Probe) -> FP8Scheme:
         return read_scheme(probe)
 
     def fast_layer_count(self, signature: FP8Scheme, probe: Probe) -> int:
         """Each module as :class:`~anyquant_fp8.qlinear.FP8Linear` offers it: its FP8 bytes with a scale per tensor,
-        output channel or block, else a bfloat16 copy."""
+        output channel or block, else a bfloat16 copy; an NVFP4 module as
+        :class:`~anyquant_fp8.qlinear.NVFP4Linear` offers it (its codes into the E2M1 table)."""
         import torch
 
         from anyquant.runtime.fastcpu import layouts_run
 
         round_to = getattr(torch, signature.dtype)
         per_channel = signature.modelopt is not None and signature.modelopt.scales == "channel"
+        fp4_group = (signature.modelopt.group_size if signature.modelopt is not None else None) or 16
 
         def fp8(m: FP8Module) -> E4M3Groups:
             rows, group = signature.block or (1 if per_channel else m.out_features, m.in_features)
             return E4M3Groups(m.in_features, m.out_features, group, None, None, round_to, rows)
 
-        return layouts_run([fp8(m), Decoded(None)] for m in signature.modules)
+        def nvfp4(m: FP8Module) -> Table4:  # ModelOpt NVFP4 (or a MIXED_PRECISION layer of it): float32 group scales
+            return Table4(m.in_features, m.out_features, fp4_group, None, None, None, torch.float32)
+
+        return layouts_run(
+            [nvfp4(m)] if _is_nvfp4(signature, m) else [fp8(m), Decoded(None)] for m in signature.modules
+        )
 
     def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
         facts = super().facts(probe, detection, options)
@@ -135,7 +148,7 @@ class FP8Loader(PackedFormatLoader):
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         import torch
 
-        from .qlinear import FP8Linear
+        from .qlinear import FP8Linear, NVFP4Linear
 
         state = self.state(ctx)
         plan = state.fast_plan
@@ -144,6 +157,33 @@ class FP8Loader(PackedFormatLoader):
         round_to = getattr(torch, scheme.dtype)
         mode = "dequantized" if ctx.backend == "dequantized" else "reference"
         modelopt = scheme.modelopt is not None
+        group = (scheme.modelopt.group_size if scheme.modelopt is not None else None) or 16
+
+        def _nvfp4_linear(name: str, m: FP8Module) -> nn.Module:
+            """ModelOpt's NVFP4: the scales checked (E4M3 group scales finite and not negative; the global
+            ``weight_scale_2`` and ``input_scale`` positive and finite) before the layer is built."""
+            src = ctx.source
+            scale = src.get(f"{name}.weight_scale")
+            if scale.dtype != torch.float8_e4m3fn:
+                raise CheckpointError(f"{name}.weight_scale is {scale.dtype}; ModelOpt NVFP4 stores float8_e4m3fn")
+            wide = scale.to(torch.float32)
+            if not bool(wide.isfinite().all()) or bool((wide < 0).any()):
+                bad = wide[~wide.isfinite() | (wide < 0)].flatten()[:4].tolist()
+                raise CheckpointError(f"{name}.weight_scale holds {bad}: expected finite, non-negative E4M3 scales")
+            scale_2, input_scale = src.get(f"{name}.weight_scale_2"), src.get(f"{name}.input_scale")
+            _positive_scale(f"{name}.weight_scale_2", scale_2)
+            _positive_scale(f"{name}.input_scale", input_scale)
+            layer = NVFP4Linear(
+                src.get(f"{name}.weight"),
+                scale,
+                scale_2,
+                input_scale,
+                src.get(f"{name}.bias") if m.has_bias else None,
+                group=group,
+                mode=mode,
+                compute_dtype=ctx.dtype,
+            )
+            return layer if plan is None else plan.convert(name, layer)
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             m = modules.get(name)
@@ -155,13 +195,16 @@ class FP8Loader(PackedFormatLoader):
                     f"[{linear.out_features}, {linear.in_features}]"
                 )
             src = ctx.source
+            if _is_nvfp4(scheme, m):
+                return _nvfp4_linear(name, m)
             scale = src.get(f"{name}.{scheme.scale_name}")
             input_scale = None
+            input_quant = "static" if m.algo == "FP8" else scheme.input_quant  # MIXED_PRECISION's FP8 layers
             if modelopt:
                 _positive_scale(f"{name}.{scheme.scale_name}", scale)
                 if scheme.block is not None:  # ModelOpt's [out/128, 1, in/128, 1]
                     scale = scale.reshape(scale.shape[0], scale.shape[-2] if scale.dim() == 4 else scale.shape[1])
-                if scheme.input_quant == "static":
+                if input_quant == "static":
                     input_scale = src.get(f"{name}.input_scale")
                     _positive_scale(f"{name}.input_scale", input_scale)
             layer = FP8Linear(
@@ -172,7 +215,7 @@ class FP8Loader(PackedFormatLoader):
                 round_to=round_to,
                 mode=mode,
                 compute_dtype=ctx.dtype,
-                input_quant=scheme.input_quant,
+                input_quant=input_quant,
                 input_scale=input_scale,
             )
             return layer if plan is None else plan.convert(name, layer)
@@ -184,8 +227,12 @@ class FP8Loader(PackedFormatLoader):
         rows, covered = [], set()
         kind = "fp8" if scheme.modelopt is None else scheme.variant
         for m in scheme.modules:
+            nvfp4 = _is_nvfp4(scheme, m)
             names = ("weight", scheme.scale_name) + (("input_scale",) if m.has_input_scale else ())
+            names += ("weight_scale_2",) if nvfp4 else ()
             nbytes = sum(probe.tensors[f"{m.name}.{s}"].nbytes for s in names)
             covered.add(m.name)
-            rows.append(ModuleInfo(m.name, kind, (m.out_features, m.in_features), 8.0, -1, nbytes))
+            bits, group = (4.0, 16) if nvfp4 else (8.0, -1)
+            row_kind = {"NVFP4": "modelopt-nvfp4", "FP8": "modelopt-fp8"}.get(m.algo or "", kind)
+            rows.append(ModuleInfo(m.name, row_kind, (m.out_features, m.in_features), bits, group, nbytes))
         return rows + dense_rows(probe, skip=covered)

@@ -22,7 +22,8 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
             requires=("torch>=2.4", "transformers>=4.56", "safetensors>=0.4"),
             description=(
                 "FP8 e4m3 weights with weight_scale_inv (quant_method fp8: DeepSeek-V3, Qwen3-FP8) or ModelOpt's "
-                "weight_scale/input_scale (quant_method modelopt: FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO)"
+                "weight_scale/input_scale (quant_method modelopt: FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4, "
+                "MIXED_PRECISION of FP8 and NVFP4)"
             ),
             install_hint="pip install anyquant-fp8",
         )
@@ -82,7 +83,19 @@ def _detect_modelopt(probe: Probe) -> Claim:
     m = scheme.modelopt
     assert m is not None
     evidence = [f"quant_method={qm!r}: {scheme.describe()}"]
-    if scheme.modules:
+    if scheme.modules and m.scales == "mixed":
+        fp4 = sum(1 for x in scheme.modules if x.algo == "NVFP4")
+        evidence.append(
+            f"quantized_layers: {fp4} modules with U8 weight (FP4 E2M1 pairs) + F8_E4M3 weight_scale + F32 "
+            f"weight_scale_2 + input_scale, {len(scheme.modules) - fp4} with F8_E4M3 weight + F32 weight_scale + "
+            "input_scale"
+        )
+    elif scheme.modules and m.scales == "nvfp4":
+        evidence.append(
+            f"{len(scheme.modules)} modules with U8 weight (FP4 E2M1 pairs) + F8_E4M3 weight_scale per "
+            f"{m.group_size} + F32 weight_scale_2 + input_scale"
+        )
+    elif scheme.modules:
         inputs = sum(1 for x in scheme.modules if x.has_input_scale)
         evidence.append(
             f"{len(scheme.modules)} modules with F8_E4M3 weight + F32 weight_scale"
@@ -100,5 +113,9 @@ def _detect_modelopt(probe: Probe) -> Claim:
         "exclude_modules": list(m.exclude),
         "kv_cache_quant_algo": m.kv_algo,
         "kv_layers": len(scheme.kv_scales),
+        "group_size": m.group_size,
+        "quantized_layers": {a: sum(1 for x in scheme.modules if x.algo == a) for a in ("FP8", "NVFP4")}
+        if m.algo == "MIXED_PRECISION"
+        else None,
     }
     return Claim(FORMAT, evidence=tuple(evidence + scheme.problems[:3]), variant=scheme.variant, details=details)

@@ -1,34 +1,33 @@
 """``FP8Linear``: an FP8 e4m3 weight with its ``weight_scale_inv``, decoded as transformers' FineGrainedFP8 does; or
 ModelOpt's ``weight_scale`` (per tensor, output channel or 128x128 block) with its input quantization (a static
-per-tensor ``input_scale``, or dynamic per token), run as vLLM's ``QuantFP8`` does."""
+per-tensor ``input_scale``, or dynamic per token), run as vLLM's ``QuantFP8`` does. ``NVFP4Linear``: ModelOpt's NVFP4
+(FP4 E2M1 codes, an E4M3 scale per 16 inputs and a float32 ``weight_scale_2``), its inputs quantized to NVFP4 as
+vLLM's emulation does."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from anyquant.runtime.layouts import Decoded, E4M3Groups, Layout
+from anyquant.runtime.activations import (
+    E2M1,
+    QuantizedInputs,
+    quantize_fp8_activations,
+    quantize_nvfp4_activations,
+)
+from anyquant.runtime.layouts import Decoded, E4M3Groups, Layout, Table4
 from anyquant.runtime.qlinear import QuantLinearBase
 
-__all__ = ["FP8InputQuant", "FP8Linear", "KVQuantFP8", "dequantize_fp8", "quantize_fp8_activations"]
-
-FP8_MAX = 448.0
-#: vLLM's ``_FP8_MIN_SCALING_FACTOR``: the least dynamic scale (an all-zero token)
-MIN_DYNAMIC_SCALE = 1.0 / (FP8_MAX * 512.0)
-
-
-def quantize_fp8_activations(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``x`` through FP8 e4m3 and back, as vLLM's ``QuantFP8.forward_native`` quantizes a linear's input (and its
-    FP8 GEMM scales the product back): ``q = e4m3(clamp(float32(x) * (1 / s), -448, 448))``, then ``float32(q) * s``
-    in ``x``'s dtype. ``s``: the stored static per-tensor ``scale``, or (``None``) each token's
-    ``max(max|x| / 448, 1 / (448 * 512))``. ModelOpt's own fake quantizer multiplies by ``448 / amax`` instead of
-    ``1 / (amax / 448)``: the two differ in a float32 rounding now and then."""
-    xf = x.to(torch.float32)
-    if scale is None:
-        s = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_DYNAMIC_SCALE)
-    else:
-        s = scale.to(torch.float32)
-    q = (xf * s.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.to(torch.float32) * s).to(x.dtype)
+__all__ = [
+    "FP8Linear",
+    "KVQuantFP8",
+    "NVFP4Linear",
+    "dequantize_fp8",
+    "dequantize_nvfp4",
+    "nvfp4_codes",
+    "quantize_fp8_activations",
+]
 
 
 def dequantize_fp8(
@@ -128,31 +127,10 @@ class FP8Linear(QuantLinearBase):
 
     def behind_inputs(self, fast: torch.nn.Module) -> torch.nn.Module:
         """A fast layer behind the input quantization ModelOpt's config asks for."""
-        return fast if self.input_quant is None else FP8InputQuant(fast, self.input_scale)
-
-
-class FP8InputQuant(torch.nn.Module):
-    """A fast linear behind ModelOpt's FP8 input quantization (:func:`quantize_fp8_activations`: the static
-    ``input_scale``, or per token when it is ``None``)."""
-
-    input_scale: torch.Tensor | None
-
-    def __init__(self, inner: torch.nn.Module, input_scale: torch.Tensor | None) -> None:
-        super().__init__()
-        self.inner = inner
-        self.register_buffer("input_scale", input_scale, persistent=False)
-        self.in_features, self.out_features = int(inner.in_features), int(inner.out_features)  # type: ignore[arg-type]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.inner(quantize_fp8_activations(x, self.input_scale))
-        return out
-
-    def dequantize(self) -> torch.Tensor:
-        out: torch.Tensor = self.inner.dequantize()  # type: ignore[operator]
-        return out
-
-    def extra_repr(self) -> str:
-        return "input=static per-tensor fp8" if self.input_scale is not None else "input=dynamic per-token fp8"
+        if self.input_quant is None:
+            return fast
+        kind = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
+        return QuantizedInputs(fast, quantize_fp8_activations, f"input={kind} fp8", scale=self.input_scale)
 
 
 class KVQuantFP8(torch.nn.Module):
@@ -173,3 +151,101 @@ class KVQuantFP8(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"fp8 e4m3 KV cache, k_scale={float(self.k_scale):.4g}, v_scale={float(self.v_scale):.4g}"
+
+
+#: ModelOpt's E2M1 table by 4-bit code (``nvfp4_tensor.e2m1_values``): bit 3 the sign, code 8 a positive zero
+NVFP4_TABLE = (*E2M1, 0.0, *(-v for v in E2M1[1:]))
+
+
+def nvfp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes ``[out, in]`` of ModelOpt's packed ``[out, in/2]``: input ``2j`` in byte ``j``'s low nibble,
+    ``2j + 1`` in its high one."""
+    rows, cols = packed.shape
+    return torch.stack((packed & 0x0F, packed >> 4), -1).reshape(rows, 2 * cols)
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, group: int) -> torch.Tensor:
+    """ModelOpt's ``NVFP4QTensor.dequantize`` in float32: ``E2M1[code] * (float32(weight_scale) * weight_scale_2)``
+    per group of ``group`` inputs (the scale product first, then one float32 product per weight)."""
+    codes = nvfp4_codes(packed)
+    rows, cols = codes.shape
+    values = torch.tensor(NVFP4_TABLE, dtype=torch.float32)[codes.to(torch.long)]
+    per_group = scale.to(torch.float32) * scale_2.to(torch.float32).reshape(())
+    return (values.reshape(rows, cols // group, group) * per_group.unsqueeze(-1)).reshape(rows, cols)
+
+
+class NVFP4Linear(QuantLinearBase):
+    """ModelOpt's NVFP4 linear (``quant_algo: NVFP4``): the weight as :func:`dequantize_nvfp4` gives it (float32), its
+    input through NVFP4 first as vLLM's emulation does (:func:`~anyquant.runtime.activations.quantize_nvfp4_activations`
+    with the global scale ``1 / input_scale``, vLLM's ``input_global_scale_inv``)."""
+
+    packed_names = ("weight_packed", "weight_scale", "weight_scale_2")
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_scale_2: torch.Tensor
+    input_global_scale: torch.Tensor
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        scale_2: torch.Tensor,
+        input_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        group: int = 16,
+        mode: str = "reference",
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        out_features, half = weight.shape
+        super().__init__(2 * half, out_features, mode=mode, compute_dtype=compute_dtype)
+        if weight.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"NVFP4 needs a uint8 weight and float8_e4m3fn scales, not {weight.dtype}/{scale.dtype}")
+        if self.in_features % group or tuple(scale.shape) != (out_features, self.in_features // group):
+            raise ValueError(f"weight_scale {list(scale.shape)} for a weight of [{out_features}, {self.in_features}]")
+        self.group = group
+        # vLLM: input_global_scale_inv = (1.0 / input_scale).to(float32)
+        self.register_buffer("input_global_scale", (1.0 / input_scale.to(torch.float32).reshape(())).to(torch.float32))
+        self.set_packed(
+            bias, weight_packed=weight, weight_scale=scale, weight_scale_2=scale_2.to(torch.float32).reshape(())
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(quantize_nvfp4_activations(x, self.input_global_scale, self.group))
+
+    def dequantize(self) -> torch.Tensor:
+        """The exact weight ``[out, in]`` in float32, as ModelOpt dequantizes it."""
+        if self._weight is not None:
+            return self._weight
+        return dequantize_nvfp4(self.weight_packed, self.weight_scale, self.weight_scale_2, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, nvfp4 e2m1 e4m3 scales per {self.group}, nvfp4 inputs"
+
+    def packed_layouts(self) -> list[Layout] | str:
+        """The 4-bit codes into ModelOpt's E2M1 table with each group's float32 ``float32(weight_scale) *
+        weight_scale_2``: the exact weight."""
+        if getattr(self, "weight_packed", None) is None:
+            return "the packed tensors were dropped"
+        packed, s, s2 = self.weight_packed, self.weight_scale, self.weight_scale_2
+        return [
+            Table4(
+                self.in_features,
+                self.out_features,
+                self.group,
+                codes=lambda: nvfp4_codes(packed),
+                scales=lambda: s.to(torch.float32) * s2,
+                table=torch.tensor(NVFP4_TABLE, dtype=torch.float32),
+                round_to=torch.float32,
+                bias=self._buffers.get("bias"),
+            )
+        ]
+
+    def behind_inputs(self, fast: torch.nn.Module) -> torch.nn.Module:
+        """A fast layer behind the NVFP4 input quantization."""
+        return QuantizedInputs(
+            fast,
+            functools.partial(quantize_nvfp4_activations, group_size=self.group),
+            f"input=nvfp4 per {self.group} (global scale 1 / input_scale)",
+            global_scale=self.input_global_scale,
+        )

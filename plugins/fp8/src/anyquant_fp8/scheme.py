@@ -17,7 +17,7 @@ from typing import Any
 
 from anyquant.plugin import ConfigError, Probe, UnsupportedFormatError
 
-from .modelopt import ModelOptConfig, is_modelopt, read_modelopt_config
+from .modelopt import ALGOS, ModelOptConfig, is_modelopt, read_modelopt_config
 
 __all__ = ["FP8Module", "FP8Scheme", "read_scheme"]
 
@@ -30,8 +30,10 @@ class FP8Module:
     out_features: int
     in_features: int
     has_bias: bool
-    #: ModelOpt FP8: the linear's static per-tensor ``input_scale``
+    #: ModelOpt FP8: the linear's static per-tensor ``input_scale`` (NVFP4: its input global scale's inverse)
     has_input_scale: bool = False
+    #: ModelOpt ``MIXED_PRECISION``: this linear's own ``quant_algo`` (``FP8`` or ``NVFP4``); else ``None``
+    algo: str | None = None
 
 
 @dataclass
@@ -57,11 +59,26 @@ class FP8Scheme:
 
     @property
     def input_quant(self) -> str | None:
-        """How activations are quantized before each FP8 linear: ``"static"`` (per tensor, the stored
-        ``input_scale``), ``"token"`` (dynamic per token) or ``None``."""
+        """How activations are quantized before each quantized linear: ``"static"`` (FP8 per tensor, the stored
+        ``input_scale``), ``"token"`` (FP8, dynamic per token), ``"nvfp4"`` (NVFP4 per 16, global scale
+        ``1 / input_scale``) or ``None``."""
         return self.modelopt.input_quant if self.modelopt is not None else None
 
     def describe(self) -> str:
+        if self.modelopt is not None and self.modelopt.scales == "nvfp4":
+            m = self.modelopt
+            return (
+                f"{m.producer} quant_algo {m.algo} from {m.source}: U8 FP4 E2M1 weights (two a byte), F8_E4M3 "
+                f"weight_scale per {m.group_size} inputs, F32 weight_scale_2; NVFP4 inputs (F32 input_scale)"
+            )
+        if self.modelopt is not None and self.modelopt.scales == "mixed":
+            m = self.modelopt
+            counts = {a: sum(1 for x in self.modules if x.algo == a) for a in ("NVFP4", "FP8")}
+            return (
+                f"{m.producer} quant_algo {m.algo} from {m.source}: quantized_layers names {len(m.layers)} linears, "
+                f"{counts['NVFP4']} stored NVFP4 (U8 FP4 E2M1 pairs, F8_E4M3 weight_scale per 16, F32 weight_scale_2, "
+                f"NVFP4 inputs) and {counts['FP8']} FP8 (F8_E4M3, one weight_scale, static input_scale)"
+            )
         if self.modelopt is not None:
             m = self.modelopt
             acts = {"static": "static per-tensor FP8 input_scale", "token": "dynamic per-token FP8 inputs"}.get(
@@ -140,13 +157,54 @@ def read_scheme(probe: Probe) -> FP8Scheme:
     return scheme
 
 
-def _modelopt_scale_shapes(m: ModelOptConfig, out: int, inp: int) -> tuple[tuple[int, ...], ...]:
-    if m.scales == "tensor":
+def _modelopt_scale_shapes(scales: str, out: int, inp: int) -> tuple[tuple[int, ...], ...]:
+    if scales == "tensor":
         return ((), (1,))
-    if m.scales == "channel":
+    if scales == "channel":
         return ((out,), (out, 1))
     rows, cols = math.ceil(out / 128), math.ceil(inp / 128)
     return ((rows, 1, cols, 1), (rows, cols))  # as ModelOpt exports it, and as vLLM squeezes it
+
+
+def _one_f32(t: Mapping[str, Any], name: str, problems: list[str]) -> bool:
+    """``name`` is one F32 value (``[]`` or ``[1]``); else a problem, ``False``."""
+    ti = t.get(name)
+    if ti is None:
+        problems.append(f"{name} is missing")
+        return False
+    if ti.dtype != "F32" or tuple(ti.shape) not in ((), (1,)):
+        problems.append(f"{name} is {ti.dtype}{list(ti.shape)}; expected one F32 value")
+        return False
+    return True
+
+
+def _nvfp4_module(m: ModelOptConfig, prefix: str, t: Mapping[str, Any], problems: list[str]) -> FP8Module | None:
+    """One NVFP4 linear as ModelOpt exports it (``weight`` U8 ``[out, in/2]``, ``weight_scale`` F8_E4M3
+    ``[out, in/16]``, ``weight_scale_2`` and ``input_scale`` one F32 each), or ``None`` with its problem."""
+    w, s = t[f"{prefix}.weight"], t[f"{prefix}.weight_scale"]
+    group = m.group_size or 16
+    if w.dtype != "U8" or len(w.shape) != 2:
+        problems.append(f"{prefix}.weight is {w.dtype}{list(w.shape)}; ModelOpt {m.algo} stores U8 [out, in/2]")
+        return None
+    if m.excluded(prefix):
+        problems.append(f"{prefix} is FP4, but the config's exclude_modules keep it dense")
+        return None
+    out, inp = w.shape[0], 2 * w.shape[1]
+    if inp % group:
+        problems.append(f"{prefix}.weight holds {inp} inputs a row, not a multiple of the group size {group}")
+        return None
+    if s.dtype != "F8_E4M3" or tuple(s.shape) != (out, inp // group):
+        problems.append(
+            f"{prefix}.weight_scale is {s.dtype}{list(s.shape)}; ModelOpt {m.algo} of [{out}, {inp}] stores "
+            f"F8_E4M3 [{out}, {inp // group}]"
+        )
+        return None
+    if not _one_f32(t, f"{prefix}.weight_scale_2", problems):
+        return None
+    if not _one_f32(t, f"{prefix}.input_scale", problems):  # W4A4: the inputs' global scale
+        problems[-1] += f" (ModelOpt {m.algo} quantizes the inputs with it)"
+        return None
+    return FP8Module(prefix, out, inp, f"{prefix}.bias" in t, True, "NVFP4" if m.algo == "MIXED_PRECISION" else None)
 
 
 def read_modelopt_scheme(probe: Probe) -> FP8Scheme:
@@ -156,7 +214,7 @@ def read_modelopt_scheme(probe: Probe) -> FP8Scheme:
     m = read_modelopt_config(probe)
     scheme = FP8Scheme(
         (128, 128) if m.scales == "block" else None,
-        {"static": "static", "token": "dynamic"}.get(m.input_quant or "", "none"),
+        {"static": "static", "token": "dynamic", "nvfp4": "nvfp4", "mixed": "mixed"}.get(m.input_quant or "", "none"),
         "float32",  # the weight is float32(e4m3) * weight_scale: ModelOpt's FP8QTensor.dequantize, vLLM's GEMM
         scale_name="weight_scale",
         modelopt=m,
@@ -169,40 +227,55 @@ def read_modelopt_scheme(probe: Probe) -> FP8Scheme:
         if w is None:
             scheme.problems.append(f"{prefix}: weight_scale without weight")
             continue
+        algo = m.layer_algo(prefix)
+        if algo is None:  # MIXED_PRECISION: quantized_layers does not name it
+            scheme.problems.append(f"{prefix} has a weight_scale, but the config's quantized_layers does not name it")
+            continue
+        _, scales, input_quant = ALGOS[algo]
+        if scales == "nvfp4":
+            module = _nvfp4_module(m, prefix, t, scheme.problems)
+            if module is not None:
+                leaves.add(prefix.rpartition(".")[2])
+                scheme.modules.append(module)
+            continue
         if w.dtype != "F8_E4M3" or len(w.shape) != 2:
             scheme.problems.append(
-                f"{prefix}.weight is {w.dtype}{list(w.shape)}; ModelOpt {m.algo} stores F8_E4M3 [out, in]"
+                f"{prefix}.weight is {w.dtype}{list(w.shape)}; ModelOpt {algo} stores F8_E4M3 [out, in]"
             )
             continue
         if m.excluded(prefix):
             scheme.problems.append(f"{prefix} is FP8, but the config's exclude_modules keep it dense")
             continue
         if s.dtype != "F32":
-            scheme.problems.append(f"{prefix}.weight_scale is {s.dtype}; ModelOpt {m.algo} stores F32")
+            scheme.problems.append(f"{prefix}.weight_scale is {s.dtype}; ModelOpt {algo} stores F32")
             continue
         out, inp = w.shape
-        want = _modelopt_scale_shapes(m, out, inp)
+        want = _modelopt_scale_shapes(scales, out, inp)
         if tuple(s.shape) not in want:
             scheme.problems.append(
-                f"{prefix}.weight_scale is {list(s.shape)}; ModelOpt {m.algo} of [{out}, {inp}] stores {list(want[0])}"
+                f"{prefix}.weight_scale is {list(s.shape)}; ModelOpt {algo} of [{out}, {inp}] stores {list(want[0])}"
             )
             continue
         has_input = f"{prefix}.input_scale" in t
-        if m.input_quant == "static":
+        if input_quant == "static":
             si = t.get(f"{prefix}.input_scale")
             if si is None:
-                scheme.problems.append(f"{prefix}: ModelOpt {m.algo} without its static input_scale")
+                scheme.problems.append(f"{prefix}: ModelOpt {algo} without its static input_scale")
                 continue
             if si.dtype != "F32" or tuple(si.shape) not in ((), (1,)):
                 scheme.problems.append(f"{prefix}.input_scale is {si.dtype}{list(si.shape)}; expected one F32 value")
                 continue
         leaves.add(prefix.rpartition(".")[2])
+        mixed = algo if m.algo == "MIXED_PRECISION" else None
         scheme.modules.append(
-            FP8Module(prefix, out, inp, f"{prefix}.bias" in t, has_input and m.input_quant == "static")
+            FP8Module(prefix, out, inp, f"{prefix}.bias" in t, has_input and input_quant == "static", mixed)
         )
-    stray = [n for n, ti in t.items() if ti.dtype == "F8_E4M3" and n.rpartition(".")[0] not in scaled]
+    fp4 = m.scales in ("nvfp4", "mixed")
+    quantized = ("F8_E4M3", "U8") if fp4 else ("F8_E4M3",)
+    stray = [n for n, ti in t.items() if ti.dtype in quantized and n.rpartition(".")[0] not in scaled]
     if stray:
-        scheme.problems.append(f"{len(stray)} FP8 tensors without a weight_scale (e.g. {stray[0]})")
+        what = "FP8 or FP4" if fp4 else "FP8"
+        scheme.problems.append(f"{len(stray)} {what} tensors without a weight_scale (e.g. {stray[0]})")
     # a linear of a quantized kind (same leaf name) left dense and not excluded: vLLM would expect it FP8
     dense = [
         n.removesuffix(".weight")
@@ -213,12 +286,20 @@ def read_modelopt_scheme(probe: Probe) -> FP8Scheme:
         and n.removesuffix(".weight").rpartition(".")[2] in leaves
         and not m.excluded(n.removesuffix(".weight"))
     ]
+    if m.algo == "MIXED_PRECISION":  # a linear quantized_layers does not name is dense by definition; one it names
+        dense = []  # must be stored quantized
+        unstored = [n for n in m.layers if n not in scaled]
+        if unstored:
+            scheme.problems.append(
+                f"{len(unstored)} linears named in quantized_layers have no weight_scale (e.g. {unstored[0]})"
+            )
     if dense:
         scheme.problems.append(
             f"{len(dense)} linears are dense but not in exclude_modules (e.g. {dense[0]}): the config says they are FP8"
         )
     if not scheme.modules and not scheme.problems:
-        scheme.problems.append(f"the config says ModelOpt {m.algo}, but no tensor is FP8 with a weight_scale")
+        what = "FP4" if m.scales == "nvfp4" else "FP8"
+        scheme.problems.append(f"the config says ModelOpt {m.algo}, but no tensor is {what} with a weight_scale")
     if m.kv_algo:
         for prefix in sorted(probe.modules_with("k_scale")):
             attn = prefix.removesuffix(".k_proj")
