@@ -48,6 +48,48 @@ VARIANTS = {
         "norm_topk_prob": False,
         "decoder_sparse_step": 2,
     },
+    # Mixtral: every layer sparse, top-2 of 4 experts always renormalised (kept in float32); stored as
+    # block_sparse_moe.experts.N.w1/w2/w3 (transformers' renaming run backwards)
+    "mixtral": {
+        "model_type": "mixtral",
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+    },
+    # Qwen2-MoE: q/k/v biases, a sigmoid-gated shared expert, top-2 of 4 not renormalised; layer 1 dense
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        "num_hidden_layers": 2,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [1],
+    },
+    # every second layer sparse, renormalised top-3 of 5
+    "qwen2_moe-step2": {
+        "model_type": "qwen2_moe",
+        "num_hidden_layers": 2,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 64,
+        "num_experts": 5,
+        "num_experts_per_tok": 3,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 2,
+    },
+    # Phi-3: fused qkv_proj and gate_up_proj; rotary on 24 of each head's 32 features
+    "phi3-partial-rotary": {
+        "model_type": "phi3",
+        "num_hidden_layers": 2,
+        "sliding_window": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+    },
+    "phi3": {"model_type": "phi3", "num_hidden_layers": 2, "sliding_window": None, "tie_word_embeddings": True},
+    # Gemma: (1 + weight) RMSNorm, embeddings scaled by sqrt(hidden), GELU (tanh) MLP, head_dim from the config
+    "gemma": {"model_type": "gemma", "num_hidden_layers": 2, "head_dim": 48, "tie_word_embeddings": True},
     "llama3-rope": {
         "num_hidden_layers": 1,
         "rope_parameters": {
@@ -523,3 +565,56 @@ def test_hooks_on_an_experts_linears_fire_on_the_fused_path(tmp_path: Path) -> N
         model.module(ids[:, 5:], use_cache=True, cache=out.cache)  # one decode step: top_k = 2 experts
     assert len(calls) == 2 and len(set(calls)) == 2
     assert all(e.__dict__.get("_fusion") is not None for e in experts)
+
+
+#: the newer native families on cpu-fast int4 linears, and how the compiled decode step runs each layer: Mixtral's
+#: sparse blocks by ``int4_moe``; Qwen2-MoE's sparse block (its shared expert) and Phi-3's fused projections and
+#: partial rotary through their modules, its dense layer compiled; Gemma's norms and GELU all through the modules
+FAMILY_STEPS = {
+    "mixtral": ({**VARIANTS["mixtral"]}, ["int4_moe", "int4_moe"]),
+    "qwen2_moe": ({**VARIANTS["qwen2_moe"], "qkv_bias": False, "moe_intermediate_size": 64}, [None, "int4"]),
+    "phi3": ({**VARIANTS["phi3-partial-rotary"]}, [None, None]),
+    "gemma": ({**VARIANTS["gemma"]}, [None, None]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_STEPS))
+def test_compiled_decode_step_of_the_newer_families(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """Every linear of a layer with 32 or more outputs made cpu-fast int4 (the experts' and Phi-3's fused ones too):
+    a layer the step's functions do not compute runs through its module, and the decode steps' logits are bitwise
+    the module path's."""
+    from anyquant.runtime.fastcpu import FastInt4Linear, int4pack_status
+    from anyquant.runtime.step import DecodeStep, compiled_layer
+
+    status = int4pack_status()
+    if not status.available:
+        pytest.skip(f"no int4 CPU kernel here: {status.reason}")
+    overrides, kinds = FAMILY_STEPS[family]
+    model = anyquant.load(make_tiny_dense(tmp_path / "m", **overrides), runtime="native")
+    gen = torch.Generator().manual_seed(5)
+    for layer in model.module.model.layers:
+        for name, lin in list(layer.named_modules()):
+            if not isinstance(lin, torch.nn.Linear) or lin.out_features < 32:
+                continue
+            k, n = lin.in_features, lin.out_features
+            codes = torch.randint(0, 16, (k, n), generator=gen)
+            zeros = torch.randint(0, 16, (k // 32, n), generator=gen)
+            scales = (torch.rand(k // 32, n, generator=gen) * 0.02).half()
+            b = None if lin.bias is None else lin.bias.detach().clone()
+            parent, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(parent), leaf, FastInt4Linear(codes, zeros, scales, bias=b))
+    calls = _LayerCalls(monkeypatch)
+    ids = torch.randint(0, 200, (2, 20), generator=torch.Generator().manual_seed(12))
+    fast = logits_after_prompt(model, ids, 8)
+    step = model.module.__dict__["_step"]
+    compiled = [k for k in kinds if k is not None]
+    if compiled:
+        assert isinstance(step, DecodeStep)
+        assert [None if p is None else p[0] for p in step.layers] == [k and compiled_layer(k) for k in kinds]
+    else:
+        assert step is None  # no layer the step computes: it is never built again
+    assert calls.take() == 2 + kinds.count(None) * (ids.shape[1] - 8)  # the prompt's, then the modules' layers
+    model.module.__dict__["_step"] = None  # the module path
+    assert torch.equal(logits_after_prompt(model, ids, 8), fast)

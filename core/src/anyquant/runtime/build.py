@@ -424,9 +424,9 @@ class _StoredNames:
         from .experts import checkpoint_names
 
         self.source = source
-        # the native decoder's families (Llama, Mistral, Qwen2) have no renamings, and asking for them would import
-        # transformers' conversion tables (0.7 s) that a native build otherwise never loads
-        known = model_type if isinstance(model_type, str) and not native else None
+        # the native decoder's families have no renamings but Mixtral's (``block_sparse_moe`` on disk), and asking
+        # for them would import transformers' conversion tables (0.7 s) that a native build otherwise never loads
+        known = model_type if isinstance(model_type, str) and (not native or model_type == "mixtral") else None
         self.renames = checkpoint_names(known)
         self._modules: set[str] | None = None
 

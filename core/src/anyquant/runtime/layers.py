@@ -142,6 +142,9 @@ class Router(nn.Module):
     """Qwen3-MoE's router: its ``weight`` ``[experts, hidden]`` (a parameter, as transformers holds it: no
     quantized linear is swapped in), the routing computed by :class:`SparseMoe`."""
 
+    #: keep the top-k weights in float32 (Mixtral's router does not cast them back to the logits' dtype)
+    keep_float = False
+
     def __init__(self, experts: int, hidden: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
@@ -149,13 +152,13 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(top_k_weights, top_k_index)`` of rows ``x`` ``[T, hidden]``: transformers' arithmetic (the softmax in
-        float32, top-k, renormalised when ``norm_topk_prob``, back to the logits' dtype)."""
+        float32, top-k, renormalised when ``norm_topk_prob``, back to the logits' dtype unless :attr:`keep_float`)."""
         logits = F.linear(x, self.weight)
         probs = F.softmax(logits, dim=-1, dtype=torch.float)
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top /= top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), index
+        return (top if self.keep_float else top.to(logits.dtype)), index
 
 
 class FusedExperts(nn.Module):

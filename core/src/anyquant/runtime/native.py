@@ -1,4 +1,5 @@
-"""anyquant's own Llama-family decoder: the same modules and tensor names as transformers', a leaner forward.
+"""anyquant's own Llama-family decoder (and Mixtral, Qwen2-MoE, Phi-3, Gemma): the same modules and tensor names as
+transformers', a leaner forward.
 
 Built instead of transformers' class when ``load(..., runtime="native")`` asks for it (or ``"auto"`` picks
 it: see :func:`native_runtime_reason`). It exists for speed on the CPU:
@@ -17,10 +18,21 @@ filling, head tying and cpu-fast head work unchanged. The arithmetic follows tra
 code in the same order (RMSNorm in float32 then the weight, ``rotate_half`` rotary embedding (computed with a roll), causal attention
 with the padding mask, SiLU-gated MLP): with float32 weights the logits equal transformers' to float rounding
 (tests compare them). Supported: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (RMSNorm of each query and key
-head before rotary) and ``qwen3_moe`` (its sparse blocks: router softmax in float32, top-k, ``norm_topk_prob``,
+head before rotary), ``qwen3_moe`` (its sparse blocks: router softmax in float32, top-k, ``norm_topk_prob``,
 ``decoder_sparse_step``, ``mlp_only_layers``; a checkpoint's per-expert linears become
-:class:`~anyquant.runtime.experts.Experts`, only the routed experts run) configs with SiLU, default or ``llama3``
-rotary scaling and no active sliding window; anything else stays on transformers' class.
+:class:`~anyquant.runtime.experts.Experts`, only the routed experts run), ``mixtral`` (Mistral's attention, every
+layer a sparse block: top-k always renormalised and kept in float32 as its router leaves them; its experts under
+transformers 5's names, ``mlp.gate`` and ``mlp.experts``, found in checkpoints as ``block_sparse_moe.experts.N.w1/w3/w2``
+through transformers' renaming), ``qwen2_moe`` (q/k/v biases; its sparse blocks add a shared expert, a dense MLP
+gated by ``sigmoid(shared_expert_gate(x))``), ``phi3`` (one ``qkv_proj`` and one ``gate_up_proj`` linear, as
+transformers' modules hold them; a ``partial_rotary_factor`` turns only the first features of each head) and
+``gemma`` (RMSNorm scaled by ``1 + weight``, the embeddings by ``sqrt(hidden_size)`` in their own dtype, a GELU
+(tanh) gated MLP, ``head_dim`` from the config) configs with their activation, default (or, but for Phi-3,
+``llama3``) rotary scaling and no active sliding window; anything else (Phi-3's LongRoPE, Mixtral's or Phi-3's
+``sliding_window``, Gemma 2 and 3's soft-capping and alternating windows ...) stays on transformers' class, with
+the reason :func:`native_runtime_reason` gives. The compiled decode step (:mod:`anyquant.runtime.step`) computes
+the layers with separate q/k/v, a full rotary embedding, RMSNorm and SiLU (Mixtral's sparse blocks included);
+Phi-3's and Gemma's layers and Qwen2-MoE's sparse blocks run through their modules.
 """
 
 from __future__ import annotations
@@ -38,9 +50,23 @@ from .layers import RMSNorm, SparseMoe, _joint, _rotary
 
 __all__ = ["NativeCache", "NativeCausalLM", "NativeConfig", "native_runtime_reason"]
 
-_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "phi3", "gemma")
 #: the families whose attention normalises each query and key head (RMSNorm over ``head_dim``) before rotary
 _QK_NORM = ("qwen3", "qwen3_moe")
+#: the families with sparse MoE blocks
+_MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+#: the families whose attention uses a sliding window whenever the config names one (transformers' Mistral and
+#: Mixtral attention pass ``config.sliding_window`` as it is; the others only with ``use_sliding_window``)
+_WINDOWED = ("mistral", "mixtral", "phi3")
+#: the later Gemmas, and what of them the native decoder does not compute
+_LATER_GEMMAS = {
+    "gemma2": "attention and final-logit soft-capping, alternating sliding-window layers and four norms a layer",
+    "gemma3": "alternating sliding-window layers with their own rotary base, q/k norms and four norms a layer",
+    "gemma3_text": "alternating sliding-window layers with their own rotary base, q/k norms and four norms a layer",
+}
+#: the activations each family's MLP may name (Gemma's legacy ``gelu`` is the tanh approximation, as transformers'
+#: config reads it); the native decoder runs exactly these
+_ACTIVATIONS = {"gemma": ("gelu_pytorch_tanh", "gelu")}
 
 
 def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -52,45 +78,70 @@ def _rope_type(rope: Mapping[str, Any]) -> str:
     return str(rope.get("rope_type", rope.get("type", "default")))
 
 
+def _partial_rotary(config: Mapping[str, Any]) -> float:
+    """The fraction of each head the rotary embedding turns (``partial_rotary_factor`` where transformers reads it:
+    in the rotary parameters, else the config; 1.0 when neither has it)."""
+    factor = _rope(config).get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    return 1.0 if factor is None else float(factor)
+
+
 def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
     """``None`` when the native decoder can run ``config``, else why not."""
     model_type = config.get("model_type")
+    if model_type in _LATER_GEMMAS:
+        return f"model_type {model_type!r}: {_LATER_GEMMAS[model_type]} are not supported"
     if model_type not in _TYPES:
         return f"model_type {model_type!r} is not one of {_TYPES}"
-    if config.get("hidden_act", "silu") != "silu":
-        return f"hidden_act {config.get('hidden_act')!r} is not silu"
+    acts = _ACTIVATIONS.get(model_type, ("silu",))
+    if config.get("hidden_act", acts[0]) not in acts:
+        return f"hidden_act {config.get('hidden_act')!r} is not {' or '.join(acts)}"
     rope_type = _rope_type(_rope(config))
-    if rope_type not in ("default", "llama3"):
+    if rope_type not in (("default",) if model_type == "phi3" else ("default", "llama3")):
         return f"rotary scaling {rope_type!r} is not supported"
+    if model_type == "phi3":
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        rotary = int(head_dim * _partial_rotary(config))
+        if not 0 < rotary <= head_dim or rotary % 2:
+            return f"partial_rotary_factor {_partial_rotary(config)} turns {rotary} of {head_dim} features: not even"
+    if config.get("use_bidirectional_attention"):
+        return "bidirectional attention is not supported"
     window = config.get("sliding_window")
-    if window is not None and (model_type == "mistral" or config.get("use_sliding_window")):
+    if window is not None and (model_type in _WINDOWED or config.get("use_sliding_window")):
+        return "sliding-window attention is not supported"
+    if "sliding_attention" in (config.get("layer_types") or ()):
         return "sliding-window attention is not supported"
     if config.get("pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1 is not supported"
-    if model_type == "qwen3_moe":
+    if model_type in _MOE:
         return _moe_reason(config)
     return None
 
 
 def _num_experts(config: Mapping[str, Any]) -> Any:
-    """Qwen3-MoE's expert count: ``num_experts`` in Qwen's configs, ``num_local_experts`` as transformers 5 saves it
-    (its attribute map's name); ``None`` when both are there and disagree."""
+    """A MoE config's expert count: ``num_experts`` in Qwen's configs, ``num_local_experts`` in Mixtral's and as
+    transformers 5 saves Qwen3-MoE's (its attribute map's name); ``None`` when both are there and disagree."""
     found = {config.get(k) for k in ("num_experts", "num_local_experts")} - {None}
     return found.pop() if len(found) == 1 else None
 
 
 def _moe_reason(config: Mapping[str, Any]) -> str | None:
-    """Why the native decoder cannot run a Qwen3-MoE ``config`` (``None``: it can)."""
+    """Why the native decoder cannot run a MoE ``config`` (Qwen3-MoE, Qwen2-MoE, Mixtral; ``None``: it can)."""
     experts = _num_experts(config)
+    mixtral = config.get("model_type") == "mixtral"
+    sizes: tuple[str, ...] = ("intermediate_size",) if mixtral else ("moe_intermediate_size",)
+    if config.get("model_type") == "qwen2_moe":
+        sizes += ("shared_expert_intermediate_size",)
     for key, value in (
         ("num_experts", experts),
         ("num_experts_per_tok", config.get("num_experts_per_tok")),
-        ("moe_intermediate_size", config.get("moe_intermediate_size")),
+        *((size, config.get(size)) for size in sizes),
     ):
         if type(value) is not int or value < 1:
             return f"{key} {value!r} is not one positive integer"
     if config["num_experts_per_tok"] > experts:
         return "num_experts_per_tok is larger than num_experts"
+    if mixtral:
+        return None  # every layer sparse: no decoder_sparse_step / mlp_only_layers
     step = config.get("decoder_sparse_step", 1)
     if type(step) is not int or step < 1:
         return f"decoder_sparse_step {step!r} is not a positive integer"
@@ -118,20 +169,37 @@ class NativeConfig:
         self.head_dim: int = int(c.get("head_dim") or self.hidden_size // self.num_attention_heads)
         self.rms_norm_eps: float = float(c.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings: bool = bool(c.get("tie_word_embeddings", False))
-        qkv_bias = self.model_type == "qwen2" or bool(c.get("attention_bias", False))
+        qwen2 = self.model_type in ("qwen2", "qwen2_moe")
+        if self.model_type == "qwen2_moe":  # its config's own switch (True unless a config says otherwise)
+            qkv_bias = bool(c.get("qkv_bias", True))
+        else:
+            qkv_bias = self.model_type == "qwen2" or bool(c.get("attention_bias", False))
         self.qkv_bias: bool = qkv_bias
-        self.o_bias: bool = self.model_type != "qwen2" and bool(c.get("attention_bias", False))
+        self.o_bias: bool = not qwen2 and bool(c.get("attention_bias", False))
         self.mlp_bias: bool = bool(c.get("mlp_bias", False))
         self.rope: dict[str, Any] = _rope(c)
         self.rope_theta: float = float(self.rope.get("rope_theta", c.get("rope_theta", 10000.0)))
         self.qk_norm: bool = self.model_type in _QK_NORM
-        # Qwen3-MoE: which layers hold a sparse MoE block, as transformers decides it
-        self.num_experts: int = int(_num_experts(c) or 0) if self.model_type == "qwen3_moe" else 0
+        #: the features of each head the rotary embedding turns (Phi-3's ``partial_rotary_factor``; else all)
+        self.rotary_dim: int = int(self.head_dim * _partial_rotary(c))
+        #: Gemma: RMSNorm scaled by ``1 + weight``, the embeddings by ``sqrt(hidden_size)``, a GELU (tanh) MLP
+        self.gemma: bool = self.model_type == "gemma"
+        #: Phi-3: one ``qkv_proj`` and one ``gate_up_proj`` linear, as transformers' modules hold them
+        self.fused_projections: bool = self.model_type == "phi3"
+        # MoE families: which layers hold a sparse MoE block, as transformers decides it
+        mixtral = self.model_type == "mixtral"
+        self.num_experts: int = int(_num_experts(c) or 0) if self.model_type in _MOE else 0
         self.num_experts_per_tok: int = int(c.get("num_experts_per_tok") or 0)
-        self.moe_intermediate_size: int = int(c.get("moe_intermediate_size") or 0)
-        self.norm_topk_prob: bool = bool(c.get("norm_topk_prob", False))
-        self.decoder_sparse_step: int = int(c.get("decoder_sparse_step") or 1)
-        self.mlp_only_layers: list[int] = list(c.get("mlp_only_layers") or [])
+        size = c.get("intermediate_size") if mixtral else c.get("moe_intermediate_size")
+        self.moe_intermediate_size: int = int(size or 0)
+        # Mixtral: the top-k weights always renormalised, and kept in float32 (its router does not cast them back)
+        self.norm_topk_prob: bool = mixtral or bool(c.get("norm_topk_prob", False))
+        self.router_float: bool = mixtral
+        self.decoder_sparse_step: int = 1 if mixtral else int(c.get("decoder_sparse_step") or 1)
+        self.mlp_only_layers: list[int] = [] if mixtral else list(c.get("mlp_only_layers") or [])
+        # Qwen2-MoE: a shared expert (a dense MLP of this size) in every sparse block, gated by a sigmoid
+        shared = c.get("shared_expert_intermediate_size") if self.model_type == "qwen2_moe" else None
+        self.shared_expert_intermediate_size: int = int(shared or 0)
 
     def sparse(self, index: int) -> bool:
         """Whether layer ``index`` has a MoE block (Qwen3-MoE's rule) rather than a dense MLP."""
@@ -144,8 +212,9 @@ class NativeConfig:
 
 
 def rope_inv_freq(config: NativeConfig) -> torch.Tensor:
-    """Inverse frequencies as transformers computes them (default, or Llama 3's frequency-dependent scaling)."""
-    dim = config.head_dim
+    """Inverse frequencies as transformers computes them (default, or Llama 3's frequency-dependent scaling), for
+    the ``rotary_dim`` features of a head that turn."""
+    dim = config.rotary_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if _rope_type(config.rope) != "llama3":
         return inv
@@ -268,6 +337,7 @@ class Attention(nn.Module):
             c.head_dim,
         )
         self.scaling = c.head_dim**-0.5
+        self.rotary_dim = c.rotary_dim
         # nn.Module, not nn.Linear: loaders swap in their quantized linears
         self.q_proj: nn.Module = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
         self.k_proj: nn.Module = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
@@ -280,6 +350,38 @@ class Attention(nn.Module):
         #: the cache: compressed-tensors' ``kv_cache_scheme``): ``(k, v) -> (k, v)``; the compiled step skips such layers
         self.kv_quant: nn.Module | None = None
 
+    def qkv(self, h: torch.Tensor) -> list[torch.Tensor]:
+        """The query, key and value projections of ``h`` ``[b, t, hidden]``."""
+        return _joint(self, ("q_proj", "k_proj", "v_proj"), h)
+
+    def project(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values ``[b, heads, t, head_dim]`` of ``h``: projected, the query and key heads
+        normalised (Qwen3), rotated, the keys and values quantized as the cache holds them (``kv_quant``).
+        ``sin``: with the sign of its first half flipped (see :func:`_rotary`)."""
+        b, t, _ = h.shape
+        q, k, v = self.qkv(h)
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.rotate(q, cos, sin)
+        k = self.rotate(k, cos, sin)
+        if self.kv_quant is not None:
+            k, v = self.kv_quant(k, v)
+        return q, k, v
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotary embedding of ``x``'s first ``rotary_dim`` features, the rest passed through (Phi-3's partial
+        rotary: transformers' ``torch.cat([rotated, x_pass], -1)``)."""
+        if self.rotary_dim == self.head_dim:
+            return _rotary(x, cos, sin)
+        d = self.rotary_dim
+        return torch.cat([_rotary(x[..., :d], cos, sin), x[..., d:]], dim=-1)
+
     def forward(
         self,
         h: torch.Tensor,
@@ -290,17 +392,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``sin``: with the sign of its first half flipped (see :func:`_rotary`)."""
         b, t, _ = h.shape
-        q, k, v = _joint(self, ("q_proj", "k_proj", "v_proj"), h)
-        q = q.view(b, t, self.heads, self.head_dim)
-        k = k.view(b, t, self.kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = _rotary(q, cos, sin)
-        k = _rotary(k, cos, sin)
-        if self.kv_quant is not None:
-            k, v = self.kv_quant(k, v)
+        q, k, v = self.project(h, cos, sin)
         if cache is not None:
             k, v = cache.update(self.index, k, v)
         out = F.scaled_dot_product_attention(
@@ -316,30 +408,113 @@ class Attention(nn.Module):
         return y
 
 
+class FusedAttention(Attention):
+    """Phi-3's attention: one ``qkv_proj`` linear (query rows, then key rows, then value rows), as transformers'
+    module holds it."""
+
+    def __init__(self, c: NativeConfig, index: int) -> None:
+        super().__init__(c, index)
+        del self.q_proj, self.k_proj, self.v_proj
+        size = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        self.qkv_proj: nn.Module = nn.Linear(c.hidden_size, size, bias=False)
+        self.q_size, self.kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+
+    def qkv(self, h: torch.Tensor) -> list[torch.Tensor]:
+        qkv = self.qkv_proj(h)
+        q, kv = self.q_size, self.kv_size
+        return [qkv[..., :q], qkv[..., q : q + kv], qkv[..., q + kv :]]
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``gelu_pytorch_tanh`` (Gemma's activation)."""
+    return F.gelu(x, approximate="tanh")
+
+
 class MLP(nn.Module):
-    def __init__(self, c: NativeConfig) -> None:
+    def __init__(self, c: NativeConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj: nn.Module = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.up_proj: nn.Module = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj: nn.Module = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        size = c.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj: nn.Module = nn.Linear(c.hidden_size, size, bias=c.mlp_bias)
+        self.up_proj: nn.Module = nn.Linear(c.hidden_size, size, bias=c.mlp_bias)
+        self.down_proj: nn.Module = nn.Linear(size, c.hidden_size, bias=c.mlp_bias)
+        #: SiLU, or Gemma's GELU (tanh); the compiled decode step runs SiLU MLPs only
+        self.act_fn = _gelu_tanh if c.gemma else F.silu
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = _joint(self, ("gate_proj", "up_proj"), h)
-        y: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        y: torch.Tensor = self.down_proj(self.act_fn(gate) * up)
         return y
+
+
+class FusedMLP(nn.Module):
+    """Phi-3's MLP: one ``gate_up_proj`` (gate rows, then up rows) and ``down_proj``, transformers' order of ops."""
+
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__()
+        self.gate_up_proj: nn.Module = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj: nn.Module = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        y: torch.Tensor = self.down_proj(up * F.silu(gate))
+        return y
+
+
+class SharedExpertMoe(SparseMoe):
+    """Qwen2-MoE's sparse block: :class:`~anyquant.runtime.layers.SparseMoe`'s routed experts plus a shared expert
+    (a dense MLP) on every token, gated by ``sigmoid(shared_expert_gate(x))`` (transformers' order of ops)."""
+
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.norm_topk_prob)
+        self.shared_expert = MLP(c, c.shared_expert_intermediate_size)
+        self.shared_expert_gate: nn.Module = nn.Linear(c.hidden_size, 1, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, h.shape[-1])
+        shared = self.shared_expert(x)
+        weights, index = self.gate(x)
+        routed = self.experts(x, index, weights)
+        shared = F.sigmoid(self.shared_expert_gate(x)) * shared
+        out: torch.Tensor = (routed + shared).view(h.shape)
+        return out
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: in float32, scaled by ``1 + weight`` (its weights are stored as offsets from 1), then back to
+    the input's dtype (transformers' order: the product before the cast)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def _norm(c: NativeConfig, size: int) -> nn.Module:
+    return GemmaRMSNorm(size, c.rms_norm_eps) if c.gemma else RMSNorm(size, c.rms_norm_eps)
+
+
+def _mlp(c: NativeConfig, index: int) -> nn.Module:
+    if c.sparse(index):
+        if c.shared_expert_intermediate_size:
+            return SharedExpertMoe(c)
+        moe = SparseMoe(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.norm_topk_prob)
+        moe.gate.keep_float = c.router_float
+        return moe
+    return FusedMLP(c) if c.fused_projections else MLP(c)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, c: NativeConfig, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(c, index)
-        self.mlp: nn.Module = (
-            SparseMoe(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok, c.norm_topk_prob)
-            if c.sparse(index)
-            else MLP(c)
-        )
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn: Attention = FusedAttention(c, index) if c.fused_projections else Attention(c, index)
+        self.mlp: nn.Module = _mlp(c, index)
+        self.input_layernorm = _norm(c, c.hidden_size)
+        self.post_attention_layernorm = _norm(c, c.hidden_size)
 
     def forward(
         self,
@@ -363,7 +538,7 @@ class Decoder(nn.Module):
             c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size)
         )
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = _norm(c, c.hidden_size)
 
 
 class NativeCausalLM(nn.Module):
@@ -403,6 +578,24 @@ class NativeCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``input_ids`` (Gemma's scaled by ``sqrt(hidden_size)`` in their own dtype, as
+        transformers' scaled embedding computes it)."""
+        h: torch.Tensor = self.model.embed_tokens(input_ids)
+        if self.config.gemma:
+            h = h * torch.tensor(self.config.hidden_size**0.5).to(h.dtype)
+        return h
+
+    def rotary(self, position_ids: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[b, 1, t, rotary_dim]`` of ``position_ids`` in ``h``'s dtype, ``sin`` with the sign of its
+        first half flipped (see :func:`~anyquant.runtime.layers._rotary`)."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(h.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(h.dtype)[:, None]
+        half_sin = freqs.sin()
+        sin = torch.cat((-half_sin, half_sin), dim=-1).to(h.dtype)[:, None]  # signed for _rotary
+        return cos, sin
 
     def _mask(self, attention_mask: torch.Tensor | None, b: int, t: int, past: int, device: torch.device) -> Any:
         """Boolean ``[b, 1, t, past + t]`` (True = attend), or ``None`` for plain causal attention."""
@@ -461,12 +654,8 @@ class NativeCausalLM(nn.Module):
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=input_ids.device)[None].expand(b, t)
-        h = self.model.embed_tokens(input_ids)
-        freqs = position_ids[..., None].float() * self.inv_freq.to(h.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(h.dtype)[:, None]
-        half_sin = freqs.sin()
-        sin = torch.cat((-half_sin, half_sin), dim=-1).to(h.dtype)[:, None]  # signed for _rotary
+        h = self.embed(input_ids)
+        cos, sin = self.rotary(position_ids, h)
         mask = self._mask(attention_mask, b, t, past, h.device)
         step = self._decode_step() if t == 1 and isinstance(cache, NativeCache) else None
         if step is not None and step.usable(h):

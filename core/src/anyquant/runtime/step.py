@@ -989,6 +989,11 @@ def _plan_layer(layer: Any, uniform: bool = True) -> _Layer | None:
     attn, mlp = layer.self_attn, layer.mlp
     if getattr(attn, "kv_quant", None) is not None:  # a quantized KV cache: the module path applies it
         return None
+    rotary_dim = getattr(attn, "rotary_dim", attn.head_dim)
+    if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")) or rotary_dim != attn.head_dim:
+        return None  # Phi-3's fused qkv_proj or partial rotary embedding: the module path
+    if getattr(mlp, "act_fn", F.silu) is not F.silu:
+        return None  # Gemma's GELU: the functions compute SiLU MLPs
     eps = float(norm1.variance_epsilon)
     norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
     qk_norms: tuple[Any, ...] = (None, None)

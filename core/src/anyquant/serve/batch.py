@@ -13,7 +13,8 @@ own cache, with no padding and no mask: a request's tokens do not depend on whic
 shifts the summation order inside attention, and this model's bfloat16 activations turn such last-bit differences
 into different greedy tokens). Requests join and leave between steps (continuous batching).
 
-The shared pass needs anyquant's native Llama-family decoder (:class:`~anyquant.runtime.native.NativeCausalLM`);
+The shared pass needs anyquant's native decoder (:class:`~anyquant.runtime.native.NativeCausalLM`: the Llama family,
+Mixtral, Qwen2-MoE, Phi-3, Gemma; each layer's projections, norms and MLP or MoE block are the model's own modules);
 any other module is stepped one request at a time (still interleaved, so every client streams), and so is a lone
 request (the module's own forward: the same numbers, less per-step work than the row-by-row shared pass).
 """
@@ -158,26 +159,18 @@ class DecodeBatch:
         return logits
 
     def _shared_step(self, tokens: Sequence[int]) -> torch.Tensor:
-        """The native decoder's forward for one new token per row (its ops, in its order), with attention per
-        row over the row's own cache."""
-        from ..runtime.layers import _joint, _rotary
-
+        """The native decoder's forward for one new token per row (its ops, in its order: the embedding, the
+        rotary tables, each attention's projections and each MLP or MoE block are the model's own), with attention
+        per row over the row's own cache."""
         model = self.module
         ids = torch.tensor([[t] for t in tokens], dtype=torch.long, device=self.device)
         positions = torch.tensor([[s.position] for s in self.slots], device=self.device)
-        h = model.model.embed_tokens(ids)
-        freqs = positions[..., None].float() * model.inv_freq.to(h.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(h.dtype)[:, None]
-        half_sin = freqs.sin()
-        sin = torch.cat((-half_sin, half_sin), dim=-1).to(h.dtype)[:, None]
+        h = model.embed(ids)
+        cos, sin = model.rotary(positions, h)
         b = h.shape[0]
         for layer in model.model.layers:
             attn = layer.self_attn
-            q, k, v = _joint(attn, ("q_proj", "k_proj", "v_proj"), layer.input_layernorm(h))
-            q = _rotary(q.view(b, 1, attn.heads, attn.head_dim).transpose(1, 2), cos, sin)
-            k = _rotary(k.view(b, 1, attn.kv_heads, attn.head_dim).transpose(1, 2), cos, sin)
-            v = v.view(b, 1, attn.kv_heads, attn.head_dim).transpose(1, 2)
+            q, k, v = attn.project(layer.input_layernorm(h), cos, sin)
             rows = []
             for i, slot in enumerate(self.slots):
                 keys, values = slot.cache.update(attn.index, k[i : i + 1], v[i : i + 1])
