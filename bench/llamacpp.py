@@ -9,13 +9,13 @@ Models:
   ``.cache/bench/llamacpp/`` by the ``gguf`` package's writer, streaming tensor by tensor, with its ``gguf.quants``
   quantizers (one random matrix per shape, quantized once; each layer gets its own row permutation of it), and
   the tokenizer metadata copied from SmolLM2's GGUF, so both engines load the same file and the same token ids;
-- the same 1.1B model as llama.cpp's own quantizer makes it (``--models 1b-q4_k_m,1b-q6_k,1b-q8_0``; issue #42 §3):
-  written once at F16 by the same writer from the same random floats (std 0.02, tied embedding), then quantized by
-  ``llama_model_quantize`` (``LLAMA_FTYPE_MOSTLY_Q4_K_M`` / ``_Q6_K`` / ``_Q8_0``, default parameters, no importance
-  matrix) in llama.cpp's Python, each file once: its Q4_K_M is Q4_K with Q6_K where it puts more bits (the tied
-  embedding; attn_v and ffn_down in 10 of the 22 layers), as for real models; its Q6_K is all Q6_K, its Q8_0 all
-  Q8_0. Those files need llama-cpp-python (below) to be made; the ~2.2 GB F16 source is deleted once all three
-  exist.
+- the same 1.1B model as llama.cpp's own quantizer makes it (``--models 1b-q4_k_m,1b-q6_k,1b-q8_0,1b-iq4_xs,1b-iq4_nl``;
+  issue #42 §3): written once at F16 by the same writer from the same random floats (std 0.02, tied embedding), then
+  quantized by ``llama_model_quantize`` (``LLAMA_FTYPE_MOSTLY_Q4_K_M`` / ``_Q6_K`` / ``_Q8_0`` / ``_IQ4_XS`` /
+  ``_IQ4_NL``, default parameters, no importance matrix) in llama.cpp's Python, each file once: its Q4_K_M is Q4_K
+  with Q6_K where it puts more bits (the tied embedding; attn_v and ffn_down in 10 of the 22 layers), as for real
+  models; its Q6_K is all Q6_K, its Q8_0 all Q8_0, its IQ4_XS / IQ4_NL the table types wherever llama.cpp puts them.
+  Those files need llama-cpp-python (below) to be made; the ~2.2 GB F16 source is deleted once all of them exist.
 
 Rows (each sample a fresh process per engine, the engines alternating, ``--samples`` of each; per-row medians):
 decode tokens/s (greedy, ``--decode`` tokens after a 32-token prompt, timed from the first new token on, end of
@@ -46,7 +46,7 @@ the bench tries them once in a child process (``--llama-extra-bufts auto``, the 
 them off (llama.cpp's plain kernels); the header says which.
 
     python bench/llamacpp.py [--threads 2] [--samples 3] [--decode 64] [--long] [--max-other 0.05]
-        [--models smollm2,1b,1b-q4_k_m,1b-q6_k,1b-q8_0] [--llama-python PATH] [--llama-extra-bufts auto|on|off]
+        [--models smollm2,1b,1b-q4_k_m,1b-q6_k,1b-q8_0,1b-iq4_xs,1b-iq4_nl] [--llama-python PATH] [--llama-extra-bufts auto|on|off]
         [--gptq DIR] [--checkpoint LABEL=DIR]
 """
 
@@ -83,6 +83,8 @@ KQUANTS = {
     "1b-q4_k_m": ("Q4_K_M", "Llama-shaped 1.1B Q4_K_M GGUF (llama.cpp's quantizer, synthetic weights)"),
     "1b-q6_k": ("Q6_K", "Llama-shaped 1.1B Q6_K GGUF (llama.cpp's quantizer, synthetic weights)"),
     "1b-q8_0": ("Q8_0", "Llama-shaped 1.1B Q8_0 GGUF (llama.cpp's quantizer, synthetic weights)"),
+    "1b-iq4_xs": ("IQ4_XS", "Llama-shaped 1.1B IQ4_XS GGUF (llama.cpp's quantizer, synthetic weights)"),
+    "1b-iq4_nl": ("IQ4_NL", "Llama-shaped 1.1B IQ4_NL GGUF (llama.cpp's quantizer, synthetic weights)"),
 }
 PROMPT = 32
 PREFILL = 512
@@ -183,7 +185,7 @@ sys.exit(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref
 
 
 def make_kquant(smol: Path, ftype: str, llama_python: str) -> Path:
-    """The 1.1B model as llama.cpp's quantizer makes it at ``ftype`` (``Q4_K_M``, ``Q6_K``, ``Q8_0``), made once:
+    """The 1.1B model as llama.cpp's quantizer makes it at ``ftype`` (:data:`KQUANTS`: ``Q4_K_M``, ``IQ4_XS``, ...), made once:
     ``llama_model_quantize`` with its default parameters, run in llama.cpp's Python, from the F16 GGUF
     (:func:`make_gguf`, made first if need be; deleted once every file of :data:`KQUANTS` exists)."""
     out = ROOT / f"llama-1.1b-synthetic.{ftype}.gguf"
@@ -385,7 +387,8 @@ def main() -> int:
     ap.add_argument(
         "--models",
         default="smollm2,1b",
-        help="comma-separated: smollm2, 1b (the synthetic 1.1B at Q4_0), 1b-q4_k_m, 1b-q6_k, 1b-q8_0 (the same "
+        help="comma-separated: smollm2, 1b (the synthetic 1.1B at Q4_0), 1b-q4_k_m, 1b-q6_k, 1b-q8_0, 1b-iq4_xs, "
+        "1b-iq4_nl (the same "
         "model through llama.cpp's quantizer; made once, needs llama-cpp-python)",
     )
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python")

@@ -25,13 +25,16 @@ def _cases() -> dict[str, tuple[str, torch.Tensor, torch.Tensor, int, int]]:
     """Deterministic inputs: name -> (type, activations [3, cols], blocks, rows, cols)."""
     gen = torch.Generator().manual_seed(7)
     out = {}
-    for type_name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
+    for type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"):
         _, size, per = kernels.GGML_TYPES[type_name][:3]
         rows, cols = 40, 512
         n = rows * cols // per
         raw = torch.randint(0, 256, (n, size), dtype=torch.uint8, generator=gen)
-        halves = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2)}.get(type_name, (0,))
-        for at in halves:  # float16 scales that are finite and moderate
+        halves = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2), "MXFP4": ()}
+        if type_name == "MXFP4":  # E8M0 exponents around 2^0, and the subnormal scales of 0 and 1
+            raw[:, 0] = torch.randint(118, 138, (n,), dtype=torch.uint8, generator=gen)
+            raw[:2, 0] = torch.tensor([0, 1], dtype=torch.uint8)
+        for at in halves.get(type_name, (0,)):  # float16 scales that are finite and moderate
             value = (torch.rand(n, generator=gen) - 0.3) * 1e-2
             raw[:, at : at + 2] = value.to(torch.float16).view(torch.uint8).view(n, 2)
         x = torch.randn(3, cols, generator=gen)

@@ -139,8 +139,8 @@ def test_bad_input_is_refused() -> None:
         kernels.gemv(torch.randn(1, 64), raw[:-1], "Q4_0", 4, 64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.gemv(torch.randn(1, 48), raw, "Q4_0", 4, 48)
-    with pytest.raises(RuntimeError, match="block type 6 is not"):
-        torch.ops.anyquant.ggml_gemv(torch.randn(1, 64), raw, 6, 4, 64)
+    with pytest.raises(RuntimeError, match="block type 10 is not"):  # Q2_K: not a type of the kernel
+        torch.ops.anyquant.ggml_gemv(torch.randn(1, 64), raw, 10, 4, 64)
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
@@ -256,8 +256,8 @@ def test_cat_refuses_bad_parts() -> None:
         torch.ops.anyquant.ggml_gemv_cat(x, [raw], [2, 2], [8])
     with pytest.raises(RuntimeError, match="blocks hold"):
         torch.ops.anyquant.ggml_gemv_cat(x, [raw, raw[:-1]], [2, 2], [8, 8])
-    with pytest.raises(RuntimeError, match="block type 6 is not"):
-        torch.ops.anyquant.ggml_gemv_cat(x, [raw], [6], [8])
+    with pytest.raises(RuntimeError, match="block type 10 is not"):  # Q2_K
+        torch.ops.anyquant.ggml_gemv_cat(x, [raw], [10], [8])
 
 
 def test_scripted_call() -> None:

@@ -385,10 +385,15 @@ def test_tiny_model_exact_backends(tiny_new_types: tuple[Path, torch.nn.Module],
     torch.testing.assert_close(_logits(model.module), _logits(reference), rtol=1e-5, atol=1e-5)
 
 
+#: the types of the tiny model that the compiled GGUF-block kernel runs (where it is built)
+_ON_BLOCK_KERNEL = (Q.Q5_K, Q.MXFP4, Q.IQ4_XS, Q.IQ4_NL)
+
+
 def test_tiny_model_cpu_fast(tiny_new_types: tuple[Path, torch.nn.Module]) -> None:
-    """cpu-fast runs the new types (no int4 or GGUF-block kernel for them) as bfloat16 prepacked for decode where
-    oneDNN runs it, else dequantized at load; the Q5_K beside them on the block kernel where it is built (else as
-    the new types); prompts over ``small_rows`` exact."""
+    """cpu-fast runs the new types without an int4 or GGUF-block kernel (NVFP4, TQ1_0, TQ2_0, the lattice types) as
+    bfloat16 prepacked for decode where oneDNN runs it, else dequantized at load; MXFP4, IQ4_XS and IQ4_NL (and the
+    MXFP4 head) with the Q5_K beside them on the block kernel where it is built (else as the others); prompts over
+    ``small_rows`` exact."""
     fastcpu = pytest.importorskip("anyquant.runtime.fastcpu")
     ok, reason = fastcpu.fast_cpu_capable()
     if not ok:
@@ -398,15 +403,22 @@ def test_tiny_model_cpu_fast(tiny_new_types: tuple[Path, torch.nn.Module]) -> No
     info = fast.info["cpu_fast"]
     from anyquant.runtime import kernels
 
-    on_kernel = {f"model.layers.{layer}.{linear}" for (layer, linear), q in _TYPES.items() if q == Q.Q5_K}
+    on_kernel = {f"model.layers.{layer}.{linear}" for (layer, linear), q in _TYPES.items() if q in _ON_BLOCK_KERNEL}
     expected = {f"model.layers.{layer}.{linear}": q.name for (layer, linear), q in _TYPES.items()}
     if kernels.available():
         expected = {n: q for n, q in expected.items() if n not in on_kernel}
-        assert info["block_kernel"] == {"Q5_K": len(on_kernel)} if "block_kernel" in info else False, info
-    # the MXFP4 head: a FastHead over the file's table where a decode form runs here, else as the linears
+        counts: dict[str, int] = {}
+        for q in [q for q in _TYPES.values() if q in _ON_BLOCK_KERNEL] + [_HEAD_TYPE]:  # the MXFP4 head too
+            counts[q.name] = counts.get(q.name, 0) + 1
+        assert info.get("block_kernel") == counts, info
+        assert "lm_head" not in info and "lm_head" not in {*info["bf16"], *info["dequantized"]}, info
+        assert type(fast.module.get_output_embeddings()).__name__ == "GGUFBlockHead"
+    # where the kernel is not built, the MXFP4 head: a FastHead over the file's table where a decode form runs here,
+    # else as the linears
     head = info.pop("lm_head", None)
     bf16, dequantized = dict(info["bf16"]), dict(info["dequantized"])
-    assert head == {"table": "MXFP4", "decode": head["decode"]} if head else "lm_head" in {*bf16, *dequantized}
+    if not kernels.available():
+        assert head == {"table": "MXFP4", "decode": head["decode"]} if head else "lm_head" in {*bf16, *dequantized}
     bf16.pop("lm_head", None)
     dequantized.pop("lm_head", None)
     if fastcpu.bf16_head_status()[0]:
@@ -414,8 +426,8 @@ def test_tiny_model_cpu_fast(tiny_new_types: tuple[Path, torch.nn.Module]) -> No
     else:
         assert set(dequantized) == set(expected)
         assert all(dequantized[n].startswith(f"{q} has no int4 kernel") for n, q in expected.items())
-    # on the GGUF-block kernel: the Q5_K alone, where it is built
-    assert info.get("interleaved", 0) + info.get("in_place", 0) == (len(on_kernel) if kernels.available() else 0)
+    # on the GGUF-block kernel, where it is built: those types' linears and the head
+    assert info.get("interleaved", 0) + info.get("in_place", 0) == (len(on_kernel) + 1 if kernels.available() else 0)
     want = _logits(reference)
     torch.testing.assert_close(_logits(fast.module), want, rtol=1e-5, atol=1e-5)  # 8 rows > small_rows: exact
     few = _logits(fast.module, _IDS[:, :2])  # decode rows: bfloat16 where prepacked

@@ -7,9 +7,10 @@ memory-mapped :class:`~anyquant_gguf.reader.GGUFFile`.
 Backends:
 
 * ``cpu-fast`` (auto on a CPU with torch's vectorized int4 kernel, for files whose linears are
-  Q4_0/Q4_1/Q4_K): Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K linears on anyquant's compiled GGUF-block kernel
-  (the stored blocks, interleaved at load; int8 activations in two passes) where it is built, else Q4_0/Q4_1/Q4_K
-  repacked for torch's int4 CPU kernel; other quantized linears (the IQ and TQ types, Q2_K, Q3_K, Q5_0, ...) as
+  Q4_0/Q4_1/Q4_K): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 linears on anyquant's
+  compiled GGUF-block kernel (the stored blocks, interleaved at load; int8 activations in two passes) where it is
+  built, else Q4_0/Q4_1/Q4_K repacked for torch's int4 CPU kernel; other quantized linears (the lattice IQ types,
+  NVFP4, the TQ types, Q2_K, Q3_K) as
   bfloat16 weights prepacked for oneDNN where AMX or AVX512-BF16 runs them, else dequantized at load; prompts over
   ``small_rows`` tokens exact from the file's blocks; the token embedding and a tied LM head stay packed unless
   ``embedding="dense"`` (faster decode, more memory). Greedy text can leave the exact path's at a near-tie, as
@@ -198,7 +199,8 @@ def cpu_fast_backend() -> BackendInfo:
         ok,
         reason,
         devices=("cpu",),
-        description="Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears on the compiled GGUF-block kernel where it is built "
+        description="Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS/MXFP4 linears on the compiled GGUF-block kernel "
+        "where it is built "
         "(else Q4_0/Q4_1/Q4_K repacked for torch's int4 CPU kernel), other quantized linears "
         "as bfloat16 prepacked for oneDNN where AMX/AVX512-BF16 runs it (else dequantized at load) "
         "(bfloat16 decode, exact float32 prompts over 64 tokens); the "
@@ -406,7 +408,7 @@ class GGUFLoader(TransformersLoader):
 
         def fast_head(raw: Any) -> tuple[nn.Module | None, bool]:
             """cpu-fast's head over the file's table, and whether it decodes from a copy of another type: the
-            table's blocks on the kernel (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K), else a decode copy (``cpu_fast_head``) of any
+            table's blocks on the kernel (a BLOCK_KERNEL_TYPES type), else a decode copy (``cpu_fast_head``) of any
             other type (the table read for prompts and the exact top logits); ``None`` where neither runs."""
             rows, interleave = fast_kwargs["small_rows"], plan.interleave
             head = block_kernel_head(raw.data, raw.qtype, raw.shape, small_rows=rows, interleave=interleave)

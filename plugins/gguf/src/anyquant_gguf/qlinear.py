@@ -459,15 +459,22 @@ def gguf_linear_from_reader(
 
 #: Types cpu-fast runs on :func:`torch.ops.anyquant.ggml_gemv`, read as stored or interleaved
 #: (:mod:`anyquant.runtime.kernels`): a Q4_K_M file's Q4_K and Q6_K linears at their stored size (4.5 and 6.56 bits a
-#: weight, where torch's int4 kernel needs a repacked copy of Q4_K and Q6_K had a bfloat16 copy). The op reads Q5_K too;
-#: cpu-fast keeps Q5_K linears on their bfloat16 copy for now (one entry here moves them).
+#: weight, where torch's int4 kernel needs a repacked copy of Q4_K and Q6_K had a bfloat16 copy); Q5_K, Q5_0 and Q5_1;
+#: and the table types IQ4_NL, IQ4_XS and MXFP4 (4-bit codes indexing 16 int8 values: 4.5, 4.25 and 4.25 bits a
+#: weight). These had a bfloat16 copy before. The kernel's list (:data:`anyquant.runtime.kernels.GGML_TYPES`) names
+#: each of them.
 BLOCK_KERNEL_TYPES: dict[GGMLQuantizationType, str] = {
     Q.Q4_0: "Q4_0",
     Q.Q4_1: "Q4_1",
+    Q.Q5_0: "Q5_0",
+    Q.Q5_1: "Q5_1",
     Q.Q8_0: "Q8_0",
     Q.Q4_K: "Q4_K",
     Q.Q5_K: "Q5_K",
     Q.Q6_K: "Q6_K",
+    Q.IQ4_NL: "IQ4_NL",
+    Q.IQ4_XS: "IQ4_XS",
+    Q.MXFP4: "MXFP4",
 }
 
 
@@ -512,8 +519,9 @@ def gguf_block_linear(
     bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> nn.Module | None:
-    """A Q4_0/Q4_1/Q8_0/Q4_K/Q6_K weight on the GGUF-block kernel (``kwargs``: ``small_rows``, ``prefill_dtype``,
-    ``compute_dtype``, ``passes``, ``interleave``: a copy in the kernel's interleaved form instead of the blocks read
+    """A :data:`BLOCK_KERNEL_TYPES` weight (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS/MXFP4) on the
+    GGUF-block kernel
+    (``kwargs``: ``small_rows``, ``prefill_dtype``, ``compute_dtype``, ``passes``, ``interleave``: a copy in the kernel's interleaved form instead of the blocks read
     in place); ``None`` where the kernel is not built or takes not the type."""
     if not block_kernel_available(qtype):
         return None
@@ -557,7 +565,7 @@ def block_kernel_head(
     small_rows: int,
     interleave: bool = False,
 ) -> nn.Module | None:
-    """``cpu-fast``'s LM head over a Q4_0/Q4_1/Q8_0/Q4_K/Q6_K table through the GGUF-block kernel (``None`` where it
+    """``cpu-fast``'s LM head over a :data:`BLOCK_KERNEL_TYPES` table through the GGUF-block kernel (``None`` where it
     cannot run): the exact top logits as :class:`~anyquant.runtime.fastcpu.FastHead`'s; ``interleave``: the
     blocks copied into the kernel's interleaved form (SmolLM2's Q8_0 head, 1 row, 2 threads: ~1.2 ms against
     ~1.8 ms read in place)."""

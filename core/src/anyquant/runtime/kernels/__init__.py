@@ -1,5 +1,5 @@
-"""An optional compiled kernel: GEMV on raw GGUF Q4_0 / Q4_1 / Q8_0 blocks, K-quant super-blocks (Q4_K / Q5_K /
-Q6_K) and GQ4 blocks, with int8 activations.
+"""An optional compiled kernel: GEMV on raw GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / MXFP4 blocks,
+super-blocks of 256 (the K-quants Q4_K / Q5_K / Q6_K, IQ4_XS) and GQ4 blocks, with int8 activations.
 
 ``torch.ops.anyquant.ggml_gemv(x, blocks, type, rows, cols, isa=-1, passes=2)`` computes ``x @ W.T``
 (float32, returned in ``x``'s dtype) for ``W`` ``[rows, cols]`` stored as GGUF blocks (``blocks``: a
@@ -15,7 +15,10 @@ would take 24 bytes for nothing more). Each row
 of ``x`` is quantized per block of 32 inside the op, each weight block is dotted with it in integers, then
 scaled: llama.cpp's CPU approach. A K-quant super-block is 8 sub-blocks of 32, each on one activation block: Q4_K /
 Q5_K sub-block ``j`` as Q4_1 with scale ``d sc_j`` and offset ``-dmin m_j`` (both exact in float32: a float16 times a
-6-bit integer), Q6_K with two integer sums per sub-block (its int8 scales ``d sc`` are per 16 weights). ``passes=1``: int8 codes ``round(x / d)``, ``d = max|x| / 127`` (round half
+6-bit integer), Q6_K with two integer sums per sub-block (its int8 scales ``d sc`` are per 16 weights). The table
+types (IQ4_NL, IQ4_XS's sub-blocks, MXFP4) as Q8_0: their 4-bit codes' int8 values (llama.cpp's ``kvalues_iq4nl`` /
+``kvalues_mxfp4``, a byte shuffle) dotted with the codes, scaled by ``d``, ``d (ls - 32)`` or MXFP4's
+``2^(e - 128)``; Q5_0 / Q5_1 as Q4_0 / Q4_1 with the fifth bit of each code. ``passes=1``: int8 codes ``round(x / d)``, ``d = max|x| / 127`` (round half
 to even), llama.cpp's Q8_0 activations; ``passes=2`` (the default): the residual's int8 code as well,
 ``c = 256 round(x / d) + round((x - d round(x / d)) * 256 / d)`` with scale ``d / 256`` (about 15 bits per
 activation, one more integer dot product per block): int8 activations alone flip near-tied greedy tokens
@@ -83,10 +86,15 @@ _NAME = "anyquant_ggml_gemv"
 GGML_TYPES = {
     "Q4_0": (2, 18, 32),
     "Q4_1": (3, 20, 32),
+    "Q5_0": (6, 22, 32),
+    "Q5_1": (7, 24, 32),
     "Q8_0": (8, 34, 32),
     "Q4_K": (12, 144, 256),
     "Q5_K": (13, 176, 256),
     "Q6_K": (14, 210, 256),
+    "IQ4_NL": (20, 18, 32),
+    "IQ4_XS": (23, 136, 256),
+    "MXFP4": (39, 17, 32),
     "GQ4": (100, 20, 32),
 }
 #: added to a type id: the op reads the blocks in their interleaved form (:func:`interleave`)

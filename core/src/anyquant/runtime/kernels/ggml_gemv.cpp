@@ -1,5 +1,7 @@
-// y[m, n] = sum_k w[n, k] * x[m, k] with w read as raw GGUF blocks (Q4_0, Q4_1, Q8_0; the K-quants Q4_K, Q5_K and
-// Q6_K as their super-blocks of 256 weights, each sub-block of 32 on one activation block) or anyquant's GQ4
+// y[m, n] = sum_k w[n, k] * x[m, k] with w read as raw GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; the table types
+// IQ4_NL and MXFP4, 4-bit codes indexing 16 int8 values, turned into them by a byte shuffle; the K-quants Q4_K, Q5_K
+// and Q6_K and the table type IQ4_XS as their super-blocks of 256 weights, each sub-block of 32 on one activation
+// block) or anyquant's GQ4
 // blocks (GPTQ / AWQ group-quantized int4 repacked at load: fp16 scale s, fp16 zero point z, then Q4_1's
 // 16 bytes of nibbles; w = s * (q - z), the offset -s * z exact in fp32) and x quantized
 // to int8 per block of 32 (scale max|x|/127, as GGUF's Q8_0) inside the op: integer dot products per
@@ -33,6 +35,7 @@ constexpr int QK = 32;
 constexpr int QKK = 256;  // the K-quants' super-block: 8 sub-blocks of 32 weights
 constexpr int64_t TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_GQ4 = 100;
 constexpr int64_t TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14;
+constexpr int64_t TYPE_IQ4_NL = 20, TYPE_IQ4_XS = 23, TYPE_MXFP4 = 39, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7;
 constexpr int64_t TYPE_IL = 1000;  // added to a type: its interleaved form (below)
 constexpr int64_t ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2;
 
@@ -42,7 +45,35 @@ inline float half_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
-constexpr bool is_k(int64_t type) { return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K; }
+// the super-block types (256 weights a block): the K-quants and IQ4_XS
+constexpr bool is_k(int64_t type) {
+  return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_IQ4_XS;
+}
+// the table types: 4-bit codes indexing 16 int8 values (IQ4_NL's and IQ4_XS's kvalues_iq4nl, MXFP4's doubled e2m1
+// values), signed weights as Q8_0's
+constexpr bool is_lut(int64_t type) { return type == TYPE_IQ4_NL || type == TYPE_IQ4_XS || type == TYPE_MXFP4; }
+
+// llama.cpp's kvalues_iq4nl and kvalues_mxfp4 (the e2m1 values doubled: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives)
+alignas(16) constexpr int8_t KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+alignas(16) constexpr int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr const int8_t* lut_values(int64_t type) { return type == TYPE_MXFP4 ? KV_MXFP4 : KV_IQ4NL; }
+// Q5_0 / Q5_1: Q4_0 / Q4_1 with a fifth bit per weight (qh, a little-endian uint32: bit j weight j) before the nibbles
+constexpr bool is_q5(int64_t type) { return type == TYPE_Q5_0 || type == TYPE_Q5_1; }
+
+// MXFP4's E8M0 scale byte e as ggml reads it for its doubled values: 2^(e - 128), built as a bit pattern (e < 2: the
+// subnormals 2^-128, 2^-127; e = 255 is 2^127, not NaN), as the GGUF plugin's dequantizer builds it
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t{0x00200000} << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// IQ4_XS sub-block j's 6-bit scale (4 low bits in scales_l, 2 high in scales_h) less 32
+inline int iq4xs_scale(const uint8_t* blk, int j) {
+  const int sh = blk[2] | (blk[3] << 8);
+  return (((blk[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+}
 
 // weights per block: 32, or a K-quant's super-block of 256 (a row's cols are a multiple of it)
 constexpr int block_qk(int64_t type) { return is_k(type % TYPE_IL) ? QKK : QK; }
@@ -51,8 +82,17 @@ constexpr int block_qk(int64_t type) { return is_k(type % TYPE_IL) ? QKK : QK; }
 // block_q5_K, block_q6_K): Q4_K d, dmin (float16), 12 bytes of 6-bit scales and mins of its 8 sub-blocks of 32, 128
 // bytes of nibbles (w = d sc_j q - dmin m_j); Q5_K the same with 32 bytes of fifth bits (qh) before the nibbles; Q6_K
 // 128 bytes of low nibbles (ql), 64 of 2-bit highs (qh), 16 int8 scales (one per 16 weights), d last (w = d sc (q - 32)).
+// IQ4_NL: float16 d, Q4_0's 16 bytes of nibbles (w = d kv[q]); MXFP4: the E8M0 byte e then Q4_0's nibbles (w = 2^(e-128)
+// kv[q]); IQ4_XS (a super-block of 256): d, scales_h (uint16: 2 high bits per sub-block), scales_l (4 bytes of low
+// nibbles), then per sub-block of 32 its 16 bytes of nibbles as Q4_0's (w = d (ls - 32) kv[q]). Q5_0: d, 4 bytes of
+// fifth bits qh, Q4_0's nibbles (w = d (q - 16)); Q5_1: d, m, qh, nibbles (w = d q + m).
 constexpr int block_bytes(int64_t type) {
-  return type % TYPE_IL == TYPE_Q4_0                                  ? 18
+  return type % TYPE_IL == TYPE_IQ4_NL                                ? 18
+         : type % TYPE_IL == TYPE_Q5_0                                ? 22
+         : type % TYPE_IL == TYPE_Q5_1                                ? 24
+         : type % TYPE_IL == TYPE_MXFP4                               ? 17
+         : type % TYPE_IL == TYPE_IQ4_XS                              ? 136
+         : type % TYPE_IL == TYPE_Q4_0                                ? 18
          : (type % TYPE_IL == TYPE_Q4_1 || type % TYPE_IL == TYPE_GQ4) ? 20
          : type % TYPE_IL == TYPE_Q4_K                                 ? 144
          : type % TYPE_IL == TYPE_Q5_K                                 ? 176
@@ -200,12 +240,28 @@ template <int64_t TYPE>
 inline float block_dot(const uint8_t* blk, const QX& qx, int64_t i) {
   int32_t c[QK];
   for (int j = 0; j < QK; ++j) c[j] = qx.fine ? 256 * qx.q[i * QK + j] + qx.l[i * QK + j] : qx.q[i * QK + j];
-  const float dw = half_at(blk);
+  const float dw = TYPE == TYPE_MXFP4 ? e8m0_half(blk[0]) : half_at(blk);
   int32_t dot = 0;
+  if (is_lut(TYPE)) {  // IQ4_NL, MXFP4: the codes' int8 values, then Q8_0's arithmetic
+    const int8_t* kv = lut_values(TYPE);
+    const uint8_t* qs = blk + (TYPE == TYPE_MXFP4 ? 1 : 2);
+    for (int j = 0; j < 16; ++j) dot += kv[qs[j] & 15] * c[j] + kv[qs[j] >> 4] * c[j + 16];
+    return dw * (qx.d[i] * static_cast<float>(dot));
+  }
   if (TYPE == TYPE_Q8_0) {
     const int8_t* wq = reinterpret_cast<const int8_t*>(blk + 2);
     for (int j = 0; j < QK; ++j) dot += wq[j] * c[j];
     return dw * (qx.d[i] * static_cast<float>(dot));
+  }
+  if (is_q5(TYPE)) {
+    const uint8_t* qh = blk + (TYPE == TYPE_Q5_0 ? 2 : 4);
+    uint32_t h;
+    std::memcpy(&h, qh, 4);
+    for (int j = 0; j < 16; ++j) {
+      dot += ((qh[4 + j] & 15) | ((h >> j) & 1) << 4) * c[j] + ((qh[4 + j] >> 4) | ((h >> (j + 16)) & 1) << 4) * c[j + 16];
+    }
+    if (TYPE == TYPE_Q5_0) return dw * (qx.d[i] * static_cast<float>(dot - 16 * qx.csum[i]));
+    return dw * (qx.d[i] * static_cast<float>(dot)) + half_at(blk + 2) * qx.dsum[i];
   }
   const uint8_t* qs = blk + (TYPE == TYPE_Q4_0 ? 2 : 4);
   for (int j = 0; j < 16; ++j) dot += (qs[j] & 15) * c[j] + (qs[j] >> 4) * c[j + 16];
@@ -257,6 +313,14 @@ inline float kblock_dot(const uint8_t* blk, const QX& qx, int64_t i0, float acc)
   for (int j = 0; j < 8; ++j) {
     const int64_t i = i0 + j;
     for (int l = 0; l < QK; ++l) c[l] = qx.fine ? 256 * qx.q[i * QK + l] + qx.l[i * QK + l] : qx.q[i * QK + l];
+    if (TYPE == TYPE_IQ4_XS) {  // sub-block j's 16 bytes of nibbles as IQ4_NL's; its scale d (ls - 32)
+      const uint8_t* qs = blk + 8 + 16 * j;
+      int32_t dot = 0;
+      for (int l = 0; l < 16; ++l) dot += KV_IQ4NL[qs[l] & 15] * c[l] + KV_IQ4NL[qs[l] >> 4] * c[l + 16];
+      const float dl = half_at(blk) * static_cast<float>(iq4xs_scale(blk, j));
+      acc += static_cast<float>(dot) * (dl * qx.d[i]);
+      continue;
+    }
     k_codes<TYPE>(blk, j, q);
     if (TYPE == TYPE_Q6_K) {
       int32_t lo = 0, hi = 0;
@@ -309,16 +373,25 @@ void rows_scalar(const uint8_t* w, const QX& qx, int64_t mb, int64_t me, float* 
 // chunks k whose 4 bytes at 4 r are row r's bytes 4k..4k+3 of it (Q4: 4 chunks of nibble bytes, Q8_0: 8 chunks,
 // Q4_K: 3 of scales then 32 of nibbles, Q5_K: 3, 8 of qh, 32; Q6_K: 32 of ql, 16 of qh, 4 of scales, its d at the
 // front as the others'), the vectors the 8-row path multiplies; rows past the last whole group stay as they are.
+// IQ4_NL as Q4_0; MXFP4 its 8 rows' E8M0 bytes (8 bytes) then Q4_0's 4 chunks; IQ4_XS d and scales_h as two float16
+// rows of 16 bytes, then 1 chunk of scales_l and 32 of nibbles (4 per sub-block); Q5_0 / Q5_1 as Q4_0 / Q4_1 with
+// a chunk of qh before the nibbles' 4.
 // Same size as the blocks; made once at load (llama.cpp repacks its Q4_0 and Q4_K the same way).
 
 // the float16 scales a block starts with (Q6_K: ends with): how many, and where the first one is
 constexpr int il_halves(int64_t type) {
-  return (type == TYPE_Q4_1 || type == TYPE_GQ4 || type == TYPE_Q4_K || type == TYPE_Q5_K) ? 2 : 1;
+  return (type == TYPE_Q4_1 || type == TYPE_GQ4 || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_IQ4_XS ||
+          type == TYPE_Q5_1)
+             ? 2
+             : 1;
 }
 constexpr int il_half_at(int64_t type) { return type == TYPE_Q6_K ? 208 : 0; }
+// the bytes of each scale (float16: 2; MXFP4's E8M0 byte: 1), and of the piece's scales (8 rows of each)
+constexpr int il_scale_size(int64_t type) { return type == TYPE_MXFP4 ? 1 : 2; }
+constexpr int il_front(int64_t type) { return 8 * il_scale_size(type) * il_halves(type); }
 // where the rest of the block (its 4-byte words) starts, and how many words
-constexpr int il_word_at(int64_t type) { return type == TYPE_Q6_K ? 0 : 2 * il_halves(type); }
-constexpr int il_words(int64_t type) { return (block_bytes(type) - 2 * il_halves(type)) / 4; }
+constexpr int il_word_at(int64_t type) { return type == TYPE_Q6_K ? 0 : il_scale_size(type) * il_halves(type); }
+constexpr int il_words(int64_t type) { return (block_bytes(type) - il_scale_size(type) * il_halves(type)) / 4; }
 
 // the chunk word q (of the words after the scales) goes to: its own place, but Q6_K's in the order the kernel reads
 // them (a piece read front to back: out of order, its loads stalled the 8-row path): the 4 words of scales, then per
@@ -329,10 +402,10 @@ constexpr int il_chunk(int64_t type, int q) {
 
 // where byte j of row r's block lies within its group's interleaved piece
 inline int il_offset(int64_t type, int r, int j) {
-  const int nh = il_halves(type), hs = il_half_at(type);
-  if (j >= hs && j < hs + 2 * nh) return 16 * ((j - hs) / 2) + 2 * r + (j - hs) % 2;
+  const int nh = il_halves(type), hs = il_half_at(type), su = il_scale_size(type);
+  if (j >= hs && j < hs + su * nh) return 8 * su * ((j - hs) / su) + su * r + (j - hs) % su;
   const int q = j - il_word_at(type);  // byte q of the words
-  return 16 * nh + 32 * il_chunk(type, q / 4) + 4 * r + q % 4;
+  return il_front(type) + 32 * il_chunk(type, q / 4) + 4 * r + q % 4;
 }
 
 // The pieces in column tiles of IL_TILE blocks of 32 (2,048 columns; 8 super-blocks of a K-quant): every group's
@@ -435,6 +508,32 @@ AQ_TARGET_AVX2 inline void transpose8x8(const uint8_t* p, int64_t stride, __m256
   }
 }
 
+// a table type's 16 int8 values in each 128-bit lane, for _mm256_shuffle_epi8 on the codes; with VNNI as unsigned bytes
+// (+ 128, Q8_0's offset for vpdpbusd, taken back through sum(c)), else signed (vpmaddubsw with Q8_0's sign trick)
+AQ_TARGET_AVX2 inline __m256i lut_table(int64_t type, bool vnni) {
+  if (!is_lut(type)) return _mm256_setzero_si256();
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lut_values(type)));
+  const __m256i both = _mm256_broadcastsi128_si256(t);
+  return vnni ? _mm256_xor_si256(both, _mm256_set1_epi8(static_cast<char>(0x80))) : both;
+}
+
+// per lane (dword) of qh: byte b (0..3) is 16 where bit s + b of the lane is set, else 0 (Q5's fifth bits)
+AQ_TARGET_AVX2 inline __m256i fifth_bits(__m256i qh, int s) {
+  // the lane's bits s .. s + 7 in each of its 4 bytes, then byte b's own bit b picked
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,  //
+                                          0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  const __m256i bit = _mm256_set1_epi32(0x08040201);
+  const __m256i t = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_srli_epi32(qh, s), spread), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(t, bit), _mm256_set1_epi8(16));
+}
+
+// e8m0_half of 8 int32 lanes (0..255)
+AQ_TARGET_AVX2 inline __m256 e8m0_half8(__m256i e) {
+  const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  const __m256i large = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(large, small, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+
 #define AQ_BCAST(P) _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(P))
 // the 8 dot products of a block's chunks v[0..7] with the codes at X, as sum of four chains of two
 #define AQ_DOT4(DOT, V, X)                                                                               \
@@ -446,14 +545,18 @@ AQ_TARGET_AVX2 inline void transpose8x8(const uint8_t* p, int64_t stride, __m256
 
 #define AQ_ROWS8_BODY(DOT)                                                                               \
   const int64_t nb = qx.blocks;                                                                          \
-  constexpr int bs = TYPE == TYPE_Q4_0 ? 18 : TYPE == TYPE_Q8_0 ? 34 : 20;                               \
-  constexpr int qoff = TYPE == TYPE_Q4_1 || TYPE == TYPE_GQ4 ? 4 : 2;                                    \
-  constexpr bool has_min = TYPE == TYPE_Q4_1 || TYPE == TYPE_GQ4;                                        \
-  /* the unsigned codes' offset, taken back through sum(c): Q4_0's 8, Q8_0's 128 added for vpdpbusd */   \
-  constexpr bool has_offset = TYPE == TYPE_Q4_0 || (TYPE == TYPE_Q8_0 && VNNI);                          \
-  constexpr int32_t offset = TYPE == TYPE_Q4_0 ? 8 : 128;                                                \
+  constexpr int bs = block_bytes(TYPE);                                                                  \
+  constexpr int qoff = TYPE == TYPE_Q4_1 || TYPE == TYPE_GQ4 ? 4 : TYPE == TYPE_MXFP4 ? 1                 \
+                       : TYPE == TYPE_Q5_0 ? 6 : TYPE == TYPE_Q5_1 ? 8 : 2;                              \
+  constexpr bool has_min = TYPE == TYPE_Q4_1 || TYPE == TYPE_GQ4 || TYPE == TYPE_Q5_1;                   \
+  /* the unsigned codes' offset, taken back through sum(c): Q4_0's 8, Q8_0's and the tables' 128 added for \
+     vpdpbusd */                                                                                         \
+  constexpr bool has_offset = TYPE == TYPE_Q4_0 || TYPE == TYPE_Q5_0 ||                                  \
+                               ((TYPE == TYPE_Q8_0 || is_lut(TYPE)) && VNNI);                           \
+  constexpr int32_t offset = TYPE == TYPE_Q4_0 ? 8 : TYPE == TYPE_Q5_0 ? 16 : 128;                       \
   const int64_t rb = nb * bs;                                                                            \
   const __m256i lowmask = _mm256_set1_epi8(15);                                                          \
+  const __m256i table = lut_table(TYPE, VNNI);                                                           \
   const bool fine = qx.fine;                                                                             \
   /* interleaved: a column tile at a time over every group (il_piece), each row's sum kept in y between tiles   \
      (float32: exact, the blocks still summed in order); read in place: the whole row at once */          \
@@ -468,13 +571,21 @@ AQ_TARGET_AVX2 inline void transpose8x8(const uint8_t* p, int64_t stride, __m256
     for (int m = 0; m < M; ++m) acc[m] = b0 ? _mm256_loadu_ps(y + (m0 + m) * ld + g * 8) : _mm256_setzero_ps(); \
     for (int64_t b = b0; b < b1; ++b) {                                                                  \
       __m256 dw, mw = _mm256_setzero_ps();                                                               \
-      __m256i v[8];                                                                                      \
+      __m256i v[8], qh = _mm256_setzero_si256(); /* Q5: lane r = row r's 32 fifth bits */                \
       if (IL) {                                                                                          \
         /* interleaved: the 8 rows' scales side by side, then the chunks as the vectors want them */      \
         const uint8_t* blk = tile_base + b * 8 * bs;                                                     \
-        dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));                    \
+        if (TYPE == TYPE_MXFP4) {                                                                        \
+          dw = e8m0_half8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk))));  \
+        } else {                                                                                         \
+          dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));                  \
+        }                                                                                                \
         if (has_min) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));  \
-        const uint8_t* chunks = blk + (has_min ? 32 : 16);                                               \
+        const uint8_t* chunks = blk + il_front(TYPE);                                                    \
+        if (is_q5(TYPE)) {                                                                               \
+          qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks));                             \
+          chunks += 32;                                                                                  \
+        }                                                                                                \
         for (int k = 0; k < (TYPE == TYPE_Q8_0 ? 8 : 4); ++k) {                                          \
           v[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * k));                  \
         }                                                                                                \
@@ -487,13 +598,14 @@ AQ_TARGET_AVX2 inline void transpose8x8(const uint8_t* p, int64_t stride, __m256
           for (int l = 0; l < 8 * bs; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);                        \
         }                                                                                                \
         const __m256i sc = dwords8(blk, rb);                                                             \
-        dw = halves8(sc);                                                                                \
+        dw = TYPE == TYPE_MXFP4 ? e8m0_half8(_mm256_and_si256(sc, _mm256_set1_epi32(0xFF))) : halves8(sc); \
         if (has_min) mw = halves8(_mm256_srli_epi32(sc, 16));                                            \
         if (TYPE == TYPE_Q8_0) {                                                                         \
           transpose8x8(blk + 2, rb, v);                                                                  \
         } else {                                                                                         \
           transpose8x4(blk + qoff, rb, v);                                                               \
         }                                                                                                \
+        if (is_q5(TYPE)) qh = dwords8(blk + qoff - 4, rb);                                               \
       }                                                                                                  \
       if (TYPE == TYPE_GQ4) mw = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dw, mw));             \
       if (TYPE == TYPE_Q8_0) {                                                                           \
@@ -504,6 +616,13 @@ AQ_TARGET_AVX2 inline void transpose8x8(const uint8_t* p, int64_t stride, __m256
         for (int k = 0; k < 4; ++k) {                                                                    \
           v[4 + k] = _mm256_and_si256(_mm256_srli_epi16(v[k], 4), lowmask);                              \
           v[k] = _mm256_and_si256(v[k], lowmask);                                                        \
+        }                                                                                                \
+        if (is_q5(TYPE)) { /* weight 4 k + b's fifth bit (qh bit 4 k + b; the high nibbles' 16 + 4 k + b) \
+                              into bit 4 of byte b of chunk k */                                         \
+          for (int k = 0; k < 8; ++k) v[k] = _mm256_or_si256(v[k], fifth_bits(qh, k < 4 ? 4 * k : 16 + 4 * (k - 4))); \
+        }                                                                                                \
+        if (is_lut(TYPE)) { /* the codes' int8 values (+ 128 for vpdpbusd): one byte shuffle each */      \
+          for (int k = 0; k < 8; ++k) v[k] = _mm256_shuffle_epi8(table, v[k]);                           \
         }                                                                                                \
       }                                                                                                  \
       for (int m = 0; m < M; ++m) {                                                                      \
@@ -527,7 +646,7 @@ AQ_TARGET_AVX2 void rows8_avx2(const uint8_t* w, const QX& qx, int64_t m0, float
   constexpr bool VNNI = false;
   const __m256i ones = _mm256_set1_epi16(1);
 #define AQ_DOT8_AVX2(ACC, W, X)                                                                                 \
-  (TYPE == TYPE_Q8_0                                                                                            \
+  (TYPE == TYPE_Q8_0 || is_lut(TYPE)                                                                            \
        ? _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(W, W), _mm256_sign_epi8(X, W)), ones)) \
        : _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones)))
   AQ_ROWS8_BODY(AQ_DOT8_AVX2)
@@ -565,7 +684,7 @@ AQ_TARGET_AVX2 inline __m256i sbyte_of(__m256i v, int k) { return _mm256_srai_ep
 #define AQ_K_CHUNK8(WORD, OUT)                                                                             \
   if (IL) {                                                                                                \
     for (int k_ = 0; k_ < 8; ++k_)                                                                         \
-      OUT[k_] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 16 * nh + 32 * (il_chunk(TYPE, WORD) + k_))); \
+      OUT[k_] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + il_front(TYPE) + 32 * (il_chunk(TYPE, WORD) + k_))); \
   } else {                                                                                                 \
     transpose8x8(blk + il_word_at(TYPE) + 4 * (WORD), rb, OUT);                                            \
   }
@@ -576,6 +695,7 @@ AQ_TARGET_AVX2 inline __m256i sbyte_of(__m256i v, int k) { return _mm256_srai_ep
   constexpr int bs = block_bytes(TYPE), nh = il_halves(TYPE);                                               \
   const int64_t rb = nb * bs;                                                                               \
   const __m256i lowmask = _mm256_set1_epi8(15);                                                             \
+  const __m256i table = lut_table(TYPE, VNNI); /* IQ4_XS's values (+ 128 for vpdpbusd) */                   \
   const bool fine = qx.fine;                                                                                \
   const int64_t tile = IL ? IL_TILE / 8 : nb;                                                               \
   for (int64_t b0 = 0; b0 < nb; b0 += tile) {                                                               \
@@ -592,8 +712,43 @@ AQ_TARGET_AVX2 inline __m256i sbyte_of(__m256i v, int k) { return _mm256_srai_ep
           const char* pf = reinterpret_cast<const char*>(base + 8 * rb + b * 8 * bs);                       \
           for (int l = 0; l < 8 * bs; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);                           \
         }                                                                                                   \
-        __m256 dw;                                                                                          \
-        if (TYPE == TYPE_Q6_K) {                                                                            \
+        __m256 dw;                                                                                            \
+        if (TYPE == TYPE_IQ4_XS) {                                                                            \
+          /* d, scales_h (2 bits a sub-block) and scales_l (4) as lanes; per pair of sub-blocks 8 chunks of nibbles */\
+          __m256i sh, sl, qs[8], v[8];                                                                        \
+          if (IL) {                                                                                           \
+            dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece)));                   \
+            sh = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece + 16)));        \
+            sl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece + 32));                            \
+          } else {                                                                                            \
+            __m256i sw[4];                                                                                    \
+            transpose8x4(blk, rb, sw);                                                                        \
+            dw = halves8(sw[0]);                                                                              \
+            sh = _mm256_srli_epi32(sw[0], 16);                                                                \
+            sl = sw[1];                                                                                       \
+          }                                                                                                   \
+          AQ_UNROLL for (int p = 0; p < 4; ++p) {                                                             \
+            AQ_K_CHUNK8(1 + 8 * p, qs)                                                                        \
+            AQ_UNROLL for (int e = 0; e < 2; ++e) {                                                           \
+              const int j = 2 * p + e;                                                                        \
+              AQ_UNROLL for (int k = 0; k < 4; ++k) {                                                         \
+                v[k] = _mm256_shuffle_epi8(table, _mm256_and_si256(qs[4 * e + k], lowmask));                  \
+                v[4 + k] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(qs[4 * e + k], 4), lowmask));\
+              }                                                                                               \
+              const __m256i ls = _mm256_or_si256(                                                             \
+                  _mm256_and_si256(_mm256_srli_epi32(sl, 4 * j), _mm256_set1_epi32(15)),                      \
+                  _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(sh, 2 * j), _mm256_set1_epi32(3)), 4));\
+              const __m256 fdw = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));\
+              for (int m = 0; m < M; ++m) {                                                                   \
+                const int64_t i = (m0 + m) * nbx + 8 * b + j;                                                 \
+                __m256i s = AQ_DOT4(DOT, v, qx.q.data() + i * QK);                                            \
+                if (fine) s = _mm256_add_epi32(_mm256_slli_epi32(s, 8), AQ_DOT4(DOT, v, qx.l.data() + i * QK));\
+                if (VNNI) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * qx.csum[i]));                       \
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(fdw, _mm256_set1_ps(qx.d[i])), acc[m]);\
+              }                                                                                               \
+            }                                                                                                 \
+          }                                                                                                   \
+        } else if (TYPE == TYPE_Q6_K) {                                                                       \
           __m256i sc[4], ql[8], qh[8], v[8];                                                                \
           if (IL) {                                                                                         \
             dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(piece)));                 \
@@ -692,8 +847,12 @@ AQ_TARGET_AVX2 inline __m256i sbyte_of(__m256i v, int k) { return _mm256_srai_ep
 template <int64_t TYPE, int M, bool IL>
 AQ_TARGET_AVX2 void rows8k_avx2(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t ld, int64_t g0,
                                 int64_t g1, int64_t G) {
+  constexpr bool VNNI = false;
   const __m256i ones = _mm256_set1_epi16(1);
-#define AQ_DOT8_AVX2(ACC, W, X) _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones))
+#define AQ_DOT8_AVX2(ACC, W, X)                                                                                 \
+  (TYPE == TYPE_IQ4_XS /* signed weights: Q8_0's sign trick */                                                 \
+       ? _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(W, W), _mm256_sign_epi8(X, W)), ones)) \
+       : _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones)))
   AQ_ROWS8K_BODY(AQ_DOT8_AVX2)
 #undef AQ_DOT8_AVX2
 }
@@ -701,6 +860,7 @@ AQ_TARGET_AVX2 void rows8k_avx2(const uint8_t* w, const QX& qx, int64_t m0, floa
 template <int64_t TYPE, int M, bool IL>
 AQ_TARGET_VNNI void rows8k_vnni(const uint8_t* w, const QX& qx, int64_t m0, float* y, int64_t ld, int64_t g0,
                                 int64_t g1, int64_t G) {
+  constexpr bool VNNI = true;
 #define AQ_DOT8_VNNI(ACC, W, X) _mm256_dpbusd_epi32(ACC, W, X)
   AQ_ROWS8K_BODY(AQ_DOT8_VNNI)
 #undef AQ_DOT8_VNNI
@@ -806,6 +966,11 @@ void run_parts(const QX& qx, std::vector<Part>& parts, float* y, int64_t ld, int
   else if (base == TYPE_Q4_K) run_rows<TYPE_Q4_K, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);          \
   else if (base == TYPE_Q5_K) run_rows<TYPE_Q5_K, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);          \
   else if (base == TYPE_Q6_K) run_rows<TYPE_Q6_K, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);          \
+  else if (base == TYPE_IQ4_NL) run_rows<TYPE_IQ4_NL, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);      \
+  else if (base == TYPE_IQ4_XS) run_rows<TYPE_IQ4_XS, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);      \
+  else if (base == TYPE_MXFP4) run_rows<TYPE_MXFP4, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);        \
+  else if (base == TYPE_Q5_0) run_rows<TYPE_Q5_0, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);          \
+  else if (base == TYPE_Q5_1) run_rows<TYPE_Q5_1, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);          \
   else run_rows<TYPE_Q8_0, IL>(isa, p.w, qx, mb, me, yo, ld, p.rows, g0, g1);
       const int64_t base = p.type % TYPE_IL;
       if (p.type >= TYPE_IL) {
@@ -881,10 +1046,13 @@ at::Tensor gemv_parts(const at::Tensor& x, std::vector<Part>& parts, int64_t col
 
 bool known_type(int64_t type) {
   const int64_t base = type >= TYPE_IL ? type - TYPE_IL : type;
-  return base == TYPE_Q4_0 || base == TYPE_Q4_1 || base == TYPE_Q8_0 || base == TYPE_GQ4 || is_k(base);
+  return base == TYPE_Q4_0 || base == TYPE_Q4_1 || base == TYPE_Q8_0 || base == TYPE_GQ4 || is_k(base) ||
+         is_lut(base) || is_q5(base);
 }
 
-#define AQ_TYPE_NAMES "Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14) or GQ4 (100)"
+#define AQ_TYPE_NAMES \
+  "Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), IQ4_NL (20), IQ4_XS (23), " \
+  "MXFP4 (39) or GQ4 (100)"
 
 // A weight [rows, cols] of blocks: every argument checked, the byte count in overflow-checked int64 (a size that wraps
 // is refused, never compared with the tensor's numel modulo 2**64)
@@ -1019,10 +1187,10 @@ template <int64_t TYPE>
 void interleave_groups(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t G, int64_t g0, int64_t g1, bool forward,
                        int64_t qk_head) {
   constexpr int bs = block_bytes(TYPE), scales = il_halves(TYPE), words = il_words(TYPE);
-  constexpr int hs = il_half_at(TYPE), ws = il_word_at(TYPE);
+  constexpr int hs = il_half_at(TYPE), ws = il_word_at(TYPE), su = il_scale_size(TYPE);
   int at_scale[8][scales], at_word[8][words];
   for (int r = 0; r < 8; ++r) {
-    for (int i = 0; i < scales; ++i) at_scale[r][i] = il_offset(TYPE, r, hs + 2 * i);
+    for (int i = 0; i < scales; ++i) at_scale[r][i] = il_offset(TYPE, r, hs + su * i);
     for (int q = 0; q < words; ++q) at_word[r][q] = il_offset(TYPE, r, ws + 4 * q);
   }
   for (int64_t g = g0; g < g1; ++g) {
@@ -1031,10 +1199,10 @@ void interleave_groups(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t G, 
       for (int r = 0; r < 8; ++r) {
         const int64_t row = (stored_row(8 * g + r, qk_head) * nb + b) * bs;
         if (forward) {
-          for (int i = 0; i < scales; ++i) std::memcpy(dst + piece + at_scale[r][i], src + row + hs + 2 * i, 2);
+          for (int i = 0; i < scales; ++i) std::memcpy(dst + piece + at_scale[r][i], src + row + hs + su * i, su);
           for (int q = 0; q < words; ++q) std::memcpy(dst + piece + at_word[r][q], src + row + ws + 4 * q, 4);
         } else {
-          for (int i = 0; i < scales; ++i) std::memcpy(dst + row + hs + 2 * i, src + piece + at_scale[r][i], 2);
+          for (int i = 0; i < scales; ++i) std::memcpy(dst + row + hs + su * i, src + piece + at_scale[r][i], su);
           for (int q = 0; q < words; ++q) std::memcpy(dst + row + ws + 4 * q, src + piece + at_word[r][q], 4);
         }
       }
@@ -1050,7 +1218,7 @@ template <int64_t TYPE>
 AQ_TARGET_AVX2 void interleave_groups_avx2(const uint8_t* src, uint8_t* dst, int64_t nb, int64_t G, int64_t g0,
                                            int64_t g1, int64_t qk_head) {
   constexpr int bs = block_bytes(TYPE), scales = il_halves(TYPE), words = il_words(TYPE);
-  constexpr int hs = il_half_at(TYPE), ws = il_word_at(TYPE);
+  constexpr int hs = il_half_at(TYPE), ws = il_word_at(TYPE), su = il_scale_size(TYPE);
   const int64_t rb = nb * bs, step = (qk_head ? 2 : 1) * rb;  // a group's 8 stored rows are step apart
   __m256i t[8];
   for (int64_t g = g0; g < g1; ++g) {
@@ -1059,9 +1227,9 @@ AQ_TARGET_AVX2 void interleave_groups_avx2(const uint8_t* src, uint8_t* dst, int
       uint8_t* const piece = dst + il_piece(TYPE, g, b, nb, G);
       const uint8_t* const blk = first + b * bs;  // output row 8 g's block b; row r's at + r step
       for (int r = 0; r < 8; ++r) {
-        for (int i = 0; i < scales; ++i) std::memcpy(piece + 16 * i + 2 * r, blk + r * step + hs + 2 * i, 2);
+        for (int i = 0; i < scales; ++i) std::memcpy(piece + 8 * su * i + su * r, blk + r * step + hs + su * i, su);
       }
-      uint8_t* const chunks = piece + 16 * scales;
+      uint8_t* const chunks = piece + il_front(TYPE);
       int q = 0;
       for (; q + 8 <= words; q += 8) {
         transpose8x8(blk + ws + 4 * q, step, t);
@@ -1106,6 +1274,11 @@ at::Tensor ggml_interleave(const at::Tensor& blocks, int64_t type, int64_t rows,
     case TYPE_Q4_K: CALL(TYPE_Q4_K); break;    \
     case TYPE_Q5_K: CALL(TYPE_Q5_K); break;    \
     case TYPE_Q6_K: CALL(TYPE_Q6_K); break;    \
+    case TYPE_IQ4_NL: CALL(TYPE_IQ4_NL); break;\
+    case TYPE_IQ4_XS: CALL(TYPE_IQ4_XS); break;\
+    case TYPE_MXFP4: CALL(TYPE_MXFP4); break;  \
+    case TYPE_Q5_0: CALL(TYPE_Q5_0); break;    \
+    case TYPE_Q5_1: CALL(TYPE_Q5_1); break;    \
     default: CALL(TYPE_Q8_0); break;           \
   }
 #ifdef AQ_X86
@@ -1127,10 +1300,26 @@ at::Tensor ggml_interleave(const at::Tensor& blocks, int64_t type, int64_t rows,
 
 // The exact weight [rows, cols] from its blocks (either form), as the formats' torch code computes it in float32:
 // Q4_0 (q - 8) * d, Q4_1 q * d + m, Q8_0 q * d, GQ4 (q - z) * s, Q4_K / Q5_K q * (d * sc) - dmin * m, Q6_K
-// (q - 32) * (d * sc); then rounded to dtype (float32: as is; float16 or bfloat16 to nearest even, as torch's .to()).
+// (q - 32) * (d * sc), Q5_0 (q - 16) * d, Q5_1 q * d + m, IQ4_NL kv[q] * d, IQ4_XS kv[q] * (d * (ls - 32)), MXFP4 kv[q] * 2^(e-128); then rounded to dtype (float32: as is; float16 or bfloat16 to nearest even, as torch's .to()).
 // One pass over the blocks for a prompt's GEMM, where the torch code makes several (and the interleaved form was first
 // copied back).
 inline void dequantize_block(int64_t base, const uint8_t* blk, float* v) {
+  if (is_lut(base)) {  // 32 weights a block (IQ4_XS: 8 sub-blocks of them), Q4_0's nibble order
+    const int8_t* kv = lut_values(base);
+    const int n = base == TYPE_IQ4_XS ? 8 : 1;
+    for (int j = 0; j < n; ++j) {
+      const float s = base == TYPE_MXFP4   ? e8m0_half(blk[0])
+                      : base == TYPE_IQ4_NL ? half_at(blk)
+                                            : half_at(blk) * static_cast<float>(iq4xs_scale(blk, j));
+      const uint8_t* qs = blk + (base == TYPE_MXFP4 ? 1 : base == TYPE_IQ4_NL ? 2 : 8 + 16 * j);
+      float* vj = v + QK * j;
+      for (int i = 0; i < 16; ++i) {
+        vj[i] = static_cast<float>(kv[qs[i] & 15]) * s;
+        vj[i + 16] = static_cast<float>(kv[qs[i] >> 4]) * s;
+      }
+    }
+    return;
+  }
   const float d = half_at(blk + (base == TYPE_Q6_K ? 208 : 0));
   if (is_k(base)) {
     int32_t q[QK];
@@ -1159,6 +1348,23 @@ inline void dequantize_block(int64_t base, const uint8_t* blk, float* v) {
     for (int i = 0; i < QK; ++i) v[i] = static_cast<float>(static_cast<int8_t>(blk[2 + i])) * d;
     return;
   }
+  if (is_q5(base)) {
+    const uint8_t* qh = blk + (base == TYPE_Q5_0 ? 2 : 4);
+    uint32_t h;
+    std::memcpy(&h, qh, 4);
+    const float m = base == TYPE_Q5_1 ? half_at(blk + 2) : 0.f;
+    for (int i = 0; i < 16; ++i) {
+      const int lo = (qh[4 + i] & 15) | ((h >> i) & 1) << 4, hi = (qh[4 + i] >> 4) | ((h >> (i + 16)) & 1) << 4;
+      if (base == TYPE_Q5_0) {
+        v[i] = static_cast<float>(lo - 16) * d;
+        v[i + 16] = static_cast<float>(hi - 16) * d;
+      } else {
+        v[i] = static_cast<float>(lo) * d + m;
+        v[i + 16] = static_cast<float>(hi) * d + m;
+      }
+    }
+    return;
+  }
   const uint8_t* qs = blk + (base == TYPE_Q4_0 ? 2 : 4);
   if (base == TYPE_Q4_0) {
     for (int i = 0; i < 16; ++i) {
@@ -1183,8 +1389,9 @@ inline void dequantize_block(int64_t base, const uint8_t* blk, float* v) {
 // Row r (0..7) of an interleaved piece (8 rows' block b) back in the stored block layout (il_offset's inverse).
 inline void deinterleave_row(int64_t base, const uint8_t* piece, int r, uint8_t* raw) {
   const int nh = il_halves(base), hs = il_half_at(base), ws = il_word_at(base), words = il_words(base);
-  for (int i = 0; i < nh; ++i) std::memcpy(raw + hs + 2 * i, piece + 16 * i + 2 * r, 2);
-  const uint8_t* codes = piece + 16 * nh;
+  const int su = il_scale_size(base);
+  for (int i = 0; i < nh; ++i) std::memcpy(raw + hs + su * i, piece + 8 * su * i + su * r, su);
+  const uint8_t* codes = piece + il_front(base);
   for (int c = 0; c < words; ++c) std::memcpy(raw + ws + 4 * c, codes + 32 * il_chunk(base, c) + 4 * r, 4);
 }
 

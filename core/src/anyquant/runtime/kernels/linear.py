@@ -1,5 +1,5 @@
-"""``cpu-fast``'s linear over a weight kept as GGUF blocks (Q4_0, Q4_1, Q8_0; the K-quants Q4_K, Q5_K, Q6_K as their
-super-blocks of 256), or as GQ4 blocks repacked at load from a GPTQ / AWQ 4-bit layer (:class:`GroupInt4BlockLinear`).
+"""``cpu-fast``'s linear over a weight kept as GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4; the K-quants
+Q4_K, Q5_K, Q6_K and IQ4_XS as their super-blocks of 256), or as GQ4 blocks repacked at load from a GPTQ / AWQ 4-bit layer (:class:`GroupInt4BlockLinear`).
 
 - few rows (``<= small_rows``: decode): :func:`torch.ops.anyquant.ggml_gemv` on the blocks as held
   (activations quantized per block of 32 in ``passes`` int8 passes, integer dot products: llama.cpp's
