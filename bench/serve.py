@@ -217,8 +217,8 @@ def mask_cost(model: str, rows: int, steps: int) -> tuple[float, float, float]:
     as both are timed in the same steps."""
     import anyquant
     from anyquant.runtime.grammar import OutputFormat
-    from anyquant.serve.batch import DecodeBatch
-    from anyquant.serve.scheduler import ModelAdapter
+    from anyquant_serve.batch import DecodeBatch
+    from anyquant_serve.scheduler import ModelAdapter
 
     loaded = anyquant.load(model)
     adapter = ModelAdapter(loaded)

@@ -19,8 +19,8 @@ from _measure import _unshadow
 _unshadow()  # bench/gguf.py would shadow the gguf package the bundled model loads with
 
 import anyquant  # noqa: E402
-from anyquant.serve.batch import DecodeBatch  # noqa: E402
-from anyquant.serve.scheduler import ModelAdapter, Request, Scheduler  # noqa: E402
+from anyquant_serve.batch import DecodeBatch  # noqa: E402
+from anyquant_serve.scheduler import ModelAdapter, Request, Scheduler  # noqa: E402
 
 
 def _round(scheduler: Scheduler, model: Any, ids: list[int], n: int) -> float:

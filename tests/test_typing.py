@@ -27,6 +27,7 @@ PACKAGES = (
     "anyquant_bnb",
     "anyquant_mlx",
     "anyquant_mxfp4",
+    "anyquant_serve",
 )
 
 

@@ -1,5 +1,6 @@
-"""docs/architecture.md's map of the core package matches the package: every module is named in its
-package's box of the parts diagram, every module named there exists, and the contract's stated size holds."""
+"""docs/architecture.md's map of the packages matches them: every module of core and of anyquant-serve (the server,
+its own distribution) is named in its package's box of the parts diagram, every module named there exists, and the
+contract's stated size holds."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ from pathlib import Path
 
 import anyquant
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "architecture.md"
 PACKAGE = Path(anyquant.__file__).resolve().parent
-#: a box's title -> the package directory it maps (relative to the anyquant package)
+#: the server's package, beside core in this checkout (plugins/serve: the anyquant-serve distribution)
+SERVE = REPO / "plugins" / "serve" / "src" / "anyquant_serve"
+#: a box's title -> the package directory it maps (relative to the anyquant package; SERVE's own box: SERVE)
 BOXES = {
     "core: the contract": ".",
     "core: the runtime": "runtime",
     "core: int4": "int4",
     "core: the tools": "tools",
-    "core: the server": "serve",
     "core: the commands": "commands",
     "core: the plugin test kit": "testing",
+    "anyquant-serve: the server": str(SERVE),
 }
 #: modules named in a box other than their own package's (with the package they live in)
 ELSEWHERE = {
@@ -56,6 +60,11 @@ def _named(box: str) -> set[str]:
 
 def test_every_box_is_in_the_diagram() -> None:
     assert set(_boxes()) == set(BOXES)
+
+
+def test_core_has_no_server_package() -> None:
+    """The server left core for anyquant-serve (issue #41): no ``anyquant/serve`` comes back beside its box."""
+    assert not (PACKAGE / "serve").exists() and SERVE.is_dir()
 
 
 def test_every_module_is_named_in_its_box() -> None:

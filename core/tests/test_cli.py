@@ -283,3 +283,19 @@ def test_inspect_sorts_layers_naturally(tmp_path: Path, capsys: pytest.CaptureFi
     assert code == 0
     layers = [int(m["name"].split(".")[2]) for m in out["modules"]]
     assert layers == list(range(12))
+
+
+def test_serve_without_anyquant_serve_names_the_distribution(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``anyquant serve`` is anyquant-serve's (issue #41): where no installed plugin registers it, the command says
+    which distribution to install (a typed error, exit 2), not argparse's "invalid choice"; ``--help`` says so too."""
+    import anyquant.cli as cli
+
+    monkeypatch.setattr(cli, "_add_plugin_commands", lambda commands: None)  # no plugin registers serve
+    assert main(["serve", "model"]) == 2
+    err = capsys.readouterr().err
+    assert "MissingDependencyError" in err and "pip install anyquant-serve" in err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "anyquant-serve" in capsys.readouterr().out

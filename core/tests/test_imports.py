@@ -27,6 +27,7 @@ PACKAGES = (
     "anyquant_bnb",
     "anyquant_mlx",
     "anyquant_mxfp4",
+    "anyquant_serve",
 )
 FIRST_PARTY_PLUGINS = (
     "anyquant_gptq",
@@ -38,9 +39,14 @@ FIRST_PARTY_PLUGINS = (
     "anyquant_bnb",
     "anyquant_mlx",
     "anyquant_mxfp4",
+    "anyquant_serve",
 )
 #: what of core a plugin may import: the plugin API, the shared int4 base, the runtime, the test kit
 PLUGIN_MAY_IMPORT = ("anyquant.plugin", "anyquant.int4", "anyquant.runtime", "anyquant.testing")
+#: the distributions that are applications of anyquant rather than formats (the server): they may also use the
+#: public top-level API (``anyquant.load``, ``anyquant.detect``, ``anyquant.default_model``: ``anyquant.__all__``)
+#: as any app does; a format plugin may not (its loader runs inside ``load``)
+APPLICATIONS = ("anyquant_serve",)
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -141,12 +147,16 @@ def test_the_circle_finder_finds_circles() -> None:
 @pytest.mark.parametrize("package", FIRST_PARTY_PLUGINS)
 def test_plugins_import_only_the_plugin_api(package: str) -> None:
     """A plugin imports core through ``anyquant.plugin`` (plus the int4 base, the runtime and the test kit):
-    never a tool module (sizing, calibration, evaluate, cli ...), whose internals may change."""
+    never a tool module (sizing, calibration, evaluate, cli ...), whose internals may change. An application
+    (:data:`APPLICATIONS`: the server) may also import the top-level public API, ``from anyquant import load``."""
+    import anyquant
+
+    public = {f"anyquant.{n}" for n in anyquant.__all__} if package in APPLICATIONS else set()
     bad = []
     for module, path in _modules(package).items():
         for name in _imports(module, path):
             core = name == "anyquant" or name.startswith("anyquant.")
-            if core and not any(name.startswith(a + ".") for a in PLUGIN_MAY_IMPORT):
+            if core and not any(name.startswith(a + ".") for a in PLUGIN_MAY_IMPORT) and name not in public:
                 bad.append(f"{module}: {name}")
     assert not bad, bad
 
@@ -190,6 +200,7 @@ PLUGIN_API = [
     "LoadPlan",
     "LoadedModel",
     "Loader",
+    "MIN_TEMPERATURE",
     "MissingDependencyError",
     "MissingTensorError",
     "ModelClosedError",
@@ -208,10 +219,14 @@ PLUGIN_API = [
     "SizingError",
     "TOKENIZER_FILES",
     "TensorInfo",
+    "TokenLogprob",
     "TransformersLoader",
     "UnsupportedBackendError",
     "UnsupportedFormatError",
+    "VllmPlan",
     "__version__",
+    "add_load_flags",
+    "add_option_flag",
     "calibration_batch",
     "calibration_texts",
     "choose_backend",
@@ -221,12 +236,15 @@ PLUGIN_API = [
     "emit_result",
     "hookimpl",
     "model_shape",
+    "options_from",
+    "parse_model_id",
     "read_gguf_header",
     "require_dtypes",
     "route_backend",
     "run_worker",
     "tensors_by_module",
     "thaw",
+    "vllm_plan",
     "watch_parent",
 ]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import __version__
 from .commands import DEFAULT_COMMANDS
-from .errors import AnyquantError
+from .errors import AnyquantError, MissingDependencyError
 
 __all__ = ["build_parser", "main"]
 
@@ -54,6 +54,9 @@ class _Commands:
         parser.set_defaults(func=run)
 
 
+#: first-party commands that are their own distribution's (registered by its plugin when installed): what to install
+ELSEWHERE = {"serve": "anyquant-serve"}
+
 _ALLOW_SYMLINKS_HELP = (
     "follow links that leave the model directory when they end at a regular file "
     "(a shared model tree, a linked .gguf); also ANYQUANT_ALLOW_SYMLINKS=1"
@@ -61,7 +64,15 @@ _ALLOW_SYMLINKS_HELP = (
 
 
 def _build(command: str | None, configure_all: bool) -> tuple[argparse.ArgumentParser, _Commands]:
-    parser = argparse.ArgumentParser(prog="anyquant", description="Load any quantized LLM checkpoint.")
+    parser = argparse.ArgumentParser(
+        prog="anyquant",
+        description="Load any quantized LLM checkpoint.",
+        epilog="Installed plugins add commands: "
+        + ", ".join(f"`anyquant {c}` is {d}'s" for c, d in ELSEWHERE.items())
+        + " (pip install "
+        + " ".join(ELSEWHERE.values())
+        + ").",
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
     parser.add_argument("--version", action="version", version=f"anyquant {__version__}", help="print the version")
     parser.add_argument("--allow-symlinks", action="store_true", help=_ALLOW_SYMLINKS_HELP)
@@ -87,7 +98,7 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
 
 
 #: the loggers -v/-vv open up: core's and the first-party plugins' (each package logs under its own name)
-LOGGERS = ("anyquant", "anyquant_gptq", "anyquant_awq", "anyquant_exl3", "anyquant_gguf")
+LOGGERS = ("anyquant", "anyquant_gptq", "anyquant_awq", "anyquant_exl3", "anyquant_gguf", "anyquant_serve")
 
 
 @contextmanager
@@ -129,6 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser, cli = _build(command, configure_all=False)
         if command is not None and command not in cli.names:  # a plugin's command (or a typo): ask the plugins
             _add_plugin_commands(cli)
+            if command not in cli.names and command in ELSEWHERE:
+                raise MissingDependencyError(
+                    f"`anyquant {command}` is in the {ELSEWHERE[command]} distribution, which is not installed: "
+                    f"pip install {ELSEWHERE[command]}"
+                )
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
             parser.print_help()

@@ -4,7 +4,10 @@
 
 A plugin imports from here, from :mod:`anyquant.int4` (the shared int4 loader base), from the runtime's
 modules (``anyquant.runtime.*``) and from :mod:`anyquant.testing`; nothing else of core (the tool modules
-``sizing``, ``calibration``, ``evaluate``, ``cli`` ... are not an API and may change). What is here is kept
+``sizing``, ``calibration``, ``evaluate``, ``cli`` ... are not an API and may change). A plugin that is an
+application of anyquant rather than a format (anyquant-serve, the server) may also use the top-level public API
+(``anyquant.load``, ``anyquant.detect``), as any app does; what it needs of core beyond that is here too (a
+command's shared flags, the vLLM command plan, ``TokenLogprob``, ``MIN_TEMPERATURE``). What is here is kept
 stable. Names are imported lazily, as in :mod:`anyquant`: importing this module imports neither torch nor
 any tool module, and a name costs only its own module. Each name is the object of its home module.
 """
@@ -26,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "TOKENIZER_FILES": "probe",
     "display_name": "probe",
     "thaw": "probe",
+    "parse_model_id": "probe",
     # the contract's types
     "Claim": "protocols",
     "Detection": "protocols",
@@ -42,6 +46,8 @@ _EXPORTS: dict[str, str] = {
     "Loader": "protocols",
     "Quantizer": "protocols",
     "Generator": "protocols",
+    "MIN_TEMPERATURE": "params",
+    "TokenLogprob": "results",
     # errors
     "AnyquantError": "errors",
     "CheckpointError": "errors",
@@ -66,6 +72,13 @@ _EXPORTS: dict[str, str] = {
     "CPU_FAST_OPTIONS": "loaders",
     "FLOAT_SCALE_DTYPES": "loaders",
     "RUNTIME_OPTIONS": "loaders",
+    # a command's shared flags (a plugin's ``anyquant_register_commands``: the load flags, ``-o KEY=VALUE``)
+    "add_load_flags": "console",
+    "add_option_flag": "console",
+    "options_from": "console",
+    # the vLLM command line a detected checkpoint implies (``advise`` writes it, anyquant-serve's --engine vllm runs it)
+    "VllmPlan": "tools.engines",
+    "vllm_plan": "tools.engines",
     # inspect rows
     "dense_rows": "tools.report",
     "tensors_by_module": "tools.report",
@@ -115,6 +128,7 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "LoadPlan",
     "LoadedModel",
     "Loader",
+    "MIN_TEMPERATURE",
     "MissingDependencyError",
     "MissingTensorError",
     "ModelClosedError",
@@ -133,10 +147,14 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "SizingError",
     "TOKENIZER_FILES",
     "TensorInfo",
+    "TokenLogprob",
     "TransformersLoader",
     "UnsupportedBackendError",
     "UnsupportedFormatError",
+    "VllmPlan",
     "__version__",
+    "add_load_flags",
+    "add_option_flag",
     "calibration_batch",
     "calibration_texts",
     "choose_backend",
@@ -146,12 +164,15 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "emit_result",
     "hookimpl",
     "model_shape",
+    "options_from",
+    "parse_model_id",
     "read_gguf_header",
     "require_dtypes",
     "route_backend",
     "run_worker",
     "tensors_by_module",
     "thaw",
+    "vllm_plan",
     "watch_parent",
 ]
 
@@ -171,6 +192,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .backends import choose_backend
+    from .console import add_load_flags, add_option_flag, options_from
     from .errors import (
         AnyquantError,
         CheckpointError,
@@ -205,7 +227,8 @@ if TYPE_CHECKING:
         TransformersLoader,
         require_dtypes,
     )
-    from .probe import TOKENIZER_FILES, Probe, display_name, thaw
+    from .params import MIN_TEMPERATURE
+    from .probe import TOKENIZER_FILES, Probe, display_name, parse_model_id, thaw
     from .protocols import (
         BackendInfo,
         BackendSpec,
@@ -223,6 +246,8 @@ if TYPE_CHECKING:
         Quantizer,
         QuantizeSpec,
     )
+    from .results import TokenLogprob
+    from .tools.engines import VllmPlan, vllm_plan
     from .tools.estimate import SizingError, model_shape
     from .tools.quantize import (
         calibration_batch,

@@ -624,7 +624,8 @@ def _raise_verdict(verdicts: list[tuple[str, AnyquantError]], owner: str | None)
     raise typed from exc
 
 
-#: the format plugins anyquant itself ships (entry-point name = distribution name)
+#: the plugins anyquant itself ships (entry-point name = distribution name): the formats', and the server's
+#: (registered before any third party's, so ``anyquant serve`` is anyquant-serve's)
 FIRST_PARTY_PLUGINS = (
     "anyquant-gptq",
     "anyquant-awq",
@@ -635,6 +636,7 @@ FIRST_PARTY_PLUGINS = (
     "anyquant-bnb",
     "anyquant-mlx",
     "anyquant-mxfp4",
+    "anyquant-serve",
 )
 
 

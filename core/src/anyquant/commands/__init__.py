@@ -12,7 +12,6 @@ __all__ = ["DEFAULT_COMMANDS"]
 DEFAULT_COMMANDS = (
     "anyquant.commands.checkpoint",  # detect, inspect, plugins, backends
     "anyquant.commands.generate",  # generate
-    "anyquant.commands.serve",  # serve
     "anyquant.commands.quantize",  # quantize
     "anyquant.commands.export",  # export
     "anyquant.commands.evaluate",  # eval, compare

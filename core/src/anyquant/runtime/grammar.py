@@ -7,7 +7,7 @@ token bitmask), then accepts the sampled token. Every sampling parameter (temper
 logit bias, seed) then applies to the masked logits as usual, and the grammar allows the end-of-sequence tokens
 only where the output is complete.
 
-xgrammar is optional (``pip install anyquant[serve]``): importing this module does not import it;
+xgrammar is optional (a dependency of anyquant-serve, the server, which is what uses this module): importing this module does not import it;
 :func:`unavailable` says why it cannot be used, and compiling without it is a :class:`GrammarUnavailable`.
 """
 
@@ -62,7 +62,7 @@ def unavailable() -> str | None:
     import importlib.util
 
     if importlib.util.find_spec("xgrammar") is None:
-        return "structured output needs xgrammar, which is not installed: pip install 'anyquant[serve]'"
+        return "structured output needs xgrammar, which is not installed: pip install anyquant-serve (or xgrammar)"
     return None
 
 

@@ -506,7 +506,7 @@ def _advise_vllm(ctx: _Ctx) -> Advice:
         )
     if not ctx.gpu.ampere_or_newer and not rocm:
         reasons.append(f"{ctx.gpu.arch} has no bf16: run in float16")
-    from ..serve.engines import vllm_plan
+    from .engines import vllm_plan
 
     served = _model_args(ctx) if existing else f"{_model_args(ctx)}-{method}-4bit"
     plan = vllm_plan(

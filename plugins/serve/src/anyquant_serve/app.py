@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import AnyquantError
-from ..results import TokenLogprob
+from anyquant.plugin import AnyquantError, TokenLogprob
+
 from .scheduler import Finished, QueueFull, Request
 from .schema import MAX_CHOICES, ChatRequest, CompletionRequest, RequestError, parse_json, validate
 from .tools import ToolStream, parse_tool_calls
@@ -147,7 +147,8 @@ def _tool_format(app: _Server, request: ChatRequest) -> Any:
 def _tool_constraint(request: ChatRequest, fmt: Any) -> tuple[str, Any] | None:
     """``tool_choice: "required"`` or a named function as a grammar: the template's call markers around a JSON
     call of one of the tools (the named one), so the answer always parses as calls; ``None`` for ``auto``."""
-    from ..runtime.grammar import GrammarError, OutputFormat
+    from anyquant.runtime.grammar import GrammarError, OutputFormat
+
     from .tools import MAX_PARALLEL_CALLS, call_schema
 
     mode = request.tool_mode()
@@ -207,7 +208,7 @@ def _engine_refuses(app: _Server, request: ChatRequest | CompletionRequest) -> N
 
 
 def _params(request: ChatRequest | CompletionRequest) -> Any:
-    from ..protocols import GenerationParams
+    from anyquant.plugin import GenerationParams
 
     extras: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias"):
@@ -234,7 +235,7 @@ def _params(request: ChatRequest | CompletionRequest) -> Any:
 def _output_format(request: ChatRequest | CompletionRequest) -> tuple[str, Any] | None:
     """The constraint the request asks for, as ``(field, OutputFormat)``; a 400 naming the field when it is too
     large to compile."""
-    from ..runtime.grammar import GrammarError, OutputFormat
+    from anyquant.runtime.grammar import GrammarError, OutputFormat
 
     asked = request.output_format()
     if asked is None:
@@ -258,7 +259,7 @@ def _output_format(request: ChatRequest | CompletionRequest) -> tuple[str, Any] 
 async def _compiled(app: _Server, name: str, fmt: Any) -> Any:
     """``fmt`` compiled for the model, in a worker thread (the event loop goes on): a 400 naming ``name`` when it
     cannot be compiled (or not in the time allowed), or when xgrammar is not installed."""
-    from ..runtime.grammar import GrammarError, GrammarUnavailable, unavailable
+    from anyquant.runtime.grammar import GrammarError, GrammarUnavailable, unavailable
 
     reason = unavailable()
     if reason is not None:
@@ -386,7 +387,7 @@ def _ended_badly(done: Finished) -> ApiError | None:
 
 
 def build_app(scheduler: Any, config: ServerConfig) -> Any:
-    """The Starlette application (``anyquant[serve]``) over ``scheduler``: a :class:`~.scheduler.Scheduler` or
+    """The Starlette application (anyquant-serve's dependencies) over ``scheduler``: a :class:`~.scheduler.Scheduler` or
     another engine's with the same ``submit``, ``adapter``, ``running`` and ``waiting``."""
     from sse_starlette.sse import EventSourceResponse
     from starlette.applications import Starlette
@@ -402,8 +403,8 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
             from .metrics import Metrics
 
             metrics = Metrics(scheduler, config.model_name)
-        except ImportError:  # the [serve] extra before prometheus_client joined it
-            log.warning("GET /metrics is off: prometheus_client is not installed (pip install 'anyquant[serve]')")
+        except ImportError:  # an install without it (core's old [serve] extra had none)
+            log.warning("GET /metrics is off: prometheus_client is not installed (pip install anyquant-serve)")
 
     def error(exc: ApiError) -> Response:
         headers = {"Retry-After": "1"} if exc.status == 503 else {"Connection": "close"} if exc.status == 408 else None

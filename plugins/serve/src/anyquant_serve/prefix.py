@@ -75,14 +75,14 @@ def _dynamic_layers(cache: Any) -> list[Any] | None:
 def cacheable(cache: Any) -> bool:
     """Whether :func:`snapshot` can copy ``cache`` (a :class:`~anyquant.runtime.native.NativeCache`, or a
     transformers ``DynamicCache`` of croppable, non-sliding layers)."""
-    from ..runtime.native import NativeCache
+    from anyquant.runtime.native import NativeCache
 
     return isinstance(cache, NativeCache) or _dynamic_layers(cache) is not None
 
 
 def snapshot(cache: Any, length: int) -> Any:
     """A cache of its own holding ``cache``'s first ``length`` positions (values as stored)."""
-    from ..runtime.native import NativeCache
+    from anyquant.runtime.native import NativeCache
 
     if isinstance(cache, NativeCache):
         return cache.copy(length)
@@ -99,7 +99,7 @@ def snapshot(cache: Any, length: int) -> Any:
 
 def cache_bytes(cache: Any) -> int:
     """Bytes of the tensors ``cache`` holds (a :func:`snapshot` holds no spare room)."""
-    from ..runtime.native import NativeCache
+    from anyquant.runtime.native import NativeCache
 
     if isinstance(cache, NativeCache):
         return cache.nbytes()
@@ -109,7 +109,7 @@ def cache_bytes(cache: Any) -> int:
 
 def _estimate(cache: Any, length: int) -> int:
     """Bytes a :func:`snapshot` of ``cache``'s first ``length`` positions will hold (nothing copied)."""
-    from ..runtime.native import NativeCache
+    from anyquant.runtime.native import NativeCache
 
     if isinstance(cache, NativeCache):
         total = 0

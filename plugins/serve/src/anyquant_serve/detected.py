@@ -1,12 +1,12 @@
 """The engine command for a checkpoint on disk: its format detected, its config and GGUF header read (this module
-imports detection; :mod:`anyquant.serve.engines`, which :mod:`anyquant.tools.advise` uses, does not)."""
+imports detection; core's ``anyquant.tools.engines``, which ``advise`` uses, does not)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from .engines import VllmPlan, vllm_plan
+from anyquant.plugin import VllmPlan, vllm_plan
 
 __all__ = ["vllm_command"]
 
@@ -16,8 +16,8 @@ def vllm_command(path: str | Path, **kwargs: Any) -> VllmPlan:
     id (``owner/name@revision``, read from the local cache) is given to vLLM as ``owner/name`` with ``--revision``, not
     with ``@revision`` in the id (which vLLM would take for part of the name); one naming a file inside the repository
     (a GGUF) as that file's path in the cache."""
-    from ..api import detect
-    from ..probe import Probe, parse_model_id
+    from anyquant import detect
+    from anyquant.plugin import Probe, parse_model_id
 
     detection = detect(path)
     probe = Probe.open(path)

@@ -32,8 +32,8 @@ pytest.importorskip("pydantic")
 from anyquant.errors import ParameterError
 from anyquant.params import GenerationParams
 from anyquant.results import TokenLogprob
-from anyquant.serve.scheduler import Finished, Request
-from core.tests.servers import ROOT, free_port, in_thread
+from anyquant_serve.scheduler import Finished, Request
+from plugins.serve.tests.servers import ROOT, free_port, in_thread
 
 NAME = "fake"
 VOCAB = 100
@@ -119,8 +119,8 @@ class FakeScheduler:
 @contextlib.contextmanager
 def _server(scheduler: Any = None, body_timeout: float = 30.0, **limits: Any) -> Iterator[tuple[int, Any]]:
     """``anyquant serve``'s app and uvicorn configuration (``uvicorn_config``) on a free port, in a thread."""
-    from anyquant.serve.app import ServerConfig, build_app
-    from anyquant.serve.http import Limits
+    from anyquant_serve.app import ServerConfig, build_app
+    from anyquant_serve.http import Limits
 
     app = build_app(scheduler or FakeScheduler(), ServerConfig(NAME, body_timeout=body_timeout))
     with in_thread(app, Limits(**limits)) as served:
@@ -518,7 +518,7 @@ def test_connections_all_running_requests_get_a_503() -> None:
 def test_repeated_errors_are_logged_once_per_interval() -> None:
     """The accept loop's EMFILE error repeated (a 209 MB log in 45 s before): one line per interval, the next
     saying how many were held back."""
-    from anyquant.serve.http import RateLimitFilter
+    from anyquant_serve.http import RateLimitFilter
 
     now = [0.0]
     limiter = RateLimitFilter(interval=10.0, clock=lambda: now[0])
@@ -540,9 +540,9 @@ sys.path.insert(0, {tests!r})
 sys.path.insert(0, {root!r})
 import uvicorn
 from test_serve_hardening import FakeScheduler, NAME
-from anyquant.commands.serve import _serve
-from anyquant.serve.app import ServerConfig, build_app
-from anyquant.serve.http import Limits
+from anyquant_serve.plugin import _serve
+from anyquant_serve.app import ServerConfig, build_app
+from anyquant_serve.http import Limits
 scheduler = FakeScheduler()
 _serve(build_app(scheduler, ServerConfig(NAME)), scheduler, "127.0.0.1", {port}, 5, Limits(header_timeout=3.0))
 """

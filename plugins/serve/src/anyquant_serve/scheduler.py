@@ -2,7 +2,7 @@
 
 One thread owns the model. Requests wait in a bounded queue; between decode steps the thread admits waiting
 requests (up to ``max_batch`` running at once), prefills each alone and adds it to the running
-:class:`~anyquant.serve.batch.DecodeBatch`, then runs one step for every running request, samples each row with
+:class:`~anyquant_serve.batch.DecodeBatch`, then runs one step for every running request, samples each row with
 its own parameters (its logits masked first by its grammar when it asks for structured output), and hands each
 request its text as it becomes final (stop strings held back until decided) through a callback the HTTP side
 gives. A request that finishes, is cancelled (its client went away) or passes
@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import AnyquantError, ParameterError
-from ..runtime.stops import find_stop, held_back, stable
+from anyquant.plugin import AnyquantError, ParameterError
+from anyquant.runtime.stops import find_stop, held_back, stable
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
@@ -90,7 +90,7 @@ class ModelAdapter:
         self.eos_ids: frozenset[int] = frozenset(gen.eos_ids)
 
     def encode(self, prompt: str | Sequence[Mapping[str, Any]], chat: bool) -> list[int]:
-        from ..protocols import GenerationParams
+        from anyquant.plugin import GenerationParams
 
         return list(self.generator.encode(prompt, GenerationParams(chat=chat)))
 
@@ -102,8 +102,8 @@ class ModelAdapter:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[int]:
         """Chat messages and OpenAI tools rendered by the model's own chat template (``tools=``), as token ids."""
-        from ..runtime.chat import render_chat
-        from ..runtime.tokenizer import encode_text
+        from anyquant.runtime.chat import render_chat
+        from anyquant.runtime.tokenizer import encode_text
 
         tok = self.generator.tokenizer
         text = render_chat(tok, list(messages), context_length=self.context, add_generation_prompt=True, tools=tools)
@@ -131,7 +131,7 @@ class ModelAdapter:
         """The model's :class:`~anyquant.runtime.grammar.Grammars` (structured output), made on the first call."""
         grammars = self.__dict__.get("_grammars")
         if grammars is None:
-            from ..runtime.grammar import Grammars
+            from anyquant.runtime.grammar import Grammars
 
             with _GRAMMARS_LOCK:
                 grammars = self.__dict__.get("_grammars")
@@ -159,7 +159,7 @@ class ModelAdapter:
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes token ``token`` stands for, also when they are part of a UTF-8 character."""
-        from ..runtime.tokenizer import token_bytes
+        from anyquant.runtime.tokenizer import token_bytes
 
         cache = self.__dict__.setdefault("_token_bytes", {})
         if token not in cache:
@@ -211,7 +211,7 @@ class _Live:
         if request.grammar is not None:
             self.constraint = adapter.grammars().constraint(request.grammar)
         if request.params.temperature > 0:
-            from ..runtime.generate import row_generators
+            from anyquant.runtime.generate import row_generators
 
             self.rng = row_generators(request.params.seed, 1, adapter.generator.device)
 
@@ -535,7 +535,7 @@ class Scheduler:
         the grammar's mask not applied)."""
         import torch
 
-        from ..runtime.generate import sample_next
+        from anyquant.runtime.generate import sample_next
 
         params = row.request.params
         device = logits.device

@@ -1,5 +1,6 @@
 """``anyquant serve``: an OpenAI-compatible HTTP server for a checkpoint (built in), or the hand-off to vLLM or
-exllamav3 (``--engine``)."""
+exllamav3 (``--engine``). The entry point of the anyquant-serve distribution: the command registers through the
+``anyquant_register_commands`` hook, as core's built-in commands do."""
 
 from __future__ import annotations
 
@@ -12,16 +13,23 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..console import add_load_flags, add_option_flag, options_from
-from ..errors import MissingDependencyError, ParameterError
-from ..hookspecs import CommandRegistrar, hookimpl
-from ..serve.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
+from anyquant.plugin import (
+    CommandRegistrar,
+    MissingDependencyError,
+    ParameterError,
+    add_load_flags,
+    add_option_flag,
+    hookimpl,
+    options_from,
+)
+
+from .scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
 
 __all__ = ["anyquant_register_commands", "build_parser_for_tests"]
 
 log = logging.getLogger(__name__)
 
-INSTALL = "pip install 'anyquant[serve]'"
+INSTALL = "pip install anyquant-serve"  # its dependencies are the HTTP stack
 
 
 @hookimpl
@@ -105,7 +113,7 @@ def build_parser_for_tests() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..api import default_model
+    from anyquant import default_model
 
     path = str(args.path or default_model())
     api_key = args.api_key or os.environ.get("ANYQUANT_API_KEY") or None
@@ -132,16 +140,18 @@ def _run(args: argparse.Namespace) -> int:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use it", args.host)
     scheduler: Any
     if args.engine == "exllamav3":
-        from ..api import detect
-        from ..serve.exl3 import Exl3Scheduler
+        from anyquant import detect
+
+        from .exl3 import Exl3Scheduler
 
         fmt = detect(path).format
         if fmt != "exl3":
             raise ParameterError(f"--engine exllamav3 serves EXL3 checkpoints; {path} is {fmt}")
         scheduler = Exl3Scheduler(path, max_batch=args.max_batch, max_queue=args.max_queue, context=args.max_model_len)
     else:
-        from ..api import load
-        from ..serve.scheduler import ModelAdapter, Scheduler
+        from anyquant import load
+
+        from .scheduler import ModelAdapter, Scheduler
 
         flags = {"backend": "--backend", "device": "--device", "dtype": "--dtype", "format": "--format"}
         options = options_from(args.option, {**flags, "registry": "the Python API"})
@@ -154,7 +164,7 @@ def _run(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk,
             prefix_cache_mb=args.prefix_cache_mb,
         )
-    from ..serve.app import ServerConfig, build_app
+    from .app import ServerConfig, build_app
 
     config = ServerConfig(name, api_key, args.timeout, args.max_body_kb * 1024, args.body_timeout)
     return _serve(build_app(scheduler, config), scheduler, args.host, args.port, args.timeout, limits, name)
@@ -163,14 +173,14 @@ def _run(args: argparse.Namespace) -> int:
 def _default_name(path: str) -> str:
     """The model name clients send by default: a Hub id's ``owner/name`` (never its revision: ``@refs/pr/1`` is not
     a name), else the folder's or file's name."""
-    from ..probe import parse_model_id
+    from anyquant.plugin import parse_model_id
 
     mid = None if Path(path).exists() else parse_model_id(path)
     return mid.repo_id if mid is not None else Path(path).name
 
 
 def _limits(args: argparse.Namespace) -> Any:
-    """The per-client limits of the built-in server (:class:`~anyquant.serve.http.Limits`), checked."""
+    """The per-client limits of the built-in server (:class:`~anyquant_serve.http.Limits`), checked."""
     for flag, value in (
         ("--header-timeout", args.header_timeout),
         ("--body-timeout", args.body_timeout),
@@ -180,7 +190,7 @@ def _limits(args: argparse.Namespace) -> Any:
     ):
         if not value > 0:  # NaN too
             raise ParameterError(f"{flag}: expected a positive number, got {value}")
-    from ..serve.http import Limits
+    from .http import Limits
 
     return Limits(args.header_timeout, args.max_connections, args.keep_alive_timeout, args.max_header_kb * 1024)
 
@@ -188,7 +198,7 @@ def _limits(args: argparse.Namespace) -> Any:
 def _serve(
     app: Any, scheduler: Any, host: str, port: int, timeout: float, limits: Any = None, name: str | None = None
 ) -> int:
-    from ..serve.http import GuardedServer, Limits, connection_budget, uvicorn_config
+    from .http import GuardedServer, Limits, connection_budget, uvicorn_config
 
     limits = limits or Limits()
     fit, note = connection_budget(limits.max_connections)
@@ -216,7 +226,7 @@ def _need_http_stack() -> None:
 
 
 def _run_vllm(args: argparse.Namespace, path: str, name: str, api_key: str | None) -> int:
-    from ..serve.detected import vllm_command
+    from .detected import vllm_command
 
     plan = vllm_command(
         path,

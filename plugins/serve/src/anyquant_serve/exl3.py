@@ -1,6 +1,6 @@
 """``anyquant serve PATH --engine exllamav3``: EXL3 through exllamav3's own batching generator (CUDA), behind the
 same OpenAI API as the built-in server: :class:`Exl3Scheduler` takes the built-in
-:class:`~anyquant.serve.scheduler.Scheduler`'s place (``submit``, ``close``, ``adapter``, ``running``,
+:class:`~anyquant_serve.scheduler.Scheduler`'s place (``submit``, ``close``, ``adapter``, ``running``,
 ``waiting``). Tensor parallel over the visible GPUs when there are several (exllamav3's ``tensor_p``)."""
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import MissingDependencyError
-from .engines import exllamav3_available, gpu_split
+from anyquant.plugin import MissingDependencyError
+
 from .scheduler import Finished, QueueFull, Request
 
-__all__ = ["Exl3Adapter", "Exl3Scheduler", "exl3_settings"]
+__all__ = ["Exl3Adapter", "Exl3Scheduler", "exl3_settings", "exllamav3_available", "gpu_split"]
 
 log = logging.getLogger(__name__)
 
 
 def exl3_settings(path: str | Path, *, max_batch: int, context: int | None, devices: Sequence[int]) -> dict[str, Any]:
     """What :class:`Exl3Scheduler` asks of exllamav3: cache tokens, batch size, load keywords."""
-    from ..probe import Probe
+    from anyquant.plugin import Probe
 
     probe = Probe.open(path)
     found = (probe.config or {}).get("max_position_embeddings")
@@ -198,3 +198,23 @@ def _eos_ids(tokenizer: Any) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return ids
+
+
+def exllamav3_available() -> str | None:
+    """``None`` when exllamav3 can serve here, else why not (no CUDA device, not installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("exllamav3") is None:
+        return "exllamav3 is not installed: pip install exllamav3"
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "exllamav3 needs a CUDA GPU (Ampere or newer) and none is visible here"
+    return None
+
+
+def gpu_split(devices: Sequence[int]) -> dict[str, Any]:
+    """exllamav3's load keywords for the visible GPUs: tensor parallel over all of them when there are several."""
+    return {"tensor_p": len(devices) > 1}

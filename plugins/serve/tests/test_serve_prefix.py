@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from anyquant.runtime.native import NativeCache
-from anyquant.serve.prefix import PrefixCache
+from anyquant_serve.prefix import PrefixCache
 
 #: a system prompt of about 600 tokens: with a question, a prompt's last chunk of 128 (or of generate's 512) holds
 #: over 64 positions (a prompt's row count chooses the bundled model's kernels: a cache reused at any other
@@ -108,10 +108,10 @@ def test_prefix_cache_budget_lru_and_off() -> None:
 
 
 def test_defaults_and_flags() -> None:
-    from anyquant.commands.serve import _run, build_parser_for_tests
     from anyquant.errors import ParameterError
     from anyquant.runtime.generate import PREFILL_CHUNK
-    from anyquant.serve.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
+    from anyquant_serve.plugin import _run, build_parser_for_tests
+    from anyquant_serve.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
 
     assert DEFAULT_PREFILL_CHUNK * 2 == PREFILL_CHUNK  # half generate's: finer reuse, shorter pauses
     parser = build_parser_for_tests()
@@ -133,7 +133,7 @@ def test_metrics_expose_the_prefix_cache_counters() -> None:
     pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families
 
-    from anyquant.serve.metrics import Metrics
+    from anyquant_serve.metrics import Metrics
 
     class Engine:
         running = waiting = 0
@@ -161,13 +161,13 @@ def local() -> Any:
 
 
 def _scheduler(local: Any, **kw: Any) -> Any:
-    from anyquant.serve.scheduler import ModelAdapter, Scheduler
+    from anyquant_serve.scheduler import ModelAdapter, Scheduler
 
     return Scheduler(ModelAdapter(local), max_batch=4, max_queue=8, **kw)
 
 
 def _ids(local: Any, question: str, system: str = SYSTEM) -> list[int]:
-    from anyquant.serve.scheduler import ModelAdapter
+    from anyquant_serve.scheduler import ModelAdapter
 
     return ModelAdapter(local).encode(
         [{"role": "system", "content": system}, {"role": "user", "content": question}], True
@@ -177,7 +177,7 @@ def _ids(local: Any, question: str, system: str = SYSTEM) -> list[int]:
 def _serve(scheduler: Any, local: Any, prompts: list[list[int]], max_tokens: int = 32) -> list[tuple[list[int], Any]]:
     """Each prompt served greedily, one after another: (its tokens, the logits each was sampled from
     ``[steps, vocab]``), recorded where the scheduler samples."""
-    from anyquant.serve.scheduler import Request
+    from anyquant_serve.scheduler import Request
 
     seen: dict[int, tuple[list[int], list[Any]]] = {}
     sample = scheduler._sample
@@ -280,7 +280,7 @@ def test_long_prompts_give_generates_logits_warm_or_cold(local: Any) -> None:
 def test_a_growing_chat_reuses_the_previous_turn(local: Any) -> None:
     """Turn 2's prompt (turn 1's messages, its answer, a new question) starts with turn 1's prompt: its whole
     chunks come from the cache, and turn 2 samples what a cold server samples."""
-    from anyquant.serve.scheduler import ModelAdapter
+    from anyquant_serve.scheduler import ModelAdapter
 
     adapter = ModelAdapter(local)
     system = " ".join(f"Fact {i}: the {i}th planet of a made-up star is called P{i}." for i in range(10))
@@ -335,8 +335,8 @@ def test_a_long_prefill_lets_running_streams_decode(local: Any, monkeypatch: pyt
     """Chunks of 64: while a 616-token prompt is prefilled (10 chunks, one per round), a running stream takes a
     decode step and receives text after every chunk, and no step waits for more than one chunk of prompt tokens.
     The stream's answer is the one it gets alone."""
-    from anyquant.serve.batch import DecodeBatch
-    from anyquant.serve.scheduler import ModelAdapter, Request
+    from anyquant_serve.batch import DecodeBatch
+    from anyquant_serve.scheduler import ModelAdapter, Request
 
     events: list[tuple[Any, ...]] = []
     prefill, step = DecodeBatch.prefill, DecodeBatch.step
@@ -402,8 +402,8 @@ def test_a_transformers_model_reuses_its_dynamic_cache() -> None:
     """The bundled model on transformers' class (a ``DynamicCache``): the cache copied and cropped through
     transformers' own API, and the warm prompt's logits are the cold one's."""
     import anyquant
-    from anyquant.serve.batch import DecodeBatch
-    from anyquant.serve.prefix import cacheable
+    from anyquant_serve.batch import DecodeBatch
+    from anyquant_serve.prefix import cacheable
 
     with anyquant.load(anyquant.default_model(), runtime="transformers") as model:
         gen: Any = model.generator
@@ -449,7 +449,7 @@ def test_concurrent_clients_sharing_a_system_prompt(local: Any) -> None:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from core.tests.servers import serving
+    from plugins.serve.tests.servers import serving
 
     def messages(q: str) -> list[dict[str, str]]:
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]

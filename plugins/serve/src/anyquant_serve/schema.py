@@ -12,7 +12,7 @@ and ``guided_choice``), is refused, as OpenAI refuses it
 
 What depends on the model (token ids within its vocabulary) is checked here too, from the validation context
 (``{"vocab": callable}``); what depends on the engine (which parameters its sampler takes) stays in :mod:`.app`.
-Imported only when a server starts (pydantic is part of the ``anyquant[serve]`` extra).
+Imported only when a server starts (pydantic is one of anyquant-serve's dependencies).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ..params import MIN_TEMPERATURE
+from anyquant.plugin import MIN_TEMPERATURE
 
 __all__ = [
     "MAX_CHOICES",

@@ -267,7 +267,7 @@ class RateLimitFilter(logging.Filter):
 
 
 #: the loggers whose repeated errors are rate-limited (a flood of connections must not become a flood of logs)
-RATE_LIMITED = ("asyncio", "uvicorn.error", "anyquant.serve.app", "anyquant.serve.http", "anyquant.serve.scheduler")
+RATE_LIMITED = ("asyncio", "uvicorn.error", "anyquant_serve.app", "anyquant_serve.http", "anyquant_serve.scheduler")
 
 
 class GuardedServer(uvicorn.Server):

@@ -1,19 +1,20 @@
 """Handing a detected checkpoint to the engine that serves it at scale (standard library only).
 
-- **vLLM** (``--engine vllm``): :func:`vllm_plan` (and :func:`anyquant.serve.detected.vllm_command`, from a
-  checkpoint on disk) builds the ``vllm serve`` command line that detection
+- **vLLM** (``anyquant serve --engine vllm``, and ``anyquant advise``): :func:`vllm_plan` (and anyquant-serve's
+  ``anyquant_serve.detected.vllm_command``, from a checkpoint on disk) builds the ``vllm serve`` command line that detection
   implies: ``--quantization`` for the format (GPTQ ``gptq_marlin``, AWQ ``awq_marlin``, compressed-tensors),
   GGUF's ``--tokenizer``, ``--dtype``, ``--max-model-len`` from the checkpoint. Flags are those of vLLM
   :data:`VLLM_VERSION`'s ``vllm serve`` (``vllm/engine/arg_utils.py``, ``vllm/entrypoints/openai/cli_args.py``).
   vLLM cannot read EXL3 or EXL2: :func:`vllm_plan` refuses them with the way out.
 - **exllamav3** (``--engine exllamav3``, CUDA): EXL3 through exllamav3's own batching generator, behind the
-  same OpenAI API as the built-in server (:mod:`anyquant.serve.exl3`), tensor parallel over the visible GPUs.
+  same OpenAI API as the built-in server (anyquant-serve's ``anyquant_serve.exl3``, which checks it can run there),
+  tensor parallel over the visible GPUs.
 """
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,6 @@ __all__ = [
     "VLLM_VERSION",
     "EngineError",
     "VllmPlan",
-    "exllamav3_available",
-    "gpu_split",
     "vllm_plan",
 ]
 
@@ -254,23 +253,3 @@ def _fits(cfg: Mapping[str, Any], tp: int) -> bool:
     ok = heads is None or heads % tp == 0
     ok = ok and (kv is None or (kv % tp == 0 if kv >= tp else tp % kv == 0))
     return ok and all((_size(cfg, k) or tp) % tp == 0 for k in ("intermediate_size", "moe_intermediate_size"))
-
-
-def exllamav3_available() -> str | None:
-    """``None`` when exllamav3 can serve here, else why not (no CUDA device, not installed)."""
-    import importlib.util
-
-    if importlib.util.find_spec("exllamav3") is None:
-        return "exllamav3 is not installed: pip install exllamav3"
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "exllamav3 needs a CUDA GPU (Ampere or newer) and none is visible here"
-    return None
-
-
-def gpu_split(devices: Sequence[int]) -> dict[str, Any]:
-    """exllamav3's load keywords for the visible GPUs: tensor parallel over all of them when there are several."""
-    return {"tensor_p": len(devices) > 1}

@@ -14,9 +14,9 @@ import pytest
 
 from anyquant import detect
 from anyquant.errors import AnyquantError, MissingDependencyError
-from anyquant.serve.detected import vllm_command
-from anyquant.serve.engines import VLLM_FLAGS, VLLM_VERSION, EngineError
 from anyquant.testing.fixtures import FIXTURES
+from anyquant.tools.engines import VLLM_FLAGS, VLLM_VERSION, EngineError
+from anyquant_serve.detected import vllm_command
 
 #: the flags of ``vllm serve`` in vLLM 0.11.0's documentation (docs/cli/serve.md, "vllm serve --help=all"), as
 #: written out by hand here: vLLM does not install without CUDA, so its parser cannot be asked on this machine
@@ -187,7 +187,7 @@ def test_exllamav3_engine_refuses_without_cuda(tmp_path: Path) -> None:
 
 
 def test_exllamav3_settings(tmp_path: Path) -> None:
-    from anyquant.serve.exl3 import exl3_settings
+    from anyquant_serve.exl3 import exl3_settings
 
     path = _fixture(tmp_path, "exl3_mul1")
     one = exl3_settings(path, max_batch=4, context=None, devices=[0])
@@ -200,19 +200,19 @@ def test_exllamav3_settings(tmp_path: Path) -> None:
 def test_missing_http_stack_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from anyquant.commands.serve import _need_http_stack
+    from anyquant_serve.plugin import _need_http_stack
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "sse_starlette" else real(name, *a)
     )
-    with pytest.raises(MissingDependencyError, match=r"pip install 'anyquant\[serve\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install anyquant-serve"):
         _need_http_stack()
 
 
 def test_import_stays_light() -> None:
     code = (
-        "import sys, anyquant, anyquant.serve, anyquant.serve.engines, anyquant.commands.serve\n"
+        "import sys, anyquant, anyquant_serve, anyquant.tools.engines, anyquant_serve.plugin\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('starlette', 'uvicorn', 'sse_starlette', 'torch')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -313,8 +313,8 @@ def test_exllamav3_engine_refuses_what_it_cannot_do() -> None:
     parameter, decided from the engine's declared abilities before any prompt is read. ``n`` choices run as
     separate exllamav3 jobs, accepted up to what its queue takes at once (more is a 400 naming ``n``)."""
     pytest.importorskip("starlette")
-    from anyquant.serve.app import ApiError, ServerConfig, _job, _Server
-    from anyquant.serve.exl3 import Exl3Scheduler
+    from anyquant_serve.app import ApiError, ServerConfig, _job, _Server
+    from anyquant_serve.exl3 import Exl3Scheduler
 
     engine = object.__new__(Exl3Scheduler)  # its class's declared abilities; the engine itself needs CUDA
     engine.adapter, engine.max_queue = None, 4

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 
 from anyquant.runtime.grammar import MAX_FORMAT_BYTES, GrammarError, Grammars, OutputFormat
-from core.tests.servers import serving
+from plugins.serve.tests.servers import serving
 
 NAME = "smol"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # ---------------------------------------------------------------------- schemas
 
@@ -182,7 +182,7 @@ def test_compile_time_limit_and_cache() -> None:
 def test_anyquant_imports_without_xgrammar() -> None:
     """Nothing imports xgrammar until a constrained request arrives (it is optional)."""
     code = (
-        "import sys, anyquant, anyquant.runtime.grammar, anyquant.serve.app, anyquant.serve.schema\n"
+        "import sys, anyquant, anyquant.runtime.grammar, anyquant_serve.app, anyquant_serve.schema\n"
         "assert 'xgrammar' not in sys.modules, 'xgrammar imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

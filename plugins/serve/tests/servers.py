@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def free_port() -> int:
@@ -77,7 +77,7 @@ def serving(*args: str) -> Iterator[str]:
 def in_thread(app: Any, limits: Any = None) -> Iterator[tuple[int, Any]]:
     """``app`` under anyquant serve's uvicorn configuration (``uvicorn_config``, ``GuardedServer``) on a free port in
     a thread: the port and the server; the rate-limit log filters it installs are removed after."""
-    from anyquant.serve.http import RATE_LIMITED, GuardedServer, Limits, RateLimitFilter, uvicorn_config
+    from anyquant_serve.http import RATE_LIMITED, GuardedServer, Limits, RateLimitFilter, uvicorn_config
 
     port = free_port()
     config = uvicorn_config(

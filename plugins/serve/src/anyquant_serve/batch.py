@@ -52,8 +52,8 @@ class DecodeBatch:
     """The requests decoding together, each with its own cache, and the prompts on their way in."""
 
     def __init__(self, module: Any, cache_keyword: str, device: torch.device, chunk: int | None = None) -> None:
-        from ..runtime.generate import PREFILL_CHUNK, _takes
-        from ..runtime.native import NativeCausalLM
+        from anyquant.runtime.generate import PREFILL_CHUNK, _takes
+        from anyquant.runtime.native import NativeCausalLM
 
         self.module = module
         self.cache_kw = cache_keyword

@@ -24,8 +24,8 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from anyquant.serve.scheduler import Finished, Request
-from core.tests.servers import in_thread
+from anyquant_serve.scheduler import Finished, Request
+from plugins.serve.tests.servers import in_thread
 
 NAME = "fake"
 KEY = "secret"
@@ -75,7 +75,7 @@ class FakeScheduler:
 
 @contextlib.contextmanager
 def _server(scheduler: Any, **config: Any) -> Iterator[int]:
-    from anyquant.serve.app import ServerConfig, build_app
+    from anyquant_serve.app import ServerConfig, build_app
 
     with in_thread(build_app(scheduler, ServerConfig(NAME, **config))) as (port, _):
         yield port
@@ -169,7 +169,7 @@ def test_metrics_count_the_requests_and_their_usage() -> None:
 
 
 def test_each_app_has_its_own_registry_and_metrics_can_be_off() -> None:
-    from anyquant.serve.app import ServerConfig, build_app
+    from anyquant_serve.app import ServerConfig, build_app
 
     build_app(FakeScheduler(), ServerConfig(NAME))  # a second app in the process: no duplicated series
     with _server(FakeScheduler()) as first, _server(FakeScheduler()) as second:
@@ -184,7 +184,7 @@ def test_each_app_has_its_own_registry_and_metrics_can_be_off() -> None:
 def test_finished_reasons() -> None:
     """The engine's reason, or the answer's when the app gives one (``stop`` becomes ``tool_calls``); a client gone
     mid-stream counts its choices with the engine's reason, or ``abort`` for those cancelled."""
-    from anyquant.serve.metrics import Metrics
+    from anyquant_serve.metrics import Metrics
 
     metrics = Metrics(FakeScheduler(), NAME)
     stats = metrics.request(5, time.monotonic())

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from core.tests.servers import serving, start, stop
+from plugins.serve.tests.servers import serving, start, stop
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -181,7 +181,7 @@ def test_errors(server: str, client: Any) -> None:
 def test_client_mistakes_on_the_model_are_a_400(server: str) -> None:
     """Issue #44's bodies against the real model, tokenizer and sampler (a 500 or a 200 ignoring the value before):
     each a 400 naming the parameter, from the schema, before any work. ``n: 8`` with the largest seed is valid
-    (choice i samples with seed + i, from 0 again past 2**63 - 1): 8 choices. ``core/tests/test_serve_hardening.py``
+    (choice i samples with seed + i, from 0 again past 2**63 - 1): 8 choices. ``plugins/serve/tests/test_serve_hardening.py``
     has the whole list and the schema fuzz on a stand-in engine."""
 
     def post(body: dict[str, Any]) -> tuple[int, Any]:
@@ -280,7 +280,7 @@ def test_scheduler_timeout_cancel_and_length(local: Any) -> None:
     (neither decodes), and a budget of 3 tokens ends as ``length`` with 3 tokens counted."""
     import threading
 
-    from anyquant.serve.scheduler import Finished, ModelAdapter, Request, Scheduler
+    from anyquant_serve.scheduler import Finished, ModelAdapter, Request, Scheduler
 
     adapter = ModelAdapter(local)
     scheduler = Scheduler(adapter, max_batch=4, max_queue=4)
@@ -491,7 +491,7 @@ def test_a_failed_prefill_is_answered(local: Any) -> None:
     dropped without a word, its client waiting until its timeout. The next request runs as usual."""
     import threading
 
-    from anyquant.serve.scheduler import Finished, ModelAdapter, Request, Scheduler
+    from anyquant_serve.scheduler import Finished, ModelAdapter, Request, Scheduler
 
     adapter = ModelAdapter(local)
     scheduler = Scheduler(adapter, max_batch=2, max_queue=2)
@@ -519,8 +519,8 @@ def test_choices_share_one_prefill(local: Any, monkeypatch: pytest.MonkeyPatch) 
     prompt (``echo`` with ``logprobs``) runs once too."""
     import threading
 
-    from anyquant.serve.batch import DecodeBatch
-    from anyquant.serve.scheduler import Finished, ModelAdapter, Request, Scheduler
+    from anyquant_serve.batch import DecodeBatch
+    from anyquant_serve.scheduler import Finished, ModelAdapter, Request, Scheduler
 
     calls = {"prefill": 0, "score": 0}
     prefill, score = DecodeBatch.prefill, ModelAdapter.prompt_logprobs

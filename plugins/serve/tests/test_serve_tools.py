@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from anyquant.serve.schema import RequestError, validate
-from anyquant.serve.tools import (
+from anyquant_serve.schema import RequestError, validate
+from anyquant_serve.tools import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -30,10 +30,10 @@ from anyquant.serve.tools import (
     parse_tool_calls,
     supports_tools,
 )
-from core.tests.servers import serving
+from plugins.serve.tests.servers import serving
 
 NAME = "smol"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 #: Qwen2.5-Instruct's chat template (Hermes-style tool calls), as its tokenizer_config.json holds it
 QWEN25_TEMPLATE = (
@@ -309,8 +309,8 @@ def test_sse_streams_arguments_as_the_openai_client_reads_them() -> None:
     from openai.lib.streaming.chat import ChatCompletionStreamState
     from openai.types.chat import ChatCompletionChunk
 
-    from anyquant.serve.app import _Choice, _choice, _Job, _Shapes, _sse
-    from anyquant.serve.scheduler import Finished
+    from anyquant_serve.app import _Choice, _choice, _Job, _Shapes, _sse
+    from anyquant_serve.scheduler import Finished
 
     text = "Checking.\n" + "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in (WEATHER_CALL, TIME_CALL))
     pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # about a token each
