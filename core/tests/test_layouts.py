@@ -180,6 +180,60 @@ def test_a_table_layout_runs_on_the_table_kernel_or_its_exact_path() -> None:
             assert _rel(fast(x), want) < EXACT_TOL
 
 
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+class ToyMXFP4(QuantLinearBase):
+    """``w = round_to(E2M1[q] * 2**e[o, i // 32])``: MXFP4 as a 4-bit table layout, of no plugin."""
+
+    packed_names = ("codes", "exps")
+    codes: torch.Tensor
+    exps: torch.Tensor
+
+    def __init__(self, n: int, k: int, *, table: Sequence[float] = E2M1, scale: float = 1.0, low: int = -8) -> None:
+        super().__init__(k, n, compute_dtype=torch.bfloat16)
+        gen = torch.Generator().manual_seed(5)
+        self.table, self.scale = torch.tensor(table), scale
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        codes[0, :16] = 8  # E2M1's negative zero
+        self.set_packed(None, codes=codes, exps=torch.randint(low, 3, (n, k // 32), generator=gen))
+
+    def _scales(self) -> torch.Tensor:
+        return torch.ldexp(torch.full(self.exps.shape, self.scale), self.exps.float())
+
+    def dequantize(self) -> torch.Tensor:
+        s = self._scales().repeat_interleave(32, dim=1)
+        return (self.table[self.codes.long()] * s).to(torch.bfloat16)
+
+    def packed_layouts(self) -> list[Layout]:
+        return [Table4(self.in_features, self.out_features, 32, self.codes, self._scales, self.table, torch.bfloat16)]
+
+
+def test_mxfp4_runs_as_ggml_blocks_on_the_block_kernel() -> None:
+    """A table layout that is MXFP4 (E2M1, a power-of-two scale per 32) runs as GGML MXFP4 blocks where the block
+    kernel is fast: its weights bit for bit (negative zeros included), decode within 1e-4 of the exact output with
+    no bias, prompts exact. Any other table or scale stays on the table kernel."""
+    from anyquant.runtime.fastcpu import MXFP4BlockLinear, block_kernel_is_fast
+
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
+    layer = ToyMXFP4(96, 256)
+    want = _exact(layer, x)
+    fast = FastCPUPlan(small_rows=4).convert("mx", layer)
+    if not block_kernel_is_fast():
+        pytest.skip("the block kernel is not built (or not vectorized) here")
+    assert type(fast) is MXFP4BlockLinear and fast.packed_bytes() == 96 * 256 // 32 * 17
+    exact = layer.dequantize()
+    assert torch.equal(fast.dequantize().view(torch.int16), exact.view(torch.int16))  # -0.0 kept
+    with torch.no_grad():
+        got = torch.cat([fast(x[i : i + 4]) for i in range(0, 64, 4)])  # decode: the kernel
+        assert _rel(got, want) < 1e-4
+        assert abs(float((got * want).sum() / (want * want).sum()) - 1) < 2e-6
+        assert _rel(fast(x), want) < EXACT_TOL  # prompts: the exact weight
+    for other in (ToyMXFP4(96, 256, scale=1.5), ToyMXFP4(96, 256, table=NF4), ToyMXFP4(96, 256, low=-140)):
+        kept = FastCPUPlan(small_rows=4).convert("other", other)
+        assert type(kept).__name__ == ("Lut4Linear" if kernels.lut_available() else "ToyMXFP4")
+
+
 def test_the_first_layout_that_runs_wins() -> None:
     """[Table4, Decoded]: the table kernel where it is built, else a bfloat16 copy where that runs fast."""
     layer, plan = ToyTable(48, 64, extra=("decoded",)), FastCPUPlan(small_rows=4)

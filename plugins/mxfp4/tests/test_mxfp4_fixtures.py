@@ -110,10 +110,11 @@ def test_experts_logits_and_tokens_are_transformers(models: dict[str, Any], back
 
 @needs_kernel
 def test_cpu_fast_keeps_experts_packed_and_matches_transformers(models: dict[str, Any]) -> None:
-    """cpu-fast (the default here): each expert's two weights are 4-bit table linears (half a byte a weight plus a
-    float32 scale per 32), never decoded as a whole; each one's exact weight is transformers' decoded expert bit for
-    bit (codes, scales, the 16-entry table, a bfloat16 bias: their bytes counted); logits within 1e-4 of transformers' float32 forward (float32 activations and sums on the kernel: only the
-    summation order differs, measured ~1e-6), greedy tokens identical."""
+    """cpu-fast (the default here): each expert's two weights are GGML MXFP4 blocks on the compiled block kernel
+    (17 bytes a block of 32: the E8M0 exponent and the codes, 4.25 bits a weight), never decoded as a whole; each
+    one's exact weight is transformers' decoded expert bit for bit (the blocks and a bfloat16 bias: their bytes
+    counted); logits within 1e-4 of transformers' float32 forward (two int8 activation passes per 32-block: within
+    1e-4 of each linear's largest output), no bias (fitted gain within 1e-5 of 1), greedy tokens identical."""
     rec = record()
     model = models["cpu-fast"]
     assert model.info["mxfp4"]["held_dtype"] == "packed (4.25 bits)" and model.info["unused_tensors"] == []
@@ -122,7 +123,7 @@ def test_cpu_fast_keeps_experts_packed_and_matches_transformers(models: dict[str
         assert type(experts).__name__ == "PackedGptOssExperts"
         assert not list(experts.parameters())  # no decoded copy beside the packed one
         assert experts.packed_bytes() == sum(
-            n * (k // 2 + 4 * k // 32) + 2 * n + 64 for n, k in ((256, 128), (128, 128)) for _ in range(4)
+            n * (k // 32 * 17) + 2 * n for n, k in ((256, 128), (128, 128)) for _ in range(4)
         )
     for name, want in rec["dequantized_experts"].items():
         got = _packed_parameter(model, name)
@@ -162,18 +163,25 @@ def test_cpu_fast_defaults_are_within_the_bfloat16_class() -> None:
 
 @needs_kernel
 def test_cpu_fast_decode_and_prompt_paths_agree_with_the_exact_experts(models: dict[str, Any]) -> None:
-    """A one-token call (the kernel) and a many-token call (the exact weights and a GEMM) of one experts module give
-    the dequantized module's outputs: the same routing, weights, clamped SwiGLU and sums."""
+    """A one-token call (the block kernel: two int8 activation passes, within 1e-4) and a many-token call (the exact
+    weights and a GEMM) of one experts module give the dequantized module's outputs: the same routing, weights,
+    clamped SwiGLU and sums; no bias under the kernel's tolerance (the gain fitted over 64 decode calls within 5e-6
+    of 1; one call's alone scatters by ~1e-5)."""
     torch.manual_seed(0)
     fast = models["cpu-fast"].module.get_submodule(EXPERTS.format(1))
     exact = models["dequantized"].module.get_submodule(EXPERTS.format(1))
-    for tokens in (1, 3, 80):
+    num = den = 0.0
+    for call in range(66):
+        tokens = 80 if call == 65 else 3 if call % 2 else 1
         x = torch.randn(tokens, 128)
         idx = torch.randint(0, 4, (tokens, 2))
         w = torch.rand(tokens, 2)
         want = exact(x, idx, w)
         got = fast(x, idx, w)
-        assert rel_error(got, want) <= (1e-5 if tokens <= 64 else 1e-6), tokens
+        assert rel_error(got, want) <= (1e-4 if tokens <= 4 else 1e-6), tokens
+        if tokens <= 4:
+            num, den = num + float((got * want).sum()), den + float((want * want).sum())
+    assert abs(num / den - 1) <= 5e-6
 
 
 def test_backend_choice_on_other_devices() -> None:
