@@ -1159,13 +1159,27 @@ class MXFP4BlockLinear(BlockLinear):
         self.register_buffer("table", table.to(torch.float32).contiguous())
 
     def dequantize(self) -> torch.Tensor:
-        raw = self.raw_blocks().reshape(self.out_features, self.in_features // 32, 17)
+        n, k = self.out_features, self.in_features
+        raw = self.raw_blocks().reshape(n, k // 32, 17)
+        # 2 ** (e - 127) by its bits (the exponents were checked normal when the blocks were made)
+        scales = (raw[..., 0].to(torch.int32) << 23).view(torch.float32)
+        assert self.round_to is not None
+        from . import kernels
+
+        if kernels.lut_available():  # the table kernel's exact weights: GGML's nibble order is its own
+            from .kernels.lut import ROUND_CODES
+
+            codes = raw[..., 1:].reshape(n, k // 2)
+            w: torch.Tensor = torch.ops.anyquant.lut4_dequant(codes, scales, self.table, 32, ROUND_CODES[self.round_to])
+            return w.to(self.round_to)
         qs = raw[..., 1:]
         codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(torch.long)
-        exps = raw[..., :1].to(torch.int32) - 127
-        w = torch.ldexp(self.table[codes], exps.to(torch.float32))
-        assert self.round_to is not None
-        return w.reshape(self.out_features, self.in_features).to(self.round_to)
+        w = self.table[codes] * scales.unsqueeze(-1)
+        return w.reshape(n, k).to(self.round_to)
+
+    def exact_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """:meth:`dequantize` in ``dtype`` (the table kernel's dequantization: ~3x the block kernel's for this type)."""
+        return self.dequantize().to(dtype)
 
     def packed_bytes(self) -> int:
         return sum(b.nbytes for name, b in self._buffers.items() if b is not None and name != "table")
