@@ -73,7 +73,7 @@ def test_every_first_party_loader_decides_through_the_one_function() -> None:
             bodies.append(body)
             assert "return choose_backend(" in body or "super().choose_backend(" in body, path
             assert "for name in" not in body and "backend_order" not in body.replace("self.backend_order", ""), path
-    assert len(bodies) == 3  # the int4 base, its packed-format base, GGUF's (which counts the int4 linears)
+    assert len(bodies) == 3  # the int4 base, its packed-format base, GGUF's (which counts the linears its kernels take)
 
 
 def test_first_party_loaders_on_devices() -> None:
@@ -86,8 +86,8 @@ def test_first_party_loaders_on_devices() -> None:
             loader.choose_backend("cpu-fast", CUDA)
         assert loader.choose_backend("auto", META) == "dequantized"
     gguf = GGUFLoader()
-    assert gguf.choose_backend("auto", META, int4_linears=3) == "dequantized"
-    assert gguf.choose_backend("auto", CPU, int4_linears=0) == "dequantized"
+    assert gguf.choose_backend("auto", META, kernel_linears=3) == "dequantized"
+    assert gguf.choose_backend("auto", CPU, kernel_linears=0) == "dequantized"
     with pytest.raises(UnsupportedBackendError, match="runs on the CPU"):
         gguf.choose_backend("cpu-fast", CUDA)
 

@@ -78,7 +78,7 @@ def gguf_path(probe: Probe) -> Path:
     return gguf_model(probe).paths[0]
 
 
-def _int4_linears(probe: Probe) -> int:
+def _kernel_linears(probe: Probe) -> int:
     """How many of the GGUF model's tensors (every part's), the token embedding aside, cpu-fast's kernels take: an int4
     kernel type, or a type of the compiled block kernel where it is built (a Q6_K or Q8_0 file has no int4 tensor)."""
     from .qlinear import BLOCK_KERNEL_TYPES, INT4_TYPES, block_kernel_available
@@ -279,7 +279,7 @@ class GGUFLoader(TransformersLoader):
 
     def plan(self, probe: Probe, detection: Detection, options: LoadOptions, device: Any) -> LoadPlan:
         """The backend, from the file's linears that torch's int4 kernel can take (``auto`` picks cpu-fast)."""
-        return LoadPlan(self.choose_backend(options.backend, device, int4_linears=_int4_linears(probe)))
+        return LoadPlan(self.choose_backend(options.backend, device, kernel_linears=_kernel_linears(probe)))
 
     def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
         """The packed token embedding installed, the file's pages released after a dequantized load, and the
@@ -330,13 +330,14 @@ class GGUFLoader(TransformersLoader):
         new = GGUFEmbedding(data, raw.qtype, raw.shape, dtype=weight.dtype, scale=scale)
         module.set_input_embeddings(new.to(weight.device))
 
-    def choose_backend(self, requested: str, device: Any, *, int4_linears: int = 0) -> str:
-        """``int4_linears``: how many of the file's linears torch's int4 kernel takes (:meth:`plan` counts). ``auto``:
+    def choose_backend(self, requested: str, device: Any, *, kernel_linears: int = 0) -> str:
+        """``kernel_linears``: how many of the file's linears cpu-fast's kernels take (torch's int4 kernel, the compiled
+        block kernel; :meth:`plan` counts). ``auto``:
         cpu-fast where its kernels take some (it loads faster, peaks lower and decodes faster than dequantized, and
         both beat transformers' gguf load on all three: docs/benchmarks.md), else the exact dequantized."""
         from anyquant.plugin import choose_backend
 
-        skip = {} if int4_linears else {"cpu-fast": "no linear of this file takes its int4 kernel"}
+        skip = {} if kernel_linears else {"cpu-fast": "no linear of this file takes its kernels"}
         return choose_backend(self.format, self.backends(), self.backend_order, requested, device, skip=skip)
 
     def tensor_source(self, probe: Probe, options: LoadOptions) -> GGUFSource:
