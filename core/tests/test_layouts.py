@@ -407,6 +407,24 @@ def test_the_metadata_check_leaves_the_tensor_checks_to_the_conversion(monkeypat
         layout_kinds_run(object)  # type: ignore[arg-type]
 
 
+def test_ready_q8_0_blocks_are_taken_as_they_are() -> None:
+    """An ``Int8Blocks`` that carries the format's own Q8_0 blocks runs them without forming its codes and scales
+    again: the same weights as the codes' and scales' blocks, bit for bit."""
+    from anyquant.runtime.fastcpu import block_kernel_is_fast
+    from anyquant.runtime.kernels.linear import q8_0_blocks
+
+    if not block_kernel_is_fast():
+        pytest.skip("the block kernel is not built (or not vectorized) here")
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(8))
+    blocks = q8_0_blocks(w).view(48, 2, 34)
+    codes = blocks[..., 2:].contiguous().view(torch.int8).flatten(1)
+    scales = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+    ready = fast_linear(Int8Blocks(64, 48, 32, _never, _never, torch.float32, q8_0=lambda: blocks))
+    packed = fast_linear(Int8Blocks(64, 48, 32, codes, scales, torch.float32))
+    assert not isinstance(ready, str) and not isinstance(packed, str)
+    assert torch.equal(ready.raw_blocks(), packed.raw_blocks()) and torch.equal(ready.dequantize(), packed.dequantize())
+
+
 # ---------------------------------------------------------------- (d) the formats hold no engine code
 
 

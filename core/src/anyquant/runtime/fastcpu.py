@@ -1299,15 +1299,21 @@ def _int8_blocks(lay: Int8Blocks, build: _Stage) -> nn.Module | str | None:
         return f"8-bit groups of {lay.group} in rows of {lay.in_features} (Q8_0 blocks are 32)"
     if build == _METADATA:
         return None
-    scales = layout_tensor(lay.scales)
-    if not fp16_exact(scales):
-        return "8-bit scales that float16 does not hold exactly (Q8_0 blocks keep float16 scales)"
-    if not isinstance(build, _Build):
-        return None
-    per = lay.group // 32
-    d = scales.repeat_interleave(per, dim=1) if per > 1 else scales
+    if lay.q8_0 is not None and lay.group == 32:  # the format's own Q8_0 blocks: float16 scales by construction
+        if not isinstance(build, _Build):
+            return None
+        blocks = layout_tensor(lay.q8_0)
+    else:
+        scales = layout_tensor(lay.scales)
+        if not fp16_exact(scales):
+            return "8-bit scales that float16 does not hold exactly (Q8_0 blocks keep float16 scales)"
+        if not isinstance(build, _Build):
+            return None
+        per = lay.group // 32
+        d = scales.repeat_interleave(per, dim=1) if per > 1 else scales
+        blocks = q8_0_from_codes(layout_tensor(lay.codes), d)
     return Int8BlockLinear(
-        q8_0_from_codes(layout_tensor(lay.codes), d),
+        blocks,
         lay.out_features,
         lay.in_features,
         lay.bias,

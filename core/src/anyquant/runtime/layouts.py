@@ -93,7 +93,10 @@ class Int8Blocks:
     """Symmetric 8-bit integer codes with a scale per group of inputs (compressed-tensors' int8):
     ``w[o, i] = round_to(float32(codes[o, i]) * float32(scales[o, i // group]))``.
 
-    ``codes``: ``[out, in]``, int8 values; ``scales``: ``[out, in / group]`` (a per-channel scale: ``group = in``)."""
+    ``codes``: ``[out, in]``, int8 values; ``scales``: ``[out, in / group]`` (a per-channel scale: ``group = in``).
+    ``q8_0``: where the format already holds the weight as GGML Q8_0 blocks (group 32, float16 scales: uint8
+    ``[out, in / 32, 34]``, each block's scale then its 32 codes), those blocks, which an engine that runs Q8_0 takes
+    as they are instead of packing the codes and scales again."""
 
     #: its name among :data:`anyquant.protocols.LAYOUT_KINDS` (what a registered backend says it runs)
     kind: ClassVar[str] = "int8-blocks"
@@ -105,6 +108,7 @@ class Int8Blocks:
     scales: TensorOr | None
     round_to: torch.dtype
     bias: torch.Tensor | None = None
+    q8_0: TensorOr | None = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -25,47 +25,41 @@ CPU_FAST_WEIGHTS = ("auto", "q8_0", "bfloat16")
 
 
 class Q8Rounding:
-    """A layer's decoded weight rounded to Q8_0 blocks, formed once on the first call of :meth:`codes` or
-    :meth:`scales`: per block of 32 inputs ``d = max|w| / 127`` (float16), codes ``round(w / d)`` (halves away from
-    zero), llama.cpp's ``quantize_row_q8_0`` bit for bit (:func:`anyquant.runtime.kernels.linear.q8_0_blocks`). A
-    second, lossy rounding of the format's weight: up to half a step, ``max|w_block| / 254``, per weight."""
+    """A layer's decoded weight rounded to Q8_0 blocks, formed once on the first call of :meth:`blocks`,
+    :meth:`codes` or :meth:`scales`: per block of 32 inputs ``d = max|w| / 127`` (float16), codes ``round(w / d)``
+    (halves away from zero), llama.cpp's ``quantize_row_q8_0`` bit for bit
+    (:func:`anyquant.runtime.kernels.linear.q8_0_blocks`). A second, lossy rounding of the format's weight: up to half
+    a step, ``max|w_block| / 254``, per weight."""
 
     #: weights rounded per step of :meth:`_form`
     CHUNK = 1 << 22
 
     def __init__(self, layer: QuantLinearBase) -> None:
         self.layer = layer
-        self._codes: torch.Tensor | None = None
-        self._scales: torch.Tensor | None = None
+        self._blocks: torch.Tensor | None = None
 
-    def _form(self) -> None:
-        """The layer decoded once, rounded a few rows at a time (the float32 temporaries stay small)."""
-        from anyquant.runtime.kernels.linear import q8_0_blocks
+    def blocks(self) -> torch.Tensor:
+        """``[out, in / 32, 34]`` uint8: each block's float16 scale, then its 32 int8 codes. The layer decoded once,
+        rounded a few rows at a time (the float32 temporaries stay small)."""
+        if self._blocks is None:
+            from anyquant.runtime.kernels.linear import q8_0_blocks
 
-        n, k = self.layer.out_features, self.layer.in_features
-        weight = self.layer.dequantize()
-        codes = torch.empty(n, k, dtype=torch.int8)
-        scales = torch.empty(n, k // 32, dtype=torch.float16)
-        rows = max(1, self.CHUNK // k)
-        for start in range(0, n, rows):
-            blocks = q8_0_blocks(weight[start : start + rows]).view(-1, k // 32, 34)
-            scales[start : start + rows] = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
-            codes[start : start + rows] = blocks[..., 2:].contiguous().view(torch.int8).flatten(1)
-        self._codes, self._scales = codes, scales
+            n, k = self.layer.out_features, self.layer.in_features
+            weight = self.layer.dequantize()
+            blocks = torch.empty(n, k // 32, 34, dtype=torch.uint8)
+            rows = max(1, self.CHUNK // k)
+            for start in range(0, n, rows):
+                blocks[start : start + rows] = q8_0_blocks(weight[start : start + rows]).view(-1, k // 32, 34)
+            self._blocks = blocks
+        return self._blocks
 
     def codes(self) -> torch.Tensor:
         """``[out, in]`` int8."""
-        if self._codes is None:
-            self._form()
-        assert self._codes is not None
-        return self._codes
+        return self.blocks()[..., 2:].contiguous().view(torch.int8).flatten(1)
 
     def scales(self) -> torch.Tensor:
         """``[out, in / 32]`` float16."""
-        if self._scales is None:
-            self._form()
-        assert self._scales is not None
-        return self._scales
+        return self.blocks()[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
 
 
 def decoded_layouts(layer: QuantLinearBase, weights: str) -> Sequence[Layout] | str:
@@ -93,7 +87,10 @@ def decoded_layouts(layer: QuantLinearBase, weights: str) -> Sequence[Layout] | 
     q8 = Q8Rounding(layer)
     bias = layer._buffers.get("bias")
     k, n = layer.in_features, layer.out_features
-    return [Int8Blocks(k, n, 32, codes=q8.codes, scales=q8.scales, round_to=torch.float32, bias=bias), exact]
+    return [
+        Int8Blocks(k, n, 32, codes=q8.codes, scales=q8.scales, round_to=torch.float32, bias=bias, q8_0=q8.blocks),
+        exact,
+    ]
 
 
 class EXL3Linear(QuantLinearBase):
