@@ -66,6 +66,40 @@ def experts_reference(
     return want
 
 
+def check_experts(
+    make_blocks: Callable[..., tuple[torch.Tensor, object]],
+    forms: list[tuple[str, str, bool]],
+    hidden: int,
+    inter: int,
+    index: torch.Tensor,
+    isa: int,
+    passes: int,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[int]]:
+    """``ggml_experts`` gives bit for bit :func:`experts_reference` of the module path's ``ggml_gemv`` calls: experts
+    ``forms`` (each its gate / up type, its down type, whether interleaved) of ``make_blocks(type_name, rows, cols,
+    seed=...)[0]``, on ``index.shape[0]`` rows of ``hidden`` activations. Returns (x, weights, blocks, types)."""
+    blocks: list[torch.Tensor] = []
+    types: list[int] = []
+    for e, (gate_up, down, il) in enumerate(forms):
+        for j, (type_name, rows, cols) in enumerate(
+            [(gate_up, inter, hidden), (gate_up, inter, hidden), (down, hidden, inter)]
+        ):
+            raw = make_blocks(type_name, rows, cols, seed=10 * e + j)[0]
+            code = kernels.GGML_TYPES[type_name][0]
+            blocks.append(kernels.interleave(raw, type_name, rows, cols) if il else raw)  # type: ignore[arg-type]
+            types.append(code + kernels.INTERLEAVED if il else code)
+
+    def linear(x: torch.Tensor, i: int, rows: int) -> torch.Tensor:
+        return torch.ops.anyquant.ggml_gemv(x, blocks[i], types[i], rows, x.shape[-1], isa, passes)
+
+    gen = torch.Generator().manual_seed(passes)
+    x = torch.randn(index.shape[0], hidden, generator=gen)
+    weights = torch.rand(*index.shape, generator=gen)
+    got = torch.ops.anyquant.ggml_experts(x, index, weights, blocks, types, inter, isa, passes)
+    assert torch.equal(got, experts_reference(x, index, weights, len(forms), linear, inter))
+    return x, weights, blocks, types
+
+
 def _integer_reference(
     type_name: str, raw: torch.Tensor, x: torch.Tensor, rows: int, cols: int, passes: int = 2
 ) -> torch.Tensor:
@@ -225,24 +259,9 @@ def test_experts_is_each_chosen_expert_in_order(isa: int, passes: int) -> None:
     skipped), ``0 + w * down(silu(gate x) * up x)`` each; experts of different types and forms, several rows."""
     hidden, inter = 320, 96
     forms = [("Q4_0", False), ("Q8_0", True), ("Q4_1", True), ("Q4_0", True)]
-    blocks: list[torch.Tensor] = []
-    types: list[int] = []
-    for e, (type_name, il) in enumerate(forms):
-        for j, (rows, cols) in enumerate([(inter, hidden), (inter, hidden), (hidden, inter)]):
-            raw = _blocks(type_name, rows, cols, seed=10 * e + j)[0]
-            code = kernels.GGML_TYPES[type_name][0]
-            blocks.append(kernels.interleave(raw, type_name, rows, cols) if il else raw)  # type: ignore[arg-type]
-            types.append(code + kernels.INTERLEAVED if il else code)
-
-    def linear(x: torch.Tensor, i: int, rows: int) -> torch.Tensor:
-        return torch.ops.anyquant.ggml_gemv(x, blocks[i], types[i], rows, x.shape[-1], isa, passes)
-
-    gen = torch.Generator().manual_seed(passes)
-    x = torch.randn(3, hidden, generator=gen)
     index = torch.tensor([[2, 0], [3, 3], [1, 4]])  # a repeated expert; 4: not one of the 4 (skipped)
-    weights = torch.rand(3, 2, generator=gen)
-    got = torch.ops.anyquant.ggml_experts(x, index, weights, blocks, types, inter, isa, passes)
-    assert torch.equal(got, experts_reference(x, index, weights, len(forms), linear, inter))
+    experts = [(type_name, type_name, il) for type_name, il in forms]
+    x, weights, blocks, types = check_experts(_blocks, experts, hidden, inter, index, isa, passes)
     with pytest.raises(RuntimeError, match="gate, up and down"):
         torch.ops.anyquant.ggml_experts(x, index, weights, blocks[:4], types[:4], inter, isa, passes)
     with pytest.raises(RuntimeError, match="blocks hold"):

@@ -101,19 +101,28 @@ def test_exclude_modules_and_kv_cache_are_read() -> None:
     assert float(attn.kv_quant.k_scale) == raw["model.layers.0.self_attn.k_proj.k_scale"]["values"][0]
 
 
-def test_hf_quant_config_alone_is_enough(tmp_path: Path) -> None:
-    """ModelOpt before 0.29 wrote only ``hf_quant_config.json``: the same checkpoint without config.json's
-    quantization_config is detected and loads the same."""
-    path = _copy("llama_modelopt_fp8_pb_wo", tmp_path / "m")
+def check_hf_quant_config_alone(tmp_path: Path, name: str, variant: str, judge: str, tol: float) -> None:
+    """Fixture ``name`` without config.json's quantization_config is detected as ``variant`` from
+    ``hf_quant_config.json`` and its reference backend is within ``tol`` of the recorded ``logits_float32_{judge}``
+    (shared with ``test_modelopt_nvfp4.py``)."""
+    path = _copy(name, tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
     del cfg["quantization_config"]
     (path / "config.json").write_text(json.dumps(cfg))
     det = sdk.detect(path)
-    assert det.variant == "modelopt-fp8-pb-wo" and det.details["config_source"] == "hf_quant_config.json"
-    rec = record("llama_modelopt_fp8_pb_wo")
+    assert det.variant == variant and det.details["config_source"] == "hf_quant_config.json"
+    rec = record(name)
     model = sdk.load(path, backend="reference")
     logits = forward_logits(model, rec["prompt_ids"])
-    assert rel_error(logits, torch.tensor(rec["logits_float32_exported_weights"])) <= EXPORTED_TOL
+    assert rel_error(logits, torch.tensor(rec[f"logits_float32_{judge}"])) <= tol
+
+
+def test_hf_quant_config_alone_is_enough(tmp_path: Path) -> None:
+    """ModelOpt before 0.29 wrote only ``hf_quant_config.json``: the same checkpoint without config.json's
+    quantization_config is detected and loads the same."""
+    check_hf_quant_config_alone(
+        tmp_path, "llama_modelopt_fp8_pb_wo", "modelopt-fp8-pb-wo", "exported_weights", EXPORTED_TOL
+    )
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -131,27 +140,34 @@ def test_exact_backends_are_modelopt(name: str, backend: str) -> None:
     assert got == rec["greedy_float32_exported_weights"]
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_cpu_fast_default(name: str) -> None:
+def check_cpu_fast_default(name: str, judge: str, tol: float, fast_tol: float) -> Any:
+    """Fixture ``name`` on the default backend: cpu-fast (where it runs) on every quantized linear, each module exact;
+    logits within ``tol`` of the recorded ``logits_float32_{judge}`` (cpu-fast: ``fast_tol``), greedy tokens
+    ``greedy_float32_{judge}`` or a near-tie. Returns the model (shared with ``test_modelopt_nvfp4.py``)."""
     rec = record(name)
     model = sdk.load(FIXTURES / name)
-    tol = EXPORTED_TOL
     if model.backend == "cpu-fast":
         n = len(rec["dequantized_weights"])
         assert model.info["cpu_fast"]["fast_layers"] == n
-        tol = FAST_TOL
+        tol = fast_tol
         exact = sdk.load(FIXTURES / name, backend="reference")
         names = [w.removesuffix(".weight") for w in rec["dequantized_weights"]]
         assert assert_fast_modules_exact(model, exact, names) == n
-    want = torch.tensor(rec["logits_float32_exported_weights"])
+    want = torch.tensor(rec[f"logits_float32_{judge}"])
     assert rel_error(forward_logits(model, rec["prompt_ids"]), want) <= tol
     assert_greedy_or_near_tie(
         lambda: sdk.load(FIXTURES / name, backend="reference"),
         rec["prompt_ids"],
-        rec["greedy_float32_exported_weights"],
+        rec[f"greedy_float32_{judge}"],
         greedy_tokens(model, rec["prompt_ids"], 8),
         tol,
     )
+    return model
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_cpu_fast_default(name: str) -> None:
+    check_cpu_fast_default(name, "exported_weights", EXPORTED_TOL, FAST_TOL)
 
 
 def test_static_input_quantization_is_vllms() -> None:

@@ -22,7 +22,6 @@ Judges, recorded in ModelOpt's venv:
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +31,16 @@ import torch
 import anyquant as sdk
 from anyquant.errors import CheckpointError, ConfigError, FormatConflictError, UnsupportedFormatError
 from anyquant.runtime.activations import quantize_nvfp4_activations
-from tests.peers.recorded import (
-    assert_fast_modules_exact,
-    assert_greedy_or_near_tie,
-    forward_logits,
-    greedy_tokens,
-    rel_error,
-    sha256_f32,
+from plugins.fp8.tests.test_modelopt_fixtures import (
+    FIXTURES,
+    _copy,
+    _edit_tensors,
+    check_cpu_fast_default,
+    check_hf_quant_config_alone,
+    record,
 )
+from tests.peers.recorded import forward_logits, greedy_tokens, rel_error, sha256_f32
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NAMES = ("llama_modelopt_nvfp4", "qwen3_modelopt_nvfp4", "llama_modelopt_mixed")
 VARIANTS = {"llama_modelopt_nvfp4": "modelopt-nvfp4", "qwen3_modelopt_nvfp4": "modelopt-nvfp4"}
 VARIANTS["llama_modelopt_mixed"] = "modelopt-mixed"
@@ -52,24 +51,6 @@ EMULATED_TOL = 1e-5
 FAST_TOL = 3e-2
 #: the 16-bit-input forward is this far at least (a test that NVFP4 inputs are applied at all)
 W4A16_AT_LEAST = 0.1
-
-
-def record(name: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((FIXTURES / f"{name}.json").read_text())
-    return data
-
-
-def _copy(name: str, dst: Path) -> Path:
-    shutil.copytree(FIXTURES / name, dst)
-    return dst
-
-
-def _edit_tensors(path: Path, fn: Any) -> None:
-    from safetensors.torch import load_file, save_file
-
-    t = load_file(path / "model.safetensors")
-    fn(t)
-    save_file(t, path / "model.safetensors", metadata={"format": "pt"})
 
 
 def _set_algo(path: Path, algo: str, **extra: Any) -> None:
@@ -115,16 +96,7 @@ def test_excluded_linear_stays_dense() -> None:
 
 
 def test_hf_quant_config_alone_is_enough(tmp_path: Path) -> None:
-    path = _copy("llama_modelopt_nvfp4", tmp_path / "m")
-    cfg = json.loads((path / "config.json").read_text())
-    del cfg["quantization_config"]
-    (path / "config.json").write_text(json.dumps(cfg))
-    det = sdk.detect(path)
-    assert det.variant == "modelopt-nvfp4" and det.details["config_source"] == "hf_quant_config.json"
-    rec = record("llama_modelopt_nvfp4")
-    model = sdk.load(path, backend="reference")
-    logits = forward_logits(model, rec["prompt_ids"])
-    assert rel_error(logits, torch.tensor(rec["logits_float32_vllm_emulation"])) <= EMULATED_TOL
+    check_hf_quant_config_alone(tmp_path, "llama_modelopt_nvfp4", "modelopt-nvfp4", "vllm_emulation", EMULATED_TOL)
 
 
 # ---------------------------------------------------------------------------------------------------- weights, logits
@@ -148,27 +120,10 @@ def test_exact_backends_are_modelopt_and_vllm(name: str, backend: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_cpu_fast_default(name: str) -> None:
-    rec = record(name)
-    model = sdk.load(FIXTURES / name)
-    tol = EMULATED_TOL
+    model = check_cpu_fast_default(name, "vllm_emulation", EMULATED_TOL, FAST_TOL)
     if model.backend == "cpu-fast":
-        n = len(rec["dequantized_weights"])
-        assert model.info["cpu_fast"]["fast_layers"] == n
-        tol = FAST_TOL
-        exact = sdk.load(FIXTURES / name, backend="reference")
-        names = [w.removesuffix(".weight") for w in rec["dequantized_weights"]]
-        assert assert_fast_modules_exact(model, exact, names) == n
         q = model.module.get_submodule("model.layers.0.self_attn.q_proj")
         assert "nvfp4" in repr(q)  # the input quantization in front of the fast module
-    want = torch.tensor(rec["logits_float32_vllm_emulation"])
-    assert rel_error(forward_logits(model, rec["prompt_ids"]), want) <= tol
-    assert_greedy_or_near_tie(
-        lambda: sdk.load(FIXTURES / name, backend="reference"),
-        rec["prompt_ids"],
-        rec["greedy_float32_vllm_emulation"],
-        greedy_tokens(model, rec["prompt_ids"], 8),
-        tol,
-    )
 
 
 def test_live_modelopt_dequantize() -> None:
@@ -320,36 +275,35 @@ def test_mixed_layers_are_their_own_kinds() -> None:
     assert type(q).__name__ == "NVFP4Linear"
 
 
-def test_mixed_unknown_layer_algo_is_refused_by_name(tmp_path: Path) -> None:
+#: (an edit of ``quantized_layers``, the error, its message)
+MIXED_REFUSALS = {
+    "unknown-layer-algo-by-name": (
+        lambda layers: layers.update({"model.layers.0.mlp.up_proj": {"quant_algo": "W4A16_AWQ"}}),
+        UnsupportedFormatError,
+        r"up_proj is quant_algo .W4A16_AWQ",
+    ),
+    "without-quantized-layers-config-error": (lambda layers: layers.clear(), ConfigError, "quantized_layers"),
+    "unnamed-quantized-linear-conflict": (
+        lambda layers: layers.pop("model.layers.1.mlp.down_proj"),
+        FormatConflictError,
+        "does not name",
+    ),
+    "named-but-dense-linear-conflict": (
+        lambda layers: layers.update({"lm_head": {"quant_algo": "FP8"}}),
+        FormatConflictError,
+        "no weight_scale",
+    ),
+    "layer-stored-as-the-other-kind-conflict": (
+        lambda layers: layers.update({"model.layers.0.mlp.up_proj": {"quant_algo": "NVFP4"}}),
+        FormatConflictError,
+        "U8",
+    ),
+}
+
+
+@pytest.mark.parametrize(("edit", "error", "match"), list(MIXED_REFUSALS.values()), ids=list(MIXED_REFUSALS))
+def test_mixed_bad_quantized_layers_are_refused(tmp_path: Path, edit: Any, error: type[Exception], match: str) -> None:
     path = _copy("llama_modelopt_mixed", tmp_path / "m")
-    _edit_layers(path, lambda layers: layers.update({"model.layers.0.mlp.up_proj": {"quant_algo": "W4A16_AWQ"}}))
-    with pytest.raises(UnsupportedFormatError, match=r"up_proj is quant_algo .W4A16_AWQ"):
-        sdk.load(path)
-
-
-def test_mixed_without_quantized_layers_is_a_config_error(tmp_path: Path) -> None:
-    path = _copy("llama_modelopt_mixed", tmp_path / "m")
-    _edit_layers(path, lambda layers: layers.clear())
-    with pytest.raises(ConfigError, match="quantized_layers"):
-        sdk.load(path)
-
-
-def test_mixed_unnamed_quantized_linear_is_a_conflict(tmp_path: Path) -> None:
-    path = _copy("llama_modelopt_mixed", tmp_path / "m")
-    _edit_layers(path, lambda layers: layers.pop("model.layers.1.mlp.down_proj"))
-    with pytest.raises(FormatConflictError, match="does not name"):
-        sdk.load(path)
-
-
-def test_mixed_named_but_dense_linear_is_a_conflict(tmp_path: Path) -> None:
-    path = _copy("llama_modelopt_mixed", tmp_path / "m")
-    _edit_layers(path, lambda layers: layers.update({"lm_head": {"quant_algo": "FP8"}}))
-    with pytest.raises(FormatConflictError, match="no weight_scale"):
-        sdk.load(path)
-
-
-def test_mixed_layer_stored_as_the_other_kind_is_a_conflict(tmp_path: Path) -> None:
-    path = _copy("llama_modelopt_mixed", tmp_path / "m")
-    _edit_layers(path, lambda layers: layers.update({"model.layers.0.mlp.up_proj": {"quant_algo": "NVFP4"}}))
-    with pytest.raises(FormatConflictError, match="U8"):
+    _edit_layers(path, edit)
+    with pytest.raises(error, match=match):
         sdk.load(path)

@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
 from gguf.quants import quantize
 
 from anyquant.runtime import kernels
-from plugins.gguf.tests.test_gguf_more_types import _blocks, _load, _permute
+from plugins.gguf.tests.test_gguf_more_types import _blocks, _llama_writer, _load, _permute
 from tests.decoding import logits_after_prompt
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
@@ -39,17 +38,7 @@ _PROMPT = [1, 5, 9, 33, 70, 2, 11, 95, 40, 17, 3, 64]
 @pytest.fixture(scope="module")
 def tiny_iq4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("iq4") / "tiny-iq4.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(2)
-    writer.add_context_length(128)
-    writer.add_embedding_length(_HIDDEN)
-    writer.add_feed_forward_length(_FFN)
-    writer.add_head_count(_HEADS)
-    writer.add_head_count_kv(_KV)
-    writer.add_rope_dimension_count(_HIDDEN // _HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(_VOCAB)
+    writer = _llama_writer(path, _FFN)
     rng = np.random.default_rng(0)
     seed = 0
 

@@ -251,6 +251,23 @@ def _permute(rows: np.ndarray, n_head: int) -> np.ndarray:
     return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, -1).swapaxes(1, 2).reshape(rows.shape)
 
 
+def _llama_writer(path: Path, ffn: int = _FFN) -> GGUFWriter:
+    """A writer of a 2-layer "llama" GGUF file of the tiny model's shape (``ffn``: its feed-forward width), its
+    metadata added; shared with ``test_gguf_iquant_kernel.py``."""
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_context_length(128)
+    writer.add_embedding_length(_HIDDEN)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(_HEADS)
+    writer.add_head_count_kv(_KV)
+    writer.add_rope_dimension_count(_HIDDEN // _HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(_VOCAB)
+    return writer
+
+
 @pytest.fixture(scope="module")
 def tiny_new_types(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     """The GGUF file and the float32 reference: a LlamaForCausalLM holding gguf's dequantization of its weights."""
@@ -271,17 +288,7 @@ def tiny_new_types(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torc
         eos_token_id=2,
     )
     path = tmp_path_factory.mktemp("new-types") / "tiny-new-types.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(2)
-    writer.add_context_length(128)
-    writer.add_embedding_length(_HIDDEN)
-    writer.add_feed_forward_length(_FFN)
-    writer.add_head_count(_HEADS)
-    writer.add_head_count_kv(_KV)
-    writer.add_rope_dimension_count(_HIDDEN // _HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(_VOCAB)
+    writer = _llama_writer(path)
     rng = np.random.default_rng(0)
     state: dict[str, torch.Tensor] = {}
 
