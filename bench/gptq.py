@@ -173,7 +173,7 @@ def layer_timings(threads: int) -> str:
     """Per-layer microbenchmark on SmolLM2's shapes (random 4-bit weights, group 64), best of N."""
     import torch
 
-    from anyquant.runtime.fastcpu import FastInt4Linear
+    from anyquant_cpu.engine import FastInt4Linear
 
     torch.set_num_threads(threads)
     lines = [

@@ -7,7 +7,7 @@ the 1.1B model's gate/up and down as Q4_0, Q4_K and Q6_K blocks in the kernel's 
 them), against what cpu-fast ran them with before: torch's int4 kernel for Q4_K, a bfloat16 copy prepacked for
 oneDNN for Q6_K (2 bytes a weight).
 
-    python -m anyquant.runtime.kernels build   # once
+    python -m anyquant_cpu.kernels         # the kernel (built when anyquant-cpu is installed) loads?
     python bench/kernels.py [--threads 1,2] [--rows 1] [--type Q4_0|Q4_1|GQ4] [--shapes 1b|smollm2|kquants]
 
 Each case cycles through enough copies of the weight (>= 256 MiB in all) that no call finds it in a cache,
@@ -25,7 +25,7 @@ import time
 import torch
 from _measure import bandwidth
 
-from anyquant.runtime import kernels
+from anyquant_cpu import kernels
 
 SHAPES = [  # (name, out rows N, in cols K, type)
     ("q/o 2048x2048", 2048, 2048, "Q4_0"),
@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="1b", choices=["1b", "smollm2", "kquants"])
     args = parser.parse_args()
     if not kernels.available():
-        raise SystemExit("anyquant kernels are not built: python -m anyquant.runtime.kernels build")
+        raise SystemExit("anyquant kernels do not load: python -m anyquant_cpu.kernels says why")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         bw = bandwidth()

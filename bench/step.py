@@ -2,7 +2,7 @@
 
 For each checkpoint (anyquant's default backend, which is cpu-fast on this machine): greedy decode steps
 after a short prompt, alternating the module path (``DecoderLayer`` modules, the step switched off) and the
-compiled step (:mod:`anyquant.runtime.step`) ``--repeat`` times; prints the median milliseconds per token
+compiled step (:mod:`anyquant_cpu.step`) ``--repeat`` times; prints the median milliseconds per token
 of each, the speed-up, and whether both produced the same tokens and bitwise the same logits. A third path
 builds every planned layer with the ``mixed`` functions (each linear dispatched by its kind inside the compiled
 function) instead of the one-kind ones (``int4``, ``bf16``, ``ggml``), to compare them on uniform layers; another
@@ -57,7 +57,7 @@ def engine_steps(module: Any) -> dict[str, Any]:
     ``torch.compile`` (``compile``), beside TorchScript's (the default)."""
     import torch
 
-    from anyquant.runtime import step as step_mod
+    from anyquant_cpu import step as step_mod
 
     built: dict[str, Any] = {}
     original = step_mod.compiled_layer, step_mod._stack
@@ -110,7 +110,7 @@ def measure(
             tokens.append(int(nxt))
         return (clock() - t0) / steps * 1e3, tokens, out.logits
 
-    from anyquant.runtime.step import DecodeStep
+    from anyquant_cpu.step import DecodeStep
 
     mixed = DecodeStep.build(module, uniform=False)  # every layer by the mixed functions
     one_kind = DecodeStep.build(module)  # as before the mixed functions: layers of mixed kinds through their modules

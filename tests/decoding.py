@@ -40,7 +40,7 @@ def logits_after_prompt(model: Any, ids: torch.Tensor, prompt: int) -> torch.Ten
 def assert_step_is_module_path(model: Any, vocab: int, kind: str = "mixed_layer") -> None:
     """A native cpu-fast ``model``'s compiled decode step plans every layer (as ``kind``'s function) and gives its
     module path's logits bit for bit over 20 decode steps of a batch of two after a 40-token prompt."""
-    from anyquant.runtime.step import DecodeStep
+    from anyquant_cpu.step import DecodeStep
 
     ids = torch.randint(0, vocab, (2, 60), generator=torch.Generator().manual_seed(7))
     model.module.__dict__.pop("_step", None)  # planned afresh on the first decode step

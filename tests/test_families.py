@@ -181,7 +181,7 @@ def test_cpu_fast(family: str, method: str) -> None:
     """cpu-fast (the CPU default for 4-bit): bfloat16 activations on few rows. Greedy tokens equal GPTQModel's;
     logits within the decode path's 2e-2 at the median position (in a MoE layer a near-tie in the router can
     pick another expert under bfloat16 rounding, which moves that one position more)."""
-    from anyquant.runtime.fastcpu import int4pack_status
+    from anyquant_cpu.engine import int4pack_status
 
     if not int4pack_status().available:
         pytest.skip(f"torch's int4 CPU kernel is unavailable here: {int4pack_status().reason}")

@@ -92,7 +92,7 @@ def test_quantizers_declare_what_they_read(declared, files) -> None:  # type: ig
     ids=lambda v: getattr(v, "__name__", "files"),
 )
 def test_loaders_declare_what_they_read(loader, files) -> None:  # type: ignore[no-untyped-def]
-    read = _reads(*files, "core/src/anyquant/loaders.py", "core/src/anyquant/runtime/fastcpu.py")
+    read = _reads(*files, "core/src/anyquant/loaders.py", "plugins/cpu/src/anyquant_cpu/engine.py")
     declared = set(loader.load_options)
     assert set(RUNTIME_OPTIONS) | set(CPU_FAST_OPTIONS) <= declared
     # the gptqmodel kernels name their options by constants: the gptq test module checks those

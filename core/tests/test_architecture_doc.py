@@ -1,5 +1,5 @@
-"""docs/architecture.md's map of the packages matches them: every module of core and of anyquant-serve (the server,
-its own distribution) is named in its package's box of the parts diagram, every module named there exists, and the
+"""docs/architecture.md's map of the packages matches them: every module of core, of anyquant-serve (the server) and
+of anyquant-cpu (the CPU engine), each its own distribution, is named in its package's box of the parts diagram, every module named there exists, and the
 contract's stated size holds."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ DOC = REPO / "docs" / "architecture.md"
 PACKAGE = Path(anyquant.__file__).resolve().parent
 #: the server's package, beside core in this checkout (plugins/serve: the anyquant-serve distribution)
 SERVE = REPO / "plugins" / "serve" / "src" / "anyquant_serve"
-#: a box's title -> the package directory it maps (relative to the anyquant package; SERVE's own box: SERVE)
+#: the CPU engine's package (plugins/cpu: the anyquant-cpu distribution)
+CPU = REPO / "plugins" / "cpu" / "src" / "anyquant_cpu"
+#: a box's title -> the package directory it maps (relative to the anyquant package; SERVE's and CPU's: their own)
 BOXES = {
     "core: the contract": ".",
     "core: the runtime": "runtime",
@@ -23,6 +25,7 @@ BOXES = {
     "core: the commands": "commands",
     "core: the plugin test kit": "testing",
     "anyquant-serve: the server": str(SERVE),
+    "anyquant-cpu: the CPU engine": str(CPU),
 }
 #: modules named in a box other than their own package's (with the package they live in)
 ELSEWHERE = {

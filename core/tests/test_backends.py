@@ -103,7 +103,9 @@ def test_registered_backends(capsys: pytest.CaptureFixture[str]) -> None:
     reg = Registry(entry_points=True, plugins=[("toy", _Toy())])
     backends = reg.backends()
     assert {"cpu-fast", "gptqmodel", "exllamav3", "toy-npu"} <= set(backends)
-    assert reg.backend_owner("toy-npu") == "toy" and reg.backend_owner("cpu-fast") == "anyquant"
+    assert reg.backend_owner("toy-npu") == "toy" and reg.backend_owner("cpu-fast") == "anyquant-cpu"
+    assert reg.backend_owner("gptqmodel") == "anyquant"
+    assert backends["cpu-fast"].engine == "anyquant_cpu.backend"
     assert backends["cpu-fast"].devices == ("cpu",) and "gguf-blocks" in backends["cpu-fast"].layouts
     assert backend_status(None) == (True, "")
     ok, reason = backend_status("no_such_module_anyquant:status")
@@ -115,7 +117,7 @@ def test_a_backend_name_is_registered_once(caplog: pytest.LogCaptureFixture) -> 
         @staticmethod
         @hookimpl
         def anyquant_register_backends(register):  # type: ignore[no-untyped-def]
-            register(BackendSpec("cpu-fast", "mine"))
+            register(BackendSpec("gptqmodel", "mine"))
 
     class Exact:
         @staticmethod
@@ -127,7 +129,7 @@ def test_a_backend_name_is_registered_once(caplog: pytest.LogCaptureFixture) -> 
     info = {p.name: p for p in reg.plugins()}
     assert "already registered by anyquant" in (info["again"].error or "")
     assert "already registered by every format loader" in (info["exact"].error or "")
-    assert reg.backend_owner("cpu-fast") == "anyquant" and reg.backends()["cpu-fast"].description != "mine"
+    assert reg.backend_owner("gptqmodel") == "anyquant" and reg.backends()["gptqmodel"].description != "mine"
 
     class Half:  # its format registers, its backend does not: the plugin is skipped whole
         @staticmethod
@@ -155,6 +157,6 @@ def test_the_backends_command_lists_registered_backends(capsys: pytest.CaptureFi
     assert main(["backends", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     fast = payload["backends"]["cpu-fast"]
-    assert fast["plugin"] == "anyquant" and fast["devices"] == ["cpu"] and isinstance(fast["available"], bool)
+    assert fast["plugin"] == "anyquant-cpu" and fast["devices"] == ["cpu"] and isinstance(fast["available"], bool)
     assert payload["backends"]["exllamav3"]["plugin"] == "anyquant-exl3"
     assert "gptq" in payload["formats"]

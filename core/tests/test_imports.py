@@ -28,6 +28,7 @@ PACKAGES = (
     "anyquant_mlx",
     "anyquant_mxfp4",
     "anyquant_serve",
+    "anyquant_cpu",
 )
 FIRST_PARTY_PLUGINS = (
     "anyquant_gptq",
@@ -40,6 +41,7 @@ FIRST_PARTY_PLUGINS = (
     "anyquant_mlx",
     "anyquant_mxfp4",
     "anyquant_serve",
+    "anyquant_cpu",
 )
 #: what of core a plugin may import: the plugin API, the shared int4 base, the runtime, the test kit
 PLUGIN_MAY_IMPORT = ("anyquant.plugin", "anyquant.int4", "anyquant.runtime", "anyquant.testing")
@@ -161,17 +163,44 @@ def test_plugins_import_only_the_plugin_api(package: str) -> None:
     assert not bad, bad
 
 
+#: the format modules that still build CPU-engine modules of their own (GGUF's blocks and head, EXL3/EXL2's decoded
+#: forms) and so import the engine (anyquant-cpu) directly, lazily, under ``cpu-fast`` alone: what is left of #41 §1.
+#: Every other format reaches the engine through ``anyquant.runtime.cpu``; this list may only shrink.
+ENGINE_IMPORTS = {"anyquant_gguf.loader", "anyquant_gguf.qlinear", "anyquant_exl3.loader", "anyquant_exl3.qlinear"}
+
+
 @pytest.mark.parametrize("package", FIRST_PARTY_PLUGINS)
 def test_plugins_do_not_import_each_other(package: str) -> None:
     """Each plugin is its own distribution: what two formats share lives in core (``anyquant.int4`` for GPTQ and
-    AWQ), so none imports a sibling (the AWQ plugin once imported eight names from ``anyquant_gptq.loader``)."""
+    AWQ), so none imports a sibling (the AWQ plugin once imported eight names from ``anyquant_gptq.loader``); the CPU
+    engine's distribution only from :data:`ENGINE_IMPORTS`."""
     siblings = [p for p in FIRST_PARTY_PLUGINS if p != package]
     bad = [
         f"{module}: {name}"
         for module, path in _modules(package).items()
         for name in _imports(module, path)
         if any(name == s or name.startswith(s + ".") for s in siblings)
+        and not (module in ENGINE_IMPORTS and name.startswith("anyquant_cpu."))
     ]
+    assert not bad, bad
+
+
+def test_core_names_the_engine_in_one_place() -> None:
+    """Core reaches the CPU engine through the registered ``cpu-fast`` backend (:mod:`anyquant.runtime.cpu`), never
+    by importing anyquant-cpu (a type annotation aside): without it installed every format still loads."""
+    bad = []
+    for module, path in _modules("anyquant").items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        guarded = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in guarded:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                bad += [f"{module}: {n}" for n in names if n.split(".")[0] == "anyquant_cpu"]
     assert not bad, bad
 
 
@@ -239,6 +268,7 @@ PLUGIN_API = [
     "options_from",
     "parse_model_id",
     "read_gguf_header",
+    "release_free_heap",
     "require_dtypes",
     "route_backend",
     "run_worker",

@@ -196,9 +196,9 @@ def _int4_model(
     bfloat16 prepacked and GGUF Q8_0 blocks (:class:`_Q8Blocks`) per linear as :data:`MIXED` lays them out;
     ``kind="gq4"``: int4, then repacked for the compiled block kernel as GPTQ's and AWQ's cpu-fast build does
     with ``cpu_fast_kernel="gq4"`` (the MoE layers' experts too), the hidden-state norms on the kernel's
-    ``rms_norm`` as its cpu-fast build sets them (:func:`~anyquant.runtime.fastcpu.kernel_norms`)."""
-    from anyquant.runtime import kernels
-    from anyquant.runtime.fastcpu import FastInt4Linear, PrepackedBf16Linear, bf16_head_status, int4pack_status
+    ``rms_norm`` as its cpu-fast build sets them (:func:`~anyquant_cpu.engine.kernel_norms`)."""
+    from anyquant_cpu import kernels
+    from anyquant_cpu.engine import FastInt4Linear, PrepackedBf16Linear, bf16_head_status, int4pack_status
 
     status = int4pack_status()
     if not status.available:
@@ -231,7 +231,7 @@ def _int4_model(
                 else:
                     setattr(parent, name, linear)
     if kind == "gq4":
-        from anyquant.runtime.fastcpu import kernel_norms, to_block_kernel
+        from anyquant_cpu.engine import kernel_norms, to_block_kernel
 
         if not kernels.available():
             pytest.skip("anyquant kernels not built")
@@ -257,14 +257,14 @@ MIXED = [
 
 
 class _Q8Blocks:
-    """A cpu-fast GGUF-block linear (:class:`~anyquant.runtime.kernels.linear.BlockLinear`) over a weight quantized
+    """A cpu-fast GGUF-block linear (:class:`~anyquant_cpu.kernels.linear.BlockLinear`) over a weight quantized
     to Q8_0 by the gguf package (a peer), dequantized by it for prompts."""
 
     @staticmethod
     def of(weight: torch.Tensor) -> torch.nn.Module:
         from gguf import GGMLQuantizationType, quants
 
-        from anyquant.runtime.kernels.linear import BlockLinear
+        from anyquant_cpu.kernels.linear import BlockLinear
 
         raw = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
         out_features, in_features = weight.shape
@@ -317,8 +317,8 @@ def test_compiled_decode_step_is_bitwise_the_module_path(
 ) -> None:
     import os
 
-    from anyquant.runtime import step as step_mod
-    from anyquant.runtime.step import DecodeStep
+    from anyquant_cpu import step as step_mod
+    from anyquant_cpu.step import DecodeStep
 
     model = _int4_model(tmp_path / "m", bias=False, kind=kind)
     ids = torch.randint(0, 200, (2, 75), generator=torch.Generator().manual_seed(7))
@@ -382,7 +382,7 @@ def test_compiled_decode_step_qwen3_is_bitwise_the_module_path(
     import os
 
     from anyquant.runtime.experts import Experts
-    from anyquant.runtime.step import DecodeStep, compiled_layer
+    from anyquant_cpu.step import DecodeStep, compiled_layer
 
     overrides = MOE if family == "qwen3_moe" else {"model_type": "qwen3", "head_dim": 32}
     model = _int4_model(tmp_path / "m", bias=False, kind=kind, **overrides)
@@ -482,7 +482,7 @@ def test_a_layer_left_dense_runs_through_its_module(tmp_path: Path, monkeypatch:
 def test_compiling_the_step_warns_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     import warnings
 
-    from anyquant.runtime import step
+    from anyquant_cpu import step
 
     monkeypatch.setattr(step, "_compiled", {})
     with warnings.catch_warnings(record=True) as caught:
@@ -498,7 +498,7 @@ def test_mixed_step_compiles_without_the_block_kernel() -> None:
     back into Python."""
     code = (
         "import torch\n"
-        "from anyquant.runtime import kernels, step\n"
+        "from anyquant_cpu import kernels, step\n"
         "assert not kernels.available() and not hasattr(torch.ops.anyquant, 'ggml_gemv')\n"
         "print(all(isinstance(step.compiled_layer(k), torch.jit.ScriptFunction) for k in ('mixed', 'mixed_moe')))\n"
     )
@@ -510,7 +510,7 @@ def test_mixed_step_compiles_without_the_block_kernel() -> None:
 def test_without_torchscript_the_step_runs_as_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.jit.script needs the sources (a frozen app may ship only bytecode) and may go away: the step then
     runs the same functions as Python, with the same logits."""
-    from anyquant.runtime import step
+    from anyquant_cpu import step
 
     model = _int4_model(tmp_path / "m", bias=False)
     ids = torch.randint(0, 200, (1, 10), generator=torch.Generator().manual_seed(11))
@@ -585,8 +585,8 @@ def test_compiled_decode_step_of_the_newer_families(
     """Every linear of a layer with 32 or more outputs made cpu-fast int4 (the experts' and Phi-3's fused ones too):
     a layer the step's functions do not compute runs through its module, and the decode steps' logits are bitwise
     the module path's."""
-    from anyquant.runtime.fastcpu import FastInt4Linear, int4pack_status
-    from anyquant.runtime.step import DecodeStep, compiled_layer
+    from anyquant_cpu.engine import FastInt4Linear, int4pack_status
+    from anyquant_cpu.step import DecodeStep, compiled_layer
 
     status = int4pack_status()
     if not status.available:

@@ -5,7 +5,7 @@ Two kinds of backend run a checkpoint. A format's *exact* backends are its own (
 every format has them. The *fast* backends are shared: a plugin registers one with the
 ``anyquant_register_backends`` hook (:class:`~anyquant.protocols.BackendSpec`: its name, the devices and packed
 layouts it runs), and a format whose layers come in one of those layouts offers it. anyquant's own:
-``cpu-fast`` (the CPU engine: :mod:`anyquant.runtime.fastcpu` and the compiled kernels), ``gptqmodel``
+``cpu-fast`` (the CPU engine, the anyquant-cpu distribution: :mod:`anyquant_cpu`), ``gptqmodel``
 (GPTQModel's CUDA kernels), ``exllamav3`` (exllamav3's CUDA kernels and generator).
 
 :func:`choose_backend` decides for every loader: a backend asked for by name is checked (known to the format,
@@ -23,7 +23,7 @@ from typing import Any
 from .errors import UnsupportedBackendError
 from .protocols import BackendInfo
 
-__all__ = ["EXACT_BACKENDS", "backend_status", "choose_backend", "cpu_fast_status", "runs_on"]
+__all__ = ["EXACT_BACKENDS", "backend_status", "choose_backend", "runs_on"]
 
 #: the backends every format loader has of its own, whatever plugins register
 EXACT_BACKENDS = ("reference", "dequantized", "packed")
@@ -100,22 +100,3 @@ def backend_status(ref: str | None) -> tuple[bool, str]:
     except Exception as exc:  # a missing dependency, a broken plugin: the backend does not run here
         return False, f"{type(exc).__name__}: {exc}"
     return bool(ok), str(reason)
-
-
-def cpu_fast_status() -> tuple[bool, str]:
-    """``cpu-fast`` here: which of the CPU engine's kernels run (torch's int4 kernel, anyquant's compiled kernel,
-    oneDNN's prepacked bfloat16); available when one does (each format says which of its layouts it takes)."""
-    from .runtime import kernels
-    from .runtime.fastcpu import bf16_head_status, fast_cpu_capable
-
-    runs: list[str] = []
-    missing: list[str] = []
-    for name, (ok, why) in (
-        ("torch's int4 kernel", fast_cpu_capable()),
-        ("the compiled kernel", (kernels.available(), "not built (python -m anyquant.runtime.kernels build)")),
-        ("bfloat16 prepacked", bf16_head_status()),
-    ):
-        (runs if ok else missing).append(name if ok else f"{name}: {why}")
-    if not runs:
-        return False, "; ".join(missing)
-    return True, "runs " + ", ".join(runs) + ("" if not missing else " (not " + "; ".join(missing) + ")")

@@ -69,16 +69,6 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
 def anyquant_register_backends(register: Callable[[BackendSpec], None]) -> None:
     register(
         BackendSpec(
-            name="cpu-fast",
-            description="anyquant's CPU engine: packed weights on its compiled kernel or torch's int4 kernel, "
-            "other layers as bfloat16 prepacked for oneDNN; the compiled decode step",
-            devices=("cpu",),
-            layouts=("int4-groups", "affine4-blocks", "int8-blocks", "table4", "e4m3-groups", "gguf-blocks", "decoded"),
-            status="anyquant.backends:cpu_fast_status",
-        )
-    )
-    register(
-        BackendSpec(
             name="gptqmodel",
             description="GPTQModel's CUDA kernels (GPTQ; AWQ's GEMM layout)",
             devices=("cuda",),

@@ -69,7 +69,7 @@ RUNTIME_OPTIONS: Mapping[str, str] = MappingProxyType(
         "runtime": "'auto' (default), 'native' or 'transformers': which module class is built",
     }
 )
-#: the ``cpu-fast`` backend's options (read by :class:`anyquant.runtime.fastcpu.FastCPUPlan`)
+#: the ``cpu-fast`` backend's options (read by :class:`anyquant_cpu.engine.FastCPUPlan`)
 CPU_FAST_OPTIONS: Mapping[str, str] = MappingProxyType(
     {
         "cpu_fast_prefill": "'auto' (default: prompts through a bfloat16 GEMM where the CPU has AMX or AVX512-BF16, "
@@ -221,7 +221,7 @@ class TransformersLoader:
         backend = plan.backend
         kv_dtype = None
         if backend == "cpu-fast":  # checked before anything is read
-            from .runtime.fastcpu import kv_cache_dtype
+            from .runtime.cpu import kv_cache_dtype
 
             kv_dtype = kv_cache_dtype(options.extra, dtype)
         from ._memory import release_free_heap

@@ -88,6 +88,7 @@ _EXPORTS: dict[str, str] = {
     "GGUFSkippedArray": "headers",
     "GGUFTensorInfo": "headers",
     "read_gguf_header": "headers",
+    "release_free_heap": "_memory",
     "SAFETENSORS_DTYPE_BITS": "headers",
     "TensorInfo": "headers",
     # quantizers: calibration, backend routing, worker subprocesses
@@ -167,6 +168,7 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "options_from",
     "parse_model_id",
     "read_gguf_header",
+    "release_free_heap",
     "require_dtypes",
     "route_backend",
     "run_worker",
@@ -191,6 +193,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from ._memory import release_free_heap
     from .backends import choose_backend
     from .console import add_load_flags, add_option_flag, options_from
     from .errors import (

@@ -188,7 +188,9 @@ class BackendSpec:
     ``devices``: the device types it runs on (empty: any); ``layouts``: the packed layouts (:data:`LAYOUT_KINDS`)
     it runs, so a format whose layers come in one of them gets it without code of its own; ``status``: an import
     reference (``"package.module:function"``) to a function returning ``(available, reason)`` on this machine,
-    imported only when asked (``anyquant backends``); ``requires``: its distributions, as a format's."""
+    imported only when asked (``anyquant backends``); ``requires``: its distributions, as a format's; ``engine``: the
+    module that converts a format's layers for it, imported when a load uses it (``cpu-fast``'s: what
+    :mod:`anyquant.runtime.cpu` reaches)."""
 
     name: str
     description: str = ""
@@ -196,6 +198,7 @@ class BackendSpec:
     layouts: tuple[str, ...] = ()
     status: str | None = None
     requires: tuple[str, ...] = ()
+    engine: str | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.layouts) - set(LAYOUT_KINDS))

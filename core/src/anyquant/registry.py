@@ -637,6 +637,7 @@ FIRST_PARTY_PLUGINS = (
     "anyquant-mlx",
     "anyquant-mxfp4",
     "anyquant-serve",
+    "anyquant-cpu",
 )
 
 

@@ -172,7 +172,7 @@ def test_int8_scales_of_the_wrong_length_are_a_conflict(tmp_path: Path) -> None:
 def test_compiled_decode_step_runs_the_table_kernel(name: str) -> None:
     """cpu-fast's 4-bit table linears in the native decoder's compiled decode step: every layer planned, its
     logits the module path's bit for bit (where the table kernel is built)."""
-    from anyquant.runtime import kernels
+    from anyquant_cpu import kernels
     from tests.decoding import assert_step_is_module_path
 
     if not kernels.lut_available():

@@ -287,7 +287,7 @@ def test_actorder_cpu_fast_permutes_columns(name: str) -> None:
     once at load and every input gathered alike; the GQ4 block kernel refuses them (asked for by
     ``cpu_fast_kernel="gq4"``, they stay on the int4 kernel with the reason in ``info``). Exact dequantize; logits
     within the cpu-fast tolerance of the peer's."""
-    from anyquant.runtime.fastcpu import FastInt4Linear
+    from anyquant_cpu.engine import FastInt4Linear
 
     rec = record(name)
     g_idx = _g_idx(name)

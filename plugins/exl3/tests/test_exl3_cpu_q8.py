@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 import anyquant
-from anyquant.runtime.fastcpu import Int8BlockLinear, PrepackedBf16Linear, bf16_head_status, block_kernel_is_fast
-from anyquant.runtime.kernels.linear import q8_0_blocks
 from anyquant.runtime.layouts import Decoded, Int8Blocks, tensor
 from anyquant.runtime.native import NativeCache
+from anyquant_cpu.engine import Int8BlockLinear, PrepackedBf16Linear, bf16_head_status, block_kernel_is_fast
+from anyquant_cpu.kernels.linear import q8_0_blocks
 from anyquant_exl3.qlinear import EXL3Linear, decoded_layouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -110,7 +110,7 @@ def test_q8_0_blocks_are_the_default_and_hold_cpu_fast_tolerance(exl3: Path) -> 
     assert worst < TOL, worst  # measured 1.09e-2 (bfloat16: 1.17e-2)
     assert agree >= 0.95 and same >= 3, (agree, same)  # measured: every position but a near-tie, 4 of 4 prompts
     # the compiled decode step plans the layer on the block kernel
-    from anyquant.runtime.step import DecodeStep
+    from anyquant_cpu.step import DecodeStep
 
     step = DecodeStep.build(fast.module)
     assert step is not None and [getattr(p[0], "name", getattr(p[0], "__name__", "")) for p in step.layers] == [
@@ -174,7 +174,7 @@ def test_exl2_takes_the_same_forms(exl2: Path) -> None:
 
 @needs_bf16
 def test_auto_is_bfloat16_where_the_block_kernel_does_not_run(exl3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from anyquant.runtime import fastcpu
+    from anyquant_cpu import engine as fastcpu
 
     monkeypatch.setattr(fastcpu, "block_kernel_is_fast", lambda: False)
     fast = anyquant.load(exl3)

@@ -125,7 +125,7 @@ def test_phi3_exl3_is_written_split_and_loads_fused(phi3: Path, tmp_path: Path) 
         a, b, c = ref.module(IDS).logits, deq.module(IDS).logits, src.module(IDS).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert ((a - c).abs().max() / c.abs().max()).item() < 0.15
-    from anyquant.runtime.fastcpu import Int8BlockLinear, PrepackedBf16Linear, bf16_head_status, block_kernel_is_fast
+    from anyquant_cpu.engine import Int8BlockLinear, PrepackedBf16Linear, bf16_head_status, block_kernel_is_fast
 
     if bf16_head_status()[0]:  # cpu-fast builds each part: bfloat16 prepacked (its exact weight kept) ...
         bf16 = anyquant.load(q, backend="cpu-fast", cpu_fast_weights="bfloat16")

@@ -178,7 +178,7 @@ def test_backends_decode_the_table_as_exllamav3_does(
         c = anyquant.load(dense).module(IDS).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert ((a - c).abs().max() / c.abs().max()).item() < 0.15
-    from anyquant.runtime.fastcpu import bf16_head_status
+    from anyquant_cpu.engine import bf16_head_status
 
     if bf16_head_status()[0]:  # cpu-fast keeps the table packed too
         fast = anyquant.load(ringed, backend="cpu-fast")

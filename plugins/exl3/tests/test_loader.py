@@ -147,7 +147,7 @@ def test_exl2_loads_with_the_decoder_and_never_as_exl3(dense: Path, tmp_path: Pa
     with torch.no_grad():
         a, c = model.module(IDS).logits, src.module(IDS).logits
     assert ((a - c).abs().max() / c.abs().max()).item() < 0.2
-    from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_head_status
+    from anyquant_cpu.engine import PrepackedBf16Linear, bf16_head_status
 
     if bf16_head_status()[0]:  # cpu-fast, the CPU default there; its bfloat16 form: exact dequantize() (the default
         # form where the block kernel runs, Q8_0 blocks: test_exl3_cpu_q8.py)
@@ -180,7 +180,7 @@ def test_stale_tie_flag_of_exllamav3_1_5_is_not_trusted(exl3: Path, tmp_path: Pa
 
 
 needs_bf16 = pytest.mark.skipif(
-    not __import__("anyquant.runtime.fastcpu", fromlist=["x"]).bf16_head_status()[0],
+    not __import__("anyquant_cpu.engine", fromlist=["x"]).bf16_head_status()[0],
     reason="no fast oneDNN bfloat16 linear on this CPU",
 )
 
@@ -189,7 +189,7 @@ needs_bf16 = pytest.mark.skipif(
 def test_cpu_fast_prepacks_bfloat16_and_is_the_cpu_default(exl3: Path) -> None:
     from anyquant.api import default_registry, get_loader
     from anyquant.errors import UnsupportedBackendError
-    from anyquant.runtime.fastcpu import FastHead, PrepackedBf16Linear
+    from anyquant_cpu.engine import FastHead, PrepackedBf16Linear
     from anyquant_exl3.loader import EXL3Loader
 
     assert anyquant.load(exl3).backend == "cpu-fast"

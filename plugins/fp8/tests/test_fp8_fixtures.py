@@ -136,7 +136,7 @@ def test_block_size_not_a_pair_is_a_config_error(tmp_path: Path) -> None:
 def test_compiled_decode_step_runs_the_fp8_kernel(name: str) -> None:
     """cpu-fast's FP8 linears in the native decoder's compiled decode step: every layer planned, its logits the
     module path's bit for bit (where fp8_gemv has its vector path: AVX512F)."""
-    from anyquant.runtime.kernels.lut import fp8_kernel_runs
+    from anyquant_cpu.kernels.lut import fp8_kernel_runs
     from tests.decoding import assert_step_is_module_path
 
     if not fp8_kernel_runs():

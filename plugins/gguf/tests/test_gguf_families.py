@@ -269,7 +269,7 @@ def test_default_backend(family: str) -> None:
     backend) and generates llama.cpp's greedy tokens up to the first near-tie: a step whose recorded top-2 margin is
     under 0.5% of the largest logit (gemma2's sixth, 0.24%), where bfloat16 rounding on another CPU may pick the
     other token (all 8 agree on the host that recorded them)."""
-    from anyquant.runtime.fastcpu import fast_cpu_capable
+    from anyquant_cpu.engine import fast_cpu_capable
 
     rec = _record(family)
     model = _model(family, None)
@@ -396,7 +396,7 @@ def test_cpu_fast_k_quant_linears_are_bfloat16(name: str, monkeypatch: pytest.Mo
     file's dequantized weight rounded to bfloat16, bit for bit, held at 2 bytes a weight with no float32 copy beside
     it. Host-dependent: AMX / AVX512-BF16 (else float32). (Where it is built they run on it:
     test_gguf_kquant_kernel.py.)"""
-    from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_head_status
+    from anyquant_cpu.engine import PrepackedBf16Linear, bf16_head_status
     from anyquant_gguf import qlinear as gguf_qlinear
 
     ok, reason = bf16_head_status()
@@ -428,8 +428,8 @@ def test_cpu_fast_decode_step_compiles_q4_k_m_layers(name: str, monkeypatch: pyt
     compiled decode step (a layer with a bfloat16 linear by the ``mixed`` / ``mixed_moe`` function), with bitwise the
     module path's logits (the same kernels on the same tensors in the same order), one row and a batch, and
     llama.cpp's greedy tokens (test_default_backend's)."""
-    from anyquant.runtime.fastcpu import FastInt4Linear, PrepackedBf16Linear, bf16_head_status
-    from anyquant.runtime.step import DecodeStep, compiled_layer
+    from anyquant_cpu.engine import FastInt4Linear, PrepackedBf16Linear, bf16_head_status
+    from anyquant_cpu.step import DecodeStep, compiled_layer
     from anyquant_gguf import qlinear as gguf_qlinear
 
     ok, reason = bf16_head_status()

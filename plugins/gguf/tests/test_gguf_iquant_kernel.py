@@ -7,7 +7,7 @@ Q5_1 from gguf's quantizer, the IQ4 types random codes under one scale, as ``tes
 Q/K rows permuted as llama.cpp's converter stores them): its logits and greedy tokens against the ``dequantized``
 backend.
 
-Skipped where the kernel is not built (``python -m anyquant.runtime.kernels build``)."""
+Skipped where the kernel is not built (anyquant-cpu installed without it; ``make test`` requires it)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from anyquant.runtime import kernels
+from anyquant_cpu import kernels
 from plugins.gguf.tests.test_gguf_more_types import _blocks, _llama_writer, _load, _permute
 from tests.decoding import logits_after_prompt
 
@@ -90,11 +90,11 @@ def test_cpu_fast_runs_iq4_mxfp4_q5_on_the_block_kernel(tiny_iq4: Path) -> None:
     (Q/K from their permuted rows), none on a bfloat16 copy or dequantized; prompts over ``small_rows`` exact (the
     ``dequantized`` backend's logits within 1e-5); decode within 2e-2 of the exact backend's logits with its top logit
     within 1e-4 and its greedy tokens; the read-in-place form bitwise the same."""
-    fastcpu = pytest.importorskip("anyquant.runtime.fastcpu")
+    fastcpu = pytest.importorskip("anyquant_cpu.engine")
     ok, reason = fastcpu.fast_cpu_capable()
     if not ok:
         pytest.skip(reason)
-    from anyquant.runtime.kernels.linear import BlockLinear
+    from anyquant_cpu.kernels.linear import BlockLinear
 
     fast = _load(tiny_iq4, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_prefill="float32")
     exact = _load(tiny_iq4, "dequantized")

@@ -8,7 +8,7 @@ Judged on the family fixtures (``fixtures/<family>.Q4_K_M.gguf``: tiny random mo
 dequantization (float64, within 1e-4 of the largest output with two activation passes), and the models' logits and
 greedy tokens against the ``dequantized`` backend and llama.cpp's record.
 
-Skipped where the kernel is not built (``python -m anyquant.runtime.kernels build``)."""
+Skipped where the kernel is not built (anyquant-cpu installed without it; ``make test`` requires it)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import anyquant
-from anyquant.runtime import kernels
+from anyquant_cpu import kernels
 from anyquant_gguf.dequant import dequantize_blocks_torch
 from anyquant_gguf.ggml import GGMLQuantizationType as Q
 from anyquant_gguf.reader import load_raw, open_gguf
@@ -97,7 +97,7 @@ def test_llama_cpp_s_super_blocks_within_the_contract(family: str) -> None:
 
 
 def _block_linears(model: Any) -> dict[str, Any]:
-    from anyquant.runtime.kernels.linear import BlockLinear
+    from anyquant_cpu.kernels.linear import BlockLinear
 
     return {n: m for n, m in model.module.named_modules() if isinstance(m, BlockLinear)}
 
@@ -109,7 +109,7 @@ def test_cpu_fast_runs_q4_k_m_on_the_block_kernel(family: str) -> None:
     (the ``dequantized`` backend's logits within 1e-5); decode within 2e-2 of the exact backend's logits, its top
     logit within 1e-4 (the head computes its top logits again exactly), the greedy tokens the exact backend's and
     llama.cpp's; the read-in-place form gives bitwise the same; Mixtral's permuted Q/K rows interleaved as HF's."""
-    from anyquant.runtime.fastcpu import FastInt4Linear, PrepackedBf16Linear
+    from anyquant_cpu.engine import FastInt4Linear, PrepackedBf16Linear
 
     fast = _load(family, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_prefill="float32")
     exact = _load(family, "dequantized")
@@ -155,7 +155,7 @@ def test_cpu_fast_runs_q4_k_m_on_the_block_kernel(family: str) -> None:
 def test_decode_step_runs_the_kernel_layers(family: str) -> None:
     """The compiled decode step plans every layer of a Q4_K_M file on the kernel (``ggml``; the MoE file's experts
     through ``anyquant::ggml_experts`` in ``mixed_moe``) and gives the module path's logits bit for bit."""
-    from anyquant.runtime.step import DecodeStep, compiled_layer
+    from anyquant_cpu.step import DecodeStep, compiled_layer
 
     model = _load(family, "cpu-fast")
     ids = torch.tensor([_record(family)["prompt_ids"]])

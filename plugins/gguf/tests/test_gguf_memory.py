@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 import anyquant
-from anyquant.runtime import kernels
+from anyquant_cpu import kernels
 from anyquant_gguf import qlinear
 from anyquant_gguf.qlinear import (
     GGUFEmbedding,
@@ -95,7 +95,7 @@ def test_int4_codes_scales_offsets_are_exact(qtype: Q) -> None:
 
 
 def _fast_or_skip() -> Any:
-    fastcpu = pytest.importorskip("anyquant.runtime.fastcpu")
+    fastcpu = pytest.importorskip("anyquant_cpu.engine")
     ok, reason = fastcpu.fast_cpu_capable()
     if not ok:
         pytest.skip(reason)
@@ -237,7 +237,7 @@ def test_cpu_fast_backend(tiny_tied: tuple[Path, torch.nn.Module]) -> None:
     path, _ = tiny_tied
     dense = _load(path, "dequantized")
     fast = _load(path, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_prefill="float32")  # exact prompts
-    from anyquant.runtime.fastcpu import PrepackedBf16Linear, bf16_gemm_is_fast, bf16_head_status
+    from anyquant_cpu.engine import PrepackedBf16Linear, bf16_gemm_is_fast, bf16_head_status
 
     info = fast.info["cpu_fast"]
     q8 = {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}  # Q8_0: no int4 layout
@@ -282,10 +282,10 @@ def test_block_kernel_on_the_file_s_blocks(tiny_tied: tuple[Path, torch.nn.Modul
     kernel's interleaved form (``cpu_fast_interleave=False``: the file's bytes, read in place) and the tied Q8_0
     head reads the file's; both forms give bitwise the same logits, the TorchScript decode step calls the kernel and
     equals the module path bit for bit, decode stays close to the exact weights and its greedy tokens are theirs."""
-    from anyquant.runtime import step as step_mod
-    from anyquant.runtime.fastcpu import FastHead
-    from anyquant.runtime.kernels.linear import BlockLinear
-    from anyquant.runtime.step import DecodeStep
+    from anyquant_cpu import step as step_mod
+    from anyquant_cpu.engine import FastHead
+    from anyquant_cpu.kernels.linear import BlockLinear
+    from anyquant_cpu.step import DecodeStep
 
     path, _ = tiny_tied
     dense = _load(path, "dequantized")
@@ -336,7 +336,7 @@ def test_block_kernel_on_the_file_s_blocks(tiny_tied: tuple[Path, torch.nn.Modul
 def test_auto_backend(tiny_tied: tuple[Path, torch.nn.Module], tiny_qwen2: tuple[Path, torch.nn.Module]) -> None:
     """auto: cpu-fast (packed embedding) where the int4 kernel runs and the file has int4-kernel
     linears; dequantized (exact) for a file without any, and wherever the kernel does not run."""
-    from anyquant.runtime.fastcpu import fast_cpu_capable
+    from anyquant_cpu.engine import fast_cpu_capable
 
     path, _ = tiny_tied
     auto = _load(path, "auto")
@@ -425,7 +425,7 @@ def test_cpu_fast_tied_head_is_prepacked_and_keeps_the_exact_greedy_path(gguf_pa
     """cpu-fast's tied Q8_0 head: a bfloat16 copy prepacked for decode (over the embedding's GGUF bytes,
     decoded a slice at a time for prompts) whose largest logits are recomputed exactly: the greedy tokens
     are the exact backend's (with the bare bfloat16 product, the France prompt answered "L'Étoile")."""
-    from anyquant.runtime.fastcpu import FastHead, bf16_head_status
+    from anyquant_cpu.engine import FastHead, bf16_head_status
 
     if not bf16_head_status()[0]:
         pytest.skip(bf16_head_status()[1])

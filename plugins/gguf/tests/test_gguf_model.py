@@ -70,7 +70,7 @@ def test_default_backend_against_transformers(gguf_path: Path, prompt_ids: torch
     int4 kernel (measured max |diff| / max |ref| 3.2e-2 on this prompt), a long one the prompt path (a bfloat16
     GEMM where the CPU has AMX or AVX512-BF16, within the same tolerance; ``cpu_fast_prefill="float32"``: the exact
     weights in float32); greedy text equals transformers' on this prompt (elsewhere it can leave it at a near-tie)."""
-    from anyquant.runtime.fastcpu import fast_cpu_capable
+    from anyquant_cpu.engine import fast_cpu_capable
 
     ref_logits, ref_tokens = reference
     model = anyquant.load(gguf_path)
@@ -109,7 +109,7 @@ def test_export_dense_of_the_default_model(gguf_path: Path, tmp_path: Path, back
 
     kwargs = {} if backend is None else {"backend": backend}
     if backend == "cpu-fast":
-        from anyquant.runtime.fastcpu import fast_cpu_capable
+        from anyquant_cpu.engine import fast_cpu_capable
 
         if not fast_cpu_capable()[0]:
             pytest.skip(fast_cpu_capable()[1])

@@ -401,14 +401,14 @@ def test_tiny_model_cpu_fast(tiny_new_types: tuple[Path, torch.nn.Module]) -> No
     bfloat16 prepacked for decode where oneDNN runs it, else dequantized at load; MXFP4, IQ4_XS and IQ4_NL (and the
     MXFP4 head) with the Q5_K beside them on the block kernel where it is built (else as the others); prompts over
     ``small_rows`` exact."""
-    fastcpu = pytest.importorskip("anyquant.runtime.fastcpu")
+    fastcpu = pytest.importorskip("anyquant_cpu.engine")
     ok, reason = fastcpu.fast_cpu_capable()
     if not ok:
         pytest.skip(reason)
     path, reference = tiny_new_types
     fast = _load(path, "cpu-fast", cpu_fast_small_rows=4, cpu_fast_prefill="float32")
     info = fast.info["cpu_fast"]
-    from anyquant.runtime import kernels
+    from anyquant_cpu import kernels
 
     on_kernel = {f"model.layers.{layer}.{linear}" for (layer, linear), q in _TYPES.items() if q in _ON_BLOCK_KERNEL}
     expected = {f"model.layers.{layer}.{linear}": q.name for (layer, linear), q in _TYPES.items()}

@@ -106,7 +106,7 @@ def _load(path: Path, backend: str) -> Any:
     from anyquant_gguf.loader import GGUFLoader
 
     if backend == "cpu-fast":
-        from anyquant.runtime.fastcpu import fast_cpu_capable
+        from anyquant_cpu.engine import fast_cpu_capable
 
         ok, reason = fast_cpu_capable()
         if not ok:

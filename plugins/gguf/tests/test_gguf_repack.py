@@ -22,7 +22,7 @@ from anyquant_gguf.reader import load_raw, open_gguf
 
 
 def _fastcpu() -> Any:
-    fastcpu = pytest.importorskip("anyquant.runtime.fastcpu")
+    fastcpu = pytest.importorskip("anyquant_cpu.engine")
     ok, reason = fastcpu.fast_cpu_capable()
     if not ok:
         pytest.skip(reason)

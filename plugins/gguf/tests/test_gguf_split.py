@@ -191,7 +191,7 @@ def test_split_reader_equals_whole(whole: Path, split: list[Path]) -> None:
 def test_split_load_equals_whole(whole: Path, split: list[Path], backend: str) -> None:
     """``anyquant.load`` of the first part, and of the directory: the whole file's weights and logits, bit for bit."""
     if backend == "cpu-fast":
-        fastcpu = pytest.importorskip("anyquant.runtime.fastcpu")
+        fastcpu = pytest.importorskip("anyquant_cpu.engine")
         ok, reason = fastcpu.fast_cpu_capable()
         if not ok:
             pytest.skip(reason)

@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 import anyquant
 from anyquant.errors import UnsupportedBackendError
-from anyquant.runtime import kernels
-from anyquant.runtime import step as step_module
-from anyquant.runtime.fastcpu import FastInt4Linear, bf16_gemm_is_fast, block_kernel_is_fast, fast_cpu_capable
-from anyquant.runtime.kernels.linear import GroupInt4BlockLinear
+from anyquant_cpu import kernels
+from anyquant_cpu import step as step_module
+from anyquant_cpu.engine import FastInt4Linear, bf16_gemm_is_fast, block_kernel_is_fast, fast_cpu_capable
+from anyquant_cpu.kernels.linear import GroupInt4BlockLinear
 from anyquant_gptq.loader import GPTQLoader
 from anyquant_gptq.qlinear import GPTQLinear
 from tests.decoding import rel_error, stepwise_logits
@@ -182,7 +182,7 @@ def test_bfloat16_compute_dtype(root: Path) -> None:
 def test_tables_left_in_the_file_give_the_same_logits(root: Path) -> None:
     """By default the fast head's exact table and the input embedding stay in the safetensors file
     (``cpu_fast_tables="file"``); the logits are bitwise those of the tables read into memory."""
-    from anyquant.runtime.fastcpu import bf16_head_status
+    from anyquant_cpu.engine import bf16_head_status
 
     if not bf16_head_status()[0]:
         pytest.skip(bf16_head_status()[1])
@@ -209,8 +209,8 @@ def test_close_releases_the_files_and_the_model(root: Path) -> None:
     import gc
     import weakref
 
-    from anyquant.runtime.fastcpu import bf16_head_status
     from anyquant.runtime.tensors import FileRows
+    from anyquant_cpu.engine import bf16_head_status
 
     path = root / "quantized" / FOUR_BIT[0]
     gc.collect()

@@ -33,7 +33,7 @@ def record() -> dict[str, Any]:
 
 
 def _lut_available() -> bool:
-    from anyquant.runtime import kernels
+    from anyquant_cpu import kernels
 
     return kernels.lut_available()
 

@@ -33,8 +33,9 @@ from . import GPTQMODEL_OPTIONS
 if TYPE_CHECKING:
     import torch
 
+    from anyquant_cpu.engine import FastCPUPlan
+
     from ..protocols import LoadedModel
-    from ..runtime.fastcpu import FastCPUPlan
     from .gptqmodel_kernels import KernelPlan
 
 __all__ = [
@@ -73,8 +74,8 @@ def _ram_bytes() -> int:
 
 def cpu_fast_backend() -> BackendInfo:
     """The ``cpu-fast`` backend (torch's int4 CPU kernel, GQ4 blocks on the compiled kernel where it is built; see
-    :mod:`anyquant.runtime.fastcpu`)."""
-    from ..runtime.fastcpu import fast_cpu_capable
+    :mod:`anyquant_cpu.engine`)."""
+    from ..runtime.cpu import fast_cpu_capable
 
     ok, reason = fast_cpu_capable()
     return BackendInfo(
@@ -113,7 +114,7 @@ class Int4State:
     #: the checkpoint's layout (``detection.variant``), for :attr:`Int4Loader.gptqmodel_layouts` (``None``: not
     #: known, taken to be one GPTQModel runs)
     layout: str | None = None
-    #: layers the CPU engine takes here, counted from the headers (:func:`anyquant.runtime.fastcpu.layouts_run`;
+    #: layers the CPU engine takes here, counted from the headers (:func:`anyquant_cpu.engine.layouts_run`;
     #: ``auto`` picks ``cpu-fast`` on the CPU when > 0); ``None``: not counted, every layer is taken to
     fast_layers: int | None = None
     #: float32 bytes of every quantized layer dequantized (``auto`` picks ``reference`` over ``dequantized``
@@ -154,7 +155,7 @@ class Int4Loader(TransformersLoader):
         """What the backend choice needs to know of this checkpoint, read once per load (header only). The
         base counts nothing (``fast_layers`` and ``dense_bytes`` stay ``None``); a format whose layers may not
         all run on the CPU engine describes them as packed layouts and counts them
-        (:func:`anyquant.runtime.fastcpu.layouts_run`)."""
+        (:func:`anyquant_cpu.engine.layouts_run`)."""
         return Int4State(extra=options.extra, layout=detection.variant)
 
     def plan(self, probe: Probe, detection: Detection, options: LoadOptions, device: torch.device) -> LoadPlan:
@@ -214,9 +215,9 @@ class Int4Loader(TransformersLoader):
         state = self.state(ctx)
         state.fast_plan = state.kernel_plan = None
         if ctx.backend == "cpu-fast":
-            from ..runtime.fastcpu import FastCPUPlan
+            from ..runtime.cpu import require
 
-            state.fast_plan = FastCPUPlan.from_options(ctx.options.extra)
+            state.fast_plan = require().FastCPUPlan.from_options(ctx.options.extra)
         elif ctx.backend == "gptqmodel":
             from .gptqmodel_kernels import KernelPlan
 
@@ -229,7 +230,7 @@ class Int4Loader(TransformersLoader):
 
     def file_tables(self, ctx: LoadContext) -> bool:
         """cpu-fast's head reads the embedding and a dense head from the file (see
-        :meth:`anyquant.runtime.fastcpu.FastCPUPlan.file_tables`)."""
+        :meth:`anyquant_cpu.engine.FastCPUPlan.file_tables`)."""
         plan = self.state(ctx).fast_plan
         return plan is not None and ctx.device.type == "cpu" and plan.file_tables()
 
@@ -254,7 +255,7 @@ class PackedFormatLoader(Int4Loader):
     :meth:`read_signature` (its parsed modules, read once per load into ``Int4State.signature``) and
     :meth:`fast_layer_count` (how many of them cpu-fast converts here: ``auto`` picks ``cpu-fast`` on the CPU when
     there are some), which describes each module in the packed layouts of :mod:`anyquant.runtime.layouts` from the
-    headers alone and lets the engine count them (:func:`anyquant.runtime.fastcpu.layouts_run`): the loader holds no
+    headers alone and lets the engine count them (:func:`anyquant_cpu.engine.layouts_run`): the loader holds no
     kernel knowledge. By default every layer is described as ``Decoded`` (a bfloat16 copy prepacked for oneDNN,
     which runs where the CPU has AMX or AVX512-BF16).
     """
@@ -263,7 +264,7 @@ class PackedFormatLoader(Int4Loader):
     #: ``anyquant backends``' line for cpu-fast
     cpu_fast_description: ClassVar[str] = "weights decoded once to bfloat16 and prepacked for oneDNN"
     #: the packed layout kinds this format's layers offer (:mod:`anyquant.runtime.layouts`): cpu-fast is available
-    #: where the kernel of one of them runs here (:func:`anyquant.runtime.fastcpu.layout_kinds_run`)
+    #: where the kernel of one of them runs here (:func:`anyquant_cpu.engine.layout_kinds_run`)
     layout_kinds: ClassVar[tuple[type[Layout], ...]] = (Decoded,)
     #: what to do on a GPU, said when ``gptqmodel`` is asked for
     serve_hint: ClassVar[str] = "serve it with vLLM (`anyquant serve --engine vllm`)"
@@ -283,12 +284,12 @@ class PackedFormatLoader(Int4Loader):
     def fast_layer_count(self, signature: Any, probe: Probe) -> int:
         """How many of ``signature``'s modules cpu-fast converts here, before any tensor is read (``probe``: the
         headers the signature was read from). By default each is described as ``Decoded``."""
-        from ..runtime.fastcpu import layouts_run
+        from ..runtime.cpu import layouts_run
 
         return layouts_run([Decoded(None)] for _ in getattr(signature, "modules", signature))
 
     def cpu_fast_available(self) -> tuple[bool, str]:
-        from ..runtime.fastcpu import layout_kinds_run
+        from ..runtime.cpu import layout_kinds_run
 
         return layout_kinds_run(*self.layout_kinds)
 

@@ -168,6 +168,6 @@ class Experts(nn.ModuleList):
         return f"num_experts={self.num_experts}, one linear each"
 
 
-#: the forwards the native decode step reproduces (:mod:`anyquant.runtime.step`): a class patched later (a
+#: the forwards the native decode step reproduces (:mod:`anyquant_cpu.step`): a class patched later (a
 #: benchmark computing every expert) no longer matches and runs through its modules
 FORWARDS = (Expert.forward, Experts.forward)

@@ -1,5 +1,5 @@
 """The building blocks that the native decoder (:mod:`anyquant.runtime.native`) and its compiled decode step
-(:mod:`anyquant.runtime.step`) share: RMSNorm, the rotary embedding, and the fused int4 call of linears that
+(:mod:`anyquant_cpu.step`) share: RMSNorm, the rotary embedding, and the fused int4 call of linears that
 share their input. Both modules import them from here (the decode step used to import them from the decoder,
 which builds the decode step: an import circle)."""
 
@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from .fastcpu import FastInt4Linear
+    from anyquant_cpu.engine import FastInt4Linear
 
 __all__ = ["FusedExperts", "FusedInt4", "RMSNorm", "Router", "SparseMoe", "fusion"]
 
 
 class RMSNorm(nn.Module):
     #: up to this many rows (tokens) in float32, the compiled kernel's ``anyquant::rms_norm`` (one call, ~1 us;
-    #: set by cpu-fast for its decode path, :func:`~anyquant.runtime.fastcpu.kernel_norms`, and called alike by
+    #: set by cpu-fast for its decode path, :func:`~anyquant_cpu.engine.kernel_norms`, and called alike by
     #: the decode step); 0: never (the exact backends)
     kernel_rows = 0
 
@@ -75,12 +75,16 @@ class FusedInt4:
 
     @staticmethod
     def build(members: list[nn.Module]) -> FusedInt4 | None:
-        from .fastcpu import FastInt4Linear
+        from .cpu import engine
 
+        found = engine()
+        if found is None:  # no engine: no FastInt4Linear
+            return None
+        fast = found.FastInt4Linear
         first = members[0]
         if not all(
-            isinstance(m, FastInt4Linear)
-            and type(m).forward is FastInt4Linear.forward
+            isinstance(m, fast)
+            and type(m).forward is fast.forward
             and m.perm is None
             and m.in_features == first.in_features
             and m.kernel_group == first.kernel_group

@@ -4,7 +4,7 @@ A format plugin's linear (a :class:`~anyquant.runtime.qlinear.QuantLinearBase`) 
 (``dequantize()``) and, with :meth:`~anyquant.runtime.qlinear.QuantLinearBase.packed_layouts`, the layouts its weight
 can be run from, in the format's order of preference: each a frozen dataclass below that states exactly which weight
 it is, with the metadata the engine checks (shapes, group, dtypes) and the tensors. The engine (``cpu-fast``,
-:meth:`anyquant.runtime.fastcpu.FastCPUPlan.convert`) checks each offered layout against what runs here (the
+:meth:`anyquant_cpu.engine.FastCPUPlan.convert`) checks each offered layout against what runs here (the
 compiled kernels built and vectorized, the shapes they take, float16-exact block scales ...) and builds its module
 from the first that runs; a format writes no backend code.
 
@@ -14,7 +14,7 @@ only for the layout that runs). Weights are ``w[o, i]`` for output ``o`` and inp
 
 A loader describes its checkpoint's layers in the same vocabulary from the headers alone, before any tensor is read:
 the metadata (shapes, group, bits, dtypes) set, the tensor fields ``None`` (``Decoded``'s ``source`` too), and
-:func:`anyquant.runtime.fastcpu.layouts_run` counts the layers the engine would take here (what ``auto`` decides
+:func:`anyquant_cpu.engine.layouts_run` counts the layers the engine would take here (what ``auto`` decides
 from). Such a description is never built: forming one of its tensors raises ``ValueError``.
 """
 

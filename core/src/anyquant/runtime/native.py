@@ -10,7 +10,7 @@ it: see :func:`native_runtime_reason`). It exists for speed on the CPU:
   q/k/v/o and gate/up/down linears (whatever modules the loader put there), rotary embedding, a KV-cache
   write and one ``scaled_dot_product_attention``; with the cpu-fast int4 linears, q/k/v and gate/up each
   run as one kernel call on the decode path (:class:`FusedInt4`), and a decode step runs each layer of
-  cpu-fast linears as one TorchScript function (:mod:`anyquant.runtime.step`).
+  cpu-fast linears as one TorchScript function (:mod:`anyquant_cpu.step`).
 
 The module tree and parameter names are transformers' (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``model.layers.N.mlp.gate_proj``, ``model.norm``, ``lm_head`` ...), so the loaders' linear factories, tensor
@@ -30,7 +30,7 @@ transformers' modules hold them; a ``partial_rotary_factor`` turns only the firs
 (tanh) gated MLP, ``head_dim`` from the config) configs with their activation, default (or, but for Phi-3,
 ``llama3``) rotary scaling and no active sliding window; anything else (Phi-3's LongRoPE, Mixtral's or Phi-3's
 ``sliding_window``, Gemma 2 and 3's soft-capping and alternating windows ...) stays on transformers' class, with
-the reason :func:`native_runtime_reason` gives. The compiled decode step (:mod:`anyquant.runtime.step`) computes
+the reason :func:`native_runtime_reason` gives. The compiled decode step (:mod:`anyquant_cpu.step`) computes
 the layers with separate q/k/v, a full rotary embedding, RMSNorm and SiLU (Mixtral's sparse blocks included);
 Phi-3's and Gemma's layers and Qwen2-MoE's sparse blocks run through their modules.
 """
@@ -238,7 +238,7 @@ class NativeCache:
     buffer holds all of them and is never copied; without it a full buffer is doubled.
 
     ``dtype``: what the buffers hold (``None``: the activations' dtype, as written). A narrower one (the
-    ``cpu-fast`` backend's float16, :data:`anyquant.runtime.fastcpu.KV_CACHE_DTYPES`) halves the cache: keys and values are rounded to
+    ``cpu-fast`` backend's float16, :data:`anyquant_cpu.engine.KV_CACHE_DTYPES`) halves the cache: keys and values are rounded to
     it when written, and :meth:`update` gives attention the positions of earlier forwards read back in the
     activations' dtype followed by this forward's own exact ones (so a prompt of one prefill chunk attends
     exactly as with a float32 cache; the compiled decode step does the same)."""
@@ -624,13 +624,13 @@ class NativeCausalLM(nn.Module):
         self.__dict__.pop("_step", None)
 
     def _decode_step(self) -> Any:
-        """The :class:`~anyquant.runtime.step.DecodeStep` of this model (built on its first decode step;
+        """The :class:`~anyquant_cpu.step.DecodeStep` of this model (built on its first decode step;
         ``None`` when no layer is made of cpu-fast linears)."""
         step = self.__dict__.get("_step", False)
         if step is False:
-            from .step import DecodeStep
+            from .cpu import decode_step
 
-            step = self.__dict__["_step"] = DecodeStep.build(self)
+            step = self.__dict__["_step"] = decode_step(self)
         return step
 
     def forward(

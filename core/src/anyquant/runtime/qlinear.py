@@ -10,7 +10,7 @@ weight, ``[out_features, in_features]``). The base gives two execution modes:
 The ``cpu-fast`` backend runs a layer from its packed weight where the subclass describes it:
 :meth:`QuantLinearBase.packed_layouts` (the layouts of :mod:`anyquant.runtime.layouts` it can be run from, in the
 format's order of preference) and :meth:`QuantLinearBase.behind_inputs` (the format's input quantization around the
-module the engine builds); :class:`anyquant.runtime.fastcpu.FastCPUPlan` does the rest.
+module the engine builds); :class:`anyquant_cpu.engine.FastCPUPlan` does the rest.
 """
 
 from __future__ import annotations
@@ -70,18 +70,17 @@ class QuantLinearBase(nn.Module):
 
     def fast_cpu_unsupported(self) -> str | None:
         """Why the CPU engine cannot run this layer here (``None`` when it can): see
-        :func:`anyquant.runtime.fastcpu.fast_cpu_reasons`."""
-        from .fastcpu import fast_cpu_reasons
+        :func:`anyquant_cpu.engine.fast_cpu_reasons`."""
+        from .cpu import fast_reasons
 
-        return fast_cpu_reasons(self)
+        return fast_reasons(self)
 
     def to_fast_cpu(self, *, small_rows: int | None = None, prefill_dtype: torch.dtype | None = None) -> nn.Module:
-        """This layer as the CPU engine runs it (:func:`anyquant.runtime.fastcpu.fast_cpu_module`, as
-        :meth:`~anyquant.runtime.fastcpu.FastCPUPlan.convert` builds it); ``ValueError`` when it cannot."""
-        from .fastcpu import DEFAULT_SMALL_ROWS, fast_cpu_module
+        """This layer as the CPU engine runs it (:func:`anyquant_cpu.engine.fast_cpu_module`, as
+        :meth:`~anyquant_cpu.engine.FastCPUPlan.convert` builds it); ``ValueError`` when it cannot."""
+        from .cpu import fast_module
 
-        rows = DEFAULT_SMALL_ROWS if small_rows is None else small_rows
-        fast = fast_cpu_module(self, small_rows=rows, prefill_dtype=prefill_dtype)
+        fast = fast_module(self, small_rows=small_rows, prefill_dtype=prefill_dtype)
         if isinstance(fast, str):
             raise ValueError(f"{type(self).__name__} cannot run on the fast CPU path: {fast}")
         return fast

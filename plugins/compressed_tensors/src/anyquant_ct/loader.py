@@ -122,7 +122,7 @@ class CTLoader(PackedFormatLoader):
 
     def fast_layer_count(self, signature: list[ModuleSpec], probe: Probe) -> int:
         """Each layer described as its packed layout (:func:`_described`), counted by the CPU engine."""
-        from anyquant.runtime.fastcpu import layouts_run
+        from anyquant.runtime.cpu import layouts_run
 
         return layouts_run(_described(s, probe) for s in signature)
 

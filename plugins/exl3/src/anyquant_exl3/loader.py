@@ -36,9 +36,9 @@ if TYPE_CHECKING:
     from torch import nn
 
     from anyquant.plugin import LoadedModel
-    from anyquant.runtime.fastcpu import FastCPUPlan
     from anyquant.runtime.parts import PartsPlan
     from anyquant.runtime.qlinear import QuantLinearBase
+    from anyquant_cpu.engine import FastCPUPlan
 
     from .ring import RingTable
 
@@ -217,9 +217,10 @@ _STATE_KEY = "exl3_cpu_fast"
 def cpu_fast_backend() -> BackendInfo:
     """``cpu-fast``: each linear decoded once at load and held as Q8_0 blocks on the compiled block kernel (where it
     is built and vectorized) or as bfloat16 prepacked for oneDNN, where AMX or AVX512-BF16 makes that fast."""
-    from anyquant.runtime.fastcpu import bf16_head_status
+    from anyquant.runtime.cpu import MISSING, engine
 
-    ok, reason = bf16_head_status()
+    found = engine()
+    ok, reason = (False, MISSING) if found is None else found.bf16_head_status()
     return BackendInfo(
         "cpu-fast",
         ok,
@@ -235,7 +236,7 @@ def cpu_fast_weights(extra: Mapping[str, Any]) -> str:
     """Load option ``cpu_fast_weights`` checked (``"auto"``, ``"q8_0"`` or ``"bfloat16"``); ``"q8_0"`` asked for
     where the compiled block kernel does not run is refused, before anything is read."""
     from anyquant.plugin import ParameterError
-    from anyquant.runtime.fastcpu import block_kernel_is_fast
+    from anyquant_cpu.engine import block_kernel_is_fast
 
     from .qlinear import CPU_FAST_WEIGHTS
 
@@ -245,7 +246,7 @@ def cpu_fast_weights(extra: Mapping[str, Any]) -> str:
     if weights == "q8_0" and not block_kernel_is_fast():
         raise ParameterError(
             "cpu_fast_weights='q8_0' runs on the compiled block kernel, which is not built (or not vectorized) "
-            "here (python -m anyquant.runtime.kernels build); 'auto' or 'bfloat16' hold the weights in bfloat16"
+            "here (python -m anyquant_cpu.kernels says why); 'auto' or 'bfloat16' hold the weights in bfloat16"
         )
     return str(weights)
 
@@ -270,7 +271,7 @@ class CpuFastState:
 
 class DecodedCpuFast:
     """The ``cpu-fast`` backend shared by the EXL3 and EXL2 loaders: each quantized linear decoded once at load and
-    built by core's engine (:meth:`~anyquant.runtime.fastcpu.FastCPUPlan.convert`) from the layouts the layer offers
+    built by core's engine (:meth:`~anyquant_cpu.engine.FastCPUPlan.convert`) from the layouts the layer offers
     (:func:`anyquant_exl3.qlinear.decoded_layouts`: Q8_0 blocks on the compiled kernel, or bfloat16 prepacked for
     oneDNN, per option ``cpu_fast_weights``); a 16-bit LM head as GPTQ/AWQ's cpu-fast does (its exact table and the
     embedding left in the checkpoint file)."""
@@ -279,7 +280,7 @@ class DecodedCpuFast:
         """cpu-fast: its options read (a bad one refused before any weight is read) into this load's state."""
         if ctx.backend != "cpu-fast":
             return
-        from anyquant.runtime.fastcpu import FastCPUPlan
+        from anyquant_cpu.engine import FastCPUPlan
 
         plan = FastCPUPlan.from_options(ctx.options.extra)
         ctx.state[_STATE_KEY] = CpuFastState(plan, cpu_fast_weights(ctx.options.extra))

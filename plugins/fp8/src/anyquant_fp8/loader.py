@@ -71,10 +71,12 @@ class FP8Loader(PackedFormatLoader):
         :class:`~anyquant_fp8.qlinear.NVFP4Linear` offers it (its codes into the E2M1 table)."""
         import torch
 
-        from anyquant.runtime.fastcpu import layouts_run
+        from anyquant.runtime.cpu import layouts_run
 
         round_to = getattr(torch, signature.dtype)
-        per_channel = signature.modelopt is not None and signature.modelopt.scales == "channel"
+        per_channel = signature.fbgemm is not None or (
+            signature.modelopt is not None and signature.modelopt.scales == "channel"
+        )
         fp4_group = (signature.modelopt.group_size if signature.modelopt is not None else None) or 16
 
         def fp8(m: FP8Module) -> E4M3Groups:
@@ -94,11 +96,6 @@ class FP8Loader(PackedFormatLoader):
         return facts
 
     def validate(self, probe: Probe, detection: Detection) -> None:
-        if probe.quant_method == "fbgemm_fp8":
-            raise UnsupportedFormatError(
-                f"{probe.root}: fbgemm_fp8 (per-channel weight_scale, fbgemm's CUDA kernels) is not read by anyquant "
-                "yet; serve it with vLLM"
-            )
         self.raise_detected_error(detection)
         problems = detection.details.get("problems") or []
         if problems:
@@ -158,6 +155,9 @@ class FP8Loader(PackedFormatLoader):
         mode = "dequantized" if ctx.backend == "dequantized" else "reference"
         modelopt = scheme.modelopt is not None
         group = (scheme.modelopt.group_size if scheme.modelopt is not None else None) or 16
+        fbgemm = scheme.fbgemm
+        # transformers fills every FbgemmFp8Linear's input_scale_ub (a float32 buffer) with activation_scale_ub
+        scale_ub = None if fbgemm is None else torch.tensor(fbgemm.activation_scale_ub, dtype=torch.float32)
 
         def _nvfp4_linear(name: str, m: FP8Module) -> nn.Module:
             """ModelOpt's NVFP4: the scales checked (E4M3 group scales finite and not negative; the global
@@ -200,6 +200,13 @@ class FP8Loader(PackedFormatLoader):
             scale = src.get(f"{name}.{scheme.scale_name}")
             input_scale = None
             input_quant = "static" if m.algo == "FP8" else scheme.input_quant  # MIXED_PRECISION's FP8 layers
+            if fbgemm is not None:  # FbgemmFp8Linear: float32 [out, 1], fbgemm's scales are at least 1 / (448 * 512)
+                _positive_scale(f"{name}.weight_scale", scale)
+                if scale.dtype != torch.float32 or tuple(scale.shape) != (m.out_features, 1):
+                    raise CheckpointError(
+                        f"{name}.weight_scale is {str(scale.dtype).removeprefix('torch.')}{list(scale.shape)}; "
+                        f"fbgemm_fp8 stores float32 [{m.out_features}, 1]"
+                    )
             if modelopt:
                 _positive_scale(f"{name}.{scheme.scale_name}", scale)
                 if scheme.block is not None:  # ModelOpt's [out/128, 1, in/128, 1]
@@ -217,6 +224,7 @@ class FP8Loader(PackedFormatLoader):
                 compute_dtype=ctx.dtype,
                 input_quant=input_quant,
                 input_scale=input_scale,
+                scale_ub=scale_ub,
             )
             return layer if plan is None else plan.convert(name, layer)
 
@@ -225,7 +233,7 @@ class FP8Loader(PackedFormatLoader):
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
         scheme = read_scheme(probe)
         rows, covered = [], set()
-        kind = "fp8" if scheme.modelopt is None else scheme.variant
+        kind = "fp8" if scheme.modelopt is None and scheme.fbgemm is None else scheme.variant
         for m in scheme.modules:
             nvfp4 = _is_nvfp4(scheme, m)
             names = ("weight", scheme.scale_name) + (("input_scale",) if m.has_input_scale else ())

@@ -1,5 +1,6 @@
-"""anyquant hooks for FP8 (``quant_method: "fp8"``, and NVIDIA ModelOpt's FP8 exports: ``quant_method: "modelopt"`` or
-a ModelOpt ``hf_quant_config.json``): format registration and header-only detection."""
+"""anyquant hooks for FP8 (``quant_method: "fp8"``, NVIDIA ModelOpt's FP8 exports: ``quant_method: "modelopt"`` or
+a ModelOpt ``hf_quant_config.json``, and transformers' ``quant_method: "fbgemm_fp8"``): format registration and
+header-only detection."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
             description=(
                 "FP8 e4m3 weights with weight_scale_inv (quant_method fp8: DeepSeek-V3, Qwen3-FP8) or ModelOpt's "
                 "weight_scale/input_scale (quant_method modelopt: FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4, "
-                "MIXED_PRECISION of FP8 and NVFP4)"
+                "MIXED_PRECISION of FP8 and NVFP4) or transformers' fbgemm_fp8 (weight_scale per output channel, "
+                "inputs FP8 per row under activation_scale_ub)"
             ),
             install_hint="pip install anyquant-fp8",
         )
@@ -36,6 +38,8 @@ def anyquant_detect(probe: Probe) -> Claim | None:
     modelopt = qm is not None and qm.startswith("modelopt")
     if modelopt:
         return _detect_modelopt(probe)
+    if qm == "fbgemm_fp8":
+        return _detect_fbgemm(probe)
     if qm not in (None, "fp8", "fbgemm_fp8") or (qm is None and not list(probe.modules_with("weight_scale_inv"))):
         return None  # compressed-tensors' FP8 (weight_scale) is its plugin's; other methods are theirs
     try:
@@ -54,6 +58,33 @@ def anyquant_detect(probe: Probe) -> Claim | None:
     details = _details(scheme)
     variant = "block" if scheme.block else "tensor"
     return Claim(FORMAT, evidence=tuple(evidence + scheme.problems[:3]), variant=variant, details=details)
+
+
+def _detect_fbgemm(probe: Probe) -> Claim:
+    """transformers' ``fbgemm_fp8`` says so: claimed as ``fbgemm-fp8`` with its evidence (MoE experts, or a malformed
+    config, kept as the typed error the load raises)."""
+    evidence = ["quant_method='fbgemm_fp8' (transformers FbgemmFp8Config)"]
+    try:
+        scheme = read_scheme(probe)
+    except (ConfigError, UnsupportedFormatError) as e:
+        return Claim(
+            FORMAT,
+            evidence=(*evidence, f"{type(e).__name__}: {e}"),
+            variant="fbgemm-fp8",
+            details={"config_error": [type(e).__name__, str(e)], "problems": [str(e)]},
+        )
+    fb = scheme.fbgemm
+    assert fb is not None
+    evidence.append(scheme.describe())
+    if scheme.modules:
+        evidence.append(f"{len(scheme.modules)} modules with F8_E4M3 weight [out, in] + F32 weight_scale [out, 1]")
+    details = {
+        **_details(scheme),
+        "activation_scale_ub": fb.activation_scale_ub,
+        "modules_to_not_convert": None if fb.modules_to_not_convert is None else list(fb.modules_to_not_convert),
+        "input_quant": "fbgemm quantize_fp8_per_row (dynamic per row, scale upper bound)",
+    }
+    return Claim(FORMAT, evidence=tuple(evidence + scheme.problems[:3]), variant=scheme.variant, details=details)
 
 
 def _details(scheme: FP8Scheme) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """``FP8Linear``: an FP8 e4m3 weight with its ``weight_scale_inv``, decoded as transformers' FineGrainedFP8 does; or
 ModelOpt's ``weight_scale`` (per tensor, output channel or 128x128 block) with its input quantization (a static
-per-tensor ``input_scale``, or dynamic per token), run as vLLM's ``QuantFP8`` does. ``NVFP4Linear``: ModelOpt's NVFP4
+per-tensor ``input_scale``, or dynamic per token), run as vLLM's ``QuantFP8`` does; or transformers' ``fbgemm_fp8``
+(``weight_scale`` per output channel, each input row quantized as fbgemm's ``quantize_fp8_per_row`` under
+``activation_scale_ub``). ``NVFP4Linear``: ModelOpt's NVFP4
 (FP4 E2M1 codes, an E4M3 scale per 16 inputs and a float32 ``weight_scale_2``), its inputs quantized to NVFP4 as
 vLLM's emulation does."""
 
@@ -12,6 +14,8 @@ import torch
 
 from anyquant.runtime.activations import (
     E2M1,
+    FP8_MAX,
+    MIN_DYNAMIC_SCALE,
     QuantizedInputs,
     quantize_fp8_activations,
     quantize_nvfp4_activations,
@@ -26,8 +30,26 @@ __all__ = [
     "dequantize_fp8",
     "dequantize_nvfp4",
     "nvfp4_codes",
+    "quantize_fbgemm_activations",
     "quantize_fp8_activations",
 ]
+
+
+def quantize_fbgemm_activations(x: torch.Tensor, scale_ub: torch.Tensor) -> torch.Tensor:
+    """``x`` through FP8 e4m3 and back as fbgemm's ``quantize_fp8_per_row(x, scale_ub=...)`` quantizes an
+    ``FbgemmFp8Linear``'s input (``fbgemm_gpu/experimental/gen_ai/src/quantize/quantize.cu``,
+    ``dynamicQuantizeMatrixRowwise``) and its rowwise GEMM scales the product back: per row (the last dimension)
+    ``s = max(min(max|x|, scale_ub) / 448, 1 / (448 * 512))`` in float32, ``q = e4m3(clamp(float32(x) / s, -448,
+    448))`` (``__nv_fp8_e4m3`` saturates: a row whose max is above ``scale_ub`` clips at +-448), then ``float32(q) *
+    s`` in ``x``'s dtype. Not vLLM's ``QuantFP8`` (:func:`quantize_fp8_activations`): fbgemm divides by ``s`` where
+    vLLM multiplies by ``1 / s`` (a float32 rounding apart now and then), and bounds the row's max. fbgemm takes
+    bfloat16 inputs only: on a bfloat16 model this is its arithmetic to the bit; on float32 it is the same rule on
+    the float32 row."""
+    xf = x.to(torch.float32)
+    amax = torch.minimum(xf.abs().amax(dim=-1, keepdim=True), scale_ub.to(torch.float32).reshape(()))
+    s = (amax / FP8_MAX).clamp(min=MIN_DYNAMIC_SCALE)
+    q = (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.to(torch.float32) * s).to(x.dtype)
 
 
 def dequantize_fp8(
@@ -54,6 +76,8 @@ class FP8Linear(QuantLinearBase):
     #: the weight's multiplier: ``weight_scale_inv`` of ``quant_method: fp8``, ModelOpt's ``weight_scale``
     weight_scale_inv: torch.Tensor
     input_scale: torch.Tensor | None
+    #: ``fbgemm_fp8``: the per-row input quantization's upper bound (``activation_scale_ub``)
+    scale_ub: torch.Tensor | None
 
     def __init__(
         self,
@@ -67,27 +91,36 @@ class FP8Linear(QuantLinearBase):
         compute_dtype: torch.dtype = torch.float32,
         input_quant: str | None = None,
         input_scale: torch.Tensor | None = None,
+        scale_ub: torch.Tensor | None = None,
     ) -> None:
         out_features, in_features = weight.shape
         super().__init__(in_features, out_features, mode=mode, compute_dtype=compute_dtype)
         self.block, self.round_to = block, round_to
-        if input_quant not in (None, "static", "token") or (input_quant == "static") != (input_scale is not None):
+        if input_quant not in (None, "static", "token", "fbgemm") or (input_quant == "static") != (
+            input_scale is not None
+        ):
             raise ValueError(f"input quantization {input_quant!r} with input_scale {input_scale is not None}")
+        if (input_quant == "fbgemm") != (scale_ub is not None):
+            raise ValueError(f"input quantization {input_quant!r} with scale_ub {scale_ub is not None}")
         self.input_quant = input_quant
         if input_scale is not None:
             from anyquant.runtime.finite import check_finite
 
             check_finite("input_scale", input_scale)
         self.register_buffer("input_scale", None if input_scale is None else input_scale.to(torch.float32).reshape(()))
+        self.register_buffer("scale_ub", None if scale_ub is None else scale_ub.to(torch.float32).reshape(()))
         self.set_packed(bias, weight_fp8=weight, weight_scale_inv=scale_inv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_quant is not None:
+        if self.scale_ub is not None:
+            x = quantize_fbgemm_activations(x, self.scale_ub)
+        elif self.input_quant is not None:
             x = quantize_fp8_activations(x, self.input_scale)
         return super().forward(x)
 
     def dequantize(self) -> torch.Tensor:
-        """The exact weight ``[out, in]`` in the model's dtype, as transformers dequantizes it."""
+        """The exact weight ``[out, in]`` in the model's dtype, as transformers dequantizes it (ModelOpt,
+        ``fbgemm_fp8``: ``float32(w) * scale``)."""
         if self._weight is not None:
             return self._weight
         return dequantize_fp8(self.weight_fp8, self.weight_scale_inv, self.block, self.round_to)
@@ -97,7 +130,11 @@ class FP8Linear(QuantLinearBase):
             blocks = f"{self.block[0]}x{self.block[1]} blocks"
         else:
             blocks = "per tensor" if self.weight_scale_inv.numel() == 1 else "per channel"
-        acts = {"static": ", static FP8 inputs", "token": ", per-token FP8 inputs"}.get(self.input_quant or "", "")
+        acts = {
+            "static": ", static FP8 inputs",
+            "token": ", per-token FP8 inputs",
+            "fbgemm": f", per-row FP8 inputs (fbgemm, scale_ub {float(self.scale_ub) if self.scale_ub is not None else 0:g})",
+        }.get(self.input_quant or "", "")
         return f"{super().extra_repr()}, fp8 e4m3 {blocks}{acts}"
 
     # ------------------------------------------------------------------ packed layouts
@@ -129,6 +166,13 @@ class FP8Linear(QuantLinearBase):
         """A fast layer behind the input quantization ModelOpt's config asks for."""
         if self.input_quant is None:
             return fast
+        if self.scale_ub is not None:
+            return QuantizedInputs(
+                fast,
+                quantize_fbgemm_activations,
+                f"input=fbgemm per-row fp8 (scale_ub {float(self.scale_ub):g})",
+                scale_ub=self.scale_ub,
+            )
         kind = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
         return QuantizedInputs(fast, quantize_fp8_activations, f"input={kind} fp8", scale=self.input_scale)
 

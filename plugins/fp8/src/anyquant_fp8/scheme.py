@@ -5,6 +5,8 @@ float8_e4m3fn ``[out, in]`` and ``weight_scale_inv`` float32, either ``[ceil(out
 ``weight_block_size: [bh, bw]`` or one value (``weight_block_size: null``). NVIDIA ModelOpt's FP8 exports
 (``quant_method: "modelopt"`` or ``hf_quant_config.json``, :mod:`anyquant_fp8.modelopt`) store ``weight_scale`` (the
 multiplier, per tensor / per output channel / per 128x128 block) and, for ``FP8``, a static ``input_scale``.
+transformers' ``fbgemm_fp8`` (:mod:`anyquant_fp8.fbgemm`) stores ``weight`` float8_e4m3fn ``[out, in]`` and
+``weight_scale`` float32 ``[out, 1]``, its inputs quantized per row under ``activation_scale_ub``.
 Standard library only.
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 
 from anyquant.plugin import ConfigError, Probe, UnsupportedFormatError
 
+from .fbgemm import EXPERT_TENSORS, FbgemmConfig, read_fbgemm_config
 from .modelopt import ALGOS, ModelOptConfig, is_modelopt, read_modelopt_config
 
 __all__ = ["FP8Module", "FP8Scheme", "read_scheme"]
@@ -50,9 +53,13 @@ class FP8Scheme:
     modelopt: ModelOptConfig | None = None
     #: ModelOpt FP8 KV cache: the attention modules with their ``k_scale``/``v_scale`` tensor names
     kv_scales: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: transformers' ``fbgemm_fp8`` config (``None``: another method)
+    fbgemm: FbgemmConfig | None = None
 
     @property
     def variant(self) -> str:
+        if self.fbgemm is not None:
+            return "fbgemm-fp8"
         if self.modelopt is not None:
             return self.modelopt.variant
         return "block" if self.block else "tensor"
@@ -61,10 +68,15 @@ class FP8Scheme:
     def input_quant(self) -> str | None:
         """How activations are quantized before each quantized linear: ``"static"`` (FP8 per tensor, the stored
         ``input_scale``), ``"token"`` (FP8, dynamic per token), ``"nvfp4"`` (NVFP4 per 16, global scale
-        ``1 / input_scale``) or ``None``."""
+        ``1 / input_scale``), ``"fbgemm"`` (FP8, dynamic per row under ``activation_scale_ub``: fbgemm's
+        ``quantize_fp8_per_row``) or ``None``."""
+        if self.fbgemm is not None:
+            return "fbgemm"
         return self.modelopt.input_quant if self.modelopt is not None else None
 
     def describe(self) -> str:
+        if self.fbgemm is not None:
+            return self.fbgemm.describe()
         if self.modelopt is not None and self.modelopt.scales == "nvfp4":
             m = self.modelopt
             return (
@@ -109,6 +121,8 @@ def _block(qc: Mapping[str, Any]) -> tuple[int, int] | None:
 
 
 def read_scheme(probe: Probe) -> FP8Scheme:
+    if probe.quant_method == "fbgemm_fp8":
+        return read_fbgemm_scheme(probe)
     if is_modelopt(probe):
         return read_modelopt_scheme(probe)
     qc = probe.quantization_config or {}
@@ -313,4 +327,72 @@ def read_modelopt_scheme(probe: Probe) -> FP8Scheme:
             scheme.kv_scales[attn] = (f"{prefix}.k_scale", v)
         if not scheme.kv_scales:
             scheme.problems.append(f"kv_cache_quant_algo {m.kv_algo}, but no k_scale/v_scale tensors")
+    return scheme
+
+
+def _refuse_fbgemm_experts(probe: Probe, t: Mapping[str, Any]) -> None:
+    experts = sorted(
+        n
+        for n in t
+        if n.rpartition(".")[2] in (*EXPERT_TENSORS, *(f"{e}_scale" for e in EXPERT_TENSORS))
+        and (t[n].dtype == "F8_E4M3" or n.endswith("_scale"))
+    )
+    if experts:
+        raise UnsupportedFormatError(
+            f"{probe.root}: fbgemm_fp8 MoE experts ({experts[0]}, {len(experts)} tensors: transformers' "
+            "FbgemmFp8Llama4TextExperts, Llama-4's gate_up_proj/down_proj with per-row *_proj_scale) are not read by "
+            "anyquant; it reads fbgemm_fp8's dense linears (FbgemmFp8Linear)"
+        )
+
+
+def read_fbgemm_scheme(probe: Probe) -> FP8Scheme:
+    """An ``fbgemm_fp8`` checkpoint: each ``weight_scale`` module checked against ``FbgemmFp8Linear``'s layout and
+    against ``modules_to_not_convert``; what disagrees in ``problems`` (a
+    :class:`~anyquant.errors.FormatConflictError` at load)."""
+    cfg = read_fbgemm_config(probe)
+    scheme = FP8Scheme(None, "dynamic", "float32", scale_name="weight_scale", fbgemm=cfg)
+    t = probe.tensors
+    _refuse_fbgemm_experts(probe, t)
+    scaled = set(probe.modules_with("weight_scale"))
+    leaves = set()
+    for prefix in sorted(scaled):
+        w, s = t.get(f"{prefix}.weight"), t[f"{prefix}.weight_scale"]
+        if w is None:
+            scheme.problems.append(f"{prefix}: weight_scale without weight")
+            continue
+        if w.dtype != "F8_E4M3" or len(w.shape) != 2:
+            scheme.problems.append(f"{prefix}.weight is {w.dtype}{list(w.shape)}; fbgemm_fp8 stores F8_E4M3 [out, in]")
+            continue
+        if cfg.excluded(prefix):
+            scheme.problems.append(f"{prefix} is FP8, but the config's modules_to_not_convert keeps it dense")
+            continue
+        out, inp = w.shape
+        if s.dtype != "F32" or tuple(s.shape) != (out, 1):
+            scheme.problems.append(
+                f"{prefix}.weight_scale is {s.dtype}{list(s.shape)}; fbgemm_fp8 of [{out}, {inp}] stores F32 [{out}, 1]"
+            )
+            continue
+        leaves.add(prefix.rpartition(".")[2])
+        scheme.modules.append(FP8Module(prefix, out, inp, f"{prefix}.bias" in t))
+    stray = [n for n, ti in t.items() if ti.dtype == "F8_E4M3" and n.rpartition(".")[0] not in scaled]
+    if stray:
+        scheme.problems.append(f"{len(stray)} FP8 tensors without a weight_scale (e.g. {stray[0]})")
+    # a linear of a quantized kind left dense and not in modules_to_not_convert: transformers would make it an
+    # FbgemmFp8Linear and expect FP8 with a weight_scale
+    dense = [
+        n.removesuffix(".weight")
+        for n, ti in t.items()
+        if n.endswith(".weight")
+        and ti.dtype in ("BF16", "F16", "F32")
+        and len(ti.shape) == 2
+        and n.removesuffix(".weight").rpartition(".")[2] in leaves
+        and not cfg.excluded(n.removesuffix(".weight"))
+    ]
+    if dense:
+        scheme.problems.append(
+            f"{len(dense)} linears are dense but not in modules_to_not_convert (e.g. {dense[0]}): transformers "
+            "expects them FP8 with a weight_scale"
+        )
+    if not scheme.modules and not scheme.problems:
+        scheme.problems.append("the config says fbgemm_fp8, but no tensor is F8_E4M3 with a weight_scale")
     return scheme

@@ -188,11 +188,9 @@ class GGUFSource:
 
 def cpu_fast_backend() -> BackendInfo:
     """``cpu-fast``: GGUF blocks on the compiled kernel, else Q4_0/Q4_1/Q4_K through torch's int4 CPU kernel
-    (:mod:`anyquant.runtime.fastcpu`)."""
-    try:
-        from anyquant.runtime.fastcpu import fast_cpu_capable
-    except ImportError as exc:  # pragma: no cover - an anyquant without the fast CPU runtime
-        return BackendInfo("cpu-fast", False, f"anyquant.runtime.fastcpu is unavailable ({exc})", devices=("cpu",))
+    (the CPU engine, anyquant-cpu: :mod:`anyquant.runtime.cpu`)."""
+    from anyquant.runtime.cpu import fast_cpu_capable
+
     ok, reason = fast_cpu_capable()
     return BackendInfo(
         "cpu-fast",
@@ -287,7 +285,7 @@ class GGUFLoader(TransformersLoader):
         src = ctx.source
         info: dict[str, Any] = {"embedding": "dense"}
         if "cpu_fast" in ctx.state:
-            from anyquant.runtime.fastcpu import kernel_norms
+            from anyquant_cpu.engine import kernel_norms
 
             info["cpu_fast"] = ctx.state["cpu_fast"]
             fast_layers = info["cpu_fast"]["converted"] + len(info["cpu_fast"]["bf16"])
@@ -386,7 +384,7 @@ class GGUFLoader(TransformersLoader):
         fast_kwargs: dict[str, Any] = {}
         fast: dict[str, Any] | None = None  # cpu-fast's record: which linears took the int4 kernel
         if ctx.backend == "cpu-fast":
-            from anyquant.runtime.fastcpu import FastCPUPlan, PrepackedBf16Linear, bf16_head_status
+            from anyquant_cpu.engine import FastCPUPlan, PrepackedBf16Linear, bf16_head_status
 
             plan = FastCPUPlan.from_options(ctx.options.extra)
             fast_kwargs = {

@@ -247,7 +247,7 @@ class GGUFTiedHead(nn.Module):
 class GGUFRows:
     """A GGUF-packed ``[rows, dim]`` table read as float32 a slice of rows at a time (decoded from its
     blocks on each read; the bytes stay where they are, file-backed): the exact source of a ``cpu-fast``
-    :class:`~anyquant.runtime.fastcpu.FastHead` over a tied embedding (a ``RowTable``)."""
+    :class:`~anyquant_cpu.engine.FastHead` over a tied embedding (a ``RowTable``)."""
 
     dtype = torch.float32
 
@@ -281,12 +281,12 @@ def fast_rows_head(
 ) -> nn.Module | None:
     """``cpu-fast``'s LM head over a packed table of a type the GGUF-block kernel does not read (Q5_K, Q2_K, ...;
     an untied head, or one tied to a packed token embedding): a decode copy as
-    :class:`~anyquant.runtime.fastcpu.FastHead` makes it (``kind``: ``cpu_fast_head``, ``auto``: Q8_0 blocks on
+    :class:`~anyquant_cpu.engine.FastHead` makes it (``kind``: ``cpu_fast_head``, ``auto``: Q8_0 blocks on
     the compiled kernel, else bfloat16 prepacked for oneDNN; the format's tolerance class, as every ``cpu-fast``
     head, the top logits exact), the GGUF bytes decoded a slice at a time for prompts; ``None`` where no decode
     form runs here (the caller keeps a :class:`GGUFTiedHead` or a :class:`GGUFLinear`, which decode the whole
     table on every decode step: SmolLM2's 49152 x 576 Q8_0 head, about half of a step)."""
-    from anyquant.runtime.fastcpu import FastHead, head_kind
+    from anyquant_cpu.engine import FastHead, head_kind
 
     decode = head_kind(kind, int(shape[1]))[0]
     if decode is None:
@@ -342,7 +342,7 @@ def _int4_scales_offsets(
 
 
 def _int4_pairs(b: torch.Tensor, qtype: GGMLQuantizationType, out_features: int) -> torch.Tensor:
-    """The blocks' nibble bytes as :func:`~anyquant.runtime.fastcpu.pack_int4_pairs` reads them (a view):
+    """The blocks' nibble bytes as :func:`~anyquant_cpu.engine.pack_int4_pairs` reads them (a view):
     Q4_0/Q4_1 hold weights ``i`` and ``16 + i`` of a 32-weight block in byte ``i``; Q4_K weights ``64c + i``
     and ``64c + 32 + i`` of a 256-weight super-block in byte ``32c + i``."""
     header = {Q.Q4_0: 2, Q.Q4_1: 4, Q.Q4_K: 16}[qtype]
@@ -353,21 +353,21 @@ def _int4_pairs(b: torch.Tensor, qtype: GGMLQuantizationType, out_features: int)
 
 @functools.cache
 def _int4_class() -> type[nn.Module]:
-    """:class:`anyquant.runtime.fastcpu.FastInt4Linear` with a float offset per group.
+    """:class:`anyquant_cpu.engine.FastInt4Linear` with a float offset per group.
 
     The base class takes integer zero points (``W = (q - z) * s``); GGUF's Q4_1/Q4_K offsets are
     arbitrary floats. The int4 kernel computes ``(q - 8) * s + m`` with any ``m``, so only its
     ``scales_and_zeros`` (``m = offset + 8 s``, bfloat16 like the base's) and the exact dense
     weight of the many-rows path (``s * q + offset`` in float32) differ.
     """
-    from anyquant.runtime.fastcpu import FastInt4Linear, int4pack_status, pack_int4_pairs
+    from anyquant_cpu.engine import FastInt4Linear, int4pack_status, pack_int4_pairs
 
     class GGUFInt4Linear(FastInt4Linear):
         """A Q4_0/Q4_1/Q4_K linear repacked for torch's int4 CPU kernel (decode: bfloat16
         activations; prompts: exact float32 weight, dequantized per forward, and GEMM).
 
         The kernel's layout is written straight from the blocks' nibble bytes
-        (:func:`~anyquant.runtime.fastcpu.pack_int4_pairs`: no unpacked codes, a few whole-tensor
+        (:func:`~anyquant_cpu.engine.pack_int4_pairs`: no unpacked codes, a few whole-tensor
         ops per layer) when the rows fill the kernel's blocks, else from unpacked, padded codes.
         """
 
@@ -458,10 +458,10 @@ def gguf_linear_from_reader(
 # --------------------------------------------------------------------------- GGUF-block kernel
 
 #: Types cpu-fast runs on :func:`torch.ops.anyquant.ggml_gemv`, read as stored or interleaved
-#: (:mod:`anyquant.runtime.kernels`): a Q4_K_M file's Q4_K and Q6_K linears at their stored size (4.5 and 6.56 bits a
+#: (:mod:`anyquant_cpu.kernels`): a Q4_K_M file's Q4_K and Q6_K linears at their stored size (4.5 and 6.56 bits a
 #: weight, where torch's int4 kernel needs a repacked copy of Q4_K and Q6_K had a bfloat16 copy); Q5_K, Q5_0 and Q5_1;
 #: and the table types IQ4_NL, IQ4_XS and MXFP4 (4-bit codes indexing 16 int8 values: 4.5, 4.25 and 4.25 bits a
-#: weight). These had a bfloat16 copy before. The kernel's list (:data:`anyquant.runtime.kernels.GGML_TYPES`) names
+#: weight). These had a bfloat16 copy before. The kernel's list (:data:`anyquant_cpu.kernels.GGML_TYPES`) names
 #: each of them.
 BLOCK_KERNEL_TYPES: dict[GGMLQuantizationType, str] = {
     Q.Q4_0: "Q4_0",
@@ -479,15 +479,19 @@ BLOCK_KERNEL_TYPES: dict[GGMLQuantizationType, str] = {
 
 
 def block_kernel_available(qtype: GGMLQuantizationType | int) -> bool:
-    """Whether the compiled GGUF-block kernel is loaded and takes ``qtype``."""
-    from anyquant.runtime import kernels
-
-    return GGMLQuantizationType(qtype) in BLOCK_KERNEL_TYPES and kernels.available()
+    """Whether the compiled GGUF-block kernel is loaded and takes ``qtype`` (``False`` without anyquant-cpu)."""
+    if GGMLQuantizationType(qtype) not in BLOCK_KERNEL_TYPES:
+        return False
+    try:
+        from anyquant_cpu import kernels
+    except ImportError:
+        return False
+    return kernels.available()
 
 
 @functools.cache
 def _block_linear_class() -> type[nn.Module]:
-    from anyquant.runtime.kernels.linear import BlockLinear
+    from anyquant_cpu.kernels.linear import BlockLinear
 
     class GGUFBlockLinear(BlockLinear):
         """A linear of a :data:`BLOCK_KERNEL_TYPES` type on the GGUF-block kernel (decode), its blocks read in place
@@ -530,10 +534,10 @@ def gguf_block_linear(
 
 @functools.cache
 def _block_head_class() -> type[nn.Module]:
-    from anyquant.runtime.fastcpu import FastHead
+    from anyquant_cpu.engine import FastHead
 
     class GGUFBlockHead(FastHead):
-        """:class:`~anyquant.runtime.fastcpu.FastHead` whose decode product is the GGUF-block kernel on the
+        """:class:`~anyquant_cpu.engine.FastHead` whose decode product is the GGUF-block kernel on the
         table's own blocks (read in place, or copied once into the kernel's interleaved form when ``interleave``;
         nothing quantized again); the ``EXACT_TOP`` largest logits of each row are computed again from the exact
         weight, as FastHead does, and prompts use its exact path."""
@@ -566,7 +570,7 @@ def block_kernel_head(
     interleave: bool = False,
 ) -> nn.Module | None:
     """``cpu-fast``'s LM head over a :data:`BLOCK_KERNEL_TYPES` table through the GGUF-block kernel (``None`` where it
-    cannot run): the exact top logits as :class:`~anyquant.runtime.fastcpu.FastHead`'s; ``interleave``: the
+    cannot run): the exact top logits as :class:`~anyquant_cpu.engine.FastHead`'s; ``interleave``: the
     blocks copied into the kernel's interleaved form (SmolLM2's Q8_0 head, 1 row, 2 threads: ~1.2 ms against
     ~1.8 ms read in place)."""
     if not block_kernel_available(qtype):

@@ -40,7 +40,7 @@ class GPTQLoader(Int4Loader):
         """The signature, read once for the load; from it the layers the CPU engine takes (each described as
         integer groups of its bits and group size, :class:`~anyquant.runtime.layouts.Int4Groups`, as
         :class:`~anyquant_gptq.qlinear.GPTQLinear` offers it) and the bytes of every quantized layer in float32."""
-        from anyquant.runtime.fastcpu import layouts_run
+        from anyquant.runtime.cpu import layouts_run
 
         facts = super().facts(probe, detection, options)
         sig = facts.signature = read_signature(probe)

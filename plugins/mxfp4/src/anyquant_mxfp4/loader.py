@@ -91,7 +91,7 @@ class MXFP4Loader(PackedFormatLoader):
         """Each expert's two weights, described from the headers as the engine's 4-bit table layout."""
         import torch
 
-        from anyquant.runtime.fastcpu import layouts_run
+        from anyquant.runtime.cpu import layouts_run
 
         from .experts import table4_layout
 

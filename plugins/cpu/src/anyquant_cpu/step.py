@@ -1,6 +1,6 @@
 """The native decoder's decode step as one compiled function per layer, for layers whose linears are all
 cpu-fast: int4 (GPTQ, AWQ, GGUF Q4), GGUF blocks read in place (GGUF Q4_0/Q4_1/Q8_0 with the compiled kernel,
-:mod:`anyquant.runtime.kernels`) or bfloat16 prepacked (EXL3, EXL2; GGUF's K-quants without an int4 layout), of
+:mod:`anyquant_cpu.kernels`) or bfloat16 prepacked (EXL3, EXL2; GGUF's K-quants without an int4 layout), of
 one kind or mixed (GGUF Q4_K_M: Q4_K int4 beside Q6_K bfloat16, in the attention and in the experts).
 
 On a two-core CPU a SmolLM2-135M decode step spent about half its time outside the weight kernels: some
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layers import (  # _rotary: the module path's own, compiled in
+from anyquant.runtime.layers import (  # _rotary: the module path's own, compiled in
     FusedInt4,
     RMSNorm,
     Router,
@@ -131,7 +131,7 @@ def _rms_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def _int4(x: torch.Tensor, packed: torch.Tensor, group: int, scales: torch.Tensor) -> torch.Tensor:
-    """:class:`~anyquant.runtime.fastcpu.FastInt4Linear`'s decode path on float32 rows ``x``."""
+    """:class:`~anyquant_cpu.engine.FastInt4Linear`'s decode path on float32 rows ``x``."""
     y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, group, scales)
     return y.to(x.dtype)
 
@@ -301,7 +301,7 @@ def int4_moe_layer(
 
 
 def _bf16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """:class:`~anyquant.runtime.fastcpu.PrepackedBf16Linear`'s forward on float32 rows ``x``."""
+    """:class:`~anyquant_cpu.engine.PrepackedBf16Linear`'s forward on float32 rows ``x``."""
     no_scalars: List[Optional[Union[int, float, complex]]] = []  # noqa: UP006, UP007, UP045 - TorchScript's Scalar?[]
     y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", no_scalars, "")
     return y.to(x.dtype)
@@ -345,7 +345,7 @@ def bf16_layer(
 
 
 def _ggml(x: torch.Tensor, blocks: torch.Tensor, kind: int, rows: int, passes: int) -> torch.Tensor:
-    """:class:`~anyquant.runtime.kernels.linear.BlockLinear`'s decode path on float32 rows ``x``."""
+    """:class:`~anyquant_cpu.kernels.linear.BlockLinear`'s decode path on float32 rows ``x``."""
     y: torch.Tensor = torch.ops.anyquant.ggml_gemv(x, blocks, kind, rows, x.shape[-1], -1, passes)
     return y
 
@@ -380,14 +380,14 @@ def _experts(
 
 
 def _lut4(x: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, group: int, rows: int, rnd: int) -> torch.Tensor:
-    """:class:`~anyquant.runtime.kernels.lut.Lut4Linear`'s decode path on float32 rows ``x``: ``table`` holds its 16
+    """:class:`~anyquant_cpu.kernels.lut.Lut4Linear`'s decode path on float32 rows ``x``: ``table`` holds its 16
     values, then its ``[rows, in / group]`` scales (the module's two buffers are views of it)."""
     y: torch.Tensor = torch.ops.anyquant.lut4_gemv(x, codes, table[16:].view(rows, -1), table[:16], group, rnd)
     return y
 
 
 def _fp8(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, group: int, rnd: int) -> torch.Tensor:
-    """:class:`~anyquant.runtime.kernels.lut.E4M3Linear`'s decode path on float32 rows ``x``."""
+    """:class:`~anyquant_cpu.kernels.lut.E4M3Linear`'s decode path on float32 rows ``x``."""
     y: torch.Tensor = torch.ops.anyquant.fp8_gemv(x, bits, scales, group, rnd)
     return y
 
@@ -905,7 +905,7 @@ def _plain_norm(m: nn.Module) -> bool:
 
 
 def _plain_int4(m: nn.Module) -> bool:
-    from .fastcpu import FastInt4Linear
+    from .engine import FastInt4Linear
 
     return (
         isinstance(m, FastInt4Linear)
@@ -918,7 +918,7 @@ def _plain_int4(m: nn.Module) -> bool:
 
 
 def _plain_bf16(m: nn.Module) -> bool:
-    from .fastcpu import PrepackedBf16Linear
+    from .engine import PrepackedBf16Linear
 
     return type(m) is PrepackedBf16Linear and m.bias is None
 
@@ -951,8 +951,8 @@ def _linear_spec(m: Any) -> tuple[tuple[Any, ...], int] | None:
 
 
 def _table_spec(m: Any) -> tuple[tuple[Any, ...], int] | None:
-    """:func:`_linear_spec` of a plain :class:`~anyquant.runtime.kernels.lut.Lut4Linear` or
-    :class:`~anyquant.runtime.kernels.lut.E4M3Linear` (no bias, its forward the class's own), else ``None``."""
+    """:func:`_linear_spec` of a plain :class:`~anyquant_cpu.kernels.lut.Lut4Linear` or
+    :class:`~anyquant_cpu.kernels.lut.E4M3Linear` (no bias, its forward the class's own), else ``None``."""
     from .kernels.lut import ROUND_CODES, E4M3Linear, Lut4Linear
 
     if type(m) is Lut4Linear and m.bias is None:
@@ -1134,7 +1134,7 @@ def _plan_mlp(mlp: Any) -> tuple[FusedInt4, Any] | None:
 def _sparse(mlp: Any) -> tuple[torch.Tensor, int, bool, list[Any]] | None:
     """``(router weight, top_k, norm_topk_prob, experts)`` of the native decoder's Qwen3-MoE block whose experts are
     :class:`~anyquant.runtime.experts.Experts` with SiLU (what :func:`int4_moe_layer` computes), else ``None``."""
-    from .experts import FORWARDS, Expert, Experts
+    from anyquant.runtime.experts import FORWARDS, Expert, Experts
 
     if type(mlp) is not SparseMoe or type(mlp.gate) is not Router or type(mlp.experts) is not Experts:
         return None

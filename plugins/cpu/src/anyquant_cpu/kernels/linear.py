@@ -9,7 +9,7 @@ Q4_K, Q5_K, Q6_K and IQ4_XS as their super-blocks of 256), or as GQ4 blocks repa
   float GEMM in ``prefill_dtype`` (default: the input's dtype).
 
 By default (``interleave=True`` from the loaders, option ``cpu_fast_interleave``) the blocks are copied once at load
-into the kernel's interleaved form (:mod:`anyquant.runtime.kernels`: ~1.1x faster decode on a 1.1B model, ~0.25 s
+into the kernel's interleaved form (:mod:`anyquant_cpu.kernels`: ~1.1x faster decode on a 1.1B model, ~0.25 s
 more load there; the file's pages are released); with ``interleave=False`` no copy is made and the blocks may be a
 view of the mmapped file. Tolerance against
 the exact weight (few rows): the activations' rounding, half a step of ``max|x| / 127`` per block of 32
@@ -173,7 +173,7 @@ def cpu_only_apply(layer: Any, fn: Any) -> Any:
 
 
 def gq4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """GQ4 blocks (uint8 ``[out, in/32, 20]``, see :mod:`anyquant.runtime.kernels`) of ``W = s (q - z)``.
+    """GQ4 blocks (uint8 ``[out, in/32, 20]``, see :mod:`anyquant_cpu.kernels`) of ``W = s (q - z)``.
 
     ``codes``: ``[out, in]`` (0..15), ``scales`` and ``zeros``: ``[out, in/32]``, one per block of 32 (float16
     scales, integer zero points); the caller checks both are exact in float16."""
@@ -237,7 +237,7 @@ def q4_1_from_codes(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> to
 class GroupInt4BlockLinear(BlockLinear):
     """A GPTQ / AWQ 4-bit linear (``W = round_to(scale dtype, s (q - z))`` per group of 32, 64, 128, ... along
     ``in``) repacked once into GQ4 blocks for the kernel; built by :meth:`from_fast` from the
-    :class:`~anyquant.runtime.fastcpu.FastInt4Linear` the format made.
+    :class:`~anyquant_cpu.engine.FastInt4Linear` the format made.
 
     Few rows: the kernel on ``s (q - z)`` as the blocks hold it (the reference's float16 rounding of each
     weight, a relative 2**-11 at most, is left out: inside the kernel's tolerance). Many rows: the reference's
@@ -251,7 +251,7 @@ class GroupInt4BlockLinear(BlockLinear):
 
     @staticmethod
     def unsupported_reason(layer: Any) -> str | None:
-        """Why ``layer`` (a :class:`~anyquant.runtime.fastcpu.FastInt4Linear`) cannot become GQ4 blocks."""
+        """Why ``layer`` (a :class:`~anyquant_cpu.engine.FastInt4Linear`) cannot become GQ4 blocks."""
         if layer.perm is not None:
             return "a g_idx that reorders columns (act-order)"
         if layer.group_size % 32 or layer.in_features % 32:
@@ -265,7 +265,7 @@ class GroupInt4BlockLinear(BlockLinear):
 
     @classmethod
     def from_fast(cls, layer: Any, interleave: bool = True) -> GroupInt4BlockLinear:
-        """The same weight, bias and options as ``layer`` (a :class:`~anyquant.runtime.fastcpu.FastInt4Linear`
+        """The same weight, bias and options as ``layer`` (a :class:`~anyquant_cpu.engine.FastInt4Linear`
         that :meth:`unsupported_reason` accepts); ``interleave``: the blocks in the kernel's interleaved form."""
         reason = cls.unsupported_reason(layer)
         if reason is not None:

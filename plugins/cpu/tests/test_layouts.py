@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anyquant.runtime import fastcpu, kernels
-from anyquant.runtime.fastcpu import (
+from anyquant.runtime.layouts import Affine4Blocks, Decoded, E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
+from anyquant.runtime.qlinear import QuantLinearBase
+from anyquant_cpu import engine, kernels
+from anyquant_cpu.engine import (
     FastCPUPlan,
     FastInt4Linear,
     PrepackedBf16Linear,
@@ -31,11 +33,9 @@ from anyquant.runtime.fastcpu import (
     layout_unsupported,
     layouts_run,
 )
-from anyquant.runtime.kernels import lut
-from anyquant.runtime.layouts import Affine4Blocks, Decoded, E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
-from anyquant.runtime.qlinear import QuantLinearBase
+from anyquant_cpu.kernels import lut
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 #: the formats whose linears describe packed layouts (their src holds no CPU-engine code)
 FORMATS = ("gptq", "awq", "compressed_tensors", "fp8", "bnb", "mlx", "mxfp4")
 #: relative to max |y|: torch's int4 kernel (bfloat16 activations), a bfloat16 copy; exact weights in float32
@@ -213,7 +213,7 @@ def test_mxfp4_runs_as_ggml_blocks_on_the_block_kernel() -> None:
     """A table layout that is MXFP4 (E2M1, a power-of-two scale per 32) runs as GGML MXFP4 blocks where the block
     kernel is fast: its weights bit for bit (negative zeros included), decode within 1e-4 of the exact output with
     no bias, prompts exact. Any other table or scale stays on the table kernel."""
-    from anyquant.runtime.fastcpu import MXFP4BlockLinear, block_kernel_is_fast
+    from anyquant_cpu.engine import MXFP4BlockLinear, block_kernel_is_fast
 
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
     layer = ToyMXFP4(96, 256)
@@ -341,10 +341,10 @@ def test_a_layout_of_another_vocabulary_is_refused_loudly() -> None:
 
 def _kernels(monkeypatch: pytest.MonkeyPatch, *, block: bool, table: bool, fp8: bool, bf16: bool) -> None:
     """Which of the compiled kernels (and oneDNN's bfloat16 path) run here, as the engine asks."""
-    monkeypatch.setattr(fastcpu, "block_kernel_is_fast", lambda: block)
+    monkeypatch.setattr(engine, "block_kernel_is_fast", lambda: block)
     monkeypatch.setattr(kernels, "lut_available", lambda: table)
     monkeypatch.setattr(lut, "fp8_kernel_runs", lambda: fp8)
-    monkeypatch.setattr(fastcpu, "bf16_head_status", lambda: (bf16, "" if bf16 else "no bfloat16 here"))
+    monkeypatch.setattr(engine, "bf16_head_status", lambda: (bf16, "" if bf16 else "no bfloat16 here"))
 
 
 def test_layouts_run_counts_the_layers_the_engine_takes_from_their_metadata() -> None:
@@ -410,8 +410,8 @@ def test_the_metadata_check_leaves_the_tensor_checks_to_the_conversion(monkeypat
 def test_ready_q8_0_blocks_are_taken_as_they_are() -> None:
     """An ``Int8Blocks`` that carries the format's own Q8_0 blocks runs them without forming its codes and scales
     again: the same weights as the codes' and scales' blocks, bit for bit."""
-    from anyquant.runtime.fastcpu import block_kernel_is_fast
-    from anyquant.runtime.kernels.linear import q8_0_blocks
+    from anyquant_cpu.engine import block_kernel_is_fast
+    from anyquant_cpu.kernels.linear import q8_0_blocks
 
     if not block_kernel_is_fast():
         pytest.skip("the block kernel is not built (or not vectorized) here")
@@ -483,7 +483,8 @@ def test_the_layout_classes_are_frozen_descriptions() -> None:
 
 def test_every_layout_is_named_among_the_kinds_backends_register() -> None:
     """Each layout class's ``kind`` is one of :data:`anyquant.protocols.LAYOUT_KINDS` (a registered backend's
-    ``layouts``), and core's ``cpu-fast`` registers every one of them."""
+    ``layouts``), and anyquant-cpu's ``cpu-fast`` registers every one of them."""
+    import anyquant_cpu.plugin
     from anyquant import Registry
     from anyquant.protocols import LAYOUT_KINDS
     from anyquant.runtime import layouts
@@ -500,4 +501,5 @@ def test_every_layout_is_named_among_the_kinds_backends_register() -> None:
         )
     }
     assert len(kinds) == 6 and kinds <= set(LAYOUT_KINDS)
-    assert kinds <= set(Registry(entry_points=False).backends()["cpu-fast"].layouts)
+    registry = Registry(entry_points=False, plugins=[("anyquant-cpu", anyquant_cpu.plugin)])
+    assert kinds <= set(registry.backends()["cpu-fast"].layouts)

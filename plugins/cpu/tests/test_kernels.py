@@ -1,7 +1,7 @@
-"""The optional compiled GGUF-block GEMV (anyquant.runtime.kernels): exact against an integer
+"""The optional compiled GGUF-block GEMV (anyquant_cpu.kernels): exact against an integer
 reference, and close to the dequantized weight (dequantized by the gguf package, a peer) times x.
 
-Skipped where the kernel is not built (``python -m anyquant.runtime.kernels build``)."""
+Skipped where the kernel is not built (anyquant-cpu installed without it; ``make test`` requires it)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from anyquant.runtime import kernels
+from anyquant_cpu import kernels
 
 gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
@@ -239,7 +239,7 @@ def test_interleave_reads_permuted_q_k_rows(type_name: str, heads: int, head_row
 
 
 def test_block_linear_takes_permuted_rows_only_to_interleave() -> None:
-    from anyquant.runtime.kernels.linear import BlockLinear
+    from anyquant_cpu.kernels.linear import BlockLinear
 
     raw = _blocks("Q4_0", 32, 64, seed=3)[0]
     with pytest.raises(ValueError, match="interleave=True"):
@@ -296,8 +296,8 @@ def test_scripted_call() -> None:
 def _gq4(rows: int, cols: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A random group-quantized int4 weight as cpu-fast's FastInt4Linear holds a GPTQ / AWQ layer, and as the GQ4
     blocks made from it: (blocks, the reference's exact weight round_to(float16, s (q - z)), s (q - z) in float64)."""
-    from anyquant.runtime.fastcpu import FastInt4Linear
-    from anyquant.runtime.kernels.linear import GroupInt4BlockLinear
+    from anyquant_cpu.engine import FastInt4Linear
+    from anyquant_cpu.kernels.linear import GroupInt4BlockLinear
 
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (cols, rows), generator=gen)
@@ -354,8 +354,8 @@ def test_gq4_close_to_the_dequantized_weight(isa: int, group: int, passes: int, 
 def test_gq4_linear_paths_and_refusals() -> None:
     """GroupInt4BlockLinear: few rows on the kernel, many rows on the exact weight; the exact weight is
     FastInt4Linear's; act-order and scales float16 cannot hold are refused (they stay on torch's kernel)."""
-    from anyquant.runtime.fastcpu import FastInt4Linear
-    from anyquant.runtime.kernels.linear import GroupInt4BlockLinear
+    from anyquant_cpu.engine import FastInt4Linear
+    from anyquant_cpu.kernels.linear import GroupInt4BlockLinear
 
     gen = torch.Generator().manual_seed(3)
     k, n = 256, 64
@@ -487,7 +487,7 @@ def test_dequantize_is_the_formats_own_bit_for_bit(type_name: str, interleave: b
 def test_q8_0_from_a_formats_own_codes(isa: int, passes: int) -> None:
     """A format's int8 codes (compressed-tensors' symmetric int8 reaches -128) and one float16 scale per block as
     Q8_0 blocks: the kernel gives the integer reference's sums, -128 included (AVX2's sign trick reads it as 128)."""
-    from anyquant.runtime.kernels.linear import q8_0_from_codes
+    from anyquant_cpu.kernels.linear import q8_0_from_codes
 
     rows, cols = 19, 96
     g = torch.Generator().manual_seed(3)
@@ -506,7 +506,7 @@ def test_q8_0_from_a_formats_own_codes(isa: int, passes: int) -> None:
 
 def test_q4_1_from_codes_is_the_gguf_layout() -> None:
     """``q4_1_from_codes`` writes what llama.cpp's Q4_1 means: the gguf package's dequantizer reads ``q d + m``."""
-    from anyquant.runtime.kernels.linear import q4_1_from_codes
+    from anyquant_cpu.kernels.linear import q4_1_from_codes
 
     g = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 16, (7, 64), generator=g)
@@ -529,7 +529,7 @@ def test_q4_1_from_codes_is_the_gguf_layout() -> None:
 def test_lut4_gemv_is_the_table_weights_product(isa: int, group: int, m: int) -> None:
     """4-bit codes into a 16-entry table times a scale per group: the float64 product of the same float32 weights,
     to float32 summation rounding, on every path (NF4's table, codes 0..15 everywhere, scales of mixed sizes)."""
-    from anyquant.runtime.kernels.lut import Lut4Linear, lut4_codes
+    from anyquant_cpu.kernels.lut import Lut4Linear, lut4_codes
 
     g = torch.Generator().manual_seed(group + m)
     n, k = 37, 192
@@ -600,7 +600,7 @@ def test_fp8_gemv_is_the_e4m3_weights_product(isa: int, rnd: int) -> None:
 def test_exact_weight_ops_are_the_torch_decode(group: int) -> None:
     """``lut4_dequant`` / ``fp8_dequant`` (what a prompt's GEMM multiplies) give the layers' torch decode bit for bit:
     every table and E4M3 code (subnormals, both zeros, 448), every rounding."""
-    from anyquant.runtime.kernels import lut
+    from anyquant_cpu.kernels import lut
 
     g = torch.Generator().manual_seed(group)
     n, k = 37, 512

@@ -1,4 +1,4 @@
-"""anyquant.runtime.fastcpu: packing matches torch's int4 kernel, weights are exact, forward within tolerance."""
+"""anyquant_cpu.engine: packing matches torch's int4 kernel, weights are exact, forward within tolerance."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from anyquant.errors import ParameterError
-from anyquant.runtime import fastcpu
-from anyquant.runtime.fastcpu import (
+from anyquant.runtime.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
+from anyquant_cpu import engine as fastcpu
+from anyquant_cpu.engine import (
     FastCPUPlan,
     FastInt4Linear,
     contiguous_group_size,
@@ -20,7 +21,6 @@ from anyquant.runtime.fastcpu import (
     pack_int4_blocked,
     unsupported_reason,
 )
-from anyquant.runtime.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
 needs_kernel = pytest.mark.skipif(not int4pack_status().available, reason=int4pack_status().reason)
 
@@ -261,7 +261,7 @@ def test_fast_head_paths(decode: str, interleave: bool) -> None:
     if decode == "q8_0":  # the rest: the kernel's product on gguf's own Q8_0 blocks of the weight, bit for bit
         from gguf import GGMLQuantizationType, quants
 
-        from anyquant.runtime import kernels
+        from anyquant_cpu import kernels
 
         blocks = torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0))
         assert head.packed_bytes() == w.numel() * 2 + blocks.numel()  # the float16 table and the Q8_0 copy

@@ -9,18 +9,18 @@ Random blocks: random bytes (every code, every fifth bit, every IQ4_XS 6-bit sca
 either sign), MXFP4's E8M0 exponents around 2^0 (every exponent 0..255 in the dequantization test). The GGUF-level
 test is ``plugins/gguf/tests/test_gguf_iquant_kernel.py``.
 
-Skipped where the kernel is not built (``python -m anyquant.runtime.kernels build``)."""
+Skipped where the kernel is not built (anyquant-cpu installed without it; ``make test`` requires it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from anyquant.runtime import kernels
+from anyquant_cpu import kernels
 
 dequant = pytest.importorskip("anyquant_gguf.dequant")
 
-from core.tests.test_kernels_kquants import ISA_IDS, ISAS, _codes_reference, _i_blocks  # noqa: E402  (shared)
+from plugins.cpu.tests.test_kernels_kquants import ISA_IDS, ISAS, _codes_reference, _i_blocks  # noqa: E402  (shared)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
 

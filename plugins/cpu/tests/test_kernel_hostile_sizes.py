@@ -8,7 +8,7 @@ dtype, layout or device, out-of-range options) and must raise its own error (a `
 pytest, so the calls run in a child process (this file run as a script); a case that kills it is reported as a
 failure and the child is started again after it.
 
-Skipped where the kernel is not built (``python -m anyquant.runtime.kernels build``).
+Skipped where the kernel is not built (anyquant-cpu installed without it; ``make test`` requires it).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from anyquant.runtime import kernels
+from anyquant_cpu import kernels
 
 #: 2**62 + 1 rows: times 20 bytes (Q4_1, GQ4) wraps int64 to 20; with two blocks a row, 18 (Q4_0) or 34 (Q8_0)
 #: bytes a block wrap it to 36 and 68

@@ -41,7 +41,7 @@ def lut4_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 class _KernelRows(nn.Module):
-    """What the two share: :func:`~anyquant.runtime.kernels.linear.kernel_forward` over ``_few_rows`` and
+    """What the two share: :func:`~anyquant_cpu.kernels.linear.kernel_forward` over ``_few_rows`` and
     :meth:`exact_weight`, CPU-only buffers, their bytes."""
 
     in_features: int

@@ -1,6 +1,7 @@
-"""The kernel's portable build: both sources compiled with their scalar paths alone (``-DANYQUANT_PORTABLE``, as any
-architecture other than x86-64 compiles them: no intrinsic outside the x86 guards), loaded in a process of its own,
-runs every op and gives bit for bit what the x86 build's scalar path (``isa=0``) gives on the same inputs."""
+"""The kernel's portable library (built at install beside the native one: both sources compiled with their scalar
+paths alone, ``ANYQUANT_PORTABLE``, as any architecture other than x86-64 compiles them: no intrinsic outside the x86
+guards), loaded in a process of its own, runs every op and gives bit for bit what the native library's scalar path
+(``isa=0``) gives on the same inputs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from anyquant.runtime import kernels
+from anyquant_cpu import kernels
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,7 +45,7 @@ def _cases() -> dict[str, tuple[str, torch.Tensor, torch.Tensor, int, int]]:
 
 def _outputs() -> dict[str, torch.Tensor]:
     """Every op on :func:`_cases` by the scalar path of the library loaded in this process."""
-    from anyquant.runtime.kernels.lut import lut4_codes
+    from anyquant_cpu.kernels.lut import lut4_codes
 
     got = {}
     for name, (type_name, x, blocks, rows, cols) in _cases().items():
@@ -69,11 +70,12 @@ def _outputs() -> dict[str, torch.Tensor]:
 
 
 def _child(out: str) -> None:
-    """In the portable process: build, load, report the paths and the outputs (a safetensors file, no pickle)."""
+    """In the portable process: load, report the paths and the outputs (a safetensors file, no pickle)."""
     from safetensors.torch import save_file
 
     assert kernels.portable()
-    kernels.build()
+    lib = kernels.library()
+    assert lib is not None and lib.name == "_kernels_portable.so", lib
     assert kernels.available() and kernels.lut_available()
     got = _outputs()
     got["isa"] = torch.tensor([kernels.isa(), kernels.lut_isa()])
@@ -84,9 +86,9 @@ def test_the_portable_build_runs_every_op_as_the_scalar_path(tmp_path: Path) -> 
     from safetensors.torch import load_file
 
     out = tmp_path / "portable.safetensors"
-    env = {**os.environ, "ANYQUANT_KERNELS_PORTABLE": "1", "ANYQUANT_KERNELS_DIR": str(tmp_path / "build")}
+    env = {**os.environ, "ANYQUANT_KERNELS_PORTABLE": "1"}
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_kernel_portable as t; t._child({str(out)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     portable = load_file(str(out))
     assert portable.pop("isa").tolist() == [0, 0]  # scalar paths only: no vector path compiled in

@@ -8,10 +8,12 @@ import os
 
 import pytest
 
-from anyquant.runtime import kernels
+from anyquant_cpu import kernels
 
 
 @pytest.mark.skipif(os.environ.get("ANYQUANT_REQUIRE_KERNELS") != "1", reason="the kernel is not required here")
 def test_the_kernel_is_built_and_loads() -> None:
-    assert kernels.available(), f"the compiled kernel is not built for these sources ({kernels.build_dir()})"
+    assert kernels.library() is not None, "anyquant-cpu was installed without its compiled kernel"
+    assert kernels.stale() is None, f"the compiled kernel does not match: {kernels.stale()}; {kernels.REBUILD}"
+    assert kernels.available(), f"the compiled kernel at {kernels.library()} does not load"
     assert kernels.lut_available() and kernels.lut_isa() >= 0

@@ -8,7 +8,7 @@ and Q5_0 / Q5_1 (:data:`I_TYPES`, against the GGUF plugin's dequantizer; their o
 Random super-blocks: random bytes (every 6-bit scale and min, every int8 Q6_K scale, every code) with finite
 float16 d / dmin. The GGUF files llama.cpp quantized are in ``plugins/gguf/tests/test_gguf_kquant_kernel.py``.
 
-Skipped where the kernel is not built (``python -m anyquant.runtime.kernels build``)."""
+Skipped where the kernel is not built (anyquant-cpu installed without it; ``make test`` requires it)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from anyquant.runtime import kernels
+from anyquant_cpu import kernels
 
 gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
 
-from core.tests.test_kernels import _quantize_x, check_experts  # noqa: E402  (the op's references, shared)
+from plugins.cpu.tests.test_kernels import _quantize_x, check_experts  # noqa: E402  (the op's references, shared)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="anyquant kernels not built")
 
@@ -277,7 +277,7 @@ def test_experts_is_each_chosen_expert_in_order(
 
 def test_k_refusals() -> None:
     """A K-quant's rows are whole super-blocks of 256 columns, its blocks their exact size."""
-    from anyquant.runtime.kernels.linear import BlockLinear
+    from anyquant_cpu.kernels.linear import BlockLinear
 
     raw, _ = _k_blocks("Q4_K", 4, 512, seed=0)
     with pytest.raises(RuntimeError, match="multiple of 256"):
@@ -297,7 +297,7 @@ def test_k_refusals() -> None:
 def test_block_linear_paths(type_name: str) -> None:
     """BlockLinear on super-blocks and the table types: few rows on the kernel (within the contract), many rows the
     exact weight's GEMM; interleaved at load gives the same outputs and the blocks back."""
-    from anyquant.runtime.kernels.linear import BlockLinear
+    from anyquant_cpu.kernels.linear import BlockLinear
 
     n, k = 40, 512
     raw, w = _blocks(type_name, n, k, seed=5)

@@ -42,19 +42,19 @@ them per block: ~1.3x slower where memory is not the limit, ~2-2.5x for the K-qu
 op runs a tile over all its rows); ``forward=False`` gives the blocks back. Rows past the last whole group of 8 stay
 as they are.
 
-The kernel is compiled only by an explicit step (``python -m anyquant.runtime.kernels build``, run by
-``make install``): ``import anyquant`` never compiles. At run time :func:`available` loads the built
-library if it is there for this source and torch version; callers fall back to the pure-torch path
-when it is not.
+The kernel is compiled when anyquant-cpu is installed (``setup.py``: ``pip install`` and ``pip wheel`` build it, and
+a compiler error fails the install); nothing compiles at run time. :func:`available` loads the built library once per
+process, and refuses (with a warning, :func:`stale`) one built from other sources or for another torch; callers then
+take the pure-torch paths.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
-import sys
 from pathlib import Path
 
 __all__ = [
@@ -63,8 +63,7 @@ __all__ = [
     "ISA_NAMES",
     "available",
     "block_nbytes",
-    "build",
-    "build_dir",
+    "library",
     "gemv",
     "gemv_cat",
     "interleave",
@@ -72,15 +71,13 @@ __all__ = [
     "lut_available",
     "lut_isa",
     "portable",
+    "stale",
     "threads",
 ]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("ggml_gemv.cpp")
-#: every source of the one library (the 4-bit table lookups beside the GGUF blocks: anyquant::lut4_gemv)
-_SOURCES = (_SOURCE, Path(__file__).with_name("lut_gemv.cpp"))
-_NAME = "anyquant_ggml_gemv"
+_HERE = Path(__file__).resolve().parent
 #: block types the op takes, by name: (type id, bytes per block, weights per block: 32, or a K-quant's super-block of
 #: 256, which a row's columns are a multiple of); GGUF's ids, and GQ4
 GGML_TYPES = {
@@ -102,61 +99,42 @@ INTERLEAVED = 1000
 ISA_NAMES = ("scalar", "avx2", "avx512-vnni")
 
 
-#: -fopenmp: at::parallel_for is a header template that splits the rows over threads only when the extension
-#: itself is compiled with OpenMP (without it the op runs on one thread whatever torch's thread count); the
-#: library then needs libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool).
-_CFLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp")
-_LDFLAGS = ("-fopenmp",)
-
-
 def portable() -> bool:
-    """``ANYQUANT_KERNELS_PORTABLE=1``: the library built and loaded with its scalar paths alone (``-DANYQUANT_PORTABLE``,
-    in a folder of its own), as any architecture other than x86-64 compiles it: how the tests check the portable
-    kernel on an x86 machine."""
+    """``ANYQUANT_KERNELS_PORTABLE=1``: the portable library is loaded (its scalar paths alone, ``-DANYQUANT_PORTABLE``,
+    as any architecture other than x86-64 compiles it; built with the package beside the native one): how the tests
+    check the portable kernel on an x86 machine."""
     return os.environ.get("ANYQUANT_KERNELS_PORTABLE", "0") == "1"
 
 
-def _cflags() -> tuple[str, ...]:
-    return (*_CFLAGS, "-DANYQUANT_PORTABLE") if portable() else _CFLAGS
+def library() -> Path | None:
+    """The built library this process loads (``_kernels.so``, or ``_kernels_portable.so`` when :func:`portable`),
+    compiled when the package was installed; ``None`` where it is missing."""
+    path = _HERE / ("_kernels_portable.so" if portable() else "_kernels.so")
+    return path if path.is_file() else None
 
 
-def _tag() -> str:
+def _digest() -> str:
+    """The sources' digest as ``setup.py`` computes it at build time (every ``*.cpp`` beside this file)."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_HERE.glob("*.cpp")))).hexdigest()[:16]
+
+
+def stale() -> str | None:
+    """Why the built library does not match this package (its sources changed since the build, or another torch
+    than it was compiled against): ``None`` when it matches or nothing was built."""
+    built = _HERE / "_build.json"
+    if library() is None or not built.is_file():
+        return None
     import torch
 
-    digest = hashlib.sha256(
-        b"".join(p.read_bytes() for p in _SOURCES) + repr((_cflags(), _LDFLAGS)).encode()
-    ).hexdigest()[:12]
-    return f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
+    info = json.loads(built.read_text(encoding="utf-8"))
+    if info.get("torch") != torch.__version__:
+        return f"it was compiled against torch {info.get('torch')}, this is torch {torch.__version__}"
+    if info.get("digest") != _digest():
+        return "its sources changed since it was built"
+    return None
 
 
-def build_dir() -> Path:
-    """Where the library is built: ``$ANYQUANT_KERNELS_DIR`` or ``<sys.prefix>/share/anyquant/kernels``,
-    then one folder per source digest and torch version (a changed source never loads a stale build)."""
-    root = os.environ.get("ANYQUANT_KERNELS_DIR") or os.path.join(sys.prefix, "share", "anyquant", "kernels")
-    return Path(root) / _tag()
-
-
-def _library() -> Path:
-    return build_dir() / f"{_NAME}.so"
-
-
-def build(verbose: bool = False) -> Path:
-    """Compile the kernel (g++ and ninja, via ``torch.utils.cpp_extension``) into :func:`build_dir`."""
-    from torch.utils import cpp_extension
-
-    out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=_NAME,
-        sources=[str(p) for p in _SOURCES],
-        build_directory=str(out),
-        extra_cflags=list(_cflags()),
-        extra_ldflags=list(_LDFLAGS),
-        is_python_module=False,
-        verbose=verbose,
-    )
-    _reset()
-    return _library()
+REBUILD = "reinstall anyquant-cpu to rebuild it (in the repository: make install)"
 
 
 def _reset() -> None:
@@ -173,8 +151,12 @@ def available() -> bool:
 
     if hasattr(torch.ops.anyquant, "ggml_gemv") and _registered():
         return True
-    lib = _library()
-    if not lib.is_file():
+    lib = library()
+    if lib is None:
+        return False
+    why = stale()
+    if why is not None:
+        log.warning("anyquant kernels at %s are not loaded: %s; %s", lib, why, REBUILD)
         return False
     try:
         torch.ops.load_library(str(lib))  # type: ignore[no-untyped-call]

@@ -36,8 +36,8 @@ The formats build none of this module's linears themselves: a format's linear de
 layouts of :mod:`anyquant.runtime.layouts`, and :meth:`FastCPUPlan.convert` (:func:`fast_cpu_module`) checks each
 offered layout against what runs here and builds the first that runs (:func:`fast_linear`): ``Int4Groups`` ->
 :class:`FastInt4Linear`, ``Int8Blocks`` -> :class:`Int8BlockLinear` (Q8_0 blocks), ``Affine4Blocks`` ->
-:class:`Affine4BlockLinear` (Q4_1 blocks), ``Table4`` -> :class:`~anyquant.runtime.kernels.lut.Lut4Linear`,
-``E4M3Groups`` -> :class:`~anyquant.runtime.kernels.lut.E4M3Linear`, ``Decoded`` -> :class:`PrepackedBf16Linear`.
+:class:`Affine4BlockLinear` (Q4_1 blocks), ``Table4`` -> :class:`~anyquant_cpu.kernels.lut.Lut4Linear`,
+``E4M3Groups`` -> :class:`~anyquant_cpu.kernels.lut.E4M3Linear`, ``Decoded`` -> :class:`PrepackedBf16Linear`.
 Before any tensor is read, a loader describes its checkpoint's layers in the same layouts from the headers and
 :func:`layouts_run` counts the ones the engine takes here (``auto``'s choice; :func:`layout_kinds_run`: whether
 cpu-fast is available to a format at all), with the checks of the conversion that need no tensor.
@@ -55,12 +55,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ParameterError
+from anyquant.plugin import ParameterError
+from anyquant.runtime.layouts import Affine4Blocks, Decoded, E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
+from anyquant.runtime.layouts import tensor as layout_tensor
+from anyquant.runtime.packing import int4_codes_from_cols, int4_codes_from_rows
+from anyquant.runtime.tensors import FileRows, fill_file_tables
+
 from .kernels.linear import BlockLinear
-from .layouts import Affine4Blocks, Decoded, E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
-from .layouts import tensor as layout_tensor
-from .packing import int4_codes_from_cols, int4_codes_from_rows
-from .tensors import FileRows, fill_file_tables
 
 __all__ = [
     "DEFAULT_SMALL_ROWS",
@@ -515,13 +516,13 @@ HEAD_KINDS = ("auto", "q8_0", "bfloat16", "dense")
 
 def head_status(kind: str) -> tuple[bool, str]:
     """(usable, reason) for a :class:`FastHead` decoding in ``kind`` (``"q8_0"``: the compiled GGUF-block
-    kernel, :mod:`anyquant.runtime.kernels`, is built and loads; ``"bfloat16"``: :func:`bf16_head_status`)."""
+    kernel, :mod:`anyquant_cpu.kernels`, is built and loads; ``"bfloat16"``: :func:`bf16_head_status`)."""
     if kind == "q8_0":
         from . import kernels
 
         if kernels.available():
             return True, ""
-        return False, "the compiled GGUF-block kernel is not built (`python -m anyquant.runtime.kernels build`)"
+        return False, "the compiled GGUF-block kernel does not load here (`python -m anyquant_cpu.kernels` says why)"
     if kind == "bfloat16":
         return bf16_head_status()
     return False, f"no FastHead decodes in {kind!r}"
@@ -640,7 +641,7 @@ class FastHead(nn.Module):
     """The output projection (LM head) for the ``cpu-fast`` backend.
 
     - few rows (``<= small_rows``; decode), ``decode="q8_0"``: a Q8_0 copy of the weight (1.06 bytes per
-      weight, :func:`~anyquant.runtime.kernels.linear.q8_0_blocks`; in the kernel's interleaved form unless
+      weight, :func:`~anyquant_cpu.kernels.linear.q8_0_blocks`; in the kernel's interleaved form unless
       ``interleave=False``) on the compiled GGUF-block kernel, activations in one int8 pass (llama.cpp's
       arithmetic for its Q8_0 heads); SmolLM2's 49152x576 head, 1 row, 2 threads: ~1.2 ms against ~4.5 ms
       for the bfloat16 copy; ``decode="bfloat16"``: bfloat16 activations times a bfloat16 copy of the weight
@@ -706,7 +707,7 @@ class FastHead(nn.Module):
         if self.file is None:
             self.packed = [reorder(exact.to(torch.bfloat16), None)]  # type: ignore[union-attr]
         else:
-            from .._memory import release_free_heap
+            from anyquant.plugin import release_free_heap
 
             for start, count in _halving_pieces(self.out_features, self.FILE_PIECES):
                 piece = torch.empty(count, self.in_features, dtype=torch.bfloat16)
@@ -1023,13 +1024,13 @@ def block_kernel_is_fast() -> bool:
 
 def to_block_kernel(module: nn.Module, interleave: bool = True) -> dict[str, Any]:
     """Swap ``module``'s :class:`FastInt4Linear` layers for
-    :class:`~anyquant.runtime.kernels.linear.GroupInt4BlockLinear` (the same weight as GQ4 blocks, read by
+    :class:`~anyquant_cpu.kernels.linear.GroupInt4BlockLinear` (the same weight as GQ4 blocks, read by
     the compiled kernel: faster than torch's int4 kernel for a few rows) when the kernel is built.
 
     All or none of a decoder layer's (a module with ``self_attn`` and ``mlp``), so that the compiled decode
     step plans it whole ("ggml", or "mixed_moe" for a mixture-of-experts layer, its experts on the kernel too:
     faster than "int4_moe" on torch's kernel, bench/moe.py; else "int4"). ``interleave``: the blocks in the kernel's interleaved
-    form (:mod:`anyquant.runtime.kernels`). Returns the record for ``info["cpu_fast"]``:
+    form (:mod:`anyquant_cpu.kernels`). Returns the record for ``info["cpu_fast"]``:
     ``{}`` when the kernel is not built, else the count converted and why the others were not."""
     from . import kernels
 
@@ -1360,7 +1361,7 @@ def _affine4_blocks(lay: Affine4Blocks, build: _Stage) -> nn.Module | str | None
 
 
 def _table4(lay: Table4, build: _Stage) -> nn.Module | str | None:
-    """The codes kept packed on the compiled 4-bit table kernel (:class:`~anyquant.runtime.kernels.lut.Lut4Linear`);
+    """The codes kept packed on the compiled 4-bit table kernel (:class:`~anyquant_cpu.kernels.lut.Lut4Linear`);
     MXFP4 (an E2M1 table, power-of-two scales per 32) as GGML MXFP4 blocks on the block kernel where that is fast
     (:class:`MXFP4BlockLinear`: ~2.9x lut4's decode speed on a 2880x2880 layer, one thread; int8 activations)."""
     if (reason := _kind_unsupported(Table4)) is not None:
@@ -1399,7 +1400,7 @@ def _table4(lay: Table4, build: _Stage) -> nn.Module | str | None:
 
 
 def _e4m3_groups(lay: E4M3Groups, build: _Stage) -> nn.Module | str | None:
-    """The FP8 bytes as they are on the compiled kernel's ``fp8_gemv`` (:class:`~anyquant.runtime.kernels.lut.E4M3Linear`)."""
+    """The FP8 bytes as they are on the compiled kernel's ``fp8_gemv`` (:class:`~anyquant_cpu.kernels.lut.E4M3Linear`)."""
     if (reason := _kind_unsupported(E4M3Groups)) is not None:
         return reason
     k, group = lay.in_features, lay.group
@@ -1674,7 +1675,7 @@ class FastCPUPlan:
         dequantized weights keeps its exact head too. ``compute_dtype``: the model's (an embedding kept
         16-bit by the build is cast to it when no fast head takes it over). ``tables``: what the build
         left in the file (:meth:`file_tables`); read into memory here when no fast head takes it."""
-        from .._memory import release_free_heap
+        from anyquant.plugin import release_free_heap
 
         release_free_heap()  # the tokenizer's parse left freed memory in the heap: not under the head's peak
         self.block_info = to_block_kernel(module, self.interleave) if self.block_kernel else {}

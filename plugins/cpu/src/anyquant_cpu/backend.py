@@ -1,0 +1,45 @@
+"""What core asks of the CPU engine: the module the ``cpu-fast`` backend names as its
+:attr:`~anyquant.protocols.BackendSpec.engine`, reached through :mod:`anyquant.runtime.cpu` (core never imports this
+distribution). The engine's conversions (:mod:`anyquant_cpu.engine`) and the compiled decode step
+(:mod:`anyquant_cpu.step`) behind one list of names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .engine import (
+    DEFAULT_SMALL_ROWS,
+    FastCPUPlan,
+    FastInt4Linear,
+    bf16_head_status,
+    fast_cpu_capable,
+    fast_cpu_module,
+    fast_cpu_reasons,
+    kv_cache_dtype,
+    layout_kinds_run,
+    layouts_run,
+)
+
+__all__ = [
+    "DEFAULT_SMALL_ROWS",
+    "FastCPUPlan",
+    "FastInt4Linear",
+    "bf16_head_status",
+    "decode_step",
+    "fast_cpu_capable",
+    "fast_cpu_module",
+    "fast_cpu_reasons",
+    "kv_cache_dtype",
+    "layout_kinds_run",
+    "layouts_run",
+]
+
+
+def decode_step(model: nn.Module) -> Any:
+    """The native decoder ``model``'s compiled decode step (:class:`anyquant_cpu.step.DecodeStep`), or ``None`` when
+    nothing in it compiles."""
+    from .step import DecodeStep
+
+    return DecodeStep.build(model)
