@@ -19,8 +19,6 @@ on a CUDA machine with ``fbgemm_gpu``, one layer against fbgemm's real kernels.
 from __future__ import annotations
 
 import importlib.util
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ import torch
 
 import anyquant as sdk
 from anyquant.errors import AnyquantError, ConfigError, FormatConflictError, UnsupportedFormatError
+from plugins.fp8.tests.test_modelopt_fixtures import _copy, _edit_config, _edit_tensors, record  # shared fixture edits
 from tests.peers.recorded import (
     assert_fast_modules_exact,
     assert_greedy_or_near_tie,
@@ -47,30 +46,6 @@ EXACT_TOL = 1e-4
 BF16_TOL = 0.12
 #: cpu-fast (measured 3.9e-2 and 9.0e-3: bfloat16 prefill and the Q8_0 head, FP8 modules exact)
 FAST_TOL = 6e-2
-
-
-def record(name: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((FIXTURES / f"{name}.json").read_text())
-    return data
-
-
-def _copy(name: str, dst: Path) -> Path:
-    shutil.copytree(FIXTURES / name, dst)
-    return dst
-
-
-def _edit_config(path: Path, **changes: Any) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"].update(changes)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
-def _edit_tensors(path: Path, fn: Any) -> None:
-    from safetensors.torch import load_file, save_file
-
-    t = load_file(path / "model.safetensors")
-    fn(t)
-    save_file(t, path / "model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("name", NAMES)

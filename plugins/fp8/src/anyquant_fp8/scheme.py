@@ -13,7 +13,7 @@ Standard library only.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -291,15 +291,7 @@ def read_modelopt_scheme(probe: Probe) -> FP8Scheme:
         what = "FP8 or FP4" if fp4 else "FP8"
         scheme.problems.append(f"{len(stray)} {what} tensors without a weight_scale (e.g. {stray[0]})")
     # a linear of a quantized kind (same leaf name) left dense and not excluded: vLLM would expect it FP8
-    dense = [
-        n.removesuffix(".weight")
-        for n, ti in t.items()
-        if n.endswith(".weight")
-        and ti.dtype in ("BF16", "F16", "F32")
-        and len(ti.shape) == 2
-        and n.removesuffix(".weight").rpartition(".")[2] in leaves
-        and not m.excluded(n.removesuffix(".weight"))
-    ]
+    dense = dense_left(t, leaves, m.excluded)
     if m.algo == "MIXED_PRECISION":  # a linear quantized_layers does not name is dense by definition; one it names
         dense = []  # must be stored quantized
         unstored = [n for n in m.layers if n not in scaled]
@@ -379,15 +371,7 @@ def read_fbgemm_scheme(probe: Probe) -> FP8Scheme:
         scheme.problems.append(f"{len(stray)} FP8 tensors without a weight_scale (e.g. {stray[0]})")
     # a linear of a quantized kind left dense and not in modules_to_not_convert: transformers would make it an
     # FbgemmFp8Linear and expect FP8 with a weight_scale
-    dense = [
-        n.removesuffix(".weight")
-        for n, ti in t.items()
-        if n.endswith(".weight")
-        and ti.dtype in ("BF16", "F16", "F32")
-        and len(ti.shape) == 2
-        and n.removesuffix(".weight").rpartition(".")[2] in leaves
-        and not cfg.excluded(n.removesuffix(".weight"))
-    ]
+    dense = dense_left(t, leaves, cfg.excluded)
     if dense:
         scheme.problems.append(
             f"{len(dense)} linears are dense but not in modules_to_not_convert (e.g. {dense[0]}): transformers "
@@ -396,3 +380,17 @@ def read_fbgemm_scheme(probe: Probe) -> FP8Scheme:
     if not scheme.modules and not scheme.problems:
         scheme.problems.append("the config says fbgemm_fp8, but no tensor is F8_E4M3 with a weight_scale")
     return scheme
+
+
+def dense_left(t: Mapping[str, Any], leaves: set[str], excluded: Callable[[str], bool]) -> list[str]:
+    """The 16/32-bit 2-D linears of a quantized kind (a leaf name among ``leaves``) that ``excluded`` does not keep
+    dense: a checkpoint whose method would have quantized them (ModelOpt's, transformers' fbgemm_fp8)."""
+    return [
+        n.removesuffix(".weight")
+        for n, ti in t.items()
+        if n.endswith(".weight")
+        and ti.dtype in ("BF16", "F16", "F32")
+        and len(ti.shape) == 2
+        and n.removesuffix(".weight").rpartition(".")[2] in leaves
+        and not excluded(n.removesuffix(".weight"))
+    ]
