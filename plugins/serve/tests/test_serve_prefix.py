@@ -180,6 +180,7 @@ def _serve(scheduler: Any, local: Any, prompts: list[list[int]], max_tokens: int
     from anyquant_serve.scheduler import Request
 
     seen: dict[int, tuple[list[int], list[Any]]] = {}
+    served: list[Any] = []  # every request kept alive: a freed one's id could come back as a later one's
     sample = scheduler._sample
 
     def recorded(row: Any, logits: Any) -> Any:
@@ -200,6 +201,7 @@ def _serve(scheduler: Any, local: Any, prompts: list[list[int]], max_tokens: int
             done.set()
 
         request = Request(ids, local.params(), max_tokens, lambda text: None, finish)
+        served.append(request)
         scheduler.submit(request)
         assert done.wait(600)
         assert ends[0].reason in ("stop", "length"), ends[0]
