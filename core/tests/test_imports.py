@@ -163,24 +163,18 @@ def test_plugins_import_only_the_plugin_api(package: str) -> None:
     assert not bad, bad
 
 
-#: the format modules that still build CPU-engine modules of their own (GGUF's blocks and head, EXL3/EXL2's decoded
-#: forms) and so import the engine (anyquant-cpu) directly, lazily, under ``cpu-fast`` alone: what is left of #41 §1.
-#: Every other format reaches the engine through ``anyquant.runtime.cpu``; this list may only shrink.
-ENGINE_IMPORTS = {"anyquant_gguf.loader", "anyquant_gguf.qlinear", "anyquant_exl3.loader", "anyquant_exl3.qlinear"}
-
-
 @pytest.mark.parametrize("package", FIRST_PARTY_PLUGINS)
 def test_plugins_do_not_import_each_other(package: str) -> None:
     """Each plugin is its own distribution: what two formats share lives in core (``anyquant.int4`` for GPTQ and
-    AWQ), so none imports a sibling (the AWQ plugin once imported eight names from ``anyquant_gptq.loader``); the CPU
-    engine's distribution only from :data:`ENGINE_IMPORTS`."""
+    AWQ), so none imports a sibling (the AWQ plugin once imported eight names from ``anyquant_gptq.loader``), the CPU
+    engine's distribution included: a format reaches it through ``anyquant.runtime.cpu`` (GGUF's and EXL3's engine
+    code moved into it, #41 §1)."""
     siblings = [p for p in FIRST_PARTY_PLUGINS if p != package]
     bad = [
         f"{module}: {name}"
         for module, path in _modules(package).items()
         for name in _imports(module, path)
         if any(name == s or name.startswith(s + ".") for s in siblings)
-        and not (module in ENGINE_IMPORTS and name.startswith("anyquant_cpu."))
     ]
     assert not bad, bad
 

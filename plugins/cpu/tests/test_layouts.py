@@ -37,7 +37,7 @@ from anyquant_cpu.kernels import lut
 
 ROOT = Path(__file__).resolve().parents[3]
 #: the formats whose linears describe packed layouts (their src holds no CPU-engine code)
-FORMATS = ("gptq", "awq", "compressed_tensors", "fp8", "bnb", "mlx", "mxfp4")
+FORMATS = ("gptq", "awq", "compressed_tensors", "fp8", "bnb", "mlx", "mxfp4", "gguf")
 #: relative to max |y|: torch's int4 kernel (bfloat16 activations), a bfloat16 copy; exact weights in float32
 BF16_TOL = 2e-2
 EXACT_TOL = 1e-5
@@ -425,6 +425,50 @@ def test_ready_q8_0_blocks_are_taken_as_they_are() -> None:
     assert torch.equal(ready.raw_blocks(), packed.raw_blocks()) and torch.equal(ready.dequantize(), packed.dequantize())
 
 
+def _q4_0(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q4_0 blocks (18 bytes: a float16 ``d``, then weight ``i`` in the low and ``16 + i`` in the high nibble of
+    byte ``i``) and their weight ``d * (q - 8)``."""
+    gen = torch.Generator().manual_seed(seed)
+    d = (torch.rand(rows, cols // 32, 1, generator=gen) * 0.1 + 0.01).to(torch.float16)
+    q = torch.randint(0, 16, (rows, cols // 32, 32), generator=gen, dtype=torch.uint8)
+    blocks = torch.cat([d.view(torch.uint8), q[..., :16] | (q[..., 16:] << 4)], -1)
+    return blocks.reshape(-1), (d.float() * (q.float() - 8)).reshape(rows, cols)
+
+
+def _permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's Q/K row order (what a "llama" GGUF file stores)."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def test_gguf_blocks_run_as_stored_else_repacked_with_q_k_rows_in_the_models_order() -> None:
+    """``GGUFBlocks``: the GGUF-block kernel on the stored blocks (interleaved or in place), else (``as_stored=False``)
+    Q4_0 repacked for torch's int4 kernel; permuted Q/K rows (``qk_heads``) come back in the model's order on every
+    path (the interleaving copy's heads of 16s rows, else un-permuted first); other types have no int4 path."""
+    from anyquant.runtime.layouts import GGUFBlocks
+    from anyquant_cpu.engine import GGUFBlockLinear, GGUFInt4Linear
+
+    rows, cols, heads = 128, 64, 4
+    blocks, weight = _q4_0(rows, cols, 9)
+    stored = _permute_qk(blocks.view(rows, -1), heads).reshape(-1)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(2))
+    for qk_heads, data in ((None, blocks), (heads, stored), (16, _permute_qk(blocks.view(rows, -1), 16))):
+        for as_stored, interleave in ((True, True), (True, False), (False, True)):
+            lay = GGUFBlocks(cols, rows, "Q4_0", 2, data, qk_heads=qk_heads, as_stored=as_stored)
+            fast = fast_linear(lay, small_rows=4, interleave=interleave)
+            if isinstance(fast, str):
+                assert not as_stored or not kernels.available(), fast
+                assert as_stored or not int4pack_status().available
+                continue
+            assert type(fast) is (GGUFBlockLinear if as_stored and kernels.available() else GGUFInt4Linear)
+            assert torch.equal(fast.dequantize(), weight), (qk_heads, as_stored, interleave)
+            with torch.no_grad():
+                assert _rel(fast(x), x @ weight.t()) < BF16_TOL
+    eight = GGUFBlocks(64, 32, "Q8_0", 8, _never, as_stored=False)
+    assert layout_unsupported(eight) == "Q8_0 has no int4 kernel"
+    assert layouts_run([[GGUFBlocks(64, 32, "Q6_K", 14, None)]]) == 0  # 64 columns: not a super-block of 256
+
+
 # ---------------------------------------------------------------- (d) the formats hold no engine code
 
 
@@ -433,7 +477,7 @@ def _format_sources() -> list[Path]:
 
 
 def test_the_formats_write_no_cpu_engine_code() -> None:
-    """The seven formats describe their layouts; the engine's methods and modules appear in none of their sources."""
+    """The eight formats describe their layouts; the engine's methods and modules appear in none of their sources."""
     engine = re.compile(
         r"to_fast_cpu|fast_cpu_unsupported|PrepackedBf16Linear|Lut4Linear|E4M3Linear|FastInt4Linear|"
         r"q8_0_from_codes|q4_1_from_codes|BlockLinear"
@@ -497,9 +541,10 @@ def test_every_layout_is_named_among_the_kinds_backends_register() -> None:
             layouts.Int8Blocks,
             layouts.Table4,
             layouts.E4M3Groups,
+            layouts.GGUFBlocks,
             layouts.Decoded,
         )
     }
-    assert len(kinds) == 6 and kinds <= set(LAYOUT_KINDS)
+    assert len(kinds) == 7 and kinds <= set(LAYOUT_KINDS)
     registry = Registry(entry_points=False, plugins=[("anyquant-cpu", anyquant_cpu.plugin)])
     assert kinds <= set(registry.backends()["cpu-fast"].layouts)

@@ -174,9 +174,10 @@ def test_exl2_takes_the_same_forms(exl2: Path) -> None:
 
 @needs_bf16
 def test_auto_is_bfloat16_where_the_block_kernel_does_not_run(exl3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from anyquant_cpu import engine as fastcpu
+    from anyquant_cpu import backend, engine
 
-    monkeypatch.setattr(fastcpu, "block_kernel_is_fast", lambda: False)
+    for where in (engine, backend):  # the engine's own choice, and what the loader asks through core's seam
+        monkeypatch.setattr(where, "block_kernel_is_fast", lambda: False)
     fast = anyquant.load(exl3)
     assert fast.backend == "cpu-fast" and fast.info["cpu_fast"]["linears"] == "bfloat16 prepacked"
     assert sum(isinstance(m, PrepackedBf16Linear) for m in fast.module.modules()) == 7

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MISSING",
+    "block_kernel_is_fast",
     "decode_step",
     "engine",
     "fast_cpu_capable",
@@ -74,6 +75,12 @@ def layout_kinds_run(*kinds: type[Layout]) -> tuple[bool, str]:
     """Whether the kernel of one of ``kinds`` runs here, with why not; ``(False, MISSING)`` without the engine."""
     found = engine()
     return (False, MISSING) if found is None else found.layout_kinds_run(*kinds)
+
+
+def block_kernel_is_fast() -> bool:
+    """Whether the engine's compiled block kernel loads here with a vector path; ``False`` without the engine."""
+    found = engine()
+    return found is not None and bool(found.block_kernel_is_fast())
 
 
 def kv_cache_dtype(extra: Mapping[str, Any], compute_dtype: torch.dtype) -> torch.dtype | None:

@@ -30,7 +30,17 @@ if TYPE_CHECKING:
     #: a tensor, or a zero-argument callable that forms it
     TensorOr: TypeAlias = torch.Tensor | Callable[[], torch.Tensor]
 
-__all__ = ["Affine4Blocks", "Decoded", "E4M3Groups", "Int4Groups", "Int8Blocks", "Layout", "Table4", "tensor"]
+__all__ = [
+    "Affine4Blocks",
+    "Decoded",
+    "E4M3Groups",
+    "GGUFBlocks",
+    "Int4Groups",
+    "Int8Blocks",
+    "Layout",
+    "Table4",
+    "tensor",
+]
 
 
 def tensor(value: TensorOr | None) -> torch.Tensor:
@@ -153,17 +163,44 @@ class E4M3Groups:
 
 
 @dataclass(frozen=True, eq=False)
+class GGUFBlocks:
+    """The weight as GGML blocks, exactly as a GGUF file stores them (llama.cpp's types: Q4_0, Q8_0, the K-quants,
+    IQ4_XS, MXFP4 ...): ``w`` is the type's own dequantization of the blocks.
+
+    ``blocks``: uint8, the ``[out, in]`` weight's blocks row after row (``in`` a multiple of the type's block; a
+    zero-copy view of the mapped file is fine: an engine that reads them in place keeps the view); ``type_name`` and
+    ``type_id``: GGML's name and number of the type. ``qk_heads``: the rows are permuted as llama.cpp's converter
+    permutes a "llama" file's Q/K weights, in that many heads (``None``: in the model's order): the engine puts them
+    back in the model's order. ``as_stored``: whether the blocks may run as they are stored, on a kernel that reads
+    GGML blocks (``False``: only repacked, as torch's int4 kernel takes Q4_0/Q4_1/Q4_K)."""
+
+    #: its name among :data:`anyquant.protocols.LAYOUT_KINDS` (what a registered backend says it runs)
+    kind: ClassVar[str] = "gguf-blocks"
+
+    in_features: int
+    out_features: int
+    type_name: str
+    type_id: int
+    blocks: TensorOr | None
+    qk_heads: int | None = None
+    as_stored: bool = True
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
 class Decoded:
     """A bfloat16 copy of ``source.dequantize()`` is within the format's tolerance (its weights have no packed layout
     the engine runs, and the format accepts bfloat16 rounding of them). ``source``: the format's module
     (``dequantize()``, ``in_features``, ``out_features``, ``bias``), kept for its exact weight (``None`` in a
-    metadata-only description)."""
+    metadata-only description). ``exact_prompts``: prompts of more rows than the engine's decode rows run
+    ``source``'s own (exact) forward, the bfloat16 copy serving decode only (``False``: every forward in bfloat16)."""
 
     #: its name among :data:`anyquant.protocols.LAYOUT_KINDS` (what a registered backend says it runs)
     kind: ClassVar[str] = "decoded"
 
     source: Any
+    exact_prompts: bool = False
 
 
 #: one packed layout of the vocabulary
-Layout: TypeAlias = Int4Groups | Affine4Blocks | Int8Blocks | Table4 | E4M3Groups | Decoded
+Layout: TypeAlias = Int4Groups | Affine4Blocks | Int8Blocks | Table4 | E4M3Groups | GGUFBlocks | Decoded

@@ -21,6 +21,7 @@ import sys
 import torch
 
 __all__ = [
+    "q8_0_blocks",
     "SUPPORTED_BITS",
     "WORD_BITS",
     "check_bits",
@@ -201,3 +202,21 @@ def int4_codes_from_cols(words: torch.Tensor) -> torch.Tensor:
     :func:`unpack_cols`, through a byte view)."""
     rows, cols = words.shape
     return _nibbles(words).reshape(rows, cols * 8)
+
+
+def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 blocks (uint8 ``[out, in/32 * 34]``) of a float ``weight`` ``[out, in]``, bit for bit what the
+    ``gguf`` package's (and llama.cpp's reference) quantizer writes: per block of 32, ``d = max|w| / 127`` (float16
+    in the block), codes ``round(w / d)`` with halves away from zero (``w * (1 / d)``, in float32)."""
+    out, k = weight.shape
+    if k % 32:
+        raise ValueError(f"Q8_0 needs in_features divisible by 32, not {k}")
+    w = weight.to(torch.float32).reshape(out, k // 32, 32)
+    d = w.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    scaled = w * inv
+    codes = (scaled.abs() + 0.5).floor_().copysign_(scaled).to(torch.int8)
+    blocks = torch.empty(out, k // 32, 34, dtype=torch.uint8)
+    blocks[..., 0:2] = d.to(torch.float16).view(torch.uint8)
+    blocks[..., 2:] = codes.view(torch.uint8)
+    return blocks.reshape(out, -1)

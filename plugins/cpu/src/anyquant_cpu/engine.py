@@ -56,7 +56,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from anyquant.plugin import ParameterError
-from anyquant.runtime.layouts import Affine4Blocks, Decoded, E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
+from anyquant.runtime.layouts import (
+    Affine4Blocks,
+    Decoded,
+    E4M3Groups,
+    GGUFBlocks,
+    Int4Groups,
+    Int8Blocks,
+    Layout,
+    Table4,
+)
 from anyquant.runtime.layouts import tensor as layout_tensor
 from anyquant.runtime.packing import int4_codes_from_cols, int4_codes_from_rows
 from anyquant.runtime.tensors import FileRows, fill_file_tables
@@ -70,6 +79,9 @@ __all__ = [
     "FastCPUPlan",
     "FastHead",
     "FastInt4Linear",
+    "GGUFBlockHead",
+    "GGUFBlockLinear",
+    "GGUFInt4Linear",
     "Int8BlockLinear",
     "KV_CACHE_DTYPES",
     "Int4PackStatus",
@@ -1073,6 +1085,176 @@ def to_block_kernel(module: nn.Module, interleave: bool = True) -> dict[str, Any
     return {"gq4_layers": converted, "int4_kernel": skipped}
 
 
+# --------------------------------------------------------------------------- GGUF blocks (llama.cpp's GGML types)
+
+#: the GGML types whose blocks repack for torch's int4 kernel (4-bit codes, a scale and an offset per 32 weights):
+#: (the block's header bytes before its nibbles, half a chunk: weights ``i`` and ``half + i`` of each chunk of
+#: ``2 * half`` weights share nibble byte ``i``)
+_GGML_INT4 = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q4_K": (16, 32)}
+
+
+def _ggml_f16(b: torch.Tensor, start: int) -> torch.Tensor:
+    """Bytes ``start:start+2`` of each block (``[n, size]`` uint8) as float32 ``[n, 1]`` (exact), read through a
+    float16 view of the whole block matrix (no gather copy) where its layout allows one."""
+    try:
+        halves = b.view(torch.float16)
+    except RuntimeError:  # odd storage offset or strided rows
+        return b[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
+    return halves[:, start // 2 : start // 2 + 1].to(torch.float32)
+
+
+def _ggml_int4_scales_offsets(
+    b: torch.Tensor, type_name: str, out_features: int, *, offsets: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0/Q4_1/Q4_K blocks' ``(scales, offsets)``, float32 ``[out, in / 32]``: ``scales * q + offsets`` (float32,
+    multiply then add) is the type's dequantization bit for bit: Q4_0 ``d * q + (-8 d)`` (``d`` a float16 value:
+    ``8 d`` and the sum exact), Q4_1 ``d * q + m``, Q4_K ``(d * sc) * q - dmin * mn`` per sub-block of 32
+    (subtracting is adding the negation). Q4_0 with ``offsets=False``: the scales twice (the caller writes ``-8 d``)."""
+    if type_name == "Q4_K":
+        n = b.shape[0]
+        d, dmin = _ggml_f16(b, 0), _ggml_f16(b, 2)
+        six = b[:, 4:16].reshape(n, 3, 4)  # 8 six-bit scales and 8 six-bit mins in 12 bytes
+        lo, mid, hi = six[:, 0], six[:, 1], six[:, 2]
+        sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
+        mn = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=-1)
+        scale = (d * sc.to(torch.float32)).reshape(n, -1, 1)
+        offset = (dmin * mn.to(torch.float32)).reshape(n, -1, 1)
+        return scale.reshape(out_features, -1), offset.neg().reshape(out_features, -1)
+    scales = _ggml_f16(b, 0).reshape(out_features, -1)
+    if type_name == "Q4_1":
+        return scales, _ggml_f16(b, 2).reshape(out_features, -1)
+    return scales, scales * -8.0 if offsets else scales
+
+
+def _ggml_int4_pairs(b: torch.Tensor, type_name: str, out_features: int) -> torch.Tensor:
+    """The blocks' nibble bytes as :func:`pack_int4_pairs` reads them (a view): Q4_0/Q4_1 hold weights ``i`` and
+    ``16 + i`` of a 32-weight block in byte ``i``; Q4_K weights ``64c + i`` and ``64c + 32 + i`` of a 256-weight
+    super-block in byte ``32c + i``."""
+    header, half = _GGML_INT4[type_name]
+    blocks = b.view(out_features, -1, b.shape[-1])[:, :, header:]
+    return blocks.view(out_features, blocks.shape[1], -1, half)
+
+
+def _unpermute_qk_rows(blocks: torch.Tensor, rows: int, heads: int) -> torch.Tensor:
+    """A "llama" GGUF file's Q/K rows (permuted by llama.cpp's converter, in ``heads`` heads) in the model's order (a
+    copy)."""
+    if rows % (2 * heads):
+        raise ValueError(f"{rows} rows cannot be split into {heads} heads of even size")
+    grouped = blocks.reshape(heads, rows // heads // 2, 2, -1)
+    return grouped.transpose(1, 2).reshape(rows, -1)
+
+
+class GGUFInt4Linear(FastInt4Linear):
+    """:class:`~anyquant.runtime.layouts.GGUFBlocks` of Q4_0/Q4_1/Q4_K repacked for torch's int4 CPU kernel (decode:
+    bfloat16 activations; prompts: the exact float32 weight, dequantized per forward, and a GEMM):
+    :class:`FastInt4Linear` with a float offset per group.
+
+    The base takes integer zero points (``W = (q - z) * s``); these types' offsets are arbitrary floats. The int4
+    kernel computes ``(q - 8) * s + m`` with any ``m``, so only its ``scales_and_zeros`` (``m = offset + 8 s``,
+    bfloat16 like the base's) and the exact dense weight of the many-rows path (``s * q + offset`` in float32)
+    differ. The kernel's layout is written straight from the blocks' nibble bytes (:func:`pack_int4_pairs`: no
+    unpacked codes, a few whole-tensor ops per layer) when the rows fill the kernel's blocks, else from unpacked,
+    padded codes.
+    """
+
+    offsets: torch.Tensor
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        type_name: str,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> None:
+        from .kernels import GGML_TYPES
+
+        if type_name not in _GGML_INT4:
+            raise ValueError(f"{type_name} has no int4 kernel")
+        b = blocks.reshape(-1, GGML_TYPES[type_name][1])
+        block = int4pack_status().block_n
+        pairs_og = _ggml_int4_pairs(b, type_name, out_features)
+        if block > 0 and out_features % block == 0:
+            scales_og, offsets_og = _ggml_int4_scales_offsets(b, type_name, out_features, offsets=type_name != "Q4_0")
+            codes = None
+            packed = pack_int4_pairs(pairs_og, block)
+        else:
+            scales_og, offsets_og = _ggml_int4_scales_offsets(b, type_name, out_features)
+            scales_og, offsets_og = scales_og.contiguous(), offsets_og.contiguous()
+            nibbles = torch.stack([pairs_og & 0x0F, pairs_og >> 4], dim=-2)  # each chunk's low weights, then high
+            codes, packed = nibbles.reshape(out_features, in_features).t(), None
+        del pairs_og
+        scales = scales_og.t()  # [G, out]
+        groups = scales.shape[0]
+        offsets = torch.empty(groups, out_features)
+        if type_name == "Q4_0":  # -8 d, as _ggml_int4_scales_offsets gives it, written straight in [G, out] order
+            torch.mul(scales, -8.0, out=offsets)
+        else:
+            offsets.copy_(offsets_og.t())
+        # the kernel's (s, m = offset + 8 s); s stays what the base keeps as the exact scale (bf16(s) in the kernel's
+        # column: the many-rows path recovers s bit for bit from the base's buffers)
+        pairs = torch.empty(groups, out_features, 2)
+        pairs[..., 0].copy_(scales)
+        torch.mul(scales, 8.0, out=pairs[..., 1])
+        pairs[..., 1].add_(offsets)
+        zeros = torch.zeros((1, 1), dtype=torch.uint8).expand(groups, out_features)
+        super().__init__(codes, zeros, scales, bias=bias, packed=packed, kernel_pairs=pairs, **kwargs)
+        del codes, packed, pairs
+        self.type_name = type_name
+        self.register_buffer("offsets", offsets)
+
+    def weight_kn(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        k, n = self.in_features, self.out_features
+        w = self._codes_kn().reshape(k // 32, 32, n).to(torch.float32)
+        w.mul_(self.exact_scales().unsqueeze(1)).add_(self.offsets.unsqueeze(1))
+        return w.view(k, n).to(dtype or torch.float32)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, qtype={self.type_name}"
+
+
+class GGUFBlockLinear(BlockLinear):
+    """:class:`~anyquant.runtime.layouts.GGUFBlocks` on the compiled GGUF-block kernel (decode), the blocks read in
+    place or held in the kernel's interleaved form (``interleave``); prompts dequantize the blocks per forward (the
+    kernel's ``ggml_dequantize``: bitwise the GGUF format's own dequantization, tested)."""
+
+    def dequantize(self) -> torch.Tensor:
+        return self.exact_weight(torch.float32)
+
+
+class GGUFBlockHead(FastHead):
+    """:class:`FastHead` whose decode product is the GGUF-block kernel on the table's own blocks (read in place, or
+    copied once into the kernel's interleaved form when ``interleave``; nothing quantized again); the ``EXACT_TOP``
+    largest logits of each row are computed again from the exact table (``table``: the format's rows, read a slice
+    at a time), as FastHead does, and prompts use its exact path."""
+
+    def __init__(
+        self, table: RowTable, blocks: torch.Tensor, type_name: str, *, small_rows: int, interleave: bool = False
+    ) -> None:
+        nn.Module.__init__(self)  # FastHead's own __init__ makes a copy of its own: not wanted here
+        self.out_features, self.in_features = table.shape
+        self.compute_dtype, self.small_rows = torch.float32, small_rows
+        self.file = table
+        self.table = table
+        self.register_buffer("exact", None)
+        self.register_buffer("bias", None)
+        self.packed = []
+        self._set_blocks(blocks, type_name, interleave)
+        self.interleaved = interleave
+
+    def packed_bytes(self) -> int:
+        copy = self.blocks if self.interleaved else None  # else the table's bytes are the format's (the file's)
+        return 0 if copy is None else int(copy.nbytes)
+
+
+def _gguf_on_kernel(lay: GGUFBlocks) -> bool:
+    """Whether the compiled GGUF-block kernel reads ``lay``'s blocks as stored here (built, any ISA; the type its own)."""
+    from . import kernels
+
+    return lay.as_stored and lay.type_name in kernels.GGML_TYPES and lay.type_name != "GQ4" and kernels.available()
+
+
 # --------------------------------------------------------------------------- packed layouts: the CPU engine
 
 
@@ -1212,11 +1394,14 @@ def _mxfp4_blocks(lay: Table4) -> torch.Tensor | None:
 
 @dataclass(frozen=True)
 class _Build:
-    """What the engine builds a layout's module with (``None`` in its place: check only)."""
+    """What the engine builds a layout's module with (``None`` in its place: check only). ``interleave`` and
+    ``passes``: the GGUF-block kernel's form of stored blocks and its activation passes (:class:`FastCPUPlan`)."""
 
     small_rows: int
     prefill_dtype: torch.dtype | None
     compute_dtype: torch.dtype
+    interleave: bool = True
+    passes: int = 2
 
 
 #: ``build`` of a check from the layout's metadata alone (its tensors neither read nor formed)
@@ -1429,7 +1614,70 @@ def _decoded(lay: Decoded, build: _Stage) -> nn.Module | str | None:
     """A bfloat16 copy prepacked for oneDNN (:class:`PrepackedBf16Linear`)."""
     if (reason := _kind_unsupported(Decoded)) is not None:
         return reason
-    return PrepackedBf16Linear(lay.source) if isinstance(build, _Build) else None
+    if not isinstance(build, _Build):
+        return None
+    return PrepackedBf16Linear(lay.source, small_rows=build.small_rows if lay.exact_prompts else None)
+
+
+def _gguf_unsupported() -> str | None:
+    from . import kernels
+
+    if kernels.available() or int4pack_status().available:
+        return None
+    why = int4pack_status().reason
+    return f"GGUF blocks run on the compiled GGUF-block kernel, which is not built here, or torch's int4 kernel: {why}"
+
+
+def _gguf_blocks(lay: GGUFBlocks, build: _Stage) -> nn.Module | str | None:
+    """The blocks as stored on the compiled GGUF-block kernel (:class:`GGUFBlockLinear`: read in place, or copied
+    into the kernel's interleaved form with the plan's ``interleave``), else Q4_0/Q4_1/Q4_K repacked for torch's int4
+    kernel (:class:`GGUFInt4Linear`). Permuted Q/K rows are read back in the model's order by the interleaving copy
+    (heads of 16s rows), else un-permuted first (a copy)."""
+    from .kernels import GGML_TYPES
+
+    n, k = lay.out_features, lay.in_features
+    if _gguf_on_kernel(lay):
+        weights = GGML_TYPES[lay.type_name][2]
+        if k % weights:
+            return f"{lay.type_name} rows of {k} weights (its blocks hold {weights})"
+        if not isinstance(build, _Build):
+            return None
+        blocks, heads = layout_tensor(lay.blocks), lay.qk_heads or 0
+        if heads and not (build.interleave and n // heads % 16 == 0):  # the interleaving copy reads 16-row heads
+            blocks, heads = _unpermute_qk_rows(blocks, n, heads), 0
+        return GGUFBlockLinear(
+            blocks,
+            lay.type_name,
+            n,
+            k,
+            lay.bias,
+            small_rows=build.small_rows,
+            prefill_dtype=build.prefill_dtype,
+            compute_dtype=build.compute_dtype,
+            passes=build.passes,
+            interleave=build.interleave,
+            qk_heads=heads,
+        )
+    if lay.type_name not in _GGML_INT4:
+        return f"{lay.type_name} has no int4 kernel"
+    reason = unsupported_reason(4, k, n, 32)
+    if reason is not None:
+        return f"FastInt4Linear cannot run this layer: {reason}"
+    if not isinstance(build, _Build):
+        return None
+    blocks = layout_tensor(lay.blocks)
+    if lay.qk_heads:
+        blocks = _unpermute_qk_rows(blocks, n, lay.qk_heads)
+    return GGUFInt4Linear(
+        blocks,
+        lay.type_name,
+        n,
+        k,
+        lay.bias,
+        small_rows=build.small_rows,
+        prefill_dtype=build.prefill_dtype,
+        compute_dtype=build.compute_dtype,
+    )
 
 
 #: each layout kind: why its kernel does not run here (``None``: it does), and the builder of its fast module
@@ -1439,6 +1687,7 @@ _KERNELS: dict[type, tuple[Callable[[], str | None], Callable[[Any, _Stage], nn.
     Affine4Blocks: (lambda: _block_kernel_unsupported("4-bit affine groups"), _affine4_blocks),
     Table4: (_lut_unsupported, _table4),
     E4M3Groups: (_fp8_unsupported, _e4m3_groups),
+    GGUFBlocks: (_gguf_unsupported, _gguf_blocks),
     Decoded: (_bf16_unsupported, _decoded),
 }
 
@@ -1498,17 +1747,25 @@ def fast_linear(
     small_rows: int = DEFAULT_SMALL_ROWS,
     prefill_dtype: torch.dtype | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    interleave: bool = True,
+    passes: int = 2,
 ) -> nn.Module | str:
     """The CPU engine's module for ``layout`` (the weight as its layout's kernel reads it; decode up to ``small_rows``
     rows on the kernel, longer prompts through the exact weight and a GEMM in ``prefill_dtype``; bias and outputs in
-    ``compute_dtype``), or why it cannot run here (:func:`layout_unsupported`)."""
-    out = _engine(layout, _Build(small_rows, prefill_dtype, compute_dtype))
+    ``compute_dtype``), or why it cannot run here (:func:`layout_unsupported`). ``interleave``, ``passes``: GGUF
+    blocks' form on the GGUF-block kernel and its activation passes (:class:`FastCPUPlan`)."""
+    out = _engine(layout, _Build(small_rows, prefill_dtype, compute_dtype, interleave, passes))
     assert out is not None
     return out
 
 
 def fast_cpu_module(
-    layer: _Convertible, *, small_rows: int = DEFAULT_SMALL_ROWS, prefill_dtype: torch.dtype | None = None
+    layer: _Convertible,
+    *,
+    small_rows: int = DEFAULT_SMALL_ROWS,
+    prefill_dtype: torch.dtype | None = None,
+    interleave: bool = True,
+    passes: int = 2,
 ) -> nn.Module | str:
     """``layer``'s first offered layout (:meth:`~anyquant.runtime.qlinear.QuantLinearBase.packed_layouts`) that runs
     here, as :func:`fast_linear` builds it behind the layer's input quantization (``layer.behind_inputs``); or why
@@ -1519,7 +1776,12 @@ def fast_cpu_module(
     reasons: list[str] = []
     for layout in offered:
         fast = fast_linear(
-            layout, small_rows=small_rows, prefill_dtype=prefill_dtype, compute_dtype=layer.compute_dtype
+            layout,
+            small_rows=small_rows,
+            prefill_dtype=prefill_dtype,
+            compute_dtype=layer.compute_dtype,
+            interleave=interleave,
+            passes=passes,
         )
         if not isinstance(fast, str):
             return layer.behind_inputs(fast)
@@ -1589,7 +1851,9 @@ class FastCPUPlan:
     ``"gq4"`` (:func:`to_block_kernel` where the compiled kernel is built) or ``"torch"`` (torch's int4 kernel
     for every 4-bit layer),
     ``cpu_fast_interleave`` ``True`` (default: weights on the compiled block kernel copied once at load into its
-    interleaved form, the file's pages released) or ``False`` (GGUF blocks read in place from the file).
+    interleaved form, the file's pages released) or ``False`` (GGUF blocks read in place from the file),
+    ``cpu_fast_activation_passes`` ``2`` (default) or ``1``: the int8 passes over the activations of the GGUF-block
+    kernel on GGUF blocks (1: llama.cpp's int8 arithmetic, faster, may flip near-tied greedy tokens).
     """
 
     small_rows: int = DEFAULT_SMALL_ROWS
@@ -1598,6 +1862,7 @@ class FastCPUPlan:
     tables: str = "file"
     block_kernel: bool = False
     interleave: bool = True
+    passes: int = 2
     converted: int = 0
     fallback: dict[str, str] = field(default_factory=dict)
     head_info: dict[str, Any] = field(default_factory=dict)
@@ -1638,6 +1903,9 @@ class FastCPUPlan:
         interleave = extra.get("cpu_fast_interleave", True)
         if interleave not in (True, False, "true", "false"):
             raise ParameterError(f"cpu_fast_interleave={interleave!r} is not True or False")
+        passes = extra.get("cpu_fast_activation_passes", 2)
+        if passes not in (1, 2, "1", "2") or isinstance(passes, bool):
+            raise ParameterError(f"cpu_fast_activation_passes={passes!r} is not 1 or 2")
         return cls(
             small_rows=rows,
             prefill_dtype=None if prefill is None else _PREFILL_DTYPES[prefill],
@@ -1645,6 +1913,7 @@ class FastCPUPlan:
             tables=tables,
             block_kernel=kernel == "gq4",
             interleave=interleave in (True, "true"),
+            passes=int(passes),
         )
 
     @property
@@ -1705,7 +1974,9 @@ class FastCPUPlan:
         ``small_rows``: this layer's rows up to which the decode kernel runs, where the format knows better than the
         plan's default (a mixture's experts: a prompt's tokens spread over them, a few each)."""
         rows = self.small_rows if small_rows is None else small_rows
-        fast = fast_cpu_module(layer, small_rows=rows, prefill_dtype=self.prefill_dtype)
+        fast = fast_cpu_module(
+            layer, small_rows=rows, prefill_dtype=self.prefill_dtype, interleave=self.interleave, passes=self.passes
+        )
         if not isinstance(fast, str):
             self.converted += 1
             return fast
@@ -1713,6 +1984,32 @@ class FastCPUPlan:
         layer.mode = "dequantized"
         out: nn.Module = layer.finalize()
         return out
+
+    def table_head(self, table: RowTable, blocks: GGUFBlocks | None = None) -> tuple[nn.Module, bool] | None:
+        """The LM head over a table its format keeps packed (``table``: its exact rows, read a slice at a time;
+        ``blocks``: the table's own GGUF blocks), for a format that installs its head itself: ``(head, False)``, the
+        blocks on the GGUF-block kernel where it reads them (:class:`GGUFBlockHead`: no copy of another type); else
+        ``(head, True)``, a :class:`FastHead` decoding from a copy as :attr:`head_kind` asks; ``None`` where neither
+        runs here. Both compute the top logits of each row again exactly."""
+        if blocks is not None and _gguf_on_kernel(blocks):
+            head = GGUFBlockHead(
+                table,
+                layout_tensor(blocks.blocks),
+                blocks.type_name,
+                small_rows=self.small_rows,
+                interleave=self.interleave,
+            )
+            return head, False
+        decode = head_kind(self.head_kind, int(table.shape[1]))[0]
+        if decode is None:
+            return None
+        return FastHead(table, small_rows=self.small_rows, decode=decode, interleave=self.interleave), True
+
+    def install_norms(self, module: nn.Module) -> int:
+        """The decode path's RMSNorms on the compiled kernel up to :attr:`small_rows` tokens (:func:`kernel_norms`),
+        for a format that finishes its model itself; returns (and records) how many."""
+        self.norms = kernel_norms(module, self.small_rows)
+        return self.norms
 
     def summary(self) -> dict[str, Any]:
         """For ``LoadedModel.info["cpu_fast"]``; logs the fallbacks once."""

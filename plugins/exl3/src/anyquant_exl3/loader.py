@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from anyquant.plugin import LoadedModel
     from anyquant.runtime.parts import PartsPlan
     from anyquant.runtime.qlinear import QuantLinearBase
-    from anyquant_cpu.engine import FastCPUPlan
 
     from .ring import RingTable
 
@@ -236,7 +235,7 @@ def cpu_fast_weights(extra: Mapping[str, Any]) -> str:
     """Load option ``cpu_fast_weights`` checked (``"auto"``, ``"q8_0"`` or ``"bfloat16"``); ``"q8_0"`` asked for
     where the compiled block kernel does not run is refused, before anything is read."""
     from anyquant.plugin import ParameterError
-    from anyquant_cpu.engine import block_kernel_is_fast
+    from anyquant.runtime.cpu import block_kernel_is_fast
 
     from .qlinear import CPU_FAST_WEIGHTS
 
@@ -257,7 +256,7 @@ class CpuFastState:
     each linear from the layouts the layer offers), the ``cpu_fast_weights`` asked for, and each built module's form
     by ``id`` (for the record)."""
 
-    plan: FastCPUPlan
+    plan: Any  # the engine's FastCPUPlan (anyquant.runtime.cpu.require())
     weights: str
     forms: dict[int, str] = field(default_factory=dict)
 
@@ -280,9 +279,9 @@ class DecodedCpuFast:
         """cpu-fast: its options read (a bad one refused before any weight is read) into this load's state."""
         if ctx.backend != "cpu-fast":
             return
-        from anyquant_cpu.engine import FastCPUPlan
+        from anyquant.runtime.cpu import require
 
-        plan = FastCPUPlan.from_options(ctx.options.extra)
+        plan = require().FastCPUPlan.from_options(ctx.options.extra)
         ctx.state[_STATE_KEY] = CpuFastState(plan, cpu_fast_weights(ctx.options.extra))
 
     @staticmethod

@@ -28,7 +28,7 @@ class Q8Rounding:
     """A layer's decoded weight rounded to Q8_0 blocks, formed once on the first call of :meth:`blocks`,
     :meth:`codes` or :meth:`scales`: per block of 32 inputs ``d = max|w| / 127`` (float16), codes ``round(w / d)``
     (halves away from zero), llama.cpp's ``quantize_row_q8_0`` bit for bit
-    (:func:`anyquant_cpu.kernels.linear.q8_0_blocks`). A second, lossy rounding of the format's weight: up to half
+    (:func:`anyquant.runtime.packing.q8_0_blocks`). A second, lossy rounding of the format's weight: up to half
     a step, ``max|w_block| / 254``, per weight."""
 
     #: weights rounded per step of :meth:`_form`
@@ -42,7 +42,7 @@ class Q8Rounding:
         """``[out, in / 32, 34]`` uint8: each block's float16 scale, then its 32 int8 codes. The layer decoded once,
         rounded a few rows at a time (the float32 temporaries stay small)."""
         if self._blocks is None:
-            from anyquant_cpu.kernels.linear import q8_0_blocks
+            from anyquant.runtime.packing import q8_0_blocks
 
             n, k = self.layer.out_features, self.layer.in_features
             weight = self.layer.dequantize()

@@ -47,7 +47,6 @@ from anyquant.plugin import (
     LoadPlan,
     MissingTensorError,
     ModuleInfo,
-    ParameterError,
     Probe,
     TransformersLoader,
     UnsupportedFormatError,
@@ -79,16 +78,25 @@ def gguf_path(probe: Probe) -> Path:
 
 
 def _kernel_linears(probe: Probe) -> int:
-    """How many of the GGUF model's tensors (every part's), the token embedding aside, cpu-fast's kernels take: an int4
-    kernel type, or a type of the compiled block kernel where it is built (a Q6_K or Q8_0 file has no int4 tensor)."""
-    from .qlinear import BLOCK_KERNEL_TYPES, INT4_TYPES, block_kernel_available
+    """How many of the GGUF model's tensors (every part's), the token embedding aside, cpu-fast's engine takes here,
+    from the headers: each packed tensor's blocks described as the engine's layout (:func:`.qlinear.blocks_layout`;
+    a Q6_K or Q8_0 file has no int4 tensor, only the GGUF-block kernel takes it)."""
+    from anyquant.runtime.cpu import layouts_run
+
+    from .qlinear import PACKED_TYPES, blocks_layout
 
     try:
         headers = gguf_model(probe).headers
     except AnyquantError:
         return 0
-    kinds = {int(t) for t in INT4_TYPES} | {int(t) for t in BLOCK_KERNEL_TYPES if block_kernel_available(t)}
-    return sum(1 for h in headers for t in h.tensors if t.type_id in kinds and not t.name.startswith("token_embd"))
+    packed = {int(t): t for t in PACKED_TYPES}
+    layers = []
+    for t in (t for h in headers for t in h.tensors if t.type_id in packed and not t.name.startswith("token_embd")):
+        rows = 1
+        for d in t.shape[1:]:
+            rows *= d
+        layers.append([blocks_layout(packed[t.type_id], (rows, t.shape[0]))])
+    return layouts_run(layers)
 
 
 class GGUFSource:
@@ -285,11 +293,9 @@ class GGUFLoader(TransformersLoader):
         src = ctx.source
         info: dict[str, Any] = {"embedding": "dense"}
         if "cpu_fast" in ctx.state:
-            from anyquant_cpu.engine import kernel_norms
-
             info["cpu_fast"] = ctx.state["cpu_fast"]
             fast_layers = info["cpu_fast"]["converted"] + len(info["cpu_fast"]["bf16"])
-            norms = kernel_norms(loaded.module, ctx.state["cpu_fast_rows"]) if fast_layers else 0
+            norms = ctx.state["cpu_fast_plan"].install_norms(loaded.module) if fast_layers else 0
             if norms:
                 info["cpu_fast"]["kernel_norms"] = norms
         if isinstance(src, GGUFSource):
@@ -313,7 +319,7 @@ class GGUFLoader(TransformersLoader):
             raise CheckpointError("the model's input embedding is not the GGUF token_embd placeholder")
         raw = src.raw(_EMBED)
         head = module.get_output_embeddings()
-        source = getattr(head, "source", None)  # cpu-fast's FastHead over the embedding's GGUFRows, when tied
+        source = getattr(head, "source", None)  # cpu-fast's head over the embedding's GGUFRows, when tied
         tied = (
             head.qweight
             if isinstance(head, GGUFTiedHead)
@@ -352,20 +358,7 @@ class GGUFLoader(TransformersLoader):
         return tokenizer_from_gguf(self._reader(probe))
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
-        from dataclasses import replace
-
-        from .qlinear import (
-            INT4_TYPES,
-            PACKED_TYPES,
-            GGUFLinear,
-            GGUFTiedHead,
-            block_kernel_available,
-            block_kernel_head,
-            fast_rows_head,
-            gguf_block_linear,
-            gguf_int4_linear,
-        )
-        from .reader import unpermute_qk_rows
+        from .qlinear import PACKED_TYPES, GGUFLinear, GGUFRows, GGUFTiedHead, blocks_layout
 
         src = ctx.source
         assert isinstance(src, GGUFSource)
@@ -381,102 +374,94 @@ class GGUFLoader(TransformersLoader):
         if packed_embedding:
             src.placeholders[_EMBED] = ctx.dtype
         src.release_after_copy = ctx.backend in ("dequantized", "cpu-fast")
-        fast_kwargs: dict[str, Any] = {}
-        fast: dict[str, Any] | None = None  # cpu-fast's record: which linears took the int4 kernel
+        fast: dict[str, Any] | None = None  # cpu-fast's record: which linears took which of the engine's kernels
+        plan: Any = None  # cpu-fast's plan: the engine's (anyquant.runtime.cpu), which builds the fast modules
         if ctx.backend == "cpu-fast":
-            from anyquant_cpu.engine import FastCPUPlan, PrepackedBf16Linear, bf16_head_status
+            from anyquant.runtime.cpu import layouts_run, require
 
-            plan = FastCPUPlan.from_options(ctx.options.extra)
-            fast_kwargs = {
-                "small_rows": plan.small_rows,
-                "prefill_dtype": plan.prefill_dtype,
-                "compute_dtype": ctx.dtype,
-            }
+            plan = require().FastCPUPlan.from_options(ctx.options.extra)
             fast = ctx.state["cpu_fast"] = {
                 "converted": 0,
                 "bf16": {},
                 "dequantized": {},
                 "prefill_dtype": plan.prefill_name,
             }
-            ctx.state["cpu_fast_rows"] = plan.small_rows
-            bf16_ok, bf16_reason = bf16_head_status()
-            passes = ctx.options.extra.get("cpu_fast_activation_passes", 2)
-            if passes not in (1, 2, "1", "2") or isinstance(passes, bool):
-                raise ParameterError(f"cpu_fast_activation_passes={passes!r} is not 1 or 2")
-            block_kwargs = {**fast_kwargs, "passes": int(passes), "interleave": plan.interleave}
+            ctx.state["cpu_fast_plan"] = plan
 
-        def fast_head(raw: Any) -> tuple[nn.Module | None, bool]:
+        def fast_head(raw: Any) -> tuple[nn.Module, bool] | None:
             """cpu-fast's head over the file's table, and whether it decodes from a copy of another type: the
-            table's blocks on the kernel (a BLOCK_KERNEL_TYPES type), else a decode copy (``cpu_fast_head``) of any
-            other type (the table read for prompts and the exact top logits); ``None`` where neither runs."""
-            rows, interleave = fast_kwargs["small_rows"], plan.interleave
-            head = block_kernel_head(raw.data, raw.qtype, raw.shape, small_rows=rows, interleave=interleave)
-            if head is not None:
-                return head, False
-            kind = plan.head_kind
-            return fast_rows_head(
-                raw.data, raw.qtype, raw.shape, small_rows=rows, kind=kind, interleave=interleave
-            ), True
+            table's blocks on the engine's GGUF-block kernel where it reads them, else a decode copy
+            (``cpu_fast_head``) of any other type (the table read for prompts and the exact top logits); ``None``
+            where neither runs."""
+            head: tuple[nn.Module, bool] | None = plan.table_head(
+                GGUFRows(raw.data, raw.qtype, raw.shape), blocks_layout(raw.qtype, raw.shape, raw.data)
+            )
+            return head
+
+        def on_kernel(module: nn.Module, qtype: Any) -> bool:
+            """Record a module on the GGUF-block kernel; whether it reads the file's bytes in place."""
+            assert fast is not None
+            fast["converted"] += 1
+            in_place = not getattr(module, "interleaved", False)  # an interleaved copy: the pages can go
+            key_name = "in_place" if in_place else "interleaved"
+            fast[key_name] = fast.get(key_name, 0) + 1
+            blocks = fast.setdefault("block_kernel", {})  # linears per block type
+            blocks[qtype.name] = blocks.get(qtype.name, 0) + 1
+            return in_place
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             key = f"{name}.weight"
             if packed_embedding and key == _HEAD and key not in src:
                 # tied head: a packed linear over the embedding's own bytes (cpu-fast: prepacked for decode)
                 raw = src.raw(_EMBED)
-                if fast is not None:
-                    head = fast_head(raw)[0]
-                    if head is not None:
-                        head.tied_to_input_embedding = True  # type: ignore[assignment]  # export_dense ties them again
-                        return head
+                made = fast_head(raw) if fast is not None else None
+                if made is not None:
+                    made[0].tied_to_input_embedding = True  # type: ignore[assignment]  # export_dense ties them again
+                    return made[0]
                 return GGUFTiedHead(raw.data, raw.qtype, raw.shape)
             if key not in src or src.qtype(key) not in PACKED_TYPES:
                 return None  # F32/F16/BF16: a dense nn.Linear filled from the source
-            # a Q/K weight of a "llama" file that the block kernel copies into its interleaved form: the copy reads
-            # the stored (permuted) rows in HF order itself, with no un-permuted copy made first
-            interleaves = fast is not None and key != _HEAD and block_kwargs["interleave"]
-            raw = src.raw(key, unpermute=not (interleaves and block_kernel_available(src.qtype(key))))
-            if raw.qk_heads is not None and raw.shape[0] // raw.qk_heads % 16:  # the kernel reads 16-row heads
-                raw = replace(raw, data=unpermute_qk_rows(raw.data, raw.qk_heads), qk_heads=None)
+            # a Q/K weight of a "llama" file that the engine takes with the interleaving copy: its rows as stored
+            # (permuted, zero-copy), which the engine reads back in the model's order itself (no un-permuted copy
+            # made first); else the rows un-permuted here
+            stored = (
+                fast is not None
+                and key != _HEAD
+                and plan.interleave
+                and layouts_run([[blocks_layout(src.qtype(key), src.shape(key))]]) > 0
+            )
+            raw = src.raw(key, unpermute=not stored)
             if tuple(raw.shape) != (linear.out_features, linear.in_features):
                 raise CheckpointError(f"{name}: GGUF weight {raw.shape} does not fit the model's linear")
             bias = src.get(f"{name}.bias") if f"{name}.bias" in src else None
             module: nn.Module | None = None
             in_place = False  # read by the GGUF-block kernel from the file's bytes: no copy to release them for
             if fast is not None and bias is None and key == _HEAD:
-                module, copied = fast_head(raw)
-                if module is not None and copied:  # its decode copy beside the file's table, which stays
+                made = fast_head(raw)
+                if made is not None and made[1]:  # its decode copy beside the file's table, which stays
+                    module = made[0]
                     fast["converted"] += 1
                     decode = "Q8_0 blocks" if getattr(module, "blocks", None) is not None else "bfloat16 prepacked"
                     fast["lm_head"] = {"table": raw.qtype.name, "decode": decode}
                     return module
+                if made is not None:  # the table's own blocks on the GGUF-block kernel
+                    module = made[0]
+                    in_place = on_kernel(module, raw.qtype)
             elif fast is not None:
-                qk = {} if raw.qk_heads is None else {"qk_heads": raw.qk_heads}
-                module = gguf_block_linear(raw.data, raw.qtype, raw.shape, bias, **block_kwargs, **qk)
-            if module is not None:  # on the GGUF-block kernel
-                assert fast is not None
-                fast["converted"] += 1
-                in_place = not getattr(module, "interleaved", False)  # an interleaved copy: the pages can go
-                key_name = "in_place" if in_place else "interleaved"
-                fast[key_name] = fast.get(key_name, 0) + 1
-                on_kernel = fast.setdefault("block_kernel", {})  # linears per block type
-                on_kernel[raw.qtype.name] = on_kernel.get(raw.qtype.name, 0) + 1
-            elif fast is not None:
-                reason = "" if raw.qtype in INT4_TYPES else f"{raw.qtype.name} has no int4 kernel"
-                if not reason:
-                    try:
-                        module = gguf_int4_linear(raw.data, raw.qtype, raw.shape, bias, **fast_kwargs)
-                        fast["converted"] += 1
-                    except ValueError as exc:
-                        reason = str(exc)
-                if reason and bf16_ok:
-                    # no int4 layout and not on the GGUF-block kernel (Q5_K, Q2_K, ...; Q6_K and Q8_0 where the kernel
-                    # is not built): a bfloat16 copy prepacked for oneDNN for decode (2 bytes per weight, not
-                    # float32's 4); prompts over small_rows exact from the file's blocks
-                    exact = GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode="on-the-fly")
-                    module = PrepackedBf16Linear(exact, small_rows=fast_kwargs["small_rows"])
+                # the engine's module: the blocks on the GGUF-block kernel, Q4_0/Q4_1/Q4_K on torch's int4 kernel, else
+                # a bfloat16 copy prepacked for oneDNN for decode (2 bytes per weight, not float32's 4; prompts over
+                # small_rows exact from the file's blocks), else the exact weight dequantized at load
+                layer = GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, qk_heads=raw.qk_heads)
+                layer.compute_dtype = ctx.dtype
+                module = plan.convert(name, layer)
+                if name in plan.fallback:
+                    fast["dequantized"][name] = plan.fallback[name]
+                elif getattr(module, "source", None) is layer:
                     fast["bf16"][name] = raw.qtype.name
-                elif reason:
-                    fast["dequantized"][name] = f"{reason}; {bf16_reason}"
+                elif hasattr(module, "interleaved"):
+                    in_place = on_kernel(module, raw.qtype)
+                else:
+                    fast["converted"] += 1
             if module is None:
                 module = GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode=mode)
             if src.release_after_copy and not in_place:

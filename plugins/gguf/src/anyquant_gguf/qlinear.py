@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import functools
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from anyquant.runtime.layouts import Decoded, GGUFBlocks, Layout
 
 from .dequant import (
     _NIBBLE,
@@ -22,17 +24,18 @@ from .dequant import (
     packed_nbytes,
 )
 from .ggml import GGML_QUANT_SIZES, GGMLQuantizationType
-from .reader import GGUFFile, load_raw, load_tensor
+from .reader import GGUFFile, load_raw, load_tensor, unpermute_qk_rows
 
 __all__ = [
+    "BLOCK_KERNEL_TYPES",
     "CHUNK_WEIGHTS",
     "GGUFEmbedding",
     "GGUFLinear",
     "GGUFRows",
     "GGUFTiedHead",
-    "fast_rows_head",
     "INT4_TYPES",
     "PACKED_TYPES",
+    "blocks_layout",
     "gguf_int4_linear",
     "int4_codes_scales_offsets",
     "dequantize_blocks_torch",
@@ -86,7 +89,15 @@ class GGUFLinear(nn.Module):
     packed bytes only, which stay file-backed when they come from the mmap);
     ``"dequant-at-load"`` dequantizes once and caches the float32 weight
     (non-persistent buffer; faster, 4 bytes per weight of anonymous memory).
+
+    For ``cpu-fast`` it describes its weight to the CPU engine (:meth:`packed_layouts`), which builds the fast
+    module; ``qk_heads``: ``qweight``'s rows are a "llama" file's Q/K rows as stored (permuted in that many heads,
+    zero-copy), for the engine to read so; they are put in the model's order before the module's own paths run
+    (:meth:`finalize`, :meth:`set_mode`).
     """
+
+    #: the dtype of a fast module's bias and outputs (the loader's compute dtype)
+    compute_dtype: torch.dtype = torch.float32
 
     def __init__(
         self,
@@ -95,6 +106,8 @@ class GGUFLinear(nn.Module):
         shape_out_in: tuple[int, int],
         bias: torch.Tensor | None = None,
         mode: Mode = "on-the-fly",
+        *,
+        qk_heads: int | None = None,
     ) -> None:
         super().__init__()
         qtype = GGMLQuantizationType(qtype)
@@ -109,10 +122,15 @@ class GGUFLinear(nn.Module):
         self.qweight: torch.Tensor
         self.weight_cache: torch.Tensor | None
         self.register_buffer("qweight", qweight.reshape(out_features, -1))
+        self.qk_heads: int | None = None
         self.bias = None if bias is None else nn.Parameter(bias.reshape(out_features), requires_grad=False)
         self.register_buffer("weight_cache", None, persistent=False)
         self.mode: Mode = "on-the-fly"
         self.set_mode(mode)
+        if qk_heads is not None:
+            if mode != "on-the-fly":
+                raise ValueError("qk_heads (Q/K rows as stored, for the engine) needs mode='on-the-fly'")
+            self.qk_heads = qk_heads
 
     @classmethod
     def from_raw(
@@ -123,14 +141,18 @@ class GGUFLinear(nn.Module):
         bias: torch.Tensor | None = None,
         *,
         mode: Mode = "on-the-fly",
+        qk_heads: int | None = None,
     ) -> GGUFLinear:
-        """Wrap raw GGUF bytes (rows in HF order) without copying them."""
-        return cls(raw_uint8, qtype, shape_out_in, bias=bias, mode=mode)
+        """Wrap raw GGUF bytes (rows in HF order, or as stored with ``qk_heads``) without copying them."""
+        return cls(raw_uint8, qtype, shape_out_in, bias=bias, mode=mode, qk_heads=qk_heads)
 
     def set_mode(self, mode: Mode) -> None:
         """Switch between ``"on-the-fly"`` and ``"dequant-at-load"`` (builds/drops the cache)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if self.qk_heads is not None:  # stored Q/K rows: in the model's order before the module's own paths
+            self.qweight = unpermute_qk_rows(self.qweight, self.qk_heads)
+            self.qk_heads = None
         self.mode = mode
         self.weight_cache = self.dequantize() if mode == "dequant-at-load" else None
 
@@ -150,6 +172,25 @@ class GGUFLinear(nn.Module):
 
     def _forward_chunked(self, x: torch.Tensor) -> torch.Tensor:
         return chunked_linear(x, self.qweight, self.qtype, (self.out_features, self.in_features), self.bias)
+
+    def packed_layouts(self) -> list[Layout]:
+        """The weight as ``cpu-fast``'s engine may run it, in the format's order: its blocks as stored
+        (:func:`blocks_layout`), then a bfloat16 copy for decode (prompts: this module's own exact forward), where
+        the rows are in the model's order."""
+        bias = None if self.bias is None else self.bias.detach()
+        shape = (self.out_features, self.in_features)
+        blocks = blocks_layout(self.qtype, shape, self.qweight, qk_heads=self.qk_heads, bias=bias)
+        return [blocks] if self.qk_heads is not None else [blocks, Decoded(self, exact_prompts=True)]
+
+    def behind_inputs(self, fast: nn.Module) -> nn.Module:
+        """The engine's module as it is (GGUF has no input quantization)."""
+        return fast
+
+    def finalize(self) -> GGUFLinear:
+        """The exact path where the engine runs none of the layouts: the weight dequantized once (``cpu-fast``'s
+        fallback, as the ``dequantized`` backend)."""
+        self.set_mode("dequant-at-load")
+        return self
 
     def extra_repr(self) -> str:
         return (
@@ -247,7 +288,7 @@ class GGUFTiedHead(nn.Module):
 class GGUFRows:
     """A GGUF-packed ``[rows, dim]`` table read as float32 a slice of rows at a time (decoded from its
     blocks on each read; the bytes stay where they are, file-backed): the exact source of a ``cpu-fast``
-    :class:`~anyquant_cpu.engine.FastHead` over a tied embedding (a ``RowTable``)."""
+    LM head (the engine's ``RowTable``), over a tied embedding too."""
 
     dtype = torch.float32
 
@@ -268,30 +309,6 @@ class GGUFRows:
         flat = ids.reshape(-1)
         values = dequantize_blocks_torch(self.qweight[flat], self.qtype, (flat.numel(), self.shape[1]))
         return values.reshape(*ids.shape, self.shape[1])
-
-
-def fast_rows_head(
-    qweight: torch.Tensor,
-    qtype: GGMLQuantizationType | int,
-    shape: tuple[int, int],
-    *,
-    small_rows: int,
-    kind: str = "auto",
-    interleave: bool = True,
-) -> nn.Module | None:
-    """``cpu-fast``'s LM head over a packed table of a type the GGUF-block kernel does not read (Q5_K, Q2_K, ...;
-    an untied head, or one tied to a packed token embedding): a decode copy as
-    :class:`~anyquant_cpu.engine.FastHead` makes it (``kind``: ``cpu_fast_head``, ``auto``: Q8_0 blocks on
-    the compiled kernel, else bfloat16 prepacked for oneDNN; the format's tolerance class, as every ``cpu-fast``
-    head, the top logits exact), the GGUF bytes decoded a slice at a time for prompts; ``None`` where no decode
-    form runs here (the caller keeps a :class:`GGUFTiedHead` or a :class:`GGUFLinear`, which decode the whole
-    table on every decode step: SmolLM2's 49152 x 576 Q8_0 head, about half of a step)."""
-    from anyquant_cpu.engine import FastHead, head_kind
-
-    decode = head_kind(kind, int(shape[1]))[0]
-    if decode is None:
-        return None
-    return FastHead(GGUFRows(qweight, qtype, shape), small_rows=small_rows, decode=decode, interleave=interleave)
 
 
 # --------------------------------------------------------------------------- int4 CPU kernel
@@ -341,88 +358,6 @@ def _int4_scales_offsets(
     raise _unsupported(qtype)
 
 
-def _int4_pairs(b: torch.Tensor, qtype: GGMLQuantizationType, out_features: int) -> torch.Tensor:
-    """The blocks' nibble bytes as :func:`~anyquant_cpu.engine.pack_int4_pairs` reads them (a view):
-    Q4_0/Q4_1 hold weights ``i`` and ``16 + i`` of a 32-weight block in byte ``i``; Q4_K weights ``64c + i``
-    and ``64c + 32 + i`` of a 256-weight super-block in byte ``32c + i``."""
-    header = {Q.Q4_0: 2, Q.Q4_1: 4, Q.Q4_K: 16}[qtype]
-    half = 32 if qtype == Q.Q4_K else 16
-    blocks = b.view(out_features, -1, b.shape[-1])[:, :, header:]
-    return blocks.view(out_features, blocks.shape[1], -1, half)
-
-
-@functools.cache
-def _int4_class() -> type[nn.Module]:
-    """:class:`anyquant_cpu.engine.FastInt4Linear` with a float offset per group.
-
-    The base class takes integer zero points (``W = (q - z) * s``); GGUF's Q4_1/Q4_K offsets are
-    arbitrary floats. The int4 kernel computes ``(q - 8) * s + m`` with any ``m``, so only its
-    ``scales_and_zeros`` (``m = offset + 8 s``, bfloat16 like the base's) and the exact dense
-    weight of the many-rows path (``s * q + offset`` in float32) differ.
-    """
-    from anyquant_cpu.engine import FastInt4Linear, int4pack_status, pack_int4_pairs
-
-    class GGUFInt4Linear(FastInt4Linear):
-        """A Q4_0/Q4_1/Q4_K linear repacked for torch's int4 CPU kernel (decode: bfloat16
-        activations; prompts: exact float32 weight, dequantized per forward, and GEMM).
-
-        The kernel's layout is written straight from the blocks' nibble bytes
-        (:func:`~anyquant_cpu.engine.pack_int4_pairs`: no unpacked codes, a few whole-tensor
-        ops per layer) when the rows fill the kernel's blocks, else from unpacked, padded codes.
-        """
-
-        offsets: torch.Tensor
-
-        def __init__(
-            self,
-            qweight: torch.Tensor,
-            qtype: GGMLQuantizationType,
-            shape_out_in: tuple[int, int],
-            bias: torch.Tensor | None = None,
-            **kwargs: Any,
-        ) -> None:
-            out_features = shape_out_in[0]
-            b = qweight.reshape(-1, GGML_QUANT_SIZES[qtype][1])
-            block = int4pack_status().block_n
-            direct = block > 0 and out_features % block == 0
-            if direct:
-                scales_og, offsets_og = _int4_scales_offsets(b, qtype, out_features, offsets=qtype != Q.Q4_0)
-                codes = None
-                packed = pack_int4_pairs(_int4_pairs(b, qtype, out_features), block)
-            else:
-                codes_oi, scales_og, offsets_og = int4_codes_scales_offsets(qweight, qtype, shape_out_in)
-                codes, packed = codes_oi.t(), None
-            scales = scales_og.t()  # [G, out]
-            groups = scales.shape[0]
-            offsets = torch.empty(groups, out_features)
-            if qtype == Q.Q4_0:  # -8 d, as _int4_scales_offsets gives it, written straight in [G, out] order
-                torch.mul(scales, -8.0, out=offsets)
-            else:
-                offsets.copy_(offsets_og.t())
-            # the kernel's (s, m = offset + 8 s); s stays what the base keeps as the exact scale (bf16(s) in
-            # the kernel's column: the many-rows path recovers s bit for bit from the base's buffers)
-            pairs = torch.empty(groups, out_features, 2)
-            pairs[..., 0].copy_(scales)
-            torch.mul(scales, 8.0, out=pairs[..., 1])
-            pairs[..., 1].add_(offsets)
-            zeros = torch.zeros((1, 1), dtype=torch.uint8).expand(groups, out_features)
-            super().__init__(codes, zeros, scales, bias=bias, packed=packed, kernel_pairs=pairs, **kwargs)
-            del codes, packed, pairs
-            self.qtype = qtype
-            self.register_buffer("offsets", offsets)
-
-        def weight_kn(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-            k, n = self.in_features, self.out_features
-            w = self._codes_kn().reshape(k // 32, 32, n).to(torch.float32)
-            w.mul_(self.exact_scales().unsqueeze(1)).add_(self.offsets.unsqueeze(1))
-            return w.view(k, n).to(dtype or torch.float32)
-
-        def extra_repr(self) -> str:
-            return f"{super().extra_repr()}, qtype={self.qtype.name}"
-
-    return GGUFInt4Linear
-
-
 def gguf_int4_linear(
     qweight: torch.Tensor,
     qtype: GGMLQuantizationType | int,
@@ -430,12 +365,20 @@ def gguf_int4_linear(
     bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> nn.Module:
-    """A Q4_0/Q4_1/Q4_K weight as a ``FastInt4Linear`` (``kwargs``: ``small_rows``,
-    ``prefill_dtype``, ``compute_dtype``); ``ImportError``/``ValueError`` when it cannot run."""
+    """A Q4_0/Q4_1/Q4_K weight repacked by ``cpu-fast``'s engine for torch's int4 CPU kernel (its GGUF blocks
+    offered repacked only; ``kwargs``: ``small_rows``, ``prefill_dtype``, ``compute_dtype``); ``ImportError`` without
+    the engine, ``ValueError`` when it cannot run here."""
+    from anyquant.runtime.cpu import require
+
     qtype = GGMLQuantizationType(qtype)
     if qtype not in INT4_TYPES:
         raise _unsupported(qtype)
-    return _int4_class()(qweight, qtype, shape_out_in, bias, **kwargs)
+    layout = replace(blocks_layout(qtype, shape_out_in, qweight, bias=bias), as_stored=False)
+    fast = require().fast_linear(layout, **kwargs)
+    if isinstance(fast, str):
+        raise ValueError(fast)
+    module: nn.Module = fast
+    return module
 
 
 def gguf_linear_from_reader(
@@ -455,14 +398,14 @@ def gguf_linear_from_reader(
     return GGUFLinear.from_raw(raw.data, raw.qtype, raw.shape, bias, mode=mode)
 
 
-# --------------------------------------------------------------------------- GGUF-block kernel
+# --------------------------------------------------------------------------- the CPU engine's layout
 
-#: Types cpu-fast runs on :func:`torch.ops.anyquant.ggml_gemv`, read as stored or interleaved
-#: (:mod:`anyquant_cpu.kernels`): a Q4_K_M file's Q4_K and Q6_K linears at their stored size (4.5 and 6.56 bits a
-#: weight, where torch's int4 kernel needs a repacked copy of Q4_K and Q6_K had a bfloat16 copy); Q5_K, Q5_0 and Q5_1;
+#: The types whose blocks the format offers ``cpu-fast``'s engine as stored (:func:`blocks_layout`: a
+#: :class:`~anyquant.runtime.layouts.GGUFBlocks` with ``as_stored``), which its GGUF-block kernel reads where it is
+#: built: a Q4_K_M file's Q4_K and Q6_K linears at their stored size (4.5 and 6.56 bits a weight); Q5_K, Q5_0 and Q5_1;
 #: and the table types IQ4_NL, IQ4_XS and MXFP4 (4-bit codes indexing 16 int8 values: 4.5, 4.25 and 4.25 bits a
-#: weight). These had a bfloat16 copy before. The kernel's list (:data:`anyquant_cpu.kernels.GGML_TYPES`) names
-#: each of them.
+#: weight). Other types' blocks are offered repacked only (torch's int4 kernel takes Q4_0/Q4_1/Q4_K), then a
+#: bfloat16 copy.
 BLOCK_KERNEL_TYPES: dict[GGMLQuantizationType, str] = {
     Q.Q4_0: "Q4_0",
     Q.Q4_1: "Q4_1",
@@ -478,101 +421,17 @@ BLOCK_KERNEL_TYPES: dict[GGMLQuantizationType, str] = {
 }
 
 
-def block_kernel_available(qtype: GGMLQuantizationType | int) -> bool:
-    """Whether the compiled GGUF-block kernel is loaded and takes ``qtype`` (``False`` without anyquant-cpu)."""
-    if GGMLQuantizationType(qtype) not in BLOCK_KERNEL_TYPES:
-        return False
-    try:
-        from anyquant_cpu import kernels
-    except ImportError:
-        return False
-    return kernels.available()
-
-
-@functools.cache
-def _block_linear_class() -> type[nn.Module]:
-    from anyquant_cpu.kernels.linear import BlockLinear
-
-    class GGUFBlockLinear(BlockLinear):
-        """A linear of a :data:`BLOCK_KERNEL_TYPES` type on the GGUF-block kernel (decode), its blocks read in place
-        or held in the kernel's interleaved form (``interleave``); prompts dequantize the blocks per forward
-        (the kernel's ``ggml_dequantize``: bitwise :func:`~anyquant_gguf.dequant.dequantize_blocks_torch`)."""
-
-        def __init__(
-            self,
-            qweight: torch.Tensor,
-            qtype: GGMLQuantizationType,
-            shape_out_in: tuple[int, int],
-            bias: torch.Tensor | None,
-            **kwargs: Any,
-        ) -> None:
-            out_features, in_features = (int(s) for s in shape_out_in)
-            super().__init__(qweight, BLOCK_KERNEL_TYPES[qtype], out_features, in_features, bias, **kwargs)
-            self.qtype = qtype
-
-        def dequantize(self) -> torch.Tensor:
-            return dequantize_blocks_torch(self.raw_blocks(), self.qtype, (self.out_features, self.in_features))
-
-    return GGUFBlockLinear
-
-
-def gguf_block_linear(
-    qweight: torch.Tensor,
+def blocks_layout(
     qtype: GGMLQuantizationType | int,
-    shape_out_in: tuple[int, int],
-    bias: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> nn.Module | None:
-    """A :data:`BLOCK_KERNEL_TYPES` weight (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS/MXFP4) on the
-    GGUF-block kernel
-    (``kwargs``: ``small_rows``, ``prefill_dtype``, ``compute_dtype``, ``passes``, ``interleave``: a copy in the kernel's interleaved form instead of the blocks read
-    in place); ``None`` where the kernel is not built or takes not the type."""
-    if not block_kernel_available(qtype):
-        return None
-    return _block_linear_class()(qweight, GGMLQuantizationType(qtype), shape_out_in, bias, **kwargs)
-
-
-@functools.cache
-def _block_head_class() -> type[nn.Module]:
-    from anyquant_cpu.engine import FastHead
-
-    class GGUFBlockHead(FastHead):
-        """:class:`~anyquant_cpu.engine.FastHead` whose decode product is the GGUF-block kernel on the
-        table's own blocks (read in place, or copied once into the kernel's interleaved form when ``interleave``;
-        nothing quantized again); the ``EXACT_TOP`` largest logits of each row are computed again from the exact
-        weight, as FastHead does, and prompts use its exact path."""
-
-        def __init__(self, table: GGUFRows, *, small_rows: int, interleave: bool = False) -> None:
-            nn.Module.__init__(self)  # FastHead's own __init__ makes a copy of its own: not wanted here
-            self.out_features, self.in_features = table.shape
-            self.compute_dtype, self.small_rows = torch.float32, small_rows
-            self.file = table
-            self.table = table
-            self.register_buffer("exact", None)
-            self.register_buffer("bias", None)
-            self.packed = []
-            self._set_blocks(table.qweight, table.qtype.name, interleave)
-            self.interleaved = interleave
-
-        def packed_bytes(self) -> int:
-            copy = self.blocks if self.interleaved else None  # else the table's bytes are the file's
-            return 0 if copy is None else int(copy.nbytes)
-
-    return GGUFBlockHead
-
-
-def block_kernel_head(
-    qweight: torch.Tensor,
-    qtype: GGMLQuantizationType | int,
-    shape: tuple[int, int],
+    shape_out_in: tuple[int, ...],
+    blocks: torch.Tensor | None = None,
     *,
-    small_rows: int,
-    interleave: bool = False,
-) -> nn.Module | None:
-    """``cpu-fast``'s LM head over a :data:`BLOCK_KERNEL_TYPES` table through the GGUF-block kernel (``None`` where it
-    cannot run): the exact top logits as :class:`~anyquant_cpu.engine.FastHead`'s; ``interleave``: the
-    blocks copied into the kernel's interleaved form (SmolLM2's Q8_0 head, 1 row, 2 threads: ~1.2 ms against
-    ~1.8 ms read in place)."""
-    if not block_kernel_available(qtype):
-        return None
-    return _block_head_class()(GGUFRows(qweight, qtype, shape), small_rows=small_rows, interleave=interleave)
+    qk_heads: int | None = None,
+    bias: torch.Tensor | None = None,
+) -> GGUFBlocks:
+    """A GGUF weight's blocks as ``cpu-fast``'s engine reads them: ``[out, in]`` ``blocks`` of ``qtype`` (``None``:
+    described from the header alone), offered as stored where the type is among :data:`BLOCK_KERNEL_TYPES`."""
+    qtype = GGMLQuantizationType(qtype)
+    out_features, in_features = (int(d) for d in shape_out_in)
+    as_stored = qtype in BLOCK_KERNEL_TYPES
+    return GGUFBlocks(in_features, out_features, qtype.name, int(qtype), blocks, qk_heads, as_stored, bias)

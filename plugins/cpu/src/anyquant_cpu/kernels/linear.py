@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from anyquant.runtime.packing import q8_0_blocks
+
 from . import GGML_TYPES, INTERLEAVED
 
 __all__ = [
@@ -185,24 +187,6 @@ def gq4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     halves = codes.to(torch.uint8).view(out, nb, 2, 16)
     torch.bitwise_or(halves[:, :, 0], halves[:, :, 1] << 4, out=blocks[..., 4:])
     return blocks
-
-
-def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """GGUF Q8_0 blocks (uint8 ``[out, in/32 * 34]``) of a float ``weight`` ``[out, in]``, bit for bit what the
-    ``gguf`` package's (and llama.cpp's reference) quantizer writes: per block of 32, ``d = max|w| / 127`` (float16
-    in the block), codes ``round(w / d)`` with halves away from zero (``w * (1 / d)``, in float32)."""
-    out, k = weight.shape
-    if k % 32:
-        raise ValueError(f"Q8_0 needs in_features divisible by 32, not {k}")
-    w = weight.to(torch.float32).reshape(out, k // 32, 32)
-    d = w.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    scaled = w * inv
-    codes = (scaled.abs() + 0.5).floor_().copysign_(scaled).to(torch.int8)
-    blocks = torch.empty(out, k // 32, 34, dtype=torch.uint8)
-    blocks[..., 0:2] = d.to(torch.float16).view(torch.uint8)
-    blocks[..., 2:] = codes.view(torch.uint8)
-    return blocks.reshape(out, -1)
 
 
 def fp16_exact(values: torch.Tensor) -> bool:
