@@ -524,15 +524,16 @@ def test_q4_1_from_codes_is_the_gguf_layout() -> None:
     [i for i in range(3) if i <= max(kernels.lut_isa(), 0)],
     ids=["scalar", "avx2", "avx512"][: max(kernels.lut_isa(), 0) + 1],
 )
-@pytest.mark.parametrize("group", [16, 32, 64])
+@pytest.mark.parametrize("group", [16, 32, 48, 64, 80])
 @pytest.mark.parametrize("m", [1, 3, 5])
 def test_lut4_gemv_is_the_table_weights_product(isa: int, group: int, m: int) -> None:
     """4-bit codes into a 16-entry table times a scale per group: the float64 product of the same float32 weights,
-    to float32 summation rounding, on every path (NF4's table, codes 0..15 everywhere, scales of mixed sizes)."""
+    to float32 summation rounding, on every path (NF4's table, codes 0..15 everywhere, scales of mixed sizes; groups
+    that are not a multiple of 32 too: the vector paths once read the wrong scales there)."""
     from anyquant_cpu.kernels.lut import Lut4Linear, lut4_codes
 
     g = torch.Generator().manual_seed(group + m)
-    n, k = 37, 192
+    n, k = 37, 192 if 192 % group == 0 else 960
     codes = torch.randint(0, 16, (n, k), generator=g)
     scales = torch.rand(n, k // group, generator=g) * torch.logspace(-3, 1, k // group)
     lut = torch.tensor(
@@ -563,6 +564,31 @@ def test_lut4_gemv_is_the_table_weights_product(isa: int, group: int, m: int) ->
         assert torch.allclose(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max())), rnd
     layer = Lut4Linear(codes, scales, lut, group=group, round_to=torch.bfloat16)
     assert torch.equal(layer.dequantize(), w.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not kernels.lut_available(), reason="lut4_gemv not built")
+@pytest.mark.parametrize(
+    "isa",
+    [i for i in range(3) if i <= max(kernels.lut_isa(), 0)],
+    ids=["scalar", "avx2", "avx512"][: max(kernels.lut_isa(), 0) + 1],
+)
+def test_lut4_gemv_forms_tiny_and_subnormal_weights_exactly(isa: int) -> None:
+    """Each formed weight exactly ``round(table[q] * s)``, read back column by column with one-hot activations (one
+    product per sum), for scales whose weights are subnormal in float32 and in bfloat16 (a vector rounding that
+    flushes subnormals to zero must not be taken for them), signed zeros and normal scales in the same rows."""
+    from anyquant_cpu.kernels.lut import lut4_codes
+
+    g = torch.Generator().manual_seed(3)
+    n, k, group = 24, 128, 32
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scales = torch.tensor([1e-39, 3e-41, 2.5e-38, 0.0, -0.0, 0.7, 1e-30, 4.0]).repeat(n * k // group // 8 + 1)
+    scales = scales[torch.randperm(scales.numel(), generator=g)][: n * k // group].reshape(n, k // group)
+    lut = torch.linspace(-1.0, 1.0, 16)
+    x = torch.eye(k)[:16]
+    for rnd, dtype in ((0, torch.float32), (1, torch.bfloat16), (2, torch.float16)):
+        w = (lut[codes] * scales.repeat_interleave(group, dim=1)).to(dtype).float()
+        got = torch.ops.anyquant.lut4_gemv(x, lut4_codes(codes), scales, lut, group, rnd, isa)
+        assert torch.equal(got, w[:, :16].T.contiguous()), rnd
 
 
 @pytest.mark.skipif(not kernels.lut_available(), reason="lut4_gemv not built")

@@ -6,7 +6,8 @@
 // two scales: NVFP4's groups of 16). Each weight is formed in float32 as lut[q] * s and multiplied with the float32
 // activation (fused multiply-add in the vector paths), summed per row in float32: no activation rounding; with
 // ``round`` each weight is first rounded as the format rounds it (bfloat16, float16): the format's own weights.
-// Vector paths: AVX512F (vpermps over the 16-entry table), AVX2 + FMA (two 8-entry permutes and a blend), scalar (the
+// Vector paths: AVX512F (vpermps over the 16-entry table; with AVX512-VBMI 128 codes a vector, il_rows512, and with
+// AVX512-BF16 two groups' bfloat16 tables a conversion), AVX2 + FMA (two 8-entry permutes and a blend), scalar (the
 // only one off x86-64: the portable path, bit for bit the vector paths' weights and float32 sums in another order).
 
 #include <ATen/ATen.h>
@@ -15,8 +16,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 // The vector paths are x86-64's; elsewhere (ARM, POWER, ...) the scalar paths alone compile and run, as they do on
 // x86-64 with -DANYQUANT_PORTABLE (how the tests build and check the portable kernel here).
@@ -70,7 +73,7 @@ template <int M>
 __attribute__((target("avx512f"))) inline void lut_block512(const uint8_t* c, const float* x, int64_t ldx,
                                                            __m512 w_lo, __m512 w_hi, __m512* acc_lo, __m512* acc_hi) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-  const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), w_lo);
+  const __m512 lo = _mm512_permutexvar_ps(v, w_lo);  // vpermps reads the low 4 bits of each index: no mask
   const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), w_hi);
   for (int r = 0; r < M; ++r) {
     acc_lo[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * ldx), acc_lo[r]);
@@ -90,6 +93,12 @@ __attribute__((target("avx512f"))) void rows_avx512(const uint8_t* c, const floa
     for (int64_t b = 0; b < k / 32; ++b) {
       const __m512 w_lo = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[2 * b])), round);
       const __m512 w_hi = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[2 * b + 1])), round);
+      lut_block512<M>(c + b * 16, x + b * 32, ldx, w_lo, w_hi, acc_lo, acc_hi);
+    }
+  } else if (group % 32 != 0) {  // 48, 80, ...: a block's halves may fall in two groups
+    for (int64_t b = 0; b < k / 32; ++b) {
+      const __m512 w_lo = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[(b * 32) / group])), round);
+      const __m512 w_hi = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[(b * 32 + 16) / group])), round);
       lut_block512<M>(c + b * 16, x + b * 32, ldx, w_lo, w_hi, acc_lo, acc_hi);
     }
   } else {
@@ -157,6 +166,12 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* c, const 
       lut_weights256(table, s[2 * b + 1], round, w_hi);
       lut_block256<M>(c + b * 16, x + b * 32, ldx, w_lo, w_hi, acc_lo, acc_hi);
     }
+  } else if (group % 32 != 0) {  // 48, 80, ...: a block's halves may fall in two groups
+    for (int64_t b = 0; b < k / 32; ++b) {
+      lut_weights256(table, s[(b * 32) / group], round, w_lo);
+      lut_weights256(table, s[(b * 32 + 16) / group], round, w_hi);
+      lut_block256<M>(c + b * 16, x + b * 32, ldx, w_lo, w_hi, acc_lo, acc_hi);
+    }
   } else {
     const int64_t per = group / 32;
     for (int64_t g = 0; g < k / group; ++g) {
@@ -180,6 +195,194 @@ __attribute__((target("avx2,fma,f16c"))) void row_avx2(const uint8_t* c, const f
     case 2: return rows_avx2<2>(c, s, x, ldx, k, group, lut, round, y);
     case 3: return rows_avx2<3>(c, s, x, ldx, k, group, lut, round, y);
     default: return rows_avx2<MAX_ROWS>(c, s, x, ldx, k, group, lut, round, y);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------- 128 a vector
+// AVX512-VBMI's path: the codes of 128 weights (64 bytes, four blocks) as one vector whose dword lane i holds weight
+// 16t + i in nibble t (bits 4t..4t+3), t = 0..7: the blocks' bytes as a 4x16 matrix transposed (byte 4i + u is the
+// blocks' byte 16u + i, the same nibbles), one byte permute (vpermb) per 64 bytes. The table indices of weights
+// 16t..16t+15 are then that vector shifted right by 4t (vpermps reads the low 4 bits of each lane): a shift, a permute
+// and a multiply-add per 16 weights, instead of a byte-to-dword widening per 16 codes as well. The same weights, each
+// round(lut[q] * s) of its group's table, the same float32 products; only the order of the float32 sums differs.
+#define AQ_IL512 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16")))
+
+AQ_IL512 inline __m512i chunk_codes512(const uint8_t* c) {
+  // 24 chunks ahead (the rows are contiguous: past a row's end, the next row's): a single thread's stream from DRAM
+  // is latency-bound without it; a hint, never a fault past the end
+  _mm_prefetch(reinterpret_cast<const char*>(c) + 1536, _MM_HINT_T0);
+  // byte j = 4i + u of the result is byte 16u + i of the blocks
+  const __m512i idx = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11,
+                                      58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37,
+                                      21, 5, 52, 36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
+  return _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(c));
+}
+
+// The tables of two groups, scales s[0] and s[1], rounded to bfloat16 (round 1) in one conversion (AVX512-BF16's
+// vcvtne2ps2bf16: nearest even, as round512; taken only for scales whose products are no float32 subnormals, which
+// it would flush): ``pair_lo`` / ``pair_hi`` hold the table's values 0..7 / 8..15 each twice, times (s0, s1, s0, ...),
+// so that word 2j of the result is value j times s0 and word 2j + 1 value j times s1.
+AQ_IL512 inline void bf16_tables(__m512 pair_lo, __m512 pair_hi, const float* s, __m512* w0, __m512* w1) {
+  double both;
+  __builtin_memcpy(&both, s, sizeof both);
+  const __m512 sv = _mm512_castpd_ps(_mm512_set1_pd(both));
+  const __m512i r = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_mul_ps(pair_hi, sv), _mm512_mul_ps(pair_lo, sv)));
+  *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+  *w1 = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// Weights 16t..16t+15 of a chunk (w: their group's table) times M rows of x, into sum t % A of each row.
+template <int M, int T, int A>
+AQ_IL512 inline void il_sub512(__m512i v, __m512 w, const float* x, int64_t ldx, __m512 (*acc)[4]) {
+  const __m512 wt = _mm512_permutexvar_ps(T == 0 ? v : _mm512_srli_epi32(v, 4 * T), w);
+  for (int r = 0; r < M; ++r) acc[r][T % A] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(x + r * ldx + 16 * T), acc[r][T % A]);
+}
+
+// G: 16, 32 or 64 (8, 4 or 2 groups a chunk), 128 (a group of whole chunks: a multiple of 128) or 0 (any other
+// multiple of 16). kBF: round 1 by bf16_tables (G 16, 32, 64).
+template <int M, int G, bool kBF>
+AQ_IL512 void il_rows512(const uint8_t* c, const float* s, const float* x, int64_t ldx, int64_t k, int64_t group,
+                         const float* lut, int64_t round, float* y) {
+  constexpr int A = M <= 2 ? 4 : 2;  // independent sums a row: the multiply-add's latency over its throughput
+  const __m512 table = _mm512_loadu_ps(lut);
+  __m512 pair_lo = table, pair_hi = table;
+  if (kBF) {
+    pair_lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), table);
+    pair_hi = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), table);
+  }
+  __m512 acc[M][4];
+  for (int r = 0; r < M; ++r)
+    for (int a = 0; a < 4; ++a) acc[r][a] = _mm512_setzero_ps();
+  const int64_t chunks = k / 128;
+#define AQ_SUB(T, W) il_sub512<M, T, A>(v, W, xc, ldx, acc)
+#define AQ_TABLE(I) round512(_mm512_mul_ps(table, _mm512_set1_ps(sp[I])), round)
+  if (G == 128) {  // K is a multiple of the group: whole chunks, no tail
+    const int64_t per = group / 128;
+    for (int64_t g = 0; g < k / group; ++g) {
+      const __m512 w = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[g])), round);
+      for (int64_t p = g * per; p < (g + 1) * per; ++p) {
+        const __m512i v = chunk_codes512(c + p * 64);
+        const float* xc = x + p * 128;
+        AQ_SUB(0, w); AQ_SUB(1, w); AQ_SUB(2, w); AQ_SUB(3, w); AQ_SUB(4, w); AQ_SUB(5, w); AQ_SUB(6, w); AQ_SUB(7, w);
+      }
+    }
+  } else if (G == 16) {
+    for (int64_t p = 0; p < chunks; ++p) {
+      const __m512i v = chunk_codes512(c + p * 64);
+      const float* xc = x + p * 128;
+      const float* sp = s + p * 8;
+      __m512 w0, w1;
+      for (int h = 0; h < 2; ++h) {  // two halves: fewer tables live at once
+        const float* sh = sp + 4 * h;
+        __m512 w2, w3;
+        if (kBF) bf16_tables(pair_lo, pair_hi, sh, &w0, &w1), bf16_tables(pair_lo, pair_hi, sh + 2, &w2, &w3);
+        else w0 = round512(_mm512_mul_ps(table, _mm512_set1_ps(sh[0])), round),
+             w1 = round512(_mm512_mul_ps(table, _mm512_set1_ps(sh[1])), round),
+             w2 = round512(_mm512_mul_ps(table, _mm512_set1_ps(sh[2])), round),
+             w3 = round512(_mm512_mul_ps(table, _mm512_set1_ps(sh[3])), round);
+        if (h == 0) { AQ_SUB(0, w0); AQ_SUB(1, w1); AQ_SUB(2, w2); AQ_SUB(3, w3); }
+        else { AQ_SUB(4, w0); AQ_SUB(5, w1); AQ_SUB(6, w2); AQ_SUB(7, w3); }
+      }
+    }
+  } else if (G == 32) {
+    for (int64_t p = 0; p < chunks; ++p) {
+      const __m512i v = chunk_codes512(c + p * 64);
+      const float* xc = x + p * 128;
+      const float* sp = s + p * 4;
+      __m512 w0, w1, w2, w3;
+      if (kBF) bf16_tables(pair_lo, pair_hi, sp, &w0, &w1), bf16_tables(pair_lo, pair_hi, sp + 2, &w2, &w3);
+      else w0 = AQ_TABLE(0), w1 = AQ_TABLE(1), w2 = AQ_TABLE(2), w3 = AQ_TABLE(3);
+      AQ_SUB(0, w0); AQ_SUB(1, w0); AQ_SUB(2, w1); AQ_SUB(3, w1); AQ_SUB(4, w2); AQ_SUB(5, w2); AQ_SUB(6, w3); AQ_SUB(7, w3);
+    }
+  } else if (G == 64) {
+    for (int64_t p = 0; p < chunks; ++p) {
+      const __m512i v = chunk_codes512(c + p * 64);
+      const float* xc = x + p * 128;
+      const float* sp = s + p * 2;
+      __m512 w0, w1;
+      if (kBF) bf16_tables(pair_lo, pair_hi, sp, &w0, &w1);
+      else w0 = AQ_TABLE(0), w1 = AQ_TABLE(1);
+      AQ_SUB(0, w0); AQ_SUB(1, w0); AQ_SUB(2, w0); AQ_SUB(3, w0); AQ_SUB(4, w1); AQ_SUB(5, w1); AQ_SUB(6, w1); AQ_SUB(7, w1);
+    }
+  } else {  // the groups counted down, a table where one starts
+    int64_t g = 0, left = group;
+    __m512 w = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[0])), round);
+#define AQ_STEP(T)                                                     \
+  if (left == 0) {                                                     \
+    left = group;                                                      \
+    w = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[++g])), round); \
+  }                                                                    \
+  left -= 16;                                                          \
+  AQ_SUB(T, w);
+    for (int64_t p = 0; p < chunks; ++p) {
+      const __m512i v = chunk_codes512(c + p * 64);
+      const float* xc = x + p * 128;
+      AQ_STEP(0) AQ_STEP(1) AQ_STEP(2) AQ_STEP(3) AQ_STEP(4) AQ_STEP(5) AQ_STEP(6) AQ_STEP(7)
+    }
+#undef AQ_STEP
+  }
+#undef AQ_TABLE
+#undef AQ_SUB
+  // the last K % 128 weights (G 16, 32, 64, 0): blocks of 32 as lut_block512 reads them
+  for (int64_t b = chunks * 4; b < k / 32; ++b) {
+    const __m512 w_lo = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[(b * 32) / group])), round);
+    const __m512 w_hi = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[(b * 32 + 16) / group])), round);
+    __m512 lo[M], hi[M];
+    for (int r = 0; r < M; ++r) lo[r] = acc[r][0], hi[r] = acc[r][1];
+    lut_block512<M>(c + b * 16, x + b * 32, ldx, w_lo, w_hi, lo, hi);
+    for (int r = 0; r < M; ++r) acc[r][0] = lo[r], acc[r][1] = hi[r];
+  }
+  for (int r = 0; r < M; ++r)
+    y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+}
+
+// Whether every scale of a row takes bf16_tables: zero, or a finite magnitude of at least ``least`` (no product with
+// a nonzero table value below float32's least normal).
+AQ_IL512 inline bool bf16_scales(const float* s, int64_t count, float least) {
+  const __m512 lo = _mm512_set1_ps(least), hi = _mm512_set1_ps(3.4028234663852886e38f);
+  __mmask16 bad = 0;
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(s + i));
+    bad |= ~(_mm512_cmp_ps_mask(a, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(a, hi, _CMP_LE_OQ)) &
+           _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+  }
+  for (; i < count; ++i) {
+    const float a = std::fabs(s[i]);
+    if (a != 0.0f && !(a >= least && a <= 3.4028234663852886e38f)) return false;
+  }
+  return bad == 0;
+}
+
+template <int M>
+AQ_IL512 void il_rows512_g(const uint8_t* c, const float* s, const float* x, int64_t ldx, int64_t k, int64_t group,
+                           const float* lut, int64_t round, float bf16_least, float* y) {
+  const bool bf = round == 1 && bf16_least >= 0.0f && (group == 16 || group == 32 || group == 64) &&
+                  bf16_scales(s, k / group, bf16_least);
+  if (group == 16) {
+    if (bf) return il_rows512<M, 16, true>(c, s, x, ldx, k, group, lut, round, y);
+    return il_rows512<M, 16, false>(c, s, x, ldx, k, group, lut, round, y);
+  }
+  if (group == 32) {
+    if (bf) return il_rows512<M, 32, true>(c, s, x, ldx, k, group, lut, round, y);
+    return il_rows512<M, 32, false>(c, s, x, ldx, k, group, lut, round, y);
+  }
+  if (group == 64) {
+    if (bf) return il_rows512<M, 64, true>(c, s, x, ldx, k, group, lut, round, y);
+    return il_rows512<M, 64, false>(c, s, x, ldx, k, group, lut, round, y);
+  }
+  if (group % 128 == 0) return il_rows512<M, 128, false>(c, s, x, ldx, k, group, lut, round, y);
+  return il_rows512<M, 0, false>(c, s, x, ldx, k, group, lut, round, y);
+}
+
+// bf16_least: the least scale magnitude bf16_tables takes (-1: none, where the CPU lacks AVX512-BF16).
+AQ_IL512 void il_row512(const uint8_t* c, const float* s, const float* x, int64_t ldx, int64_t m, int64_t k,
+                        int64_t group, const float* lut, int64_t round, float bf16_least, float* y) {
+  switch (m) {
+    case 1: return il_rows512_g<1>(c, s, x, ldx, k, group, lut, round, bf16_least, y);
+    case 2: return il_rows512_g<2>(c, s, x, ldx, k, group, lut, round, bf16_least, y);
+    case 3: return il_rows512_g<3>(c, s, x, ldx, k, group, lut, round, bf16_least, y);
+    default: return il_rows512_g<MAX_ROWS>(c, s, x, ldx, k, group, lut, round, bf16_least, y);
   }
 }
 
@@ -291,6 +494,34 @@ void fp8_row_scalar(const uint8_t* c, const float* s, const float* x, int64_t ld
   }
 }
 
+// AVX512-VBMI (and BW) beside AVX512F: the AVX512 path reads 128 weights a vector (il_rows512)
+bool lut_vbmi_here() {
+#if defined(AQ_LUT_X86) && !defined(ANYQUANT_LUT_NO_VBMI)  // the define: the AVX512F loop alone (to test it here)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+
+// The least scale magnitude whose products with the table's nonzero values are all float32 normals (with a margin of
+// 2), which bf16_tables takes; -1 where the CPU lacks AVX512-BF16.
+float lut_bf16_least(const float* lut) {
+#ifdef AQ_LUT_X86
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512bf16")) return -1.0f;
+  double least = 0.0;
+  for (int i = 0; i < 16; ++i) {
+    const double a = std::fabs(static_cast<double>(lut[i]));
+    if (a != 0.0) least = std::max(least, 2.0 * 1.1754943508222875e-38 / a);  // NaN: skipped (the sums are NaN)
+  }
+  return least > 3.4e38 ? std::numeric_limits<float>::infinity() : static_cast<float>(least);
+#else
+  (void)lut;
+  return -1.0f;
+#endif
+}
+
 int64_t lut_isa_here() {
 #ifdef AQ_LUT_X86
   __builtin_cpu_init();
@@ -328,6 +559,8 @@ at::Tensor lut4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(isa >= -1, "anyquant::lut4_gemv: isa is -1 (the best path here) or 0..2, not ", isa);
   const int64_t path = isa < 0 ? here : isa;
   TORCH_CHECK(path <= here, "anyquant::lut4_gemv: isa ", isa, " does not run on this CPU (best: ", here, ")");
+  [[maybe_unused]] const bool vbmi = lut_vbmi_here();
+  [[maybe_unused]] const float bf16_least = lut_bf16_least(lut.data_ptr<float>());
   auto y = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -344,7 +577,8 @@ at::Tensor lut4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
         const float* s = sp + row * sk;
         const float* xr = xp + r0 * k;
 #ifdef AQ_LUT_X86
-        if (path == 2) row_avx512(c, s, xr, k, rows, k, group, lp, round, out);
+        if (path == 2 && vbmi) il_row512(c, s, xr, k, rows, k, group, lp, round, bf16_least, out);
+        else if (path == 2) row_avx512(c, s, xr, k, rows, k, group, lp, round, out);
         else if (path == 1) row_avx2(c, s, xr, k, rows, k, group, lp, round, out);
         else
 #endif
@@ -417,7 +651,7 @@ __attribute__((target("avx512f"))) void lut4_dequant_row512(const uint8_t* c, co
     const __m512 w_lo = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[(b * 32) / group])), round);
     const __m512 w_hi = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[(b * 32 + 16) / group])), round);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16)));
-    _mm512_storeu_ps(out + b * 32, _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), w_lo));
+    _mm512_storeu_ps(out + b * 32, _mm512_permutexvar_ps(v, w_lo));  // the low 4 bits of each index
     _mm512_storeu_ps(out + b * 32 + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), w_hi));
   }
 }
@@ -448,7 +682,7 @@ at::Tensor lut4_dequant(const at::Tensor& codes, const at::Tensor& scales, const
   const float* lp = lut.data_ptr<float>();
   float* wp = w.data_ptr<float>();
   const int64_t sk = k / group;
-  const bool vector = lut_isa_here() == 2;
+  [[maybe_unused]] const bool vector = lut_isa_here() == 2;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     float table[16];
     for (int64_t row = begin; row < end; ++row) {
