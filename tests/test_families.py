@@ -234,7 +234,7 @@ RUNTIME_FAMILIES = {
 
 
 #: the families runtime="auto" builds with anyquant's native decoder (the others: transformers' class)
-NATIVE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral")
+NATIVE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "mistral", "gemma2", "gemma3_text")
 
 
 @pytest.mark.parametrize("family", sorted(RUNTIME_FAMILIES))

@@ -90,6 +90,61 @@ VARIANTS = {
     "phi3": {"model_type": "phi3", "num_hidden_layers": 2, "sliding_window": None, "tie_word_embeddings": True},
     # Gemma: (1 + weight) RMSNorm, embeddings scaled by sqrt(hidden), GELU (tanh) MLP, head_dim from the config
     "gemma": {"model_type": "gemma", "num_hidden_layers": 2, "head_dim": 48, "tie_word_embeddings": True},
+    # sliding windows of a few positions (the tests' prompts and cached steps run past them): Mistral's on every
+    # layer; Qwen2's from max_window_layers on; Qwen3's by layer_types; Phi-3's with its fused projections
+    "mistral-window": {"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 5},
+    "qwen2-window": {
+        "model_type": "qwen2",
+        "num_hidden_layers": 2,
+        "use_sliding_window": True,
+        "sliding_window": 4,
+        "max_window_layers": 1,
+    },
+    "qwen3-window": {
+        "model_type": "qwen3",
+        "num_hidden_layers": 2,
+        "head_dim": 32,
+        "use_sliding_window": True,
+        "sliding_window": 6,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "phi3-window": {"model_type": "phi3", "num_hidden_layers": 2, "sliding_window": 7},
+    # Qwen2-MoE's own rule: the even layers below max_window_layers slide
+    "qwen2_moe-window": {
+        "model_type": "qwen2_moe",
+        "num_hidden_layers": 2,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "use_sliding_window": True,
+        "sliding_window": 4,
+        "max_window_layers": 2,
+    },
+    # Gemma 2: four norms a layer, query_pre_attn_scalar, soft-capped scores (eager attention) and logits,
+    # sliding and full layers alternating
+    "gemma2": {
+        "model_type": "gemma2",
+        "num_hidden_layers": 2,
+        "head_dim": 48,
+        "sliding_window": 6,
+        "query_pre_attn_scalar": 40,
+        "tie_word_embeddings": True,
+    },
+    # Gemma 3 (text): q/k norms, the sliding layers' own rotary base, linear rotary scaling on the full layers
+    "gemma3_text": {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 3,
+        "head_dim": 32,
+        "sliding_window": 5,
+        "sliding_window_pattern": 2,
+        "query_pre_attn_scalar": 24,
+        "final_logit_softcapping": 3.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_theta": 500000.0,
+        "rope_local_base_freq": 100.0,
+        "tie_word_embeddings": True,
+    },
     "llama3-rope": {
         "num_hidden_layers": 1,
         "rope_parameters": {
@@ -148,6 +203,27 @@ def test_cache_steps_equal_the_full_forward(pair: tuple) -> None:
     torch.testing.assert_close(torch.cat([chunk.logits, rest.logits], dim=1), full, rtol=1e-5, atol=1e-5)
 
 
+def test_sliding_windows_matter(pair: tuple) -> None:
+    """The windowed variants' windows are shorter than the tests' prompts: the same weights attending every
+    position give other logits (the comparisons with transformers above do test the windows)."""
+    _, nat = pair
+    layers = nat.module.model.layers
+    windows = [layer.self_attn.window for layer in layers]
+    if all(w is None for w in windows):
+        pytest.skip("no sliding layer")
+    ids = torch.randint(0, 200, (1, 23), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        windowed = nat.module(ids).logits
+        try:
+            for layer in layers:
+                layer.self_attn.window = None
+            full = nat.module(ids).logits
+        finally:
+            for layer, window in zip(layers, windows, strict=True):
+                layer.self_attn.window = window
+    assert not torch.allclose(windowed, full, rtol=1e-3, atol=1e-3)
+
+
 def test_llama3_inv_freq_equals_transformers() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -161,8 +237,9 @@ def test_which_configs_run_natively() -> None:
     base = tiny_llama_config()
     assert native_runtime_reason(base) is None
     assert native_runtime_reason({**base, "model_type": "qwen2", "sliding_window": 4096}) is None  # not in use
-    assert "sliding" in str(native_runtime_reason({**base, "model_type": "mistral", "sliding_window": 4096}))
+    assert native_runtime_reason({**base, "model_type": "mistral", "sliding_window": 4096}) is None
     assert native_runtime_reason({**base, "model_type": "mistral", "sliding_window": None}) is None
+    assert "sliding_window 0" in str(native_runtime_reason({**base, "model_type": "mistral", "sliding_window": 0}))
     assert "gelu" in str(native_runtime_reason({**base, "hidden_act": "gelu"}))
     assert "yarn" in str(native_runtime_reason({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
     assert "gpt2" in str(native_runtime_reason({**base, "model_type": "gpt2"}))
@@ -569,8 +646,12 @@ def test_hooks_on_an_experts_linears_fire_on_the_fused_path(tmp_path: Path) -> N
 
 #: the newer native families on cpu-fast int4 linears, and how the compiled decode step runs each layer: Mixtral's
 #: sparse blocks by ``int4_moe``; Qwen2-MoE's sparse block (its shared expert) and Phi-3's fused projections and
-#: partial rotary through their modules, its dense layer compiled; Gemma's norms and GELU all through the modules
+#: partial rotary through their modules, its dense layer compiled; Gemma's norms and GELU all through the modules (Gemma
+#: 2's and 3's four norms, soft-capping and two rotary tables too); sliding windows compiled (Mistral's every layer)
 FAMILY_STEPS = {
+    "mistral-window": ({**VARIANTS["mistral-window"]}, ["int4", "int4"]),
+    "gemma2": ({**VARIANTS["gemma2"]}, [None, None]),
+    "gemma3_text": ({**VARIANTS["gemma3_text"], "num_hidden_layers": 2}, [None, None]),
     "mixtral": ({**VARIANTS["mixtral"]}, ["int4_moe", "int4_moe"]),
     "qwen2_moe": ({**VARIANTS["qwen2_moe"], "qkv_bias": False, "moe_intermediate_size": 64}, [None, "int4"]),
     "phi3": ({**VARIANTS["phi3-partial-rotary"]}, [None, None]),
@@ -618,3 +699,46 @@ def test_compiled_decode_step_of_the_newer_families(
     assert calls.take() == 2 + kinds.count(None) * (ids.shape[1] - 8)  # the prompt's, then the modules' layers
     model.module.__dict__["_step"] = None  # the module path
     assert torch.equal(logits_after_prompt(model, ids, 8), fast)
+
+
+@pytest.mark.parametrize("kind", ["int4", "bf16", "gq4"])
+@pytest.mark.parametrize(
+    "window",
+    [
+        {"model_type": "mistral", "sliding_window": 5},
+        {
+            "model_type": "qwen3",
+            "head_dim": 32,
+            "use_sliding_window": True,
+            "sliding_window": 7,
+            "layer_types": ["full_attention", "sliding_attention"],
+        },
+    ],
+    ids=["mistral", "qwen3-mixed-layers"],
+)
+def test_compiled_decode_step_with_sliding_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, window: dict[str, object]
+) -> None:
+    """Sliding layers in the compiled step: each given the cache from its window's first position (the one scripted
+    call for every layer without a padding mask; a layer at a time, each its mask's columns, with one), bitwise the
+    module path, in single prompts and padded batches that run past the window; a float16 cache too."""
+    from anyquant_cpu.step import DecodeStep
+
+    model = _int4_model(tmp_path / "m", bias=False, kind=kind, **window)
+    assert any(layer.self_attn.window for layer in model.module.model.layers)
+    calls = _LayerCalls(monkeypatch)
+    ids = torch.randint(0, 200, (2, 30), generator=torch.Generator().manual_seed(16))
+    prompts = ["Hi", "Hello there, how are you today?", "x"]
+    for dtype in (None, torch.float16):
+        model.module.kv_cache_dtype = dtype
+        model.module.__dict__.pop("_step", None)
+        fast = logits_after_prompt(model, ids, 8)
+        step = model.module.__dict__["_step"]
+        assert isinstance(step, DecodeStep) and None not in step.layers and step.windowed
+        assert calls.take() == 2  # the prompt's layers only
+        fast_batch = model.generate_batch(prompts, max_new_tokens=12)
+        assert calls.take() == 2
+        model.module.__dict__["_step"] = None  # the module path
+        assert torch.equal(logits_after_prompt(model, ids, 8), fast)
+        assert model.generate_batch(prompts, max_new_tokens=12) == fast_batch
+        assert calls.take() == 2 * (1 + 22) + 2 * (1 + 11)

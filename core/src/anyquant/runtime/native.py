@@ -1,4 +1,4 @@
-"""anyquant's own Llama-family decoder (and Mixtral, Qwen2-MoE, Phi-3, Gemma): the same modules and tensor names as
+"""anyquant's own Llama-family decoder (and Mixtral, Qwen2-MoE, Phi-3, Gemma 1-3): the same modules and tensor names as
 transformers', a leaner forward.
 
 Built instead of transformers' class when ``load(..., runtime="native")`` asks for it (or ``"auto"`` picks
@@ -25,14 +25,21 @@ layer a sparse block: top-k always renormalised and kept in float32 as its route
 transformers 5's names, ``mlp.gate`` and ``mlp.experts``, found in checkpoints as ``block_sparse_moe.experts.N.w1/w3/w2``
 through transformers' renaming), ``qwen2_moe`` (q/k/v biases; its sparse blocks add a shared expert, a dense MLP
 gated by ``sigmoid(shared_expert_gate(x))``), ``phi3`` (one ``qkv_proj`` and one ``gate_up_proj`` linear, as
-transformers' modules hold them; a ``partial_rotary_factor`` turns only the first features of each head) and
+transformers' modules hold them; a ``partial_rotary_factor`` turns only the first features of each head),
 ``gemma`` (RMSNorm scaled by ``1 + weight``, the embeddings by ``sqrt(hidden_size)`` in their own dtype, a GELU
-(tanh) gated MLP, ``head_dim`` from the config) configs with their activation, default (or, but for Phi-3,
-``llama3``) rotary scaling and no active sliding window; anything else (Phi-3's LongRoPE, Mixtral's or Phi-3's
-``sliding_window``, Gemma 2 and 3's soft-capping and alternating windows ...) stays on transformers' class, with
-the reason :func:`native_runtime_reason` gives. The compiled decode step (:mod:`anyquant_cpu.step`) computes
-the layers with separate q/k/v, a full rotary embedding, RMSNorm and SiLU (Mixtral's sparse blocks included);
-Phi-3's and Gemma's layers and Qwen2-MoE's sparse blocks run through their modules.
+(tanh) gated MLP, ``head_dim`` from the config), ``gemma2`` (Gemma's, with four norms a layer, the attention scaled
+by ``query_pre_attn_scalar``, transformers' eager attention with its scores soft-capped, the logits soft-capped) and
+``gemma3_text`` (Gemma 2's layers without soft-capped scores, q/k head norms, the sliding layers' own rotary base)
+configs with their activation and default (or, but for Phi-3, ``llama3``; Gemma 3: ``linear``) rotary scaling.
+Sliding-window attention is each layer's as transformers' class decides it (:func:`layer_windows`): a sliding
+layer's query at cache position ``p`` attends the keys at ``(p - window, p]``, in prompts (a mask), padded batches
+and cached steps (the cache keeps every position; its :meth:`NativeCache.update` gives a sliding layer only those
+its queries may see). Anything else (Phi-3's LongRoPE, the multimodal Gemma 3 ...) stays on transformers' class,
+with the reason :func:`native_runtime_reason` gives. The compiled decode step (:mod:`anyquant_cpu.step`) computes
+the layers with separate q/k/v, a full rotary embedding, RMSNorm and SiLU (Mixtral's sparse blocks and sliding
+windows included); Phi-3's and the Gemmas' layers and Qwen2-MoE's sparse blocks run through their modules.
+:meth:`NativeCausalLM.decode_rows` steps several requests, each with its own cache, in one pass (a server's
+batched decode step).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -48,30 +55,134 @@ from torch import nn
 
 from .layers import RMSNorm, SparseMoe, _joint, _rotary
 
-__all__ = ["NativeCache", "NativeCausalLM", "NativeConfig", "native_runtime_reason"]
+__all__ = ["NativeCache", "NativeCausalLM", "NativeConfig", "layer_windows", "native_runtime_reason"]
 
-_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "phi3", "gemma")
+_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "qwen2_moe",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+)
 #: the families whose attention normalises each query and key head (RMSNorm over ``head_dim``) before rotary
-_QK_NORM = ("qwen3", "qwen3_moe")
+_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
 #: the families with sparse MoE blocks
 _MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
-#: the families whose attention uses a sliding window whenever the config names one (transformers' Mistral and
-#: Mixtral attention pass ``config.sliding_window`` as it is; the others only with ``use_sliding_window``)
-_WINDOWED = ("mistral", "mixtral", "phi3")
-#: the later Gemmas, and what of them the native decoder does not compute
-_LATER_GEMMAS = {
-    "gemma2": "attention and final-logit soft-capping, alternating sliding-window layers and four norms a layer",
-    "gemma3": "alternating sliding-window layers with their own rotary base, q/k norms and four norms a layer",
-    "gemma3_text": "alternating sliding-window layers with their own rotary base, q/k norms and four norms a layer",
-}
+#: the Gemmas: RMSNorm scaled by ``1 + weight``, embeddings scaled by ``sqrt(hidden_size)``, a GELU (tanh) MLP
+_GEMMAS = ("gemma", "gemma2", "gemma3_text")
+#: the Gemmas with four norms a layer (before and after the attention and the MLP), ``query_pre_attn_scalar``
+#: and soft-capping
+_SANDWICH = ("gemma2", "gemma3_text")
+#: the Gemma the native decoder does not run, and why
+_LATER_GEMMAS = {"gemma3": "the multimodal model (its text model, gemma3_text, runs natively)"}
 #: the activations each family's MLP may name (Gemma's legacy ``gelu`` is the tanh approximation, as transformers'
-#: config reads it); the native decoder runs exactly these
-_ACTIVATIONS = {"gemma": ("gelu_pytorch_tanh", "gelu")}
+#: config reads it; Gemma 2 reads ``hidden_activation`` as it is); the native decoder runs exactly these
+_ACTIVATIONS = {
+    "gemma": ("gelu_pytorch_tanh", "gelu"),
+    "gemma2": ("gelu_pytorch_tanh",),
+    "gemma3_text": ("gelu_pytorch_tanh",),
+}
+#: the config key of each family's MLP activation (where not ``hidden_act``)
+_ACTIVATION_KEY = {"gemma2": "hidden_activation", "gemma3_text": "hidden_activation"}
+#: ``sliding_window`` where a config leaves it out (the defaults of transformers' config classes)
+_DEFAULT_WINDOW = {
+    "mistral": 4096,
+    "qwen2": 4096,
+    "qwen3": 4096,
+    "qwen2_moe": 4096,
+    "qwen3_moe": 4096,
+    "gemma2": 4096,
+    "gemma3_text": 4096,
+}
+
+
+def layer_windows(config: Mapping[str, Any]) -> list[int | None] | str:
+    """Each layer's sliding window (``None``: full attention) as transformers' class of ``config``'s family decides
+    it, or why it cannot be said. A sliding layer's query at cache position ``p`` attends the keys at positions
+    ``(p - window, p]`` (transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``).
+
+    Mistral, Mixtral and Phi-3 window every layer whenever ``sliding_window`` is set (Mistral's default 4096);
+    Qwen3-MoE every layer with ``use_sliding_window``; Qwen2 and Qwen3 the layers that ``layer_types`` names
+    ``sliding_attention`` (by default, with ``use_sliding_window``, those from ``max_window_layers`` on), Qwen2-MoE
+    likewise (by default the even layers below ``max_window_layers``); Gemma 2 its ``layer_types`` (by default every
+    other layer, from the first), Gemma 3 (text) its ``layer_types`` (by default five of each six layers, by
+    ``sliding_window_pattern``); Llama and Gemma none (their classes read no window)."""
+    model_type = config.get("model_type")
+    n = int(config["num_hidden_layers"])
+    window = config.get("sliding_window", _DEFAULT_WINDOW.get(str(model_type)))
+    use = bool(config.get("use_sliding_window", False))
+    if model_type in ("mistral", "mixtral", "phi3"):
+        sliding = [window is not None] * n
+    elif model_type == "qwen3_moe":
+        window = window if use else None
+        sliding = [window is not None] * n
+    elif model_type in ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text"):
+        if model_type == "qwen2_moe":
+            window = window if use else 0
+        elif model_type not in ("gemma2", "gemma3_text"):
+            window = window if use else None
+        types = config.get("layer_types")
+        if types is None:
+            first = config.get("max_window_layers", 28)
+            if model_type == "qwen2_moe":
+                sliding = [bool((i + 1) % 2) and i < first and use for i in range(n)]
+            elif model_type == "gemma2":
+                sliding = [bool((i + 1) % 2) for i in range(n)]
+            elif model_type == "gemma3_text":
+                pattern = config.get("sliding_window_pattern", 6)
+                if type(pattern) is not int or pattern < 1:
+                    return f"sliding_window_pattern {pattern!r} is not a positive integer"
+                sliding = [bool((i + 1) % pattern) for i in range(n)]
+            else:
+                sliding = [window is not None and i >= first for i in range(n)]
+        elif not isinstance(types, list) or len(types) != n:
+            return f"layer_types {types!r} is not one type for each of the {n} layers"
+        elif not set(types) <= {"full_attention", "sliding_attention"}:
+            return f"layer_types {sorted(set(types))} name a kind of layer other than full or sliding attention"
+        else:
+            sliding = [kind == "sliding_attention" for kind in types]
+    else:
+        return [None] * n  # Llama's and Gemma's classes read no window
+    if any(sliding) and (type(window) is not int or window < 1):
+        return f"sliding_window {window!r} is not a positive number of positions"
+    return [int(window) if slides else None for slides in sliding]
 
 
 def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    if cfg.get("model_type") == "gemma3_text":
+        return _gemma3_rope(cfg)["full_attention"]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     return dict(rope) if isinstance(rope, Mapping) else {}
+
+
+def _gemma3_rope(cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Gemma 3's rotary parameters of its full and its sliding layers, as its config class reads them: its
+    ``rope_parameters`` per layer type, or the old ``rope_theta`` (default 1e6) with ``rope_scaling`` for the full
+    layers and ``rope_local_base_freq`` (default 1e4) for the sliding ones."""
+    given = cfg.get("rope_parameters")
+    if isinstance(given, Mapping) and ("full_attention" in given or "sliding_attention" in given):
+        full, local = dict(given.get("full_attention") or {}), dict(given.get("sliding_attention") or {})
+    else:
+        full = dict(given) if isinstance(given, Mapping) else {}
+        scaling = cfg.get("rope_scaling")
+        if isinstance(scaling, Mapping):
+            full.update(scaling)
+        local = {}
+    full.setdefault("rope_type", "default")
+    local.setdefault("rope_type", "default")
+    theta = cfg.get("rope_theta", 1_000_000.0)
+    if isinstance(theta, Mapping):  # as transformers 5 may write it: {"global": ..., "local": ...}
+        full.setdefault("rope_theta", theta.get("global", 1_000_000.0))
+        local.setdefault("rope_theta", theta.get("local", cfg.get("rope_local_base_freq", 10_000.0)))
+    full.setdefault("rope_theta", theta)
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    return {"full_attention": full, "sliding_attention": local}
 
 
 def _rope_type(rope: Mapping[str, Any]) -> str:
@@ -93,11 +204,15 @@ def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
     if model_type not in _TYPES:
         return f"model_type {model_type!r} is not one of {_TYPES}"
     acts = _ACTIVATIONS.get(model_type, ("silu",))
-    if config.get("hidden_act", acts[0]) not in acts:
-        return f"hidden_act {config.get('hidden_act')!r} is not {' or '.join(acts)}"
+    act_key = _ACTIVATION_KEY.get(model_type, "hidden_act")
+    if config.get(act_key, acts[0]) not in acts:
+        return f"{act_key} {config.get(act_key)!r} is not {' or '.join(acts)}"
     rope_type = _rope_type(_rope(config))
-    if rope_type not in (("default",) if model_type == "phi3" else ("default", "llama3")):
+    allowed = {"phi3": ("default",), "gemma3_text": ("default", "linear")}.get(model_type, ("default", "llama3"))
+    if rope_type not in allowed:
         return f"rotary scaling {rope_type!r} is not supported"
+    if model_type == "gemma3_text" and _rope_type(_gemma3_rope(config)["sliding_attention"]) != "default":
+        return f"rotary scaling {_rope_type(_gemma3_rope(config)['sliding_attention'])!r} of the sliding layers is not supported"
     if model_type == "phi3":
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         rotary = int(head_dim * _partial_rotary(config))
@@ -105,11 +220,13 @@ def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
             return f"partial_rotary_factor {_partial_rotary(config)} turns {rotary} of {head_dim} features: not even"
     if config.get("use_bidirectional_attention"):
         return "bidirectional attention is not supported"
-    window = config.get("sliding_window")
-    if window is not None and (model_type in _WINDOWED or config.get("use_sliding_window")):
-        return "sliding-window attention is not supported"
-    if "sliding_attention" in (config.get("layer_types") or ()):
-        return "sliding-window attention is not supported"
+    windows = layer_windows(config)
+    if isinstance(windows, str):
+        return windows
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        value = config.get(key) if model_type in _SANDWICH else None
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            return f"{key} {value!r} is not a positive number"
     if config.get("pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1 is not supported"
     if model_type in _MOE:
@@ -179,11 +296,30 @@ class NativeConfig:
         self.mlp_bias: bool = bool(c.get("mlp_bias", False))
         self.rope: dict[str, Any] = _rope(c)
         self.rope_theta: float = float(self.rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+        #: Gemma 3: the sliding layers' own rotary parameters (its ``rope_local_base_freq``); else ``None``
+        self.local_rope: dict[str, Any] | None = (
+            _gemma3_rope(c)["sliding_attention"] if self.model_type == "gemma3_text" else None
+        )
         self.qk_norm: bool = self.model_type in _QK_NORM
         #: the features of each head the rotary embedding turns (Phi-3's ``partial_rotary_factor``; else all)
         self.rotary_dim: int = int(self.head_dim * _partial_rotary(c))
         #: Gemma: RMSNorm scaled by ``1 + weight``, the embeddings by ``sqrt(hidden_size)``, a GELU (tanh) MLP
-        self.gemma: bool = self.model_type == "gemma"
+        self.gemma: bool = self.model_type in _GEMMAS
+        #: Gemma 2: four norms a layer (before and after the attention, before and after the MLP)
+        self.sandwich: bool = self.model_type in _SANDWICH
+        #: the attention's scale (Gemma 2: ``query_pre_attn_scalar ** -0.5``; else ``head_dim ** -0.5``)
+        scalar = c.get("query_pre_attn_scalar", 256) if self.sandwich else None
+        self.scaling: float = (self.head_dim if scalar is None else scalar) ** -0.5
+        #: Gemma 2's soft-capping of the attention scores, and Gemma 2's and 3's of the logits (``None``: none;
+        #: transformers' Gemma 3 class keeps its ``attn_logit_softcapping`` but never applies it: nor does this)
+        gemma2 = self.model_type == "gemma2"
+        attn_cap = c.get("attn_logit_softcapping", 50.0) if gemma2 else None
+        final_cap = c.get("final_logit_softcapping", 30.0 if gemma2 else None) if self.sandwich else None
+        self.attn_logit_softcapping: float | None = None if attn_cap is None else float(attn_cap)
+        self.final_logit_softcapping: float | None = None if final_cap is None else float(final_cap)
+        #: each layer's sliding window (``None``: full attention), :func:`layer_windows`
+        windows = layer_windows(c)
+        self.windows: list[int | None] = [None] * self.num_hidden_layers if isinstance(windows, str) else windows
         #: Phi-3: one ``qkv_proj`` and one ``gate_up_proj`` linear, as transformers' modules hold them
         self.fused_projections: bool = self.model_type == "phi3"
         # MoE families: which layers hold a sparse MoE block, as transformers decides it
@@ -211,16 +347,22 @@ class NativeConfig:
         return dict(self.raw)
 
 
-def rope_inv_freq(config: NativeConfig) -> torch.Tensor:
-    """Inverse frequencies as transformers computes them (default, or Llama 3's frequency-dependent scaling), for
-    the ``rotary_dim`` features of a head that turn."""
+def rope_inv_freq(config: NativeConfig, rope: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies as transformers computes them (default, linear scaling, or Llama 3's
+    frequency-dependent scaling), for the ``rotary_dim`` features of a head that turn. ``rope``: other rotary
+    parameters than the config's (Gemma 3's sliding layers': :attr:`NativeConfig.local_rope`)."""
     dim = config.rotary_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    if _rope_type(config.rope) != "llama3":
+    rope = config.rope if rope is None else rope
+    theta = config.rope_theta if rope is config.rope else float(rope["rope_theta"])
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    if _rope_type(rope) == "linear":
+        inv /= float(rope["factor"])
         return inv
-    factor = float(config.rope["factor"])
-    low, high = float(config.rope["low_freq_factor"]), float(config.rope["high_freq_factor"])
-    old = float(config.rope["original_max_position_embeddings"])
+    if _rope_type(rope) != "llama3":
+        return inv
+    factor = float(rope["factor"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old = float(rope["original_max_position_embeddings"])
     low_wavelen, high_wavelen = old / low, old / high
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
@@ -241,14 +383,27 @@ class NativeCache:
     ``cpu-fast`` backend's float16, :data:`anyquant_cpu.engine.KV_CACHE_DTYPES`) halves the cache: keys and values are rounded to
     it when written, and :meth:`update` gives attention the positions of earlier forwards read back in the
     activations' dtype followed by this forward's own exact ones (so a prompt of one prefill chunk attends
-    exactly as with a float32 cache; the compiled decode step does the same)."""
+    exactly as with a float32 cache; the compiled decode step does the same).
 
-    def __init__(self, layers: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> None:
+    ``windows``: each layer's sliding window (:func:`layer_windows`; ``None``: none). The cache keeps every
+    position of a sliding layer too (so it crops and copies as any other), but :meth:`update` gives attention only
+    the positions a query of that forward may see: the last ``window`` for one new token (so that attention
+    over what it returns, with no mask, is the sliding window's, as transformers' sliding cache layer returns it),
+    the last ``new + window - 1`` for more."""
+
+    def __init__(
+        self,
+        layers: int,
+        capacity: int | None = None,
+        dtype: torch.dtype | None = None,
+        windows: list[int | None] | None = None,
+    ) -> None:
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.lengths = [0] * layers
         self.capacity = capacity
         self.dtype = dtype
+        self.windows: list[int | None] = list(windows) if windows is not None else [None] * layers
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self.lengths[layer]
@@ -265,7 +420,7 @@ class NativeCache:
         in buffers of exactly that size and this cache's ``dtype`` (the values as stored: a narrower ``dtype``'s
         rounding included). The copy grows as any cache does when written past them."""
         layers = len(self.lengths)
-        out = NativeCache(layers, None, self.dtype)
+        out = NativeCache(layers, None, self.dtype, self.windows)
         for i in range(layers):
             kb, vb = self.keys[i], self.values[i]
             n = self.lengths[i] if length is None else min(self.lengths[i], length)
@@ -306,14 +461,17 @@ class NativeCache:
         kb.narrow(2, start, new).copy_(k)  # narrow: cheaper per call than slice assignment
         vb.narrow(2, start, new).copy_(v)
         self.lengths[layer] = end
+        window = self.windows[layer] if layer < len(self.windows) else None
+        # a sliding layer: from the first position this forward's first query sees
+        first = 0 if window is None else max(0, start - window + 1)
         if kb.dtype == k.dtype:
-            return kb.narrow(2, 0, end), vb.narrow(2, 0, end)
-        if start == 0:
+            return kb.narrow(2, first, end - first), vb.narrow(2, first, end - first)
+        if start == first:
             return k, v
         # the earlier positions read back in k's dtype (one converted copy), this forward's exact
         return (
-            torch.cat([kb.narrow(2, 0, start).to(k.dtype), k], 2),
-            torch.cat([vb.narrow(2, 0, start).to(v.dtype), v], 2),
+            torch.cat([kb.narrow(2, first, start - first).to(k.dtype), k], 2),
+            torch.cat([vb.narrow(2, first, start - first).to(v.dtype), v], 2),
         )
 
 
@@ -336,16 +494,27 @@ class Attention(nn.Module):
             c.num_key_value_heads,
             c.head_dim,
         )
-        self.scaling = c.head_dim**-0.5
+        self.scaling = c.scaling
         self.rotary_dim = c.rotary_dim
+        #: this layer's sliding window (``None``: full attention); Gemma 2's soft-capping of the scores
+        self.window: int | None = c.windows[index]
+        self.softcap: float | None = c.attn_logit_softcapping
+        #: transformers' eager attention (Gemma 2's class has no other): the scores, soft-capped, the softmax in
+        #: float32
+        self.eager = c.model_type == "gemma2"
+        #: attention as a caller of :meth:`project` computes it by itself (plain SDPA, the Llama layer around it)
+        self.plain = not c.sandwich
+        #: Gemma 3: which half of the rotary tables this layer turns by (0: the full layers', 1: the sliding
+        #: layers', :meth:`NativeCausalLM.rotary`); ``None``: the tables are one
+        self.rope_part: int | None = None if c.local_rope is None else int(self.window is not None)
         # nn.Module, not nn.Linear: loaders swap in their quantized linears
         self.q_proj: nn.Module = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
         self.k_proj: nn.Module = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj: nn.Module = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj: nn.Module = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         # Qwen3: RMSNorm over each query and key head before the rotary embedding
-        self.q_norm: RMSNorm | None = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm: RMSNorm | None = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.q_norm: nn.Module | None = _norm(c, c.head_dim) if c.qk_norm else None
+        self.k_norm: nn.Module | None = _norm(c, c.head_dim) if c.qk_norm else None
         #: a format's quantization of the keys and values as its cache holds them (after the rotary embedding, before
         #: the cache: compressed-tensors' ``kv_cache_scheme``): ``(k, v) -> (k, v)``; the compiled step skips such layers
         self.kv_quant: nn.Module | None = None
@@ -359,7 +528,21 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values ``[b, heads, t, head_dim]`` of ``h``: projected, the query and key heads
         normalised (Qwen3), rotated, the keys and values quantized as the cache holds them (``kv_quant``).
-        ``sin``: with the sign of its first half flipped (see :func:`_rotary`)."""
+        ``sin``: with the sign of its first half flipped (see :func:`_rotary`).
+
+        For a caller that attends by itself (plain ``scaled_dot_product_attention`` over what the cache's ``update``
+        gives): refused where that is not this layer's attention (Gemma 2's eager, soft-capped scores), which
+        :meth:`attend` and :meth:`NativeCausalLM.decode_rows` compute."""
+        if not self.plain:
+            raise NotImplementedError(
+                "this layer is not attention by plain scaled_dot_product_attention in a Llama layer (Gemma 2 and 3: "
+                "soft-capped scores, four norms a layer, two rotary tables): step rows with NativeCausalLM.decode_rows"
+            )
+        return self._project(h, cos, sin)
+
+    def _project(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = h.shape
         q, k, v = self.qkv(h)
         q = q.view(b, t, self.heads, self.head_dim)
@@ -367,6 +550,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.rope_part is not None:  # this layer's half of the tables
+            d = cos.shape[-1] // 2
+            first = self.rope_part * d
+            cos, sin = cos[..., first : first + d], sin[..., first : first + d]
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q = self.rotate(q, cos, sin)
         k = self.rotate(k, cos, sin)
@@ -392,10 +579,34 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``sin``: with the sign of its first half flipped (see :func:`_rotary`)."""
         b, t, _ = h.shape
-        q, k, v = self.project(h, cos, sin)
+        q, k, v = self._project(h, cos, sin)
         if cache is not None:
             k, v = cache.update(self.index, k, v)
-        out = F.scaled_dot_product_attention(
+        y: torch.Tensor = self.o_proj(self.attend(q, k, v, mask).transpose(1, 2).reshape(b, t, -1))
+        return y
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention ``[b, heads, t, head_dim]`` of the queries ``q`` (the last ``t`` positions) over the keys and
+        values ``k``, ``v`` of the positions up to theirs (all of them, or the last ones: as :meth:`NativeCache.update`
+        gives a sliding layer's). ``mask``: boolean ``[b, 1, t, positions]`` over every position so far (True:
+        attend; its last columns are ``k``'s), or ``None``: causal. A sliding layer attends only its window."""
+        t, n = q.shape[2], k.shape[2]
+        if mask is not None and mask.shape[-1] != n:
+            mask = mask[..., -n:]
+        window = self.window
+        if window is not None:
+            keep = t + window - 1  # the positions that the first query's window starts with, and on
+            if n > keep:
+                k, v, n = k[:, :, -keep:], v[:, :, -keep:], keep
+                mask = None if mask is None else mask[..., -keep:]
+            if t > 1 and n > window:  # a query that would see past its window: mask those keys
+                query = torch.arange(n - t, n, device=q.device)[:, None]
+                key = torch.arange(n, device=q.device)[None, :]
+                inside = key > query - window
+                mask = (inside & (key <= query))[None, None] if mask is None else mask & inside
+        if self.eager:
+            return self._eager(q, k, v, mask)
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -404,8 +615,30 @@ class Attention(nn.Module):
             is_causal=mask is None and t > 1,
             enable_gqa=self.kv_heads != self.heads,
         )
-        y: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-        return y
+
+    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """transformers' ``eager_attention_forward`` (Gemma 2's): the repeated key/value heads, the scaled scores
+        soft-capped (``tanh(x / cap) * cap``), the boolean mask as transformers' additive one (0, or the dtype's
+        least value), the softmax in float32 back to the queries' dtype."""
+        t, n = q.shape[2], k.shape[2]
+        groups = self.heads // self.kv_heads
+        if groups > 1:
+            b, kv, _, d = k.shape
+            k = k[:, :, None].expand(b, kv, groups, n, d).reshape(b, kv * groups, n, d)
+            v = v[:, :, None].expand(b, kv, groups, n, d).reshape(b, kv * groups, n, d)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
+        if self.softcap is not None:
+            scores = scores / self.softcap
+            scores = torch.tanh(scores)
+            scores = scores * self.softcap
+        if mask is None and t > 1:
+            query = torch.arange(n - t, n, device=q.device)[:, None]
+            mask = (torch.arange(n, device=q.device)[None, :] <= query)[None, None]
+        if mask is not None:
+            zero = torch.zeros((), device=q.device, dtype=scores.dtype)
+            scores = scores + torch.where(mask, zero, torch.finfo(scores.dtype).min)
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, v)
 
 
 class FusedAttention(Attention):
@@ -515,6 +748,12 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = _mlp(c, index)
         self.input_layernorm = _norm(c, c.hidden_size)
         self.post_attention_layernorm = _norm(c, c.hidden_size)
+        #: Gemma 2: the attention's output normalised (``post_attention_layernorm``) before the residual sum, and
+        #: the MLP's input and output by these two
+        self.sandwich = c.sandwich
+        if c.sandwich:
+            self.pre_feedforward_layernorm = _norm(c, c.hidden_size)
+            self.post_feedforward_layernorm = _norm(c, c.hidden_size)
 
     def forward(
         self,
@@ -524,9 +763,30 @@ class DecoderLayer(nn.Module):
         mask: torch.Tensor | None,
         cache: NativeCache | None,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache)
-        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        return self.finish(h, self.self_attn(self.input_layernorm(h), cos, sin, mask, cache))
+
+    def finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer once its attention (``o_proj`` included) gave ``attended``: the residual sums and
+        the MLP or MoE block, with their norms."""
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(attended)
+            out: torch.Tensor = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return out
+        h = h + attended
+        out = h + self.mlp(self.post_attention_layernorm(h))
         return out
+
+    def rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[NativeCache]) -> torch.Tensor:
+        """The layer for one new token in each row of ``h`` ``[rows, 1, hidden]``, row ``i`` attending over its own
+        ``caches[i]`` (no padding, no mask): the projections, norms and MLP of all rows in one pass."""
+        attn = self.self_attn
+        q, k, v = attn._project(self.input_layernorm(h), cos, sin)
+        out = []
+        for i, cache in enumerate(caches):
+            keys, values = cache.update(attn.index, k[i : i + 1], v[i : i + 1])
+            out.append(attn.attend(q[i : i + 1], keys, values, None))
+        attended = attn.o_proj(torch.cat(out).transpose(1, 2).reshape(h.shape[0], 1, -1))
+        return self.finish(h, attended)
 
 
 class Decoder(nn.Module):
@@ -561,6 +821,12 @@ class NativeCausalLM(nn.Module):
         self.lm_head: nn.Module = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(self.config), persistent=False)
+        #: Gemma 3: the sliding layers' inverse frequencies (their own rotary base); else ``None``
+        self.local_inv_freq: torch.Tensor | None
+        local = self.config.local_rope
+        self.register_buffer(
+            "local_inv_freq", None if local is None else rope_inv_freq(self.config, local), persistent=False
+        )
 
     # transformers' accessors, used by the loader (head tying) and the cpu-fast head
     def get_input_embeddings(self) -> nn.Module:
@@ -589,8 +855,19 @@ class NativeCausalLM(nn.Module):
 
     def rotary(self, position_ids: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[b, 1, t, rotary_dim]`` of ``position_ids`` in ``h``'s dtype, ``sin`` with the sign of its
-        first half flipped (see :func:`~anyquant.runtime.layers._rotary`)."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(h.device)
+        first half flipped (see :func:`~anyquant.runtime.layers._rotary`). Gemma 3: ``[b, 1, t, 2 * rotary_dim]``,
+        the full layers' tables then the sliding layers' (each layer takes its half: ``Attention.rope_part``)."""
+        cos, sin = self._tables(position_ids, self.inv_freq, h)
+        if self.local_inv_freq is not None:
+            local_cos, local_sin = self._tables(position_ids, self.local_inv_freq, h)
+            cos, sin = torch.cat((cos, local_cos), dim=-1), torch.cat((sin, local_sin), dim=-1)
+        return cos, sin
+
+    @staticmethod
+    def _tables(
+        position_ids: torch.Tensor, inv_freq: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * inv_freq.to(h.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(h.dtype)[:, None]
         half_sin = freqs.sin()
@@ -616,7 +893,8 @@ class NativeCausalLM(nn.Module):
     def new_cache(self, capacity: int | None = None) -> NativeCache:
         """An empty cache for ``capacity`` positions (prompt plus new tokens; see :class:`NativeCache`), holding
         :attr:`kv_cache_dtype`."""
-        return NativeCache(self.config.num_hidden_layers, capacity, self.kv_cache_dtype)
+        windows = self.config.windows if any(w is not None for w in self.config.windows) else None
+        return NativeCache(self.config.num_hidden_layers, capacity, self.kv_cache_dtype, windows)
 
     def unload(self) -> None:
         """Drop the compiled decode step (it refers back to this module: without this, ``LoadedModel.close()``
@@ -665,8 +943,32 @@ class NativeCausalLM(nn.Module):
                 h = layer(h, cos, sin, mask, cache)
         if logits_to_keep > 0:
             h = h[:, -logits_to_keep:]
-        logits = self.lm_head(self.model.norm(h))
-        return NativeOutput(logits=logits, cache=cache if use_cache else None)
+        return NativeOutput(logits=self.logits(h), cache=cache if use_cache else None)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits of the last layer's hidden states ``h``: the final norm, the head, Gemma 2's soft-capping."""
+        logits: torch.Tensor = self.lm_head(self.model.norm(h))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
+        return logits
+
+    def decode_rows(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, caches: list[NativeCache]
+    ) -> torch.Tensor:
+        """One new token for each of several requests, each with its own cache: ``input_ids`` and ``position_ids``
+        ``[rows, 1]``, ``caches[i]`` row ``i``'s (written). The next-token logits ``[rows, vocab]``.
+
+        The linears, norms and MLP or MoE blocks run once over all rows (their weights read once); attention runs
+        row by row over each row's own cache, with no padding and no mask (:meth:`DecoderLayer.rows`): a row's
+        numbers do not depend on the others. What a server's shared decode step calls."""
+        h = self.embed(input_ids)
+        cos, sin = self.rotary(position_ids, h)
+        for layer in self.model.layers:
+            h = cast(DecoderLayer, layer).rows(h, cos, sin, caches)
+        return self.logits(h)[:, -1]
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("the native runtime does not save checkpoints; load with runtime='transformers'")

@@ -20,7 +20,10 @@ pre-hook on a layer or one of its submodules, or a global one, or a ``forward`` 
 instances (hooks and wrappers keep running, because those steps go through the modules; the model's own
 hooks fire either way). A submodule replaced after the first decode
 step takes every later step back to the modules (the step is built once, from the modules it found).
-Layers of any other make run through their modules inside a fast step. ``PYTORCH_JIT=0`` (torch's own
+Layers of any other make run through their modules inside a fast step (Gemma 2's and 3's: four norms, soft-capping,
+two rotary tables). A sliding-window layer's function is given the cache from the first position its window holds
+(and its padding mask's columns from there): the keys and values its module's attention sees, so bitwise the same.
+``PYTORCH_JIT=0`` (torch's own
 switch) runs the same functions as plain Python; so does a torch without TorchScript, or an install
 without the ``.py`` sources TorchScript compiles from (a frozen application).
 """
@@ -817,6 +820,12 @@ class DecodeStep:
         self._stacked = self.layers
         self._kv_shapes = [(layer.args[4], layer.args[5]) for layer in layers if layer is not None]
         self.modules = model.model.layers
+        #: each layer's sliding window (``None``: full attention): a windowed layer's function is given the cache
+        #: from the first position its window holds (its mask likewise), the keys and values the module path's
+        #: attention sees (:meth:`~anyquant.runtime.native.Attention.attend`)
+        self.windows: list[int | None] = [getattr(m.self_attn, "window", None) for m in self.modules]
+        self._stack_windows = [w for w, layer in zip(self.windows, layers, strict=True) if layer is not None]
+        self.windowed = any(w is not None for w in self._stack_windows)
         self.watched = watched
         # the modules whose hooks the module path would call (the model's own run either way; its
         # Decoder and ModuleList have no forward of their own); checked on every step, so as flat lists that
@@ -877,16 +886,19 @@ class DecodeStep:
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: Any
     ) -> torch.Tensor:
         """All layers for one new token per row, writing the cache (``h`` ``[b, 1, hidden]``)."""
-        if self.stack is not None and self.layers is self._stacked:
-            keys, values, starts = [], [], []
+        # a padding mask with sliding layers: each layer its own columns (one call per layer)
+        if self.stack is not None and self.layers is self._stacked and not (self.windowed and mask is not None):
+            keys, values, starts, ends = [], [], [], []
             for i, (kv_heads, head_dim) in enumerate(self._kv_shapes):
                 start = cache.lengths[i]
                 k, v = cache.reserve(i, start + 1, h.shape[0], kv_heads, head_dim, h)
-                keys.append(k)
-                values.append(v)
-                starts.append(start)
+                first = _first(start, self._stack_windows[i])
+                keys.append(k.narrow(2, first, k.shape[2] - first) if first else k)
+                values.append(v.narrow(2, first, v.shape[2] - first) if first else v)
+                starts.append(start - first)
+                ends.append(start + 1)
             h = self.stack(h, cos, sin, mask, keys, values, starts)
-            cache.lengths[:] = [start + 1 for start in starts]
+            cache.lengths[:] = ends
             return h
         for i, (module, planned) in enumerate(zip(self.modules, self.layers, strict=True)):
             if planned is None:
@@ -895,9 +907,21 @@ class DecodeStep:
             function, args = planned
             start = cache.lengths[i]
             keys, values = cache.reserve(i, start + 1, h.shape[0], args[4], args[5], h)  # kv_heads, head_dim
-            h = function(h, cos, sin, keys, values, start, mask, *args)
+            first, layer_mask = _first(start, self.windows[i]), mask
+            if first:
+                keys, values = (
+                    keys.narrow(2, first, keys.shape[2] - first),
+                    values.narrow(2, first, values.shape[2] - first),
+                )
+                layer_mask = None if mask is None else mask[..., first:]
+            h = function(h, cos, sin, keys, values, start - first, layer_mask, *args)
             cache.lengths[i] = start + 1
         return h
+
+
+def _first(start: int, window: int | None) -> int:
+    """The first cache position that the window of a query at position ``start`` holds (0: no window)."""
+    return 0 if window is None else max(0, start - window + 1)
 
 
 def _plain_norm(m: nn.Module) -> bool:
@@ -989,6 +1013,8 @@ def _plan_layer(layer: Any, uniform: bool = True) -> _Layer | None:
     attn, mlp = layer.self_attn, layer.mlp
     if getattr(attn, "kv_quant", None) is not None:  # a quantized KV cache: the module path applies it
         return None
+    if not getattr(attn, "plain", True) or getattr(attn, "softcap", None) is not None:
+        return None  # Gemma 2's and 3's four norms, soft-capping, two rotary tables: the module path
     rotary_dim = getattr(attn, "rotary_dim", attn.head_dim)
     if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")) or rotary_dim != attn.head_dim:
         return None  # Phi-3's fused qkv_proj or partial rotary embedding: the module path

@@ -14,7 +14,7 @@ shifts the summation order inside attention, and this model's bfloat16 activatio
 into different greedy tokens). Requests join and leave between steps (continuous batching).
 
 The shared pass needs anyquant's native decoder (:class:`~anyquant.runtime.native.NativeCausalLM`: the Llama family,
-Mixtral, Qwen2-MoE, Phi-3, Gemma; each layer's projections, norms and MLP or MoE block are the model's own modules);
+Mixtral, Qwen2-MoE, Phi-3, Gemma 1-3, sliding windows included; its own ``decode_rows``);
 any other module is stepped one request at a time (still interleaved, so every client streams), and so is a lone
 request (the module's own forward: the same numbers, less per-step work than the row-by-row shared pass).
 """
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["DecodeBatch", "Slot", "chunk_end"]
 
@@ -159,34 +158,12 @@ class DecodeBatch:
         return logits
 
     def _shared_step(self, tokens: Sequence[int]) -> torch.Tensor:
-        """The native decoder's forward for one new token per row (its ops, in its order: the embedding, the
-        rotary tables, each attention's projections and each MLP or MoE block are the model's own), with attention
-        per row over the row's own cache."""
-        model = self.module
+        """The native decoder's own shared pass (:meth:`~anyquant.runtime.native.NativeCausalLM.decode_rows`): the
+        embedding, rotary tables, projections, norms and MLP or MoE blocks once over every row, attention row by row
+        over each row's own cache (a sliding layer's window, Gemma 2's soft-capping and four norms included)."""
         ids = torch.tensor([[t] for t in tokens], dtype=torch.long, device=self.device)
         positions = torch.tensor([[s.position] for s in self.slots], device=self.device)
-        h = model.embed(ids)
-        cos, sin = model.rotary(positions, h)
-        b = h.shape[0]
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(h), cos, sin)
-            rows = []
-            for i, slot in enumerate(self.slots):
-                keys, values = slot.cache.update(attn.index, k[i : i + 1], v[i : i + 1])
-                rows.append(
-                    F.scaled_dot_product_attention(
-                        q[i : i + 1],
-                        keys,
-                        values,
-                        scale=attn.scaling,
-                        enable_gqa=attn.kv_heads != attn.heads,
-                    )
-                )
-            out = torch.cat(rows)
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(b, 1, attn.heads * attn.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits: torch.Tensor = model.lm_head(model.model.norm(h))[:, -1]
+        logits: torch.Tensor = self.module.decode_rows(ids, positions, [slot.cache for slot in self.slots])
         return logits
 
     def remove(self, keys: Sequence[object]) -> None:
