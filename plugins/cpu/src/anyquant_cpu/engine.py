@@ -713,7 +713,7 @@ class FastHead(nn.Module):
         self.blocks: torch.Tensor | None = None
         self.ggml_type = 0
         if decode == "q8_0":
-            self._set_blocks(self._q8_0(exact), "Q8_0", interleave)
+            self._set_q8_0(exact, interleave)
             return
         reorder = torch.ops.mkldnn._reorder_linear_weight
         if self.file is None:
@@ -730,15 +730,38 @@ class FastHead(nn.Module):
                 del piece, rows
                 release_free_heap()  # the piece, before the next one is read
 
-    def _q8_0(self, exact: torch.Tensor | RowTable) -> torch.Tensor:
-        """Q8_0 blocks of the exact weight, quantized ``CHUNK_ROWS`` rows at a time (a float32 slice at most)."""
+    #: weights per slice of :meth:`_set_q8_0` (its float32 temporaries: 4 MiB each, not ``CHUNK_ROWS`` rows' worth:
+    #: 64 MiB each for a 2,048-wide head, several at once, above the load's steady memory)
+    Q8_SLICE = 1 << 20
+
+    def _set_q8_0(self, exact: torch.Tensor | RowTable, interleave: bool) -> None:
+        """The Q8_0 decode copy, quantized (and copied into the kernel's interleaved form) a slice of rows at a time,
+        straight into the one buffer it is held in: the bytes of ``q8_0_blocks`` of the whole weight then
+        :meth:`_set_blocks`, without a second whole copy or large float32 temporaries at the load's peak."""
+        from .kernels import GGML_TYPES, INTERLEAVED
         from .kernels.linear import q8_0_blocks
 
-        blocks = torch.empty(self.out_features, self.in_features // 32 * 34, dtype=torch.uint8)
-        for start in range(0, self.out_features, self.CHUNK_ROWS):
-            rows = _rows(exact, start, self.CHUNK_ROWS)
-            blocks[start : start + rows.shape[0]] = q8_0_blocks(rows)
-        return blocks
+        code, bs, qk = GGML_TYPES["Q8_0"]
+        n, k = self.out_features, self.in_features
+        nb, groups, tile = k // qk, n // 8 if interleave else 0, 64  # the kernel's IL_TILE blocks of 32
+        blocks = torch.empty(n * nb * bs, dtype=torch.uint8)
+        step = max(8, self.Q8_SLICE // k // 8 * 8)
+        for start in range(0, n, step):
+            count = min(step, n - start)
+            q = q8_0_blocks(_rows(exact, start, count)).reshape(-1)
+            whole = max(0, min(count, 8 * groups - start))  # rows in whole groups of 8 (a multiple of 8)
+            if whole:
+                # the chunk's own interleaved form, tile by tile where the whole weight's puts it (ggml_gemv.cpp's
+                # il_piece: each column tile holds every group's pieces, group after group)
+                il = torch.ops.anyquant.ggml_interleave(q[: whole * nb * bs], code, whole, k, True)
+                g0, gc = start // 8, whole // 8
+                for t0 in range(0, nb, tile):
+                    tw = min(tile, nb - t0)
+                    at = 8 * bs * (groups * t0 + g0 * tw)
+                    blocks[at : at + 8 * bs * gc * tw] = il[8 * bs * gc * t0 : 8 * bs * gc * (t0 + tw)]
+            # rows past the last whole group (or all rows, not interleaved) stay as they are
+            blocks[(start + whole) * nb * bs : (start + count) * nb * bs] = q[whole * nb * bs :]
+        self.blocks, self.ggml_type, self.block_type = blocks, code + (INTERLEAVED if interleave else 0), "Q8_0"
 
     def _set_blocks(self, blocks: torch.Tensor, type_name: str, interleave: bool) -> None:
         """Decode through the compiled kernel on GGUF ``blocks`` of ``type_name`` (the stored form; copied into
@@ -1852,8 +1875,9 @@ class FastCPUPlan:
     for every 4-bit layer),
     ``cpu_fast_interleave`` ``True`` (default: weights on the compiled block kernel copied once at load into its
     interleaved form, the file's pages released) or ``False`` (GGUF blocks read in place from the file),
-    ``cpu_fast_activation_passes`` ``2`` (default) or ``1``: the int8 passes over the activations of the GGUF-block
-    kernel on GGUF blocks (1: llama.cpp's int8 arithmetic, faster, may flip near-tied greedy tokens).
+    and ``passes``, the int8 passes over the activations of the GGUF-block kernel on GGUF blocks (2, or 1:
+    llama.cpp's int8 arithmetic), which a format that offers them sets from its own option (GGUF's
+    ``cpu_fast_activation_passes``).
     """
 
     small_rows: int = DEFAULT_SMALL_ROWS
@@ -1903,9 +1927,6 @@ class FastCPUPlan:
         interleave = extra.get("cpu_fast_interleave", True)
         if interleave not in (True, False, "true", "false"):
             raise ParameterError(f"cpu_fast_interleave={interleave!r} is not True or False")
-        passes = extra.get("cpu_fast_activation_passes", 2)
-        if passes not in (1, 2, "1", "2") or isinstance(passes, bool):
-            raise ParameterError(f"cpu_fast_activation_passes={passes!r} is not 1 or 2")
         return cls(
             small_rows=rows,
             prefill_dtype=None if prefill is None else _PREFILL_DTYPES[prefill],
@@ -1913,7 +1934,6 @@ class FastCPUPlan:
             tables=tables,
             block_kernel=kernel == "gq4",
             interleave=interleave in (True, "true"),
-            passes=int(passes),
         )
 
     @property

@@ -47,6 +47,7 @@ from anyquant.plugin import (
     LoadPlan,
     MissingTensorError,
     ModuleInfo,
+    ParameterError,
     Probe,
     TransformersLoader,
     UnsupportedFormatError,
@@ -380,6 +381,10 @@ class GGUFLoader(TransformersLoader):
             from anyquant.runtime.cpu import layouts_run, require
 
             plan = require().FastCPUPlan.from_options(ctx.options.extra)
+            passes = ctx.options.extra.get("cpu_fast_activation_passes", 2)
+            if passes not in (1, 2, "1", "2") or isinstance(passes, bool):
+                raise ParameterError(f"cpu_fast_activation_passes={passes!r} is not 1 or 2")
+            plan.passes = int(passes)  # GGUF's own option: its blocks' activation passes on the block kernel
             fast = ctx.state["cpu_fast"] = {
                 "converted": 0,
                 "bf16": {},

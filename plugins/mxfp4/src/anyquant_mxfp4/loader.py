@@ -62,6 +62,21 @@ _FAST_OPTIONS = ("cpu_fast_prefill", "cpu_fast_small_rows", "cpu_fast_head", "cp
 #: rows up to which an expert runs the decode kernel by default: a prompt's tokens spread over the experts, a few
 #: each, and the kernel's cost grows with every row while a GEMM's barely does
 EXPERT_SMALL_ROWS = 4
+#: the same where the prompt GEMM runs in a 16-bit dtype (``cpu_fast_prefill`` bfloat16, the default where the CPU
+#: has AMX or AVX512-BF16): its activations rounded to bfloat16 (~4e-3) are further from the exact product than the
+#: block kernel's two int8 passes (~1e-4), and forming an expert's exact weight for its GEMM costs as much as ~50
+#: rows of the kernel (gpt-oss 2048x1024, one thread: ~1.1 ms for the weight and the GEMM's fixed cost, ~0.036 ms a
+#: kernel row): 4-of-32 routing gives a 128-token prompt ~16 tokens an expert, a 512-token one ~64
+EXPERT_SMALL_ROWS_16BIT = 48
+
+
+def expert_small_rows(prefill_dtype: torch.dtype | None, dtype: torch.dtype) -> int:
+    """The experts' decode-kernel rows by default: :data:`EXPERT_SMALL_ROWS_16BIT` where a prompt's GEMM (in
+    ``prefill_dtype``, else the model's ``dtype``) rounds its activations to 16 bits, else :data:`EXPERT_SMALL_ROWS`."""
+    import torch
+
+    gemm = prefill_dtype or dtype
+    return EXPERT_SMALL_ROWS_16BIT if gemm in (torch.bfloat16, torch.float16) else EXPERT_SMALL_ROWS
 
 
 class MXFP4Loader(PackedFormatLoader):
@@ -72,8 +87,9 @@ class MXFP4Loader(PackedFormatLoader):
         {
             **RUNTIME_OPTIONS,
             **{k: CPU_FAST_OPTIONS[k] for k in _FAST_OPTIONS},
-            "cpu_fast_small_rows": f"rows up to which the experts (default {EXPERT_SMALL_ROWS}) and the head "
-            "(default 64) run the decode kernels",
+            "cpu_fast_small_rows": f"rows up to which the experts (default {EXPERT_SMALL_ROWS}, "
+            f"{EXPERT_SMALL_ROWS_16BIT} where prompts run bfloat16 GEMMs) and the head (default 64) run the decode "
+            "kernels",
         }
     )
 
@@ -136,7 +152,7 @@ class MXFP4Loader(PackedFormatLoader):
         dtype: torch.dtype = getattr(torch, scheme.dtype)
         assert isinstance(source, MXFP4Source)
         names = {t.name for t in scheme.tensors}
-        rows = None if "cpu_fast_small_rows" in ctx.options.extra else EXPERT_SMALL_ROWS
+        rows = None if "cpu_fast_small_rows" in ctx.options.extra else expert_small_rows(plan.prefill_dtype, ctx.dtype)
 
         def convert(name: str, layer: Any) -> nn.Module:
             return plan.convert(name, layer, small_rows=rows)
