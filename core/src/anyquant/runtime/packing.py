@@ -21,6 +21,7 @@ import sys
 import torch
 
 __all__ = [
+    "ggml_int4_scales_offsets",
     "q8_0_blocks",
     "SUPPORTED_BITS",
     "WORD_BITS",
@@ -220,3 +221,36 @@ def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor:
     blocks[..., 0:2] = d.to(torch.float16).view(torch.uint8)
     blocks[..., 2:] = codes.view(torch.uint8)
     return blocks.reshape(out, -1)
+
+
+def _ggml_f16(b: torch.Tensor, start: int) -> torch.Tensor:
+    """Bytes ``start:start+2`` of each block (``[n, size]`` uint8) as float32 ``[n, 1]`` (exact), read through a
+    float16 view of the whole block matrix (no gather copy) where its layout allows one."""
+    try:
+        halves = b.view(torch.float16)
+    except RuntimeError:  # odd storage offset or strided rows
+        return b[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
+    return halves[:, start // 2 : start // 2 + 1].to(torch.float32)
+
+
+def ggml_int4_scales_offsets(
+    b: torch.Tensor, type_name: str, out_features: int, *, offsets: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q4_0/Q4_1/Q4_K blocks' (``b``: ``[n, block bytes]`` uint8, the type by name) ``(scales, offsets)``, float32 ``[out, in / 32]``: ``scales * q + offsets`` (float32,
+    multiply then add) is the type's dequantization bit for bit: Q4_0 ``d * q + (-8 d)`` (``d`` a float16 value:
+    ``8 d`` and the sum exact), Q4_1 ``d * q + m``, Q4_K ``(d * sc) * q - dmin * mn`` per sub-block of 32
+    (subtracting is adding the negation). Q4_0 with ``offsets=False``: the scales twice (the caller writes ``-8 d``)."""
+    if type_name == "Q4_K":
+        n = b.shape[0]
+        d, dmin = _ggml_f16(b, 0), _ggml_f16(b, 2)
+        six = b[:, 4:16].reshape(n, 3, 4)  # 8 six-bit scales and 8 six-bit mins in 12 bytes
+        lo, mid, hi = six[:, 0], six[:, 1], six[:, 2]
+        sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
+        mn = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=-1)
+        scale = (d * sc.to(torch.float32)).reshape(n, -1, 1)
+        offset = (dmin * mn.to(torch.float32)).reshape(n, -1, 1)
+        return scale.reshape(out_features, -1), offset.neg().reshape(out_features, -1)
+    scales = _ggml_f16(b, 0).reshape(out_features, -1)
+    if type_name == "Q4_1":
+        return scales, _ggml_f16(b, 2).reshape(out_features, -1)
+    return scales, scales * -8.0 if offsets else scales

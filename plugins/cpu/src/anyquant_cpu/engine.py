@@ -67,7 +67,7 @@ from anyquant.runtime.layouts import (
     Table4,
 )
 from anyquant.runtime.layouts import tensor as layout_tensor
-from anyquant.runtime.packing import int4_codes_from_cols, int4_codes_from_rows
+from anyquant.runtime.packing import ggml_int4_scales_offsets, int4_codes_from_cols, int4_codes_from_rows
 from anyquant.runtime.tensors import FileRows, fill_file_tables
 
 from .kernels.linear import BlockLinear
@@ -1116,39 +1116,6 @@ def to_block_kernel(module: nn.Module, interleave: bool = True) -> dict[str, Any
 _GGML_INT4 = {"Q4_0": (2, 16), "Q4_1": (4, 16), "Q4_K": (16, 32)}
 
 
-def _ggml_f16(b: torch.Tensor, start: int) -> torch.Tensor:
-    """Bytes ``start:start+2`` of each block (``[n, size]`` uint8) as float32 ``[n, 1]`` (exact), read through a
-    float16 view of the whole block matrix (no gather copy) where its layout allows one."""
-    try:
-        halves = b.view(torch.float16)
-    except RuntimeError:  # odd storage offset or strided rows
-        return b[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
-    return halves[:, start // 2 : start // 2 + 1].to(torch.float32)
-
-
-def _ggml_int4_scales_offsets(
-    b: torch.Tensor, type_name: str, out_features: int, *, offsets: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_0/Q4_1/Q4_K blocks' ``(scales, offsets)``, float32 ``[out, in / 32]``: ``scales * q + offsets`` (float32,
-    multiply then add) is the type's dequantization bit for bit: Q4_0 ``d * q + (-8 d)`` (``d`` a float16 value:
-    ``8 d`` and the sum exact), Q4_1 ``d * q + m``, Q4_K ``(d * sc) * q - dmin * mn`` per sub-block of 32
-    (subtracting is adding the negation). Q4_0 with ``offsets=False``: the scales twice (the caller writes ``-8 d``)."""
-    if type_name == "Q4_K":
-        n = b.shape[0]
-        d, dmin = _ggml_f16(b, 0), _ggml_f16(b, 2)
-        six = b[:, 4:16].reshape(n, 3, 4)  # 8 six-bit scales and 8 six-bit mins in 12 bytes
-        lo, mid, hi = six[:, 0], six[:, 1], six[:, 2]
-        sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
-        mn = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=-1)
-        scale = (d * sc.to(torch.float32)).reshape(n, -1, 1)
-        offset = (dmin * mn.to(torch.float32)).reshape(n, -1, 1)
-        return scale.reshape(out_features, -1), offset.neg().reshape(out_features, -1)
-    scales = _ggml_f16(b, 0).reshape(out_features, -1)
-    if type_name == "Q4_1":
-        return scales, _ggml_f16(b, 2).reshape(out_features, -1)
-    return scales, scales * -8.0 if offsets else scales
-
-
 def _ggml_int4_pairs(b: torch.Tensor, type_name: str, out_features: int) -> torch.Tensor:
     """The blocks' nibble bytes as :func:`pack_int4_pairs` reads them (a view): Q4_0/Q4_1 hold weights ``i`` and
     ``16 + i`` of a 32-weight block in byte ``i``; Q4_K weights ``64c + i`` and ``64c + 32 + i`` of a 256-weight
@@ -1199,11 +1166,11 @@ class GGUFInt4Linear(FastInt4Linear):
         block = int4pack_status().block_n
         pairs_og = _ggml_int4_pairs(b, type_name, out_features)
         if block > 0 and out_features % block == 0:
-            scales_og, offsets_og = _ggml_int4_scales_offsets(b, type_name, out_features, offsets=type_name != "Q4_0")
+            scales_og, offsets_og = ggml_int4_scales_offsets(b, type_name, out_features, offsets=type_name != "Q4_0")
             codes = None
             packed = pack_int4_pairs(pairs_og, block)
         else:
-            scales_og, offsets_og = _ggml_int4_scales_offsets(b, type_name, out_features)
+            scales_og, offsets_og = ggml_int4_scales_offsets(b, type_name, out_features)
             scales_og, offsets_og = scales_og.contiguous(), offsets_og.contiguous()
             nibbles = torch.stack([pairs_og & 0x0F, pairs_og >> 4], dim=-2)  # each chunk's low weights, then high
             codes, packed = nibbles.reshape(out_features, in_features).t(), None

@@ -10,13 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from anyquant.runtime.layouts import Decoded, GGUFBlocks, Layout
+from anyquant.runtime.packing import ggml_int4_scales_offsets
 
 from .dequant import (
     _NIBBLE,
     _QK_K,
     PACKED_TYPES,
-    _f16,
-    _k_scales,
     _unpack,
     _unsupported,
     check_supported,
@@ -331,31 +330,17 @@ def int4_codes_scales_offsets(
     * Q4_K: ``(d * sc) * q - dmin * mn`` per 32-weight sub-block (subtracting is adding the
       negation).
     """
+    if qtype not in INT4_TYPES:
+        raise _unsupported(qtype)
     out_features, in_features = shape_out_in
     b = qweight.reshape(-1, GGML_QUANT_SIZES[qtype][1])
-    scales, offsets = _int4_scales_offsets(b, qtype, out_features)
+    scales, offsets = ggml_int4_scales_offsets(b, qtype.name, out_features)
     if qtype == Q.Q4_K:
         codes = _unpack(b[:, 16:], 32, _NIBBLE, 0x0F).reshape(-1, _QK_K)
     else:
         qs = b[:, 4:] if qtype == Q.Q4_1 else b[:, 2:]
         codes = torch.cat([qs & 0x0F, qs >> 4], dim=1)
     return codes.reshape(out_features, in_features), scales.contiguous(), offsets.contiguous()
-
-
-def _int4_scales_offsets(
-    b: torch.Tensor, qtype: GGMLQuantizationType, out_features: int, *, offsets: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks' ``(scales, offsets)``, float32 ``[out, in/32]`` (see :func:`int4_codes_scales_offsets`);
-    Q4_0 with ``offsets=False``: the scales twice (its offsets are ``-8 d``: the caller writes them)."""
-    if qtype == Q.Q4_K:
-        scale, offset = _k_scales(b)  # [n, 8, 1]: per 32-weight sub-block
-        return scale.reshape(out_features, -1), offset.neg().reshape(out_features, -1)
-    scales = _f16(b, 0).reshape(out_features, -1)
-    if qtype == Q.Q4_1:
-        return scales, _f16(b, 2).reshape(out_features, -1)
-    if qtype == Q.Q4_0:
-        return scales, scales * -8.0 if offsets else scales
-    raise _unsupported(qtype)
 
 
 def gguf_int4_linear(
