@@ -201,10 +201,12 @@ def test_cpu_fast(family: str, method: str) -> None:
 
 HEAD = 32
 RUNTIME_FAMILIES = {
-    # Phi-3 long-context rope: prompts past original_max_position_embeddings take the long factors
+    # Phi-3 long-context rope: prompts past original_max_position_embeddings take the long factors (the config's
+    # own key: transformers' Phi3Config writes it, 4096 by default, over the rotary parameters')
     "phi3_longrope": {
         "model_type": "phi3",
         "max_position_embeddings": 1024,
+        "original_max_position_embeddings": 64,
         "rope_parameters": {
             "rope_type": "longrope",
             "rope_theta": 10000.0,
@@ -233,8 +235,9 @@ RUNTIME_FAMILIES = {
 }
 
 
-#: the families runtime="auto" builds with anyquant's native decoder (the others: transformers' class)
-NATIVE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "mistral", "gemma2", "gemma3_text")
+#: the families runtime="auto" builds with anyquant's native decoder (the others: transformers' class; Phi-3's LongRoPE
+#: in detail: tests/test_native_longrope.py)
+NATIVE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "mistral", "gemma2", "gemma3_text", "phi3")
 
 
 @pytest.mark.parametrize("family", sorted(RUNTIME_FAMILIES))

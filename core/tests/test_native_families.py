@@ -65,7 +65,8 @@ def test_which_family_configs_run_natively() -> None:
     assert "num_experts" in str(native_runtime_reason({**mixtral, "num_local_experts": None}))
     assert "shared_expert" in str(native_runtime_reason({**qwen2_moe, "shared_expert_intermediate_size": None}))
     assert "larger" in str(native_runtime_reason({**mixtral, "num_experts_per_tok": 5}))
-    # Phi-3: default rotary only (longrope and su stay on transformers' class); an even partial rotary
+    # Phi-3: LongRoPE (longrope, legacy su) without its factors is refused naming the type (a full config runs natively:
+    # tests/test_native_longrope.py); llama3 scaling is not Phi-3's; an even partial rotary
     for rope_type in ("longrope", "su", "llama3"):
         assert rope_type in str(native_runtime_reason({**phi3, "rope_parameters": {"rope_type": rope_type}}))
     assert "partial_rotary_factor" in str(

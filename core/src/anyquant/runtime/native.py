@@ -25,19 +25,23 @@ layer a sparse block: top-k always renormalised and kept in float32 as its route
 transformers 5's names, ``mlp.gate`` and ``mlp.experts``, found in checkpoints as ``block_sparse_moe.experts.N.w1/w3/w2``
 through transformers' renaming), ``qwen2_moe`` (q/k/v biases; its sparse blocks add a shared expert, a dense MLP
 gated by ``sigmoid(shared_expert_gate(x))``), ``phi3`` (one ``qkv_proj`` and one ``gate_up_proj`` linear, as
-transformers' modules hold them; a ``partial_rotary_factor`` turns only the first features of each head),
+transformers' modules hold them; a ``partial_rotary_factor`` turns only the first features of each head; LongRoPE,
+:class:`LongRope`: the short or long factors as transformers chooses them for each forward, row by row here, cos and
+sin scaled by its attention factor),
 ``gemma`` (RMSNorm scaled by ``1 + weight``, the embeddings by ``sqrt(hidden_size)`` in their own dtype, a GELU
 (tanh) gated MLP, ``head_dim`` from the config), ``gemma2`` (Gemma's, with four norms a layer, the attention scaled
 by ``query_pre_attn_scalar``, transformers' eager attention with its scores soft-capped, the logits soft-capped) and
 ``gemma3_text`` (Gemma 2's layers without soft-capped scores, q/k head norms, the sliding layers' own rotary base)
-configs with their activation and default (or, but for Phi-3, ``llama3``; Gemma 3: ``linear``) rotary scaling.
+configs with their activation and default (or ``llama3``; Phi-3: ``longrope``; Gemma 3: ``linear``) rotary scaling.
 Sliding-window attention is each layer's as transformers' class decides it (:func:`layer_windows`): a sliding
 layer's query at cache position ``p`` attends the keys at ``(p - window, p]``, in prompts (a mask), padded batches
 and cached steps (the cache keeps every position; its :meth:`NativeCache.update` gives a sliding layer only those
-its queries may see). Anything else (Phi-3's LongRoPE, the multimodal Gemma 3 ...) stays on transformers' class,
-with the reason :func:`native_runtime_reason` gives. The compiled decode step (:mod:`anyquant_cpu.step`) computes
-the layers with separate q/k/v, a full rotary embedding, RMSNorm and SiLU (Mixtral's sparse blocks and sliding
-windows included); Phi-3's and the Gemmas' layers and Qwen2-MoE's sparse blocks run through their modules.
+its queries may see). Anything else (other rotary scalings such as YaRN or dynamic NTK, the multimodal Gemma 3 ...)
+stays on transformers' class, with the reason :func:`native_runtime_reason` gives. The compiled decode step
+(:mod:`anyquant_cpu.step`) computes the layers with separate q/k/v, a full rotary embedding, RMSNorm and SiLU
+(Mixtral's sparse blocks and sliding windows included) from the ``cos``/``sin`` tables the model gives it (LongRoPE's
+too: it computes none of its own); Phi-3's and the Gemmas' layers and Qwen2-MoE's sparse blocks run through their
+modules.
 :meth:`NativeCausalLM.decode_rows` steps several requests, each with its own cache, in one pass (a server's
 batched decode step).
 """
@@ -55,7 +59,7 @@ from torch import nn
 
 from .layers import RMSNorm, SparseMoe, _joint, _rotary
 
-__all__ = ["NativeCache", "NativeCausalLM", "NativeConfig", "layer_windows", "native_runtime_reason"]
+__all__ = ["LongRope", "NativeCache", "NativeCausalLM", "NativeConfig", "layer_windows", "native_runtime_reason"]
 
 _TYPES = (
     "llama",
@@ -157,7 +161,10 @@ def layer_windows(config: Mapping[str, Any]) -> list[int | None] | str:
 def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if cfg.get("model_type") == "gemma3_text":
         return _gemma3_rope(cfg)["full_attention"]
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if cfg.get("model_type") == "phi3":  # its config class takes rope_scaling over rope_parameters where both are given
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    else:
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     return dict(rope) if isinstance(rope, Mapping) else {}
 
 
@@ -189,6 +196,78 @@ def _rope_type(rope: Mapping[str, Any]) -> str:
     return str(rope.get("rope_type", rope.get("type", "default")))
 
 
+#: Phi-3's names of LongRoPE (its config class renames the legacy ``su`` and ``yarn`` to ``longrope``)
+_LONGROPE = ("longrope", "su", "yarn")
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """Phi-3's LongRoPE as transformers 5.24's ``Phi3RotaryEmbedding`` runs it (``_compute_longrope_parameters`` and
+    the ``longrope`` branch of ``dynamic_rope_update``).
+
+    - The inverse frequencies are ``1 / (factors * theta ** (arange(0, d, 2) / d))`` over the ``d`` rotary features,
+      with the ``short_factor`` or the ``long_factor`` of the rotary parameters.
+    - Which set: each forward, the long one when ``max(position_ids) + 1 > original_max_position_embeddings``, else the
+      short one, for every position of that forward. So a prompt longer than the original context turns all its
+      positions (the first ones too) by the long factors; and a generation that crosses the threshold keeps the keys
+      already cached as they were turned (the short factors) while the new positions' queries and keys take the long
+      ones: transformers never turns a cached key again, and neither does this.
+    - transformers' class takes ``max`` over the whole batch's ``position_ids``: a padded batch with one row past the
+      threshold turns the other rows by the long factors too. The native decoder chooses row by row (each row's own
+      largest position), which is what each row gets from transformers' class alone: the batch's rows do not change
+      each other's numbers (:meth:`NativeCausalLM.rotary`).
+    - cos and sin are scaled by ``attention_factor`` (where the parameters leave it out: 1 when ``factor`` is at most
+      1, else ``sqrt(1 + log(factor) / log(original_max_position_embeddings))``, ``factor`` defaulting to
+      ``max_position_embeddings / original_max_position_embeddings``), in float32 before the cast to the activations'
+      dtype.
+    - ``original_max_position_embeddings`` is the config's own key (4096 where it leaves it out): transformers'
+      ``Phi3Config`` writes it into the rotary parameters over any value they hold."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _longrope(config: Mapping[str, Any]) -> LongRope | str:
+    """Phi-3's LongRoPE parameters (:class:`LongRope`) as its config class reads ``config``, or why the native decoder
+    cannot run them."""
+    rope = _rope(config)
+    name = _rope_type(rope)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    half = int(head_dim * _partial_rotary(config)) // 2
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        value = rope.get(key)
+        if not isinstance(value, list) or len(value) != half or not all(_number(x) for x in value):
+            return f"rotary scaling {name!r}: {key} {value!r} is not a list of {half} numbers (one per rotary pair)"
+        factors[key] = tuple(float(x) for x in value)
+    if name != "longrope" and "original_max_position_embeddings" not in rope:
+        # Phi3Config renames them after moving its original context in: the parameters lack it, and it refuses them
+        return f"rotary scaling {name!r} without original_max_position_embeddings in its parameters"
+    original = config.get("original_max_position_embeddings", 4096)
+    if type(original) is not int or original < 2:
+        return f"rotary scaling {name!r}: original_max_position_embeddings {original!r} is not an integer above 1"
+    factor = rope.get("factor")
+    if factor is None:
+        longest = config.get("max_position_embeddings", 4096)
+        if not _number(longest):
+            return f"rotary scaling {name!r}: max_position_embeddings {longest!r} is not a number"
+        factor = longest / original
+    if not _number(factor):
+        return f"rotary scaling {name!r}: factor {factor!r} is not a number"
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if not _number(attention):
+        return f"rotary scaling {name!r}: attention_factor {attention!r} is not a number"
+    return LongRope(factors["short_factor"], factors["long_factor"], original, float(attention))
+
+
 def _partial_rotary(config: Mapping[str, Any]) -> float:
     """The fraction of each head the rotary embedding turns (``partial_rotary_factor`` where transformers reads it:
     in the rotary parameters, else the config; 1.0 when neither has it)."""
@@ -208,7 +287,9 @@ def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
     if config.get(act_key, acts[0]) not in acts:
         return f"{act_key} {config.get(act_key)!r} is not {' or '.join(acts)}"
     rope_type = _rope_type(_rope(config))
-    allowed = {"phi3": ("default",), "gemma3_text": ("default", "linear")}.get(model_type, ("default", "llama3"))
+    allowed = {"phi3": ("default", *_LONGROPE), "gemma3_text": ("default", "linear")}.get(
+        model_type, ("default", "llama3")
+    )
     if rope_type not in allowed:
         return f"rotary scaling {rope_type!r} is not supported"
     if model_type == "gemma3_text" and _rope_type(_gemma3_rope(config)["sliding_attention"]) != "default":
@@ -218,6 +299,9 @@ def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
         rotary = int(head_dim * _partial_rotary(config))
         if not 0 < rotary <= head_dim or rotary % 2:
             return f"partial_rotary_factor {_partial_rotary(config)} turns {rotary} of {head_dim} features: not even"
+        longrope = _longrope(config) if rope_type in _LONGROPE else None
+        if isinstance(longrope, str):
+            return longrope
     if config.get("use_bidirectional_attention"):
         return "bidirectional attention is not supported"
     windows = layer_windows(config)
@@ -303,6 +387,9 @@ class NativeConfig:
         self.qk_norm: bool = self.model_type in _QK_NORM
         #: the features of each head the rotary embedding turns (Phi-3's ``partial_rotary_factor``; else all)
         self.rotary_dim: int = int(self.head_dim * _partial_rotary(c))
+        #: Phi-3's LongRoPE (:class:`LongRope`); else ``None``
+        longrope = _longrope(c) if self.model_type == "phi3" and _rope_type(self.rope) in _LONGROPE else None
+        self.longrope: LongRope | None = longrope if isinstance(longrope, LongRope) else None
         #: Gemma: RMSNorm scaled by ``1 + weight``, the embeddings by ``sqrt(hidden_size)``, a GELU (tanh) MLP
         self.gemma: bool = self.model_type in _GEMMAS
         #: Gemma 2: four norms a layer (before and after the attention, before and after the MLP)
@@ -348,12 +435,15 @@ class NativeConfig:
 
 
 def rope_inv_freq(config: NativeConfig, rope: Mapping[str, Any] | None = None) -> torch.Tensor:
-    """Inverse frequencies as transformers computes them (default, linear scaling, or Llama 3's
-    frequency-dependent scaling), for the ``rotary_dim`` features of a head that turn. ``rope``: other rotary
-    parameters than the config's (Gemma 3's sliding layers': :attr:`NativeConfig.local_rope`)."""
+    """Inverse frequencies as transformers computes them (default, linear scaling, Llama 3's
+    frequency-dependent scaling, or Phi-3's LongRoPE short factors: :func:`longrope_inv_freq`), for the ``rotary_dim``
+    features of a head that turn. ``rope``: other rotary parameters than the config's (Gemma 3's sliding layers':
+    :attr:`NativeConfig.local_rope`)."""
     dim = config.rotary_dim
     rope = config.rope if rope is None else rope
     theta = config.rope_theta if rope is config.rope else float(rope["rope_theta"])
+    if rope is config.rope and config.longrope is not None:
+        return longrope_inv_freq(config, config.longrope.short_factor)
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if _rope_type(rope) == "linear":
         inv /= float(rope["factor"])
@@ -370,6 +460,15 @@ def rope_inv_freq(config: NativeConfig, rope: Mapping[str, Any] | None = None) -
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def longrope_inv_freq(config: NativeConfig, factors: tuple[float, ...]) -> torch.Tensor:
+    """Phi-3's LongRoPE inverse frequencies for ``factors`` (its short or long ones), in transformers' order of ops
+    (``_compute_longrope_parameters``): ``1 / (factors * theta ** (arange(0, d, 2) / d))``."""
+    dim = config.rotary_dim
+    ext = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (ext * config.rope_theta**shape)
 
 
 class NativeCache:
@@ -827,6 +926,14 @@ class NativeCausalLM(nn.Module):
         self.register_buffer(
             "local_inv_freq", None if local is None else rope_inv_freq(self.config, local), persistent=False
         )
+        #: Phi-3's LongRoPE: the long factors' inverse frequencies (``inv_freq`` holds the short ones); else ``None``
+        self.long_inv_freq: torch.Tensor | None
+        longrope = self.config.longrope
+        self.register_buffer(
+            "long_inv_freq",
+            None if longrope is None else longrope_inv_freq(self.config, longrope.long_factor),
+            persistent=False,
+        )
 
     # transformers' accessors, used by the loader (head tying) and the cpu-fast head
     def get_input_embeddings(self) -> nn.Module:
@@ -856,8 +963,18 @@ class NativeCausalLM(nn.Module):
     def rotary(self, position_ids: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[b, 1, t, rotary_dim]`` of ``position_ids`` in ``h``'s dtype, ``sin`` with the sign of its
         first half flipped (see :func:`~anyquant.runtime.layers._rotary`). Gemma 3: ``[b, 1, t, 2 * rotary_dim]``,
-        the full layers' tables then the sliding layers' (each layer takes its half: ``Attention.rope_part``)."""
-        cos, sin = self._tables(position_ids, self.inv_freq, h)
+        the full layers' tables then the sliding layers' (each layer takes its half: ``Attention.rope_part``).
+
+        Phi-3's LongRoPE (:class:`LongRope`): each row of ``position_ids`` by the long factors when its largest position
+        is at or past ``original_max_position_embeddings``, else by the short ones (transformers' rule, taken row by
+        row: what each row gets from transformers' class alone), cos and sin scaled by ``attention_factor``."""
+        inv_freq, scale = self.inv_freq, 1.0
+        longrope, long_inv_freq = self.config.longrope, self.long_inv_freq
+        if longrope is not None and long_inv_freq is not None and position_ids.numel():
+            scale = longrope.attention_factor
+            past = position_ids.amax(-1) + 1 > longrope.original_max_position_embeddings  # [b]
+            inv_freq = torch.where(past.to(h.device)[:, None, None], long_inv_freq.to(h.device), inv_freq.to(h.device))
+        cos, sin = self._tables(position_ids, inv_freq, h, scale)
         if self.local_inv_freq is not None:
             local_cos, local_sin = self._tables(position_ids, self.local_inv_freq, h)
             cos, sin = torch.cat((cos, local_cos), dim=-1), torch.cat((sin, local_sin), dim=-1)
@@ -865,14 +982,18 @@ class NativeCausalLM(nn.Module):
 
     @staticmethod
     def _tables(
-        position_ids: torch.Tensor, inv_freq: torch.Tensor, h: torch.Tensor
+        position_ids: torch.Tensor, inv_freq: torch.Tensor, h: torch.Tensor, scale: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``inv_freq``: ``[rotary_dim / 2]``, or ``[b, 1, rotary_dim / 2]`` (a row's own, LongRoPE's); ``scale``: cos
+        and sin multiplied by it in float32 (LongRoPE's ``attention_factor``; transformers' order: before the cast)."""
         freqs = position_ids[..., None].float() * inv_freq.to(h.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(h.dtype)[:, None]
+        cos = emb.cos()
         half_sin = freqs.sin()
+        if scale != 1.0:
+            cos, half_sin = cos * scale, half_sin * scale
         sin = torch.cat((-half_sin, half_sin), dim=-1).to(h.dtype)[:, None]  # signed for _rotary
-        return cos, sin
+        return cos.to(h.dtype)[:, None], sin
 
     def _mask(self, attention_mask: torch.Tensor | None, b: int, t: int, past: int, device: torch.device) -> Any:
         """Boolean ``[b, 1, t, past + t]`` (True = attend), or ``None`` for plain causal attention."""
