@@ -10,13 +10,18 @@ compiles only the layers of one kind (layers that mix kinds through their module
 functions). ``--cpu-time``: the process's CPU time per token instead of wall time (on a machine other jobs load).
 ``--engines``: the same planned layers run three more ways (issue #41's TorchScript question): ``eager``, each
 layer's plain Python function (the fused kernel calls without TorchScript, as ``PYTORCH_JIT=0`` runs them);
-``compile``, each layer's function through ``torch.compile`` (compiled on a warm-up run first, not timed).
+``compile``, each layer's function through ``torch.compile``; ``compile_stack``, every layer in one
+``torch.compile`` call (as the scripted ``_Stack`` runs them). Both compile on a warm-up run first, not timed; the
+anyquant kernel ops get shape-only fake kernels here so that a layer is one graph, not one per op between them;
+``TORCH_COMPILE_DISABLE`` is dropped from the child's environment. Every path runs once untimed first (TorchScript
+scripts and profiles on its first calls too).
 
 Checkpoints: the cached GPTQ and AWQ 4-bit g64 SmolLM2-135M of ``bench/gptq.py`` / ``bench/awq.py``, the
 random-trellis EXL3 K=4 of ``bench/exl3.py --parts model`` and the bundled GGUF Q4_1 (those not cached
 are made first, which for AWQ takes ~15 minutes); a path in ``--only`` is loaded as it is (e.g. a GGUF Q4_K_M).
 
-    python bench/step.py [--threads 1] [--steps 60] [--repeat 4] [--only gptq,awq,exl3,gguf,/path/to/file.gguf]
+    python bench/step.py [--threads 1] [--steps 60] [--repeat 4] [--cpu-time] [--engines]
+        [--only gptq,awq,exl3,gguf,/path/to/file.gguf]
 """
 
 from __future__ import annotations
@@ -52,12 +57,33 @@ def checkpoint(name: str) -> Path:
     raise SystemExit(f"unknown checkpoint {name!r}")
 
 
+#: output shapes of the anyquant kernel ops the layer functions call, for torch.compile's tracing (the C++ library
+#: registers CPU kernels only: without these, Dynamo breaks the graph at each call)
+FAKES = {
+    "rms_norm": lambda x, *_: x.new_empty(x.shape),
+    "ggml_gemv": lambda x, blocks, kind, rows, *_: x.new_empty(*x.shape[:-1], rows),
+    "ggml_gemv_cat": lambda x, blocks, kinds, rows, *_: x.new_empty(*x.shape[:-1], sum(rows)),
+    "ggml_experts": lambda x, *_: x.new_empty(x.shape),
+}
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def engine_steps(module: Any) -> dict[str, Any]:
-    """The decode step of ``module`` with its layer functions as plain Python (``eager``) and through
-    ``torch.compile`` (``compile``), beside TorchScript's (the default)."""
+    """The decode step of ``module`` with its layer functions as plain Python (``eager``), through
+    ``torch.compile`` per layer (``compile``) and all layers in one ``torch.compile`` call (``compile_stack``), beside
+    TorchScript's (the default)."""
     import torch
 
+    from anyquant_cpu import kernels
     from anyquant_cpu import step as step_mod
+
+    if kernels.available():
+        for op, fake in FAKES.items():
+            torch.library.register_fake(f"anyquant::{op}")(fake)
 
     built: dict[str, Any] = {}
     original = step_mod.compiled_layer, step_mod._stack
@@ -65,8 +91,18 @@ def engine_steps(module: Any) -> dict[str, Any]:
 
     def through_compile(kind: str) -> Any:
         if kind not in compiled:
-            compiled[kind] = torch.compile(step_mod.LAYER_FUNCTIONS[kind], dynamic=True)
+            compiled[kind] = torch.compile(step_mod.LAYER_FUNCTIONS[kind])  # start: dynamic once it changes
         return compiled[kind]
+
+    def compiled_stack(layers: list[Any]) -> Any:
+        planned = [(step_mod.LAYER_FUNCTIONS[layer.kind], layer.args) for layer in layers]
+
+        def stack(h: Any, cos: Any, sin: Any, mask: Any, keys: Any, values: Any, starts: Any) -> Any:
+            for i, (function, args) in enumerate(planned):
+                h = function(h, cos, sin, keys[i], values[i], starts[i], mask, *args)
+            return h
+
+        return torch.compile(stack)
 
     try:
         step_mod._stack = lambda layers: None
@@ -74,6 +110,8 @@ def engine_steps(module: Any) -> dict[str, Any]:
         built["eager"] = step_mod.DecodeStep.build(module)
         step_mod.compiled_layer = through_compile
         built["compile"] = step_mod.DecodeStep.build(module)
+        step_mod.compiled_layer, step_mod._stack = (lambda kind: step_mod.LAYER_FUNCTIONS[kind]), compiled_stack
+        built["compile_stack"] = step_mod.DecodeStep.build(module)
     finally:
         step_mod.compiled_layer, step_mod._stack = original
     return built
@@ -125,14 +163,24 @@ def measure(
         others = engine_steps(module)
         paths["eager"] = lambda self: others["eager"]
         paths["compile"] = lambda self: others["compile"]
+        paths["compile_stack"] = lambda self: others["compile_stack"]
     times: dict[str, list[float]] = {name: [] for name in paths}
     seen: dict[str, tuple[list[int], Any]] = {}
     with torch.inference_mode():
-        if engines:  # torch.compile's compilation, not timed
-            t0 = time.perf_counter()
-            NativeCausalLM._decode_step = paths["compile"]
+        warmed: dict[str, dict[str, float]] = {}
+        for path_name in times:  # untimed: TorchScript's scripting and profiling runs, torch.compile's compilation
+            NativeCausalLM._decode_step = paths[path_name]
+            before, t0, cpu0 = (
+                (rss_mib(), compile_stats()) if engines else (0.0, {}),
+                time.perf_counter(),
+                time.process_time(),
+            )
             run()
-            compile_s = time.perf_counter() - t0
+            if path_name.startswith("compile"):
+                after = compile_stats()
+                warmed[path_name] = {"s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0}
+                warmed[path_name]["rss_mib"] = rss_mib() - before[0]
+                warmed[path_name].update({k: after[k] - before[1][k] for k in after})
         for _ in range(repeat):
             for path_name in times:
                 NativeCausalLM._decode_step = paths[path_name]
@@ -154,13 +202,27 @@ def measure(
             {
                 "eager_ms": statistics.median(times["eager"]),
                 "compile_ms": statistics.median(times["compile"]),
-                "compile_s": compile_s,
+                "compile_stack_ms": statistics.median(times["compile_stack"]),
+                "warm_up": warmed,
             }
             if engines
             else {}
         ),
         "same_tokens": all(seen["modules"][0] == seen[p][0] for p in paths),
         "max_logit_diff": max(float((seen["modules"][1] - seen[p][1]).abs().max()) for p in paths),
+        "per_path": {
+            p: [seen["modules"][0] == seen[p][0], float((seen["modules"][1] - seen[p][1]).abs().max())] for p in paths
+        },
+    }
+
+
+def compile_stats() -> dict[str, int]:
+    """Dynamo's graphs (a recompilation makes one more) and graph breaks in this process."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "breaks": int(sum(counters["graph_break"].values())),
     }
 
 
@@ -208,12 +270,23 @@ def main() -> int:
             f"{r['modules_ms'] / r['step_ms']:.2f}x | {r['mixed_ms']:.1f} | {r['same_tokens']} | {r['max_logit_diff']:.1e} |"
         )
         if "eager_ms" in r:
+            same = ", ".join(f"{p} {r['per_path'][p][0]} {r['per_path'][p][1]:.1e}" for p in list(r["per_path"])[2:])
+            w = r["warm_up"]
+            warm = " / ".join(
+                f"{w[p]['s']:.1f} s ({w[p]['cpu_s']:.1f} CPU), {w[p]['rss_mib']:+.0f} MiB, {w[p]['graphs']}g {w[p]['breaks']}b"
+                for p in w
+            )
             engine_rows.append(
-                f"| {name} | {r['step_ms']:.1f} | {r['eager_ms']:.1f} | {r['compile_ms']:.1f} | {r['compile_s']:.0f} s |"
+                f"| {name} | {r['modules_ms']:.1f} | {r['step_ms']:.1f} | {r['eager_ms']:.1f} | {r['compile_ms']:.1f} | "
+                f"{r['compile_stack_ms']:.1f} | {warm} | {same} |"
             )
     if engine_rows:
-        print("\n| checkpoint | TorchScript ms/token | plain Python ms/token | torch.compile ms/token | compile time |")
-        print("|---|---|---|---|---|")
+        print(
+            "\n| checkpoint | module path ms/token | TorchScript step ms/token | eager functions ms/token "
+            "| torch.compile per layer ms/token | torch.compile all layers ms/token "
+            "| warm-up run of each: wall s (CPU s), RSS, graphs, breaks | same tokens, max logit diff |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         print("\n".join(engine_rows))
     return 0
 
