@@ -520,10 +520,10 @@ def test_choices_share_one_prefill(local: Any, monkeypatch: pytest.MonkeyPatch) 
     import threading
 
     from anyquant_serve.batch import DecodeBatch
-    from anyquant_serve.scheduler import Finished, ModelAdapter, Request, Scheduler
+    from anyquant_serve.scheduler import DEFAULT_PREFILL_CHUNK, Finished, ModelAdapter, Request, Scheduler
 
     calls = {"prefill": 0, "score": 0}
-    prefill, score = DecodeBatch.prefill, ModelAdapter.prompt_logprobs
+    prefill, score = DecodeBatch.prefill, DecodeBatch.score
 
     def counted_prefill(self: Any, *args: Any) -> Any:
         calls["prefill"] += 1
@@ -534,7 +534,7 @@ def test_choices_share_one_prefill(local: Any, monkeypatch: pytest.MonkeyPatch) 
         return score(self, *args)
 
     monkeypatch.setattr(DecodeBatch, "prefill", counted_prefill)
-    monkeypatch.setattr(ModelAdapter, "prompt_logprobs", counted_score)
+    monkeypatch.setattr(DecodeBatch, "score", counted_score)
     adapter = ModelAdapter(local)
     scheduler = Scheduler(adapter, max_batch=4, max_queue=4)
     messages = [{"role": "user", "content": QUESTIONS[2]}]
@@ -559,6 +559,7 @@ def test_choices_share_one_prefill(local: Any, monkeypatch: pytest.MonkeyPatch) 
     scheduler.submit_many([request(s) for s in (7, 8, 9)])
     assert done.wait(120)
     scheduler.close(30)
+    assert len(ids) <= DEFAULT_PREFILL_CHUNK  # one chunk: scored in one forward, prefilled in one
     assert calls == {"prefill": 1, "score": 1}
     assert all(ends[s].reason in ("stop", "length") for s in ends)
     for seed in (7, 8, 9):

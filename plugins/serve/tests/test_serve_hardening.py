@@ -261,6 +261,22 @@ def test_valid_edges_are_answered(port: int) -> None:
     assert status == 200, answer
 
 
+def test_echo_scores_prompts_up_to_the_context() -> None:
+    """``echo`` with ``logprobs`` took prompts of at most 4,096 tokens (one forward held every position's logits);
+    scored in prefill chunks it takes what any prompt takes, the model's context: 6,000 tokens of an 8,192-token
+    context are answered with 6,000 entries, and 8,193 are ``context_length_exceeded``, as without ``echo``."""
+    scheduler = FakeScheduler()
+    scheduler.adapter.context = 8192
+    body = {"model": NAME, "echo": True, "logprobs": 1, "max_tokens": 0}
+    with _server(scheduler) as (port, _):
+        status, answer = _post(port, "/v1/completions", {**body, "prompt": "a" * 6000})
+        assert status == 200, answer
+        logprobs = answer["choices"][0]["logprobs"]
+        assert len(logprobs["token_logprobs"]) == 6000 and logprobs["token_logprobs"][0] is None
+        status, answer = _post(port, "/v1/completions", {**body, "prompt": "a" * 8193})
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+
+
 def test_tiny_temperature_is_a_typed_error_in_the_python_api() -> None:
     """``temperature=1e-320`` rounds to 0 in float32 and made the sampler divide 0 by 0: torch raised a bare
     ``RuntimeError`` at the first token (``anyquant.generate`` too). Now a ``ParameterError`` when made."""

@@ -54,10 +54,6 @@ class ApiError(Exception):
 # ---------------------------------------------------------------------- request parsing
 
 
-#: the longest prompt ``echo`` with ``logprobs`` scores (one forward keeps every position's logits)
-MAX_SCORED_PROMPT = 4096
-
-
 @dataclass
 class _Job:
     ids: list[int]
@@ -289,10 +285,6 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
     top = request.top()
     echo = isinstance(request, CompletionRequest) and bool(request.echo)
     ids = _prompt_ids(app, request)
-    if echo and top is not None and len(ids) > MAX_SCORED_PROMPT:
-        raise ApiError(
-            400, f"echo with logprobs scores prompts of up to {MAX_SCORED_PROMPT} tokens", "invalid_value", "prompt"
-        )
     context = app.adapter.context
     if context is not None and len(ids) > context:
         raise ApiError(

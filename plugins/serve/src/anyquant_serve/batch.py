@@ -5,13 +5,15 @@ multiples of ``chunk`` positions (:data:`~anyquant.runtime.generate.PREFILL_CHUN
 keeping the last position's logits only where the module takes ``logits_to_keep`` (the same rows, so the same
 kernels and the same numbers). A prompt may be prefilled one chunk per call, the scheduler running decode steps of
 the batch in between (chunked prefill), and may start from a cache that already holds its first chunks (the
-prefix cache's copy, :mod:`.prefix`): the chunks left are then the very forwards a cold prefill makes. Each
-request keeps its own KV cache (requests admitted together with the same prompt, such as the ``n`` choices of one
-HTTP request, prefill it once and copy the cache). A decode step then runs every request of the batch through one
-pass of the linears (the weights are read once for all rows), while attention runs row by row over each request's
-own cache, with no padding and no mask: a request's tokens do not depend on which others share its steps (padding
-shifts the summation order inside attention, and this model's bfloat16 activations turn such last-bit differences
-into different greedy tokens). Requests join and leave between steps (continuous batching).
+prefix cache's copy, :mod:`.prefix`, or a scoring's cache in the same chunks): the chunks left are then the very
+forwards a cold prefill makes. A prompt is scored (``echo`` with ``logprobs``: :meth:`DecodeBatch.score`) by the
+same call in chunks of the scorer's size, one chunk at a time, every position's logits kept for that chunk only.
+Each request keeps its own KV cache (requests admitted together with the same prompt, such as the ``n`` choices of
+one HTTP request, prefill it once and copy the cache). A decode step then runs every request of the batch through
+one pass of the linears (the weights are read once for all rows), while attention runs row by row over each
+request's own cache, with no padding and no mask: a request's tokens do not depend on which others share its steps
+(padding shifts the summation order inside attention, and this model's bfloat16 activations turn such last-bit
+differences into different greedy tokens). Requests join and leave between steps (continuous batching).
 
 The shared pass needs anyquant's native decoder (:class:`~anyquant.runtime.native.NativeCausalLM`: the Llama family,
 Mixtral, Qwen2-MoE, Phi-3, Gemma 1-3, sliding windows included; its own ``decode_rows``);
@@ -94,17 +96,7 @@ class DecodeBatch:
         logits: torch.Tensor | None = None
         while done < n and (chunks is None or runs < chunks):
             end = chunk_end(done, n, self.chunk)
-            kw: dict[str, Any] = {self.cache_kw: cache} if cache is not None else {}
-            if self.keeps_logits:
-                kw["logits_to_keep"] = 1
-            out = self.module(
-                input_ids=torch.tensor([list(ids[done:end])], dtype=torch.long, device=self.device),
-                attention_mask=torch.ones((1, end), dtype=torch.long, device=self.device),
-                position_ids=torch.arange(done, end, device=self.device)[None],
-                use_cache=True,
-                **kw,
-            )
-            cache = getattr(out, self.cache_kw)
+            out, cache = self._chunk(ids, done, end, cache, 1 if self.keeps_logits else 0)
             done, runs = end, runs + 1
             if done == n:
                 logits = out.logits[0, -1]
@@ -113,6 +105,33 @@ class DecodeBatch:
             return None
         self.slots.append(Slot(key, n, cache, list(ids)))
         return logits
+
+    @torch.inference_mode()
+    def score(self, ids: Sequence[int], done: int, cache: Any, chunk: int) -> tuple[int, Any, torch.Tensor]:
+        """The next chunk of prompt ``ids``'s scoring forwards, from position ``done`` over ``cache`` (``None``
+        before the first), chunks starting at multiples of ``chunk`` (> 0), keeping every position's logits.
+        Returns where the chunk ends, the cache (now holding the prompt up to there: what a prefill in chunks of
+        ``chunk`` holds, the head's rows aside) and the chunk's logits ``[end - done, vocab]``: at most ``chunk``
+        rows, the only logits alive."""
+        end = chunk_end(done, len(ids), chunk)
+        out, cache = self._chunk(ids, done, end, cache, 0)
+        return end, cache, out.logits[0]
+
+    def _chunk(self, ids: Sequence[int], done: int, end: int, cache: Any, keep: int) -> tuple[Any, Any]:
+        """One forward of ``ids[done:end]`` over ``cache`` (``None``: a new one), ``keep`` positions' logits kept
+        (0: all of them; a prefill's 1 only where the module takes ``logits_to_keep``): the module's output and
+        the cache after it. The prefill and the scorer run this same call, so their caches hold the same values."""
+        kw: dict[str, Any] = {self.cache_kw: cache} if cache is not None else {}
+        if keep:
+            kw["logits_to_keep"] = keep
+        out = self.module(
+            input_ids=torch.tensor([list(ids[done:end])], dtype=torch.long, device=self.device),
+            attention_mask=torch.ones((1, end), dtype=torch.long, device=self.device),
+            position_ids=torch.arange(done, end, device=self.device)[None],
+            use_cache=True,
+            **kw,
+        )
+        return out, getattr(out, self.cache_kw)
 
     def join(self, key: object, ids: Sequence[int], cache: Any) -> None:
         """Add ``key`` with a cache of its own that already holds the whole prompt ``ids`` (a prompt the prefix

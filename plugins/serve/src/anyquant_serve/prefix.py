@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Hit", "PrefixCache", "cache_bytes", "cacheable", "snapshot"]
+__all__ = ["Hit", "PrefixCache", "cache_bytes", "cacheable", "cut", "snapshot"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,22 @@ def snapshot(cache: Any, length: int) -> Any:
     for layer in _dynamic_layers(out) or ():
         layer.keys, layer.values = layer.keys.contiguous().clone(), layer.values.contiguous().clone()
     return out
+
+
+def cut(cache: Any, length: int) -> Any | None:
+    """``cache`` itself cut to its first ``length`` positions (nothing copied: the next forward writes from there),
+    or ``None`` when it is not one :func:`snapshot` could copy (then it cannot be reused either)."""
+    from anyquant.runtime.native import NativeCache
+
+    if isinstance(cache, NativeCache):
+        cache.crop(length)
+        return cache
+    if _dynamic_layers(cache) is None:
+        return None
+    extra = int(cache.get_seq_length()) - length
+    if extra > 0:
+        cache.crop(-extra)  # as in snapshot: transformers 4's and 5's crop alike
+    return cache
 
 
 def cache_bytes(cache: Any) -> int:

@@ -12,7 +12,9 @@ Prompts are prefilled in chunks (``prefill_chunk`` positions, 256 by default: ha
 worth of prompt tokens between two decode steps of the running batch (chunked prefill: a long prompt does not
 stop the other streams for longer than one chunk); prompts that fit join in the round they are admitted. A prompt
 that begins as a recent one did starts from that one's KV cache (the prefix cache, :mod:`.prefix`, within
-``prefix_cache_mb``), in whole chunks, so its numbers are a cold prefill's.
+``prefix_cache_mb``), in whole chunks, so its numbers are a cold prefill's. A prompt to score (``echo`` with
+``logprobs``) is scored first in chunks of its own (``score_chunk``, generate's 512), every position's logits
+kept one chunk at a time (:class:`_Scoring`), in the same rounds as the prefills.
 
 :class:`ModelAdapter` is the one place that reads the loaded model (tokens in, text out, counts); it is what
 switches to anyquant's generation-result API when there is one.
@@ -34,6 +36,7 @@ from anyquant.runtime.stops import find_stop, held_back, stable
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
     "DEFAULT_PREFIX_CACHE_MB",
+    "DEFAULT_SCORE_CHUNK",
     "Finished",
     "ModelAdapter",
     "QueueFull",
@@ -55,6 +58,15 @@ DEFAULT_PREFILL_CHUNK = 256
 #: the prefix cache's budget: a 2,000-token prompt of SmolLM2-135M holds 92 MB of float32 keys and values, of a
 #: Llama-3-8B 524 MB
 DEFAULT_PREFIX_CACHE_MB = 1024.0
+#: prompt positions per scoring forward (``echo`` with ``logprobs``): generate's chunk
+#: (:data:`anyquant.runtime.generate.PREFILL_CHUNK`), not the prefill's. On the bundled model a prompt scored in
+#: chunks of 512 gets the log-probabilities of one forward over the whole prompt bit for bit (measured up to 4,096
+#: tokens: the scoring the server ran before, which held every position's logits at once); in chunks of 256 they
+#: moved by up to 0.145 (the kernels' rounding: a forward's row count picks its kernels and its attention's
+#: blocking), no closer to the exact model's. The price: the prefill after a scoring cannot start from the
+#: scoring's cache unless ``prefill_chunk`` is this too (other forwards, other rounding), and one forward holds 512 x
+#: the vocabulary of float32 logits (100 MB for SmolLM2's 49,152 tokens, 263 MB for a 128,256-token vocabulary)
+DEFAULT_SCORE_CHUNK = 512
 
 
 class QueueFull(AnyquantError):
@@ -145,18 +157,6 @@ class ModelAdapter:
         """``token``'s :class:`~anyquant.results.TokenLogprob` under ``logits`` [1, vocab], with the ``top`` best."""
         return self.generator._token_logprob(logits, token, top)
 
-    def prompt_logprobs(self, ids: Sequence[int], top: int) -> list[Any]:
-        """Each prompt token's :class:`~anyquant.results.TokenLogprob` given the tokens before it (``None`` for the
-        first, which nothing predicts): one forward over the prompt, what ``echo`` with ``logprobs`` reports."""
-        import torch
-
-        if len(ids) < 2:
-            return [None] * len(ids)
-        x = torch.tensor([list(ids)], dtype=torch.long, device=self.generator.device)
-        with torch.inference_mode():
-            logits = self.generator._forward(input_ids=x, use_cache=False).logits[0]
-        return [None] + [self.token_logprob(logits[i - 1 : i], int(ids[i]), top) for i in range(1, len(ids))]
-
     def token_bytes(self, token: int) -> bytes:
         """The bytes token ``token`` stands for, also when they are part of a UTF-8 character."""
         from anyquant.runtime.tokenizer import token_bytes
@@ -182,8 +182,9 @@ class Request:
     #: with ``params.logprobs``: called with each sampled token's :class:`~anyquant.results.TokenLogprob`, before
     #: the text that token makes final is emitted
     logprob: Callable[[Any], None] | None = None
-    #: ``echo`` with ``logprobs``: called once, before any generated text, with the prompt tokens' log-probabilities
-    #: (:meth:`ModelAdapter.prompt_logprobs`, ``prompt_top`` alternatives each)
+    #: ``echo`` with ``logprobs``: called once, before any generated text, with the prompt tokens'
+    #: :class:`~anyquant.results.TokenLogprob` (``prompt_top`` alternatives each; ``None`` for the first token,
+    #: which nothing predicts), scored in prefill chunks (:class:`_Scoring`)
     prompt_logprobs: Callable[[list[Any]], None] | None = None
     prompt_top: int = 0
     #: structured output: a compiled grammar (:meth:`ModelAdapter.grammars`) the tokens must follow
@@ -254,6 +255,26 @@ class _Live:
             self.emitted = len(text)
 
 
+class _Scoring:
+    """A prompt being scored (``echo`` with ``logprobs``) and the requests that wait for it (the ``n`` choices of
+    one request, or the same prompt and ``prompt_top`` arriving meanwhile). Its forwards are chunks of ``chunk``
+    positions starting at multiples of it (:meth:`~.batch.DecodeBatch.score`), keeping every position's logits, on
+    a cache of its own; each chunk's logits become the positions' :class:`~anyquant.results.TokenLogprob`
+    (:attr:`items`) before the next chunk runs, so no more than one chunk's logits live at once, whatever the
+    prompt's length. The prefix cache is not read:
+    a kept prompt holds keys and values, not the logits of every position."""
+
+    def __init__(self, row: _Live, chunk: int) -> None:
+        self.rows = [row]
+        self.ids = row.request.ids
+        self.key = (tuple(self.ids), row.request.prompt_top)
+        self.top = row.request.prompt_top
+        self.chunk = chunk  # positions per forward (the scheduler's score_chunk)
+        self.done = 0  # positions scored
+        self.cache: Any = None
+        self.items: list[Any] = [None]  # the first token: nothing predicts it
+
+
 class _Filling:
     """A prompt being prefilled and the requests that wait for it: the first one's (``key``) cache is the one
     filled, the others (the ``n`` choices of one request, or the same prompt arriving meanwhile) copy it."""
@@ -263,7 +284,7 @@ class _Filling:
         self.key: object = row.request
         self.ids = row.request.ids
         self.prompt = tuple(self.ids)
-        self.reuse = reuse  # (positions, cache) from the prefix cache, for the first chunk
+        self.reuse = reuse  # (positions, cache) from the prefix cache or the prompt's scoring, for the first chunk
         self.done = reuse[0] if reuse is not None else 0  # positions prefilled
 
 
@@ -288,22 +309,29 @@ class Scheduler:
         max_queue: int = 64,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        score_chunk: int = DEFAULT_SCORE_CHUNK,
     ) -> None:
         """``prefill_chunk``: prompt positions per prefill forward, and the most prompt tokens prefilled between
         two decode steps (0: each prompt in one forward, all admitted prompts before the next step).
-        ``prefix_cache_mb``: the prefix cache's budget in MB (2**20 bytes; 0: off)."""
+        ``prefix_cache_mb``: the prefix cache's budget in MB (2**20 bytes; 0: off).
+        ``score_chunk``: prompt positions per scoring forward (``echo`` with ``logprobs``), the most logits held
+        at once (this many x the vocabulary); equal to ``prefill_chunk``, the prefill after a scoring starts from
+        the scoring's cache."""
         if max_batch < 1 or max_queue < 0:
             raise ParameterError(f"max_batch={max_batch} and max_queue={max_queue}: expected >= 1 and >= 0")
         if prefill_chunk < 0 or not 0 <= prefix_cache_mb < float("inf"):
             raise ParameterError(
                 f"prefill_chunk={prefill_chunk} and prefix_cache_mb={prefix_cache_mb}: expected >= 0 and a finite >= 0"
             )
+        if score_chunk < 1:
+            raise ParameterError(f"score_chunk={score_chunk}: expected >= 1")
         from .prefix import PrefixCache
 
         self.adapter = adapter
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
+        self.score_chunk = score_chunk
         #: owned by the thread below (read, not changed, elsewhere)
         self.prefix = PrefixCache(int(prefix_cache_mb * 2**20), prefill_chunk)
         self._waiting: collections.deque[Request] = collections.deque()
@@ -364,7 +392,7 @@ class Scheduler:
         gen = self.adapter.generator
         batch = DecodeBatch(self.adapter.model.module, gen.cache_kw, gen.device, self.prefill_chunk)
         live: list[_Live] = []
-        filling: list[_Filling] = []  # prompts being prefilled, oldest first
+        filling: list[_Filling | _Scoring] = []  # prompts being prefilled or scored, oldest first
         while True:
             with self._cond:
                 while not self._waiting and not live and not filling and not self._stopping:
@@ -375,10 +403,8 @@ class Scheduler:
                 taken = len(live) + sum(len(f.rows) for f in filling)
                 while self._waiting and taken + len(joining) < self.max_batch:
                     joining.append(self._waiting.popleft())
-            # a prompt admitted twice in this round (n choices) is scored once
-            scored: dict[tuple[tuple[int, ...], int], list[Any]] = {}
             for request in joining:
-                self._admit(request, batch, live, filling, scored)
+                self._admit(request, batch, live, filling)
             self._fill(batch, live, filling)
             live = self._retire(batch, live)
             self.running = len(live) + sum(len(f.rows) for f in filling)
@@ -395,64 +421,99 @@ class Scheduler:
             live = self._retire(batch, live)
             self.running = len(live) + sum(len(f.rows) for f in filling)
 
-    def _admit(
-        self,
-        request: Request,
-        batch: Any,
-        live: list[_Live],
-        filling: list[_Filling],
-        scored: dict[tuple[tuple[int, ...], int], list[Any]],
-    ) -> None:
-        """Score a new request's prompt when asked, then start it: with the prefix cache's copy of the whole
-        prompt (it joins the batch at once), behind the same prompt's prefill in progress, or as a prefill of its
-        own (from the prefix cache's first chunks of it, when kept)."""
+    def _admit(self, request: Request, batch: Any, live: list[_Live], filling: list[_Filling | _Scoring]) -> None:
+        """Start a new request: its prompt's scoring when it asks for one (behind the same scoring in progress,
+        or a new one: :meth:`_fill` runs its chunks), else :meth:`_proceed`."""
         row = _Live(request, self.adapter)
         if self._ended(row):
             return
+        if request.prompt_logprobs is not None and len(request.ids) > 1:
+            key = (tuple(request.ids), request.prompt_top)
+            same = next((f for f in filling if isinstance(f, _Scoring) and f.key == key), None)
+            if same is not None:  # scored once for all of them (n choices)
+                same.rows.append(row)
+            else:
+                filling.append(_Scoring(row, self.score_chunk))
+            return
+        self._proceed(row, batch, live, filling, [None] * len(request.ids))
+
+    def _proceed(
+        self,
+        row: _Live,
+        batch: Any,
+        live: list[_Live],
+        filling: list[_Filling | _Scoring],
+        scores: list[Any],
+        scored: tuple[int, Any] | None = None,
+        at: int | None = None,
+    ) -> None:
+        """A request whose prompt is scored (``scores``, given to it when it asked for them) goes on: ended at once
+        with ``max_tokens: 0``, else started (:meth:`_start`)."""
+        request = row.request
         try:
-            if request.prompt_logprobs is not None:  # every position's logits: one forward, no cache
-                key = (tuple(request.ids), request.prompt_top)
-                if key not in scored:
-                    scored[key] = self.adapter.prompt_logprobs(request.ids, request.prompt_top)
-                request.prompt_logprobs(list(scored[key]))
+            if request.prompt_logprobs is not None:
+                request.prompt_logprobs(list(scores))
             if request.max_tokens == 0:  # the prompt scored, nothing generated (echo with max_tokens 0)
                 row.end("length")
                 request.finish(row.done)  # type: ignore[arg-type]
                 return
-            self._start(row, batch, live, filling)
+            self._start(row, batch, live, filling, scored, at)
         except Exception as exc:  # this request's failure, not the server's
             log.exception("request failed in prefill")
             row.end("error", exc)
             if row not in live:  # not yet running: nothing else will tell it
                 request.finish(row.done)  # type: ignore[arg-type]
 
-    def _start(self, row: _Live, batch: Any, live: list[_Live], filling: list[_Filling]) -> None:
+    def _start(
+        self,
+        row: _Live,
+        batch: Any,
+        live: list[_Live],
+        filling: list[_Filling | _Scoring],
+        scored: tuple[int, Any] | None = None,
+        at: int | None = None,
+    ) -> None:
+        """Start ``row``'s prefill: with the prefix cache's copy of the whole prompt (it joins the batch at
+        once), behind the same prompt's prefill in progress, or as a prefill of its own (inserted in ``filling``
+        at ``at``, default last), from the prefix cache's first chunks of it when kept, or from ``scored``,
+        ``(positions, cache)``: its scoring's own cache, cut to the start of the prompt's last chunk (then the
+        prefix cache can give no more than the whole prompt, and only that is looked up)."""
         prompt = tuple(row.request.ids)
-        same = next((f for f in filling if f.prompt == prompt), None)
+        same = next((f for f in filling if isinstance(f, _Filling) and f.prompt == prompt), None)
         if same is not None:  # prefilled once, then copied
             same.rows.append(row)
             return
-        hit = self.prefix.lookup(prompt)
+        hit = self.prefix.lookup(prompt) if scored is None or prompt in self.prefix.entries else None
         if hit is not None and hit.logits is not None:  # the whole prompt kept
             batch.join(row.request, prompt, hit.cache)
             live.append(row)
             row.take(*self._sample(row, hit.logits[None]))
             return
-        filling.append(_Filling(row, (hit.length, hit.cache) if hit is not None else None))
+        started = _Filling(row, (hit.length, hit.cache) if hit is not None else scored)
+        filling.insert(len(filling) if at is None else at, started)
 
-    def _fill(self, batch: Any, live: list[_Live], filling: list[_Filling]) -> None:
+    def _fill(self, batch: Any, live: list[_Live], filling: list[_Filling | _Scoring]) -> None:
         """One round of prefill between two decode steps: chunks of the prompts in ``filling``, oldest first,
         while their tokens fit in one chunk (always at least one chunk; with ``prefill_chunk`` 0, every prompt
         whole). A prompt whose last chunk ran joins the batch with the requests waiting for it, each sampling its
-        first token."""
+        first token. A prompt being scored runs its scoring chunks in the same rounds, under the same count of
+        tokens (:meth:`_score`)."""
         for f in filling:
             f.rows = [row for row in f.rows if not self._ended(row)]
         for f in [f for f in filling if not f.rows]:  # every request for it gone: its cache too
-            batch.remove([f.key])
+            if isinstance(f, _Filling):
+                batch.remove([f.key])
             filling.remove(f)
         spent = 0
         while filling:
             f = filling[0]
+            if isinstance(f, _Scoring):
+                piece = self._chunk_end(f.done, len(f.ids), f.chunk) - f.done
+                if self.prefill_chunk and spent and spent + piece > self.prefill_chunk:
+                    return
+                self._score(batch, f, live, filling)
+                spent += piece
+                continue
             piece = self._chunk_end(f.done, len(f.ids)) - f.done
             if self.prefill_chunk and spent and spent + piece > self.prefill_chunk:
                 return
@@ -473,12 +534,51 @@ class Scheduler:
                 filling.pop(0)
                 self._joined(batch, f, logits, live, filling)
 
-    def _chunk_end(self, done: int, total: int) -> int:
+    def _chunk_end(self, done: int, total: int, chunk: int | None = None) -> int:
         from .batch import chunk_end
 
-        return chunk_end(done, total, self.prefill_chunk)
+        return chunk_end(done, total, self.prefill_chunk if chunk is None else chunk)
 
-    def _joined(self, batch: Any, f: _Filling, logits: Any, live: list[_Live], filling: list[_Filling]) -> None:
+    def _score(self, batch: Any, f: _Scoring, live: list[_Live], filling: list[_Filling | _Scoring]) -> None:
+        """One chunk of ``f``'s scoring (``f`` is ``filling[0]``): its logits turned into the log-probabilities of
+        the tokens that follow each position (``None``: the chunk's logits are dropped before the next forward).
+        After the last chunk the requests waiting for it get the scores and go on (:meth:`_proceed`). When the
+        scoring's chunks are the prefill's (``score_chunk == prefill_chunk``), the first prefill starts from the
+        scoring's cache cut to the prompt's last chunk: those are the forwards a prefill runs there, over the same
+        cache contents, so its numbers are a cold prefill's (as from the prefix cache)."""
+        from .prefix import cut
+
+        n = len(f.ids)
+        try:
+            start = f.done
+            f.done, f.cache, logits = batch.score(f.ids, start, f.cache, f.chunk)
+            for i in range(start, min(f.done, n - 1)):  # position i's logits predict token i + 1
+                f.items.append(self.adapter.token_logprob(logits[i - start : i - start + 1], int(f.ids[i + 1]), f.top))
+            del logits
+        except Exception as exc:  # the prompt's failure: every request waiting for it ends with it
+            log.exception("request failed in prefill")
+            filling.remove(f)
+            for row in f.rows:
+                row.end("error", exc)
+                row.request.finish(row.done)  # type: ignore[arg-type]
+            return
+        if f.done < n:
+            return
+        filling.remove(f)
+        reuse = (n - 1) // f.chunk * f.chunk if f.chunk == self.prefill_chunk else 0
+        cache = cut(f.cache, reuse) if reuse else None
+        f.cache = None
+        scored = (reuse, cache) if cache is not None else None
+        for row in f.rows:
+            if self._ended(row):
+                continue
+            self._proceed(row, batch, live, filling, f.items, scored, 0)
+            if scored is not None and any(isinstance(g, _Filling) and g.key is row.request for g in filling):
+                scored = None  # the cache went to that prefill; the other rows copy it when it is in
+
+    def _joined(
+        self, batch: Any, f: _Filling, logits: Any, live: list[_Live], filling: list[_Filling | _Scoring]
+    ) -> None:
         """``f``'s prompt is in: keep it in the prefix cache, copy its cache to every request waiting for it and
         sample their first tokens."""
         kept = logits.clone()  # apart from what sampling reads (a grammar masks a row's logits in place)
