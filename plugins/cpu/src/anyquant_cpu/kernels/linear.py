@@ -141,10 +141,10 @@ class BlockLinear(nn.Module):
         )
 
 
-def kernel_forward(layer: Any, x: torch.Tensor, few_rows: Any) -> torch.Tensor:
+def kernel_forward(layer: Any, x: torch.Tensor, few_rows: Any, many_rows: Any = None) -> torch.Tensor:
     """The forward of a linear on a compiled kernel: ``few_rows(x2)`` (the kernel) up to ``layer.small_rows`` rows
     (decode), else a GEMM in ``layer.prefill_dtype`` (default: the input's) with ``layer.exact_weight(dtype)``
-    (prompts); then the bias."""
+    (prompts; ``many_rows(x2 in dtype)``, where given, computes that product its own way); then the bias."""
     shape = x.shape
     x2 = x.reshape(-1, layer.in_features)
     y: torch.Tensor
@@ -152,7 +152,10 @@ def kernel_forward(layer: Any, x: torch.Tensor, few_rows: Any) -> torch.Tensor:
         y = few_rows(x2).to(x.dtype)
     else:
         dtype = layer.prefill_dtype or x.dtype
-        y = torch.mm(x2.to(dtype), layer.exact_weight(dtype).t()).to(x.dtype)
+        if many_rows is not None:
+            y = many_rows(x2.to(dtype)).to(x.dtype)
+        else:
+            y = torch.mm(x2.to(dtype), layer.exact_weight(dtype).t()).to(x.dtype)
     if layer.bias is not None:
         y = y + layer.bias.to(x.dtype)
     return y.reshape(*shape[:-1], layer.out_features)

@@ -7,11 +7,19 @@ scales, kept packed (half a byte a weight, plus a float32 scale per group) inste
   sums: no activation rounding, only the summation order differs from the exact path;
 - many rows (prompts) and :meth:`Lut4Linear.dequantize`: the format's exact weight, ``round_to(dtype, lut[q] * s)``
   (float32 product, one rounding: bitsandbytes' ``dequantize_4bit``, compressed-tensors' and mlx's FP4 decoders),
-  and a GEMM in ``prefill_dtype``.
+  and a GEMM in ``prefill_dtype``. A prompt's weight is never whole: it is formed and multiplied in slices of
+  output rows (:func:`prompt_slices`, about :data:`PROMPT_SLICE_BYTES` each), each slice written by the kernel's
+  ``lut4_dequant_out`` / ``fp8_dequant_out`` straight into one buffer in the GEMM's dtype (no float32 copy), and
+  ``y[:, r0:r1] = x @ W[r0:r1].T`` into one output. Each output element is the same dot product over
+  ``in_features``, and torch's CPU GEMMs (MKL float32, oneDNN bfloat16 / float16) give it bit for bit as the whole
+  weight's GEMM does as long as no call is narrower than :data:`SLICE_ROWS` (MKL's float32 path sums a call of a
+  few columns in another order: a last slice that narrow joins the one before); ``tests/test_lut4_prompt_slices.py``
+  checks it.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -22,7 +30,38 @@ from .linear import cpu_only_apply, kernel_forward
 #: the ops' ``round``: each formed weight rounded to the format's dtype before the multiply-add
 ROUND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-__all__ = ["ROUND_CODES", "E4M3Linear", "Lut4Linear", "expand_block_scales", "fp8_kernel_runs", "lut4_codes"]
+#: about how many bytes of weight (in the GEMM's dtype) a prompt's GEMM forms at a time (:func:`prompt_slices`)
+PROMPT_SLICE_BYTES = 8 << 20
+#: slices are whole multiples of this many output rows (and never narrower)
+SLICE_ROWS = 64
+
+__all__ = [
+    "PROMPT_SLICE_BYTES",
+    "ROUND_CODES",
+    "SLICE_ROWS",
+    "E4M3Linear",
+    "Lut4Linear",
+    "expand_block_scales",
+    "fp8_kernel_runs",
+    "lut4_codes",
+    "prompt_slices",
+]
+
+
+def prompt_slices(
+    out_features: int, in_features: int, budget: int = PROMPT_SLICE_BYTES, itemsize: int = 4
+) -> list[tuple[int, int]]:
+    """The output rows ``(r0, r1)`` a prompt's GEMM takes at a time: a multiple of :data:`SLICE_ROWS` rows holding
+    about ``budget`` bytes of weight of ``itemsize`` bytes (at least :data:`SLICE_ROWS` rows); a last slice narrower
+    than :data:`SLICE_ROWS` joins the one before (so no slice is narrower: see the module docstring); one slice where
+    the weight fits the budget."""
+    rows = max(SLICE_ROWS, budget // (itemsize * in_features) // SLICE_ROWS * SLICE_ROWS)
+    if rows >= out_features:
+        return [(0, out_features)]
+    bounds = [*range(0, out_features, rows), out_features]
+    if bounds[-1] - bounds[-2] < SLICE_ROWS:
+        del bounds[-2]
+    return list(itertools.pairwise(bounds))
 
 
 def _dequant_op() -> bool:
@@ -30,6 +69,13 @@ def _dequant_op() -> bool:
     from . import has_op, lut_available
 
     return lut_available() and has_op("fp8_dequant")
+
+
+def _dequant_out_op() -> bool:
+    """Whether the loaded library writes exact weights into a buffer (``lut4_dequant_out`` / ``fp8_dequant_out``)."""
+    from . import has_op
+
+    return _dequant_op() and has_op("fp8_dequant_out")
 
 
 def lut4_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -41,26 +87,54 @@ def lut4_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 class _KernelRows(nn.Module):
-    """What the two share: :func:`~anyquant_cpu.kernels.linear.kernel_forward` over ``_few_rows`` and
-    :meth:`exact_weight`, CPU-only buffers, their bytes."""
+    """What the two share: :func:`~anyquant_cpu.kernels.linear.kernel_forward` over ``_few_rows`` and the exact
+    weight in slices of rows (:meth:`_many_rows`), CPU-only buffers, their bytes."""
 
     in_features: int
     out_features: int
     small_rows: int
     prefill_dtype: torch.dtype | None
     bias: torch.Tensor | None
+    #: the prompt path's slice budget (:func:`prompt_slices`); an instance may set its own
+    prompt_slice_bytes: int = PROMPT_SLICE_BYTES
 
-    def dequantize(self) -> torch.Tensor:  # pragma: no cover - abstract
+    def dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:  # pragma: no cover - abstract
+        """Rows ``r0:r1`` of :meth:`dequantize` (formed from those rows' codes only)."""
         raise NotImplementedError
+
+    def dequantize_rows_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        """Rows ``r0:r1`` of :meth:`exact_weight` in ``out``'s dtype, written into ``out`` (contiguous
+        ``[r1 - r0, in]``): the kernel's ``*_dequant_out`` where loaded, else a copy of :meth:`dequantize_rows`."""
+        out.copy_(self.dequantize_rows(r0, r1))
 
     def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The exact weight ``[out, in]`` in ``round_to``."""
+        return self.dequantize_rows(0, self.out_features)
 
     def exact_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.dequantize().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernel_forward(self, x, self._few_rows)
+        return kernel_forward(self, x, self._few_rows, self._many_rows)
+
+    def _many_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 @ exact_weight(x2.dtype).T``, bit for bit, with the weight formed a slice of rows at a time
+        (:func:`prompt_slices`) into one buffer (the whole weight at once where autograd records: ``out=`` records
+        no gradient)."""
+        if x2.requires_grad and torch.is_grad_enabled():
+            return torch.mm(x2, self.exact_weight(x2.dtype).t())
+        n, k = self.out_features, self.in_features
+        slices = prompt_slices(n, k, self.prompt_slice_bytes, x2.element_size())
+        y = torch.empty(x2.shape[0], n, dtype=x2.dtype)
+        buf = torch.empty(max(r1 - r0 for r0, r1 in slices), k, dtype=x2.dtype)
+        for r0, r1 in slices:
+            w = buf[: r1 - r0]
+            self.dequantize_rows_into(r0, r1, w)
+            torch.mm(x2, w.t(), out=y[:, r0:r1])
+        return y
 
     def _apply(self, fn: Any, recurse: bool = True) -> _KernelRows:
         out: _KernelRows = cpu_only_apply(self, fn)
@@ -122,18 +196,27 @@ class Lut4Linear(_KernelRows):
             return None
         return torch.as_strided(lut, (16 + scales.numel(),), (1,), lut.storage_offset())
 
-    def dequantize(self) -> torch.Tensor:
-        """The exact weight ``[out, in]`` in ``round_to`` (``anyquant::lut4_dequant`` where built: the same values)."""
+    def dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``r0:r1`` of the exact weight ``[out, in]`` in ``round_to`` (``anyquant::lut4_dequant`` where built:
+        the same values), from those rows' codes and scales."""
+        codes, scales = self.codes[r0:r1], self.scales[r0:r1]
         if _dequant_op():
             w: torch.Tensor = torch.ops.anyquant.lut4_dequant(
-                self.codes, self.scales, self.lut, self.group, ROUND_CODES[self.round_to]
+                codes, scales, self.lut, self.group, ROUND_CODES[self.round_to]
             )
             return w.to(self.round_to)
-        n, k = self.out_features, self.in_features
-        packed = self.codes.reshape(n, k // 32, 16)
+        n, k = r1 - r0, self.in_features
+        packed = codes.reshape(n, k // 32, 16)
         q = torch.stack((packed & 0x0F, packed >> 4), dim=2).reshape(n, k).to(torch.long)
-        s = self.scales.repeat_interleave(self.group, dim=1)
+        s = scales.repeat_interleave(self.group, dim=1)
         return (self.lut[q] * s).to(self.round_to)
+
+    def dequantize_rows_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        if out.dtype in ROUND_CODES and _dequant_out_op():
+            code = ROUND_CODES[self.round_to]
+            torch.ops.anyquant.lut4_dequant_out(self.codes[r0:r1], self.scales[r0:r1], self.lut, self.group, code, out)
+        else:
+            out.copy_(self.dequantize_rows(r0, r1))
 
     def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.anyquant.lut4_gemv(
@@ -166,7 +249,8 @@ class E4M3Linear(_KernelRows):
     """``y = x @ W.T + b`` with ``W[n, k] = round_to(e4m3(q[n, k]) * scales[n, k // group])``: FP8 weights kept as their
     bytes (``quant_method: fp8``, compressed-tensors' float-quantized). Few rows: ``torch.ops.anyquant.fp8_gemv``
     (each weight formed in float32 and rounded to ``round_to``: the exact weight; float32 activations); many rows and
-    :meth:`dequantize`: the exact weight (float32 product, one rounding to ``round_to``) and a GEMM."""
+    :meth:`dequantize`: the exact weight (float32 product, one rounding to ``round_to``) and a GEMM (in slices of
+    rows, as :class:`Lut4Linear`'s)."""
 
     weight_bits: torch.Tensor
     scales: torch.Tensor
@@ -198,15 +282,22 @@ class E4M3Linear(_KernelRows):
         self.register_buffer("scales", scales.to(torch.float32).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
 
-    def dequantize(self) -> torch.Tensor:
-        """The exact weight ``[out, in]`` in ``round_to`` (``anyquant::fp8_dequant`` where built: the same values)."""
+    def dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``r0:r1`` of the exact weight ``[out, in]`` in ``round_to`` (``anyquant::fp8_dequant`` where built:
+        the same values)."""
+        bits, scales = self.weight_bits[r0:r1], self.scales[r0:r1]
         if _dequant_op():
-            out: torch.Tensor = torch.ops.anyquant.fp8_dequant(
-                self.weight_bits, self.scales, self.group, ROUND_CODES[self.round_to]
-            )
+            out: torch.Tensor = torch.ops.anyquant.fp8_dequant(bits, scales, self.group, ROUND_CODES[self.round_to])
             return out.to(self.round_to)
-        w = self.weight_bits.view(torch.float8_e4m3fn).to(torch.float32)
-        return (w * self.scales.repeat_interleave(self.group, dim=1)).to(self.round_to)
+        w = bits.view(torch.float8_e4m3fn).to(torch.float32)
+        return (w * scales.repeat_interleave(self.group, dim=1)).to(self.round_to)
+
+    def dequantize_rows_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
+        if out.dtype in ROUND_CODES and _dequant_out_op():
+            code = ROUND_CODES[self.round_to]
+            torch.ops.anyquant.fp8_dequant_out(self.weight_bits[r0:r1], self.scales[r0:r1], self.group, code, out)
+        else:
+            out.copy_(self.dequantize_rows(r0, r1))
 
     def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.anyquant.fp8_gemv(

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 // The vector paths are x86-64's; elsewhere (ARM, POWER, ...) the scalar paths alone compile and run, as they do on
 // x86-64 with -DANYQUANT_PORTABLE (how the tests build and check the portable kernel here).
@@ -642,24 +643,62 @@ at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Ten
 // anyquant::lut4_dequant / fp8_dequant: the format's exact weight [N, K] in float32, each value round(lut[q] * s) /
 // round(e4m3(q) * s) as the decode ops form it (bit for bit): what a prompt's GEMM multiplies, formed at memory speed
 // from a table of each group's values instead of torch's unpack, gather and repeat (a dozen passes over the weight).
+// lut4_dequant_out / fp8_dequant_out: the same values written into a caller's contiguous [N, K] float32, bfloat16 or
+// float16 tensor, converted to its dtype as torch converts (nearest even): bit for bit ``op(...).to(out.dtype)``,
+// without the float32 tensor (the prompt path forms a weight a slice of rows at a time into one buffer).
+
+// A formed (already rounded) float32 value as the output dtype: torch's conversions (nearest even).
+template <typename T>
+inline T out_value(float w) {
+  return static_cast<T>(w);
+}
 
 #ifdef AQ_LUT_X86
+// 16 formed values stored as T: float32 as they are; bfloat16 rounded to nearest even (round512's rounding, as
+// c10::BFloat16's) and their high halves; float16 by vcvtps2ph, nearest even.
+__attribute__((target("avx512f"))) inline void store512(float* out, __m512 w) { _mm512_storeu_ps(out, w); }
+__attribute__((target("avx512f"))) inline void store512(c10::BFloat16* out, __m512 w) {
+  const __m512i b = _mm512_srli_epi32(_mm512_castps_si512(round512(w, 1)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(b));
+}
+__attribute__((target("avx512f"))) inline void store512(c10::Half* out, __m512 w) {
+  const __m256i h = _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
+}
+
+template <typename T>
 __attribute__((target("avx512f"))) void lut4_dequant_row512(const uint8_t* c, const float* s, int64_t k, int64_t group,
-                                                            const float* lut, int64_t round, float* out) {
+                                                            const float* lut, int64_t round, T* out) {
   const __m512 table = _mm512_loadu_ps(lut);
   for (int64_t b = 0; b < k / 32; ++b) {
     const __m512 w_lo = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[(b * 32) / group])), round);
     const __m512 w_hi = round512(_mm512_mul_ps(table, _mm512_set1_ps(s[(b * 32 + 16) / group])), round);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16)));
-    _mm512_storeu_ps(out + b * 32, _mm512_permutexvar_ps(v, w_lo));  // the low 4 bits of each index
-    _mm512_storeu_ps(out + b * 32 + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), w_hi));
+    store512(out + b * 32, _mm512_permutexvar_ps(v, w_lo));  // the low 4 bits of each index
+    store512(out + b * 32 + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), w_hi));
   }
 }
 
 #endif  // AQ_LUT_X86
 
-at::Tensor lut4_dequant(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut, int64_t group,
-                        int64_t round) {
+// out: contiguous [n, k] float32 / bfloat16 / float16 on the CPU (checked by the callers' dtype dispatch).
+void check_out(const at::Tensor& out, int64_t n, int64_t k, const char* op) {
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.size(0) == n && out.size(1) == k && out.is_contiguous(),
+              "anyquant::", op, ": out must be a contiguous CPU tensor [", n, ", ", k, "], not ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf,
+              "anyquant::", op, ": out is float32, bfloat16 or float16, not ", out.scalar_type());
+}
+
+// Calls fn(T* data) with out's data as its element type.
+template <typename Fn>
+void with_out_type(const at::Tensor& out, Fn fn) {
+  if (out.scalar_type() == at::kBFloat16) fn(out.data_ptr<c10::BFloat16>());
+  else if (out.scalar_type() == at::kHalf) fn(out.data_ptr<c10::Half>());
+  else fn(out.data_ptr<float>());
+}
+
+void lut4_dequant_out(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut, int64_t group,
+                      int64_t round, const at::Tensor& out) {
   TORCH_CHECK(round >= 0 && round <= 2, "anyquant::lut4_dequant: round is 0 (float32), 1 (bfloat16) or 2 (float16), "
               "not ", round);
   TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu() && lut.device().is_cpu(),
@@ -676,38 +715,48 @@ at::Tensor lut4_dequant(const at::Tensor& codes, const at::Tensor& scales, const
               " must be a multiple of 16 dividing ", k);
   TORCH_CHECK(scales.size(0) == n && scales.size(1) == k / group, "anyquant::lut4_dequant: scales must be [", n, ", ",
               k / group, "]");
-  auto w = at::empty({n, k}, codes.options().dtype(at::kFloat));
+  check_out(out, n, k, "lut4_dequant_out");
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* lp = lut.data_ptr<float>();
-  float* wp = w.data_ptr<float>();
   const int64_t sk = k / group;
   [[maybe_unused]] const bool vector = lut_isa_here() == 2;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    float table[16];
-    for (int64_t row = begin; row < end; ++row) {
-      const uint8_t* c = cp + row * (k / 2);
-      float* out = wp + row * k;
+  with_out_type(out, [&](auto* wp) {
+    using T = std::remove_pointer_t<decltype(wp)>;
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      T table[16];
+      for (int64_t row = begin; row < end; ++row) {
+        const uint8_t* c = cp + row * (k / 2);
+        T* dst = wp + row * k;
 #ifdef AQ_LUT_X86
-      if (vector) {
-        lut4_dequant_row512(c, sp + row * sk, k, group, lp, round, out);
-        continue;
-      }
+        if (vector) {
+          lut4_dequant_row512(c, sp + row * sk, k, group, lp, round, dst);
+          continue;
+        }
 #endif
-      for (int64_t g = 0; g < sk; ++g) {  // a group is one or more halves of 16 values of blocks of 32
-        for (int i = 0; i < 16; ++i) table[i] = round1(lp[i] * sp[row * sk + g], round);
-        for (int64_t j = g * group; j < (g + 1) * group; ++j) {  // value j of the row: block j / 32, its half
-          const int64_t b = j / 32, i = j % 32;
-          const uint8_t byte = c[b * 16 + (i & 15)];
-          out[j] = table[i < 16 ? (byte & 15) : (byte >> 4)];
+        for (int64_t g = 0; g < sk; ++g) {  // a group is one or more halves of 16 values of blocks of 32
+          for (int i = 0; i < 16; ++i) table[i] = out_value<T>(round1(lp[i] * sp[row * sk + g], round));
+          for (int64_t j = g * group; j < (g + 1) * group; ++j) {  // value j of the row: block j / 32, its half
+            const int64_t b = j / 32, i = j % 32;
+            const uint8_t byte = c[b * 16 + (i & 15)];
+            dst[j] = table[i < 16 ? (byte & 15) : (byte >> 4)];
+          }
         }
       }
-    }
+    });
   });
+}
+
+at::Tensor lut4_dequant(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut, int64_t group,
+                        int64_t round) {
+  TORCH_CHECK(codes.dim() == 2, "anyquant::lut4_dequant: codes: contiguous uint8 [N, K/2]");
+  auto w = at::empty({codes.size(0), codes.size(1) * 2}, codes.options().dtype(at::kFloat));
+  lut4_dequant_out(codes, scales, lut, group, round, w);
   return w;
 }
 
-at::Tensor fp8_dequant(const at::Tensor& weight, const at::Tensor& scales, int64_t group, int64_t round) {
+void fp8_dequant_out(const at::Tensor& weight, const at::Tensor& scales, int64_t group, int64_t round,
+                     const at::Tensor& out) {
   TORCH_CHECK(round >= 0 && round <= 2, "anyquant::fp8_dequant: round is 0 (float32), 1 (bfloat16) or 2 (float16), "
               "not ", round);
   TORCH_CHECK(weight.device().is_cpu() && scales.device().is_cpu(), "anyquant::fp8_dequant runs on the CPU");
@@ -723,29 +772,38 @@ at::Tensor fp8_dequant(const at::Tensor& weight, const at::Tensor& scales, int64
               " must be a multiple of 16 dividing ", k);
   TORCH_CHECK(scales.size(0) == n && scales.size(1) == k / group, "anyquant::fp8_dequant: scales must be [", n, ", ",
               k / group, "]");
-  auto w = at::empty({n, k}, scales.options());
+  check_out(out, n, k, "fp8_dequant_out");
   const uint8_t* cp = static_cast<const uint8_t*>(weight.data_ptr());
   const float* sp = scales.data_ptr<float>();
-  float* wp = w.data_ptr<float>();
   const int64_t sk = k / group;
   float codes[256];
   for (int i = 0; i < 256; ++i) codes[i] = e4m3_scalar(static_cast<uint8_t>(i));
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const uint8_t* c = cp + row * k;
-      float* out = wp + row * k;
-      for (int64_t g = 0; g < sk; ++g) {
-        const float sg = sp[row * sk + g];
-        if (group >= 512) {  // a table of the group's 256 values, then lookups
-          float table[256];
-          for (int i = 0; i < 256; ++i) table[i] = round1(codes[i] * sg, round);
-          for (int64_t j = g * group; j < (g + 1) * group; ++j) out[j] = table[c[j]];
-        } else {
-          for (int64_t j = g * group; j < (g + 1) * group; ++j) out[j] = round1(codes[c[j]] * sg, round);
+  with_out_type(out, [&](auto* wp) {
+    using T = std::remove_pointer_t<decltype(wp)>;
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const uint8_t* c = cp + row * k;
+        T* dst = wp + row * k;
+        for (int64_t g = 0; g < sk; ++g) {
+          const float sg = sp[row * sk + g];
+          if (group >= 512) {  // a table of the group's 256 values, then lookups
+            T table[256];
+            for (int i = 0; i < 256; ++i) table[i] = out_value<T>(round1(codes[i] * sg, round));
+            for (int64_t j = g * group; j < (g + 1) * group; ++j) dst[j] = table[c[j]];
+          } else {
+            for (int64_t j = g * group; j < (g + 1) * group; ++j)
+              dst[j] = out_value<T>(round1(codes[c[j]] * sg, round));
+          }
         }
       }
-    }
+    });
   });
+}
+
+at::Tensor fp8_dequant(const at::Tensor& weight, const at::Tensor& scales, int64_t group, int64_t round) {
+  TORCH_CHECK(weight.dim() == 2, "anyquant::fp8_dequant: weight: contiguous [N, K] float8_e4m3fn or its uint8 bits");
+  auto w = at::empty({weight.size(0), weight.size(1)}, scales.options().dtype(at::kFloat));
+  fp8_dequant_out(weight, scales, group, round, w);
   return w;
 }
 
@@ -759,6 +817,8 @@ TORCH_LIBRARY_FRAGMENT(anyquant, m) {
   m.def("lut_isa() -> int", &lut_isa);
   m.def("lut4_dequant(Tensor codes, Tensor scales, Tensor lut, int group, int round=0) -> Tensor");
   m.def("fp8_dequant(Tensor weight, Tensor scales, int group, int round=0) -> Tensor");
+  m.def("lut4_dequant_out(Tensor codes, Tensor scales, Tensor lut, int group, int round, Tensor(a!) out) -> ()");
+  m.def("fp8_dequant_out(Tensor weight, Tensor scales, int group, int round, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(anyquant, CPU, m) {
@@ -766,4 +826,6 @@ TORCH_LIBRARY_IMPL(anyquant, CPU, m) {
   m.impl("fp8_gemv", &fp8_gemv);
   m.impl("lut4_dequant", &lut4_dequant);
   m.impl("fp8_dequant", &fp8_dequant);
+  m.impl("lut4_dequant_out", &lut4_dequant_out);
+  m.impl("fp8_dequant_out", &fp8_dequant_out);
 }
