@@ -15,7 +15,7 @@ PINS := torch==2.13.0 transformers==5.24.0 safetensors==0.8.0 pluggy==1.7.0 pack
         gptqmodel==7.6.0 autoawq==0.2.9 exllamav3==1.6.5 lm-eval==0.4.13 \
         compressed-tensors==0.20.0 bitsandbytes==0.50.2 starlette==1.10.0 uvicorn==0.55.0 sse-starlette==3.7.1 pydantic==2.14.4 openai==3.63.0 xgrammar==0.2.9 jsonschema==4.26.0 prometheus-client==0.26.0 \
         pytest hypothesis tqdm matplotlib ruff mypy
-EDITABLE := -e core -e plugins/gptq -e plugins/awq -e plugins/exl3 -e plugins/gguf -e plugins/compressed_tensors -e plugins/fp8 -e plugins/bnb -e plugins/mlx -e plugins/mxfp4 -e plugins/serve
+EDITABLE := -e core -e plugins/runtime -e plugins/tools -e plugins/gptq -e plugins/awq -e plugins/exl3 -e plugins/gguf -e plugins/compressed_tensors -e plugins/fp8 -e plugins/bnb -e plugins/mlx -e plugins/mxfp4 -e plugins/serve
 # llm-compressor pins an older transformers than ours: its own venv, which `quantize --quantizer-backend
 # llmcompressor` (and --method w4a16/w8a8/fp8 ...) runs in a worker through ANYQUANT_LLMCOMPRESSOR_PYTHON
 LLMC_VENV ?= .venv-llmcompressor
@@ -65,8 +65,8 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check core plugins tests bench examples
 	$(VENV)/bin/ruff format --check core plugins tests bench examples
-	MYPYPATH=core/src:plugins/gptq/src:plugins/awq/src:plugins/exl3/src:plugins/gguf/src:plugins/compressed_tensors/src:plugins/fp8/src:plugins/bnb/src:plugins/mlx/src:plugins/mxfp4/src:plugins/serve/src:plugins/cpu/src $(PY) -m mypy --strict \
-		-p anyquant -p anyquant_gptq -p anyquant_awq -p anyquant_exl3 -p anyquant_gguf -p anyquant_ct -p anyquant_fp8 -p anyquant_bnb -p anyquant_mlx -p anyquant_mxfp4 -p anyquant_serve -p anyquant_cpu
+	MYPYPATH=core/src:plugins/runtime/src:plugins/tools/src:plugins/gptq/src:plugins/awq/src:plugins/exl3/src:plugins/gguf/src:plugins/compressed_tensors/src:plugins/fp8/src:plugins/bnb/src:plugins/mlx/src:plugins/mxfp4/src:plugins/serve/src:plugins/cpu/src $(PY) -m mypy --strict \
+		-p anyquant -p anyquant_runtime -p anyquant_tools -p anyquant_gptq -p anyquant_awq -p anyquant_exl3 -p anyquant_gguf -p anyquant_ct -p anyquant_fp8 -p anyquant_bnb -p anyquant_mlx -p anyquant_mxfp4 -p anyquant_serve -p anyquant_cpu
 
 bench: install
 	$(PY) bench/detect.py

@@ -50,7 +50,7 @@ def corpus_text(name: str = "wiki", part: str | None = None) -> str:
     ``part="evaluation"``: the held-out part anyquant never draws calibration samples from.
     """
     if part is not None:
-        from anyquant.tools.calibration import documents
+        from anyquant_tools.calibration import documents
 
         return "\n\n".join(documents(name, part=part))
     spec = importlib.util.find_spec("exllamav3")

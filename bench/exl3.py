@@ -230,8 +230,8 @@ def subset_names(layers: list[int], projs: list[str]) -> list[str]:
 def subset_hessians(model: Any, names: list[str]) -> dict[str, torch.Tensor]:
     """The subset's input Hessians from the calibration GPTQ used (``CALIBRATION``), as ``quantize`` collects them."""
     from anyquant.protocols import QuantizeSpec
-    from anyquant.tools.quantize import calibration_batch, calibration_texts
     from anyquant_exl3.hessian import capture_hessians
+    from anyquant_tools.quantize import calibration_batch, calibration_texts
 
     spec = QuantizeSpec(
         method="exl3",
@@ -535,7 +535,7 @@ def _greedy(module: Any, ids: torch.Tensor, steps: int) -> tuple[list[int], floa
     """``steps`` greedy tokens after the prompt ``ids`` (the native runtime's cache), with the wall and CPU
     milliseconds per decode step."""
 
-    from anyquant.runtime.native import NativeCache
+    from anyquant_runtime.native import NativeCache
 
     cache = NativeCache(module.config.num_hidden_layers)
     nxt = module(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -586,8 +586,8 @@ def _held_mib(module: Any) -> float:
 
 def _proxy_linear(w16: torch.Tensor, weights: str) -> Any:
     """A float16 weight as cpu-fast builds a decoded EXL3 linear: the plugin's layouts, core's engine."""
-    from anyquant.runtime.qlinear import QuantLinearBase
     from anyquant_exl3.qlinear import decoded_layouts
+    from anyquant_runtime.qlinear import QuantLinearBase
 
     class Decoded16(QuantLinearBase):
         def dequantize(self) -> torch.Tensor:

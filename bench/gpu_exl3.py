@@ -284,7 +284,7 @@ def convert_cmd(
 GPTQMODEL_EXL3 = """
 import sys
 import torch
-from anyquant.tools.calibration import corpus_documents
+from anyquant_tools.calibration import corpus_documents
 from gptqmodel import GPTQModel
 from gptqmodel.quantization.config import EXL3Config
 src, dst, rows, cols = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

@@ -137,9 +137,9 @@ def build_checkpoint(
     import torch
     from safetensors.torch import save_file
 
-    from anyquant.runtime.packing import pack_cols, pack_rows
     from anyquant.testing.tiny import make_tokenizer
     from anyquant_awq.dequant import pack_awq_gemm_cols
+    from anyquant_runtime.packing import pack_cols, pack_rows
 
     if (dst / "config.json").is_file():
         return dst
@@ -503,7 +503,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def _is_moe(path: Path) -> bool:
     """Whether the checkpoint's config names experts (a mixture-of-experts model), under the keys `inspect` reads."""
-    from anyquant.tools.report import EXPERTS_KEYS
+    from anyquant.report import EXPERTS_KEYS
 
     try:
         config = json.loads((path / "config.json").read_text())

@@ -67,8 +67,8 @@ def build(root: Path) -> tuple[Path, Path]:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from anyquant.runtime.packing import pack_cols, pack_rows
     from anyquant.testing.tiny import make_tiny_dense
+    from anyquant_runtime.packing import pack_cols, pack_rows
 
     make_tiny_dense(dense, dtype="float16", vocab_size=VOCAB, **SHAPE)
     _tokenizer(dense)
@@ -269,7 +269,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         import anyquant
 
         if cfg.get("all_experts"):
-            from anyquant.runtime.experts import Experts
+            from anyquant_runtime.experts import Experts
 
             Experts.forward = _all_experts  # type: ignore[method-assign]
         m = anyquant.load(cfg["path"], backend=cfg.get("backend", "auto"), **cfg.get("options", {}))

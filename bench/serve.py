@@ -216,7 +216,7 @@ def mask_cost(model: str, rows: int, steps: int) -> tuple[float, float, float]:
     step ms per step, mask time / step time): the slowdown the mask adds to decode, robust to a busy host's noise
     as both are timed in the same steps."""
     import anyquant
-    from anyquant.runtime.grammar import OutputFormat
+    from anyquant_runtime.grammar import OutputFormat
     from anyquant_serve.batch import DecodeBatch
     from anyquant_serve.scheduler import ModelAdapter
 

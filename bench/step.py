@@ -126,7 +126,7 @@ def measure(
 
     torch.set_num_threads(threads)
     import anyquant
-    from anyquant.runtime.native import NativeCache, NativeCausalLM
+    from anyquant_runtime.native import NativeCache, NativeCausalLM
 
     model = anyquant.load(path)
     module = model.module

@@ -99,7 +99,7 @@ def main() -> int:
 
 def quantize_and_compare(gguf: Path, out: Path, samples: int, seq_len: int) -> int:
     from anyquant.console import progress_bar
-    from anyquant.tools.evaluate import compare, plot, to_markdown
+    from anyquant_tools.evaluate import compare, plot, to_markdown
 
     out.mkdir(parents=True, exist_ok=True)
     dense = out / "smollm2-dense"
@@ -145,7 +145,7 @@ def quantize_and_compare(gguf: Path, out: Path, samples: int, seq_len: int) -> i
 
 
 if __name__ == "__main__":
-    from anyquant.runtime.quiet import quiet_dependencies
+    from anyquant.quiet import quiet_dependencies
 
     with quiet_dependencies():  # the dependencies' import-time notices are not the demo's output
         sys.exit(main())

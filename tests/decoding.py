@@ -14,7 +14,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def stepwise_logits(module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Logits computed one token at a time through the KV cache (the decode path, 1 row per linear)."""
-    from anyquant.runtime.generate import _cache_keyword
+    from anyquant_runtime.generate import _cache_keyword
 
     kw = _cache_keyword(module)
     out = module(ids[:, :1], use_cache=True)

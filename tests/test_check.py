@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import anyquant as sdk
-from anyquant.tools.check import BROKEN_FROM, OK_BELOW, ModelCheckError, check
+from anyquant_tools.check import BROKEN_FROM, OK_BELOW, ModelCheckError, check
 
 pytestmark = pytest.mark.model
 CLI = [sys.executable, "-c", "import sys; from anyquant.cli import main; sys.exit(main())"]

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import anyquant
-from anyquant.runtime.experts import Experts
-from anyquant.runtime.parts import LinearParts
+from anyquant_runtime.experts import Experts
+from anyquant_runtime.parts import LinearParts
 from tests.peers.catalog import FAMILY_VARIANTS, gptqmodel_family_dir
 
 pytestmark = pytest.mark.peer

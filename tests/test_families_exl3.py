@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import anyquant
-from anyquant.runtime.parts import LinearParts
 from anyquant.testing.tiny import make_tiny_dense
+from anyquant_runtime.parts import LinearParts
 from tests.peers.catalog import FAMILIES
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,7 @@
 own ``Phi3ForCausalLM``: tiny random models whose original context (``original_max_position_embeddings``) is 32
 positions, so that prompts run past it and generations cross it.
 
-What transformers does, and these tests hold the native decoder to (``anyquant.runtime.native.LongRope``): each
+What transformers does, and these tests hold the native decoder to (``anyquant_runtime.native.LongRope``): each
 forward turns all its positions by the long factors when its largest position id is at or past the original context,
 else by the short ones; keys already cached stay as they were turned (a generation crossing the threshold attends
 short-factor keys with long-factor queries); cos and sin are scaled by the attention factor. transformers' class takes
@@ -26,9 +26,9 @@ import pytest
 import torch
 
 import anyquant
-from anyquant.runtime.build import choose_runtime
-from anyquant.runtime.native import LongRope, NativeCausalLM, NativeConfig, native_runtime_reason, rope_inv_freq
 from anyquant.testing.tiny import make_tiny_dense, tiny_llama_config
+from anyquant_runtime.build import choose_runtime
+from anyquant_runtime.native import LongRope, NativeCausalLM, NativeConfig, native_runtime_reason, rope_inv_freq
 
 pytestmark = pytest.mark.slow
 

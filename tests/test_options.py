@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 
 import anyquant
-from anyquant.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS
 from anyquant.testing.tiny import make_tiny_dense
-from anyquant.tools.quantize import CORE_QUANTIZE_OPTIONS
 from anyquant_awq.loader import AWQLoader
 from anyquant_awq.quantize import AWQQuantizer
 from anyquant_exl3.exl2.loader import EXL2Loader
@@ -20,10 +18,15 @@ from anyquant_exl3.quantize import EXL3Quantizer
 from anyquant_gguf.loader import GGUFLoader
 from anyquant_gptq.loader import GPTQLoader
 from anyquant_gptq.quantize import GPTQQuantizer
+from anyquant_runtime.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS
+from anyquant_tools.quantize import CORE_QUANTIZE_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 #: what GPTQ and AWQ loaders share (core's int4 base and GPTQModel's kernels)
-INT4 = ("core/src/anyquant/int4/loader.py", "core/src/anyquant/int4/gptqmodel_kernels.py")
+INT4 = (
+    "plugins/runtime/src/anyquant_runtime/int4/loader.py",
+    "plugins/runtime/src/anyquant_runtime/int4/gptqmodel_kernels.py",
+)
 #: ``options.get("name"``, ``extra.get("name"``, ``options["name"]``, ``"name" in spec.options``
 READ = re.compile(r'(?:options|extra)(?:\.get\(|\[)"(\w+)"|"(\w+)" in (?:spec\.)?options\b')
 #: a call of core's ``route_backend`` reads its ``key`` option, ``quantizer_backend`` unless given
@@ -50,11 +53,11 @@ def _reads(*files: str) -> set[str]:
     [
         (
             GPTQQuantizer.quantize_options,
-            ["core/src/anyquant/int4/gptqmodel_quantizer.py", "plugins/gptq/src/anyquant_gptq/quantize.py"],
+            ["plugins/tools/src/anyquant_tools/gptqmodel_quantizer.py", "plugins/gptq/src/anyquant_gptq/quantize.py"],
         ),
         (
             AWQQuantizer.quantize_options,
-            ["core/src/anyquant/int4/gptqmodel_quantizer.py", "plugins/awq/src/anyquant_awq/quantize.py"],
+            ["plugins/tools/src/anyquant_tools/gptqmodel_quantizer.py", "plugins/awq/src/anyquant_awq/quantize.py"],
         ),
         (
             EXL3Quantizer.quantize_options,
@@ -69,7 +72,7 @@ def _reads(*files: str) -> set[str]:
     ids=["gptq", "awq", "exl3"],
 )
 def test_quantizers_declare_what_they_read(declared, files) -> None:  # type: ignore[no-untyped-def]
-    read = _reads(*files, "core/src/anyquant/tools/quantize.py")
+    read = _reads(*files, "plugins/tools/src/anyquant_tools/quantize.py")
     assert read - INTERNAL <= set(declared) | set(CORE_QUANTIZE_OPTIONS)
     assert set(declared) <= read  # nothing declared that nobody reads
 
@@ -92,7 +95,7 @@ def test_quantizers_declare_what_they_read(declared, files) -> None:  # type: ig
     ids=lambda v: getattr(v, "__name__", "files"),
 )
 def test_loaders_declare_what_they_read(loader, files) -> None:  # type: ignore[no-untyped-def]
-    read = _reads(*files, "core/src/anyquant/loaders.py", "plugins/cpu/src/anyquant_cpu/engine.py")
+    read = _reads(*files, "plugins/runtime/src/anyquant_runtime/loaders.py", "plugins/cpu/src/anyquant_cpu/engine.py")
     declared = set(loader.load_options)
     assert set(RUNTIME_OPTIONS) | set(CPU_FAST_OPTIONS) <= declared
     # the gptqmodel kernels name their options by constants: the gptq test module checks those

@@ -1,6 +1,7 @@
-"""docs/architecture.md's map of the packages matches them: every module of core, of anyquant-serve (the server) and
-of anyquant-cpu (the CPU engine), each its own distribution, is named in its package's box of the parts diagram, every module named there exists, and the
-contract's stated size holds."""
+"""docs/architecture.md's map of the packages matches them: every module of core, of anyquant-runtime (the torch
+runtime), of anyquant-tools (the tools), of anyquant-serve (the server) and of anyquant-cpu (the CPU engine), each its
+own distribution, is named in its package's box of the parts diagram, every module named there exists, the
+contract's stated size holds, and core stays small (issue #41: at most 7,000 lines of Python, no compiled code)."""
 
 from __future__ import annotations
 
@@ -12,27 +13,30 @@ import anyquant
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "architecture.md"
 PACKAGE = Path(anyquant.__file__).resolve().parent
-#: the server's package, beside core in this checkout (plugins/serve: the anyquant-serve distribution)
+#: the other distributions' packages, beside core in this checkout
+RUNTIME = REPO / "plugins" / "runtime" / "src" / "anyquant_runtime"
+TOOLS = REPO / "plugins" / "tools" / "src" / "anyquant_tools"
 SERVE = REPO / "plugins" / "serve" / "src" / "anyquant_serve"
-#: the CPU engine's package (plugins/cpu: the anyquant-cpu distribution)
 CPU = REPO / "plugins" / "cpu" / "src" / "anyquant_cpu"
-#: a box's title -> the package directory it maps (relative to the anyquant package; SERVE's and CPU's: their own)
+#: a box's title -> the package directory it maps (relative to the anyquant package, or another package's own)
 BOXES = {
     "core: the contract": ".",
-    "core: the runtime": "runtime",
-    "core: int4": "int4",
-    "core: the tools": "tools",
     "core: the commands": "commands",
     "core: the plugin test kit": "testing",
+    "anyquant-runtime: the runtime": str(RUNTIME),
+    "anyquant-runtime: int4": str(RUNTIME / "int4"),
+    "anyquant-tools: the tools": str(TOOLS),
+    "anyquant-tools: the commands": str(TOOLS / "commands"),
     "anyquant-serve: the server": str(SERVE),
     "anyquant-cpu: the CPU engine": str(CPU),
 }
 #: modules named in a box other than their own package's (with the package they live in)
 ELSEWHERE = {
-    ("core: the tools", "lmeval.py"): ".",
     ("core: the commands", "cli.py"): ".",
     ("core: the commands", "console.py"): ".",
 }
+#: issue #41's bound on core
+CORE_MAX_LINES = 7000
 
 
 def _diagram() -> str:
@@ -66,8 +70,22 @@ def test_every_box_is_in_the_diagram() -> None:
 
 
 def test_core_has_no_server_package() -> None:
-    """The server left core for anyquant-serve (issue #41): no ``anyquant/serve`` comes back beside its box."""
-    assert not (PACKAGE / "serve").exists() and SERVE.is_dir()
+    """The server, the runtime and the tools left core for their own distributions (issue #41): none comes back."""
+    assert not any((PACKAGE / name).exists() for name in ("serve", "runtime", "tools", "int4"))
+    assert SERVE.is_dir() and RUNTIME.is_dir() and TOOLS.is_dir()
+
+
+def test_core_is_small_and_pure_python() -> None:
+    """Core holds the contract, the CLI's skeleton and the conformance kit: at most 7,000 lines of Python and no
+    compiled code (the kernel is anyquant-cpu's), as docs/architecture.md says."""
+    files = [f for f in PACKAGE.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
+    lines = sum(len(f.read_text(encoding="utf-8").splitlines()) for f in files if f.suffix == ".py")
+    assert lines <= CORE_MAX_LINES, f"core is {lines} lines of Python (at most {CORE_MAX_LINES})"
+    compiled = [f.name for f in files if f.suffix in {".c", ".cc", ".cpp", ".cu", ".h", ".so", ".pyd", ".dll"}]
+    assert not compiled, compiled
+    stated = re.search(r"torch-free, no compiled code, ([\d,]+) lines", DOC.read_text(encoding="utf-8"))
+    assert stated, "docs/architecture.md must state core's size ('torch-free, no compiled code, N lines')"
+    assert abs(int(stated.group(1).replace(",", "")) - lines) <= 0.1 * lines, (stated.group(1), lines)
 
 
 def test_every_module_is_named_in_its_box() -> None:

@@ -65,7 +65,7 @@ def test_every_first_party_loader_decides_through_the_one_function() -> None:
     """No loader keeps a backend choice of its own: a ``choose_backend`` a loader defines ends in
     :func:`anyquant.backends.choose_backend` or its base's (the int4 base adds GPTQModel's request checks)."""
     root = Path(__file__).resolve().parents[2]
-    paths = [*root.glob("plugins/*/src/**/loader.py"), root / "core/src/anyquant/int4/loader.py"]
+    paths = sorted(root.glob("plugins/*/src/**/loader.py"))  # the runtime's int4 base among them
     bodies = []
     for path in paths:
         for chunk in path.read_text().split("    def choose_backend(")[1:]:
@@ -104,7 +104,7 @@ def test_registered_backends(capsys: pytest.CaptureFixture[str]) -> None:
     backends = reg.backends()
     assert {"cpu-fast", "gptqmodel", "exllamav3", "toy-npu"} <= set(backends)
     assert reg.backend_owner("toy-npu") == "toy" and reg.backend_owner("cpu-fast") == "anyquant-cpu"
-    assert reg.backend_owner("gptqmodel") == "anyquant"
+    assert reg.backend_owner("gptqmodel") == "anyquant-runtime"
     assert backends["cpu-fast"].engine == "anyquant_cpu.backend"
     assert backends["cpu-fast"].devices == ("cpu",) and "gguf-blocks" in backends["cpu-fast"].layouts
     assert backend_status(None) == (True, "")
@@ -125,11 +125,17 @@ def test_a_backend_name_is_registered_once(caplog: pytest.LogCaptureFixture) -> 
         def anyquant_register_backends(register):  # type: ignore[no-untyped-def]
             register(BackendSpec(EXACT_BACKENDS[0], "mine"))
 
-    reg = Registry(entry_points=False, plugins=[("again", Again()), ("exact", Exact())])
+    class First:
+        @staticmethod
+        @hookimpl
+        def anyquant_register_backends(register):  # type: ignore[no-untyped-def]
+            register(BackendSpec("gptqmodel", "the first"))
+
+    reg = Registry(entry_points=False, plugins=[("first", First()), ("again", Again()), ("exact", Exact())])
     info = {p.name: p for p in reg.plugins()}
-    assert "already registered by anyquant" in (info["again"].error or "")
+    assert "already registered by first" in (info["again"].error or "")
     assert "already registered by every format loader" in (info["exact"].error or "")
-    assert reg.backend_owner("gptqmodel") == "anyquant" and reg.backends()["gptqmodel"].description != "mine"
+    assert reg.backend_owner("gptqmodel") == "first" and reg.backends()["gptqmodel"].description == "the first"
 
     class Half:  # its format registers, its backend does not: the plugin is skipped whole
         @staticmethod

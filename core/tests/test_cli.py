@@ -58,7 +58,7 @@ def test_plugins_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     names = {p["name"] for p in out["plugins"]}
     assert {"anyquant", "anyquant-gptq", "anyquant-awq", "anyquant-exl3", "anyquant-gguf"} <= names
-    assert out["formats"]["dense"]["loader"] == "anyquant.dense:DenseLoader"
+    assert out["formats"]["dense"]["loader"] == "anyquant_runtime.dense:DenseLoader"
 
 
 def test_generate_streams(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -128,7 +128,7 @@ _values = st.recursive(
 @SETTINGS
 @given(st.dictionaries(st.sampled_from(_CONFIG_KEYS), _values, max_size=6))
 def test_config_fields(fields: dict[str, Any]) -> None:
-    from anyquant.runtime.build import _SIZE_KEYS, check_config
+    from anyquant_runtime.build import _SIZE_KEYS, check_config
 
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **fields}
     try:

@@ -1,5 +1,6 @@
-"""The import graph: no circles in core or the first-party plugins, plugins import only the plugin API, and
-the plugin API (``anyquant.plugin``) is exactly what it declares.
+"""The import graph: no circles in core or the first-party distributions, imports run one way (core <- runtime <-
+tools <- formats, the engine and the server; issue #41), plugins import only the declared APIs, and the plugin API
+(``anyquant.plugin``) is exactly what it declares.
 
 Every import counts, module-level and function-level (lazy) alike, and those under ``if TYPE_CHECKING:``: a
 lazy import is still a dependency, and a circle through one is a circle (issue #29 counted them). ``from
@@ -18,6 +19,8 @@ import pytest
 
 PACKAGES = (
     "anyquant",
+    "anyquant_runtime",
+    "anyquant_tools",
     "anyquant_gptq",
     "anyquant_awq",
     "anyquant_exl3",
@@ -43,8 +46,11 @@ FIRST_PARTY_PLUGINS = (
     "anyquant_serve",
     "anyquant_cpu",
 )
-#: what of core a plugin may import: the plugin API, the shared int4 base, the runtime, the test kit
-PLUGIN_MAY_IMPORT = ("anyquant.plugin", "anyquant.int4", "anyquant.runtime", "anyquant.testing")
+#: what of core a plugin may import: the plugin API and the test kit (the runtime's modules and the tools' declared
+#: names are checked below)
+PLUGIN_MAY_IMPORT = ("anyquant.plugin", "anyquant.testing")
+#: the distributions above core, in import order: each may import those before it, never one after it
+WINGS = ("anyquant", "anyquant_runtime", "anyquant_tools")
 #: the distributions that are applications of anyquant rather than formats (the server): they may also use the
 #: public top-level API (``anyquant.load``, ``anyquant.detect``, ``anyquant.default_model``: ``anyquant.__all__``)
 #: as any app does; a format plugin may not (its loader runs inside ``load``)
@@ -148,26 +154,56 @@ def test_the_circle_finder_finds_circles() -> None:
 
 @pytest.mark.parametrize("package", FIRST_PARTY_PLUGINS)
 def test_plugins_import_only_the_plugin_api(package: str) -> None:
-    """A plugin imports core through ``anyquant.plugin`` (plus the int4 base, the runtime and the test kit):
-    never a tool module (sizing, calibration, evaluate, cli ...), whose internals may change. An application
-    (:data:`APPLICATIONS`: the server) may also import the top-level public API, ``from anyquant import load``."""
+    """A plugin imports core through ``anyquant.plugin`` (plus the test kit), the runtime through its modules, and the
+    tools through the names ``anyquant_tools`` declares: never a tool module (sizing, calibration, evaluate, cli
+    ...), whose internals may change. An application (:data:`APPLICATIONS`: the server) may also import the
+    top-level public API, ``from anyquant import load``."""
     import anyquant
+    import anyquant_tools
 
     public = {f"anyquant.{n}" for n in anyquant.__all__} if package in APPLICATIONS else set()
+    tools = {f"anyquant_tools.{n}" for n in anyquant_tools.__all__}
     bad = []
     for module, path in _modules(package).items():
         for name in _imports(module, path):
             core = name == "anyquant" or name.startswith("anyquant.")
             if core and not any(name.startswith(a + ".") for a in PLUGIN_MAY_IMPORT) and name not in public:
                 bad.append(f"{module}: {name}")
+            if name.startswith("anyquant_tools") and name not in tools:
+                bad.append(f"{module}: {name}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("wing", WINGS)
+def test_imports_run_one_way(wing: str) -> None:
+    """Core imports neither the runtime, the tools nor any plugin; the runtime imports core alone; the tools core and
+    the runtime (a name under ``if TYPE_CHECKING:`` aside: core's ``__init__`` annotates the names it forwards)."""
+    later = [w for w in WINGS[WINGS.index(wing) + 1 :]] + list(FIRST_PARTY_PLUGINS)
+    bad = []
+    for module, path in _modules(wing).items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        guarded = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, (ast.Import, ast.ImportFrom))
+                and id(node) not in guarded
+                and not getattr(node, "level", 0)
+            ):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                bad += [f"{module}: {n}" for n in names if n.split(".")[0] in later]
     assert not bad, bad
 
 
 @pytest.mark.parametrize("package", FIRST_PARTY_PLUGINS)
 def test_plugins_do_not_import_each_other(package: str) -> None:
-    """Each plugin is its own distribution: what two formats share lives in core (``anyquant.int4`` for GPTQ and
+    """Each plugin is its own distribution: what two formats share lives in core (``anyquant_runtime.int4`` for GPTQ and
     AWQ), so none imports a sibling (the AWQ plugin once imported eight names from ``anyquant_gptq.loader``), the CPU
-    engine's distribution included: a format reaches it through ``anyquant.runtime.cpu`` (GGUF's and EXL3's engine
+    engine's distribution included: a format reaches it through ``anyquant_runtime.cpu`` (GGUF's and EXL3's engine
     code moved into it, #41 §1)."""
     siblings = [p for p in FIRST_PARTY_PLUGINS if p != package]
     bad = [
@@ -180,10 +216,11 @@ def test_plugins_do_not_import_each_other(package: str) -> None:
 
 
 def test_core_names_the_engine_in_one_place() -> None:
-    """Core reaches the CPU engine through the registered ``cpu-fast`` backend (:mod:`anyquant.runtime.cpu`), never
-    by importing anyquant-cpu (a type annotation aside): without it installed every format still loads."""
+    """Core and the runtime reach the CPU engine through the registered ``cpu-fast`` backend
+    (:mod:`anyquant_runtime.cpu`), never by importing anyquant-cpu (a type annotation aside): without it installed
+    every format still loads."""
     bad = []
-    for module, path in _modules("anyquant").items():
+    for module, path in {**_modules("anyquant"), **_modules("anyquant_runtime")}.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         guarded = {
             id(n)
@@ -202,14 +239,12 @@ PLUGIN_API = [
     "AnyquantError",
     "BackendInfo",
     "BackendSpec",
-    "CPU_FAST_OPTIONS",
     "CalibrationRegistrar",
     "CheckpointError",
     "Claim",
     "CommandRegistrar",
     "ConfigError",
     "Detection",
-    "FLOAT_SCALE_DTYPES",
     "FormatConflictError",
     "FormatSpec",
     "GGUFHeader",
@@ -218,9 +253,7 @@ PLUGIN_API = [
     "GGUF_TYPE_SIZES",
     "GenerationParams",
     "Generator",
-    "LoadContext",
     "LoadOptions",
-    "LoadPlan",
     "LoadedModel",
     "Loader",
     "MIN_TEMPERATURE",
@@ -237,39 +270,27 @@ PLUGIN_API = [
     "QuantizeFlag",
     "QuantizeSpec",
     "Quantizer",
-    "RUNTIME_OPTIONS",
     "SAFETENSORS_DTYPE_BITS",
     "SizingError",
     "TOKENIZER_FILES",
     "TensorInfo",
     "TokenLogprob",
-    "TransformersLoader",
     "UnsupportedBackendError",
     "UnsupportedFormatError",
-    "VllmPlan",
     "__version__",
     "add_load_flags",
     "add_option_flag",
-    "calibration_batch",
-    "calibration_texts",
     "choose_backend",
     "dense_rows",
     "display_name",
-    "emit_progress",
-    "emit_result",
     "hookimpl",
     "model_shape",
     "options_from",
     "parse_model_id",
     "read_gguf_header",
     "release_free_heap",
-    "require_dtypes",
-    "route_backend",
-    "run_worker",
     "tensors_by_module",
     "thaw",
-    "vllm_plan",
-    "watch_parent",
 ]
 
 

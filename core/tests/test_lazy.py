@@ -38,8 +38,8 @@ def test_int4_base_is_lazy() -> None:
     """``import anyquant`` leaves core's int4 loader base out; the base (what the GPTQ and AWQ loaders import)
     imports neither torch nor GPTQModel until a load asks for them."""
     r = _run(
-        "import sys, anyquant\nassert 'anyquant.int4' not in sys.modules\n"
-        "from anyquant.int4.loader import Int4Loader\nfrom anyquant.int4.gptqmodel_quantizer import GPTQModelQuantizer\n"
+        "import sys, anyquant\nassert 'anyquant_runtime.int4' not in sys.modules\n"
+        "from anyquant_runtime.int4.loader import Int4Loader\nfrom anyquant_tools.gptqmodel_quantizer import GPTQModelQuantizer\n"
         "heavy = [m for m in ('torch', 'transformers', 'gptqmodel') if m in sys.modules]\nassert not heavy, heavy\n"
     )
     assert r.returncode == 0, r.stderr

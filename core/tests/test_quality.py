@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from anyquant.errors import QuantizeError
 from anyquant.testing.tiny import make_tiny_dense
-from anyquant.tools.quantize import eval_text, quality_check
+from anyquant_tools.quantize import eval_text, quality_check
 
 
 def _sharpened(src: Path, dst: Path, factor: float) -> Path:
@@ -35,7 +35,7 @@ def test_gate_passes_an_identical_model_and_refuses_a_much_worse_one(tmp_path: P
 
 
 def test_gate_text_is_held_out_from_calibration() -> None:
-    from anyquant.tools.calibration import check_overlap, sample
+    from anyquant_tools.calibration import check_overlap, sample
 
     texts = sample("wiki", n_samples=16, seq_len=256, seed=0)
     assert check_overlap(texts, eval_text()).fraction < 0.02

@@ -48,7 +48,7 @@ def test_autoawq_banner_is_dropped_and_the_filters_it_reset_are_restored() -> No
         "import warnings\n"
         "warnings.simplefilter('error', UserWarning)\n"  # the host's own filter
         "before = list(warnings.filters)\n"
-        "from anyquant.runtime.quiet import quiet_dependencies\n"
+        "from anyquant.quiet import quiet_dependencies\n"
         "with quiet_dependencies():\n"
         "    import awq\n"
         "print('SAME', list(warnings.filters) == before)\n"
@@ -76,7 +76,7 @@ def test_import_and_library_calls_leave_warning_filters_and_loggers_alone(tmp_pa
         f"anyquant.inspect({str(src)!r})\n"
         "from anyquant.cli import main\n"
         f"main(['export', {str(src)!r}, {str(tmp_path / 'out')!r}])\n"
-        "from anyquant.runtime.quiet import quiet_dependencies\n"
+        "from anyquant.quiet import quiet_dependencies\n"
         "with quiet_dependencies():\n"
         "    pass\n"
         "print('SAME', state() == before)\n"
@@ -90,7 +90,7 @@ def test_other_records_and_warnings_pass() -> None:
     code = (
         "import logging, warnings\n"
         "logging.basicConfig(format='%(name)s %(message)s')\n"
-        "from anyquant.runtime.quiet import quiet_dependencies\n"
+        "from anyquant.quiet import quiet_dependencies\n"
         "with quiet_dependencies():\n"
         "    logging.getLogger('torchao').warning('Failed to load x.so')\n"
         "    logging.getLogger('torchao').warning('something else')\n"

@@ -17,8 +17,8 @@ import torch
 import anyquant
 from anyquant.params import GenerationParams
 from anyquant.results import GenerationResult, collect
-from anyquant.runtime.generate import sample_next
 from anyquant.testing.tiny import make_tiny_dense
+from anyquant_runtime.generate import sample_next
 
 PROMPT = "The capital of France is"
 # llama.cpp 0.3.36 (llama-cpp-python, 2 threads) gives log p(" Paris" | PROMPT) = -0.2644 on the bundled Q4_1 model;

@@ -119,7 +119,7 @@ class _BadCalibration:
 
 
 def test_strict_mode_reads_the_same_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    from anyquant.tools.calibration import sources
+    from anyquant_tools.calibration import sources
 
     reg = Registry(entry_points=False, plugins=[("cal", _BadCalibration())])
     assert "wiki" in sources(reg)  # logged and skipped
@@ -332,10 +332,12 @@ def test_quantize_methods_and_their_flags_come_from_the_registry(
     quantizers (``quantize_flags``, ``check_flags``)."""
     import json
 
+    import anyquant_tools.plugin  # the quantize command's (anyquant-tools') plugin, beside the toy quantizer's
     from anyquant import api
     from anyquant.cli import main
 
-    monkeypatch.setattr(api, "default_registry", lambda: Registry(entry_points=False, plugins=[_ToyQuantizerPlugin()]))
+    plugins = [("anyquant-tools", anyquant_tools.plugin), _ToyQuantizerPlugin()]
+    monkeypatch.setattr(api, "default_registry", lambda: Registry(entry_points=False, plugins=plugins))
     with pytest.raises(SystemExit) as exc:
         main(["quantize", "--help"])
     out = capsys.readouterr().out

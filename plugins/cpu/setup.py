@@ -37,7 +37,7 @@ def digest() -> str:
 (HERE / KERNELS / "_build.json").write_text(json.dumps({"torch": torch.__version__, "digest": digest()}) + "\n")
 
 setup(
-    install_requires=["anyquant>=0.1,<0.2", f"torch=={torch.__version__.split('+')[0]}"],
+    install_requires=["anyquant>=0.1,<0.2", "anyquant-runtime>=0.1,<0.2", f"torch=={torch.__version__.split('+')[0]}"],
     ext_modules=[
         CppExtension(f"anyquant_cpu.kernels.{name}", sources, extra_compile_args=CFLAGS, extra_link_args=LDFLAGS)
         for name, sources in LIBRARIES.items()

@@ -4,7 +4,9 @@
     model = sdk.load("./Llama-3.1-8B-EXL3-4.0bpw")
     print(model.generate("Hello, my name is", max_new_tokens=64))
 
-Nothing happens at import: no plugin discovery, no torch import. Names are imported lazily.
+Nothing happens at import: no plugin discovery, no torch import. Names are imported lazily. The contract is this
+package; ``TransformersLoader`` is anyquant-runtime's, and ``quantize``, ``compare``, ``estimate``, ``advise`` ... are
+anyquant-tools' (a ``MissingDependencyError`` names the package where it is not installed).
 """
 
 from __future__ import annotations
@@ -22,19 +24,19 @@ _EXPORTS: dict[str, str] = {
     "list_plugins": "api",
     "default_model": "api",
     "default_registry": "api",
-    "quantize": "tools.quantize",
-    "export_dense": "tools.export",
-    "perplexity": "tools.evaluate",
-    "compare": "tools.evaluate",
-    "EvalResult": "tools.evaluate",
-    "EvaluationError": "tools.evaluate",
-    "estimate": "tools.estimate",
-    "advise": "tools.advise",
-    "Estimate": "tools.estimate",
-    "Advice": "tools.advise",
-    "SizingError": "tools.estimate",
-    "CalibrationError": "tools.calibration",
-    "CalibrationOverlapError": "tools.calibration",
+    "quantize": "anyquant_tools.quantize",
+    "export_dense": "anyquant_tools.export",
+    "perplexity": "anyquant_tools.evaluate",
+    "compare": "anyquant_tools.evaluate",
+    "EvalResult": "anyquant_tools.evaluate",
+    "EvaluationError": "anyquant_tools.evaluate",
+    "estimate": "anyquant_tools.estimate",
+    "advise": "anyquant_tools.advise",
+    "Estimate": "anyquant_tools.estimate",
+    "Advice": "anyquant_tools.advise",
+    "SizingError": "shape",
+    "CalibrationError": "anyquant_tools.calibration",
+    "CalibrationOverlapError": "anyquant_tools.calibration",
     # registry and hooks
     "Registry": "registry",
     "PluginInfo": "registry",
@@ -51,7 +53,7 @@ _EXPORTS: dict[str, str] = {
     "Prompt": "protocols",
     "GenerationResult": "results",
     "StreamChunk": "results",
-    "Report": "tools.report",
+    "Report": "report",
     "QuantizeSpec": "protocols",
     "BackendInfo": "protocols",
     "BackendSpec": "protocols",
@@ -59,7 +61,7 @@ _EXPORTS: dict[str, str] = {
     "Loader": "protocols",
     "Quantizer": "protocols",
     "Generator": "protocols",
-    "TransformersLoader": "loaders",
+    "TransformersLoader": "anyquant_runtime.loaders",
     "LoadedModel": "protocols",
     # errors
     "AnyquantError": "errors",
@@ -160,11 +162,28 @@ __all__ = [  # a literal list: type checkers read it (mypy --strict's re-export 
 ]
 
 
+#: the distributions of the names core does not hold itself (``anyquant_tools.quantize`` is anyquant-tools')
+_DISTRIBUTIONS = {"anyquant_tools": "anyquant-tools", "anyquant_runtime": "anyquant-runtime"}
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'anyquant' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    package = module.split(".")[0]
+    if package in _DISTRIBUTIONS:  # another distribution's: a clear error where it is not installed
+        try:
+            home = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != package:
+                raise
+            from .errors import MissingDependencyError
+
+            dist = _DISTRIBUTIONS[package]
+            raise MissingDependencyError(f"anyquant.{name} is in the {dist} distribution: pip install {dist}") from None
+    else:
+        home = importlib.import_module(f".{module}", __name__)
+    value = getattr(home, name)
     globals()[name] = value
     return value
 
@@ -174,6 +193,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from anyquant_runtime.loaders import TransformersLoader
+    from anyquant_tools.advise import Advice, advise
+    from anyquant_tools.calibration import CalibrationError, CalibrationOverlapError
+    from anyquant_tools.estimate import Estimate, estimate
+    from anyquant_tools.evaluate import EvalResult, EvaluationError, compare, perplexity
+    from anyquant_tools.export import export_dense
+    from anyquant_tools.quantize import quantize
+
     from .api import default_model, default_registry, detect, inspect, list_plugins, load
     from .errors import (
         AmbiguousFormatError,
@@ -202,7 +229,6 @@ if TYPE_CHECKING:
         UnsupportedFormatError,
     )
     from .hookspecs import hookimpl, hookspec
-    from .loaders import TransformersLoader
     from .probe import Probe
     from .protocols import (
         BackendInfo,
@@ -222,10 +248,5 @@ if TYPE_CHECKING:
         QuantizeSpec,
     )
     from .registry import PluginInfo, Registry
-    from .tools.advise import Advice, advise
-    from .tools.calibration import CalibrationError, CalibrationOverlapError
-    from .tools.estimate import Estimate, SizingError, estimate
-    from .tools.evaluate import EvalResult, EvaluationError, compare, perplexity
-    from .tools.export import export_dense
-    from .tools.quantize import quantize
-    from .tools.report import Report
+    from .report import Report
+    from .shape import SizingError

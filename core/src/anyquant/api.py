@@ -23,7 +23,7 @@ from .errors import (
 from .probe import Probe
 from .protocols import Detection, LoadedModel, Loader, LoadOptions
 from .registry import PluginInfo, Registry, load_spec_object
-from .tools.report import Report  # torch-free: imported so that typing.get_type_hints resolves the public API
+from .report import Report  # torch-free: imported so that typing.get_type_hints resolves the public API
 
 if TYPE_CHECKING:
     import torch
@@ -108,9 +108,9 @@ def load(
     - ``registry``: an isolated :class:`Registry` instead of the process-wide one.
     - ``allow_symlinks``: follow links that leave the checkpoint directory when they end at a regular file
       (default: ``ANYQUANT_ALLOW_SYMLINKS=1`` in the environment, else such a link is an ``UnsafePathError``).
-    - ``check``: after the load, run :func:`anyquant.tools.check.check` (the perplexity of a short bundled text and a
+    - ``check``: after the load, run :func:`anyquant_tools.check.check` (the perplexity of a short bundled text and a
       greedy answer; a few seconds on a small model): a model that does not behave like a language model raises
-      :class:`~anyquant.tools.check.ModelCheckError`; otherwise ``LoadedModel.info["check"]`` holds the report.
+      :class:`~anyquant_tools.check.ModelCheckError`; otherwise ``LoadedModel.info["check"]`` holds the report.
     - ``**extra``: the format's load options (``anyquant backends`` lists them); an unknown one is a
       :class:`~anyquant.errors.ParameterError`.
     """
@@ -174,15 +174,26 @@ def load(
     return loaded
 
 
-def _check_loaded(loaded: LoadedModel) -> None:
-    from .tools.check import ModelCheckError
-    from .tools.check import check as run_check
+#: ``load(check=True)``'s check: anyquant-tools' (reached by name, as a FormatSpec's loader is: core imports no tool)
+CHECK_MODULE = "anyquant_tools.check"
 
-    report = run_check(loaded)
+
+def _check_loaded(loaded: LoadedModel) -> None:
+    import importlib
+
+    try:
+        tool = importlib.import_module(CHECK_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != "anyquant_tools":
+            raise
+        raise MissingDependencyError(
+            "load(check=True) runs anyquant-tools' check: pip install anyquant-tools"
+        ) from None
+    report = tool.check(loaded)
     loaded.info = {**loaded.info, "check": report.to_dict()}
     if report.verdict == "broken":
         loaded.close()
-        raise ModelCheckError(report.summary(), report)
+        raise tool.ModelCheckError(report.summary(), report)
     if report.verdict == "degraded":
         log.warning("%s", report.summary())
 
@@ -258,7 +269,7 @@ def inspect(
 
 def report_of(probe: Probe, registry: Registry | None = None) -> Report:
     """:func:`inspect`'s report of a checkpoint already opened."""
-    from .tools.report import build_report
+    from .report import build_report
 
     reg = registry or default_registry()
     detection = reg.detect(probe)

@@ -1,4 +1,5 @@
-"""Core's built-in plugin: the ``dense`` format, and formats anyquant recognises but loads nowhere.
+"""Core's built-in plugin: the ``dense`` format (detected here; its loader is anyquant-runtime's, named by its
+FormatSpec and imported only when a dense checkpoint loads), and formats anyquant recognises but loads nowhere.
 
 Recognising HQQ checkpoints here means they get a clear
 "recognised, not loadable" error instead of a dense load (transformers' random-weights failure).
@@ -10,7 +11,7 @@ from collections.abc import Callable
 
 from .hookspecs import hookimpl
 from .probe import Probe
-from .protocols import BackendSpec, Claim, FormatSpec
+from .protocols import Claim, FormatSpec
 
 #: tensor name suffixes that mark some quantization scheme (never seen in a dense checkpoint).
 QUANT_SUFFIXES = frozenset(
@@ -56,26 +57,14 @@ def anyquant_register_formats(register: Callable[[FormatSpec], None]) -> None:
     register(
         FormatSpec(
             name="dense",
-            loader="anyquant.dense:DenseLoader",
+            loader="anyquant_runtime.dense:DenseLoader",  # imported when a dense checkpoint loads (anyquant-runtime)
             requires=("torch>=2.4", "transformers>=4.56"),
             description="unquantized fp32/fp16/bf16 safetensors",
+            install_hint="the dense format's loader is anyquant-runtime's: pip install anyquant-runtime",
         )
     )
     for name, (description, hint) in UNLOADABLE.items():
         register(FormatSpec(name=name, loader=None, description=description, install_hint=hint))
-
-
-@hookimpl
-def anyquant_register_backends(register: Callable[[BackendSpec], None]) -> None:
-    register(
-        BackendSpec(
-            name="gptqmodel",
-            description="GPTQModel's CUDA kernels (GPTQ; AWQ's GEMM layout)",
-            devices=("cuda",),
-            layouts=("int4-groups",),
-            status="anyquant.int4.loader:gptqmodel_status",
-        )
-    )
 
 
 @hookimpl

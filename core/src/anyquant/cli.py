@@ -55,7 +55,12 @@ class _Commands:
 
 
 #: first-party commands that are their own distribution's (registered by its plugin when installed): what to install
-ELSEWHERE = {"serve": "anyquant-serve"}
+ELSEWHERE = {
+    **dict.fromkeys(
+        ("quantize", "export", "eval", "compare", "check", "estimate", "advise", "calibration"), "anyquant-tools"
+    ),
+    "serve": "anyquant-serve",
+}
 
 _ALLOW_SYMLINKS_HELP = (
     "follow links that leave the model directory when they end at a regular file "
@@ -63,15 +68,24 @@ _ALLOW_SYMLINKS_HELP = (
 )
 
 
+def _elsewhere_epilog() -> str:
+    """The first-party commands of other distributions, and whether each distribution is installed (looked up, not
+    imported: ``--help`` imports no plugin)."""
+    import importlib.util
+
+    parts = []
+    for dist in dict.fromkeys(ELSEWHERE.values()):
+        names = ", ".join(c for c, d in ELSEWHERE.items() if d == dist)
+        installed = importlib.util.find_spec(dist.replace("-", "_")) is not None
+        parts.append(f"{names} ({dist}, " + ("installed" if installed else f"not installed: pip install {dist}") + ")")
+    return "More commands: " + "; ".join(parts) + ". `anyquant COMMAND --help` shows a command's options."
+
+
 def _build(command: str | None, configure_all: bool) -> tuple[argparse.ArgumentParser, _Commands]:
     parser = argparse.ArgumentParser(
         prog="anyquant",
         description="Load any quantized LLM checkpoint.",
-        epilog="Installed plugins add commands: "
-        + ", ".join(f"`anyquant {c}` is {d}'s" for c, d in ELSEWHERE.items())
-        + " (pip install "
-        + " ".join(ELSEWHERE.values())
-        + ").",
+        epilog=_elsewhere_epilog(),
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
     parser.add_argument("--version", action="version", version=f"anyquant {__version__}", help="print the version")
@@ -98,7 +112,16 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
 
 
 #: the loggers -v/-vv open up: core's and the first-party plugins' (each package logs under its own name)
-LOGGERS = ("anyquant", "anyquant_gptq", "anyquant_awq", "anyquant_exl3", "anyquant_gguf", "anyquant_serve")
+LOGGERS = (
+    "anyquant",
+    "anyquant_runtime",
+    "anyquant_tools",
+    "anyquant_gptq",
+    "anyquant_awq",
+    "anyquant_exl3",
+    "anyquant_gguf",
+    "anyquant_serve",
+)
 
 
 @contextmanager
@@ -151,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.allow_symlinks:  # the CLI process's own setting: every probe (and worker) it starts follows it
             os.environ["ANYQUANT_ALLOW_SYMLINKS"] = "1"
-        from .runtime.quiet import quiet_dependencies
+        from .quiet import quiet_dependencies
 
         with _console_logging(args.verbose), quiet_dependencies():  # no dependency's import-time notices
             return int(args.func(args))

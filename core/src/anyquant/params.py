@@ -1,6 +1,6 @@
 """What generation takes: :class:`GenerationParams` (checked when made), the keywords of ``generate`` and its kin
 (:class:`GenerationKwargs`) and the :data:`Prompt` type. Torch-free; :mod:`anyquant.protocols` re-exports them
-(the generators in :mod:`anyquant.runtime` import them from here, which keeps ``protocols`` free to use them)."""
+(the generators in :mod:`anyquant_runtime` import them from here, which keeps ``protocols`` free to use them)."""
 
 from __future__ import annotations
 

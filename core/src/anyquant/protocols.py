@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from .errors import ModelClosedError, ParameterError
+from .errors import ModelClosedError, ParameterError, UnsupportedBackendError
 from .params import GenerationKwargs, GenerationParams, Prompt, _is_int
 from .probe import Probe  # torch-free: imported so that typing.get_type_hints resolves the protocols
 from .results import GenerationResult, StreamChunk, collect
@@ -165,7 +165,7 @@ class BackendInfo:
     devices: tuple[str, ...] = ()
 
 
-#: the packed layouts a backend may say it runs (:class:`BackendSpec`; :mod:`anyquant.runtime.layouts` describes
+#: the packed layouts a backend may say it runs (:class:`BackendSpec`; :mod:`anyquant_runtime.layouts` describes
 #: each): 4-bit groups with zero points (GPTQ, AWQ, compressed-tensors int4), 4-bit affine blocks (MLX), 8-bit
 #: blocks, a 4-bit code table (NF4/FP4, MXFP4/NVFP4), FP8 E4M3 groups, GGUF's blocks, EXL3's trellis, and any
 #: weight decoded to bfloat16
@@ -190,7 +190,7 @@ class BackendSpec:
     reference (``"package.module:function"``) to a function returning ``(available, reason)`` on this machine,
     imported only when asked (``anyquant backends``); ``requires``: its distributions, as a format's; ``engine``: the
     module that converts a format's layers for it, imported when a load uses it (``cpu-fast``'s: what
-    :mod:`anyquant.runtime.cpu` reaches)."""
+    :mod:`anyquant_runtime.cpu` reaches)."""
 
     name: str
     description: str = ""
@@ -309,6 +309,9 @@ class LoadedModel:
     closed: bool = field(default=False, init=False)
     #: held by the async methods while they run the model in their worker thread (one at a time per model)
     lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    #: makes the generator :meth:`complete`, :meth:`loglikelihood` ... use where ``generator`` lacks them (the runtime's
+    #: ``TorchGenerator`` over this model, which anyquant-runtime's loaders pass); called once, on first need
+    fallback: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
     _fallback: Any = field(default=None, init=False, repr=False, compare=False)
 
     @staticmethod
@@ -460,15 +463,18 @@ class LoadedModel:
 
     def _result_generator(self) -> Any:
         """The generator, when it has ``complete_stream``, ``loglikelihood`` and ``loglikelihood_rolling``
-        (core's does); else core's ``TorchGenerator`` over this model's module and tokenizer (a plugin's generator
-        need not implement them)."""
+        (the runtime's does); else what ``fallback`` makes (a plugin's generator need not implement them)."""
         generator = self._open_generator()
         if all(callable(getattr(generator, name, None)) for name in _RESULT_METHODS):
             return generator
         if self._fallback is None:
-            from .runtime.generate import TorchGenerator
-
-            self._fallback = TorchGenerator(self.module, self.tokenizer, device=self.device)
+            if self.fallback is None:
+                missing = [name for name in _RESULT_METHODS if not callable(getattr(generator, name, None))]
+                raise UnsupportedBackendError(
+                    f"{type(generator).__name__} (backend {self.backend!r}) has no {', '.join(missing)}, and the "
+                    "loaded model names no fallback generator"
+                )
+            self._fallback = self.fallback()
         return self._fallback
 
     def _open_generator(self) -> Generator:
@@ -483,7 +489,6 @@ class LoadedModel:
         if self.closed:
             return
         from ._memory import release_free_heap
-        from .runtime.tensors import FileRows
 
         module = self.module
         stop = getattr(self.generator, "close", None)
@@ -494,7 +499,7 @@ class LoadedModel:
             unload()
         for sub in module.modules() if hasattr(module, "modules") else ():
             for value in vars(sub).values():
-                if isinstance(value, FileRows):
+                if getattr(type(value), "closes_with_model", False) is True:  # the runtime's FileRows
                     value.close()
         if self._fallback is not None:
             self._fallback.close()

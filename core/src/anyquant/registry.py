@@ -627,6 +627,7 @@ def _raise_verdict(verdicts: list[tuple[str, AnyquantError]], owner: str | None)
 #: the plugins anyquant itself ships (entry-point name = distribution name): the formats', and the server's
 #: (registered before any third party's, so ``anyquant serve`` is anyquant-serve's)
 FIRST_PARTY_PLUGINS = (
+    "anyquant-runtime",
     "anyquant-gptq",
     "anyquant-awq",
     "anyquant-exl3",
@@ -638,6 +639,7 @@ FIRST_PARTY_PLUGINS = (
     "anyquant-mxfp4",
     "anyquant-serve",
     "anyquant-cpu",
+    "anyquant-tools",
 )
 
 

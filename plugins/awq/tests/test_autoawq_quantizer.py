@@ -22,10 +22,10 @@ import anyquant
 from anyquant.errors import QuantizeError
 from anyquant.protocols import QuantizeSpec
 from anyquant.testing.tiny import make_tiny_dense
-from anyquant.tools.calibration import CalibrationError
-from anyquant.tools.quantize import WorkerError
 from anyquant_awq.native import pseudo_quantize
 from anyquant_awq.quantize import AWQQuantizer
+from anyquant_tools.calibration import CalibrationError
+from anyquant_tools.quantize import WorkerError
 
 # byte-level tiny tokenizer: ~160 tokens per text, 16 texts -> 9 blocks of 256 tokens
 TEXTS = [f"Sample {i}: the quick brown fox jumps over the lazy dog while the cat watches. " * 2 for i in range(16)]
@@ -122,7 +122,7 @@ def no_worker(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """run_worker recorded, not run."""
     jobs: list[dict[str, Any]] = []
     monkeypatch.setattr(
-        "anyquant.tools.quantize.run_worker", lambda module, job, **kw: jobs.append({**job, "module": module})
+        "anyquant_tools.quantize.run_worker", lambda module, job, **kw: jobs.append({**job, "module": module})
     )
     return jobs
 

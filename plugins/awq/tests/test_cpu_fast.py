@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file
 
 import anyquant
-from anyquant.runtime.packing import pack_cols
 from anyquant_awq.dequant import awq_gemv_zeros_width, pack_awq_gemm_cols
 from anyquant_awq.loader import AWQLoader
 from anyquant_awq.qlinear import AWQLinear
@@ -18,6 +17,7 @@ from anyquant_cpu import kernels
 from anyquant_cpu import step as step_module
 from anyquant_cpu.engine import FastInt4Linear, fast_cpu_capable
 from anyquant_cpu.kernels.linear import GroupInt4BlockLinear
+from anyquant_runtime.packing import pack_cols
 from tests.decoding import rel_error, stepwise_logits
 from tests.peers.catalog import GPTQMODEL_AWQ_VARIANTS, gptqmodel_awq_quantized_dir
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from anyquant.runtime.packing import pack_cols
 from anyquant_awq.dequant import (
     AWQ_PACK_ORDER,
     AWQ_UNPACK_ORDER,
@@ -26,6 +25,7 @@ from anyquant_awq.dequant import (
     pack_awq_gemm_cols,
     unpack_awq_gemm_cols,
 )
+from anyquant_runtime.packing import pack_cols
 from tests.peers.catalog import GPTQMODEL_AWQ_VARIANTS, gptqmodel_awq_quantized_dir
 from tests.peers.fixtures import peer_fixture_or_skip
 

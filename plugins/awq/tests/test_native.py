@@ -166,9 +166,9 @@ def test_gptqmodel_reads_it_bit_exactly(native: Path) -> None:
 
 
 def test_zero_point_defaults_to_autoawqs() -> None:
-    from anyquant.int4.gptqmodel_quantizer import GPTQModelQuantizer as GPTQQuantizer  # method "gptq"
     from anyquant.protocols import QuantizeSpec
     from anyquant_awq.quantize import AWQQuantizer
+    from anyquant_tools.gptqmodel_quantizer import GPTQModelQuantizer as GPTQQuantizer  # method "gptq"
 
     zero_point = AWQQuantizer.zero_point
     assert zero_point(QuantizeSpec("awq")) is True  # AutoAWQ's default

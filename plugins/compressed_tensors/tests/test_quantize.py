@@ -116,7 +116,7 @@ def test_methods_resolve_to_the_quantizer_that_writes_them(
     method: str, options: dict[str, str], want: tuple[str, dict[str, str]]
 ) -> None:
     from anyquant.api import default_registry
-    from anyquant.tools.quantize import resolve_method
+    from anyquant_tools.quantize import resolve_method
 
     fmt, got = resolve_method(default_registry(), method, options)
     assert fmt == want[0] and got == {**want[1], **options}

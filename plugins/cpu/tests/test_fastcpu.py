@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from anyquant.errors import ParameterError
-from anyquant.runtime.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 from anyquant_cpu import engine as fastcpu
 from anyquant_cpu.engine import (
     FastCPUPlan,
@@ -21,6 +20,7 @@ from anyquant_cpu.engine import (
     pack_int4_blocked,
     unsupported_reason,
 )
+from anyquant_runtime.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
 
 needs_kernel = pytest.mark.skipif(not int4pack_status().available, reason=int4pack_status().reason)
 
@@ -204,7 +204,7 @@ def test_plan_options() -> None:
 
 def test_plan_reads_only_the_declared_options() -> None:
     """``CPU_FAST_OPTIONS`` (what load() accepts for cpu-fast) names exactly what the plan reads."""
-    from anyquant.loaders import CPU_FAST_OPTIONS
+    from anyquant_runtime.loaders import CPU_FAST_OPTIONS
 
     class Recorder(dict):  # type: ignore[type-arg]
         def get(self, key, default=None):  # type: ignore[no-untyped-def, override]
@@ -353,9 +353,9 @@ def _build_tiny(tmp_path: Any, *, keep: bool, tied: bool, tables: dict[str, Any]
     import json
 
     from anyquant.probe import Probe
-    from anyquant.runtime.build import build_model
-    from anyquant.runtime.tensors import SafetensorsSource
     from anyquant.testing.tiny import make_tiny_dense
+    from anyquant_runtime.build import build_model
+    from anyquant_runtime.tensors import SafetensorsSource
 
     path = make_tiny_dense(tmp_path / "tiny", dtype="float16", tie_word_embeddings=tied)
     probe = Probe.open(path)
@@ -420,7 +420,7 @@ def test_plan_finish_takes_over_or_restores_a_kept_embedding(tmp_path: Any, conv
 def test_file_tables_head_and_embedding_read_from_the_file(tmp_path: Any, tied: bool, kind: str) -> None:
     """The build leaves the embedding (and an untied head) in the file; the fast head and the embedding read
     them from there: the same logits, bit for bit, as with the tables in memory, and no table in memory."""
-    from anyquant.runtime.tensors import FileRows
+    from anyquant_runtime.tensors import FileRows
 
     tables: dict[str, Any] = {}
     model = _build_tiny(tmp_path, keep=True, tied=tied, tables=tables)
@@ -481,7 +481,7 @@ def test_file_rows(tmp_path: Any) -> None:
 
     from anyquant.errors import CheckpointError
     from anyquant.probe import Probe
-    from anyquant.runtime.tensors import SafetensorsSource
+    from anyquant_runtime.tensors import SafetensorsSource
 
     path = tmp_path / "t.safetensors"
     table = torch.randn(37, 24).to(torch.bfloat16)

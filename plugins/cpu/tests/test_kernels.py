@@ -435,7 +435,7 @@ def test_rms_norm_module_takes_the_kernel_up_to_its_rows() -> None:
     torch's exact ``rms_norm`` (transformers' arithmetic) above; 0 (the exact backends): always torch's."""
     import torch.nn.functional as F
 
-    from anyquant.runtime.layers import RMSNorm
+    from anyquant_runtime.layers import RMSNorm
 
     norm = RMSNorm(96, 1e-5)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Packed layouts (anyquant.runtime.layouts): a format's linear describes its weight, the CPU engine
+"""Packed layouts (anyquant_runtime.layouts): a format's linear describes its weight, the CPU engine
 (``FastCPUPlan.convert``) checks and builds the fast module; formats hold no engine code.
 
 The toy linears here belong to no format: a ``QuantLinearBase`` with a ``dequantize()`` and ``packed_layouts()``
@@ -18,8 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anyquant.runtime.layouts import Affine4Blocks, Decoded, E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
-from anyquant.runtime.qlinear import QuantLinearBase
 from anyquant_cpu import engine, kernels
 from anyquant_cpu.engine import (
     FastCPUPlan,
@@ -34,6 +32,8 @@ from anyquant_cpu.engine import (
     layouts_run,
 )
 from anyquant_cpu.kernels import lut
+from anyquant_runtime.layouts import Affine4Blocks, Decoded, E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
+from anyquant_runtime.qlinear import QuantLinearBase
 
 ROOT = Path(__file__).resolve().parents[3]
 #: the formats whose linears describe packed layouts (their src holds no CPU-engine code)
@@ -445,8 +445,8 @@ def test_gguf_blocks_run_as_stored_else_repacked_with_q_k_rows_in_the_models_ord
     """``GGUFBlocks``: the GGUF-block kernel on the stored blocks (interleaved or in place), else (``as_stored=False``)
     Q4_0 repacked for torch's int4 kernel; permuted Q/K rows (``qk_heads``) come back in the model's order on every
     path (the interleaving copy's heads of 16s rows, else un-permuted first); other types have no int4 path."""
-    from anyquant.runtime.layouts import GGUFBlocks
     from anyquant_cpu.engine import GGUFBlockLinear, GGUFInt4Linear
+    from anyquant_runtime.layouts import GGUFBlocks
 
     rows, cols, heads = 128, 64, 4
     blocks, weight = _q4_0(rows, cols, 9)
@@ -512,7 +512,7 @@ def test_the_formats_loaders_hold_no_kernel_knowledge() -> None:
 
 
 def test_importing_the_layouts_imports_no_torch() -> None:
-    code = "import sys, anyquant.runtime.layouts\nassert 'torch' not in sys.modules\n"
+    code = "import sys, anyquant_runtime.layouts\nassert 'torch' not in sys.modules\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
@@ -531,7 +531,7 @@ def test_every_layout_is_named_among_the_kinds_backends_register() -> None:
     import anyquant_cpu.plugin
     from anyquant import Registry
     from anyquant.protocols import LAYOUT_KINDS
-    from anyquant.runtime import layouts
+    from anyquant_runtime import layouts
 
     kinds = {
         cls.kind

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import anyquant
-from anyquant.runtime.native import LongRope, NativeCausalLM, longrope_inv_freq
 from anyquant.testing.tiny import make_tiny_dense
+from anyquant_runtime.native import LongRope, NativeCausalLM, longrope_inv_freq
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def _both_paths(
 ) -> tuple[torch.Tensor, Any, int]:
     """The decode steps' logits on the compiled step (built afresh) and, checked bitwise equal, on the module path;
     the step; and how many layers ran through their modules on the first (the prompt's included)."""
-    from anyquant.runtime import native
+    from anyquant_runtime import native
 
     calls, forward = [0], native.DecoderLayer.forward
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import anyquant
-from anyquant.runtime.cpu import MISSING
+from anyquant_runtime.cpu import MISSING
 
 pytestmark = [pytest.mark.model]
 

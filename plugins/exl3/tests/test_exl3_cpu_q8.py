@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 import anyquant
-from anyquant.runtime.layouts import Decoded, Int8Blocks, tensor
-from anyquant.runtime.native import NativeCache
 from anyquant_cpu.engine import Int8BlockLinear, PrepackedBf16Linear, bf16_head_status, block_kernel_is_fast
 from anyquant_cpu.kernels.linear import q8_0_blocks
 from anyquant_exl3.qlinear import EXL3Linear, decoded_layouts
+from anyquant_runtime.layouts import Decoded, Int8Blocks, tensor
+from anyquant_runtime.native import NativeCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _exl3_testlib import exl2_from_dense

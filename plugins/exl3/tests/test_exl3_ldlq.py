@@ -148,7 +148,7 @@ def test_capture_hessians_matches_the_inputs(tmp_path: Path) -> None:
 def test_quantize_with_ldlq_lowers_every_linears_output_error(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from anyquant.tools.quantize import calibration_batch
+    from anyquant_tools.quantize import calibration_batch
 
     dense = make_tiny_dense(tmp_path / "tiny", num_hidden_layers=1)
     texts = [

@@ -227,7 +227,7 @@ def test_moe_experts_exl3(tmp_path: Path) -> None:
     trellis, and the model computes what transformers computes on the decoded weights (export_dense)."""
     import transformers
 
-    from anyquant.runtime.experts import Experts
+    from anyquant_runtime.experts import Experts
 
     src = make_tiny_dense(
         tmp_path / "dense",

@@ -18,7 +18,6 @@ import anyquant
 from anyquant.errors import QuantizeError
 from anyquant.protocols import QuantizeSpec
 from anyquant.testing.tiny import make_tiny_dense, make_tokenizer
-from anyquant.tools.quantize import WorkerError, run_worker
 from anyquant_exl3 import exllamav3_kernels
 from anyquant_exl3.exllamav3_convert import (
     MODULE,
@@ -29,6 +28,7 @@ from anyquant_exl3.exllamav3_convert import (
     write_calibration,
 )
 from anyquant_exl3.quantize import quantizer_backend
+from anyquant_tools.quantize import WorkerError, run_worker
 
 CUDA = torch.cuda.is_available()
 

@@ -106,7 +106,7 @@ def test_input_rows_are_quantized_as_fbgemm() -> None:
     """Each input row as fbgemm's ``quantize_fp8_per_row(x, scale_ub=activation_scale_ub)``: its max bounded by the
     upper bound (1.0 in the Qwen3 fixture: larger rows saturate at +-448), ``x / s`` (a division), e4m3; not vLLM's
     per-token rule (core's ``quantize_fp8_activations``: no bound, ``x * (1 / s)``)."""
-    from anyquant.runtime.activations import quantize_fp8_activations
+    from anyquant_runtime.activations import quantize_fp8_activations
 
     model = sdk.load(FIXTURES / "qwen3_fbgemm_fp8", backend="reference")
     layer = model.module.get_submodule("model.layers.0.mlp.gate_proj")

@@ -30,7 +30,7 @@ import torch
 
 import anyquant as sdk
 from anyquant.errors import CheckpointError, ConfigError, FormatConflictError, UnsupportedFormatError
-from anyquant.runtime.activations import quantize_nvfp4_activations
+from anyquant_runtime.activations import quantize_nvfp4_activations
 from plugins.fp8.tests.test_modelopt_fixtures import (
     FIXTURES,
     _copy,

@@ -27,7 +27,6 @@ import torch
 from gguf import GGMLQuantizationType
 
 import anyquant
-from anyquant.runtime.tokenizer import LazyTokenizer, encode_text
 from anyquant_gguf.qlinear import GGUFEmbedding, GGUFLinear
 from anyquant_gguf.reader import (
     SUPPORTED_ARCHITECTURES,
@@ -40,6 +39,7 @@ from anyquant_gguf.reader import (
     norm_offset,
     open_gguf,
 )
+from anyquant_runtime.tokenizer import LazyTokenizer, encode_text
 from tests.decoding import logits_after_prompt
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -254,7 +254,7 @@ def test_packed_equals_dequantized(family: str) -> None:
     assert {m.qtype.name for m in linears} >= {"Q4_K", "Q6_K"}
     assert isinstance(packed.module.get_input_embeddings(), GGUFEmbedding)
     if family in MOE:  # transformers' fused experts replaced by one packed linear per expert (core's Experts)
-        from anyquant.runtime.experts import Experts
+        from anyquant_runtime.experts import Experts
 
         moe = [m for m in packed.module.modules() if isinstance(m, Experts)]
         assert len(moe) == 2 and all(isinstance(x.gate_proj, GGUFLinear) for m in moe for x in m)

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from anyquant.runtime.tokenizer import SPECIAL_TOKEN_NAMES, LazyTokenizer, encode_text, token_bytes
 from anyquant_gguf.reader import open_gguf, tokenizer_from_gguf
 from anyquant_gguf.tokenizer import PRE_TOKENIZER_SPLITS, byte_alphabet, tokenizer_from_reader
+from anyquant_runtime.tokenizer import SPECIAL_TOKEN_NAMES, LazyTokenizer, encode_text, token_bytes
 
 TEXTS = [
     "Hello, GGUF world!",

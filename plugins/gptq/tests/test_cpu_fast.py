@@ -209,8 +209,8 @@ def test_close_releases_the_files_and_the_model(root: Path) -> None:
     import gc
     import weakref
 
-    from anyquant.runtime.tensors import FileRows
     from anyquant_cpu.engine import bf16_head_status
+    from anyquant_runtime.tensors import FileRows
 
     path = root / "quantized" / FOUR_BIT[0]
     gc.collect()

@@ -23,13 +23,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from anyquant.runtime.packing import pack_cols, pack_rows
 from anyquant_gptq.dequant import (
     dequantize_gptq,
     gptq_zero_format_shown,
     gptq_zero_label_check,
     gptq_zero_points,
 )
+from anyquant_runtime.packing import pack_cols, pack_rows
 from tests.peers.catalog import GPTQ_BF16_VARIANT, GPTQ_QUANT_VARIANTS, gptq_case_name, gptqmodel_gptq_quantized_dir
 from tests.peers.fixtures import peer_fixture_or_skip
 

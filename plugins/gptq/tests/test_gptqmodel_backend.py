@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 import anyquant
-from anyquant.int4.gptqmodel_kernels import GPTQModelLinear, KernelPlan
-from anyquant.int4.loader import Int4State
-from anyquant.runtime.packing import pack_cols
 from anyquant.testing.fixtures import gptq_v1
 from anyquant_gptq.dequant import gptq_kernel_tensors
 from anyquant_gptq.loader import GPTQLoader
+from anyquant_runtime.int4.gptqmodel_kernels import GPTQModelLinear, KernelPlan
+from anyquant_runtime.int4.loader import Int4State
+from anyquant_runtime.packing import pack_cols
 
 WORKER = Path(__file__).resolve().parent / "gptqmodel_backend_worker.py"
 #: fp16 logits of two paths whose GEMMs sum in different orders (measured: 5e-4 to 8e-4)
@@ -79,7 +79,7 @@ def test_kernel_option_is_checked_before_gptqmodel_is_imported(tmp_path: Path, k
 HOST_SIDE_EFFECTS = """
 import json, logging, os, sys
 import torch
-from anyquant.int4.gptqmodel_kernels import KernelPlan
+from anyquant_runtime.int4.gptqmodel_kernels import KernelPlan
 env = dict(os.environ)
 root = logging.getLogger()
 handlers, level = root.handlers[:], root.level
@@ -108,9 +108,9 @@ def test_gptqmodel_import_leaves_the_host_as_it_was() -> None:
 
 def test_declared_options_are_the_ones_read() -> None:
     """load() accepts exactly the option names the gptqmodel backend reads (GPTQ and AWQ)."""
-    from anyquant.int4 import GPTQMODEL_OPTIONS
-    from anyquant.int4 import gptqmodel_kernels as gk
     from anyquant_awq.loader import AWQLoader
+    from anyquant_runtime.int4 import GPTQMODEL_OPTIONS
+    from anyquant_runtime.int4 import gptqmodel_kernels as gk
 
     assert set(GPTQMODEL_OPTIONS) == {gk.KERNEL_OPTION, gk.COMPILE_OPTION, gk.CPU_TEST_OPTION}
     assert set(GPTQMODEL_OPTIONS) <= set(GPTQLoader.load_options) and AWQLoader.load_options == GPTQLoader.load_options
@@ -312,9 +312,9 @@ def test_gptqmodel_torch_kernels_match_the_reference() -> None:
 @pytest.fixture
 def gpu_visible(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend GPTQModel and a CUDA GPU are there (nothing is loaded in these tests)."""
-    from anyquant.int4 import gptqmodel_kernels
-    from anyquant.int4 import loader as int4_loader
     from anyquant.protocols import BackendInfo
+    from anyquant_runtime.int4 import gptqmodel_kernels
+    from anyquant_runtime.int4 import loader as int4_loader
 
     info = BackendInfo("gptqmodel", True, devices=("cuda",))  # as the real one: CUDA only
     monkeypatch.setattr(int4_loader, "gptqmodel_backend", lambda: info)  # GPTQ's and AWQ's (their base's)

@@ -105,8 +105,8 @@ def test_quantized_source_is_refused(quantized: Path, tmp_path: Path) -> None:
 
 
 def test_worker_failure_leaves_nothing(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from anyquant.tools._staging import _host_tag
     from anyquant_gptq.quantize import GPTQQuantizer
+    from anyquant_tools._staging import _host_tag
 
     job = GPTQQuantizer.job  # a dtype the worker cannot use, past validate (which refuses it now)
     monkeypatch.setattr(GPTQQuantizer, "job", lambda self, *a: {**job(self, *a), "dtype": "no_such_dtype"})
@@ -147,9 +147,9 @@ def test_quality_gate_rejects_a_broken_result(src: Path, tmp_path: Path, monkeyp
 def test_calibration_texts_are_cut_to_seq_len_tokens(tmp_path: Path) -> None:
     """Samples are drawn by characters and GPTQModel trims only to the context: a 512-token request gave
     2,047 tokens per text with a byte-level tokenizer."""
-    from anyquant.int4.gptqmodel_quantizer import _cut_to_tokens
-    from anyquant.runtime.tokenizer import load_tokenizer
     from anyquant.testing.tiny import make_tiny_dense
+    from anyquant_runtime.tokenizer import load_tokenizer
+    from anyquant_tools.gptqmodel_quantizer import _cut_to_tokens
 
     src = make_tiny_dense(tmp_path / "m")
     tok = load_tokenizer(anyquant.Probe.open(src))

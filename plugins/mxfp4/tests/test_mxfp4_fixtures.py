@@ -18,7 +18,7 @@ import torch
 import anyquant as sdk
 from anyquant.errors import CheckpointError, ConfigError, FormatConflictError, NumericalError, UnsupportedFormatError
 from anyquant.plugin import Probe
-from anyquant.runtime.tensors import SafetensorsSource
+from anyquant_runtime.tensors import SafetensorsSource
 from tests.peers.recorded import forward_logits, greedy_tokens, rel_error, sha256_f32
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -475,7 +475,7 @@ def test_echo(client: Any, local: Any) -> None:
 def test_logprob_bytes_of_a_partial_character(client: Any, local: Any) -> None:
     """A token holding part of a UTF-8 character: its ``bytes`` are exact and its ``token`` is OpenAI's
     ``bytes:\\x..`` spelling (its text alone would be U+FFFD)."""
-    from anyquant.runtime.tokenizer import token_bytes
+    from anyquant_runtime.tokenizer import token_bytes
 
     tok = local.tokenizer
     ids = tok("🙂", add_special_tokens=False)["input_ids"]

@@ -15,8 +15,8 @@ import pytest
 from anyquant import detect
 from anyquant.errors import AnyquantError, MissingDependencyError
 from anyquant.testing.fixtures import FIXTURES
-from anyquant.tools.engines import VLLM_FLAGS, VLLM_VERSION, EngineError
 from anyquant_serve.detected import vllm_command
+from anyquant_tools.engines import VLLM_FLAGS, VLLM_VERSION, EngineError
 
 #: the flags of ``vllm serve`` in vLLM 0.11.0's documentation (docs/cli/serve.md, "vllm serve --help=all"), as
 #: written out by hand here: vLLM does not install without CUDA, so its parser cannot be asked on this machine
@@ -212,7 +212,7 @@ def test_missing_http_stack_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_import_stays_light() -> None:
     code = (
-        "import sys, anyquant, anyquant_serve, anyquant.tools.engines, anyquant_serve.plugin\n"
+        "import sys, anyquant, anyquant_serve, anyquant_tools.engines, anyquant_serve.plugin\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('starlette', 'uvicorn', 'sse_starlette', 'torch')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -280,7 +280,7 @@ def _check_runs(command: str, model: Path, made: set[str], parser: Any) -> None:
 
 def test_advise_prints_only_commands_that_run(tmp_path: Path) -> None:
     from anyquant.cli import build_parser
-    from anyquant.tools.advise import advise
+    from anyquant_tools.advise import advise
 
     parser = build_parser()
     for label, model in _models(tmp_path).items():
@@ -295,8 +295,8 @@ def test_advise_prints_only_commands_that_run(tmp_path: Path) -> None:
 
 
 def test_advise_gpu_name_is_a_label_with_vram() -> None:
-    from anyquant.tools.advise import GPUS, advise, find_gpu
-    from anyquant.tools.estimate import SizingError
+    from anyquant_tools.advise import GPUS, advise, find_gpu
+    from anyquant_tools.estimate import SizingError
 
     for name in ("RTX A6000", "L40S", "RTX 4080", "MI300X", "NVIDIA RTX A6000", "AMD Instinct MI300X"):
         assert find_gpu(name).name in {g.name for g in GPUS}  # in the table: known without --vram

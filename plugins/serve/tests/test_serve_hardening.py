@@ -71,7 +71,7 @@ class FakeScheduler:
     running = waiting = 0
 
     def __init__(self) -> None:
-        import anyquant.runtime.generate  # noqa: F401  (torch: imported now, not during a timed request)
+        import anyquant_runtime.generate  # noqa: F401  (torch: imported now, not during a timed request)
 
         self.adapter = FakeAdapter()
         self.held: list[Request] = []
@@ -90,7 +90,7 @@ class FakeScheduler:
     def _run(self, work: Request) -> None:
         import torch
 
-        from anyquant.runtime.generate import row_generators, sample_next
+        from anyquant_runtime.generate import row_generators, sample_next
 
         params = work.params
         try:

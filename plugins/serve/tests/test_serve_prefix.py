@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from anyquant.runtime.native import NativeCache
+from anyquant_runtime.native import NativeCache
 from anyquant_serve.prefix import PrefixCache
 
 #: a system prompt of about 600 tokens: with a question, a prompt's last chunk of 128 (or of generate's 512) holds
@@ -109,7 +109,7 @@ def test_prefix_cache_budget_lru_and_off() -> None:
 
 def test_defaults_and_flags() -> None:
     from anyquant.errors import ParameterError
-    from anyquant.runtime.generate import PREFILL_CHUNK
+    from anyquant_runtime.generate import PREFILL_CHUNK
     from anyquant_serve.plugin import _run, build_parser_for_tests
     from anyquant_serve.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
 
@@ -264,7 +264,7 @@ def test_long_prompts_give_generates_logits_warm_or_cold(local: Any) -> None:
         rows: list[Any] = []
         tokens = [t for (t,) in gen._token_steps([ids], local.params(max_new_tokens=16), observe=rows.append)]
         want.append((tokens, torch.cat([r.float() for r in rows])))
-    from anyquant.runtime.generate import PREFILL_CHUNK
+    from anyquant_runtime.generate import PREFILL_CHUNK
 
     scheduler = _scheduler(local, prefill_chunk=PREFILL_CHUNK)
     try:

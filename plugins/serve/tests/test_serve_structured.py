@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from anyquant.runtime.grammar import MAX_FORMAT_BYTES, GrammarError, Grammars, OutputFormat
+from anyquant_runtime.grammar import MAX_FORMAT_BYTES, GrammarError, Grammars, OutputFormat
 from plugins.serve.tests.servers import serving
 
 NAME = "smol"
@@ -182,7 +182,7 @@ def test_compile_time_limit_and_cache() -> None:
 def test_anyquant_imports_without_xgrammar() -> None:
     """Nothing imports xgrammar until a constrained request arrives (it is optional)."""
     code = (
-        "import sys, anyquant, anyquant.runtime.grammar, anyquant_serve.app, anyquant_serve.schema\n"
+        "import sys, anyquant, anyquant_runtime.grammar, anyquant_serve.app, anyquant_serve.schema\n"
         "assert 'xgrammar' not in sys.modules, 'xgrammar imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -194,7 +194,7 @@ def test_without_xgrammar_a_400_names_the_extra(monkeypatch: pytest.MonkeyPatch)
     pytest.importorskip("sse_starlette")
     import importlib.util
 
-    import anyquant.runtime.grammar as grammar
+    import anyquant_runtime.grammar as grammar
 
     spec = importlib.util.spec_from_file_location("_hardening", Path(__file__).with_name("test_serve_hardening.py"))
     assert spec is not None and spec.loader is not None

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 import anyquant
-from anyquant.runtime.native import NativeCausalLM
 from anyquant.testing.tiny import make_tiny_dense
+from anyquant_runtime.native import NativeCausalLM
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 A plugin's test module subclasses :class:`PluginConformance` and sets a few attributes::
 
-    from anyquant.testing import PluginConformance
+    from . import PluginConformance
 
     class TestConformance(PluginConformance):
         entry_point = "anyquant-gptq"          # name in the ``anyquant`` entry-point group

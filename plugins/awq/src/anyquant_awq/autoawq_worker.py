@@ -1,6 +1,6 @@
 """Worker process: quantize a dense checkpoint with AutoAWQ 0.2.9's own quantizer and save AWQ GEMM.
 
-Run by :func:`anyquant.tools.quantize.run_worker` as ``python -m anyquant_awq.autoawq_worker job.json``
+Run by :func:`anyquant_tools.quantize.run_worker` as ``python -m anyquant_awq.autoawq_worker job.json``
 (``quantizer_backend="autoawq"``). It lives in its own process because ``import awq`` calls
 ``warnings.simplefilter`` globally, prints a deprecation notice and pulls in transformers model code.
 
@@ -47,7 +47,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from anyquant.plugin import TOKENIZER_FILES, emit_progress, emit_result, watch_parent
+from anyquant.plugin import TOKENIZER_FILES
+from anyquant_tools import emit_progress, emit_result, watch_parent
 
 #: the AutoAWQ this worker was written against (its last release).
 AUTOAWQ_VERSION = "0.2.9"

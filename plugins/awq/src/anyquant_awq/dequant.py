@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from anyquant.runtime.packing import pack_cols, unpack_cols
+from anyquant_runtime.packing import pack_cols, unpack_cols
 
 __all__ = [
     "AWQ_PACK_ORDER",

@@ -5,18 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from anyquant.int4.loader import QUANT_DTYPES, Int4Loader
 from anyquant.plugin import (
     CheckpointError,
     ConfigError,
     Detection,
-    LoadContext,
     ModuleInfo,
     Probe,
     UnsupportedBackendError,
     dense_rows,
-    require_dtypes,
 )
+from anyquant_runtime import LoadContext, require_dtypes
+from anyquant_runtime.int4.loader import QUANT_DTYPES, Int4Loader
 
 from .plugin import _layout
 

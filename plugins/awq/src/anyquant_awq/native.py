@@ -42,7 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from anyquant.plugin import TOKENIZER_FILES, QuantizeError, calibration_batch
+from anyquant.plugin import TOKENIZER_FILES, QuantizeError
+from anyquant_tools import calibration_batch
 
 from .dequant import pack_awq_gemm_cols
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from anyquant.runtime.layouts import Int4Groups, Layout
-from anyquant.runtime.packing import int4_codes_from_cols, unpack_cols
-from anyquant.runtime.qlinear import QuantLinearBase
+from anyquant_runtime.layouts import Int4Groups, Layout
+from anyquant_runtime.packing import int4_codes_from_cols, unpack_cols
+from anyquant_runtime.qlinear import QuantLinearBase
 
 from .dequant import AWQ_UNPACK_ORDER, dequantize_awq_gemm, dequantize_awq_gemv, unpack_awq_gemm_cols
 

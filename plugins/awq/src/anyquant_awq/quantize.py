@@ -23,8 +23,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from anyquant.int4.gptqmodel_quantizer import GPTQModelQuantizer
-from anyquant.plugin import ParameterError, Probe, QuantizeError, QuantizeFlag, QuantizeSpec, calibration_texts
+from anyquant.plugin import ParameterError, Probe, QuantizeError, QuantizeFlag, QuantizeSpec
+from anyquant_tools import GPTQModelQuantizer, calibration_texts
 
 __all__ = ["AUTOAWQ_REQUIREMENT", "QUANTIZER_BACKENDS", "AWQQuantizer", "autoawq_calibration", "autoawq_shape_errors"]
 
@@ -146,7 +146,7 @@ BACKEND_OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
         "autoawq": frozenset({"duo_scaling", "apply_clip"}),
     }
 )
-#: what ``quantizer_backend`` accepts (:func:`anyquant.tools.quantize.route_backend` checks it)
+#: what ``quantizer_backend`` accepts (:func:`anyquant_tools.quantize.route_backend` checks it)
 QUANTIZER_BACKENDS = ("auto", *BACKEND_OPTIONS)
 
 
@@ -186,7 +186,7 @@ class AWQQuantizer(GPTQModelQuantizer):
         """The quantizer that runs: ``quantizer_backend`` resolved (see the module docstring). An option that only
         some quantizers read (:data:`BACKEND_OPTIONS`) is never dropped: under ``"auto"`` it picks one that reads
         it (``n_grid`` on CUDA: anyquant's own), and naming a quantizer that does not is a QuantizeError."""
-        from anyquant.plugin import route_backend
+        from anyquant_tools import route_backend
 
         # "auto" never picks AutoAWQ (deprecated upstream); anyquant's own reads every option
         return route_backend(
@@ -301,7 +301,7 @@ class AWQQuantizer(GPTQModelQuantizer):
         self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None] | None = None
     ) -> Path:
         """AutoAWQ's own quantizer in ``anyquant_awq.autoawq_worker``; writes ``dst / "model"``."""
-        from anyquant.plugin import run_worker
+        from anyquant_tools import run_worker
 
         log.warning(
             "quantizer_backend='autoawq': AutoAWQ is deprecated upstream (0.2.9 is its last release, tested "

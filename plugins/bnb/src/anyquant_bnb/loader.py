@@ -9,16 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from anyquant.int4.loader import PackedFormatLoader
-from anyquant.plugin import (
-    CheckpointError,
-    Detection,
-    FormatConflictError,
-    LoadContext,
-    ModuleInfo,
-    Probe,
-    dense_rows,
-)
+from anyquant.plugin import CheckpointError, Detection, FormatConflictError, ModuleInfo, Probe, dense_rows
+from anyquant_runtime import LoadContext
+from anyquant_runtime.int4.loader import PackedFormatLoader
 
 from .scheme import BnbScheme, read_scheme
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from anyquant.plugin import CheckpointError
-from anyquant.runtime.layouts import Decoded, Layout, Table4
-from anyquant.runtime.qlinear import QuantLinearBase
+from anyquant_runtime.layouts import Decoded, Layout, Table4
+from anyquant_runtime.qlinear import QuantLinearBase
 
 __all__ = ["Bnb4bitLinear", "Bnb8bitLinear", "parse_quant_state"]
 

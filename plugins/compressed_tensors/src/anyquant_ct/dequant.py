@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from anyquant.runtime.activations import E2M1, round_fp4
+from anyquant_runtime.activations import E2M1, round_fp4
 
 from .scheme import QArgs
 

@@ -1,8 +1,8 @@
 """The compressed-tensors loader: validation, the per-linear factory, and the int4 backends of core's
-:class:`~anyquant.int4.loader.Int4Loader`. On ``cpu-fast`` 4-bit packed integers run on torch's int4 kernel (as GQ4
+:class:`~anyquant_runtime.int4.loader.Int4Loader`. On ``cpu-fast`` 4-bit packed integers run on torch's int4 kernel (as GQ4
 blocks on the compiled kernel where it is built), 8-bit integers as Q8_0 blocks, NVFP4/MXFP4 on the 4-bit table
 kernel (Lut4) and FP8 on ``fp8_gemv`` where the compiled kernel is built; every other layer exact. The loader
-describes each layer's packed layout from the headers and the engine decides (:mod:`anyquant.runtime.layouts`)."""
+describes each layer's packed layout from the headers and the engine decides (:mod:`anyquant_runtime.layouts`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from anyquant.int4.loader import Int4State, PackedFormatLoader
 from anyquant.plugin import (
     SAFETENSORS_DTYPE_BITS,
     CheckpointError,
     Detection,
-    LoadContext,
     LoadedModel,
     LoadOptions,
     ModuleInfo,
@@ -23,7 +21,9 @@ from anyquant.plugin import (
     UnsupportedFormatError,
     dense_rows,
 )
-from anyquant.runtime.layouts import E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
+from anyquant_runtime import LoadContext
+from anyquant_runtime.int4.loader import Int4State, PackedFormatLoader
+from anyquant_runtime.layouts import E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
 
 from .scheme import CTConfig, ModuleSpec, read_modules
 from .sparse import SparseSource, SparseSpec, read_sparse, sparse_view
@@ -115,14 +115,14 @@ class CTLoader(PackedFormatLoader):
         return SparseSource(source, sparse) if sparse else source
 
     def cpu_fast_available(self) -> tuple[bool, str]:
-        from anyquant.int4.loader import cpu_fast_backend
+        from anyquant_runtime.int4.loader import cpu_fast_backend
 
         info = cpu_fast_backend()
         return info.available, info.reason or ""
 
     def fast_layer_count(self, signature: list[ModuleSpec], probe: Probe) -> int:
         """Each layer described as its packed layout (:func:`_described`), counted by the CPU engine."""
-        from anyquant.runtime.cpu import layouts_run
+        from anyquant_runtime.cpu import layouts_run
 
         return layouts_run(_described(s, probe) for s in signature)
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import torch
 
-from anyquant.runtime.activations import QuantizedInputs
-from anyquant.runtime.layouts import E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
-from anyquant.runtime.qlinear import QuantLinearBase
+from anyquant_runtime.activations import QuantizedInputs
+from anyquant_runtime.layouts import E4M3Groups, Int4Groups, Int8Blocks, Layout, Table4
+from anyquant_runtime.qlinear import QuantLinearBase
 
 from .dequant import dequantize_fp4, dequantize_naive, dequantize_packed, quantize_input, unpack_int32
 from .scheme import QArgs

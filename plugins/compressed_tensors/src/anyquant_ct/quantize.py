@@ -19,7 +19,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from anyquant.plugin import Probe, QuantizeError, QuantizeFlag, QuantizeSpec, calibration_texts
+from anyquant.plugin import Probe, QuantizeError, QuantizeFlag, QuantizeSpec
+from anyquant_tools import calibration_texts
 
 __all__ = ["METHOD_ALIASES", "SCHEMES", "CTQuantizer"]
 
@@ -130,7 +131,7 @@ class CTQuantizer:
     def quantize(
         self, src: Path, dst: Path, spec: QuantizeSpec, progress: Callable[[str, float], None] | None = None
     ) -> Path:
-        from anyquant.plugin import run_worker
+        from anyquant_tools import run_worker
 
         opts = spec.options
         scheme = opts.get("scheme", "W4A16")

@@ -1,5 +1,5 @@
 """What core asks of the CPU engine: the module the ``cpu-fast`` backend names as its
-:attr:`~anyquant.protocols.BackendSpec.engine`, reached through :mod:`anyquant.runtime.cpu` (core never imports this
+:attr:`~anyquant.protocols.BackendSpec.engine`, reached through :mod:`anyquant_runtime.cpu` (core never imports this
 distribution). The engine's conversions (:mod:`anyquant_cpu.engine`) and the compiled decode step
 (:mod:`anyquant_cpu.step`) behind one list of names."""
 

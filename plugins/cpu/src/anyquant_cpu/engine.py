@@ -33,7 +33,7 @@ AVX512, 32 with AVX2, something else without SIMD); :func:`int4pack_status` find
 self-test once per process, and the fast path is unavailable when no known layout matches.
 
 The formats build none of this module's linears themselves: a format's linear describes its weight in the packed
-layouts of :mod:`anyquant.runtime.layouts`, and :meth:`FastCPUPlan.convert` (:func:`fast_cpu_module`) checks each
+layouts of :mod:`anyquant_runtime.layouts`, and :meth:`FastCPUPlan.convert` (:func:`fast_cpu_module`) checks each
 offered layout against what runs here and builds the first that runs (:func:`fast_linear`): ``Int4Groups`` ->
 :class:`FastInt4Linear`, ``Int8Blocks`` -> :class:`Int8BlockLinear` (Q8_0 blocks), ``Affine4Blocks`` ->
 :class:`Affine4BlockLinear` (Q4_1 blocks), ``Table4`` -> :class:`~anyquant_cpu.kernels.lut.Lut4Linear`,
@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from anyquant.plugin import ParameterError
-from anyquant.runtime.layouts import (
+from anyquant_runtime.layouts import (
     Affine4Blocks,
     Decoded,
     E4M3Groups,
@@ -66,9 +66,9 @@ from anyquant.runtime.layouts import (
     Layout,
     Table4,
 )
-from anyquant.runtime.layouts import tensor as layout_tensor
-from anyquant.runtime.packing import ggml_int4_scales_offsets, int4_codes_from_cols, int4_codes_from_rows
-from anyquant.runtime.tensors import FileRows, fill_file_tables
+from anyquant_runtime.layouts import tensor as layout_tensor
+from anyquant_runtime.packing import ggml_int4_scales_offsets, int4_codes_from_cols, int4_codes_from_rows
+from anyquant_runtime.tensors import FileRows, fill_file_tables
 
 from .kernels.linear import BlockLinear
 
@@ -614,7 +614,7 @@ def _where(table: torch.Tensor | RowTable) -> str:
 
 class CompactEmbedding(nn.Module):
     """An input embedding whose table is kept in a narrower dtype that holds it exactly, or left in the
-    checkpoint file (a :class:`~anyquant.runtime.tensors.FileRows`: only the looked-up rows are read);
+    checkpoint file (a :class:`~anyquant_runtime.tensors.FileRows`: only the looked-up rows are read);
     rows are looked up, then cast to the compute dtype (exact)."""
 
     def __init__(self, weight: torch.Tensor | FileRows, compute_dtype: torch.dtype = torch.float32) -> None:
@@ -667,7 +667,7 @@ class FastHead(nn.Module):
 
     The exact weight is kept in the narrowest dtype that holds it exactly (a float16 checkpoint's
     head or tied embedding: half of float32) and may be shared with a :class:`CompactEmbedding`, or
-    left outside memory (a :class:`RowTable`: a :class:`~anyquant.runtime.tensors.FileRows`, or a GGUF
+    left outside memory (a :class:`RowTable`: a :class:`~anyquant_runtime.tensors.FileRows`, or a GGUF
     table decoded from its blocks), read a slice at a time: then the decode copy is all the head holds in
     memory (the bfloat16 one is built in ``FILE_PIECES`` pieces of halving size, so the load holds at most
     a sixteenth of a bfloat16 copy besides it; the Q8_0 one is quantized ``CHUNK_ROWS`` rows at a time).
@@ -955,11 +955,11 @@ def install_fast_head(
     the input embedding, the embedding for a :class:`CompactEmbedding` sharing its exact table).
 
     ``tables``: parameters the build left on the meta device, by name, as file tables
-    (:func:`anyquant.runtime.build.build_model`'s ``file_tables``): the head and embedding then read
+    (:func:`anyquant_runtime.build.build_model`'s ``file_tables``): the head and embedding then read
     them from the file. ``kind``: the decode form (:func:`head_kind`), ``interleave``: a Q8_0 copy in the kernel's
     interleaved form. Returns what was done, for ``LoadedModel.info``; leaves the model alone (and
     says why) when the head is not a plain float ``nn.Linear`` on the CPU or no decode form runs here
-    (the caller then fills what the build left: :func:`~anyquant.runtime.tensors.fill_file_tables`).
+    (the caller then fills what the build left: :func:`~anyquant_runtime.tensors.fill_file_tables`).
     """
     tables = tables or {}
     get_out = getattr(module, "get_output_embeddings", None)
@@ -1023,7 +1023,7 @@ def _restore_embedding_dtype(module: Any, dtype: torch.dtype) -> None:
 
 def kernel_norms(module: nn.Module, rows: int) -> int:
     """The native decoder's RMSNorms on the compiled kernel's ``anyquant::rms_norm`` up to ``rows`` tokens
-    (:attr:`~anyquant.runtime.layers.RMSNorm.kernel_rows`; Qwen3's per-head q/k norms up to ``rows`` times their
+    (:attr:`~anyquant_runtime.layers.RMSNorm.kernel_rows`; Qwen3's per-head q/k norms up to ``rows`` times their
     attention's query or key heads, the rows they see): cpu-fast's decode path, one call instead of torch's six ops
     (SmolLM2: 61 norms a token, ~10 us each at 2 threads); longer prompts keep torch's exact ``rms_norm``. Returns
     how many, 0 where the kernel is not built."""
@@ -1135,7 +1135,7 @@ def _unpermute_qk_rows(blocks: torch.Tensor, rows: int, heads: int) -> torch.Ten
 
 
 class GGUFInt4Linear(FastInt4Linear):
-    """:class:`~anyquant.runtime.layouts.GGUFBlocks` of Q4_0/Q4_1/Q4_K repacked for torch's int4 CPU kernel (decode:
+    """:class:`~anyquant_runtime.layouts.GGUFBlocks` of Q4_0/Q4_1/Q4_K repacked for torch's int4 CPU kernel (decode:
     bfloat16 activations; prompts: the exact float32 weight, dequantized per forward, and a GEMM):
     :class:`FastInt4Linear` with a float offset per group.
 
@@ -1205,7 +1205,7 @@ class GGUFInt4Linear(FastInt4Linear):
 
 
 class GGUFBlockLinear(BlockLinear):
-    """:class:`~anyquant.runtime.layouts.GGUFBlocks` on the compiled GGUF-block kernel (decode), the blocks read in
+    """:class:`~anyquant_runtime.layouts.GGUFBlocks` on the compiled GGUF-block kernel (decode), the blocks read in
     place or held in the kernel's interleaved form (``interleave``); prompts dequantize the blocks per forward (the
     kernel's ``ggml_dequantize``: bitwise the GGUF format's own dequantization, tested)."""
 
@@ -1249,7 +1249,7 @@ def _gguf_on_kernel(lay: GGUFBlocks) -> bool:
 
 
 class Int8BlockLinear(BlockLinear):
-    """:class:`~anyquant.runtime.layouts.Int8Blocks` as Q8_0 blocks on the compiled kernel (its codes as they are, its
+    """:class:`~anyquant_runtime.layouts.Int8Blocks` as Q8_0 blocks on the compiled kernel (its codes as they are, its
     scale per block of 32): the exact weight, ``round_to(q * d)`` (the format's own arithmetic), from the blocks."""
 
     def __init__(
@@ -1271,7 +1271,7 @@ class Int8BlockLinear(BlockLinear):
 
 
 class Affine4BlockLinear(BlockLinear):
-    """:class:`~anyquant.runtime.layouts.Affine4Blocks` (mlx's 4-bit affine) as Q4_1 blocks (``d`` the scale, ``m``
+    """:class:`~anyquant_runtime.layouts.Affine4Blocks` (mlx's 4-bit affine) as Q4_1 blocks (``d`` the scale, ``m``
     the offset, per block of 32) on the compiled kernel. Few rows: the kernel (``q d + m`` in float32). Many rows and
     :meth:`dequantize`: the format's own arithmetic from the blocks, ``scale * q`` then ``+ offset``, each rounded to
     the scales' dtype."""
@@ -1308,7 +1308,7 @@ _MXFP4_EXPONENTS = (-126, 125)
 
 
 class MXFP4BlockLinear(BlockLinear):
-    """A :class:`~anyquant.runtime.layouts.Table4` whose table is FP4 E2M1 and whose scales are powers of two per
+    """A :class:`~anyquant_runtime.layouts.Table4` whose table is FP4 E2M1 and whose scales are powers of two per
     block of 32 (MXFP4, whichever format stores it) as GGML's MXFP4 blocks on the compiled kernel (its int8 table
     values by a byte shuffle, two activation passes: within 1e-4 of the largest output per linear). The weights are
     the layout's, bit for bit (:meth:`dequantize`: its table, signed zero included, times the scale, in ``round_to``);
@@ -1686,7 +1686,7 @@ def _kernel(kind: type) -> tuple[Callable[[], str | None], Callable[[Any, _Stage
     for cls in kind.__mro__:
         if cls in _KERNELS:
             return _KERNELS[cls]
-    raise TypeError(f"{kind.__name__} is not a packed layout of anyquant.runtime.layouts")
+    raise TypeError(f"{kind.__name__} is not a packed layout of anyquant_runtime.layouts")
 
 
 def _engine(layout: Layout, build: _Stage) -> nn.Module | str | None:
@@ -1707,7 +1707,7 @@ def layout_unsupported(layout: Layout, *, metadata_only: bool = False) -> str | 
 
 def layouts_run(layers: Iterable[Sequence[Layout] | str]) -> int:
     """How many of ``layers`` the CPU engine takes here, decided before any tensor is read: each item is one layer's
-    packed layouts as its format offers them (:meth:`~anyquant.runtime.qlinear.QuantLinearBase.packed_layouts`'s
+    packed layouts as its format offers them (:meth:`~anyquant_runtime.qlinear.QuantLinearBase.packed_layouts`'s
     order), described from the checkpoint's headers (tensor fields ``None``), or why it offers none; a layer counts
     when one of its layouts runs (:func:`layout_unsupported` with ``metadata_only``). A loader's ``auto`` passes
     cpu-fast by where this is 0."""
@@ -1719,7 +1719,7 @@ def layouts_run(layers: Iterable[Sequence[Layout] | str]) -> int:
 
 
 def layout_kinds_run(*kinds: type[Layout]) -> tuple[bool, str]:
-    """(usable, reason): the kernel of one of these layout kinds (:mod:`anyquant.runtime.layouts`' classes) is built
+    """(usable, reason): the kernel of one of these layout kinds (:mod:`anyquant_runtime.layouts`' classes) is built
     and runs here, shapes aside: a format's cpu-fast is available where the layouts its layers offer can run. The
     reason: each kind's, joined."""
     reasons: list[str] = []
@@ -1757,7 +1757,7 @@ def fast_cpu_module(
     interleave: bool = True,
     passes: int = 2,
 ) -> nn.Module | str:
-    """``layer``'s first offered layout (:meth:`~anyquant.runtime.qlinear.QuantLinearBase.packed_layouts`) that runs
+    """``layer``'s first offered layout (:meth:`~anyquant_runtime.qlinear.QuantLinearBase.packed_layouts`) that runs
     here, as :func:`fast_linear` builds it behind the layer's input quantization (``layer.behind_inputs``); or why
     none runs: the layer's own reason, or each offered layout's, joined."""
     offered = layer.packed_layouts()

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from anyquant.runtime.layers import (  # _rotary: the module path's own, compiled in
+from anyquant_runtime.layers import (  # _rotary: the module path's own, compiled in
     FusedInt4,
     RMSNorm,
     Router,
@@ -119,7 +119,7 @@ def _attention(
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """An RMSNorm as its :class:`~anyquant.runtime.layers.RMSNorm` module computes it on the step's rows:
+    """An RMSNorm as its :class:`~anyquant_runtime.layers.RMSNorm` module computes it on the step's rows:
     ``eps < 0`` (the planner's mark for modules with ``kernel_rows``; the step runs only up to that many rows) the
     compiled kernel's ``anyquant::rms_norm`` with epsilon ``-eps``, else torch's."""
     if eps < 0.0:
@@ -221,8 +221,8 @@ def int4_layer(
     float32), writing its key and value at position ``start`` of ``keys``/``values`` (``[b, kv_heads,
     room, head_dim]``); ``mask``: the native model's boolean ``[b, 1, 1, start + 1]`` for padded batches,
     else ``None``; ``q_norm``/``k_norm``: Qwen3's per-head norms, else ``None``. The ops and their order are
-    :class:`~anyquant.runtime.native.DecoderLayer`'s with :class:`~anyquant.runtime.layers.FusedInt4` q/k/v and
-    gate/up (``sin`` signed as for :func:`~anyquant.runtime.layers._rotary`)."""
+    :class:`~anyquant_runtime.native.DecoderLayer`'s with :class:`~anyquant_runtime.layers.FusedInt4` q/k/v and
+    gate/up (``sin`` signed as for :func:`~anyquant_runtime.layers._rotary`)."""
     b, hidden = h.shape[0], h.shape[-1]
     h = int4_attention(
         h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling,
@@ -268,8 +268,8 @@ def int4_moe_layer(
     intermediate: int,
 ) -> torch.Tensor:
     """:func:`int4_layer` for a Qwen3-MoE sparse layer: the router's top-k experts of each row, each expert's
-    gate/up one int4 call; the ops and their order are :class:`~anyquant.runtime.layers.SparseMoe`'s with
-    :class:`~anyquant.runtime.experts.Experts` (one row: its experts in ascending order, else each chosen expert
+    gate/up one int4 call; the ops and their order are :class:`~anyquant_runtime.layers.SparseMoe`'s with
+    :class:`~anyquant_runtime.experts.Experts` (one row: its experts in ascending order, else each chosen expert
     on the rows that chose it, gathered and added back)."""
     b, hidden = h.shape[0], h.shape[-1]
     h = int4_attention(
@@ -376,7 +376,7 @@ def _experts(
     passes: int,
 ) -> torch.Tensor:
     """A MoE layer's chosen experts on float32 rows ``x`` in one kernel call (``anyquant::ggml_experts``: bit for bit
-    :class:`~anyquant.runtime.experts.Experts`' one-token path on GGUF-block linears). ``blocks``/``kinds``: each
+    :class:`~anyquant_runtime.experts.Experts`' one-token path on GGUF-block linears). ``blocks``/``kinds``: each
     expert's gate, up and down."""
     y: torch.Tensor = torch.ops.anyquant.ggml_experts(x, index, weights, blocks, kinds, intermediate, -1, passes)
     return y
@@ -480,7 +480,7 @@ def _linear(x: torch.Tensor, p: Linear) -> torch.Tensor:
 
 def _joint(x: torch.Tensor, parts: List[Linear]) -> torch.Tensor:  # noqa: UP006
     """Linears that share their input, their outputs side by side: one call where ``parts`` is one fused int4
-    linear (as :class:`~anyquant.runtime.layers.FusedInt4` runs them) or GGUF-block linears of one activation
+    linear (as :class:`~anyquant_runtime.layers.FusedInt4` runs them) or GGUF-block linears of one activation
     passes count (:func:`_ggml_cat`), else each in turn."""
     if len(parts) == 1:
         return _linear(x, parts[0])
@@ -804,7 +804,7 @@ class _Layer(NamedTuple):
 
 
 class DecodeStep:
-    """The fast decode path of one :class:`~anyquant.runtime.native.NativeCausalLM` (see the module docstring).
+    """The fast decode path of one :class:`~anyquant_runtime.native.NativeCausalLM` (see the module docstring).
 
     Built by :meth:`build` on the model's first decode step: per layer, the function of
     :data:`LAYER_FUNCTIONS` that computes it and its arguments (a one-kind function where every linear is of
@@ -822,7 +822,7 @@ class DecodeStep:
         self.modules = model.model.layers
         #: each layer's sliding window (``None``: full attention): a windowed layer's function is given the cache
         #: from the first position its window holds (its mask likewise), the keys and values the module path's
-        #: attention sees (:meth:`~anyquant.runtime.native.Attention.attend`)
+        #: attention sees (:meth:`~anyquant_runtime.native.Attention.attend`)
         self.windows: list[int | None] = [getattr(m.self_attn, "window", None) for m in self.modules]
         self._stack_windows = [w for w, layer in zip(self.windows, layers, strict=True) if layer is not None]
         self.windowed = any(w is not None for w in self._stack_windows)
@@ -991,7 +991,7 @@ def _table_spec(m: Any) -> tuple[tuple[Any, ...], int] | None:
 
 def _joint_specs(module: nn.Module, names: tuple[str, ...]) -> tuple[list[tuple[Any, ...]], int] | None:
     """The Linear tuples of ``module``'s linears ``names`` as the module path runs them
-    (:func:`~anyquant.runtime.layers._joint`: their :class:`FusedInt4` where it has one, else each), and their
+    (:func:`~anyquant_runtime.layers._joint`: their :class:`FusedInt4` where it has one, else each), and their
     least small_rows; ``None`` when one is not a cpu-fast linear."""
     fused = fusion(module, names)
     parts = [_linear_spec(fused)] if fused is not None else [_linear_spec(getattr(module, n)) for n in names]
@@ -1159,8 +1159,8 @@ def _plan_mlp(mlp: Any) -> tuple[FusedInt4, Any] | None:
 
 def _sparse(mlp: Any) -> tuple[torch.Tensor, int, bool, list[Any]] | None:
     """``(router weight, top_k, norm_topk_prob, experts)`` of the native decoder's Qwen3-MoE block whose experts are
-    :class:`~anyquant.runtime.experts.Experts` with SiLU (what :func:`int4_moe_layer` computes), else ``None``."""
-    from anyquant.runtime.experts import FORWARDS, Expert, Experts
+    :class:`~anyquant_runtime.experts.Experts` with SiLU (what :func:`int4_moe_layer` computes), else ``None``."""
+    from anyquant_runtime.experts import FORWARDS, Expert, Experts
 
     if type(mlp) is not SparseMoe or type(mlp.gate) is not Router or type(mlp.experts) is not Experts:
         return None

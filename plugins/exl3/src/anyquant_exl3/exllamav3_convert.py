@@ -1,6 +1,6 @@
 """exllamav3's own converter as anyquant's EXL3 quantizer on CUDA (``quantizer_backend="exllamav3"``).
 
-``anyquant.quantize(src, dst, method="exl3", ...)`` runs, through :func:`anyquant.tools.quantize.run_worker`,
+``anyquant.quantize(src, dst, method="exl3", ...)`` runs, through :func:`anyquant_tools.quantize.run_worker`,
 ``python -m anyquant_exl3.exllamav3_convert job.json``; this worker starts
 ``python -m exllamav3.conversion.convert_model`` (exllamav3 1.6 CLI: ``-i -o -w -b -hb -cb -cd -cr -cc``),
 passes its output to the worker log, turns its `` -- Quantized: <module>`` lines into progress, and
@@ -118,7 +118,7 @@ def write_calibration(tokenizer: Any, texts: Sequence[str], seq_len: int, path: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Worker entry point: ``python -m anyquant_exl3.exllamav3_convert job.json``."""
-    from anyquant.plugin import emit_progress, emit_result
+    from anyquant_tools import emit_progress, emit_result
 
     args = list(sys.argv[1:] if argv is None else argv)
     spec = json.loads(Path(args[0]).read_text())

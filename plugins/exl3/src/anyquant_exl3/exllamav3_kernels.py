@@ -52,7 +52,7 @@ from anyquant.plugin import (
     ParameterError,
     UnsupportedBackendError,
 )
-from anyquant.runtime.generate import TorchGenerator
+from anyquant_runtime.generate import TorchGenerator
 
 from .options import EXLLAMAV3_OPTIONS
 
@@ -516,7 +516,7 @@ def load_exllamav3(
     ``max_chunk_size`` (prefill chunk, default 2048).
     """
     from anyquant.plugin import LoadedModel
-    from anyquant.runtime.tokenizer import load_tokenizer
+    from anyquant_runtime.tokenizer import load_tokenizer
 
     extra = dict(options.extra)
     if options.dtype not in (None, "auto", "float16", "fp16", "half"):

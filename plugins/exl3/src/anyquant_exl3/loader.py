@@ -11,22 +11,24 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from anyquant.plugin import (
-    CPU_FAST_OPTIONS,
-    FLOAT_SCALE_DTYPES,
-    RUNTIME_OPTIONS,
     BackendInfo,
     CheckpointError,
     Detection,
-    LoadContext,
     LoadOptions,
     ModuleInfo,
     Probe,
-    TransformersLoader,
     UnsupportedFormatError,
     dense_rows,
+)
+from anyquant_runtime import (
+    CPU_FAST_OPTIONS,
+    FLOAT_SCALE_DTYPES,
+    RUNTIME_OPTIONS,
+    LoadContext,
+    TransformersLoader,
     require_dtypes,
 )
-from anyquant.runtime.tensors import SafetensorsSource
+from anyquant_runtime.tensors import SafetensorsSource
 
 from .options import EXLLAMAV3_OPTIONS
 from .plugin import RING_GROUP, RingTableInfo, ring_tables
@@ -36,8 +38,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from anyquant.plugin import LoadedModel
-    from anyquant.runtime.parts import PartsPlan
-    from anyquant.runtime.qlinear import QuantLinearBase
+    from anyquant_runtime.parts import PartsPlan
+    from anyquant_runtime.qlinear import QuantLinearBase
 
     from .ring import RingTable
 
@@ -101,7 +103,7 @@ def stored_parts(name: str, linear: nn.Linear, stored: Mapping[str, Any], probe:
       slices of ``I // n // 128 * 128``, the last taking the rest; ``down_proj`` slices split its input,
       the others their output).
     """
-    from anyquant.runtime.parts import PartsPlan, split_parts
+    from anyquant_runtime.parts import PartsPlan, split_parts
 
     plan = split_parts(name, linear, stored.__contains__, probe.config or {})
     if plan is not None:
@@ -216,7 +218,7 @@ _STATE_KEY = "exl3_cpu_fast"
 def cpu_fast_backend() -> BackendInfo:
     """``cpu-fast``: each linear decoded once at load and held as Q8_0 blocks on the compiled block kernel (where it
     is built and vectorized) or as bfloat16 prepacked for oneDNN, where AMX or AVX512-BF16 makes that fast."""
-    from anyquant.runtime.cpu import MISSING, engine
+    from anyquant_runtime.cpu import MISSING, engine
 
     found = engine()
     ok, reason = (False, MISSING) if found is None else found.bf16_head_status()
@@ -235,7 +237,7 @@ def cpu_fast_weights(extra: Mapping[str, Any]) -> str:
     """Load option ``cpu_fast_weights`` checked (``"auto"``, ``"q8_0"`` or ``"bfloat16"``); ``"q8_0"`` asked for
     where the compiled block kernel does not run is refused, before anything is read."""
     from anyquant.plugin import ParameterError
-    from anyquant.runtime.cpu import block_kernel_is_fast
+    from anyquant_runtime.cpu import block_kernel_is_fast
 
     from .qlinear import CPU_FAST_WEIGHTS
 
@@ -256,7 +258,7 @@ class CpuFastState:
     each linear from the layouts the layer offers), the ``cpu_fast_weights`` asked for, and each built module's form
     by ``id`` (for the record)."""
 
-    plan: Any  # the engine's FastCPUPlan (anyquant.runtime.cpu.require())
+    plan: Any  # the engine's FastCPUPlan (anyquant_runtime.cpu.require())
     weights: str
     forms: dict[int, str] = field(default_factory=dict)
 
@@ -279,7 +281,7 @@ class DecodedCpuFast:
         """cpu-fast: its options read (a bad one refused before any weight is read) into this load's state."""
         if ctx.backend != "cpu-fast":
             return
-        from anyquant.runtime.cpu import require
+        from anyquant_runtime.cpu import require
 
         plan = require().FastCPUPlan.from_options(ctx.options.extra)
         ctx.state[_STATE_KEY] = CpuFastState(plan, cpu_fast_weights(ctx.options.extra))
@@ -386,7 +388,7 @@ class EXL3Loader(DecodedCpuFast, TransformersLoader):
         tensor_parallel = check_tensor_parallel(options)  # typed error before anything heavy
         requested = "exllamav3" if tensor_parallel else options.backend
         if requested in ("auto", "exllamav3"):
-            from anyquant.runtime.build import resolve_device
+            from anyquant_runtime.build import resolve_device
 
             if self.choose_backend(requested, resolve_device(options.device)) == "exllamav3":
                 from .exllamav3_kernels import load_exllamav3

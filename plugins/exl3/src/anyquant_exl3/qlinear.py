@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from anyquant.runtime.parts import LinearParts
-from anyquant.runtime.qlinear import QuantLinearBase
+from anyquant_runtime.parts import LinearParts
+from anyquant_runtime.qlinear import QuantLinearBase
 
 from .dequant import decode_exl3
 from .ring import RingTable
 
 if TYPE_CHECKING:
-    from anyquant.runtime.layouts import Layout
+    from anyquant_runtime.layouts import Layout
 
 __all__ = ["CPU_FAST_WEIGHTS", "EXL3Linear", "EXL3TableEmbedding", "LinearParts", "Q8Rounding", "decoded_layouts"]
 
@@ -28,7 +28,7 @@ class Q8Rounding:
     """A layer's decoded weight rounded to Q8_0 blocks, formed once on the first call of :meth:`blocks`,
     :meth:`codes` or :meth:`scales`: per block of 32 inputs ``d = max|w| / 127`` (float16), codes ``round(w / d)``
     (halves away from zero), llama.cpp's ``quantize_row_q8_0`` bit for bit
-    (:func:`anyquant.runtime.packing.q8_0_blocks`). A second, lossy rounding of the format's weight: up to half
+    (:func:`anyquant_runtime.packing.q8_0_blocks`). A second, lossy rounding of the format's weight: up to half
     a step, ``max|w_block| / 254``, per weight."""
 
     #: weights rounded per step of :meth:`_form`
@@ -42,7 +42,7 @@ class Q8Rounding:
         """``[out, in / 32, 34]`` uint8: each block's float16 scale, then its 32 int8 codes. The layer decoded once,
         rounded a few rows at a time (the float32 temporaries stay small)."""
         if self._blocks is None:
-            from anyquant.runtime.packing import q8_0_blocks
+            from anyquant_runtime.packing import q8_0_blocks
 
             n, k = self.layer.out_features, self.layer.in_features
             weight = self.layer.dequantize()
@@ -75,7 +75,7 @@ def decoded_layouts(layer: QuantLinearBase, weights: str) -> Sequence[Layout] | 
     logits within cpu-fast's 2e-2 of the largest on the test fixtures; on a trained-weight proxy Q8_0 twice
     bfloat16's logits error, +0.37 % perplexity against +0.13 %, at 2.4x its decode speed.
     """
-    from anyquant.runtime.layouts import Decoded, Int8Blocks
+    from anyquant_runtime.layouts import Decoded, Int8Blocks
 
     if weights not in CPU_FAST_WEIGHTS:
         raise ValueError(f"cpu_fast_weights={weights!r} is not one of {', '.join(map(repr, CPU_FAST_WEIGHTS))}")

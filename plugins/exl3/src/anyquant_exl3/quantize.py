@@ -189,7 +189,7 @@ class _Target:
 def _targets(probe: Probe) -> list[_Target]:
     """The linears to encode, with fused projections split as exllamav3 writes them (format doc §2.8:
     Phi-3's ``qkv_proj`` as ``q_proj``/``k_proj``/``v_proj``, ``gate_up_proj`` as ``gate_proj``/``up_proj``)."""
-    from anyquant.runtime.parts import FUSED_PARTS, fused_sizes
+    from anyquant_runtime.parts import FUSED_PARTS, fused_sizes
 
     out = []
     for name in _linear_weights(probe):
@@ -223,7 +223,7 @@ def _hessians(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from anyquant.plugin import calibration_batch, calibration_texts
+    from anyquant_tools import calibration_batch, calibration_texts
 
     from .hessian import capture_hessians
 
@@ -242,11 +242,11 @@ ANYQUANT_ONLY_OPTIONS = ("batch_tiles", "encode_device", "ldlq")
 EXLLAMAV3_ONLY_OPTIONS = ("devices", "out_scales", "scaled_hessian")
 
 
-#: the options of each quantizer that the other does not read (:func:`anyquant.tools.quantize.route_backend`)
+#: the options of each quantizer that the other does not read (:func:`anyquant_tools.quantize.route_backend`)
 BACKEND_OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {"anyquant": frozenset(ANYQUANT_ONLY_OPTIONS), "exllamav3": frozenset(EXLLAMAV3_ONLY_OPTIONS)}
 )
-#: what ``quantizer_backend`` accepts (:func:`anyquant.tools.quantize.route_backend` checks it)
+#: what ``quantizer_backend`` accepts (:func:`anyquant_tools.quantize.route_backend` checks it)
 QUANTIZER_BACKENDS = ("auto", *BACKEND_OPTIONS)
 
 
@@ -256,7 +256,7 @@ def quantizer_backend(spec: QuantizeSpec) -> str:
     ``batch_tiles``: anyquant's; ``devices``, ``out_scales``, ``scaled_hessian``: exllamav3's), which choose it.
     Options of the quantizer not chosen are a :class:`QuantizeError`, and so is exllamav3's converter where
     it cannot run. Never imports exllamav3 (that JIT-builds its extension)."""
-    from anyquant.plugin import route_backend
+    from anyquant_tools import route_backend
 
     from .exllamav3_kernels import backend_info
 
@@ -426,7 +426,7 @@ class EXL3Quantizer:
         """exllamav3's converter in a worker subprocess, on anyquant's calibration texts."""
         from transformers import AutoTokenizer
 
-        from anyquant.plugin import calibration_texts, run_worker
+        from anyquant_tools import calibration_texts, run_worker
 
         from . import exllamav3_convert as conv
 

@@ -9,19 +9,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
-from anyquant.int4.loader import Int4State, PackedFormatLoader
 from anyquant.plugin import (
     CheckpointError,
     Detection,
     FormatConflictError,
-    LoadContext,
     LoadOptions,
     ModuleInfo,
     Probe,
     UnsupportedFormatError,
     dense_rows,
 )
-from anyquant.runtime.layouts import Decoded, E4M3Groups, Layout, Table4
+from anyquant_runtime import LoadContext
+from anyquant_runtime.int4.loader import Int4State, PackedFormatLoader
+from anyquant_runtime.layouts import Decoded, E4M3Groups, Layout, Table4
 
 from .scheme import FP8Module, FP8Scheme, read_scheme
 
@@ -71,7 +71,7 @@ class FP8Loader(PackedFormatLoader):
         :class:`~anyquant_fp8.qlinear.NVFP4Linear` offers it (its codes into the E2M1 table)."""
         import torch
 
-        from anyquant.runtime.cpu import layouts_run
+        from anyquant_runtime.cpu import layouts_run
 
         round_to = getattr(torch, signature.dtype)
         per_channel = signature.fbgemm is not None or (

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from anyquant.runtime.activations import (
+from anyquant_runtime.activations import (
     E2M1,
     FP8_MAX,
     MIN_DYNAMIC_SCALE,
@@ -20,8 +20,8 @@ from anyquant.runtime.activations import (
     quantize_fp8_activations,
     quantize_nvfp4_activations,
 )
-from anyquant.runtime.layouts import Decoded, E4M3Groups, Layout, Table4
-from anyquant.runtime.qlinear import QuantLinearBase
+from anyquant_runtime.layouts import Decoded, E4M3Groups, Layout, Table4
+from anyquant_runtime.qlinear import QuantLinearBase
 
 __all__ = [
     "FP8Linear",
@@ -104,7 +104,7 @@ class FP8Linear(QuantLinearBase):
             raise ValueError(f"input quantization {input_quant!r} with scale_ub {scale_ub is not None}")
         self.input_quant = input_quant
         if input_scale is not None:
-            from anyquant.runtime.finite import check_finite
+            from anyquant_runtime.finite import check_finite
 
             check_finite("input_scale", input_scale)
         self.register_buffer("input_scale", None if input_scale is None else input_scale.to(torch.float32).reshape(()))
@@ -220,7 +220,7 @@ def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.T
 
 class NVFP4Linear(QuantLinearBase):
     """ModelOpt's NVFP4 linear (``quant_algo: NVFP4``): the weight as :func:`dequantize_nvfp4` gives it (float32), its
-    input through NVFP4 first as vLLM's emulation does (:func:`~anyquant.runtime.activations.quantize_nvfp4_activations`
+    input through NVFP4 first as vLLM's emulation does (:func:`~anyquant_runtime.activations.quantize_nvfp4_activations`
     with the global scale ``1 / input_scale``, vLLM's ``input_global_scale_inv``)."""
 
     packed_names = ("weight_packed", "weight_scale", "weight_scale_2")

@@ -557,7 +557,7 @@ def check_finite_blocks(name: str, raw: torch.Tensor, qtype: GGMLQuantizationTyp
     scale (vectorised over the blocks), once, where the loader takes the bytes (``GGUFSource.raw``). NVFP4's
     unsigned E4M3 scales have no non-finite code as ggml reads them."""
     from anyquant.plugin import NumericalError
-    from anyquant.runtime.finite import check_finite
+    from anyquant_runtime.finite import check_finite
 
     qtype = GGMLQuantizationType(qtype)
     flat = raw.reshape(-1)

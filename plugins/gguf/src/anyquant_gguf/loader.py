@@ -35,23 +35,19 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from anyquant.plugin import (
-    CPU_FAST_OPTIONS,
-    RUNTIME_OPTIONS,
     AnyquantError,
     BackendInfo,
     CheckpointError,
     Detection,
-    LoadContext,
     LoadedModel,
     LoadOptions,
-    LoadPlan,
     MissingTensorError,
     ModuleInfo,
     ParameterError,
     Probe,
-    TransformersLoader,
     UnsupportedFormatError,
 )
+from anyquant_runtime import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext, LoadPlan, TransformersLoader
 
 from .plugin import gguf_model
 
@@ -82,7 +78,7 @@ def _kernel_linears(probe: Probe) -> int:
     """How many of the GGUF model's tensors (every part's), the token embedding aside, cpu-fast's engine takes here,
     from the headers: each packed tensor's blocks described as the engine's layout (:func:`.qlinear.blocks_layout`;
     a Q6_K or Q8_0 file has no int4 tensor, only the GGUF-block kernel takes it)."""
-    from anyquant.runtime.cpu import layouts_run
+    from anyquant_runtime.cpu import layouts_run
 
     from .qlinear import PACKED_TYPES, blocks_layout
 
@@ -197,8 +193,8 @@ class GGUFSource:
 
 def cpu_fast_backend() -> BackendInfo:
     """``cpu-fast``: GGUF blocks on the compiled kernel, else Q4_0/Q4_1/Q4_K through torch's int4 CPU kernel
-    (the CPU engine, anyquant-cpu: :mod:`anyquant.runtime.cpu`)."""
-    from anyquant.runtime.cpu import fast_cpu_capable
+    (the CPU engine, anyquant-cpu: :mod:`anyquant_runtime.cpu`)."""
+    from anyquant_runtime.cpu import fast_cpu_capable
 
     ok, reason = fast_cpu_capable()
     return BackendInfo(
@@ -376,9 +372,9 @@ class GGUFLoader(TransformersLoader):
             src.placeholders[_EMBED] = ctx.dtype
         src.release_after_copy = ctx.backend in ("dequantized", "cpu-fast")
         fast: dict[str, Any] | None = None  # cpu-fast's record: which linears took which of the engine's kernels
-        plan: Any = None  # cpu-fast's plan: the engine's (anyquant.runtime.cpu), which builds the fast modules
+        plan: Any = None  # cpu-fast's plan: the engine's (anyquant_runtime.cpu), which builds the fast modules
         if ctx.backend == "cpu-fast":
-            from anyquant.runtime.cpu import layouts_run, require
+            from anyquant_runtime.cpu import layouts_run, require
 
             plan = require().FastCPUPlan.from_options(ctx.options.extra)
             passes = ctx.options.extra.get("cpu_fast_activation_passes", 2)

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anyquant.runtime.layouts import Decoded, GGUFBlocks, Layout
-from anyquant.runtime.packing import ggml_int4_scales_offsets
+from anyquant_runtime.layouts import Decoded, GGUFBlocks, Layout
+from anyquant_runtime.packing import ggml_int4_scales_offsets
 
 from .dequant import (
     _NIBBLE,
@@ -353,7 +353,7 @@ def gguf_int4_linear(
     """A Q4_0/Q4_1/Q4_K weight repacked by ``cpu-fast``'s engine for torch's int4 CPU kernel (its GGUF blocks
     offered repacked only; ``kwargs``: ``small_rows``, ``prefill_dtype``, ``compute_dtype``); ``ImportError`` without
     the engine, ``ValueError`` when it cannot run here."""
-    from anyquant.runtime.cpu import require
+    from anyquant_runtime.cpu import require
 
     qtype = GGMLQuantizationType(qtype)
     if qtype not in INT4_TYPES:
@@ -386,7 +386,7 @@ def gguf_linear_from_reader(
 # --------------------------------------------------------------------------- the CPU engine's layout
 
 #: The types whose blocks the format offers ``cpu-fast``'s engine as stored (:func:`blocks_layout`: a
-#: :class:`~anyquant.runtime.layouts.GGUFBlocks` with ``as_stored``), which its GGUF-block kernel reads where it is
+#: :class:`~anyquant_runtime.layouts.GGUFBlocks` with ``as_stored``), which its GGUF-block kernel reads where it is
 #: built: a Q4_K_M file's Q4_K and Q6_K linears at their stored size (4.5 and 6.56 bits a weight); Q5_K, Q5_0 and Q5_1;
 #: and the table types IQ4_NL, IQ4_XS and MXFP4 (4-bit codes indexing 16 int8 values: 4.5, 4.25 and 4.25 bits a
 #: weight). Other types' blocks are offered repacked only (torch's int4 kernel takes Q4_0/Q4_1/Q4_K), then a

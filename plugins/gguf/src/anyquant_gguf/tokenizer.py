@@ -15,7 +15,7 @@ as metadata. For a byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``
   tokens present in the vocabulary plain added tokens;
 * the wrapper (``PreTrainedTokenizerFast``) gets bos/eos/unk/pad from the token ids,
   ``add_bos_token``/``add_eos_token`` and ``tokenizer.chat_template``; it is built only when first
-  needed: the load returns a :class:`~anyquant.runtime.tokenizer.LazyTokenizer`, which answers
+  needed: the load returns a :class:`~anyquant_runtime.tokenizer.LazyTokenizer`, which answers
   encoding, decoding and the special tokens from the backend itself (no ``import transformers``).
 
 This is what transformers' own GGUF path (``AutoTokenizer.from_pretrained(folder,
@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from anyquant.runtime.tokenizer import LazyTokenizer
+from anyquant_runtime.tokenizer import LazyTokenizer
 
 from .metadata import GGUFMetadataError, metadata_int
 
@@ -316,7 +316,7 @@ def _wrap(backend: Any, config: Mapping[str, Any], name_or_path: str | None) -> 
 
 
 def _lazy(backend: Any, config: Mapping[str, Any], name_or_path: str | None) -> LazyTokenizer:
-    """A :class:`~anyquant.runtime.tokenizer.LazyTokenizer` over ``backend`` whose transformers wrapper is
+    """A :class:`~anyquant_runtime.tokenizer.LazyTokenizer` over ``backend`` whose transformers wrapper is
     :func:`_wrap`'s (built when first needed)."""
     return LazyTokenizer(
         backend,

@@ -49,7 +49,7 @@ from typing import Any, Literal
 import torch
 
 from anyquant.plugin import CheckpointError
-from anyquant.runtime.packing import (
+from anyquant_runtime.packing import (
     check_bits,
     pack_cols,
     packed_length,

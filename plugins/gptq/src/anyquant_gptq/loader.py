@@ -8,19 +8,18 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from anyquant.int4.loader import QUANT_DTYPES, Int4Loader, Int4State
 from anyquant.plugin import (
     CheckpointError,
     Detection,
-    LoadContext,
     LoadOptions,
     ModuleInfo,
     Probe,
     UnsupportedBackendError,
     dense_rows,
-    require_dtypes,
 )
-from anyquant.runtime.layouts import Int4Groups
+from anyquant_runtime import LoadContext, require_dtypes
+from anyquant_runtime.int4.loader import QUANT_DTYPES, Int4Loader, Int4State
+from anyquant_runtime.layouts import Int4Groups
 
 from .signature import GPTQSignature, read_signature
 
@@ -38,9 +37,9 @@ class GPTQLoader(Int4Loader):
 
     def facts(self, probe: Probe, detection: Detection, options: LoadOptions) -> Int4State:
         """The signature, read once for the load; from it the layers the CPU engine takes (each described as
-        integer groups of its bits and group size, :class:`~anyquant.runtime.layouts.Int4Groups`, as
+        integer groups of its bits and group size, :class:`~anyquant_runtime.layouts.Int4Groups`, as
         :class:`~anyquant_gptq.qlinear.GPTQLinear` offers it) and the bytes of every quantized layer in float32."""
-        from anyquant.runtime.cpu import layouts_run
+        from anyquant_runtime.cpu import layouts_run
 
         facts = super().facts(probe, detection, options)
         sig = facts.signature = read_signature(probe)

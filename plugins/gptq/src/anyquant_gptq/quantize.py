@@ -1,13 +1,13 @@
 """GPTQ quantization through GPTQModel, run in a worker subprocess (core's
-:class:`anyquant.int4.gptqmodel_quantizer.GPTQModelQuantizer`)."""
+:class:`anyquant_tools.gptqmodel_quantizer.GPTQModelQuantizer`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import ClassVar
 
-from anyquant.int4.gptqmodel_quantizer import GPTQModelQuantizer
 from anyquant.plugin import QuantizeFlag
+from anyquant_tools import GPTQModelQuantizer
 
 __all__ = ["GPTQQuantizer"]
 

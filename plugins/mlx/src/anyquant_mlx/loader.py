@@ -9,19 +9,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from anyquant.int4.loader import PackedFormatLoader
 from anyquant.plugin import (
     CheckpointError,
     Detection,
     FormatConflictError,
-    LoadContext,
     LoadOptions,
     ModuleInfo,
     Probe,
     UnsupportedFormatError,
     dense_rows,
 )
-from anyquant.runtime.tensors import SafetensorsSource
+from anyquant_runtime import LoadContext
+from anyquant_runtime.int4.loader import PackedFormatLoader
+from anyquant_runtime.tensors import SafetensorsSource
 
 from .scheme import MlxModule, MlxScheme, read_scheme
 

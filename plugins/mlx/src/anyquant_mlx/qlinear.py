@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from anyquant.runtime.layouts import Affine4Blocks, Decoded, Layout, Table4
-from anyquant.runtime.qlinear import QuantLinearBase
+from anyquant_runtime.layouts import Affine4Blocks, Decoded, Layout, Table4
+from anyquant_runtime.qlinear import QuantLinearBase
 
 from .dequant import E2M1_SIGNED, dequantize, fp4_scales, unpack
 from .scheme import Settings

@@ -20,7 +20,7 @@ from .scheme import BLOCK, BLOCK_BYTES, MXFP4Scheme, MXFP4Tensor
 if TYPE_CHECKING:
     import torch
 
-    from anyquant.runtime.tensors import FileRows, SafetensorsSource
+    from anyquant_runtime.tensors import FileRows, SafetensorsSource
 
 __all__ = ["FP4_VALUES", "MXFP4Source", "check_scales", "dequantize", "dequantize_tensor"]
 
@@ -54,7 +54,7 @@ def check_scales(spec: MXFP4Tensor, scales: torch.Tensor) -> None:
     tensor, counted as any NaN weight is (float8_e8m0fnu needs torch 2.7)."""
     import torch
 
-    from anyquant.runtime.finite import check_finite
+    from anyquant_runtime.finite import check_finite
 
     nan = scales == E8M0_NAN
     if bool(nan.any()):
@@ -69,7 +69,7 @@ def dequantize_tensor(
     :class:`~anyquant.errors.NumericalError` naming the tensor."""
     import torch
 
-    from anyquant.runtime.finite import check_finite
+    from anyquant_runtime.finite import check_finite
 
     want_blocks = (spec.experts, spec.out_features, spec.in_features // BLOCK, BLOCK_BYTES)
     if tuple(blocks.shape) != want_blocks or tuple(scales.shape) != want_blocks[:-1]:
@@ -87,7 +87,7 @@ def dequantize_tensor(
 
 
 class MXFP4Source:
-    """A :class:`~anyquant.runtime.tensors.SafetensorsSource` that serves each packed weight decoded, under the model's
+    """A :class:`~anyquant_runtime.tensors.SafetensorsSource` that serves each packed weight decoded, under the model's
     parameter name (``...mlp.experts.gate_up_proj``), and hides its ``_blocks``/``_scales`` pair: the build fills
     transformers' own experts module from it as from any dense checkpoint, and nothing packed is reported unused."""
 

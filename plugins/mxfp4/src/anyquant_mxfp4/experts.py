@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from anyquant.plugin import CheckpointError
-from anyquant.runtime.qlinear import QuantLinearBase
+from anyquant_runtime.qlinear import QuantLinearBase
 
 from .dequant import FP4_VALUES, check_scales, dequantize
 from .scheme import BLOCK, BLOCK_BYTES, MXFP4Tensor
 
 if TYPE_CHECKING:
-    from anyquant.runtime.layouts import Layout
+    from anyquant_runtime.layouts import Layout
 
 __all__ = ["MXFP4Linear", "PackedGptOssExperts", "build_packed", "table4_layout"]
 
@@ -69,7 +69,7 @@ _SAFE_EXPONENT = 125
 def _check_range(spec: MXFP4Tensor, blocks: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -> None:
     """Values past ``dtype``'s range: the :class:`~anyquant.errors.NumericalError` the exact decode gives, naming the
     tensor (only blocks with a large exponent are formed to find them)."""
-    from anyquant.runtime.finite import check_finite
+    from anyquant_runtime.finite import check_finite
 
     big = exps > _SAFE_EXPONENT if dtype != torch.float16 else exps > -127
     if not bool(big.any()):
@@ -91,7 +91,7 @@ def table4_layout(
 ) -> Layout:
     """An MXFP4 weight as the engine's 4-bit table layout: E2M1 codes, ``2**(s - 127)`` per block of 32, each weight
     rounded to ``dtype`` (transformers' decode); without tensors, its description from the headers."""
-    from anyquant.runtime.layouts import Table4
+    from anyquant_runtime.layouts import Table4
 
     table = None if codes is None else (lambda: torch.tensor(FP4_VALUES, dtype=torch.float32))
     return Table4(in_features, out_features, BLOCK, codes, scales, table, round_to=dtype, bias=bias)

@@ -5,7 +5,7 @@ gpt-oss builds transformers' own ``GptOssForCausalLM``, whose ``GptOssExperts`` 
 module (its form is not the one it splits into per-expert linears) and fills its parameters by name from the tensor
 source. :class:`~anyquant_mxfp4.dequant.MXFP4Source` serves those names, decoded from the ``_blocks``/``_scales``
 pairs: no linear is replaced (``make_linear`` is ``None``), attention, router, embeddings and head are the checkpoint's
-bfloat16 tensors. Where the chosen backend has an engine plan (core's :class:`~anyquant.int4.loader.PackedFormatLoader`
+bfloat16 tensors. Where the chosen backend has an engine plan (core's :class:`~anyquant_runtime.int4.loader.PackedFormatLoader`
 makes it), :meth:`make_module` replaces each ``GptOssExperts`` before anything is read by a
 :class:`~anyquant_mxfp4.experts.PackedGptOssExperts` of per-expert :class:`~anyquant_mxfp4.experts.MXFP4Linear`
 layers, each handed to the plan: the experts stay packed, 4.25 bits a weight, never decoded as a whole. The loader
@@ -19,15 +19,11 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from anyquant.int4.loader import PackedFormatLoader
 from anyquant.plugin import (
-    CPU_FAST_OPTIONS,
-    RUNTIME_OPTIONS,
     BackendInfo,
     CheckpointError,
     Detection,
     FormatConflictError,
-    LoadContext,
     LoadedModel,
     LoadOptions,
     ModuleInfo,
@@ -36,8 +32,10 @@ from anyquant.plugin import (
     dense_rows,
     tensors_by_module,
 )
-from anyquant.runtime.layouts import Layout, Table4
-from anyquant.runtime.tensors import TensorSource
+from anyquant_runtime import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext
+from anyquant_runtime.int4.loader import PackedFormatLoader
+from anyquant_runtime.layouts import Layout, Table4
+from anyquant_runtime.tensors import TensorSource
 
 from .scheme import BLOCK, MXFP4Scheme, read_scheme
 
@@ -107,7 +105,7 @@ class MXFP4Loader(PackedFormatLoader):
         """Each expert's two weights, described from the headers as the engine's 4-bit table layout."""
         import torch
 
-        from anyquant.runtime.cpu import layouts_run
+        from anyquant_runtime.cpu import layouts_run
 
         from .experts import table4_layout
 
@@ -129,7 +127,7 @@ class MXFP4Loader(PackedFormatLoader):
             raise UnsupportedFormatError(f"{probe.root}: " + "; ".join(unsupported[:3]))
 
     def tensor_source(self, probe: Probe, options: LoadOptions) -> TensorSource:
-        from anyquant.runtime.tensors import SafetensorsSource
+        from anyquant_runtime.tensors import SafetensorsSource
 
         from .dequant import MXFP4Source
 

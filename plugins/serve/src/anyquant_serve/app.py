@@ -143,7 +143,7 @@ def _tool_format(app: _Server, request: ChatRequest) -> Any:
 def _tool_constraint(request: ChatRequest, fmt: Any) -> tuple[str, Any] | None:
     """``tool_choice: "required"`` or a named function as a grammar: the template's call markers around a JSON
     call of one of the tools (the named one), so the answer always parses as calls; ``None`` for ``auto``."""
-    from anyquant.runtime.grammar import GrammarError, OutputFormat
+    from anyquant_runtime.grammar import GrammarError, OutputFormat
 
     from .tools import MAX_PARALLEL_CALLS, call_schema
 
@@ -231,7 +231,7 @@ def _params(request: ChatRequest | CompletionRequest) -> Any:
 def _output_format(request: ChatRequest | CompletionRequest) -> tuple[str, Any] | None:
     """The constraint the request asks for, as ``(field, OutputFormat)``; a 400 naming the field when it is too
     large to compile."""
-    from anyquant.runtime.grammar import GrammarError, OutputFormat
+    from anyquant_runtime.grammar import GrammarError, OutputFormat
 
     asked = request.output_format()
     if asked is None:
@@ -255,7 +255,7 @@ def _output_format(request: ChatRequest | CompletionRequest) -> tuple[str, Any] 
 async def _compiled(app: _Server, name: str, fmt: Any) -> Any:
     """``fmt`` compiled for the model, in a worker thread (the event loop goes on): a 400 naming ``name`` when it
     cannot be compiled (or not in the time allowed), or when xgrammar is not installed."""
-    from anyquant.runtime.grammar import GrammarError, GrammarUnavailable, unavailable
+    from anyquant_runtime.grammar import GrammarError, GrammarUnavailable, unavailable
 
     reason = unavailable()
     if reason is not None:

@@ -1,7 +1,7 @@
 """Batched decode across requests for the served model (imports torch).
 
 Each prompt is prefilled alone, exactly as :meth:`anyquant.LoadedModel.generate` runs it: in chunks that start at
-multiples of ``chunk`` positions (:data:`~anyquant.runtime.generate.PREFILL_CHUNK`, generate's, by default),
+multiples of ``chunk`` positions (:data:`~anyquant_runtime.generate.PREFILL_CHUNK`, generate's, by default),
 keeping the last position's logits only where the module takes ``logits_to_keep`` (the same rows, so the same
 kernels and the same numbers). A prompt may be prefilled one chunk per call, the scheduler running decode steps of
 the batch in between (chunked prefill), and may start from a cache that already holds its first chunks (the
@@ -15,7 +15,7 @@ request's own cache, with no padding and no mask: a request's tokens do not depe
 (padding shifts the summation order inside attention, and this model's bfloat16 activations turn such last-bit
 differences into different greedy tokens). Requests join and leave between steps (continuous batching).
 
-The shared pass needs anyquant's native decoder (:class:`~anyquant.runtime.native.NativeCausalLM`: the Llama family,
+The shared pass needs anyquant's native decoder (:class:`~anyquant_runtime.native.NativeCausalLM`: the Llama family,
 Mixtral, Qwen2-MoE, Phi-3, Gemma 1-3, sliding windows included; its own ``decode_rows``);
 any other module is stepped one request at a time (still interleaved, so every client streams), and so is a lone
 request (the module's own forward: the same numbers, less per-step work than the row-by-row shared pass).
@@ -53,8 +53,8 @@ class DecodeBatch:
     """The requests decoding together, each with its own cache, and the prompts on their way in."""
 
     def __init__(self, module: Any, cache_keyword: str, device: torch.device, chunk: int | None = None) -> None:
-        from anyquant.runtime.generate import PREFILL_CHUNK, _takes
-        from anyquant.runtime.native import NativeCausalLM
+        from anyquant_runtime.generate import PREFILL_CHUNK, _takes
+        from anyquant_runtime.native import NativeCausalLM
 
         self.module = module
         self.cache_kw = cache_keyword
@@ -177,7 +177,7 @@ class DecodeBatch:
         return logits
 
     def _shared_step(self, tokens: Sequence[int]) -> torch.Tensor:
-        """The native decoder's own shared pass (:meth:`~anyquant.runtime.native.NativeCausalLM.decode_rows`): the
+        """The native decoder's own shared pass (:meth:`~anyquant_runtime.native.NativeCausalLM.decode_rows`): the
         embedding, rotary tables, projections, norms and MLP or MoE blocks once over every row, attention row by row
         over each row's own cache (a sliding layer's window, Gemma 2's soft-capping and four norms included)."""
         ids = torch.tensor([[t] for t in tokens], dtype=torch.long, device=self.device)

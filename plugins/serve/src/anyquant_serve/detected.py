@@ -1,12 +1,12 @@
 """The engine command for a checkpoint on disk: its format detected, its config and GGUF header read (this module
-imports detection; core's ``anyquant.tools.engines``, which ``advise`` uses, does not)."""
+imports detection; core's ``anyquant_tools.engines``, which ``advise`` uses, does not)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from anyquant.plugin import VllmPlan, vllm_plan
+from anyquant_tools import VllmPlan, vllm_plan
 
 __all__ = ["vllm_command"]
 

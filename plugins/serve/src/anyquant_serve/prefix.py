@@ -17,7 +17,7 @@ bundled model's kernels that changed greedy tokens within 32 steps in 2 of 32 ca
 one reuses all of it, logits included, without a forward. Without chunks (``chunk`` 0) only equal prompts are
 reused.
 
-Caches copied: :class:`~anyquant.runtime.native.NativeCache` (its ``copy``), and transformers'
+Caches copied: :class:`~anyquant_runtime.native.NativeCache` (its ``copy``), and transformers'
 ``DynamicCache`` when every layer can be cropped and none slides (``copy.deepcopy`` then ``crop``); a model with
 another cache is served without prefix caching. One thread (the scheduler's) owns a :class:`PrefixCache`.
 """
@@ -73,16 +73,16 @@ def _dynamic_layers(cache: Any) -> list[Any] | None:
 
 
 def cacheable(cache: Any) -> bool:
-    """Whether :func:`snapshot` can copy ``cache`` (a :class:`~anyquant.runtime.native.NativeCache`, or a
+    """Whether :func:`snapshot` can copy ``cache`` (a :class:`~anyquant_runtime.native.NativeCache`, or a
     transformers ``DynamicCache`` of croppable, non-sliding layers)."""
-    from anyquant.runtime.native import NativeCache
+    from anyquant_runtime.native import NativeCache
 
     return isinstance(cache, NativeCache) or _dynamic_layers(cache) is not None
 
 
 def snapshot(cache: Any, length: int) -> Any:
     """A cache of its own holding ``cache``'s first ``length`` positions (values as stored)."""
-    from anyquant.runtime.native import NativeCache
+    from anyquant_runtime.native import NativeCache
 
     if isinstance(cache, NativeCache):
         return cache.copy(length)
@@ -115,7 +115,7 @@ def cut(cache: Any, length: int) -> Any | None:
 
 def cache_bytes(cache: Any) -> int:
     """Bytes of the tensors ``cache`` holds (a :func:`snapshot` holds no spare room)."""
-    from anyquant.runtime.native import NativeCache
+    from anyquant_runtime.native import NativeCache
 
     if isinstance(cache, NativeCache):
         return cache.nbytes()
@@ -125,7 +125,7 @@ def cache_bytes(cache: Any) -> int:
 
 def _estimate(cache: Any, length: int) -> int:
     """Bytes a :func:`snapshot` of ``cache``'s first ``length`` positions will hold (nothing copied)."""
-    from anyquant.runtime.native import NativeCache
+    from anyquant_runtime.native import NativeCache
 
     if isinstance(cache, NativeCache):
         total = 0

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anyquant.plugin import AnyquantError, ParameterError
-from anyquant.runtime.stops import find_stop, held_back, stable
+from anyquant_runtime.stops import find_stop, held_back, stable
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
@@ -50,7 +50,7 @@ _GRAMMARS_LOCK = threading.Lock()
 
 #: prompt positions per prefill forward, and the grain at which the prefix cache reuses a kept prompt (whole chunks:
 #: a warm prompt runs exactly the forwards a cold one runs). Half ``generate``'s
-#: (:data:`anyquant.runtime.generate.PREFILL_CHUNK`, 512): a new question after a repeated 2,000-token system prompt
+#: (:data:`anyquant_runtime.generate.PREFILL_CHUNK`, 512): a new question after a repeated 2,000-token system prompt
 #: recomputes at most 255 of its tokens (time to first token ~0.14x the cold request's, against ~0.37x with 512), and
 #: a running stream waits at most one 256-token forward; a served prompt over 256 tokens is then within the decode
 #: tolerance of ``generate``'s logits rather than bitwise them (``--prefill-chunk 512`` gives those)
@@ -114,8 +114,8 @@ class ModelAdapter:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[int]:
         """Chat messages and OpenAI tools rendered by the model's own chat template (``tools=``), as token ids."""
-        from anyquant.runtime.chat import render_chat
-        from anyquant.runtime.tokenizer import encode_text
+        from anyquant_runtime.chat import render_chat
+        from anyquant_runtime.tokenizer import encode_text
 
         tok = self.generator.tokenizer
         text = render_chat(tok, list(messages), context_length=self.context, add_generation_prompt=True, tools=tools)
@@ -140,10 +140,10 @@ class ModelAdapter:
         return int(width) if isinstance(width, int) and width > 0 else self.vocab_size()
 
     def grammars(self) -> Any:
-        """The model's :class:`~anyquant.runtime.grammar.Grammars` (structured output), made on the first call."""
+        """The model's :class:`~anyquant_runtime.grammar.Grammars` (structured output), made on the first call."""
         grammars = self.__dict__.get("_grammars")
         if grammars is None:
-            from anyquant.runtime.grammar import Grammars
+            from anyquant_runtime.grammar import Grammars
 
             with _GRAMMARS_LOCK:
                 grammars = self.__dict__.get("_grammars")
@@ -159,7 +159,7 @@ class ModelAdapter:
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes token ``token`` stands for, also when they are part of a UTF-8 character."""
-        from anyquant.runtime.tokenizer import token_bytes
+        from anyquant_runtime.tokenizer import token_bytes
 
         cache = self.__dict__.setdefault("_token_bytes", {})
         if token not in cache:
@@ -207,12 +207,12 @@ class _Live:
         self.done: Finished | None = None
         self.counted = 0  # tokens sampled: the generated ones, and an end-of-sequence token (as vLLM counts)
         self.rng: Any = None
-        #: the grammar's state (:class:`~anyquant.runtime.grammar.Constraint`) when the output is constrained
+        #: the grammar's state (:class:`~anyquant_runtime.grammar.Constraint`) when the output is constrained
         self.constraint: Any = None
         if request.grammar is not None:
             self.constraint = adapter.grammars().constraint(request.grammar)
         if request.params.temperature > 0:
-            from anyquant.runtime.generate import row_generators
+            from anyquant_runtime.generate import row_generators
 
             self.rng = row_generators(request.params.seed, 1, adapter.generator.device)
 
@@ -635,7 +635,7 @@ class Scheduler:
         the grammar's mask not applied)."""
         import torch
 
-        from anyquant.runtime.generate import sample_next
+        from anyquant_runtime.generate import sample_next
 
         params = row.request.params
         device = logits.device

@@ -16,7 +16,7 @@ and llama.cpp's chat formats do:
 A call's ``arguments`` are the model's own text of its arguments object, as OpenAI's are, so that streamed
 (:class:`ToolStream`: piece by piece as they are generated) they join into the same text as unstreamed.
 
-Standard library only (the grammar itself is :mod:`anyquant.runtime.grammar`'s).
+Standard library only (the grammar itself is :mod:`anyquant_runtime.grammar`'s).
 """
 
 from __future__ import annotations

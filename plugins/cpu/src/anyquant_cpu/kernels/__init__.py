@@ -30,7 +30,7 @@ computes it (the decode step's q/k/v and gate/up).
 ``torch.ops.anyquant.ggml_experts(x, index, weights, blocks, types, intermediate, isa=-1, passes=2)``: a mixture-of-experts
 layer's chosen experts on rows ``x`` in one call (``blocks``/``types``: each expert's gate, up and down; per row its
 ``index`` experts in ascending order, ``weights`` their routing weights): bit for bit
-:class:`~anyquant.runtime.experts.Experts`' arithmetic on these linears (the decode step's MoE layers).
+:class:`~anyquant_runtime.experts.Experts`' arithmetic on these linears (the decode step's MoE layers).
 ``torch.ops.anyquant.ggml_interleave(blocks, type, rows, cols, forward=True, qk_heads=0)``: the blocks' interleaved
 form (``qk_heads``: of the rows as they are before llama.cpp's converter permuted Q/K rows in that many heads, read
 from the permuted rows without an un-permuted copy first; a new

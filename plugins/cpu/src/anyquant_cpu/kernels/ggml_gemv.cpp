@@ -1097,7 +1097,7 @@ at::Tensor ggml_gemv_cat(const at::Tensor& x, at::TensorList blocks, at::IntArra
 // A mixture-of-experts layer's chosen experts on rows x [T, H] (float32): per row t, its experts index[t, :] (int64;
 // one outside [0, E) skipped, transformers' mark for an expert held elsewhere) taken in ascending expert order (ties
 // in their top-k order), each expert e's output w * down_e(silu(gate_e x) * up_e x) with w = weights[t, pos] added
-// to 0 in that order: the arithmetic of anyquant.runtime.experts.Experts' one-token path, bit for bit (each output
+// to 0 in that order: the arithmetic of anyquant_runtime.experts.Experts' one-token path, bit for bit (each output
 // row as ggml_gemv gives it, silu torch's own, the products and sums float32 operations in the same order). blocks,
 // types: gate, up and down of expert 0, then of expert 1, ... (gate and up [intermediate, H], down [H, intermediate]).
 // Per row two parallel regions: every chosen expert's gate and up on the row's codes, then every chosen expert's
@@ -1436,7 +1436,7 @@ at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t type, int64_t rows,
 // RMSNorm of each row of a float32 x [..., n] (n = weight's length): y = (x * (1 / sqrt(mean(x^2) + eps))) * w,
 // the sum of squares in 16 float partial sums. One call where torch's float32 rms_norm is six ops (~11 us on a
 // 1,024-wide row, ~1 us here); not bitwise torch's (its reduction order differs): the decode step and the
-// modules call it alike (anyquant.runtime.layers.RMSNorm's kernel_rows).
+// modules call it alike (anyquant_runtime.layers.RMSNorm's kernel_rows).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "anyquant::rms_norm: float32 x and weight");

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from anyquant.runtime.packing import q8_0_blocks
+from anyquant_runtime.packing import q8_0_blocks
 
 from . import GGML_TYPES, INTERLEAVED
 

@@ -7,20 +7,14 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from anyquant.plugin import (
+from anyquant.plugin import BackendInfo, CheckpointError, Detection, ModuleInfo, Probe, dense_rows, tensors_by_module
+from anyquant_runtime import (
     CPU_FAST_OPTIONS,
     FLOAT_SCALE_DTYPES,
     RUNTIME_OPTIONS,
-    BackendInfo,
-    CheckpointError,
-    Detection,
     LoadContext,
-    ModuleInfo,
-    Probe,
     TransformersLoader,
-    dense_rows,
     require_dtypes,
-    tensors_by_module,
 )
 
 from ..loader import CPU_FAST_WEIGHTS_OPTIONS, DecodedCpuFast, cpu_fast_backend
@@ -29,7 +23,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from anyquant.plugin import LoadedModel
-    from anyquant.runtime.qlinear import QuantLinearBase
+    from anyquant_runtime.qlinear import QuantLinearBase
 
 __all__ = ["EXL2Loader"]
 

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from anyquant.runtime.qlinear import QuantLinearBase
+from anyquant_runtime.qlinear import QuantLinearBase
 
 from ..qlinear import decoded_layouts
 from .dequant import decode_exl2
 
 if TYPE_CHECKING:
-    from anyquant.runtime.layouts import Layout
+    from anyquant_runtime.layouts import Layout
 
 __all__ = ["EXL2Linear"]
 

@@ -1,0 +1,126 @@
+"""Input-activation quantization that several formats share, and the module that puts it in front of a fast linear.
+
+A format whose linears quantize their inputs (FP8 W8A8, NVFP4 W4A4) applies the same arithmetic on its exact path
+(``forward``) and around whatever module the CPU engine builds for its weight
+(:meth:`~anyquant_runtime.qlinear.QuantLinearBase.behind_inputs`, which returns a :class:`QuantizedInputs`). Each
+function here states whose arithmetic it is, to the bit:
+
+- :func:`quantize_fp8_activations`: vLLM's ``QuantFP8`` (static per-tensor ``input_scale``, or dynamic per token);
+- :func:`quantize_nvfp4_activations`: vLLM's NVFP4 emulation (``ref_nvfp4_quant`` and its dequantization: FP4 E2M1
+  values with an E4M3 scale per 16, under a global scale), as vLLM runs W4A4 NVFP4 where the GPU has no FP4;
+- :func:`round_fp4`: the nearest E2M1 value with compressed-tensors' and vLLM's tie rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "E2M1",
+    "FP8_MAX",
+    "MIN_DYNAMIC_SCALE",
+    "QuantizedInputs",
+    "quantize_fp8_activations",
+    "quantize_nvfp4_activations",
+    "round_fp4",
+]
+
+FP8_MAX = 448.0
+#: vLLM's ``_FP8_MIN_SCALING_FACTOR``: the least dynamic scale (an all-zero token)
+MIN_DYNAMIC_SCALE = 1.0 / (FP8_MAX * 512.0)
+#: FP4 E2M1 magnitudes by their 3-bit code (bit 3 is the sign)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_MAX = 6.0
+#: the FP4 rounding of a magnitude: (value, upper bound, bound included) in ascending order; above the last, 6
+_FP4_STEPS = (
+    (0.0, 0.25, True),
+    (0.5, 0.75, False),
+    (1.0, 1.25, True),
+    (1.5, 1.75, False),
+    (2.0, 2.5, True),
+    (3.0, 3.5, False),
+    (4.0, 5.0, True),
+)
+
+
+def round_fp4(x: torch.Tensor) -> torch.Tensor:
+    """The nearest E2M1 value of each element (in ``x``'s dtype, sign kept), ties to the even code as
+    compressed-tensors' ``cast_to_fp4`` and vLLM's ``cast_to_fp4`` break them (0.25, 1.25, 2.5, 5 down; 0.75, 1.75,
+    3.5 up); magnitudes above 5 become 6."""
+    a = x.abs()
+    out = torch.full_like(a, FP4_MAX)
+    for value, bound, included in reversed(_FP4_STEPS):  # a magnitude takes the lowest step whose bound holds it
+        out = torch.where(a <= bound if included else a < bound, torch.full_like(a, value), out)
+    return out * torch.sign(x)
+
+
+def quantize_fp8_activations(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x`` through FP8 e4m3 and back, as vLLM's ``QuantFP8.forward_native`` quantizes a linear's input (and its
+    FP8 GEMM scales the product back): ``q = e4m3(clamp(float32(x) * (1 / s), -448, 448))``, then ``float32(q) * s``
+    in ``x``'s dtype. ``s``: the stored static per-tensor ``scale``, or (``None``) each token's
+    ``max(max|x| / 448, 1 / (448 * 512))``. ModelOpt's own fake quantizer multiplies by ``448 / amax`` instead of
+    ``1 / (amax / 448)``: the two differ in a float32 rounding now and then."""
+    xf = x.to(torch.float32)
+    if scale is None:
+        s = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_DYNAMIC_SCALE)
+    else:
+        s = scale.to(torch.float32)
+    q = (xf * s.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.to(torch.float32) * s).to(x.dtype)
+
+
+def _reciprocal(t: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``get_reciprocal``: ``1 / t``, with 0 for 0 (``1 / (t + 1e8)`` there)."""
+    return 1.0 / (t + (t == 0) * 1e8)
+
+
+def quantize_nvfp4_activations(x: torch.Tensor, global_scale: torch.Tensor, group_size: int = 16) -> torch.Tensor:
+    """``x`` through NVFP4 and back, as vLLM's emulation of a W4A4 NVFP4 linear quantizes its input
+    (``ref_nvfp4_quant`` and the dequantization of ``ref_nvfp4_quant_dequant``): ``g = global_scale`` (float32: for
+    ModelOpt ``1 / input_scale``, for compressed-tensors' checkpoints ``input_global_scale``); per ``group_size``
+    consecutive inputs ``s = float32(e4m3(clamp(g * (max|x| * (1 / 6)), -448, 448)))``, ``q =
+    E2M1(clamp(float32(x) * r(s * r(g)), -6, 6))`` (``r``: a reciprocal that keeps 0 at 0; :func:`round_fp4`), and
+    back as ``q * (s / g)`` in ``x``'s dtype. The last dimension must be a multiple of ``group_size``."""
+    shape = x.shape
+    if shape[-1] % group_size:
+        raise ValueError(f"{shape[-1]} input columns are not a multiple of the NVFP4 group size {group_size}")
+    g = global_scale.to(torch.float32).reshape(())
+    xb = x.reshape(-1, shape[-1] // group_size, group_size)
+    vmax = xb.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+    s = torch.clamp(g * (vmax * (1 / FP4_MAX)), min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    scaled = torch.clamp(xb.to(torch.float32) * _reciprocal(s * _reciprocal(g)), -FP4_MAX, FP4_MAX)
+    return (round_fp4(scaled) * (s / g)).reshape(shape).to(x.dtype)
+
+
+class QuantizedInputs(nn.Module):
+    """A fast linear behind its format's input quantization: ``inner(quantize(x, **buffers))``. ``buffers`` (the
+    stored scales, ``None`` where absent) move with the module; ``describe`` is its ``extra_repr``."""
+
+    def __init__(
+        self,
+        inner: nn.Module,
+        quantize: Callable[..., torch.Tensor],
+        describe: str,
+        **buffers: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.inner, self.quantize, self.describe = inner, quantize, describe
+        self._inputs = tuple(buffers)
+        for name, tensor in buffers.items():
+            self.register_buffer(name, tensor, persistent=False)
+        self.in_features, self.out_features = int(inner.in_features), int(inner.out_features)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quantize(x, **{name: getattr(self, name) for name in self._inputs})
+        out: torch.Tensor = self.inner(q)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        out: torch.Tensor = self.inner.dequantize()  # type: ignore[operator]
+        return out
+
+    def extra_repr(self) -> str:
+        return self.describe

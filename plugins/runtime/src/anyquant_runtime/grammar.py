@@ -1,0 +1,340 @@
+"""Constrained decoding (structured output) through `xgrammar <https://github.com/mlc-ai/xgrammar>`_, the engine
+vLLM and SGLang use: an :class:`OutputFormat` (any JSON object, a JSON schema, a regular expression, one of a list
+of strings) is compiled once per tokenizer into a grammar (:class:`Grammars`, a bounded LRU cache; compiling runs
+in a worker thread under a time limit), and each generation that asks for it gets a :class:`Constraint`: before
+every sampling step it sets the logits of the tokens the grammar does not allow next to ``-inf`` (xgrammar's
+token bitmask), then accepts the sampled token. Every sampling parameter (temperature, top-p/k, min-p, penalties,
+logit bias, seed) then applies to the masked logits as usual, and the grammar allows the end-of-sequence tokens
+only where the output is complete.
+
+xgrammar is optional (a dependency of anyquant-serve, the server, which is what uses this module): importing this module does not import it;
+:func:`unavailable` says why it cannot be used, and compiling without it is a :class:`GrammarUnavailable`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import re
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from anyquant.errors import ParameterError
+
+__all__ = [
+    "COMPILE_TIMEOUT",
+    "MAX_FORMAT_BYTES",
+    "Constraint",
+    "GrammarError",
+    "GrammarUnavailable",
+    "Grammars",
+    "OutputFormat",
+    "hf_tokenizer",
+    "unavailable",
+]
+
+#: the largest schema, regular expression or list of choices (as JSON text) a format may hold
+MAX_FORMAT_BYTES = 64 << 10
+#: the most choices a ``choice`` format may list
+MAX_CHOICES = 1024
+#: seconds one grammar may take to compile before the request is refused
+COMPILE_TIMEOUT = 10.0
+#: compiled grammars kept (least recently used dropped first)
+CACHE_SIZE = 64
+
+Kind = Literal["json_object", "json_schema", "regex", "choice", "tool_calls"]
+
+
+class GrammarError(ParameterError):
+    """A format that cannot be compiled: too large, not a schema xgrammar understands, a regular expression it
+    cannot parse, or one that takes longer than the time limit."""
+
+
+class GrammarUnavailable(GrammarError):
+    """xgrammar is not installed."""
+
+
+def unavailable() -> str | None:
+    """``None`` when xgrammar can be imported, else why not (and how to install it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("xgrammar") is None:
+        return "structured output needs xgrammar, which is not installed: pip install anyquant-serve (or xgrammar)"
+    return None
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """What the output must be: ``json_object`` (any JSON object), ``json_schema`` (``spec``: the schema as JSON
+    text), ``regex`` (``spec``: the expression) or ``choice`` (``spec``: a JSON list of the strings allowed).
+    Made through the class methods, which bound the size."""
+
+    kind: Kind
+    spec: str = ""
+
+    @classmethod
+    def json_object(cls) -> OutputFormat:
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | bool | str) -> OutputFormat:
+        """``schema`` as a mapping (or ``true``/``false``, JSON Schema's any/none), or JSON text. Its properties
+        keep their order: the output writes them in it."""
+        if isinstance(schema, str):
+            _bounded(schema, "the JSON schema")
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise GrammarError("the JSON schema is not valid JSON") from None
+            except RecursionError:
+                raise GrammarError("the JSON schema nests too deeply") from None
+        if not isinstance(schema, (Mapping, bool)):
+            raise GrammarError(f"a JSON schema is an object (or true/false), not {type(schema).__name__}")
+        try:
+            text = json.dumps(schema, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise GrammarError(f"the JSON schema is not JSON: {exc}") from None
+        text = _bounded(text, "the JSON schema")
+        _check_enforced(schema, "", 0)
+        return cls("json_schema", text)
+
+    @classmethod
+    def tool_calls(
+        cls, schema: Mapping[str, Any], begin: str = "", end: str = "", sep: str = "", max_calls: int = 1
+    ) -> OutputFormat:
+        """Tool calls: ``begin``, a JSON value of ``schema`` (one call), ``end``; then up to ``max_calls - 1`` more,
+        each after ``sep`` (``spec``: those as JSON text)."""
+        if not isinstance(schema, Mapping) or max_calls < 1:
+            raise GrammarError("a tool call's schema is an object, and at least one call is allowed")
+        _check_enforced(schema, "", 0)
+        spec = {"schema": schema, "begin": begin, "end": end, "sep": sep, "max_calls": int(max_calls)}
+        try:
+            text = json.dumps(spec, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise GrammarError(f"the tools' parameters are not JSON: {exc}") from None
+        return cls("tool_calls", _bounded(text, "the tools' schema"))
+
+    @classmethod
+    def regex(cls, pattern: str) -> OutputFormat:
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError("a regular expression is a non-empty string")
+        return cls("regex", _bounded(pattern, "the regular expression"))
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> OutputFormat:
+        items = list(choices)
+        if not items or not all(isinstance(c, str) and c for c in items):
+            raise GrammarError("choices are a non-empty list of non-empty strings")
+        if len(items) > MAX_CHOICES:
+            raise GrammarError(f"{len(items)} choices: at most {MAX_CHOICES}")
+        return cls("choice", _bounded(json.dumps(items, ensure_ascii=False), "the choices"))
+
+
+#: JSON Schema keywords xgrammar 0.2.9 accepts but does not enforce (an answer could break them): refused
+UNENFORCED = ("not", "if", "then", "else", "contains", "dependentRequired", "dependentSchemas", "dependencies")
+#: keywords whose value is a schema, a list of schemas, or a mapping of names to schemas
+_ONE = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedProperties",
+        "unevaluatedItems")  # fmt: skip
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _check_enforced(schema: Any, where: str, depth: int) -> None:
+    """A :class:`GrammarError` naming the first keyword in ``schema`` that xgrammar would not enforce."""
+    if not isinstance(schema, Mapping) or depth > 256:
+        return
+    for key in UNENFORCED:
+        if key in schema:
+            raise GrammarError(f"{where or 'the schema'}: {key!r} is not supported (it would not be enforced)")
+    if schema.get("uniqueItems") is True:
+        raise GrammarError(f"{where or 'the schema'}: 'uniqueItems' is not supported (it would not be enforced)")
+    for key in _ONE:
+        _check_enforced(schema.get(key), f"{where}.{key}" if where else key, depth + 1)
+    for key in _MANY:
+        value = schema.get(key)
+        if isinstance(value, list):
+            for i, sub in enumerate(value):
+                _check_enforced(sub, f"{where}.{key}[{i}]" if where else f"{key}[{i}]", depth + 1)
+    for key in _NAMED:
+        value = schema.get(key)
+        if isinstance(value, Mapping):
+            for name, sub in value.items():
+                _check_enforced(sub, f"{where}.{key}.{name}" if where else f"{key}.{name}", depth + 1)
+
+
+def _bounded(text: str, what: str) -> str:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_FORMAT_BYTES:
+        raise GrammarError(f"{what} is {size} bytes: at most {MAX_FORMAT_BYTES}")
+    return text
+
+
+_LOCATION = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:[0-9]+:\s*")
+
+
+def _reason(exc: BaseException) -> str:
+    """xgrammar's complaint without its C++ source location, on one line, short."""
+    text = " ".join(_LOCATION.sub("", str(exc)).split())
+    return text[:300] or type(exc).__name__
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """transformers' tokenizer behind anyquant's (a :class:`~anyquant_runtime.tokenizer.LazyTokenizer` builds
+    its wrapper; GGUF's tokenizers are ``PreTrainedTokenizerFast`` already)."""
+    make = getattr(type(tokenizer), "as_transformers", None)
+    return make(tokenizer) if make is not None else tokenizer
+
+
+class Grammars:
+    """Compiles :class:`OutputFormat` for one model's tokenizer (``vocab_size``: the width of its logits;
+    ``stop_ids``: the end-of-sequence tokens the grammar allows once the output is complete). Thread-safe."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_ids: Iterable[int],
+        *,
+        cache_size: int = CACHE_SIZE,
+        timeout: float = COMPILE_TIMEOUT,
+        threads: int = 2,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.stop_ids = sorted(set(stop_ids))
+        self.cache_size = cache_size
+        self.timeout = timeout
+        self._lock = threading.RLock()  # a done callback may run at once, in the thread holding it
+        self._made = threading.Lock()
+        self._compiler: Any = None
+        self._cache: collections.OrderedDict[OutputFormat, Any] = collections.OrderedDict()
+        self._pending: dict[OutputFormat, concurrent.futures.Future[Any]] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="anyquant-grammar")
+
+    def compiler(self) -> Any:
+        """xgrammar's compiler for this tokenizer (its vocabulary read on the first call: ~1 s for 50k tokens)."""
+        reason = unavailable()
+        if reason is not None:
+            raise GrammarUnavailable(reason)
+        with self._made:
+            if self._compiler is None:
+                import xgrammar as xg
+
+                info = xg.TokenizerInfo.from_huggingface(
+                    hf_tokenizer(self.tokenizer), vocab_size=self.vocab_size, stop_token_ids=self.stop_ids or None
+                )
+                # no cache of its own: this class keeps the compiled grammars (bounded by count)
+                self._compiler = xg.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def compile(self, fmt: OutputFormat) -> Any:
+        """``fmt``'s compiled grammar (cached), or :class:`GrammarError` saying why not; at most ``timeout``
+        seconds (a compile that takes longer goes on in its thread, and is cached when it ends)."""
+        compiler = self.compiler()
+        with self._lock:
+            if fmt in self._cache:
+                self._cache.move_to_end(fmt)
+                return self._cache[fmt]
+            future = self._pending.get(fmt)
+            if future is None:
+                future = self._pending[fmt] = self._pool.submit(self._build, compiler, fmt)
+                future.add_done_callback(lambda f: self._store(fmt, f))
+        try:
+            return future.result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # still queued behind another compile: never started
+            raise GrammarError(f"the {_what(fmt)} did not compile within {self.timeout:g} s") from None
+        except concurrent.futures.CancelledError:
+            raise GrammarError(f"the {_what(fmt)} did not compile within {self.timeout:g} s") from None
+
+    def _store(self, fmt: OutputFormat, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._pending.pop(fmt, None)
+            if future.cancelled() or future.exception() is not None:
+                return
+            self._cache[fmt] = future.result()
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+
+    @staticmethod
+    def _build(compiler: Any, fmt: OutputFormat) -> Any:
+        try:
+            if fmt.kind == "json_object":
+                return compiler.compile_json_schema('{"type":"object"}', any_whitespace=False, strict_mode=False)
+            if fmt.kind == "json_schema":
+                # one line, no optional whitespace: a model cannot pad forever; strict: no property or item the
+                # schema does not name (what OpenAI's strict mode means), so the output validates either way
+                return compiler.compile_json_schema(fmt.spec, any_whitespace=False, strict_mode=True)
+            if fmt.kind == "regex":
+                return compiler.compile_regex(fmt.spec)
+            if fmt.kind == "tool_calls":
+                return compiler.compile_grammar(_tool_calls_grammar(json.loads(fmt.spec)))
+            choices = json.loads(fmt.spec)
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
+        except Exception as exc:  # xgrammar raises RuntimeError (and ValueError) with its parser's message
+            raise GrammarError(f"the {_what(fmt)} cannot be compiled: {_reason(exc)}") from None
+
+    def constraint(self, compiled: Any) -> Constraint:
+        """A fresh matcher over ``compiled`` for one generation."""
+        return Constraint(compiled, self.vocab_size)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _tool_calls_grammar(spec: Mapping[str, Any]) -> Any:
+    """``begin schema end`` once, or up to ``max_calls`` times joined by ``sep``, as one xgrammar grammar (the
+    JSON on one line, strict: no property the schema does not name)."""
+    import xgrammar as xg
+
+    def literal(text: str) -> Any:
+        return xg.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
+
+    value = xg.Grammar.from_json_schema(json.dumps(spec["schema"]), any_whitespace=False, strict_mode=True)
+    one = [literal(spec["begin"])] if spec["begin"] else []
+    one += [value] + ([literal(spec["end"])] if spec["end"] else [])
+    call = xg.Grammar.concat(*one) if len(one) > 1 else one[0]
+    options, calls = [call], call
+    for _ in range(int(spec["max_calls"]) - 1):
+        calls = xg.Grammar.concat(calls, literal(spec["sep"]), call) if spec["sep"] else xg.Grammar.concat(calls, call)
+        options.append(calls)
+    return xg.Grammar.union(*options) if len(options) > 1 else call
+
+
+def _what(fmt: OutputFormat) -> str:
+    return {
+        "json_object": "JSON grammar",
+        "json_schema": "JSON schema",
+        "regex": "regular expression",
+        "tool_calls": "tools' call schema",
+    }.get(fmt.kind, "list of choices")
+
+
+class Constraint:
+    """One generation's grammar state: :meth:`mask` the next token's logits, :meth:`accept` the token sampled."""
+
+    def __init__(self, compiled: Any, vocab_size: int) -> None:
+        import xgrammar as xg
+
+        self._xg = xg
+        self.matcher = xg.GrammarMatcher(compiled)
+        self.bitmask = xg.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, logits: Any) -> None:
+        """Set, in place, the logits ``[1, vocab]`` (float32) of the tokens the grammar does not allow next to
+        ``-inf``."""
+        if self.matcher.fill_next_token_bitmask(self.bitmask, 0):
+            bitmask = self.bitmask if logits.device.type == "cpu" else self.bitmask.to(logits.device)
+            self._xg.apply_token_bitmask_inplace(logits, bitmask)
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``; ``False`` when the grammar does not allow it (then the state is unchanged)."""
+        return bool(self.matcher.accept_token(int(token)))
+
+    @property
+    def terminated(self) -> bool:
+        """The output is complete and its end-of-sequence token accepted."""
+        return bool(self.matcher.is_terminated())
