@@ -18,6 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = (
     "anyquant",
+    "anyquant_runtime",
+    "anyquant_tools",
     "anyquant_gptq",
     "anyquant_awq",
     "anyquant_exl3",
@@ -28,6 +30,7 @@ PACKAGES = (
     "anyquant_mlx",
     "anyquant_mxfp4",
     "anyquant_serve",
+    "anyquant_cpu",
 )
 
 

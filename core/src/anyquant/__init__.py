@@ -175,7 +175,7 @@ def __getattr__(name: str) -> Any:
         try:
             home = importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name != package:
+            if (exc.name or "").split(".")[0] != package:  # not the distribution missing: a real error in it
                 raise
             from .errors import MissingDependencyError
 

@@ -184,7 +184,7 @@ def _check_loaded(loaded: LoadedModel) -> None:
     try:
         tool = importlib.import_module(CHECK_MODULE)
     except ModuleNotFoundError as exc:
-        if exc.name != "anyquant_tools":
+        if (exc.name or "").split(".")[0] != "anyquant_tools":
             raise
         raise MissingDependencyError(
             "load(check=True) runs anyquant-tools' check: pip install anyquant-tools"

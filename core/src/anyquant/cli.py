@@ -76,7 +76,10 @@ def _elsewhere_epilog() -> str:
     parts = []
     for dist in dict.fromkeys(ELSEWHERE.values()):
         names = ", ".join(c for c, d in ELSEWHERE.items() if d == dist)
-        installed = importlib.util.find_spec(dist.replace("-", "_")) is not None
+        try:
+            installed = importlib.util.find_spec(dist.replace("-", "_")) is not None
+        except (ImportError, ValueError):  # a module set to None in sys.modules: not importable here
+            installed = False
         parts.append(f"{names} ({dist}, " + ("installed" if installed else f"not installed: pip install {dist}") + ")")
     return "More commands: " + "; ".join(parts) + ". `anyquant COMMAND --help` shows a command's options."
 
