@@ -507,6 +507,7 @@ class LoadedModel:
         self.closed = True
         self.module = self.tokenizer = None
         self.generator = None  # type: ignore[assignment]  # it holds the module too
+        self.fallback = None  # and so does the fallback's maker
         del module
         release_free_heap()
 
