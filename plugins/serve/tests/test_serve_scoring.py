@@ -270,7 +270,7 @@ def test_default_chunks_on_the_served_kernels_give_the_one_forward_scores(monkey
     follows is the one the prompt gets without ``echo`` (its own prefill: the scoring's forwards are not the
     prefill's, so their cache is not reused)."""
     import anyquant
-    from anyquant.runtime.generate import PREFILL_CHUNK
+    from anyquant_runtime.generate import PREFILL_CHUNK
     from anyquant_serve.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_SCORE_CHUNK
 
     assert DEFAULT_SCORE_CHUNK == PREFILL_CHUNK != DEFAULT_PREFILL_CHUNK

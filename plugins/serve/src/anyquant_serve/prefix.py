@@ -100,7 +100,7 @@ def snapshot(cache: Any, length: int) -> Any:
 def cut(cache: Any, length: int) -> Any | None:
     """``cache`` itself cut to its first ``length`` positions (nothing copied: the next forward writes from there),
     or ``None`` when it is not one :func:`snapshot` could copy (then it cannot be reused either)."""
-    from anyquant.runtime.native import NativeCache
+    from anyquant_runtime.native import NativeCache
 
     if isinstance(cache, NativeCache):
         cache.crop(length)

@@ -59,7 +59,7 @@ DEFAULT_PREFILL_CHUNK = 256
 #: Llama-3-8B 524 MB
 DEFAULT_PREFIX_CACHE_MB = 1024.0
 #: prompt positions per scoring forward (``echo`` with ``logprobs``): generate's chunk
-#: (:data:`anyquant.runtime.generate.PREFILL_CHUNK`), not the prefill's. On the bundled model a prompt scored in
+#: (:data:`anyquant_runtime.generate.PREFILL_CHUNK`), not the prefill's. On the bundled model a prompt scored in
 #: chunks of 512 gets the log-probabilities of one forward over the whole prompt bit for bit (measured up to 4,096
 #: tokens: the scoring the server ran before, which held every position's logits at once); in chunks of 256 they
 #: moved by up to 0.145 (the kernels' rounding: a forward's row count picks its kernels and its attention's
