@@ -7,7 +7,7 @@ lm-eval as ``"anyquant"`` when this module is imported.
 
 ``loglikelihood``, ``loglikelihood_rolling`` and ``generate_until`` go through :meth:`LoadedModel.loglikelihood`,
 :meth:`LoadedModel.loglikelihood_rolling` and :meth:`LoadedModel.complete`, ``batch_size`` pairs at a time, with a
-progress bar on stderr (tqdm, lm-eval's own wording) unless lm-eval passes ``disable_tqdm=True``. Needs ``pip install anyquant[lmeval]``
+progress bar on stderr (tqdm, lm-eval's own wording) unless lm-eval passes ``disable_tqdm=True``. Needs ``pip install 'anyquant-tools[lmeval]'``
 (``lm-eval``); importing this module without it is a :class:`~anyquant.errors.MissingDependencyError`.
 """
 
@@ -27,7 +27,7 @@ try:
     from lm_eval.api.registry import register_model
 except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise MissingDependencyError(
-        "anyquant_tools.lmeval needs lm-eval: pip install 'anyquant[lmeval]' (or lm-eval==0.4.13)"
+        "anyquant_tools.lmeval needs lm-eval: pip install 'anyquant-tools[lmeval]' (or lm-eval==0.4.13)"
     ) from exc
 
 __all__ = ["AnyquantLM", "main"]
