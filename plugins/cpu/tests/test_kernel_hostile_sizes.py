@@ -322,7 +322,38 @@ def _lut_cases() -> list[Case]:
         a = {"weight": weight, "scales": scales, "group": 32, "round": 0, **kw}
         return lambda: torch.ops.anyquant.fp8_dequant(a["weight"], a["scales"], a["group"], a["round"])
 
+    out = torch.zeros(4, 64)
+
+    def l4o(**kw: Any) -> Callable[[], Any]:
+        a = {"codes": codes, "scales": scales, "lut": table, "group": 32, "round": 0, "out": out, **kw}
+        return lambda: torch.ops.anyquant.lut4_dequant_out(
+            a["codes"], a["scales"], a["lut"], a["group"], a["round"], a["out"]
+        )
+
+    def f8o(**kw: Any) -> Callable[[], Any]:
+        a = {"weight": weight, "scales": scales, "group": 32, "round": 0, "out": out, **kw}
+        return lambda: torch.ops.anyquant.fp8_dequant_out(a["weight"], a["scales"], a["group"], a["round"], a["out"])
+
     return [
+        # the buffer-writing forms: a bad ``out`` (shape, layout, dtype, device) and the inputs' own checks
+        ("lut4_dequant_out", "fits", l4o(), False),
+        ("lut4_dequant_out", "out rows not the codes'", l4o(out=torch.zeros(5, 64)), True),
+        ("lut4_dequant_out", "out 1-D", l4o(out=torch.zeros(4 * 64)), True),
+        ("lut4_dequant_out", "strided out", l4o(out=torch.zeros(4, 128)[:, ::2]), True),
+        ("lut4_dequant_out", "int32 out", l4o(out=torch.zeros(4, 64, dtype=torch.int32)), True),
+        ("lut4_dequant_out", "out on meta", l4o(out=out.to("meta")), True),
+        ("lut4_dequant_out", "int8 codes", l4o(codes=codes.view(torch.int8)), True),
+        ("lut4_dequant_out", "K 48", l4o(codes=_u8(4 * 24).reshape(4, 24), out=torch.zeros(4, 48)), True),
+        ("lut4_dequant_out", "group 2**62", l4o(group=2**62), True),
+        ("lut4_dequant_out", "round 3", l4o(round=3), True),
+        ("fp8_dequant_out", "fits", f8o(), False),
+        ("fp8_dequant_out", "out rows not the weight's", f8o(out=torch.zeros(3, 64)), True),
+        ("fp8_dequant_out", "strided out", f8o(out=torch.zeros(4, 128)[:, ::2]), True),
+        ("fp8_dequant_out", "float64 out", f8o(out=torch.zeros(4, 64, dtype=torch.float64)), True),
+        ("fp8_dequant_out", "out on meta", f8o(out=out.to("meta")), True),
+        ("fp8_dequant_out", "int8 weight", f8o(weight=weight.view(torch.int8)), True),
+        ("fp8_dequant_out", "group 0", f8o(group=0), True),
+        ("fp8_dequant_out", "round -1", f8o(round=-1), True),
         ("lut4_gemv", "1-D x", l4(x=_x(64)[0]), True),
         ("lut4_gemv", "float64 x", l4(x=x.double()), True),
         ("lut4_gemv", "strided x", l4(x=_x(128)[:, ::2]), True),
@@ -450,8 +481,9 @@ def test_every_op_refuses_hostile_sizes_without_crashing() -> None:
             problems.append(f"{op} / {what}: no outcome")
         elif must_raise and got["raised"] is None:
             problems.append(f"{op} / {what}: accepted")
-        elif must_raise and f"anyquant::{op}" not in got["message"]:
-            # the op's own check names it; an allocation failing after the checks passed does not
+        elif must_raise and not any(f"anyquant::{name}" in got["message"] for name in (op, op.removesuffix("_out"))):
+            # the op's own check names it (an ``_out`` form shares its op's checks, which name that op); an
+            # allocation failing after the checks passed does not
             problems.append(f"{op} / {what}: {got['raised']} not from the op's checks: {got['message']}")
     assert not problems, "\n".join(problems)
 
