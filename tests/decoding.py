@@ -52,3 +52,27 @@ def assert_step_is_module_path(model: Any, vocab: int, kind: str = "mixed_layer"
     slow = logits_after_prompt(model, ids, 40)
     del model.module.__dict__["_step"]
     assert torch.equal(fast, slow)
+
+
+def random_int4_linears(layers: Any, seed: int = 5) -> None:
+    """Every linear of ``layers`` with 32 or more outputs replaced by a cpu-fast int4 linear of random codes, zeros and
+    scales (its bias kept); skips the test where torch's int4 CPU kernel does not run."""
+    import pytest
+
+    from anyquant_cpu.engine import FastInt4Linear, int4pack_status
+
+    status = int4pack_status()
+    if not status.available:
+        pytest.skip(f"no int4 CPU kernel here: {status.reason}")
+    gen = torch.Generator().manual_seed(seed)
+    for layer in layers:
+        for name, lin in list(layer.named_modules()):
+            if not isinstance(lin, torch.nn.Linear) or lin.out_features < 32:
+                continue
+            k, n = lin.in_features, lin.out_features
+            codes = torch.randint(0, 16, (k, n), generator=gen)
+            zeros = torch.randint(0, 16, (k // 32, n), generator=gen)
+            scales = (torch.rand(k // 32, n, generator=gen) * 0.02).half()
+            b = None if lin.bias is None else lin.bias.detach().clone()
+            parent, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(parent), leaf, FastInt4Linear(codes, zeros, scales, bias=b))

@@ -179,24 +179,32 @@ def test_imports_run_one_way(wing: str) -> None:
     """Core imports neither the runtime, the tools nor any plugin; the runtime imports core alone; the tools core and
     the runtime (a name under ``if TYPE_CHECKING:`` aside: core's ``__init__`` annotates the names it forwards)."""
     later = [w for w in WINGS[WINGS.index(wing) + 1 :]] + list(FIRST_PARTY_PLUGINS)
-    bad = []
-    for module, path in _modules(wing).items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        guarded = {
-            id(n)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)
-        }
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, (ast.Import, ast.ImportFrom))
-                and id(node) not in guarded
-                and not getattr(node, "level", 0)
-            ):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                bad += [f"{module}: {n}" for n in names if n.split(".")[0] in later]
+    bad = [
+        f"{module}: {n}"
+        for module, path in _modules(wing).items()
+        for n in _unguarded_absolute_imports(path)
+        if n.split(".")[0] in later
+    ]
     assert not bad, bad
+
+
+def _unguarded_absolute_imports(path: Path) -> list[str]:
+    """The modules ``path`` imports by absolute name (``import x.y``, ``from x.y import z``: ``x.y``), but those
+    under ``if TYPE_CHECKING:`` (annotations only)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    guarded = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and id(node) not in guarded:
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and id(node) not in guarded and not node.level:
+            found.append(node.module or "")
+    return found
 
 
 @pytest.mark.parametrize("package", FIRST_PARTY_PLUGINS)
@@ -219,19 +227,12 @@ def test_core_names_the_engine_in_one_place() -> None:
     """Core and the runtime reach the CPU engine through the registered ``cpu-fast`` backend
     (:mod:`anyquant_runtime.cpu`), never by importing anyquant-cpu (a type annotation aside): without it installed
     every format still loads."""
-    bad = []
-    for module, path in {**_modules("anyquant"), **_modules("anyquant_runtime")}.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        guarded = {
-            id(n)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)
-        }
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in guarded:
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                bad += [f"{module}: {n}" for n in names if n.split(".")[0] == "anyquant_cpu"]
+    bad = [
+        f"{module}: {n}"
+        for module, path in {**_modules("anyquant"), **_modules("anyquant_runtime")}.items()
+        for n in _unguarded_absolute_imports(path)
+        if n.split(".")[0] == "anyquant_cpu"
+    ]
     assert not bad, bad
 
 

@@ -162,25 +162,14 @@ __all__ = [  # a literal list: type checkers read it (mypy --strict's re-export 
 ]
 
 
-#: the distributions of the names core does not hold itself (``anyquant_tools.quantize`` is anyquant-tools')
-_DISTRIBUTIONS = {"anyquant_tools": "anyquant-tools", "anyquant_runtime": "anyquant-runtime"}
-
-
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'anyquant' has no attribute {name!r}")
-    package = module.split(".")[0]
-    if package in _DISTRIBUTIONS:  # another distribution's: a clear error where it is not installed
-        try:
-            home = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if (exc.name or "").split(".")[0] != package:  # not the distribution missing: a real error in it
-                raise
-            from .errors import MissingDependencyError
+    if module.startswith("anyquant_"):  # another distribution's: a clear error where it is not installed
+        from .registry import import_distribution_module
 
-            dist = _DISTRIBUTIONS[package]
-            raise MissingDependencyError(f"anyquant.{name} is in the {dist} distribution: pip install {dist}") from None
+        home = import_distribution_module(module, f"anyquant.{name}")
     else:
         home = importlib.import_module(f".{module}", __name__)
     value = getattr(home, name)

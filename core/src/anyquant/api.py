@@ -179,16 +179,9 @@ CHECK_MODULE = "anyquant_tools.check"
 
 
 def _check_loaded(loaded: LoadedModel) -> None:
-    import importlib
+    from .registry import import_distribution_module
 
-    try:
-        tool = importlib.import_module(CHECK_MODULE)
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] != "anyquant_tools":
-            raise
-        raise MissingDependencyError(
-            "load(check=True) runs anyquant-tools' check: pip install anyquant-tools"
-        ) from None
+    tool = import_distribution_module(CHECK_MODULE, "load(check=True)'s check")
     report = tool.check(loaded)
     loaded.info = {**loaded.info, "check": report.to_dict()}
     if report.verdict == "broken":

@@ -163,6 +163,24 @@ def import_object(ref: str) -> Any:
     return getattr(module, attr) if attr else module
 
 
+#: the first-party distributions core reaches by module name only (never by import): package -> distribution
+DISTRIBUTIONS = {"anyquant_runtime": "anyquant-runtime", "anyquant_tools": "anyquant-tools"}
+
+
+def import_distribution_module(module: str, what: str) -> ModuleType:
+    """Import ``module`` of another first-party distribution (:data:`DISTRIBUTIONS`); where that distribution is not
+    installed, a :class:`MissingDependencyError` saying that ``what`` is in it (an import error inside an installed
+    one is raised as it is)."""
+    package = module.split(".")[0]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != package:
+            raise
+        dist = DISTRIBUTIONS[package]
+        raise MissingDependencyError(f"{what} is in the {dist} distribution: pip install {dist}") from None
+
+
 _REQ = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*(?:(>=|==|<=|>|<|!=|~=)\s*([^\s;]+))?\s*$")
 
 

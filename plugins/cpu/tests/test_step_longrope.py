@@ -15,6 +15,7 @@ import torch
 import anyquant
 from anyquant.testing.tiny import make_tiny_dense
 from anyquant_runtime.native import LongRope, NativeCausalLM, longrope_inv_freq
+from tests.decoding import random_int4_linears
 
 pytestmark = pytest.mark.slow
 
@@ -29,26 +30,6 @@ LONGROPE = {
         "long_factor": [1.0 + 0.5 * i for i in range(16)],
     },
 }
-
-
-def _int4(model: anyquant.LoadedModel) -> None:
-    """Every linear of a layer with 32 or more outputs made a cpu-fast int4 linear of random codes."""
-    from anyquant_cpu.engine import FastInt4Linear, int4pack_status
-
-    status = int4pack_status()
-    if not status.available:
-        pytest.skip(f"no int4 CPU kernel here: {status.reason}")
-    gen = torch.Generator().manual_seed(5)
-    for layer in model.module.model.layers:
-        for name, lin in list(layer.named_modules()):
-            if not isinstance(lin, torch.nn.Linear) or lin.out_features < 32:
-                continue
-            k, n = lin.in_features, lin.out_features
-            codes = torch.randint(0, 16, (k, n), generator=gen)
-            zeros = torch.randint(0, 16, (k // 32, n), generator=gen)
-            scales = (torch.rand(k // 32, n, generator=gen) * 0.02).half()
-            parent, _, leaf = name.rpartition(".")
-            setattr(layer.get_submodule(parent), leaf, FastInt4Linear(codes, zeros, scales))
 
 
 def _steps(model: anyquant.LoadedModel, ids: torch.Tensor, prompt: int) -> torch.Tensor:
@@ -90,7 +71,7 @@ def test_phi3_longrope_steps_are_the_module_path(tmp_path: Path, monkeypatch: py
     steps crossing it; no layer is the step's (fused projections), the logits are the module path's."""
     model = anyquant.load(make_tiny_dense(tmp_path / "m", model_type="phi3", sliding_window=None, **LONGROPE))
     assert isinstance(model.module, NativeCausalLM) and model.module.config.longrope is not None
-    _int4(model)
+    random_int4_linears(model.module.model.layers)
     ids = torch.randint(0, 200, (2, 44), generator=torch.Generator().manual_seed(3))
     _, step, modules = _both_paths(model, ids, 20, monkeypatch)
     assert step is None and modules == 2 * 25  # Phi-3's layers: the module path (the prompt, 24 steps)
@@ -106,7 +87,7 @@ def test_compiled_layers_take_the_models_longrope_tables(
     from anyquant_cpu.step import DecodeStep
 
     model = anyquant.load(make_tiny_dense(tmp_path / "m"), runtime="native")
-    _int4(model)
+    random_int4_linears(model.module.model.layers)
     ids = torch.randint(0, 200, (rows, 44), generator=torch.Generator().manual_seed(4))
     plain, _, _ = _both_paths(model, ids, 20, monkeypatch)
     module = model.module

@@ -17,7 +17,7 @@ from anyquant.errors import CheckpointError
 from anyquant.testing.tiny import make_tiny_dense, tiny_llama_config
 from anyquant_runtime.build import choose_runtime
 from anyquant_runtime.native import NativeConfig, native_runtime_reason, rope_inv_freq
-from tests.decoding import logits_after_prompt
+from tests.decoding import logits_after_prompt, random_int4_linears
 
 pytestmark = pytest.mark.slow
 
@@ -666,26 +666,11 @@ def test_compiled_decode_step_of_the_newer_families(
     """Every linear of a layer with 32 or more outputs made cpu-fast int4 (the experts' and Phi-3's fused ones too):
     a layer the step's functions do not compute runs through its module, and the decode steps' logits are bitwise
     the module path's."""
-    from anyquant_cpu.engine import FastInt4Linear, int4pack_status
     from anyquant_cpu.step import DecodeStep, compiled_layer
 
-    status = int4pack_status()
-    if not status.available:
-        pytest.skip(f"no int4 CPU kernel here: {status.reason}")
     overrides, kinds = FAMILY_STEPS[family]
     model = anyquant.load(make_tiny_dense(tmp_path / "m", **overrides), runtime="native")
-    gen = torch.Generator().manual_seed(5)
-    for layer in model.module.model.layers:
-        for name, lin in list(layer.named_modules()):
-            if not isinstance(lin, torch.nn.Linear) or lin.out_features < 32:
-                continue
-            k, n = lin.in_features, lin.out_features
-            codes = torch.randint(0, 16, (k, n), generator=gen)
-            zeros = torch.randint(0, 16, (k // 32, n), generator=gen)
-            scales = (torch.rand(k // 32, n, generator=gen) * 0.02).half()
-            b = None if lin.bias is None else lin.bias.detach().clone()
-            parent, _, leaf = name.rpartition(".")
-            setattr(layer.get_submodule(parent), leaf, FastInt4Linear(codes, zeros, scales, bias=b))
+    random_int4_linears(model.module.model.layers)
     calls = _LayerCalls(monkeypatch)
     ids = torch.randint(0, 200, (2, 20), generator=torch.Generator().manual_seed(12))
     fast = logits_after_prompt(model, ids, 8)

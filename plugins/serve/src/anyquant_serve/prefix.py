@@ -88,10 +88,7 @@ def snapshot(cache: Any, length: int) -> Any:
         return cache.copy(length)
     if _dynamic_layers(cache) is None:
         raise TypeError(f"cannot copy a {type(cache).__name__}")
-    out = copy.deepcopy(cache)
-    extra = int(out.get_seq_length()) - length
-    if extra > 0:
-        out.crop(-extra)  # a negative count removes that many: transformers 4's and 5's crop alike
+    out = cut(copy.deepcopy(cache), length)
     for layer in _dynamic_layers(out) or ():
         layer.keys, layer.values = layer.keys.contiguous().clone(), layer.values.contiguous().clone()
     return out
@@ -109,7 +106,7 @@ def cut(cache: Any, length: int) -> Any | None:
         return None
     extra = int(cache.get_seq_length()) - length
     if extra > 0:
-        cache.crop(-extra)  # as in snapshot: transformers 4's and 5's crop alike
+        cache.crop(-extra)  # a negative count removes that many: transformers 4's and 5's crop alike
     return cache
 
 

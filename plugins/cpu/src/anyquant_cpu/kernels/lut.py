@@ -94,6 +94,7 @@ class _KernelRows(nn.Module):
     out_features: int
     small_rows: int
     prefill_dtype: torch.dtype | None
+    round_to: torch.dtype
     bias: torch.Tensor | None
     #: the prompt path's slice budget (:func:`prompt_slices`); an instance may set its own
     prompt_slice_bytes: int = PROMPT_SLICE_BYTES
@@ -102,10 +103,17 @@ class _KernelRows(nn.Module):
         """Rows ``r0:r1`` of :meth:`dequantize` (formed from those rows' codes only)."""
         raise NotImplementedError
 
+    def _dequant_out(self, r0: int, r1: int, code: int, out: torch.Tensor) -> None:  # pragma: no cover - abstract
+        """The kernel's ``*_dequant_out`` of rows ``r0:r1``, rounded by ``code`` (:data:`ROUND_CODES`), into ``out``."""
+        raise NotImplementedError
+
     def dequantize_rows_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
         """Rows ``r0:r1`` of :meth:`exact_weight` in ``out``'s dtype, written into ``out`` (contiguous
         ``[r1 - r0, in]``): the kernel's ``*_dequant_out`` where loaded, else a copy of :meth:`dequantize_rows`."""
-        out.copy_(self.dequantize_rows(r0, r1))
+        if out.dtype in ROUND_CODES and _dequant_out_op():
+            self._dequant_out(r0, r1, ROUND_CODES[self.round_to], out)
+        else:
+            out.copy_(self.dequantize_rows(r0, r1))
 
     def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -211,12 +219,8 @@ class Lut4Linear(_KernelRows):
         s = scales.repeat_interleave(self.group, dim=1)
         return (self.lut[q] * s).to(self.round_to)
 
-    def dequantize_rows_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
-        if out.dtype in ROUND_CODES and _dequant_out_op():
-            code = ROUND_CODES[self.round_to]
-            torch.ops.anyquant.lut4_dequant_out(self.codes[r0:r1], self.scales[r0:r1], self.lut, self.group, code, out)
-        else:
-            out.copy_(self.dequantize_rows(r0, r1))
+    def _dequant_out(self, r0: int, r1: int, code: int, out: torch.Tensor) -> None:
+        torch.ops.anyquant.lut4_dequant_out(self.codes[r0:r1], self.scales[r0:r1], self.lut, self.group, code, out)
 
     def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.anyquant.lut4_gemv(
@@ -292,12 +296,8 @@ class E4M3Linear(_KernelRows):
         w = bits.view(torch.float8_e4m3fn).to(torch.float32)
         return (w * scales.repeat_interleave(self.group, dim=1)).to(self.round_to)
 
-    def dequantize_rows_into(self, r0: int, r1: int, out: torch.Tensor) -> None:
-        if out.dtype in ROUND_CODES and _dequant_out_op():
-            code = ROUND_CODES[self.round_to]
-            torch.ops.anyquant.fp8_dequant_out(self.weight_bits[r0:r1], self.scales[r0:r1], self.group, code, out)
-        else:
-            out.copy_(self.dequantize_rows(r0, r1))
+    def _dequant_out(self, r0: int, r1: int, code: int, out: torch.Tensor) -> None:
+        torch.ops.anyquant.fp8_dequant_out(self.weight_bits[r0:r1], self.scales[r0:r1], self.group, code, out)
 
     def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.anyquant.fp8_gemv(
