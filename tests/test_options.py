@@ -12,13 +12,15 @@ import anyquant
 from anyquant.testing.tiny import make_tiny_dense
 from anyquant_awq.loader import AWQLoader
 from anyquant_awq.quantize import AWQQuantizer
+from anyquant_cpu.options import OPTION_LAYOUTS
+from anyquant_cpu.options import OPTIONS as CPU_FAST_OPTIONS
 from anyquant_exl3.exl2.loader import EXL2Loader
 from anyquant_exl3.loader import EXL3Loader
 from anyquant_exl3.quantize import EXL3Quantizer
 from anyquant_gguf.loader import GGUFLoader
 from anyquant_gptq.loader import GPTQLoader
 from anyquant_gptq.quantize import GPTQQuantizer
-from anyquant_runtime.loaders import CPU_FAST_OPTIONS, RUNTIME_OPTIONS
+from anyquant_runtime.loaders import RUNTIME_OPTIONS
 from anyquant_tools.quantize import CORE_QUANTIZE_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,15 +98,21 @@ def test_quantizers_declare_what_they_read(declared, files) -> None:  # type: ig
 )
 def test_loaders_declare_what_they_read(loader, files) -> None:  # type: ignore[no-untyped-def]
     read = _reads(*files, "plugins/runtime/src/anyquant_runtime/loaders.py", "plugins/cpu/src/anyquant_cpu/engine.py")
-    declared = set(loader.load_options)
-    assert set(RUNTIME_OPTIONS) | set(CPU_FAST_OPTIONS) <= declared
+    declared = set(loader().load_options)
+    # the CPU engine's options, offered with the backend (those of other layouts aside)
+    assert set(RUNTIME_OPTIONS) | (set(CPU_FAST_OPTIONS) - set(OPTION_LAYOUTS)) <= declared
     # the gptqmodel kernels name their options by constants: the gptq test module checks those
-    assert read - {"gptqmodel_kernel", "gptqmodel_compile", "_gptqmodel_cpu"} <= declared | _exl3_only(loader)
+    # the engine reads (and checks) its layout-scoped options for every load; a loader declares those of its layouts
+    kinds = {k.kind for k in loader.layout_kinds}
+    scoped_out = {name for name, layouts in OPTION_LAYOUTS.items() if not kinds & set(layouts)}
+    assert scoped_out.isdisjoint(declared)
+    unread = {"gptqmodel_kernel", "gptqmodel_compile", "_gptqmodel_cpu"} | scoped_out
+    assert read - unread <= declared | _exl3_only(loader)
 
 
 def _exl3_only(loader: type) -> set[str]:
     """EXL2's loader shares EXL3's loader.py (its cpu-fast base): the exllamav3 options read there are EXL3's alone."""
-    return set(EXL3Loader.load_options) if loader is EXL2Loader else set()
+    return set(EXL3Loader().load_options) if loader is EXL2Loader else set()
 
 
 @pytest.fixture(scope="module")

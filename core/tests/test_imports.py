@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -236,16 +237,57 @@ def test_core_names_the_engine_in_one_place() -> None:
     assert not bad, bad
 
 
+@pytest.mark.parametrize("wing", WINGS[1:])
+def test_wings_use_only_declared_core_names(wing: str) -> None:
+    """The runtime and the tools are distributions of their own: each name they import from core is declared (the
+    plugin API, :mod:`anyquant.plugin`, or the public API, ``anyquant.__all__``), from whichever core module they
+    import it (its home module spares a lazy hop), never a core internal (a leading underscore, a helper of one
+    command) that core may change."""
+    import anyquant
+    import anyquant.plugin
+
+    declared = set(anyquant.plugin.__all__) | set(anyquant.__all__)
+    bad = []
+    for module, path in _modules(wing).items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "anyquant":
+                bad += [f"{module}: {node.module}.{a.name}" for a in node.names if a.name not in declared]
+            elif isinstance(node, ast.Import):
+                bad += [f"{module}: import {a.name}" for a in node.names if a.name.startswith("anyquant.")]
+    assert not bad, bad
+
+
+#: the format plugins (each owns formats; none owns a backend with an engine): the first-party plugins but the
+#: server and the CPU engine
+FORMAT_PACKAGES = tuple(p for p in FIRST_PARTY_PLUGINS if p not in (*APPLICATIONS, "anyquant_cpu"))
+
+
+@pytest.mark.parametrize("package", FORMAT_PACKAGES)
+def test_format_plugins_name_no_shared_backend(package: str) -> None:
+    """#41 §1: a format supplies its reference decode and the layouts its layers offer; the runtime's loader base
+    offers it every registered backend that runs one of them (their options, plans and records included), so a format
+    plugin's source never names one (``cpu-fast``, its ``cpu_fast_*`` options), not even in a docstring."""
+    bad = [
+        f"{module}:{n}: {line.strip()}"
+        for module, path in _modules(package).items()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"cpu[_-]fast", line)
+    ]
+    assert not bad, bad
+
+
 PLUGIN_API = [
     "AnyquantError",
     "BackendInfo",
     "BackendSpec",
     "CalibrationRegistrar",
+    "Cap",
     "CheckpointError",
     "Claim",
     "CommandRegistrar",
     "ConfigError",
     "Detection",
+    "EXACT_BACKENDS",
     "FormatConflictError",
     "FormatSpec",
     "GGUFHeader",
@@ -253,7 +295,10 @@ PLUGIN_API = [
     "GGUFTensorInfo",
     "GGUF_TYPE_SIZES",
     "GenerationParams",
+    "GenerationResult",
     "Generator",
+    "JSON_HELP",
+    "LAYOUT_KINDS",
     "LoadOptions",
     "LoadedModel",
     "Loader",
@@ -261,6 +306,7 @@ PLUGIN_API = [
     "MissingDependencyError",
     "MissingTensorError",
     "ModelClosedError",
+    "ModelShape",
     "ModuleInfo",
     "NumericalError",
     "ParameterError",
@@ -273,25 +319,45 @@ PLUGIN_API = [
     "Quantizer",
     "SAFETENSORS_DTYPE_BITS",
     "SizingError",
+    "StreamChunk",
     "TOKENIZER_FILES",
     "TensorInfo",
+    "Timings",
     "TokenLogprob",
     "UnsupportedBackendError",
     "UnsupportedFormatError",
+    "Usage",
     "__version__",
     "add_load_flags",
     "add_option_flag",
+    "bits_per_weight",
     "choose_backend",
+    "collect",
     "dense_rows",
     "display_name",
+    "emit",
     "hookimpl",
+    "import_object",
+    "json_line",
+    "load_spec_object",
+    "loads_json",
+    "looks_dense",
     "model_shape",
+    "on_off",
     "options_from",
     "parse_model_id",
+    "progress_bar",
+    "read_checkpoint_json",
     "read_gguf_header",
     "release_free_heap",
+    "report_of",
+    "require_inside",
+    "resolve_checkpoint",
+    "strict_plugins",
     "tensors_by_module",
     "thaw",
+    "undeclared_options",
+    "with_revision",
 ]
 
 

@@ -31,12 +31,18 @@ _EXPORTS: dict[str, str] = {
     "display_name": "probe",
     "thaw": "probe",
     "parse_model_id": "probe",
+    "read_checkpoint_json": "probe",
+    "require_inside": "probe",
+    "resolve_checkpoint": "probe",
+    "with_revision": "probe",
+    "looks_dense": "builtin",
     # the contract's types
     "Claim": "protocols",
     "Detection": "protocols",
     "FormatSpec": "protocols",
     "BackendInfo": "protocols",
     "BackendSpec": "protocols",
+    "LAYOUT_KINDS": "protocols",
     "ModuleInfo": "protocols",
     "LoadOptions": "protocols",
     "QuantizeSpec": "protocols",
@@ -48,7 +54,15 @@ _EXPORTS: dict[str, str] = {
     "Quantizer": "protocols",
     "Generator": "protocols",
     "MIN_TEMPERATURE": "params",
+    "undeclared_options": "protocols",
+    # a generator's results
     "TokenLogprob": "results",
+    "GenerationResult": "results",
+    "StreamChunk": "results",
+    "Usage": "results",
+    "Timings": "results",
+    "Cap": "results",
+    "collect": "results",
     # errors
     "AnyquantError": "errors",
     "CheckpointError": "errors",
@@ -65,14 +79,28 @@ _EXPORTS: dict[str, str] = {
     "FormatConflictError": "errors",
     # backends: the one choice among a format's backends
     "choose_backend": "backends",
+    "EXACT_BACKENDS": "backends",
+    # the registry: the loaded plugins' objects (a tool that runs a format's quantizer or inspect)
+    "import_object": "registry",
+    "load_spec_object": "registry",
+    "strict_plugins": "registry",
+    "report_of": "api",
     # a command's shared flags (a plugin's ``anyquant_register_commands``: the load flags, ``-o KEY=VALUE``)
     "add_load_flags": "console",
     "add_option_flag": "console",
     "options_from": "console",
+    # a command's output: JSON lines, progress, the --json flag's help
+    "JSON_HELP": "console",
+    "emit": "console",
+    "json_line": "console",
+    "on_off": "console",
+    "progress_bar": "console",
     # inspect rows
     # a decoder's shape from its config
     "model_shape": "shape",
     "SizingError": "shape",
+    "ModelShape": "shape",
+    "bits_per_weight": "report",
     "dense_rows": "report",
     "tensors_by_module": "report",
     # header tables, and the bounded GGUF header parser (a reader built on it parses each file once)
@@ -81,6 +109,7 @@ _EXPORTS: dict[str, str] = {
     "GGUFSkippedArray": "headers",
     "GGUFTensorInfo": "headers",
     "read_gguf_header": "headers",
+    "loads_json": "headers",
     "release_free_heap": "_memory",
     "SAFETENSORS_DTYPE_BITS": "headers",
     "TensorInfo": "headers",
@@ -91,11 +120,13 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "BackendInfo",
     "BackendSpec",
     "CalibrationRegistrar",
+    "Cap",
     "CheckpointError",
     "Claim",
     "CommandRegistrar",
     "ConfigError",
     "Detection",
+    "EXACT_BACKENDS",
     "FormatConflictError",
     "FormatSpec",
     "GGUFHeader",
@@ -103,7 +134,10 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "GGUFTensorInfo",
     "GGUF_TYPE_SIZES",
     "GenerationParams",
+    "GenerationResult",
     "Generator",
+    "JSON_HELP",
+    "LAYOUT_KINDS",
     "LoadOptions",
     "LoadedModel",
     "Loader",
@@ -111,6 +145,7 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "MissingDependencyError",
     "MissingTensorError",
     "ModelClosedError",
+    "ModelShape",
     "ModuleInfo",
     "NumericalError",
     "ParameterError",
@@ -123,25 +158,45 @@ __all__ = [  # a literal, sorted list (type checkers read it; core/tests/test_im
     "Quantizer",
     "SAFETENSORS_DTYPE_BITS",
     "SizingError",
+    "StreamChunk",
     "TOKENIZER_FILES",
     "TensorInfo",
+    "Timings",
     "TokenLogprob",
     "UnsupportedBackendError",
     "UnsupportedFormatError",
+    "Usage",
     "__version__",
     "add_load_flags",
     "add_option_flag",
+    "bits_per_weight",
     "choose_backend",
+    "collect",
     "dense_rows",
     "display_name",
+    "emit",
     "hookimpl",
+    "import_object",
+    "json_line",
+    "load_spec_object",
+    "loads_json",
+    "looks_dense",
     "model_shape",
+    "on_off",
     "options_from",
     "parse_model_id",
+    "progress_bar",
+    "read_checkpoint_json",
     "read_gguf_header",
     "release_free_heap",
+    "report_of",
+    "require_inside",
+    "resolve_checkpoint",
+    "strict_plugins",
     "tensors_by_module",
     "thaw",
+    "undeclared_options",
+    "with_revision",
 ]
 
 
@@ -160,8 +215,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from ._memory import release_free_heap
-    from .backends import choose_backend
-    from .console import add_load_flags, add_option_flag, options_from
+    from .api import report_of
+    from .backends import EXACT_BACKENDS, choose_backend
+    from .builtin import looks_dense
+    from .console import JSON_HELP, add_load_flags, add_option_flag, emit, json_line, on_off, options_from, progress_bar
     from .errors import (
         AnyquantError,
         CheckpointError,
@@ -184,12 +241,24 @@ if TYPE_CHECKING:
         GGUFSkippedArray,
         GGUFTensorInfo,
         TensorInfo,
+        loads_json,
         read_gguf_header,
     )
     from .hookspecs import CalibrationRegistrar, CommandRegistrar, hookimpl
     from .params import MIN_TEMPERATURE
-    from .probe import TOKENIZER_FILES, Probe, display_name, parse_model_id, thaw
+    from .probe import (
+        TOKENIZER_FILES,
+        Probe,
+        display_name,
+        parse_model_id,
+        read_checkpoint_json,
+        require_inside,
+        resolve_checkpoint,
+        thaw,
+        with_revision,
+    )
     from .protocols import (
+        LAYOUT_KINDS,
         BackendInfo,
         BackendSpec,
         Claim,
@@ -205,7 +274,9 @@ if TYPE_CHECKING:
         QuantizeFlag,
         Quantizer,
         QuantizeSpec,
+        undeclared_options,
     )
-    from .report import dense_rows, tensors_by_module
-    from .results import TokenLogprob
-    from .shape import SizingError, model_shape
+    from .registry import import_object, load_spec_object, strict_plugins
+    from .report import bits_per_weight, dense_rows, tensors_by_module
+    from .results import Cap, GenerationResult, StreamChunk, Timings, TokenLogprob, Usage, collect
+    from .shape import ModelShape, SizingError, model_shape

@@ -11,7 +11,7 @@ Every file it reads must resolve inside the checkpoint directory: a link leaving
 Hugging Face hub cache (``models--<owner>--<name>/snapshots/<revision>``), whose files are links to
 the same repository's ``blobs/``. With ``allow_symlinks=True`` (or ``ANYQUANT_ALLOW_SYMLINKS=1``) a link
 may leave the directory when it ends at a regular file (never a device, fifo or directory), whose
-content is then checked as any other file's (:func:`_check_inside` is the one place that decides).
+content is then checked as any other file's (:func:`require_inside` is the one place that decides).
 
 The cache's own structure gets the same rule (:func:`_check_cache_path`): ``snapshots/``, a snapshot, a
 folder in it, ``refs/`` and a ref must resolve inside the cached repository's folder
@@ -52,6 +52,8 @@ __all__ = [
     "download_command",
     "hub_cache_dir",
     "parse_model_id",
+    "read_checkpoint_json",
+    "require_inside",
     "resolve_checkpoint",
     "with_revision",
 ]
@@ -161,7 +163,7 @@ class Probe:
             root = p.resolve()
             files = []
         listing = _Listing(root, allow_symlinks)
-        configs = [_read_json(root, name, listing) for name in CONFIG_FILES]
+        configs = [read_checkpoint_json(root, name, listing) for name in CONFIG_FILES]
         tokenizer_files = tuple(n for n in TOKENIZER_FILES if listing.is_file(n))
         for name in tokenizer_files:  # read by the tokenizer libraries: the same rule as configs and weights
             listing.check_inside(name)
@@ -473,7 +475,7 @@ def _find_snapshot(repo: Path, mid: ModelId, allow_symlinks: bool) -> Path:
 
 def _check_cache_path(repo: Path, path: Path, allow_symlinks: bool = False) -> None:
     """``path``, a part of cached repository ``repo``'s own structure (``snapshots/``, a snapshot or a
-    folder in it, ``refs/``, a ref, huggingface_hub's ``trees/<commit>.json``), resolves inside ``repo``'s folder: the rule :func:`_check_inside`
+    folder in it, ``refs/``, a ref, huggingface_hub's ``trees/<commit>.json``), resolves inside ``repo``'s folder: the rule :func:`require_inside`
     applies to a checkpoint's files. ``repo`` itself may be a link (a ``models--…`` folder, or the whole
     cache, moved and linked back as one), and links that stay in it (a ref naming another, huggingface_hub's
     snapshot files linked into ``blobs/``) are the cache's own. With ``allow_symlinks`` a link may leave it
@@ -664,7 +666,7 @@ class _Listing:
 
     def check_inside(self, name: str) -> None:
         if self.entries[name].is_symlink():
-            _check_inside(self.root, self.root / name, self.allow_symlinks)
+            require_inside(self.root, self.root / name, self.allow_symlinks)
 
 
 def allow_symlinks_opt(value: bool | None) -> bool:
@@ -679,7 +681,7 @@ def _suffix(name: str) -> str:
     return PurePosixPath(name).suffix
 
 
-def _check_inside(root: Path, f: Path, allow_symlinks: bool = False) -> None:
+def require_inside(root: Path, f: Path, allow_symlinks: bool = False) -> None:
     """``f`` (a file the probe or a loader reads) resolves inside ``root``, or, when ``root`` is a
     snapshot in a Hugging Face hub cache, to a blob of the same cached repository: every file of a
     snapshot is a link to ``<repo>/blobs/<hash>``, where the repository keeps its files' bytes.
@@ -711,7 +713,9 @@ def _hub_blobs(root: Path) -> Path | None:
     return snap.parent.parent / "blobs" if snap is not None else None
 
 
-def _read_json(root: Path, name: str, listing: _Listing | None = None) -> dict[str, Any] | None:
+def read_checkpoint_json(root: Path, name: str, listing: _Listing | None = None) -> dict[str, Any] | None:
+    """``root / name`` parsed as JSON (bounded in size, inside the checkpoint: :func:`require_inside`), or ``None``
+    where there is no such file."""
     f = root / name
     listing = listing if listing is not None else _Listing(root)
     if not listing.is_file(name):
@@ -774,7 +778,7 @@ def _read_index(
 ) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
     """The shard index, if any, and the shards it names that are not in the directory."""
     for name in INDEX_NAMES:
-        index = _read_json(root, name, listing)
+        index = read_checkpoint_json(root, name, listing)
         if index is None:
             continue
         weight_map = index.get("weight_map")

@@ -190,7 +190,9 @@ class BackendSpec:
     reference (``"package.module:function"``) to a function returning ``(available, reason)`` on this machine,
     imported only when asked (``anyquant backends``); ``requires``: its distributions, as a format's; ``engine``: the
     module that converts a format's layers for it, imported when a load uses it (``cpu-fast``'s: what
-    :mod:`anyquant_runtime.cpu` reaches)."""
+    :mod:`anyquant_runtime.cpu` reaches); ``options``: the load options it reads (name -> what it does), which
+    ``anyquant.load`` accepts for every format it is offered to; ``option_layouts``: for an option that concerns
+    only some layouts, those (the option is accepted where the format offers one of them)."""
 
     name: str
     description: str = ""
@@ -199,11 +201,27 @@ class BackendSpec:
     status: str | None = None
     requires: tuple[str, ...] = ()
     engine: str | None = None
+    options: Mapping[str, str] = field(default_factory=dict)
+    option_layouts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.layouts) - set(LAYOUT_KINDS))
         if unknown:
             raise ParameterError(f"backend {self.name!r}: layouts {unknown} are not among {LAYOUT_KINDS}")
+        for option, kinds in self.option_layouts.items():
+            if option not in self.options or not set(kinds) <= set(self.layouts):
+                raise ParameterError(
+                    f"backend {self.name!r}: option_layouts[{option!r}] must name one of its options and some of "
+                    f"its layouts {self.layouts}"
+                )
+
+    def options_for(self, kinds: Collection[str]) -> dict[str, str]:
+        """The options it reads for a format whose layers offer ``kinds`` (:data:`LAYOUT_KINDS` names)."""
+        return {
+            name: text
+            for name, text in self.options.items()
+            if name not in self.option_layouts or set(self.option_layouts[name]) & set(kinds)
+        }
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def test_block_kernel_decodes_as_the_int4_kernel(root: Path, variant: str) -> No
 def test_backend_order_and_listing() -> None:
     loader = AWQLoader()
     # gptqmodel first: GPTQModel's kernels, CUDA only (auto on the CPU starts at cpu-fast)
-    assert loader.backend_order == ("gptqmodel", "cpu-fast", "dequantized", "reference")
+    assert loader.preference() == ("gptqmodel", "cpu-fast", "dequantized", "reference")
     assert {b.name: b.available for b in loader.backends()}["cpu-fast"]
 
 

@@ -203,8 +203,8 @@ def test_plan_options() -> None:
 
 
 def test_plan_reads_only_the_declared_options() -> None:
-    """``CPU_FAST_OPTIONS`` (what load() accepts for cpu-fast) names exactly what the plan reads."""
-    from anyquant_runtime.loaders import CPU_FAST_OPTIONS
+    """The options the backend registers (what load() accepts for cpu-fast) are exactly what the plan reads."""
+    from anyquant_cpu.options import OPTIONS
 
     class Recorder(dict):  # type: ignore[type-arg]
         def get(self, key, default=None):  # type: ignore[no-untyped-def, override]
@@ -213,7 +213,7 @@ def test_plan_reads_only_the_declared_options() -> None:
 
     read: set[str] = set()
     FastCPUPlan.from_options(Recorder())
-    assert read == set(CPU_FAST_OPTIONS)
+    assert read == set(OPTIONS)
 
 
 # --------------------------------------------------------------------------- the LM head

@@ -18,7 +18,13 @@ import torch
 from safetensors.torch import load_file
 
 import anyquant
-from anyquant_cpu.engine import Int8BlockLinear, PrepackedBf16Linear, bf16_head_status, block_kernel_is_fast
+from anyquant_cpu.engine import (
+    Int8BlockLinear,
+    PrepackedBf16Linear,
+    bf16_head_status,
+    block_kernel_is_fast,
+    fast_cpu_module,
+)
 from anyquant_cpu.kernels.linear import q8_0_blocks
 from anyquant_exl3.qlinear import EXL3Linear, decoded_layouts
 from anyquant_runtime.layouts import Decoded, Int8Blocks, tensor
@@ -211,18 +217,17 @@ def _layer(in_features: int, out_features: int, *, seed: int = 0, **kwargs: Any)
 
 def test_the_layouts_offered() -> None:
     layer = _layer(256, 128)
-    q8, exact = decoded_layouts(layer, "q8_0")
+    q8, exact = decoded_layouts(layer)
     assert isinstance(q8, Int8Blocks) and isinstance(exact, Decoded) and exact.source is layer
-    assert (q8.group, q8.in_features, q8.out_features, q8.round_to) == (32, 256, 128, torch.float32)
+    assert q8.rounded and (q8.group, q8.in_features, q8.out_features, q8.round_to) == (32, 256, 128, torch.float32)
     blocks = q8_0_blocks(layer.dequantize()).view(128, 8, 34)
     assert torch.equal(tensor(q8.codes).view(torch.uint8), blocks[..., 2:].reshape(128, 256))  # llama.cpp's codes
     assert torch.equal(tensor(q8.scales).reshape(128, 8, 1).view(torch.uint8), blocks[..., :2])  # and float16 d
-    assert [type(x) for x in layer.packed_layouts()] == [Int8Blocks, Decoded]  # "auto" by default
-    assert [type(x) for x in decoded_layouts(layer, "bfloat16")] == [Decoded]
-    assert [type(x) for x in decoded_layouts(_layer(48, 128), "q8_0")] == [Decoded]  # rows not of 32s: bfloat16
-    assert "dequantized" in str(decoded_layouts(_layer(256, 128, mode="dequantized"), "q8_0"))
-    with pytest.raises(ValueError, match="cpu_fast_weights"):
-        decoded_layouts(layer, "int8")
+    assert [type(x) for x in layer.packed_layouts()] == [Int8Blocks, Decoded]
+    assert [type(x) for x in decoded_layouts(_layer(48, 128))] == [Decoded]  # rows not of 32s: bfloat16
+    assert "dequantized" in str(decoded_layouts(_layer(256, 128, mode="dequantized")))
+    if bf16_head_status()[0]:  # cpu_fast_weights="bfloat16": the engine passes the rounded layout by
+        assert isinstance(fast_cpu_module(layer, rounded=False), PrepackedBf16Linear)
     if block_kernel_is_fast():  # core's engine builds it: Q8_0 blocks of the rounding
         fast = layer.to_fast_cpu()
         assert isinstance(fast, Int8BlockLinear)

@@ -21,7 +21,6 @@ from anyquant.protocols import GenerationParams, LoadOptions
 from anyquant.testing.fixtures import exl3_mul1
 from anyquant.testing.tiny import make_tokenizer
 from anyquant_exl3 import exllamav3_kernels as cb
-from anyquant_exl3 import loader as loader_module
 from anyquant_exl3.loader import EXL3Loader
 
 EOS = 258  # <|im_end|> in anyquant.testing.tiny's byte tokenizer
@@ -80,10 +79,11 @@ def test_auto_on_cpu_picks_a_torch_backend(monkeypatch: pytest.MonkeyPatch) -> N
     loader = EXL3Loader()
     avail = cb.BackendInfo("exllamav3", True, devices=("cuda",))  # as the real one: CUDA only
     monkeypatch.setattr("anyquant_exl3.loader._exllamav3_backend", lambda: avail)
-    fast = "cpu-fast" if loader_module.cpu_fast_backend().available else "dequantized"
+    offered = {b.name: b for b in loader.backends()}
+    fast = "cpu-fast" if offered["cpu-fast"].available else "dequantized"
     assert loader.choose_backend("auto", torch.device("cpu")) == fast  # exllamav3 is CUDA-only
     monkeypatch.setattr(
-        loader_module, "cpu_fast_backend", lambda: cb.BackendInfo("cpu-fast", False, "no AMX", devices=("cpu",))
+        EXL3Loader, "fast_backend_info", lambda self, spec: cb.BackendInfo(spec.name, False, "no AMX", devices=("cpu",))
     )
     assert loader.choose_backend("auto", torch.device("cpu")) == "dequantized"
     assert loader.choose_backend("auto", torch.device("cuda")) == "exllamav3"
@@ -115,8 +115,8 @@ def test_declared_options_are_the_ones_read() -> None:
     from anyquant_exl3.loader import EXLLAMAV3_OPTIONS, EXL3Loader
 
     assert set(cb.EXTRA_OPTIONS) == set(EXLLAMAV3_OPTIONS)  # the backend reads the loader's declaration
-    assert set(EXLLAMAV3_OPTIONS) <= set(EXL3Loader.load_options)
-    assert not set(EXLLAMAV3_OPTIONS) & set(EXL2Loader.load_options)  # EXL2 has no exllamav3 backend
+    assert set(EXLLAMAV3_OPTIONS) <= set(EXL3Loader().load_options)
+    assert not set(EXLLAMAV3_OPTIONS) & set(EXL2Loader().load_options)  # EXL2 has no exllamav3 backend
 
 
 def test_sampler_spec_mapping() -> None:

@@ -142,7 +142,7 @@ def test_backend_listed_and_cpu_only(root: Path) -> None:
     loader = GPTQLoader()
     info = {b.name: b for b in loader.backends()}
     assert info["cpu-fast"].available
-    assert loader.backend_order.index("cpu-fast") < loader.backend_order.index("dequantized")
+    assert loader.preference().index("cpu-fast") < loader.preference().index("dequantized")
     with pytest.raises(UnsupportedBackendError, match="CPU"):
         loader.choose_backend("cpu-fast", torch.device("cuda"))
 

@@ -113,7 +113,10 @@ def test_declared_options_are_the_ones_read() -> None:
     from anyquant_runtime.int4 import gptqmodel_kernels as gk
 
     assert set(GPTQMODEL_OPTIONS) == {gk.KERNEL_OPTION, gk.COMPILE_OPTION, gk.CPU_TEST_OPTION}
-    assert set(GPTQMODEL_OPTIONS) <= set(GPTQLoader.load_options) and AWQLoader.load_options == GPTQLoader.load_options
+    assert (
+        set(GPTQMODEL_OPTIONS) <= set(GPTQLoader().load_options)
+        and AWQLoader().load_options == GPTQLoader().load_options
+    )
 
 
 @no_cuda

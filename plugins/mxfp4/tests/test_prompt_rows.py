@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import anyquant as sdk
-from anyquant_mxfp4.loader import EXPERT_SMALL_ROWS, EXPERT_SMALL_ROWS_16BIT, expert_small_rows
+from anyquant_cpu.engine import EXPERT_SMALL_ROWS, EXPERT_SMALL_ROWS_16BIT, expert_small_rows
 from tests.peers.recorded import rel_error
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

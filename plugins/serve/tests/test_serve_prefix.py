@@ -111,7 +111,7 @@ def test_defaults_and_flags() -> None:
     from anyquant.errors import ParameterError
     from anyquant_runtime.generate import PREFILL_CHUNK
     from anyquant_serve.plugin import _run, build_parser_for_tests
-    from anyquant_serve.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
+    from anyquant_serve.scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB, DEFAULT_SCORE_CHUNK
 
     assert DEFAULT_PREFILL_CHUNK * 2 == PREFILL_CHUNK  # half generate's: finer reuse, shorter pauses
     parser = build_parser_for_tests()
@@ -127,6 +127,32 @@ def test_defaults_and_flags() -> None:
     ):
         with pytest.raises(ParameterError, match="--prefill-chunk and --prefix-cache-mb"):
             _run(parser.parse_args(bad))
+    assert parser.parse_args([]).score_chunk == DEFAULT_SCORE_CHUNK == PREFILL_CHUNK  # generate's: bitwise scores
+    assert parser.parse_args(["--score-chunk", "128"]).score_chunk == 128
+    for bad in (["--score-chunk", "0"], ["--score-chunk", "-3"]):
+        with pytest.raises(ParameterError, match="--score-chunk"):
+            _run(parser.parse_args(bad))
+
+
+def test_score_chunk_reaches_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--score-chunk`` is what the scheduler scores with (not only parsed)."""
+    import anyquant
+    from anyquant_serve import scheduler as scheduler_module
+    from anyquant_serve.plugin import _run, build_parser_for_tests
+
+    class Built(Exception):
+        pass
+
+    def capture(adapter: object, **kwargs: object) -> None:
+        raise Built(kwargs)
+
+    pytest.importorskip("uvicorn")
+    monkeypatch.setattr(anyquant, "load", lambda *a, **k: object())
+    monkeypatch.setattr(scheduler_module, "ModelAdapter", lambda model: model)
+    monkeypatch.setattr(scheduler_module, "Scheduler", capture)
+    with pytest.raises(Built) as built:
+        _run(build_parser_for_tests().parse_args(["--score-chunk", "96"]))
+    assert built.value.args[0]["score_chunk"] == 96
 
 
 def test_metrics_expose_the_prefix_cache_counters() -> None:

@@ -100,7 +100,7 @@ class AWQLoader(Int4Loader):
         modules = _modules(ctx.probe, bits)
         src = ctx.source
         state = self.state(ctx)
-        plan, kernel_plan = state.fast_plan, state.kernel_plan
+        plan, kernel_plan = self.fast_plan(ctx), state.kernel_plan
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             m = modules.get(name)
@@ -131,7 +131,7 @@ class AWQLoader(Int4Loader):
         return factory
 
     def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
-        """AutoAWQ's scaled activations, then the int4 plans' finish (cpu-fast's head)."""
+        """AutoAWQ's scaled activations, then the int4 base's finish (before the fast backend's head)."""
         _apply_act_scales(loaded.module, ctx.probe)
         return super().finish(loaded, ctx)
 

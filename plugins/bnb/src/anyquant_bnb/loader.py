@@ -1,17 +1,17 @@
-"""The bitsandbytes loader: validation, the per-linear factory, and its backends (core's int4 loader base gives the
-backend choice and cpu-fast's plan). On cpu-fast an nf4/fp4 layer runs as its codes on the compiled 4-bit table kernel
-(Lut4) where that is built and its blocks tile the rows; it, and every LLM.int8 layer, otherwise as a bfloat16 copy
-prepacked for oneDNN where the CPU has AMX or AVX512-BF16, else exact. ``auto`` picks cpu-fast where the bfloat16
-copy runs (the base's count: the signature holds no widths to describe the table layout by)."""
+"""The bitsandbytes loader: validation and the per-linear factory; the runtime's int4 loader base gives the backend
+choice. An nf4/fp4 layer offers a fast backend its codes as a 4-bit table layout (``Table4``), and it and every
+LLM.int8 layer a ``Decoded`` copy; the engine decides which runs (:mod:`anyquant_runtime.layouts`). ``auto`` counts
+every layer as ``Decoded`` (the signature holds no widths to describe the table layout by)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from anyquant.plugin import CheckpointError, Detection, FormatConflictError, ModuleInfo, Probe, dense_rows
 from anyquant_runtime import LoadContext
 from anyquant_runtime.int4.loader import PackedFormatLoader
+from anyquant_runtime.layouts import Decoded, Layout, Table4
 
 from .scheme import BnbScheme, read_scheme
 
@@ -23,10 +23,7 @@ __all__ = ["BnbLoader"]
 
 class BnbLoader(PackedFormatLoader):
     format = "bnb"
-    cpu_fast_description = (
-        "nf4/fp4 codes on the compiled 4-bit table kernel (Lut4) where it is built, else (and int8) decoded once to "
-        "bfloat16 and prepacked for oneDNN (AMX or AVX512-BF16), else exact"
-    )
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (Table4, Decoded)
     serve_hint = "load it with transformers + bitsandbytes, or serve it with vLLM"
 
     def read_signature(self, probe: Probe) -> BnbScheme:
@@ -44,7 +41,7 @@ class BnbLoader(PackedFormatLoader):
         from .qlinear import Bnb4bitLinear, Bnb8bitLinear, parse_quant_state
 
         state = self.state(ctx)
-        plan = state.fast_plan
+        plan = self.fast_plan(ctx)
         scheme = state.signature if isinstance(state.signature, BnbScheme) else read_scheme(ctx.probe)
         modules = {m.name: m for m in scheme.modules}
         mode = "dequantized" if ctx.backend == "dequantized" else "reference"

@@ -1,14 +1,14 @@
-"""The compressed-tensors loader: validation, the per-linear factory, and the int4 backends of core's
-:class:`~anyquant_runtime.int4.loader.Int4Loader`. On ``cpu-fast`` 4-bit packed integers run on torch's int4 kernel (as GQ4
-blocks on the compiled kernel where it is built), 8-bit integers as Q8_0 blocks, NVFP4/MXFP4 on the 4-bit table
-kernel (Lut4) and FP8 on ``fp8_gemv`` where the compiled kernel is built; every other layer exact. The loader
-describes each layer's packed layout from the headers and the engine decides (:mod:`anyquant_runtime.layouts`)."""
+"""The compressed-tensors loader: validation and the per-linear factory, on the runtime's
+:class:`~anyquant_runtime.int4.loader.PackedFormatLoader`. Its layers offer a fast backend 4-bit packed integers as
+int4 groups, 8-bit integers as int8 blocks, NVFP4/MXFP4 as 4-bit tables and FP8 as E4M3 groups; every other layer
+stays exact. The loader describes each layer's packed layout from the headers and the engine decides
+(:mod:`anyquant_runtime.layouts`)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from anyquant.plugin import (
     SAFETENSORS_DTYPE_BITS,
@@ -99,11 +99,7 @@ def _read(probe: Probe) -> tuple[CTConfig, dict[str, SparseSpec], list[ModuleSpe
 
 class CTLoader(PackedFormatLoader):
     format = "compressed-tensors"
-    cpu_fast_description = (
-        "int4 groups on torch's int4 kernel (GQ4 blocks on the compiled kernel where it is built); where the compiled "
-        "kernel is built int8 as Q8_0 blocks, NVFP4/MXFP4 on its 4-bit table kernel (Lut4) and FP8 on its fp8_gemv; "
-        "the other layers dequantized"
-    )
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (Int4Groups, Int8Blocks, Table4, E4M3Groups)
 
     def read_signature(self, probe: Probe) -> list[ModuleSpec]:
         return _read(probe)[2]
@@ -113,12 +109,6 @@ class CTLoader(PackedFormatLoader):
         source = super().tensor_source(probe, options)
         sparse = _read(probe)[1]
         return SparseSource(source, sparse) if sparse else source
-
-    def cpu_fast_available(self) -> tuple[bool, str]:
-        from anyquant_runtime.int4.loader import cpu_fast_backend
-
-        info = cpu_fast_backend()
-        return info.available, info.reason or ""
 
     def fast_layer_count(self, signature: list[ModuleSpec], probe: Probe) -> int:
         """Each layer described as its packed layout (:func:`_described`), counted by the CPU engine."""
@@ -159,7 +149,7 @@ class CTLoader(PackedFormatLoader):
         from .qlinear import CTLinear
 
         state = self.state(ctx)
-        plan = state.fast_plan
+        plan = self.fast_plan(ctx)
         specs = state.signature if isinstance(state.signature, list) else _read(ctx.probe)[2]
         by_name: dict[str, ModuleSpec] = {s.name: s for s in specs}
         mode = "dequantized" if ctx.backend == "dequantized" else "reference"
@@ -221,7 +211,7 @@ class CTLoader(PackedFormatLoader):
         ctx.state[KV_KEY] = (cfg.kv_cache, scales)
 
     def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
-        """cpu-fast's head and record (the int4 base's), and a ``kv_cache_scheme``'s quantization on each attention
+        """A ``kv_cache_scheme``'s quantization on each attention
         layer of the native decoder (transformers' classes have no place for it: refused)."""
         from .qlinear import KVQuant
 

@@ -5,6 +5,7 @@ distribution). The engine's conversions (:mod:`anyquant_cpu.engine`) and the com
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -38,6 +39,7 @@ __all__ = [
     "kv_cache_dtype",
     "layout_kinds_run",
     "layouts_run",
+    "plan",
 ]
 
 
@@ -47,3 +49,9 @@ def decode_step(model: nn.Module) -> Any:
     from .step import DecodeStep
 
     return DecodeStep.build(model)
+
+
+def plan(extra: Mapping[str, Any]) -> FastCPUPlan:
+    """One load's plan from its options (a bad one refused before anything is read): what the runtime's loader base
+    asks of every registered backend's engine (:meth:`anyquant_runtime.loaders.TransformersLoader.start_fast`)."""
+    return FastCPUPlan.from_options(extra)

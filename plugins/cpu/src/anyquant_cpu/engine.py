@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias
@@ -74,6 +76,8 @@ from .kernels.linear import BlockLinear
 
 __all__ = [
     "DEFAULT_SMALL_ROWS",
+    "EXPERT_SMALL_ROWS",
+    "EXPERT_SMALL_ROWS_16BIT",
     "Affine4BlockLinear",
     "CompactEmbedding",
     "FastCPUPlan",
@@ -86,6 +90,7 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "Int4PackStatus",
     "PrepackedBf16Linear",
+    "ROUNDED_WEIGHTS",
     "RowTable",
     "bf16_gemm_is_fast",
     "bf16_head_status",
@@ -95,6 +100,7 @@ __all__ = [
     "install_fast_head",
     "kernel_norms",
     "contiguous_group_size",
+    "expert_small_rows",
     "fast_cpu_capable",
     "fast_cpu_module",
     "fast_cpu_reasons",
@@ -107,6 +113,7 @@ __all__ = [
     "layout_kinds_run",
     "layout_unsupported",
     "layouts_run",
+    "module_form",
     "pack_int4_blocked",
     "pack_int4_pairs",
     "to_block_kernel",
@@ -524,6 +531,26 @@ def bf16_head_status() -> tuple[bool, str]:
 #: ``cpu_fast_head``'s values: the decode form of :class:`FastHead` (``auto``: Q8_0 blocks where the compiled
 #: kernel is built, else bfloat16 prepacked where oneDNN runs it fast), or ``dense`` (the exact float head)
 HEAD_KINDS = ("auto", "q8_0", "bfloat16", "dense")
+#: rows up to which a mixture's expert runs the decode kernel by default: a prompt's tokens spread over the experts, a
+#: few each, and the kernel's cost grows with every row while a GEMM's barely does
+EXPERT_SMALL_ROWS = 4
+#: the same where the prompt GEMM runs in a 16-bit dtype (``cpu_fast_prefill`` bfloat16, the default where the CPU
+#: has AMX or AVX512-BF16): its activations rounded to bfloat16 (~4e-3) are further from the exact product than the
+#: block kernel's two int8 passes (~1e-4), and forming an expert's exact weight for its GEMM costs as much as ~50
+#: rows of the kernel (gpt-oss 2048x1024, one thread: ~1.1 ms for the weight and the GEMM's fixed cost, ~0.036 ms a
+#: kernel row): 4-of-32 routing gives a 128-token prompt ~16 tokens an expert, a 512-token one ~64
+EXPERT_SMALL_ROWS_16BIT = 48
+
+
+def expert_small_rows(prefill_dtype: torch.dtype | None, dtype: torch.dtype) -> int:
+    """An expert's decode-kernel rows by default: :data:`EXPERT_SMALL_ROWS_16BIT` where a prompt's GEMM (in
+    ``prefill_dtype``, else the model's ``dtype``) rounds its activations to 16 bits, else :data:`EXPERT_SMALL_ROWS`."""
+    gemm = prefill_dtype or dtype
+    return EXPERT_SMALL_ROWS_16BIT if gemm in (torch.bfloat16, torch.float16) else EXPERT_SMALL_ROWS
+
+
+#: what option ``cpu_fast_weights`` takes: whether a layout that rounds the format's weight again is taken
+ROUNDED_WEIGHTS = ("auto", "q8_0", "bfloat16")
 
 
 def head_status(kind: str) -> tuple[bool, str]:
@@ -1756,13 +1783,17 @@ def fast_cpu_module(
     prefill_dtype: torch.dtype | None = None,
     interleave: bool = True,
     passes: int = 2,
+    rounded: bool = True,
 ) -> nn.Module | str:
     """``layer``'s first offered layout (:meth:`~anyquant_runtime.qlinear.QuantLinearBase.packed_layouts`) that runs
     here, as :func:`fast_linear` builds it behind the layer's input quantization (``layer.behind_inputs``); or why
-    none runs: the layer's own reason, or each offered layout's, joined."""
+    none runs: the layer's own reason, or each offered layout's, joined. ``rounded=False``: a layout that is a second
+    rounding of the format's weight (:attr:`~anyquant_runtime.layouts.Int8Blocks.rounded`) is passed by."""
     offered = layer.packed_layouts()
     if isinstance(offered, str):
         return offered
+    if not rounded:
+        offered = [lay for lay in offered if not getattr(lay, "rounded", False)]
     reasons: list[str] = []
     for layout in offered:
         fast = fast_linear(
@@ -1791,6 +1822,17 @@ def fast_cpu_reasons(layer: _Convertible) -> str | None:
             return None
         reasons.append(reason)
     return "; ".join(dict.fromkeys(reasons)) or f"{type(layer).__name__} offers no packed layout"
+
+
+def module_form(module: nn.Module) -> str:
+    """How a converted module holds its weight, for a load's record: ``"Q8_0 blocks"`` (a block-kernel module's GGML
+    type), ``"bfloat16 prepacked"``, else its class's name."""
+    type_name = getattr(module, "type_name", None)
+    if isinstance(type_name, str):
+        return f"{type_name} blocks"
+    if isinstance(module, PrepackedBf16Linear):
+        return "bfloat16 prepacked"
+    return type(module).__name__
 
 
 class _Convertible(Protocol):
@@ -1842,19 +1884,29 @@ class FastCPUPlan:
     for every 4-bit layer),
     ``cpu_fast_interleave`` ``True`` (default: weights on the compiled block kernel copied once at load into its
     interleaved form, the file's pages released) or ``False`` (GGUF blocks read in place from the file),
-    and ``passes``, the int8 passes over the activations of the GGUF-block kernel on GGUF blocks (2, or 1:
-    llama.cpp's int8 arithmetic), which a format that offers them sets from its own option (GGUF's
-    ``cpu_fast_activation_passes``).
+    ``cpu_fast_activation_passes`` the int8 passes over the activations of the GGUF-block kernel on GGUF blocks (2,
+    or 1: llama.cpp's int8 arithmetic), ``cpu_fast_weights`` the form of a layout its format offers as a second
+    rounding of its weight (:attr:`~anyquant_runtime.layouts.Int8Blocks.rounded`): ``"auto"`` (taken where its kernel
+    runs), ``"q8_0"`` (asked for: refused where the block kernel does not run) or ``"bfloat16"`` (never taken), and
+    ``cpu_fast_kv_cache`` the native decoder's KV cache dtype (:func:`kv_cache_dtype`). The options' declarations:
+    :mod:`anyquant_cpu.options`.
     """
 
     small_rows: int = DEFAULT_SMALL_ROWS
+    #: whether ``cpu_fast_small_rows`` was given (then it holds for a mixture's experts too)
+    rows_given: bool = False
     prefill_dtype: torch.dtype | None = None
     head_kind: str = "auto"
     tables: str = "file"
     block_kernel: bool = False
     interleave: bool = True
     passes: int = 2
+    weights: str = "auto"
+    kv_cache: torch.dtype | None = None
     converted: int = 0
+    #: each converted module (weakly: one a later step replaces, as the GQ4 repacking does, leaves the record) and its
+    #: form (:func:`module_form`), by ``id``, for the record
+    forms: dict[int, tuple[weakref.ref[nn.Module], str]] = field(default_factory=dict)
     fallback: dict[str, str] = field(default_factory=dict)
     head_info: dict[str, Any] = field(default_factory=dict)
     block_info: dict[str, Any] = field(default_factory=dict)
@@ -1882,7 +1934,6 @@ class FastCPUPlan:
         head = extra.get("cpu_fast_head", "auto")
         if head not in HEAD_KINDS:
             raise ParameterError(f"cpu_fast_head={head!r} is not one of {', '.join(map(repr, HEAD_KINDS))}")
-        kv_cache_dtype(extra, torch.float32)  # validated with the others: the loader reads it before the weights
         tables = extra.get("cpu_fast_tables", "file")
         if tables not in ("file", "memory"):
             raise ParameterError(f"cpu_fast_tables={tables!r} is not 'file' or 'memory'")
@@ -1894,14 +1945,33 @@ class FastCPUPlan:
         interleave = extra.get("cpu_fast_interleave", True)
         if interleave not in (True, False, "true", "false"):
             raise ParameterError(f"cpu_fast_interleave={interleave!r} is not True or False")
+        passes = extra.get("cpu_fast_activation_passes", 2)
+        if passes not in (1, 2, "1", "2") or isinstance(passes, bool):
+            raise ParameterError(f"cpu_fast_activation_passes={passes!r} is not 1 or 2")
+        weights = extra.get("cpu_fast_weights", "auto")
+        if weights not in ROUNDED_WEIGHTS:
+            raise ParameterError(f"cpu_fast_weights={weights!r} is not one of {', '.join(map(repr, ROUNDED_WEIGHTS))}")
+        if weights == "q8_0" and not block_kernel_is_fast():
+            raise ParameterError(
+                "cpu_fast_weights='q8_0' runs on the compiled block kernel, which is not built (or not vectorized) "
+                "here (python -m anyquant_cpu.kernels says why); 'auto' or 'bfloat16' hold the weights in bfloat16"
+            )
         return cls(
             small_rows=rows,
+            rows_given="cpu_fast_small_rows" in extra,
             prefill_dtype=None if prefill is None else _PREFILL_DTYPES[prefill],
             head_kind=head,
             tables=tables,
             block_kernel=kernel == "gq4",
             interleave=interleave in (True, "true"),
+            passes=int(passes),
+            weights=str(weights),
+            kv_cache=kv_cache_dtype(extra, torch.float32),
         )
+
+    def kv_cache_dtype(self, compute_dtype: torch.dtype) -> torch.dtype | None:
+        """The native decoder's KV cache dtype (``None``: ``compute_dtype``, the activations' own)."""
+        return self.kv_cache
 
     @property
     def head(self) -> bool:
@@ -1954,18 +2024,38 @@ class FastCPUPlan:
             fill_file_tables(module, tables, compute_dtype)
         if self.head_info.get("head") == "dense" and compute_dtype is not None:
             _restore_embedding_dtype(module, compute_dtype)
+        head = getattr(module, "get_output_embeddings", None)
+        quantized_head = None if head is None else self._form_of(head())
+        if quantized_head is not None:  # built as the linears are (its format quantizes it)
+            self.head_info = {"head": f"{quantized_head} (a quantized head)"}
 
-    def convert(self, name: str, layer: _Convertible, *, small_rows: int | None = None) -> nn.Module:
+    def _form_of(self, module: object) -> str | None:
+        """The form :meth:`convert` built ``module`` in (``None``: not one it built, or no longer in the model)."""
+        entry = self.forms.get(id(module))
+        return entry[1] if entry is not None and entry[0]() is module else None
+
+    def convert(
+        self, name: str, layer: _Convertible, *, small_rows: int | None = None, expert: bool = False
+    ) -> nn.Module:
         """``layer`` (built in ``reference`` mode) as the module of the first packed layout it offers that runs here
         (:func:`fast_cpu_module`), or dequantized (its exact path) with the reasons recorded when none runs.
-        ``small_rows``: this layer's rows up to which the decode kernel runs, where the format knows better than the
-        plan's default (a mixture's experts: a prompt's tokens spread over them, a few each)."""
+        ``small_rows``: this layer's rows up to which the decode kernel runs, where the caller knows better than the
+        plan's default; ``expert``: the layer is one of a mixture's experts (a prompt's tokens spread over them, a few
+        each: :func:`expert_small_rows` unless ``cpu_fast_small_rows`` was given)."""
+        if small_rows is None and expert and not self.rows_given:
+            small_rows = expert_small_rows(self.prefill_dtype, layer.compute_dtype)
         rows = self.small_rows if small_rows is None else small_rows
         fast = fast_cpu_module(
-            layer, small_rows=rows, prefill_dtype=self.prefill_dtype, interleave=self.interleave, passes=self.passes
+            layer,
+            small_rows=rows,
+            prefill_dtype=self.prefill_dtype,
+            interleave=self.interleave,
+            passes=self.passes,
+            rounded=self.weights != "bfloat16",
         )
         if not isinstance(fast, str):
             self.converted += 1
+            self.forms[id(fast)] = (weakref.ref(fast), module_form(fast))
             return fast
         self.fallback[name] = fast
         layer.mode = "dequantized"
@@ -2008,8 +2098,12 @@ class FastCPUPlan:
                 len(self.fallback) + self.converted,
                 "; ".join(reasons),
             )
+        counts = Counter(form for ref, form in self.forms.values() if ref() is not None)
         return {
             "fast_layers": self.converted,
+            **({"linears": ", ".join(f"{f} x{n}" for f, n in counts.most_common())} if len(counts) > 1 else {}),
+            **({"linears": next(iter(counts))} if len(counts) == 1 else {}),
+            "weights": self.weights,
             "dequantized_layers": dict(self.fallback),
             "small_rows": self.small_rows,
             "prefill_dtype": self.prefill_name,

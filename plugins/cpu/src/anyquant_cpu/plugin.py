@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 from anyquant.plugin import BackendSpec, hookimpl
 
+from .options import OPTION_LAYOUTS, OPTIONS
+
 __all__ = ["anyquant_register_backends", "status"]
 
 
@@ -21,6 +23,8 @@ def anyquant_register_backends(register: Callable[[BackendSpec], None]) -> None:
             status="anyquant_cpu.plugin:status",
             requires=("anyquant-cpu",),
             engine="anyquant_cpu.backend",
+            options=OPTIONS,
+            option_layouts=OPTION_LAYOUTS,
         )
     )
 

@@ -1,12 +1,10 @@
-"""The EXL3 loader (pure-torch reference decoder on any device) and the ``cpu-fast`` base it shares with EXL2's
+"""The EXL3 loader (pure-torch reference decoder on any device) and the linear factory it shares with EXL2's
 (:mod:`anyquant_exl3.exl2.loader`)."""
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -21,13 +19,13 @@ from anyquant.plugin import (
     dense_rows,
 )
 from anyquant_runtime import (
-    CPU_FAST_OPTIONS,
     FLOAT_SCALE_DTYPES,
     RUNTIME_OPTIONS,
     LoadContext,
     TransformersLoader,
     require_dtypes,
 )
+from anyquant_runtime.layouts import Decoded, Int8Blocks, Layout
 from anyquant_runtime.tensors import SafetensorsSource
 
 from .options import EXLLAMAV3_OPTIONS
@@ -44,14 +42,9 @@ if TYPE_CHECKING:
     from .ring import RingTable
 
 __all__ = [
-    "CPU_FAST_WEIGHTS_OPTIONS",
     "EXLLAMAV3_OPTIONS",
-    "BF16CpuFast",
-    "CpuFastState",
-    "DecodedCpuFast",
     "EXL3Loader",
-    "cpu_fast_backend",
-    "cpu_fast_weights",
+    "PartsLinears",
     "stored_parts",
 ]
 
@@ -204,122 +197,21 @@ class EXL3Source(SafetensorsSource):
         return RingTable(trellis, super().get(info.signs), info.k, self.hidden)
 
 
-#: the load option of EXL3's and EXL2's ``cpu-fast`` (besides core's ``CPU_FAST_OPTIONS``)
-CPU_FAST_WEIGHTS_OPTIONS: Mapping[str, str] = MappingProxyType(
-    {
-        "cpu_fast_weights": "cpu-fast's form of each decoded linear: 'auto' (default: Q8_0 blocks on the compiled "
-        "block kernel where it is built and vectorized, else bfloat16), 'q8_0' (re-quantized per block of 32, 1.06 "
-        "bytes per weight; refused where the kernel does not run) or 'bfloat16' (prepacked for oneDNN, 2 bytes)",
-    }
-)
-_STATE_KEY = "exl3_cpu_fast"
-
-
-def cpu_fast_backend() -> BackendInfo:
-    """``cpu-fast``: each linear decoded once at load and held as Q8_0 blocks on the compiled block kernel (where it
-    is built and vectorized) or as bfloat16 prepacked for oneDNN, where AMX or AVX512-BF16 makes that fast."""
-    from anyquant_runtime.cpu import MISSING, engine
-
-    found = engine()
-    ok, reason = (False, MISSING) if found is None else found.bf16_head_status()
-    return BackendInfo(
-        "cpu-fast",
-        ok,
-        reason,
-        devices=("cpu",),
-        description="decode once at load to Q8_0 blocks on the compiled block kernel (1.06 bytes per weight; "
-        "where it is built and vectorized) or a bfloat16 weight prepacked for oneDNN (AMX/AVX512-BF16, 2 bytes "
-        "per weight; option cpu_fast_weights); a dense head as GPTQ/AWQ's cpu-fast",
-    )
-
-
-def cpu_fast_weights(extra: Mapping[str, Any]) -> str:
-    """Load option ``cpu_fast_weights`` checked (``"auto"``, ``"q8_0"`` or ``"bfloat16"``); ``"q8_0"`` asked for
-    where the compiled block kernel does not run is refused, before anything is read."""
-    from anyquant.plugin import ParameterError
-    from anyquant_runtime.cpu import block_kernel_is_fast
-
-    from .qlinear import CPU_FAST_WEIGHTS
-
-    weights = extra.get("cpu_fast_weights", "auto")
-    if weights not in CPU_FAST_WEIGHTS:
-        raise ParameterError(f"cpu_fast_weights={weights!r} is not one of {', '.join(map(repr, CPU_FAST_WEIGHTS))}")
-    if weights == "q8_0" and not block_kernel_is_fast():
-        raise ParameterError(
-            "cpu_fast_weights='q8_0' runs on the compiled block kernel, which is not built (or not vectorized) "
-            "here (python -m anyquant_cpu.kernels says why); 'auto' or 'bfloat16' hold the weights in bfloat16"
-        )
-    return str(weights)
-
-
-@dataclass
-class CpuFastState:
-    """One cpu-fast load of an EXL3 / EXL2 checkpoint: core's plan (its options; :meth:`FastCPUPlan.convert` builds
-    each linear from the layouts the layer offers), the ``cpu_fast_weights`` asked for, and each built module's form
-    by ``id`` (for the record)."""
-
-    plan: Any  # the engine's FastCPUPlan (anyquant_runtime.cpu.require())
-    weights: str
-    forms: dict[int, str] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        """The linears' forms: one, or each with its count."""
-        counts = Counter(self.forms.values())
-        if len(counts) == 1:
-            return next(iter(counts))
-        return ", ".join(f"{form} x{n}" for form, n in counts.most_common())
-
-
-class DecodedCpuFast:
-    """The ``cpu-fast`` backend shared by the EXL3 and EXL2 loaders: each quantized linear decoded once at load and
-    built by core's engine (:meth:`~anyquant_cpu.engine.FastCPUPlan.convert`) from the layouts the layer offers
-    (:func:`anyquant_exl3.qlinear.decoded_layouts`: Q8_0 blocks on the compiled kernel, or bfloat16 prepacked for
-    oneDNN, per option ``cpu_fast_weights``); a 16-bit LM head as GPTQ/AWQ's cpu-fast does (its exact table and the
-    embedding left in the checkpoint file)."""
-
-    def prepare(self, ctx: LoadContext) -> None:
-        """cpu-fast: its options read (a bad one refused before any weight is read) into this load's state."""
-        if ctx.backend != "cpu-fast":
-            return
-        from anyquant_runtime.cpu import require
-
-        plan = require().FastCPUPlan.from_options(ctx.options.extra)
-        ctx.state[_STATE_KEY] = CpuFastState(plan, cpu_fast_weights(ctx.options.extra))
-
-    @staticmethod
-    def fast_state(ctx: LoadContext) -> CpuFastState | None:
-        """This load's cpu-fast state (``None``: another backend)."""
-        state = ctx.state.get(_STATE_KEY)
-        return state if isinstance(state, CpuFastState) else None
-
-    def layer_weights(self, ctx: LoadContext) -> str:
-        """The ``cpu_fast_weights`` a layer is built with (its :meth:`packed_layouts` offer them)."""
-        state = self.fast_state(ctx)
-        return "auto" if state is None else state.weights
-
-    def fast_layer(self, ctx: LoadContext, name: str, layer: QuantLinearBase) -> Any:
-        """``layer`` (built in ``reference`` mode with :meth:`layer_weights`) as cpu-fast runs it; itself under the
-        other backends."""
-        state = self.fast_state(ctx)
-        if state is None:
-            return layer
-        fast = state.plan.convert(name, layer)
-        if fast is layer:  # no layout runs here: the exact dequantized weight (the plan recorded why)
-            form = "dequantized"
-        else:
-            form = "Q8_0 blocks" if getattr(fast, "type_name", None) == "Q8_0" else "bfloat16 prepacked"
-        state.forms[id(fast)] = form
-        return fast
+class PartsLinears:
+    """What the EXL3 and EXL2 loaders share: ``make_linear``'s factory over a linear stored under its own name or as
+    parts (:func:`stored_parts`), each layer handed to the load's fast backend where there is one (it decodes the
+    layer once and holds it in a layout its engine runs: :func:`anyquant_exl3.qlinear.decoded_layouts`)."""
 
     def linear_factory(
         self, ctx: LoadContext, stored: Mapping[str, Any], one: Callable[[str, int, int], QuantLinearBase]
     ) -> Callable[[str, nn.Linear], nn.Module | None]:
         """``make_linear``'s factory over ``one(name, in_features, out_features)``: a linear stored under its own
-        name (a key of ``stored``), or one the checkpoint stores as parts (:func:`stored_parts`), each part
-        built for cpu-fast."""
+        name (a key of ``stored``), or one the checkpoint stores as parts (:func:`stored_parts`)."""
+        convert = TransformersLoader.fast_plan(ctx)
 
         def built(name: str, in_features: int, out_features: int) -> Any:
-            return self.fast_layer(ctx, name, one(name, in_features, out_features))
+            layer = one(name, in_features, out_features)
+            return layer if convert is None else convert.convert(name, layer)
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             if name in stored:
@@ -329,51 +221,20 @@ class DecodedCpuFast:
 
         return factory
 
-    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
-        """cpu-fast: the embedding stays 16-bit for the fast head's tables (see ``FastCPUPlan``)."""
-        return ctx.backend == "cpu-fast"
 
-    def file_tables(self, ctx: LoadContext) -> bool:
-        """cpu-fast: a 16-bit head and the embedding stay in the file, read by the fast head and embedding."""
-        return ctx.backend == "cpu-fast" and ctx.device.type == "cpu"
-
-    def finish_cpu_fast(self, loaded: LoadedModel, ctx: LoadContext) -> None:
-        """After the build: cpu-fast's head (a quantized head is built as the linears are), and the record."""
-        state = self.fast_state(ctx)
-        if loaded.backend != "cpu-fast" or state is None:
-            return
-        import torch
-
-        plan = state.plan
-        plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=ctx.file_tables)
-        head = plan.head_info
-        quantized_head = state.forms.get(id(loaded.module.get_output_embeddings()))
-        if quantized_head is not None:
-            head = {"head": f"{quantized_head} (a quantized head)"}
-        record: dict[str, Any] = {"linears": state.describe(), "weights": state.weights, "lm_head": head}
-        if plan.fallback:
-            record["dequantized_layers"] = dict(plan.fallback)
-        loaded.info = {**loaded.info, "cpu_fast": record}
-
-
-#: the mixin's former name (it held every linear in bfloat16), for code that imports it
-BF16CpuFast = DecodedCpuFast
-
-
-class EXL3Loader(DecodedCpuFast, TransformersLoader):
+class EXL3Loader(PartsLinears, TransformersLoader):
     format = "exl3"
-    backend_order = ("exllamav3", "cpu-fast", "dequantized", "reference")
-    load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
-        {**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS, **CPU_FAST_WEIGHTS_OPTIONS, **EXLLAMAV3_OPTIONS}
-    )
+    backend_order = ("exllamav3", "dequantized", "reference")
+    format_options: ClassVar[Mapping[str, str]] = MappingProxyType({**RUNTIME_OPTIONS, **EXLLAMAV3_OPTIONS})
+    #: a fast backend gets each linear decoded: as int8 blocks (a second rounding) or a ``Decoded`` copy
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (Int8Blocks, Decoded)
     #: exllamav3's loader ties whenever lm_head is absent, and 1.6.x writes tie_word_embeddings: false always
     #: (format doc, "Tied embeddings"): the tensors decide, not the flag
     tie_absent_head: ClassVar[bool] = True
 
-    def backends(self) -> list[BackendInfo]:
+    def own_backends(self) -> list[BackendInfo]:
         return [
             _exllamav3_backend(),
-            cpu_fast_backend(),
             BackendInfo("dequantized", True, description="decode once at load (pure torch); dense speed and memory"),
             BackendInfo("reference", True, description="pure torch, decode on every forward; packed memory"),
         ]
@@ -397,11 +258,10 @@ class EXL3Loader(DecodedCpuFast, TransformersLoader):
         return super().load(probe, detection, options)
 
     def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
-        """The ring-coded embedding installed (when the checkpoint has one), then cpu-fast's head."""
+        """The ring-coded embedding installed (when the checkpoint has one), before the fast backend's head."""
         src = ctx.source
         if isinstance(src, EXL3Source) and src.tables:
             loaded.info = {**loaded.info, "embedding": self._install_tables(loaded.module, src)}
-        self.finish_cpu_fast(loaded, ctx)
         return loaded
 
     @staticmethod
@@ -475,9 +335,8 @@ class EXL3Loader(DecodedCpuFast, TransformersLoader):
         from .qlinear import EXL3Linear
 
         modules = _modules(ctx.probe)
-        weights = self.layer_weights(ctx)
         src = ctx.source
-        if isinstance(src, EXL3Source) and ctx.backend in ("reference", "cpu-fast"):
+        if isinstance(src, EXL3Source) and ctx.backend != "dequantized":
             # packed memory: the token embedding stays ring-coded (load() installs it after the build)
             src.placeholders.update(dict.fromkeys(src.tables, ctx.dtype))
 
@@ -518,7 +377,6 @@ class EXL3Loader(DecodedCpuFast, TransformersLoader):
                 multiplier=multiplier,
                 mode="dequantized" if ctx.backend == "dequantized" else "reference",
                 compute_dtype=ctx.dtype,
-                cpu_fast_weights=weights,
             )
 
         return self.linear_factory(ctx, modules, one)

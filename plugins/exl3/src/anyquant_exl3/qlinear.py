@@ -1,4 +1,4 @@
-"""``EXL3Linear``: an EXL3 trellis-coded linear layer over the pure-torch decoder, and the layouts ``cpu-fast`` runs
+"""``EXL3Linear``: an EXL3 trellis-coded linear layer over the pure-torch decoder, and the layouts a fast backend runs
 EXL3's and EXL2's weights from (:func:`decoded_layouts`)."""
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ from .ring import RingTable
 if TYPE_CHECKING:
     from anyquant_runtime.layouts import Layout
 
-__all__ = ["CPU_FAST_WEIGHTS", "EXL3Linear", "EXL3TableEmbedding", "LinearParts", "Q8Rounding", "decoded_layouts"]
-
-#: the forms ``cpu-fast`` may hold a decoded EXL3 / EXL2 weight in (load option ``cpu_fast_weights``)
-CPU_FAST_WEIGHTS = ("auto", "q8_0", "bfloat16")
+__all__ = ["EXL3Linear", "EXL3TableEmbedding", "LinearParts", "Q8Rounding", "decoded_layouts"]
 
 
 class Q8Rounding:
@@ -62,33 +59,33 @@ class Q8Rounding:
         return self.blocks()[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
 
 
-def decoded_layouts(layer: QuantLinearBase, weights: str) -> Sequence[Layout] | str:
-    """What ``cpu-fast`` runs an EXL3 / EXL2 layer from (their codes are trellis states or variable-bit groups, which
-    no CPU kernel reads): the decoded weight, held as ``weights`` says (load option ``cpu_fast_weights``):
+def decoded_layouts(layer: QuantLinearBase) -> Sequence[Layout] | str:
+    """What a fast backend runs an EXL3 / EXL2 layer from (their codes are trellis states or variable-bit groups, which
+    no CPU kernel reads): the decoded weight,
 
-    - ``"q8_0"`` or ``"auto"``: re-quantized to Q8_0 blocks (:class:`Q8Rounding`, 1.0625 bytes per weight) on the
-      compiled block kernel, where it is built and vectorized and ``in_features`` is a multiple of 32; else, as
-      ``"bfloat16"``:
-    - ``"bfloat16"``: rounded to bfloat16 (2 bytes per weight; the layer kept for its exact weight).
+    - re-quantized to Q8_0 blocks (:class:`Q8Rounding`, 1.0625 bytes per weight; ``Int8Blocks(rounded=True)``: a
+      second rounding the format accepts, which a backend's option may refuse), where ``in_features`` is a multiple
+      of 32; else
+    - rounded to bfloat16 (``Decoded``: 2 bytes per weight; the layer kept for its exact weight).
 
     Measured against the exact weights (docs/benchmarks.md, "EXL3 on a CPU: bfloat16 vs Q8_0 blocks"): both forms'
-    logits within cpu-fast's 2e-2 of the largest on the test fixtures; on a trained-weight proxy Q8_0 twice
+    logits within the fast backend's 2e-2 of the largest on the test fixtures; on a trained-weight proxy Q8_0 twice
     bfloat16's logits error, +0.37 % perplexity against +0.13 %, at 2.4x its decode speed.
     """
     from anyquant_runtime.layouts import Decoded, Int8Blocks
 
-    if weights not in CPU_FAST_WEIGHTS:
-        raise ValueError(f"cpu_fast_weights={weights!r} is not one of {', '.join(map(repr, CPU_FAST_WEIGHTS))}")
     if layer.mode != "reference":
-        return f"a {layer.mode} layer (cpu-fast decodes the packed tensors of a reference one)"
+        return f"a {layer.mode} layer (a fast backend decodes the packed tensors of a reference one)"
     exact = Decoded(layer)
-    if weights == "bfloat16" or layer.in_features % 32:
+    if layer.in_features % 32:
         return [exact]
     q8 = Q8Rounding(layer)
     bias = layer._buffers.get("bias")
     k, n = layer.in_features, layer.out_features
     return [
-        Int8Blocks(k, n, 32, codes=q8.codes, scales=q8.scales, round_to=torch.float32, bias=bias, q8_0=q8.blocks),
+        Int8Blocks(
+            k, n, 32, codes=q8.codes, scales=q8.scales, round_to=torch.float32, bias=bias, q8_0=q8.blocks, rounded=True
+        ),
         exact,
     ]
 
@@ -116,11 +113,8 @@ class EXL3Linear(QuantLinearBase):
         multiplier: int | None = None,
         mode: str = "reference",
         compute_dtype: torch.dtype = torch.float32,
-        cpu_fast_weights: str = "auto",
     ) -> None:
         super().__init__(in_features, out_features, mode=mode, compute_dtype=compute_dtype)
-        #: the form cpu-fast holds the decoded weight in (:func:`decoded_layouts`)
-        self.cpu_fast_weights = cpu_fast_weights
         self.codebook = codebook
         self.multiplier = multiplier
         self.k_bits = trellis.shape[-1] / 16
@@ -145,7 +139,7 @@ class EXL3Linear(QuantLinearBase):
 
     def packed_layouts(self) -> Sequence[Layout] | str:
         """The decoded weight as Q8_0 blocks or in bfloat16 (:func:`decoded_layouts`)."""
-        return decoded_layouts(self, self.cpu_fast_weights)
+        return decoded_layouts(self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, K={self.k_bits:g}, codebook={self.codebook}"

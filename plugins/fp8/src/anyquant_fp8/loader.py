@@ -1,8 +1,7 @@
-"""The FP8 loader (and ModelOpt's NVFP4): validation, the per-linear factory, and its backends (core's int4 loader base
-gives the backend choice and cpu-fast's plan). NVFP4 layers run on cpu-fast as their codes on the compiled 4-bit table
-kernel behind their NVFP4 input quantization. On cpu-fast an FP8 layer runs as its bytes on the compiled kernel's ``fp8_gemv`` where
-that is built with its vector path (AVX512F), else as a bfloat16 copy prepacked for oneDNN where the CPU has AMX or
-AVX512-BF16, else exact: the layers are described as packed layouts and the engine decides."""
+"""The FP8 loader (and ModelOpt's NVFP4): validation and the per-linear factory; the runtime's int4 loader base gives
+the backend choice. An FP8 layer offers a fast backend its bytes as E4M3 groups, else a ``Decoded`` copy; an NVFP4
+layer its codes as a 4-bit table behind its NVFP4 input quantization: the layers are described as packed layouts and
+the engine decides."""
 
 from __future__ import annotations
 
@@ -54,11 +53,6 @@ def _is_nvfp4(scheme: FP8Scheme, m: FP8Module) -> bool:
 
 class FP8Loader(PackedFormatLoader):
     format = "fp8"
-    cpu_fast_description = (
-        "FP8 weights kept as their bytes on the compiled kernel's fp8_gemv where it is built (AVX512F; float32 "
-        "activations), else decoded once to bfloat16 (transformers' own dequantized weight) and prepacked for oneDNN "
-        "(AMX or AVX512-BF16), else exact"
-    )
     serve_hint = "with FP8 support serve it with vLLM (`anyquant serve --engine vllm`)"
     layout_kinds: ClassVar[tuple[type[Layout], ...]] = (E4M3Groups, Table4, Decoded)
 
@@ -120,7 +114,7 @@ class FP8Loader(PackedFormatLoader):
         ctx.state[KV_KEY] = scales
 
     def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
-        """cpu-fast's head and record (the base's), and ModelOpt's FP8 KV cache on each attention layer of the native
+        """ModelOpt's FP8 KV cache on each attention layer of the native
         decoder (transformers' classes have no place for it: refused, never silently left 16-bit)."""
         from .qlinear import KVQuantFP8
 
@@ -148,7 +142,7 @@ class FP8Loader(PackedFormatLoader):
         from .qlinear import FP8Linear, NVFP4Linear
 
         state = self.state(ctx)
-        plan = state.fast_plan
+        plan = self.fast_plan(ctx)
         scheme = state.signature if isinstance(state.signature, FP8Scheme) else read_scheme(ctx.probe)
         modules = {m.name: m for m in scheme.modules}
         round_to = getattr(torch, scheme.dtype)

@@ -6,15 +6,12 @@ memory-mapped :class:`~anyquant_gguf.reader.GGUFFile`.
 
 Backends:
 
-* ``cpu-fast`` (auto on a CPU with torch's vectorized int4 kernel, for files whose linears are
-  Q4_0/Q4_1/Q4_K): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 linears on anyquant's
-  compiled GGUF-block kernel (the stored blocks, interleaved at load; int8 activations in two passes) where it is
-  built, else Q4_0/Q4_1/Q4_K repacked for torch's int4 CPU kernel; other quantized linears (the lattice IQ types,
-  NVFP4, the TQ types, Q2_K, Q3_K) as
-  bfloat16 weights prepacked for oneDNN where AMX or AVX512-BF16 runs them, else dequantized at load; prompts over
-  ``small_rows`` tokens exact from the file's blocks; the token embedding and a tied LM head stay packed unless
-  ``embedding="dense"`` (faster decode, more memory). Greedy text can leave the exact path's at a near-tie, as
-  llama.cpp's own CPU path (8-bit activations) can.
+* a registered fast backend that runs GGUF blocks (anyquant-cpu's, on a CPU: auto where its kernels take some of
+  the file's linears): each linear offers its blocks as stored (``GGUFBlocks``, zero-copy) and then a ``Decoded`` copy
+  whose prompts stay exact from the file's blocks; the engine decides which runs. The head is the engine's over the
+  file's table (:meth:`table_head`), the token embedding and a tied LM head stay packed unless ``embedding="dense"``
+  (faster decode, more memory). Greedy text can leave the exact path's at a near-tie, as llama.cpp's own CPU path
+  (8-bit activations) can.
 * ``dequantized`` (auto elsewhere; the exact choice): every weight dequantized to the compute
   dtype at load (the packed ``GGUFLinear`` keeps its bytes and a cached dense weight); the file's
   pages are then released from the process (``madvise``), so RSS holds the dense weights only.
@@ -43,11 +40,11 @@ from anyquant.plugin import (
     LoadOptions,
     MissingTensorError,
     ModuleInfo,
-    ParameterError,
     Probe,
     UnsupportedFormatError,
 )
-from anyquant_runtime import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext, LoadPlan, TransformersLoader
+from anyquant_runtime import RUNTIME_OPTIONS, LoadContext, LoadPlan, TransformersLoader
+from anyquant_runtime.layouts import Decoded, GGUFBlocks, Layout
 
 from .plugin import gguf_model
 
@@ -62,9 +59,9 @@ log = logging.getLogger(__name__)
 #: equals :data:`anyquant_gguf.reader.SUPPORTED_ARCHITECTURES` (kept here: that module imports torch)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "qwen2moe")
 EMBEDDING_MODES = ("packed", "dense")
-#: ``embedding=`` when not given, per backend (``dequantized`` is always dense)
-DEFAULT_EMBEDDING = {"packed": "packed", "cpu-fast": "packed", "dequantized": "dense"}
 _EMBED = "model.embed_tokens.weight"
+#: the key of the fast backend's record in ``ctx.state`` (which linears took which of its kernels)
+_RECORD = "gguf_fast_record"
 _HEAD = "lm_head.weight"
 
 
@@ -75,7 +72,7 @@ def gguf_path(probe: Probe) -> Path:
 
 
 def _kernel_linears(probe: Probe) -> int:
-    """How many of the GGUF model's tensors (every part's), the token embedding aside, cpu-fast's engine takes here,
+    """How many of the GGUF model's tensors (every part's), the token embedding aside, the fast engine takes here,
     from the headers: each packed tensor's blocks described as the engine's layout (:func:`.qlinear.blocks_layout`;
     a Q6_K or Q8_0 file has no int4 tensor, only the GGUF-block kernel takes it)."""
     from anyquant_runtime.cpu import layouts_run
@@ -191,47 +188,25 @@ class GGUFSource:
         return sorted(set(self.gguf_names) - self.used)
 
 
-def cpu_fast_backend() -> BackendInfo:
-    """``cpu-fast``: GGUF blocks on the compiled kernel, else Q4_0/Q4_1/Q4_K through torch's int4 CPU kernel
-    (the CPU engine, anyquant-cpu: :mod:`anyquant_runtime.cpu`)."""
-    from anyquant_runtime.cpu import fast_cpu_capable
-
-    ok, reason = fast_cpu_capable()
-    return BackendInfo(
-        "cpu-fast",
-        ok,
-        reason,
-        devices=("cpu",),
-        description="Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS/MXFP4 linears on the compiled GGUF-block kernel "
-        "where it is built "
-        "(else Q4_0/Q4_1/Q4_K repacked for torch's int4 CPU kernel), other quantized linears "
-        "as bfloat16 prepacked for oneDNN where AMX/AVX512-BF16 runs it (else dequantized at load) "
-        "(bfloat16 decode, exact float32 prompts over 64 tokens); the "
-        "embedding and a tied head stay packed (embedding='dense': faster decode, more memory)",
-    )
-
-
 class GGUFLoader(TransformersLoader):
     format = "gguf"
-    backend_order = ("cpu-fast", "dequantized", "packed")
-    load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
+    backend_order = ("dequantized", "packed")
+    format_options: ClassVar[Mapping[str, str]] = MappingProxyType(
         {
             **RUNTIME_OPTIONS,
-            **CPU_FAST_OPTIONS,
-            "embedding": "'packed' (cpu-fast's default: looked-up rows decoded from the GGUF blocks) or 'dense'",
-            "cpu_fast_activation_passes": "2 (default) or 1: int8 passes over the activations of the compiled "
-            "GGUF-block kernel (1: llama.cpp's int8 arithmetic, faster, may flip near-tied greedy tokens)",
+            "embedding": "'packed' (the default but with 'dequantized': looked-up rows decoded from the GGUF blocks) "
+            "or 'dense'",
         }
     )
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (GGUFBlocks, Decoded)
 
     def __init__(self) -> None:
         #: the open readers of the file being loaded, shared by the hooks that take a probe, not the load's
         #: context (tokenizer, tensor_source, model_config): one header parse per load
         self._readers: dict[Path, Any] | None = None
 
-    def backends(self) -> list[BackendInfo]:
+    def own_backends(self) -> list[BackendInfo]:
         return [
-            cpu_fast_backend(),
             BackendInfo(
                 "packed",
                 True,
@@ -281,20 +256,13 @@ class GGUFLoader(TransformersLoader):
             self._readers = None
 
     def plan(self, probe: Probe, detection: Detection, options: LoadOptions, device: Any) -> LoadPlan:
-        """The backend, from the file's linears that torch's int4 kernel can take (``auto`` picks cpu-fast)."""
+        """The backend, from the file's linears that a fast backend's kernels take (``auto`` picks it where some)."""
         return LoadPlan(self.choose_backend(options.backend, device, kernel_linears=_kernel_linears(probe)))
 
     def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
-        """The packed token embedding installed, the file's pages released after a dequantized load, and the
-        record (``info["cpu_fast"]``: which linears took the int4 kernel)."""
+        """The packed token embedding installed, the file's pages released after a dequantized load."""
         src = ctx.source
         info: dict[str, Any] = {"embedding": "dense"}
-        if "cpu_fast" in ctx.state:
-            info["cpu_fast"] = ctx.state["cpu_fast"]
-            fast_layers = info["cpu_fast"]["converted"] + len(info["cpu_fast"]["bf16"])
-            norms = ctx.state["cpu_fast_plan"].install_norms(loaded.module) if fast_layers else 0
-            if norms:
-                info["cpu_fast"]["kernel_norms"] = norms
         if isinstance(src, GGUFSource):
             if src.placeholders:
                 self._install_packed_embedding(loaded.module, src)
@@ -304,6 +272,19 @@ class GGUFLoader(TransformersLoader):
 
                 release_pages(src.reader)
         loaded.info = {**loaded.info, **info}
+        return loaded
+
+    def finish_fast(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
+        """The fast backend's decode-path norms where some linear runs its kernels, and the record under its name
+        (which linears took which kernel); the head was built with the linears."""
+        record = ctx.state.get(_RECORD)
+        plan = self.fast_plan(ctx)
+        if record is None or plan is None:
+            return loaded
+        norms = plan.install_norms(loaded.module) if record["converted"] + len(record["bf16"]) else 0
+        if norms:
+            record["kernel_norms"] = norms
+        loaded.info = {**loaded.info, loaded.backend.replace("-", "_"): record}
         return loaded
 
     @staticmethod
@@ -316,7 +297,7 @@ class GGUFLoader(TransformersLoader):
             raise CheckpointError("the model's input embedding is not the GGUF token_embd placeholder")
         raw = src.raw(_EMBED)
         head = module.get_output_embeddings()
-        source = getattr(head, "source", None)  # cpu-fast's head over the embedding's GGUFRows, when tied
+        source = getattr(head, "source", None)  # the fast backend's head over the embedding's GGUFRows, when tied
         tied = (
             head.qweight
             if isinstance(head, GGUFTiedHead)
@@ -332,14 +313,23 @@ class GGUFLoader(TransformersLoader):
         module.set_input_embeddings(new.to(weight.device))
 
     def choose_backend(self, requested: str, device: Any, *, kernel_linears: int = 0) -> str:
-        """``kernel_linears``: how many of the file's linears cpu-fast's kernels take (torch's int4 kernel, the compiled
-        block kernel; :meth:`plan` counts). ``auto``:
-        cpu-fast where its kernels take some (it loads faster, peaks lower and decodes faster than dequantized, and
-        both beat transformers' gguf load on all three: docs/benchmarks.md), else the exact dequantized."""
+        """``kernel_linears``: how many of the file's linears the fast backend's kernels take (:meth:`plan` counts).
+        ``auto``: the fast backend where its kernels take some (the CPU engine loads faster, peaks lower and decodes
+        faster than dequantized, and both beat transformers' gguf load on all three: docs/benchmarks.md), else the
+        exact dequantized."""
         from anyquant.plugin import choose_backend
 
-        skip = {} if kernel_linears else {"cpu-fast": "no linear of this file takes its kernels"}
-        return choose_backend(self.format, self.backends(), self.backend_order, requested, device, skip=skip)
+        why = "no linear of this file takes its kernels"
+        skip = {} if kernel_linears else {s.name: why for s in self.fast_backends()}
+        return choose_backend(self.format, self.backends(), self.preference(), requested, device, skip=skip)
+
+    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
+        """No: the token embedding stays packed, or is dense in the compute dtype."""
+        return False
+
+    def file_tables(self, ctx: LoadContext) -> bool:
+        """No: the head is built over the file's table as the linears are (:meth:`make_linear`)."""
+        return False
 
     def tensor_source(self, probe: Probe, options: LoadOptions) -> GGUFSource:
         return GGUFSource(gguf_path(probe), self._reader(probe))
@@ -360,9 +350,10 @@ class GGUFLoader(TransformersLoader):
         src = ctx.source
         assert isinstance(src, GGUFSource)
         mode: Literal["on-the-fly", "dequant-at-load"] = "on-the-fly" if ctx.backend == "packed" else "dequant-at-load"
-        embedding = ctx.options.extra.get("embedding", DEFAULT_EMBEDDING.get(ctx.backend, "dense"))
+        plan: Any = self.fast_plan(ctx)  # the fast backend's (None on the exact ones), which builds its modules
+        embedding = ctx.options.extra.get("embedding", "dense" if ctx.backend == "dequantized" else "packed")
         packed_embedding = (
-            ctx.backend in ("packed", "cpu-fast")
+            (ctx.backend == "packed" or plan is not None)
             and embedding == "packed"
             and ctx.device.type == "cpu"
             and _EMBED in src
@@ -370,30 +361,22 @@ class GGUFLoader(TransformersLoader):
         )
         if packed_embedding:
             src.placeholders[_EMBED] = ctx.dtype
-        src.release_after_copy = ctx.backend in ("dequantized", "cpu-fast")
-        fast: dict[str, Any] | None = None  # cpu-fast's record: which linears took which of the engine's kernels
-        plan: Any = None  # cpu-fast's plan: the engine's (anyquant_runtime.cpu), which builds the fast modules
-        if ctx.backend == "cpu-fast":
-            from anyquant_runtime.cpu import layouts_run, require
+        src.release_after_copy = ctx.backend == "dequantized" or plan is not None
+        fast: dict[str, Any] | None = None  # the fast backend's record: which linears took which of its kernels
+        if plan is not None:
+            from anyquant_runtime.cpu import layouts_run
 
-            plan = require().FastCPUPlan.from_options(ctx.options.extra)
-            passes = ctx.options.extra.get("cpu_fast_activation_passes", 2)
-            if passes not in (1, 2, "1", "2") or isinstance(passes, bool):
-                raise ParameterError(f"cpu_fast_activation_passes={passes!r} is not 1 or 2")
-            plan.passes = int(passes)  # GGUF's own option: its blocks' activation passes on the block kernel
-            fast = ctx.state["cpu_fast"] = {
+            fast = ctx.state[_RECORD] = {
                 "converted": 0,
                 "bf16": {},
                 "dequantized": {},
                 "prefill_dtype": plan.prefill_name,
             }
-            ctx.state["cpu_fast_plan"] = plan
 
         def fast_head(raw: Any) -> tuple[nn.Module, bool] | None:
-            """cpu-fast's head over the file's table, and whether it decodes from a copy of another type: the
-            table's blocks on the engine's GGUF-block kernel where it reads them, else a decode copy
-            (``cpu_fast_head``) of any other type (the table read for prompts and the exact top logits); ``None``
-            where neither runs."""
+            """The fast backend's head over the file's table, and whether it decodes from a copy of another type:
+            the table's blocks on the engine's block kernel where it reads them, else a decode copy of any other type
+            (the table read for prompts and the exact top logits); ``None`` where neither runs."""
             head: tuple[nn.Module, bool] | None = plan.table_head(
                 GGUFRows(raw.data, raw.qtype, raw.shape), blocks_layout(raw.qtype, raw.shape, raw.data)
             )
@@ -413,7 +396,7 @@ class GGUFLoader(TransformersLoader):
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             key = f"{name}.weight"
             if packed_embedding and key == _HEAD and key not in src:
-                # tied head: a packed linear over the embedding's own bytes (cpu-fast: prepacked for decode)
+                # tied head: a packed linear over the embedding's own bytes (a fast backend: its decode form)
                 raw = src.raw(_EMBED)
                 made = fast_head(raw) if fast is not None else None
                 if made is not None:

@@ -89,7 +89,7 @@ class GGUFLinear(nn.Module):
     ``"dequant-at-load"`` dequantizes once and caches the float32 weight
     (non-persistent buffer; faster, 4 bytes per weight of anonymous memory).
 
-    For ``cpu-fast`` it describes its weight to the CPU engine (:meth:`packed_layouts`), which builds the fast
+    For a fast backend it describes its weight to the engine (:meth:`packed_layouts`), which builds the fast
     module; ``qk_heads``: ``qweight``'s rows are a "llama" file's Q/K rows as stored (permuted in that many heads,
     zero-copy), for the engine to read so; they are put in the model's order before the module's own paths run
     (:meth:`finalize`, :meth:`set_mode`).
@@ -173,7 +173,7 @@ class GGUFLinear(nn.Module):
         return chunked_linear(x, self.qweight, self.qtype, (self.out_features, self.in_features), self.bias)
 
     def packed_layouts(self) -> list[Layout]:
-        """The weight as ``cpu-fast``'s engine may run it, in the format's order: its blocks as stored
+        """The weight as a fast backend's engine may run it, in the format's order: its blocks as stored
         (:func:`blocks_layout`), then a bfloat16 copy for decode (prompts: this module's own exact forward), where
         the rows are in the model's order."""
         bias = None if self.bias is None else self.bias.detach()
@@ -186,8 +186,8 @@ class GGUFLinear(nn.Module):
         return fast
 
     def finalize(self) -> GGUFLinear:
-        """The exact path where the engine runs none of the layouts: the weight dequantized once (``cpu-fast``'s
-        fallback, as the ``dequantized`` backend)."""
+        """The exact path where the engine runs none of the layouts: the weight dequantized once (a fast
+        backend's fallback, as the ``dequantized`` backend)."""
         self.set_mode("dequant-at-load")
         return self
 
@@ -286,7 +286,7 @@ class GGUFTiedHead(nn.Module):
 
 class GGUFRows:
     """A GGUF-packed ``[rows, dim]`` table read as float32 a slice of rows at a time (decoded from its
-    blocks on each read; the bytes stay where they are, file-backed): the exact source of a ``cpu-fast``
+    blocks on each read; the bytes stay where they are, file-backed): the exact source of a fast backend's
     LM head (the engine's ``RowTable``), over a tied embedding too."""
 
     dtype = torch.float32
@@ -350,7 +350,7 @@ def gguf_int4_linear(
     bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> nn.Module:
-    """A Q4_0/Q4_1/Q4_K weight repacked by ``cpu-fast``'s engine for torch's int4 CPU kernel (its GGUF blocks
+    """A Q4_0/Q4_1/Q4_K weight repacked by the CPU engine for torch's int4 CPU kernel (its GGUF blocks
     offered repacked only; ``kwargs``: ``small_rows``, ``prefill_dtype``, ``compute_dtype``); ``ImportError`` without
     the engine, ``ValueError`` when it cannot run here."""
     from anyquant_runtime.cpu import require
@@ -385,7 +385,7 @@ def gguf_linear_from_reader(
 
 # --------------------------------------------------------------------------- the CPU engine's layout
 
-#: The types whose blocks the format offers ``cpu-fast``'s engine as stored (:func:`blocks_layout`: a
+#: The types whose blocks the format offers a fast backend as stored (:func:`blocks_layout`: a
 #: :class:`~anyquant_runtime.layouts.GGUFBlocks` with ``as_stored``), which its GGUF-block kernel reads where it is
 #: built: a Q4_K_M file's Q4_K and Q6_K linears at their stored size (4.5 and 6.56 bits a weight); Q5_K, Q5_0 and Q5_1;
 #: and the table types IQ4_NL, IQ4_XS and MXFP4 (4-bit codes indexing 16 int8 values: 4.5, 4.25 and 4.25 bits a
@@ -414,7 +414,7 @@ def blocks_layout(
     qk_heads: int | None = None,
     bias: torch.Tensor | None = None,
 ) -> GGUFBlocks:
-    """A GGUF weight's blocks as ``cpu-fast``'s engine reads them: ``[out, in]`` ``blocks`` of ``qtype`` (``None``:
+    """A GGUF weight's blocks as a fast backend's engine reads them: ``[out, in]`` ``blocks`` of ``qtype`` (``None``:
     described from the header alone), offered as stored where the type is among :data:`BLOCK_KERNEL_TYPES`."""
     qtype = GGMLQuantizationType(qtype)
     out_features, in_features = (int(d) for d in shape_out_in)

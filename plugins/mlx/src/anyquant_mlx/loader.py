@@ -1,13 +1,12 @@
-"""The MLX loader: its tensor source (quantized tables served decoded), the per-linear factory, and the backends of
-core's int4 loader base. On cpu-fast a 4-bit affine layer runs as Q4_1 blocks and an MXFP4/NVFP4 one on the 4-bit
-table kernel (Lut4) where the compiled kernel is built; those and every other layer otherwise as a bfloat16 copy (mlx's
-own values) prepacked for oneDNN where the CPU has AMX or AVX512-BF16, else exact. ``auto`` picks cpu-fast where the
-bfloat16 copy runs (the base's count)."""
+"""The MLX loader: its tensor source (quantized tables served decoded) and the per-linear factory, on the runtime's
+int4 loader base (the backend choice). A 4-bit affine layer offers a fast backend its codes as 4-bit affine blocks,
+an MXFP4/NVFP4 one as a 4-bit table, and every layer a ``Decoded`` copy (mlx's own values); the engine decides.
+``auto`` counts every layer as ``Decoded`` (the base's count)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from anyquant.plugin import (
     CheckpointError,
@@ -21,6 +20,7 @@ from anyquant.plugin import (
 )
 from anyquant_runtime import LoadContext
 from anyquant_runtime.int4.loader import PackedFormatLoader
+from anyquant_runtime.layouts import Affine4Blocks, Decoded, Layout, Table4
 from anyquant_runtime.tensors import SafetensorsSource
 
 from .scheme import MlxModule, MlxScheme, read_scheme
@@ -111,11 +111,7 @@ class MlxSource:
 
 class MlxLoader(PackedFormatLoader):
     format = "mlx"
-    cpu_fast_description = (
-        "where the compiled kernel is built 4-bit affine layers as Q4_1 blocks and MXFP4/NVFP4 on its 4-bit table "
-        "kernel (Lut4); the others decoded once to bfloat16 (mlx's own values) and prepacked for oneDNN (AMX or "
-        "AVX512-BF16), else exact"
-    )
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (Affine4Blocks, Table4, Decoded)
     serve_hint = "there is no GPU engine for MLX's layout; export it to dense (`anyquant export`)"
 
     def read_signature(self, probe: Probe) -> MlxScheme:
@@ -143,7 +139,7 @@ class MlxLoader(PackedFormatLoader):
         from .qlinear import MlxLinear
 
         state = self.state(ctx)
-        plan = state.fast_plan
+        plan = self.fast_plan(ctx)
         scheme = state.signature if isinstance(state.signature, MlxScheme) else read_scheme(ctx.probe)
         modules: dict[str, MlxModule] = {m.name: m for m in scheme.modules}
         for expert, (stacked, _) in expert_views(scheme).items():

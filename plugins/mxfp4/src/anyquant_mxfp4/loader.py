@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from anyquant.plugin import (
@@ -32,7 +31,7 @@ from anyquant.plugin import (
     dense_rows,
     tensors_by_module,
 )
-from anyquant_runtime import CPU_FAST_OPTIONS, RUNTIME_OPTIONS, LoadContext
+from anyquant_runtime import RUNTIME_OPTIONS, LoadContext
 from anyquant_runtime.int4.loader import PackedFormatLoader
 from anyquant_runtime.layouts import Layout, Table4
 from anyquant_runtime.tensors import TensorSource
@@ -45,58 +44,23 @@ if TYPE_CHECKING:
 
 __all__ = ["MXFP4Loader"]
 
-_PACKED = (
-    "the experts kept packed (4.25 bits a weight) on the compiled 4-bit table kernel: each weight formed as "
-    "transformers decodes it (bit for bit), float32 activations and sums on decode; prompts use the exact weights"
-)
 _EXACT = (
     "the experts decoded once at load to transformers' own dequantized values (Mxfp4Config(dequantize=True)), held in "
     "the compute dtype: 2 bytes a weight in bfloat16, 4 in float32"
 )
 
 
-#: the cpu-fast options this loader reads (the prompt GEMM's dtype, the decode rows, the head)
-_FAST_OPTIONS = ("cpu_fast_prefill", "cpu_fast_small_rows", "cpu_fast_head", "cpu_fast_tables")
-#: rows up to which an expert runs the decode kernel by default: a prompt's tokens spread over the experts, a few
-#: each, and the kernel's cost grows with every row while a GEMM's barely does
-EXPERT_SMALL_ROWS = 4
-#: the same where the prompt GEMM runs in a 16-bit dtype (``cpu_fast_prefill`` bfloat16, the default where the CPU
-#: has AMX or AVX512-BF16): its activations rounded to bfloat16 (~4e-3) are further from the exact product than the
-#: block kernel's two int8 passes (~1e-4), and forming an expert's exact weight for its GEMM costs as much as ~50
-#: rows of the kernel (gpt-oss 2048x1024, one thread: ~1.1 ms for the weight and the GEMM's fixed cost, ~0.036 ms a
-#: kernel row): 4-of-32 routing gives a 128-token prompt ~16 tokens an expert, a 512-token one ~64
-EXPERT_SMALL_ROWS_16BIT = 48
-
-
-def expert_small_rows(prefill_dtype: torch.dtype | None, dtype: torch.dtype) -> int:
-    """The experts' decode-kernel rows by default: :data:`EXPERT_SMALL_ROWS_16BIT` where a prompt's GEMM (in
-    ``prefill_dtype``, else the model's ``dtype``) rounds its activations to 16 bits, else :data:`EXPERT_SMALL_ROWS`."""
-    import torch
-
-    gemm = prefill_dtype or dtype
-    return EXPERT_SMALL_ROWS_16BIT if gemm in (torch.bfloat16, torch.float16) else EXPERT_SMALL_ROWS
-
-
 class MXFP4Loader(PackedFormatLoader):
     format = "mxfp4"
-    cpu_fast_description = _PACKED
     layout_kinds: ClassVar[tuple[type[Layout], ...]] = (Table4,)
-    load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
-        {
-            **RUNTIME_OPTIONS,
-            **{k: CPU_FAST_OPTIONS[k] for k in _FAST_OPTIONS},
-            "cpu_fast_small_rows": f"rows up to which the experts (default {EXPERT_SMALL_ROWS}, "
-            f"{EXPERT_SMALL_ROWS_16BIT} where prompts run bfloat16 GEMMs) and the head (default 64) run the decode "
-            "kernels",
-        }
-    )
+    format_options: ClassVar[Mapping[str, str]] = RUNTIME_OPTIONS
 
-    def backends(self) -> list[BackendInfo]:
+    def own_backends(self) -> list[BackendInfo]:
         exact = {
             "dequantized": _EXACT,
             "reference": "for now the same as 'dequantized' (" + _EXACT.split(" (", 1)[0] + "); no packed kernel",
         }
-        return [replace(b, description=exact.get(b.name, b.description)) for b in super().backends()]
+        return [replace(b, description=exact.get(b.name, b.description)) for b in super().own_backends()]
 
     def read_signature(self, probe: Probe) -> MXFP4Scheme:
         return read_scheme(probe)
@@ -137,7 +101,7 @@ class MXFP4Loader(PackedFormatLoader):
         """Where this load has an engine plan, each gpt-oss experts module whose two weights are packed becomes a
         :class:`~anyquant_mxfp4.experts.PackedGptOssExperts` of per-expert linears the plan converts, read straight
         from the ``_blocks``/``_scales``."""
-        plan = self.state(ctx).fast_plan
+        plan = self.fast_plan(ctx)
         if plan is None:
             return None
         import torch
@@ -150,10 +114,9 @@ class MXFP4Loader(PackedFormatLoader):
         dtype: torch.dtype = getattr(torch, scheme.dtype)
         assert isinstance(source, MXFP4Source)
         names = {t.name for t in scheme.tensors}
-        rows = None if "cpu_fast_small_rows" in ctx.options.extra else expert_small_rows(plan.prefill_dtype, ctx.dtype)
 
         def convert(name: str, layer: Any) -> nn.Module:
-            return plan.convert(name, layer, small_rows=rows)
+            return plan.convert(name, layer, expert=True)  # type: ignore[no-any-return]
 
         def factory(name: str, module: nn.Module) -> nn.Module | None:
             gate_up, down = f"{name}.gate_up_proj", f"{name}.down_proj"

@@ -26,13 +26,11 @@ _EXPORTS: dict[str, str] = {
     "LoadContext": "loaders",
     "LoadPlan": "loaders",
     "require_dtypes": "loaders",
-    "CPU_FAST_OPTIONS": "loaders",
     "FLOAT_SCALE_DTYPES": "loaders",
     "RUNTIME_OPTIONS": "loaders",
 }
 
 __all__ = [  # a literal, sorted list (type checkers read it)
-    "CPU_FAST_OPTIONS",
     "FLOAT_SCALE_DTYPES",
     "LoadContext",
     "LoadPlan",
@@ -56,7 +54,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .loaders import (
-        CPU_FAST_OPTIONS,
         FLOAT_SCALE_DTYPES,
         RUNTIME_OPTIONS,
         LoadContext,

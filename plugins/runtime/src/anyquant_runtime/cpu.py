@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from anyquant.errors import MissingDependencyError
+from anyquant.protocols import LAYOUT_KINDS, BackendSpec
 
 if TYPE_CHECKING:
     import torch
@@ -23,9 +24,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MISSING",
+    "NOT_INSTALLED",
     "block_kernel_is_fast",
     "decode_step",
     "engine",
+    "engine_of",
     "fast_cpu_capable",
     "fast_module",
     "fast_reasons",
@@ -33,29 +36,51 @@ __all__ = [
     "layout_kinds_run",
     "layouts_run",
     "require",
+    "require_engine",
 ]
 
 #: the reason ``cpu-fast`` gives where the engine is not installed
 MISSING = "the CPU engine is not installed (pip install anyquant-cpu; in the repository, make install) or is disabled"
+#: ``cpu-fast`` as the loaders offer it where no plugin registers it (anyquant-cpu not installed, or disabled): listed,
+#: never available, saying what to install (it runs every layout but EXL3's trellis, as anyquant-cpu registers it)
+NOT_INSTALLED = BackendSpec(
+    "cpu-fast",
+    "anyquant's CPU engine (anyquant-cpu)",
+    devices=("cpu",),
+    layouts=tuple(k for k in LAYOUT_KINDS if k != "exl3-trellis"),
+)
 
 
 @functools.cache
-def engine() -> ModuleType | None:
-    """The ``cpu-fast`` backend's engine module (imported once per process); ``None`` where no plugin registers one."""
+def engine_of(backend: str) -> ModuleType | None:
+    """The engine module of registered backend ``backend`` (imported once per process); ``None`` where no plugin
+    registers that backend with an engine. An engine offers ``plan(options)`` (one load's plan: ``convert``,
+    ``finish``, ``summary``, ``kv_cache_dtype``, ``keeps_embedding_dtype``, ``file_tables``), ``layouts_run`` and
+    ``layout_kinds_run``, as :mod:`anyquant_cpu.backend` does."""
     from anyquant.api import default_registry
 
-    spec = default_registry().backends().get("cpu-fast")
+    spec = default_registry().backends().get(backend)
     if spec is None or spec.engine is None:
         return None
     return importlib.import_module(spec.engine)
 
 
+def require_engine(backend: str) -> ModuleType:
+    """:func:`engine_of`, or :class:`~anyquant.errors.MissingDependencyError` saying what to install."""
+    found = engine_of(backend)
+    if found is None:
+        raise MissingDependencyError(MISSING if backend == "cpu-fast" else f"backend {backend!r} has no engine here")
+    return found
+
+
+def engine() -> ModuleType | None:
+    """The ``cpu-fast`` backend's engine module; ``None`` where no plugin registers one."""
+    return engine_of("cpu-fast")
+
+
 def require() -> ModuleType:
     """:func:`engine`, or :class:`~anyquant.errors.MissingDependencyError` saying what to install."""
-    found = engine()
-    if found is None:
-        raise MissingDependencyError(MISSING)
-    return found
+    return require_engine("cpu-fast")
 
 
 def fast_cpu_capable() -> tuple[bool, str]:

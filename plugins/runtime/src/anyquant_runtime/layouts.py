@@ -106,7 +106,9 @@ class Int8Blocks:
     ``codes``: ``[out, in]``, int8 values; ``scales``: ``[out, in / group]`` (a per-channel scale: ``group = in``).
     ``q8_0``: where the format already holds the weight as GGML Q8_0 blocks (group 32, float16 scales: uint8
     ``[out, in / 32, 34]``, each block's scale then its 32 codes), those blocks, which an engine that runs Q8_0 takes
-    as they are instead of packing the codes and scales again."""
+    as they are instead of packing the codes and scales again. ``rounded``: the codes are a second, lossy rounding of
+    a weight the format holds otherwise (EXL3's decoded trellis as Q8_0), which the format accepts and a backend's
+    option may refuse (``cpu-fast``'s ``cpu_fast_weights``)."""
 
     #: its name among :data:`anyquant.protocols.LAYOUT_KINDS` (what a registered backend says it runs)
     kind: ClassVar[str] = "int8-blocks"
@@ -119,6 +121,7 @@ class Int8Blocks:
     round_to: torch.dtype
     bias: torch.Tensor | None = None
     q8_0: TensorOr | None = None
+    rounded: bool = False
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,6 +23,7 @@ from anyquant.errors import CheckpointError
 from anyquant.probe import Probe, thaw
 from anyquant.protocols import (
     BackendInfo,
+    BackendSpec,
     Detection,
     LoadedModel,  # torch-free, like TensorSource: resolvable by typing.get_type_hints
     LoadOptions,
@@ -34,8 +35,10 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from .layouts import Layout
+
 __all__ = [
-    "CPU_FAST_OPTIONS",
+    "FAST_PLAN",
     "FLOAT_SCALE_DTYPES",
     "RUNTIME_OPTIONS",
     "LoadContext",
@@ -70,23 +73,8 @@ RUNTIME_OPTIONS: Mapping[str, str] = MappingProxyType(
         "runtime": "'auto' (default), 'native' or 'transformers': which module class is built",
     }
 )
-#: the ``cpu-fast`` backend's options (read by :class:`anyquant_cpu.engine.FastCPUPlan`)
-CPU_FAST_OPTIONS: Mapping[str, str] = MappingProxyType(
-    {
-        "cpu_fast_prefill": "'auto' (default: prompts through a bfloat16 GEMM where the CPU has AMX or AVX512-BF16, "
-        "else float32), 'float32' (the exact weights in float32), 'bfloat16' or 'float16'",
-        "cpu_fast_small_rows": "rows up to which the decode kernels run (default 64)",
-        "cpu_fast_head": "'auto' (default: a Q8_0 copy on the compiled kernel where built, else a bfloat16 one "
-        "prepacked for oneDNN where it runs fast), 'q8_0', 'bfloat16' or 'dense'; the top 64 logits exact",
-        "cpu_fast_tables": "'file' (default: embedding and exact head read from the checkpoint) or 'memory'",
-        "cpu_fast_kernel": "'auto' (default: 'gq4' where the compiled block kernel is built and vectorized, else "
-        "'torch'), 'gq4' (GPTQ/AWQ 4-bit on the compiled block kernel) or 'torch' (torch's int4 kernel)",
-        "cpu_fast_interleave": "True (default: block-kernel weights copied at load into the kernel's interleaved "
-        "form) or False (GGUF blocks read in place from the file)",
-        "cpu_fast_kv_cache": "'float32' (default: the compute dtype), 'float16' or 'bfloat16' (half the native "
-        "decoder's KV cache; decode at long contexts slower)",
-    }
-)
+#: the key of a load's fast-backend plan in ``ctx.state`` (:meth:`TransformersLoader.fast_plan`)
+FAST_PLAN = "fast_plan"
 
 
 @dataclass
@@ -122,31 +110,99 @@ class LoadContext:
 
 
 class TransformersLoader:
-    """Loads a checkpoint whose ``config.json`` names a transformers causal-LM architecture."""
+    """Loads a checkpoint whose ``config.json`` names a transformers causal-LM architecture.
+
+    Backends: the format's own (:meth:`own_backends`, in :attr:`backend_order`), and every registered backend with an
+    engine (:class:`~anyquant.protocols.BackendSpec`, e.g. ``cpu-fast``) that runs one of the packed layouts the
+    format's layers offer (:attr:`layout_kinds`): the format writes no code for it. Such a backend's load options
+    are accepted (:attr:`load_options`), its plan is made before anything is read (:meth:`fast_plan`), the format's
+    reference linears pass through it (:meth:`fast_convert`), and it finishes the model after :meth:`finish`
+    (:meth:`finish_fast`)."""
 
     format: str = "dense"
-    #: backends in order of preference for ``backend="auto"``.
+    #: the format's own backends in order of preference for ``backend="auto"``; registered backends it is offered
+    #: (:meth:`fast_backends`) come after its own accelerator backends and before its exact ones
     backend_order: tuple[str, ...] = ("reference",)
-    #: the keyword options ``anyquant.load`` accepts for this loader (name -> what it does); any other keyword
-    #: is a :class:`~anyquant.errors.ParameterError` before anything is read. A loader without this attribute
-    #: (a third party's) gets every keyword unchecked.
-    load_options: ClassVar[Mapping[str, str]] = RUNTIME_OPTIONS
+    #: the keyword options of the format itself; :attr:`load_options` adds its fast backends'
+    format_options: ClassVar[Mapping[str, str]] = RUNTIME_OPTIONS
+    #: the packed layouts (:mod:`anyquant_runtime.layouts` classes) this format's layers offer a backend
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = ()
     #: tie a missing output head to the input embedding even where ``config.json`` says
     #: ``tie_word_embeddings: false`` (formats whose own loader does so); otherwise that is a MissingTensorError.
     tie_absent_head: ClassVar[bool] = False
 
-    def backends(self) -> list[BackendInfo]:
+    @property
+    def load_options(self) -> Mapping[str, str]:
+        """The keyword options ``anyquant.load`` accepts for this loader (name -> what it does): the format's own and
+        those of the backends it is offered; any other keyword is a :class:`~anyquant.errors.ParameterError` before
+        anything is read. A loader without this attribute (a third party's) gets every keyword unchecked."""
+        kinds = [k.kind for k in self.layout_kinds]
+        merged = dict(self.format_options)
+        for spec in self.fast_backends():
+            merged.update(spec.options_for(kinds))
+        return MappingProxyType(merged)
+
+    def fast_backends(self) -> list[BackendSpec]:
+        """The registered backends with an engine that run one of :attr:`layout_kinds`, in registration order; where no
+        plugin registers ``cpu-fast``, its stand-in (:data:`anyquant_runtime.cpu.NOT_INSTALLED`: listed, unavailable,
+        saying what to install)."""
+        if not self.layout_kinds:
+            return []
+        from anyquant.api import default_registry
+
+        from .cpu import NOT_INSTALLED
+
+        kinds = {k.kind for k in self.layout_kinds}
+        registered = default_registry().backends()
+        fast = [s for s in registered.values() if s.engine and kinds & set(s.layouts)]
+        if NOT_INSTALLED.name not in registered and kinds & set(NOT_INSTALLED.layouts):
+            fast.append(NOT_INSTALLED)
+        return fast
+
+    def fast_backend_info(self, spec: BackendSpec) -> BackendInfo:
+        """``spec`` as this format offers it: available where its engine runs one of :attr:`layout_kinds` here."""
+        from .cpu import engine_of
+
+        found = engine_of(spec.name)
+        if found is None:
+            from .cpu import MISSING, NOT_INSTALLED
+
+            ok, reason = False, MISSING if spec is NOT_INSTALLED else f"the engine of {spec.name} cannot be imported"
+        else:
+            ok, reason = found.layout_kinds_run(*self.layout_kinds)
+        kinds = ", ".join(k.kind for k in self.layout_kinds)
+        return BackendInfo(
+            spec.name, ok, reason, devices=spec.devices, description=f"{spec.description} ({self.format}: {kinds})"
+        )
+
+    def own_backends(self) -> list[BackendInfo]:
+        """The format's own backends (its exact ones, and an accelerator backend that is its alone)."""
         return [BackendInfo("reference", True, description="pure torch, runs anywhere")]
+
+    def backends(self) -> list[BackendInfo]:
+        from anyquant.backends import EXACT_BACKENDS
+
+        own = self.own_backends()
+        fast = [self.fast_backend_info(s) for s in self.fast_backends()]
+        return [b for b in own if b.name not in EXACT_BACKENDS] + fast + [b for b in own if b.name in EXACT_BACKENDS]
+
+    def preference(self) -> tuple[str, ...]:
+        """``auto``'s order: :attr:`backend_order`'s accelerator backends, the fast backends, its exact backends."""
+        from anyquant.backends import EXACT_BACKENDS
+
+        own = self.backend_order
+        fast = tuple(s.name for s in self.fast_backends())
+        return tuple(n for n in own if n not in EXACT_BACKENDS) + fast + tuple(n for n in own if n in EXACT_BACKENDS)
 
     def validate(self, probe: Probe, detection: Detection) -> None:
         """Second line of defence: re-check the tensor signature before any weights are read."""
 
     def choose_backend(self, requested: str, device: torch.device) -> str:
         """The backend for ``requested`` on ``device``: :func:`anyquant.backends.choose_backend` over
-        :meth:`backends` in :attr:`backend_order` (a loader whose checkpoint rules some out passes ``skip``)."""
+        :meth:`backends` in :meth:`preference` (a loader whose checkpoint rules some out passes ``skip``)."""
         from anyquant.backends import choose_backend
 
-        return choose_backend(self.format, self.backends(), self.backend_order, requested, device)
+        return choose_backend(self.format, self.backends(), self.preference(), requested, device)
 
     def plan(self, probe: Probe, detection: Detection, options: LoadOptions, device: torch.device) -> LoadPlan:
         """The first step of a load, before the tokenizer or any weight is read: the backend
@@ -183,14 +239,49 @@ class TransformersLoader:
 
     def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
         """Build the input embedding in the checkpoint's 16-bit dtype (see :func:`anyquant_runtime.build.build_model`);
-        a loader that says yes replaces it after the build."""
-        return False
+        a loader that says yes replaces it after the build. By default: where the fast backend's plan replaces it."""
+        plan = self.fast_plan(ctx)
+        return plan is not None and bool(plan.keeps_embedding_dtype())
 
     def file_tables(self, ctx: LoadContext) -> bool:
         """Leave the input embedding and a dense head in the checkpoint file, unread (``build_model``'s
         ``file_tables``, collected in ``ctx.file_tables``); a loader that says yes installs or fills them after
-        the build."""
-        return False
+        the build. By default: where the fast backend's plan reads them from there, on the CPU."""
+        plan = self.fast_plan(ctx)
+        return plan is not None and ctx.device.type == "cpu" and bool(plan.file_tables())
+
+    def start_fast(self, backend: str, options: LoadOptions) -> Any:
+        """The plan of ``backend`` when it is one of :meth:`fast_backends` (its engine's ``plan(options)``: the
+        options checked before anything is read), else ``None``."""
+        if backend not in {s.name for s in self.fast_backends()}:
+            return None
+        from .cpu import require_engine
+
+        return require_engine(backend).plan(options.extra)
+
+    @staticmethod
+    def fast_plan(ctx: LoadContext) -> Any:
+        """This load's fast-backend plan (``None`` on the format's own backends): ``convert(name, layer)`` turns a
+        reference linear into the backend's module (:meth:`fast_convert`)."""
+        return ctx.state.get(FAST_PLAN)
+
+    def fast_convert(self, ctx: LoadContext, name: str, layer: Any, **kwargs: Any) -> Any:
+        """``layer`` (a reference linear offering its packed layouts) as this load's fast backend runs it; itself
+        on the format's own backends."""
+        plan = self.fast_plan(ctx)
+        return layer if plan is None else plan.convert(name, layer, **kwargs)
+
+    def finish_fast(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
+        """After :meth:`finish`: the fast backend completes the model (its head, its decode-path modules) and its
+        record goes in ``loaded.info`` under its name (``cpu-fast``: ``info["cpu_fast"]``)."""
+        plan = self.fast_plan(ctx)
+        if plan is None:
+            return loaded
+        import torch
+
+        plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=ctx.file_tables)
+        loaded.info = {**loaded.info, loaded.backend.replace("-", "_"): plan.summary()}
+        return loaded
 
     def runtime(self, ctx: LoadContext) -> str:
         """The module class to build: ``load(..., runtime=...)``: ``"auto"`` (the default: anyquant's native
@@ -221,11 +312,10 @@ class TransformersLoader:
         dtype = resolve_dtype(options.dtype, device)
         plan = self.plan(probe, detection, options, device)
         backend = plan.backend
-        kv_dtype = None
-        if backend == "cpu-fast":  # checked before anything is read
-            from .cpu import kv_cache_dtype
-
-            kv_dtype = kv_cache_dtype(options.extra, dtype)
+        fast = self.start_fast(backend, options)  # its options checked before anything is read
+        if fast is not None:
+            plan.state[FAST_PLAN] = fast
+        kv_dtype = None if fast is None else fast.kv_cache_dtype(dtype)
         from anyquant._memory import release_free_heap
 
         # the tokenizer first: its parse peaks at several times what it keeps, and
@@ -278,7 +368,7 @@ class TransformersLoader:
             dtype=str(dtype).replace("torch.", ""),
             info=info,
         )
-        return self.finish(loaded, ctx)
+        return self.finish_fast(self.finish(loaded, ctx), ctx)
 
 
 _LAYER_INDEX = re.compile(r"^(.*?(?:layers|blk|h))\.(\d+)\.")
@@ -334,11 +424,11 @@ def end_of_sequence_ids(probe: Probe) -> set[int]:
     """The ``eos_token_id`` values (an id or a list) of the checkpoint's ``config.json`` and
     ``generation_config.json``: transformers' ``generate`` stops at the latter's, which often lists more
     (Llama-3-Instruct's ``<|eot_id|>``, Qwen2.5's ``<|im_end|>``) than the tokenizer's one ``eos_token``."""
-    from anyquant.probe import _read_json
+    from anyquant.probe import read_checkpoint_json
 
     sources: list[Any] = [probe.config]
     if probe.root.is_dir():
-        sources.append(_read_json(probe.root, "generation_config.json"))
+        sources.append(read_checkpoint_json(probe.root, "generation_config.json"))
     ids: set[int] = set()
     for cfg in sources:
         value = cfg.get("eos_token_id") if isinstance(cfg, Mapping) else None

@@ -75,13 +75,13 @@ def _vetted_dir(probe: Probe, into: str) -> None:
     transformers reads files the probe does not list (``added_tokens.json``, ``additional_chat_templates/``,
     a tokenizer class's own vocabulary names), and this covers every one of them."""
     from anyquant.errors import UnsafePathError
-    from anyquant.probe import _check_inside
+    from anyquant.probe import require_inside
 
     root = probe.root
 
     def link(src: os.DirEntry[str], dest_dir: str) -> None:
         try:
-            _check_inside(root, root / os.path.relpath(src.path, root), probe.allow_symlinks)
+            require_inside(root, root / os.path.relpath(src.path, root), probe.allow_symlinks)
             real = os.path.realpath(src.path)
             if not os.path.isfile(real) or os.path.getsize(real) > MAX_TOKENIZER_FILE_BYTES:
                 raise UnsafePathError(f"{src.name}: not a regular file of a size a tokenizer file may have")
@@ -100,7 +100,7 @@ def _vetted_dir(probe: Probe, into: str) -> None:
     for e in entries:
         if e.name in _TOKENIZER_SUBDIRS:
             try:
-                _check_inside(root, root / e.name, probe.allow_symlinks)
+                require_inside(root, root / e.name, probe.allow_symlinks)
             except UnsafePathError as exc:
                 log.warning("%s: left out of what the tokenizer may read (%s)", e.path, exc)
                 continue

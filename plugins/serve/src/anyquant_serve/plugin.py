@@ -23,7 +23,7 @@ from anyquant.plugin import (
     options_from,
 )
 
-from .scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
+from .scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB, DEFAULT_SCORE_CHUNK
 
 __all__ = ["anyquant_register_commands", "build_parser_for_tests"]
 
@@ -60,6 +60,13 @@ def _configure(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_PREFILL_CHUNK,
         help="prompt positions per prefill forward and the most prefilled between two decode steps of the running "
         f"requests; 0: each prompt in one forward (default {DEFAULT_PREFILL_CHUNK}; 512: generate's forwards, bitwise)",
+    )
+    p.add_argument(
+        "--score-chunk",
+        type=int,
+        default=DEFAULT_SCORE_CHUNK,
+        help="prompt positions per scoring forward (echo with logprobs): at most this many x the vocabulary of "
+        f"logits held at once (default {DEFAULT_SCORE_CHUNK}: generate's forwards, bitwise its scores)",
     )
     # what one client may hold (a slow or idle client must not hold the server): docs/serving.md, "Exposing"
     p.add_argument(
@@ -134,6 +141,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ParameterError("--timeout and --max-body-kb must be positive")
     if args.prefill_chunk < 0 or not 0 <= args.prefix_cache_mb < float("inf"):  # NaN too
         raise ParameterError("--prefill-chunk and --prefix-cache-mb: expected 0 or more (a finite number of MB)")
+    if args.score_chunk < 1:
+        raise ParameterError(f"--score-chunk {args.score_chunk}: expected 1 or more")
     _need_http_stack()
     limits = _limits(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
@@ -163,6 +172,7 @@ def _run(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             prefill_chunk=args.prefill_chunk,
             prefix_cache_mb=args.prefix_cache_mb,
+            score_chunk=args.score_chunk,
         )
     from .app import ServerConfig, build_app
 

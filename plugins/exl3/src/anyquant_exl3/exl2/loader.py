@@ -1,41 +1,38 @@
 """The EXL2 (exllamav2) loader: exllamav2 is archived and CUDA-only; this reads its checkpoints on any torch device,
-with EXL3's ``cpu-fast`` (each linear decoded once at load, as Q8_0 blocks or bfloat16 prepacked) on the CPU."""
+with EXL3's linear factory (a fast backend gets each linear decoded once at load, as EXL3's are)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from anyquant.plugin import BackendInfo, CheckpointError, Detection, ModuleInfo, Probe, dense_rows, tensors_by_module
 from anyquant_runtime import (
-    CPU_FAST_OPTIONS,
     FLOAT_SCALE_DTYPES,
     RUNTIME_OPTIONS,
     LoadContext,
     TransformersLoader,
     require_dtypes,
 )
+from anyquant_runtime.layouts import Decoded, Int8Blocks, Layout
 
-from ..loader import CPU_FAST_WEIGHTS_OPTIONS, DecodedCpuFast, cpu_fast_backend
+from ..loader import PartsLinears
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from anyquant.plugin import LoadedModel
     from anyquant_runtime.qlinear import QuantLinearBase
 
 __all__ = ["EXL2Loader"]
 
 
-class EXL2Loader(DecodedCpuFast, TransformersLoader):
+class EXL2Loader(PartsLinears, TransformersLoader):
     """EXL2 on CPU: exllamav2 is archived and CUDA-only; this is a maintained way to read it."""
 
     format = "exl2"
-    backend_order = ("cpu-fast", "dequantized", "reference")
-    load_options: ClassVar[Mapping[str, str]] = MappingProxyType(
-        {**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS, **CPU_FAST_WEIGHTS_OPTIONS}
-    )
+    backend_order = ("dequantized", "reference")
+    format_options: ClassVar[Mapping[str, str]] = RUNTIME_OPTIONS
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (Int8Blocks, Decoded)
     SUFFIXES = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm")
 
     def inspect(self, probe: Probe, detection: Detection) -> list[ModuleInfo]:
@@ -76,22 +73,16 @@ class EXL2Loader(DecodedCpuFast, TransformersLoader):
                     "every layer, and without it the rows' order is unknown"
                 )
 
-    def backends(self) -> list[BackendInfo]:
+    def own_backends(self) -> list[BackendInfo]:
         return [
-            cpu_fast_backend(),
             BackendInfo("dequantized", True, description="decode once at load (pure torch); dense speed and memory"),
             BackendInfo("reference", True, description="pure torch, decode on every forward; packed memory"),
         ]
-
-    def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
-        self.finish_cpu_fast(loaded, ctx)
-        return loaded
 
     def make_linear(self, ctx: LoadContext) -> Callable[[str, nn.Linear], nn.Module | None]:
         from .qlinear import EXL2Linear
 
         src = ctx.source
-        weights = self.layer_weights(ctx)
         stored: dict[str, Any] = {p: {} for p in ctx.probe.modules_with("q_weight")}
 
         def one(name: str, in_features: int, out_features: int) -> QuantLinearBase:
@@ -104,7 +95,6 @@ class EXL2Loader(DecodedCpuFast, TransformersLoader):
                 out_features=out_features,
                 mode="dequantized" if ctx.backend == "dequantized" else "reference",
                 compute_dtype=ctx.dtype,
-                cpu_fast_weights=weights,
             )
 
         return self.linear_factory(ctx, stored, one)  # a fused projection may be stored split

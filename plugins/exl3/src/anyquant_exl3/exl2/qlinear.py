@@ -37,11 +37,8 @@ class EXL2Linear(QuantLinearBase):
         out_features: int,
         mode: str = "reference",
         compute_dtype: torch.dtype = torch.float32,
-        cpu_fast_weights: str = "auto",
     ) -> None:
         super().__init__(in_features, out_features, mode=mode, compute_dtype=compute_dtype)
-        #: the form cpu-fast holds the decoded weight in (:func:`~anyquant_exl3.qlinear.decoded_layouts`)
-        self.cpu_fast_weights = cpu_fast_weights
         invperm = tensors.get("q_invperm")
         if invperm is None and "q_perm" in tensors:
             invperm = torch.argsort(tensors["q_perm"].long()).to(torch.int32)
@@ -64,4 +61,4 @@ class EXL2Linear(QuantLinearBase):
 
     def packed_layouts(self) -> Sequence[Layout] | str:
         """The decoded weight as Q8_0 blocks or in bfloat16 (:func:`~anyquant_exl3.qlinear.decoded_layouts`)."""
-        return decoded_layouts(self, self.cpu_fast_weights)
+        return decoded_layouts(self)

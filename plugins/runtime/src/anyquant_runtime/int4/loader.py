@@ -1,11 +1,13 @@
-"""The loader base of int4 group-quantized formats (GPTQ, AWQ): backends, the backend choice, and the
-per-load plans of the ``cpu-fast`` and ``gptqmodel`` backends.
+"""The loader base of int4 group-quantized formats (GPTQ, AWQ) and of the packed formats that share its backend
+choice (compressed-tensors, FP8, bitsandbytes, MLX, MXFP4): backends, the backend choice, and the per-load plan of
+the ``gptqmodel`` backend.
 
-A format subclasses :class:`Int4Loader` and supplies ``validate``, ``make_linear`` (its linear, or
-``Int4State.kernel_plan.build(...)`` under backend ``gptqmodel``, passed through ``Int4State.fast_plan.convert``
-under ``cpu-fast``) and ``inspect``; it says what differs in its backend choice with :attr:`Int4Loader.kernel_method`,
-:attr:`Int4Loader.gptqmodel_layouts` and :meth:`Int4Loader.facts`. Importing this module imports neither torch
-nor GPTQModel.
+A format subclasses :class:`Int4Loader` and supplies ``validate``, ``make_linear`` (its reference linear, passed
+through :meth:`~anyquant_runtime.loaders.TransformersLoader.fast_convert`, or ``Int4State.kernel_plan.build(...)``
+under backend ``gptqmodel``) and ``inspect``; it says what differs in its backend choice with
+:attr:`Int4Loader.kernel_method`, :attr:`Int4Loader.gptqmodel_layouts` and :meth:`Int4Loader.facts`. The registered
+backends that run its layouts (:attr:`~anyquant_runtime.loaders.TransformersLoader.layout_kinds`) are the base's.
+Importing this module imports neither torch nor GPTQModel.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ from anyquant.errors import ConfigError, UnsupportedBackendError, UnsupportedFor
 from anyquant.probe import Probe
 from anyquant.protocols import BackendInfo, Detection, LoadOptions
 
-from ..layouts import Decoded, Layout
+from ..layouts import Decoded, Int4Groups, Layout
 from ..loaders import (
-    CPU_FAST_OPTIONS,
     FLOAT_SCALE_DTYPES,
     RUNTIME_OPTIONS,
     LoadContext,
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     import torch
 
     from anyquant.protocols import LoadedModel
-    from anyquant_cpu.engine import FastCPUPlan
 
     from .gptqmodel_kernels import KernelPlan
 
@@ -46,7 +46,6 @@ __all__ = [
     "Int4Loader",
     "Int4State",
     "PackedFormatLoader",
-    "cpu_fast_backend",
     "gptqmodel_backend",
     "gptqmodel_status",
 ]
@@ -59,8 +58,8 @@ QUANT_DTYPES: Mapping[str, frozenset[str]] = MappingProxyType(
     {"qweight": frozenset({"I32"}), "qzeros": frozenset({"I32"}), "scales": FLOAT_SCALE_DTYPES}
 )
 
-#: the load options of every :class:`Int4Loader`
-INT4_OPTIONS: Mapping[str, str] = MappingProxyType({**RUNTIME_OPTIONS, **CPU_FAST_OPTIONS, **GPTQMODEL_OPTIONS})
+#: the load options of every :class:`Int4Loader` (its fast backends' are the base's)
+INT4_OPTIONS: Mapping[str, str] = MappingProxyType({**RUNTIME_OPTIONS, **GPTQMODEL_OPTIONS})
 
 #: the key of :class:`Int4State` in ``ctx.state``
 STATE_KEY = "int4"
@@ -71,23 +70,6 @@ def _ram_bytes() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover
         return 8 << 30
-
-
-def cpu_fast_backend() -> BackendInfo:
-    """The ``cpu-fast`` backend (torch's int4 CPU kernel, GQ4 blocks on the compiled kernel where it is built; see
-    :mod:`anyquant_cpu.engine`)."""
-    from ..cpu import fast_cpu_capable
-
-    ok, reason = fast_cpu_capable()
-    return BackendInfo(
-        "cpu-fast",
-        ok,
-        reason,
-        devices=("cpu",),
-        description="4-bit layers as GQ4 blocks on the compiled kernel where it is built (vectorized), else repacked "
-        "for torch's int4 CPU kernel (bf16 decode); on-the-fly dequantized GEMM for prompts; packed memory; other "
-        "layers dequantized",
-    )
 
 
 def gptqmodel_backend() -> BackendInfo:
@@ -115,16 +97,14 @@ class Int4State:
     #: the checkpoint's layout (``detection.variant``), for :attr:`Int4Loader.gptqmodel_layouts` (``None``: not
     #: known, taken to be one GPTQModel runs)
     layout: str | None = None
-    #: layers the CPU engine takes here, counted from the headers (:func:`anyquant_cpu.engine.layouts_run`;
-    #: ``auto`` picks ``cpu-fast`` on the CPU when > 0); ``None``: not counted, every layer is taken to
+    #: layers the fast backend's engine takes here, counted from the headers (:func:`anyquant_cpu.engine.layouts_run`;
+    #: ``auto`` passes the fast backends by when 0); ``None``: not counted, every layer is taken to
     fast_layers: int | None = None
     #: float32 bytes of every quantized layer dequantized (``auto`` picks ``reference`` over ``dequantized``
     #: when they take :data:`DEQUANT_RAM_SHARE` of RAM or more); ``None``: not counted, they fit
     dense_bytes: int | None = None
     #: the format's parsed tensor signature, when :meth:`Int4Loader.facts` read one (GPTQ's)
     signature: Any = None
-    #: backend ``cpu-fast``: the plan that converts each layer and installs the fast head after the build
-    fast_plan: FastCPUPlan | None = None
     #: backend ``gptqmodel``: the GPTQModel kernels of each layer
     kernel_plan: KernelPlan | None = None
 
@@ -133,21 +113,21 @@ class Int4Loader(TransformersLoader):
     """Loads a checkpoint of 4-bit (GPTQ: 2/3/4/8-bit) codes with a scale and zero point per group.
 
     ``auto`` picks, in order: ``gptqmodel`` on a CUDA device when GPTQModel is installed and runs the
-    layout; ``cpu-fast`` on the CPU when torch's int4 kernel runs here and takes some layers; else
+    layout; a registered backend that runs int4 groups (``cpu-fast`` on the CPU) where it takes some layers; else
     ``dequantized`` when the dense weights fit in half of RAM, ``reference`` when they do not.
     """
 
-    backend_order = ("gptqmodel", "cpu-fast", "dequantized", "reference")
-    load_options: ClassVar[Mapping[str, str]] = INT4_OPTIONS
+    backend_order = ("gptqmodel", "dequantized", "reference")
+    format_options: ClassVar[Mapping[str, str]] = INT4_OPTIONS
+    layout_kinds: ClassVar[tuple[type[Layout], ...]] = (Int4Groups,)
     #: GPTQModel's quantization method of this format's kernels (:meth:`KernelPlan.create`): "gptq" or "awq"
     kernel_method: ClassVar[str] = "gptq"
     #: the layouts (``detection.variant``) GPTQModel's kernels run; ``None``: every layout this loader loads
     gptqmodel_layouts: ClassVar[frozenset[str] | None] = None
 
-    def backends(self) -> list[BackendInfo]:
+    def own_backends(self) -> list[BackendInfo]:
         return [
             gptqmodel_backend(),
-            cpu_fast_backend(),
             BackendInfo("dequantized", True, description="dequantize once at load; dense speed and memory"),
             BackendInfo("reference", True, description="pure torch, dequantize on every forward; packed memory"),
         ]
@@ -166,8 +146,8 @@ class Int4Loader(TransformersLoader):
     def choose_backend(self, requested: str, device: Any, facts: Int4State | None = None) -> str:
         """The backend for ``requested`` on ``device`` (:func:`anyquant.backends.choose_backend`, with what this
         checkpoint rules out: :meth:`backend_skips`); ``facts`` (:meth:`facts`) are this checkpoint's (without
-        them, as in a call outside a load, the layout is taken to run on GPTQModel and every layer to fit cpu-fast and
-        dequantized)."""
+        them, as in a call outside a load, the layout is taken to run on GPTQModel and every layer to fit the fast
+        backends and dequantized)."""
         from anyquant.backends import choose_backend
 
         facts = Int4State() if facts is None else facts
@@ -183,18 +163,18 @@ class Int4Loader(TransformersLoader):
                 )
             return requested
         return choose_backend(
-            self.format, self.backends(), self.backend_order, requested, device, skip=self.backend_skips(facts)
+            self.format, self.backends(), self.preference(), requested, device, skip=self.backend_skips(facts)
         )
 
     def backend_skips(self, facts: Int4State) -> dict[str, str]:
-        """What ``auto`` passes by for this checkpoint: GPTQModel's kernels where they do not run its layout,
-        ``cpu-fast`` where no layer takes its kernels, ``dequantized`` where the dense weights would take
+        """What ``auto`` passes by for this checkpoint: GPTQModel's kernels where they do not run its layout, the
+        fast backends where no layer takes their kernels, ``dequantized`` where the dense weights would take
         :data:`DEQUANT_RAM_SHARE` of RAM or more (``reference`` then, packed)."""
         skip: dict[str, str] = {}
         if not self._gptqmodel_runs(facts.layout):
             skip["gptqmodel"] = f"its kernels do not run the {facts.layout} layout"
         if facts.fast_layers == 0:
-            skip["cpu-fast"] = "no layer of this checkpoint runs on its kernels"
+            skip.update((s.name, "no layer of this checkpoint runs on its kernels") for s in self.fast_backends())
         if facts.dense_bytes is not None and facts.dense_bytes >= DEQUANT_RAM_SHARE * _ram_bytes():
             skip["dequantized"] = f"the dense weights would take {DEQUANT_RAM_SHARE:.0%} of RAM or more"
         return skip
@@ -211,38 +191,18 @@ class Int4Loader(TransformersLoader):
         return state
 
     def prepare(self, ctx: LoadContext) -> None:
-        """The chosen backend's plan: ``cpu-fast``'s (from its options) or ``gptqmodel``'s kernels (GPTQModel
-        is imported here, and a bad ``gptqmodel_kernel`` refused before any weight is read)."""
+        """Backend ``gptqmodel``: its kernels (GPTQModel is imported here, and a bad ``gptqmodel_kernel`` refused
+        before any weight is read)."""
         state = self.state(ctx)
-        state.fast_plan = state.kernel_plan = None
-        if ctx.backend == "cpu-fast":
-            from ..cpu import require
-
-            state.fast_plan = require().FastCPUPlan.from_options(ctx.options.extra)
-        elif ctx.backend == "gptqmodel":
+        state.kernel_plan = None
+        if ctx.backend == "gptqmodel":
             from .gptqmodel_kernels import KernelPlan
 
             state.kernel_plan = KernelPlan.create(self.kernel_method, ctx.device, ctx.dtype, ctx.options.extra)
 
-    def keep_embedding_dtype(self, ctx: LoadContext) -> bool:
-        """cpu-fast's head replaces the 16-bit embedding the build keeps."""
-        plan = self.state(ctx).fast_plan
-        return plan is not None and plan.keeps_embedding_dtype()
-
-    def file_tables(self, ctx: LoadContext) -> bool:
-        """cpu-fast's head reads the embedding and a dense head from the file (see
-        :meth:`anyquant_cpu.engine.FastCPUPlan.file_tables`)."""
-        plan = self.state(ctx).fast_plan
-        return plan is not None and ctx.device.type == "cpu" and plan.file_tables()
-
     def finish(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
-        """cpu-fast's LM head, and each plan's record in ``loaded.info``."""
+        """The ``gptqmodel`` plan's record in ``loaded.info``."""
         state = self.state(ctx)
-        if loaded.backend == "cpu-fast" and state.fast_plan is not None:
-            import torch
-
-            state.fast_plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=ctx.file_tables)
-            loaded.info = {**loaded.info, "cpu_fast": state.fast_plan.summary()}
         if loaded.backend == "gptqmodel" and state.kernel_plan is not None:
             loaded.info = {**loaded.info, "gptqmodel": state.kernel_plan.summary()}
         return loaded
@@ -250,22 +210,18 @@ class Int4Loader(TransformersLoader):
 
 class PackedFormatLoader(Int4Loader):
     """The loader base of formats that GPTQModel's kernels do not run (compressed-tensors, FP8, bitsandbytes, MLX):
-    :class:`Int4Loader`'s backend choice and cpu-fast plan without the ``gptqmodel`` backend.
+    :class:`Int4Loader`'s backend choice without the ``gptqmodel`` backend.
 
-    A format sets :attr:`cpu_fast_description`, :attr:`serve_hint` and :attr:`layout_kinds`, and implements
-    :meth:`read_signature` (its parsed modules, read once per load into ``Int4State.signature``) and
-    :meth:`fast_layer_count` (how many of them cpu-fast converts here: ``auto`` picks ``cpu-fast`` on the CPU when
-    there are some), which describes each module in the packed layouts of :mod:`anyquant_runtime.layouts` from the
-    headers alone and lets the engine count them (:func:`anyquant_cpu.engine.layouts_run`): the loader holds no
-    kernel knowledge. By default every layer is described as ``Decoded`` (a bfloat16 copy prepacked for oneDNN,
-    which runs where the CPU has AMX or AVX512-BF16).
+    A format sets :attr:`~anyquant_runtime.loaders.TransformersLoader.layout_kinds` and :attr:`serve_hint`, and
+    implements :meth:`read_signature` (its parsed modules, read once per load into ``Int4State.signature``) and
+    :meth:`fast_layer_count` (how many of them a fast backend converts here: ``auto`` passes the fast backends by
+    where there are none), which describes each module in the packed layouts of :mod:`anyquant_runtime.layouts` from
+    the headers alone and lets the engine count them (:func:`anyquant_cpu.engine.layouts_run`): the loader holds no
+    kernel knowledge. By default every layer is described as ``Decoded`` (a bfloat16 copy, which ``cpu-fast``
+    prepacks for oneDNN where the CPU has AMX or AVX512-BF16).
     """
 
     gptqmodel_layouts: ClassVar[frozenset[str] | None] = frozenset()
-    #: ``anyquant backends``' line for cpu-fast
-    cpu_fast_description: ClassVar[str] = "weights decoded once to bfloat16 and prepacked for oneDNN"
-    #: the packed layout kinds this format's layers offer (:mod:`anyquant_runtime.layouts`): cpu-fast is available
-    #: where the kernel of one of them runs here (:func:`anyquant_cpu.engine.layout_kinds_run`)
     layout_kinds: ClassVar[tuple[type[Layout], ...]] = (Decoded,)
     #: what to do on a GPU, said when ``gptqmodel`` is asked for
     serve_hint: ClassVar[str] = "serve it with vLLM (`anyquant serve --engine vllm`)"
@@ -283,29 +239,20 @@ class PackedFormatLoader(Int4Loader):
             raise (UnsupportedFormatError if kept[0] == "UnsupportedFormatError" else ConfigError)(str(kept[1]))
 
     def fast_layer_count(self, signature: Any, probe: Probe) -> int:
-        """How many of ``signature``'s modules cpu-fast converts here, before any tensor is read (``probe``: the
-        headers the signature was read from). By default each is described as ``Decoded``."""
+        """How many of ``signature``'s modules the fast backend converts here, before any tensor is read (``probe``:
+        the headers the signature was read from). By default each is described as ``Decoded``."""
         from ..cpu import layouts_run
 
         return layouts_run([Decoded(None)] for _ in getattr(signature, "modules", signature))
 
-    def cpu_fast_available(self) -> tuple[bool, str]:
-        from ..cpu import layout_kinds_run
-
-        return layout_kinds_run(*self.layout_kinds)
-
-    def backends(self) -> list[BackendInfo]:
-        ok, reason = self.cpu_fast_available()
-        return [
-            BackendInfo("cpu-fast", ok, reason, description=self.cpu_fast_description, devices=("cpu",)),
-            *(b for b in super().backends() if b.name in ("dequantized", "reference")),
-        ]
+    def own_backends(self) -> list[BackendInfo]:
+        return [b for b in super().own_backends() if b.name in ("dequantized", "reference")]
 
     def choose_backend(self, requested: str, device: Any, facts: Int4State | None = None) -> str:
         if requested == "gptqmodel":
             raise UnsupportedBackendError(
-                f"{self.format} has no 'gptqmodel' backend; on a GPU {self.serve_hint}, here use 'cpu-fast', "
-                "'dequantized' or 'reference'"
+                f"{self.format} has no 'gptqmodel' backend; on a GPU {self.serve_hint}, here use "
+                + ", ".join(repr(b.name) for b in self.backends())
             )
         return super().choose_backend(requested, device, Int4State(layout=self.format) if facts is None else facts)
 
