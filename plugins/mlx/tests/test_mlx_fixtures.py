@@ -158,3 +158,33 @@ def test_nan_scale_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(NumericalError, match="scales"):
         sdk.load(_variant(tmp_path, tensors=t), backend="reference")
+
+
+@pytest.mark.parametrize("name", ["llama_q4_tied", "llama_q4_g64", "llama_mxfp4"])
+def test_quantized_tables_stay_packed_on_the_fast_backend(name: str) -> None:
+    """A fast backend's embedding (and a tied head's exact table) read mlx's packed table a few rows at a time
+    (``MlxRows``), each row bit for bit the decoded table's; no decoded copy of it is held, and the logits are those
+    of the table decoded into memory (``cpu_fast_tables="memory"``)."""
+    from anyquant_mlx.dequant import MlxRows, dequantize
+
+    fast = sdk.load(FIXTURES / name, backend="cpu-fast")
+    if fast.backend != "cpu-fast":
+        pytest.skip("cpu-fast does not run here")
+    table = fast.module.get_input_embeddings().file
+    assert isinstance(table, MlxRows)
+    tensors = load_file(FIXTURES / name / "model.safetensors")
+    whole = dequantize(
+        tensors["model.embed_tokens.weight"],
+        tensors["model.embed_tokens.scales"],
+        tensors.get("model.embed_tokens.biases"),
+        table.bits,
+        table.group,
+        table.mode,
+    )
+    ids = torch.tensor([[0, 5, 17, whole.shape[0] - 1], [3, 3, 2, 1]])
+    assert torch.equal(table.rows(ids), whole[ids]) and torch.equal(table.read_all(), whole)
+    assert torch.equal(table.slice(5, 7), whole[5:12]) and table.nbytes < whole.numel() * whole.element_size()
+    held = sdk.load(FIXTURES / name, backend="cpu-fast", cpu_fast_tables="memory")
+    assert not hasattr(held.module.get_input_embeddings(), "file") or held.module.get_input_embeddings().file is None
+    with torch.no_grad():
+        assert torch.equal(fast.module(ids).logits, held.module(ids).logits)

@@ -611,7 +611,8 @@ def _compact(weight: torch.Tensor) -> torch.Tensor:
 
 class RowTable(Protocol):
     """A 2-D table outside memory, read a slice of rows at a time: a :class:`FileRows`, or a plugin's packed
-    table decoded on demand (GGUF's tied Q8_0 head: ``anyquant_gguf.qlinear.GGUFRows``)."""
+    table decoded on demand (GGUF's tied Q8_0 head: ``anyquant_gguf.qlinear.GGUFRows``; mlx's quantized embedding:
+    ``anyquant_mlx.dequant.MlxRows``, which a source's ``file_rows`` hands the build)."""
 
     shape: tuple[int, int]
     dtype: torch.dtype
@@ -969,6 +970,20 @@ def _file_table(module: Any, param: torch.Tensor, tables: Mapping[str, FileRows]
     return None
 
 
+def _embedding_in_file(module: Any, tables: Mapping[str, FileRows], compute: torch.dtype) -> None:
+    """An input embedding the build left in the file that no fast head took over (a head of the format's own, or a
+    dense one) and that nothing else shares: a :class:`CompactEmbedding` over the table (looked-up rows read, never
+    the whole table held)."""
+    get_in = getattr(module, "get_input_embeddings", None)
+    emb = get_in() if get_in is not None else None
+    if type(emb) is not nn.Embedding or not emb.weight.is_meta:
+        return
+    shared = sum(1 for _, p in module.named_parameters(remove_duplicate=False) if p is emb.weight)
+    table = _file_table(module, emb.weight, tables)
+    if table is not None and shared == 1:
+        module.set_input_embeddings(CompactEmbedding(table, compute))
+
+
 def install_fast_head(
     module: Any,
     *,
@@ -1317,15 +1332,22 @@ class Affine4BlockLinear(BlockLinear):
         self.scale_dtype = scale_dtype
 
     def dequantize(self) -> torch.Tensor:
-        raw = self.raw_blocks().reshape(self.out_features, self.in_features // 32, 20)
+        return self._rows(self.raw_blocks(), self.out_features)
+
+    def _rows(self, raw: torch.Tensor, rows: int) -> torch.Tensor:
+        """The exact weight of ``rows`` rows from their Q4_1 blocks ``raw`` (stored layout), in the scales' dtype."""
+        raw = raw.reshape(rows, self.in_features // 32, 20)
         d = raw[..., 0:2].contiguous().view(torch.float16).to(self.scale_dtype)
         m = raw[..., 2:4].contiguous().view(torch.float16).to(self.scale_dtype)
         qs = raw[..., 4:]
         q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).to(self.scale_dtype)
-        return (d * q + m).reshape(self.out_features, self.in_features)
+        return (d * q + m).reshape(rows, self.in_features)
 
     def exact_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.dequantize().to(dtype)
+
+    def exact_rows(self, raw: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._rows(raw, rows).to(dtype)
 
 
 #: FP4 E2M1 by code (bit 3 the sign): a 4-bit table equal to it, with a power-of-two scale per 32, is MXFP4
@@ -1359,8 +1381,15 @@ class MXFP4BlockLinear(BlockLinear):
         self.register_buffer("table", table.to(torch.float32).contiguous())
 
     def dequantize(self) -> torch.Tensor:
-        n, k = self.out_features, self.in_features
-        raw = self.raw_blocks().reshape(n, k // 32, 17)
+        return self._rows(self.raw_blocks(), self.out_features)
+
+    def exact_rows(self, raw: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._rows(raw, rows).to(dtype)
+
+    def _rows(self, raw: torch.Tensor, n: int) -> torch.Tensor:
+        """The exact weight of ``n`` rows from their MXFP4 blocks ``raw`` (stored layout), in ``round_to``."""
+        k = self.in_features
+        raw = raw.reshape(n, k // 32, 17)
         # 2 ** (e - 127) by its bits (the exponents were checked normal when the blocks were made)
         scales = (raw[..., 0].to(torch.int32) << 23).view(torch.float32)
         assert self.round_to is not None
@@ -2021,6 +2050,7 @@ class FastCPUPlan:
         else:
             self.head_info = {"head": "dense", "reason": "cpu_fast_head='dense'"}
         if tables:
+            _embedding_in_file(module, tables, compute_dtype or torch.float32)
             fill_file_tables(module, tables, compute_dtype)
         if self.head_info.get("head") == "dense" and compute_dtype is not None:
             _restore_embedding_dtype(module, compute_dtype)

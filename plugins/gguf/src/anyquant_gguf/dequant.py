@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from anyquant.plugin import CheckpointError
+from anyquant_runtime.packing import ggml_f16
 
 from .ggml import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -55,19 +56,6 @@ class UnsupportedGGUFType(CheckpointError, ValueError):
 _NIBBLE = (0, 4)
 _CRUMB = (0, 2, 4, 6)
 _BITS = (0, 1, 2, 3, 4, 5, 6, 7)
-
-
-def _f16(b: torch.Tensor, start: int) -> torch.Tensor:
-    """Bytes ``start:start+2`` of each block (``[n, type_size]`` uint8) -> ``[n, 1]`` float32.
-
-    Read through a float16 view of the whole block matrix (no gather copy) when its layout
-    allows one; the float16 -> float32 conversion is exact.
-    """
-    try:
-        halves = b.view(torch.float16)
-    except RuntimeError:  # odd storage offset or strided rows
-        return b[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
-    return halves[:, start // 2 : start // 2 + 1].to(torch.float32)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -104,11 +92,11 @@ def _float(q: torch.Tensor, *shape: int) -> torch.Tensor:
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _nibbles(b[:, 2:]).sub_(8).mul_(_f16(b, 0))  # q - 8 is exact in float32
+    return _nibbles(b[:, 2:]).sub_(8).mul_(ggml_f16(b, 0))  # q - 8 is exact in float32
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    return _nibbles(b[:, 4:]).mul_(_f16(b, 0)).add_(_f16(b, 2))
+    return _nibbles(b[:, 4:]).mul_(ggml_f16(b, 0)).add_(ggml_f16(b, 2))
 
 
 def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
@@ -120,23 +108,23 @@ def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
     q = _five_bit(b[:, 2:6], b[:, 6:]).view(torch.int8) - 16
-    return _float(q, b.shape[0], -1).mul_(_f16(b, 0))
+    return _float(q, b.shape[0], -1).mul_(ggml_f16(b, 0))
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
     q = _float(_five_bit(b[:, 4:8], b[:, 8:]), b.shape[0], -1)
-    return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
+    return q.mul_(ggml_f16(b, 0)).add_(ggml_f16(b, 2))
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].view(torch.int8).to(torch.float32).mul_(_f16(b, 0))
+    return b[:, 2:].view(torch.int8).to(torch.float32).mul_(ggml_f16(b, 0))
 
 
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
     """scales[16] (low nibble scale, high nibble min), qs[64] 2-bit, d, dmin."""
     n = b.shape[0]
     scales = b[:, :16]
-    d, dmin = _f16(b, 80), _f16(b, 82)
+    d, dmin = ggml_f16(b, 80), ggml_f16(b, 82)
     dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
     q = _float(_unpack(b[:, 16:80], 32, _CRUMB, 3), n, 16, 16)
@@ -154,7 +142,7 @@ def _q3_k_scales(scales: torch.Tensor) -> torch.Tensor:
 def _q3_k(b: torch.Tensor) -> torch.Tensor:
     """hmask[32], qs[64] 2-bit, scales[12] 6-bit, d."""
     n = b.shape[0]
-    dl = (_f16(b, 108) * _q3_k_scales(b[:, 96:108])).reshape(n, 16, 1)
+    dl = (ggml_f16(b, 108) * _q3_k_scales(b[:, 96:108])).reshape(n, 16, 1)
     low = _unpack(b[:, 32:96], 32, _CRUMB, 3).reshape(n, 16, 16)
     high = _unpack(b[:, :32], 32, _BITS, 1).reshape(n, 16, 16) ^ 1  # clear bit -> minus 4
     q = low.view(torch.int8) - (high << 2).view(torch.int8)
@@ -173,7 +161,7 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """d, dmin, scales[12] -> per-32-weight scale and min, ``[n, 8, 1]`` each."""
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
+    d, dmin = ggml_f16(b, 0), ggml_f16(b, 2)
     sc, mn = _k_scale_min(b[:, 4:16])
     scale = (d * sc.to(torch.float32)).reshape(n, -1, 1)
     offset = (dmin * mn.to(torch.float32)).reshape(n, -1, 1)
@@ -202,7 +190,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     """ql[128] low nibbles, qh[64] 2-bit highs, scales[16] int8, d; w = d*s*(q-32)."""
     n = b.shape[0]
     scales = b[:, 192:208].view(torch.int8).to(torch.float32)
-    dl = (_f16(b, 208) * scales).reshape(n, 16, 1)
+    dl = (ggml_f16(b, 208) * scales).reshape(n, 16, 1)
     low = _unpack(b[:, :128], 64, _NIBBLE, 0x0F).reshape(n, -1, 32)
     high = _unpack(b[:, 128:192], 32, _CRUMB, 3).reshape(n, -1, 32)
     q = (low | (high << 4)).view(torch.int8) - 32
@@ -227,7 +215,7 @@ _MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
     q = _lut(_IQ4NL_VALUES, _unpack(b[:, 2:], 16, _NIBBLE, 0x0F).reshape(b.shape[0], 32))
-    return q.mul_(_f16(b, 0))
+    return q.mul_(ggml_f16(b, 0))
 
 
 def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
@@ -236,7 +224,7 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     low = _unpack(b[:, 4:8], 1, _NIBBLE, 0x0F).reshape(n, 8)
     high = _unpack(b[:, 2:4], 1, _CRUMB, 3).reshape(n, 8)
     scales = _float((low | (high << 4)).view(torch.int8) - 32, n, 8)
-    dl = (_f16(b, 0) * scales).reshape(n, 8, 1)
+    dl = (ggml_f16(b, 0) * scales).reshape(n, 8, 1)
     q = _lut(_IQ4NL_VALUES, _unpack(b[:, 8:], 16, _NIBBLE, 0x0F).reshape(n, 8, 32))
     return q.mul_(dl).reshape(n, _QK_K)
 
@@ -283,14 +271,14 @@ def _tq1_0(b: torch.Tensor) -> torch.Tensor:
     qh = b[:, 48:52].unsqueeze(1) * _POW3[:4].view(4, 1)
     q = torch.cat([qs0.reshape(n, -1), qs1.reshape(n, -1), qh.reshape(n, -1)], dim=1)
     t = ((q.to(torch.int16) * 3) >> 8) - 1
-    return t.to(torch.float32).mul_(_f16(b, 52))
+    return t.to(torch.float32).mul_(ggml_f16(b, 52))
 
 
 def _tq2_0(b: torch.Tensor) -> torch.Tensor:
     """qs[64] (2 bits a weight, per 32 bytes: four 32-weight fields), d at 64; w = d*(t-1)."""
     n = b.shape[0]
     q = _unpack(b[:, :64], 32, _CRUMB, 3).view(torch.int8) - 1
-    return _float(q, n, _QK_K).mul_(_f16(b, 64))
+    return _float(q, n, _QK_K).mul_(ggml_f16(b, 64))
 
 
 # --------------------------------------------------------------------------- lattice (grid) types
@@ -366,7 +354,7 @@ def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     groups = b[:, 2:].reshape(n, 8, 8)
     aux = _u32(groups[:, :, 4:].reshape(n, 32))  # [n, 8]
-    db = _half_plus(_f16(b, 0), aux >> 28, 0.25).reshape(n, 8, 1)
+    db = _half_plus(ggml_f16(b, 0), aux >> 28, 0.25).reshape(n, 8, 1)
     sign_idx = (aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21])) & 0x7F
     signs = _lut(_KSIGN_VALUES, sign_idx)
     return _signed_grid(Q.IQ2_XXS, groups[:, :, :4].reshape(n, 32), db, signs)
@@ -377,7 +365,7 @@ def _iq2_xs(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     qs = _u16(b[:, 2:66])
     scales = _unpack(b[:, 66:74], 1, _NIBBLE, 0x0F).reshape(n, 16)
-    db = _half_plus(_f16(b, 0), scales, 0.25).reshape(n, 16, 1)
+    db = _half_plus(ggml_f16(b, 0), scales, 0.25).reshape(n, 16, 1)
     return _signed_grid(Q.IQ2_XS, qs & 511, db, _lut(_KSIGN_VALUES, qs >> 9))
 
 
@@ -387,7 +375,7 @@ def _iq2_s(b: torch.Tensor) -> torch.Tensor:
     high = _unpack(b[:, 66:74], 1, _CRUMB, 3).reshape(n, 32)
     idx = b[:, 2:34].to(torch.int32) | (high.to(torch.int32) << 8)
     scales = _unpack(b[:, 74:82], 1, _NIBBLE, 0x0F).reshape(n, 16)
-    db = _half_plus(_f16(b, 0), scales, 0.25).reshape(n, 16, 1)
+    db = _half_plus(ggml_f16(b, 0), scales, 0.25).reshape(n, 16, 1)
     return _signed_grid(Q.IQ2_S, idx, db, _lut(_SIGN_VALUES, b[:, 34:66]))
 
 
@@ -395,7 +383,7 @@ def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     """d, qs[64] (grid indices), 8 x uint32 (four 7-bit sign indices and a 4-bit scale)."""
     n = b.shape[0]
     aux = _u32(b[:, 66:98])
-    db = _half_plus(_f16(b, 0), aux >> 28, 0.5).reshape(n, 8, 1)
+    db = _half_plus(ggml_f16(b, 0), aux >> 28, 0.5).reshape(n, 8, 1)
     sign_idx = (aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21])) & 0x7F
     return _signed_grid(Q.IQ3_XXS, b[:, 2:66], db, _lut(_KSIGN_VALUES, sign_idx))
 
@@ -406,7 +394,7 @@ def _iq3_s(b: torch.Tensor) -> torch.Tensor:
     high = _unpack(b[:, 66:74], 1, _BITS, 1).reshape(n, 64)
     idx = b[:, 2:66].to(torch.int32) | (high.to(torch.int32) << 8)
     scales = _unpack(b[:, 106:110], 1, _NIBBLE, 0x0F).reshape(n, 8)
-    db = (_f16(b, 0) * (scales.to(torch.float32) * 2 + 1)).reshape(n, 8, 1)
+    db = (ggml_f16(b, 0) * (scales.to(torch.float32) * 2 + 1)).reshape(n, 8, 1)
     return _signed_grid(Q.IQ3_S, idx, db, _lut(_SIGN_VALUES, b[:, 74:106]))
 
 
@@ -423,7 +411,7 @@ def _iq1_s(b: torch.Tensor) -> torch.Tensor:
     """d, qs[32] (grid index low bytes), qh[8] uint16 (4 x 3 high bits, a 3-bit scale, the delta's sign)."""
     n = b.shape[0]
     qh = _u16(b[:, 34:50])  # [n, 8]
-    dl = (_f16(b, 0) * (((qh >> 12) & 7) * 2 + 1).to(torch.float32)).reshape(n, 8, 1)
+    dl = (ggml_f16(b, 0) * (((qh >> 12) & 7) * 2 + 1).to(torch.float32)).reshape(n, 8, 1)
     high = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], dtype=torch.int32)) & 7
     idx = b[:, 2:34].to(torch.int32) | (high.reshape(n, 32) << 8)
     negative = (qh & 0x8000).ne(0).unsqueeze(-1).expand(n, 8, 4)

@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["E2M1_SIGNED", "dequantize", "fp4_scales", "unpack"]
+__all__ = ["E2M1_SIGNED", "MlxRows", "dequantize", "fp4_scales", "unpack"]
 
 #: FP4 E2M1 values by their 4-bit code (bit 3 the sign)
 E2M1_SIGNED = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """The ``count`` unsigned ``bits``-bit values of each row of uint32 ``words`` ``[..., cols]`` (int64)."""
+def unpack(words: torch.Tensor, bits: int, count: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """The ``count`` unsigned ``bits``-bit values of each row of uint32 ``words`` ``[..., cols]`` (int64, or ``dtype``
+    for widths of 2, 4 and 8 bits: a fast backend's codes in uint8 are an eighth of int64's, 100 MB rather than 800
+    for a 49152x2048 head)."""
     lead = words.shape[:-1]
     raw = words.contiguous().view(torch.uint8).reshape(*lead, -1)
     if bits in (2, 4, 8):
         per, mask = 8 // bits, (1 << bits) - 1
         parts = [(raw >> (bits * j)) & mask for j in range(per)]
-        return torch.stack(parts, -1).reshape(*lead, -1)[..., :count].to(torch.int64)
+        return torch.stack(parts, -1).reshape(*lead, -1)[..., :count].to(dtype)
     b = raw.to(torch.int64)
     w = b[..., 0::4] | (b[..., 1::4] << 8) | (b[..., 2::4] << 16) | (b[..., 3::4] << 24)
     w = torch.nn.functional.pad(w, (0, 1))
@@ -61,3 +63,42 @@ def dequantize(
     else:
         v = torch.tensor(E2M1_SIGNED, dtype=torch.float32)[q]
     return (v * _per_group(s32, group_size)).to(torch.bfloat16).reshape(*weight.shape[:-1], n)
+
+
+class MlxRows:
+    """An mlx-quantized ``[rows, dim]`` table (an embedding, a tied head) kept packed and decoded a few rows at a
+    time, each row as :func:`dequantize` gives it for the whole table (the groups are a row's own: bit for bit): the
+    table a fast backend's head and embedding read (anyquant-cpu's ``RowTable``) instead of a decoded copy of it."""
+
+    def __init__(
+        self, weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None, bits: int, group: int, mode: str
+    ) -> None:
+        self.weight, self.scales, self.biases = weight, scales, biases
+        self.bits, self.group, self.mode = bits, group, mode
+        self.shape: tuple[int, int] = (int(weight.shape[0]), int(scales.shape[-1]) * group)
+        self.dtype: torch.dtype = scales.dtype if mode == "affine" else torch.bfloat16
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """The packed bytes held."""
+        held = (self.weight, self.scales) if self.biases is None else (self.weight, self.scales, self.biases)
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def _decode(self, index: slice | torch.Tensor) -> torch.Tensor:
+        biases = None if self.biases is None else self.biases[index]
+        return dequantize(self.weight[index], self.scales[index], biases, self.bits, self.group, self.mode)
+
+    def slice(self, start: int, count: int) -> torch.Tensor:
+        start = max(0, int(start))
+        stop = max(start, min(start + int(count), self.shape[0]))
+        return self._decode(slice(start, stop))
+
+    def read_all(self) -> torch.Tensor:
+        return self.slice(0, self.shape[0])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``table[ids]``, ``[*ids.shape, dim]``."""
+        return self._decode(ids.reshape(-1)).reshape(*ids.shape, self.shape[1])

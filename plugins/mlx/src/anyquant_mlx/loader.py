@@ -95,10 +95,21 @@ class MlxSource:
         )
 
     def file_rows(self, name: str) -> Any:
-        return (
-            None
-            if name.removesuffix(".weight") in self.modules or name in self._virtual
-            else self.inner.file_rows(name)
+        """A table the build may leave out of memory (a fast backend's embedding and head): a 16-bit one as the file's
+        rows, a quantized one kept packed and decoded a few rows at a time (:class:`~anyquant_mlx.dequant.MlxRows`)."""
+        if name in self._virtual:
+            return None
+        m = self.modules.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+        if m is None:
+            return self.inner.file_rows(name)
+        if m.stacked is not None:
+            return None
+        from .dequant import MlxRows
+
+        st = m.settings
+        biases = self.inner.get(f"{m.name}.biases") if st.mode == "affine" else None
+        return MlxRows(
+            self.inner.get(name), self.inner.get(f"{m.name}.scales"), biases, st.bits, st.group_size, st.mode
         )
 
     def unused(self) -> list[str]:

@@ -21,6 +21,7 @@ import sys
 import torch
 
 __all__ = [
+    "ggml_f16",
     "ggml_int4_scales_offsets",
     "q8_0_blocks",
     "SUPPORTED_BITS",
@@ -223,7 +224,7 @@ def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor:
     return blocks.reshape(out, -1)
 
 
-def _ggml_f16(b: torch.Tensor, start: int) -> torch.Tensor:
+def ggml_f16(b: torch.Tensor, start: int) -> torch.Tensor:
     """Bytes ``start:start+2`` of each block (``[n, size]`` uint8) as float32 ``[n, 1]`` (exact), read through a
     float16 view of the whole block matrix (no gather copy) where its layout allows one."""
     try:
@@ -242,7 +243,7 @@ def ggml_int4_scales_offsets(
     (subtracting is adding the negation). Q4_0 with ``offsets=False``: the scales twice (the caller writes ``-8 d``)."""
     if type_name == "Q4_K":
         n = b.shape[0]
-        d, dmin = _ggml_f16(b, 0), _ggml_f16(b, 2)
+        d, dmin = ggml_f16(b, 0), ggml_f16(b, 2)
         six = b[:, 4:16].reshape(n, 3, 4)  # 8 six-bit scales and 8 six-bit mins in 12 bytes
         lo, mid, hi = six[:, 0], six[:, 1], six[:, 2]
         sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
@@ -250,7 +251,7 @@ def ggml_int4_scales_offsets(
         scale = (d * sc.to(torch.float32)).reshape(n, -1, 1)
         offset = (dmin * mn.to(torch.float32)).reshape(n, -1, 1)
         return scale.reshape(out_features, -1), offset.neg().reshape(out_features, -1)
-    scales = _ggml_f16(b, 0).reshape(out_features, -1)
+    scales = ggml_f16(b, 0).reshape(out_features, -1)
     if type_name == "Q4_1":
-        return scales, _ggml_f16(b, 2).reshape(out_features, -1)
+        return scales, ggml_f16(b, 2).reshape(out_features, -1)
     return scales, scales * -8.0 if offsets else scales

@@ -4,9 +4,11 @@ Q4_K, Q5_K, Q6_K and IQ4_XS as their super-blocks of 256), or as GQ4 blocks repa
 - few rows (``<= small_rows``: decode): :func:`torch.ops.anyquant.ggml_gemv` on the blocks as held
   (activations quantized per block of 32 in ``passes`` int8 passes, integer dot products: llama.cpp's
   arithmetic with ``passes=1``; tolerance below);
-- many rows (prompts): the exact weight, dequantized from the blocks as held per forward by the kernel's
-  ``ggml_dequantize`` (one pass, either form; bitwise the format's :meth:`BlockLinear.dequantize`, tested), and a
-  float GEMM in ``prefill_dtype`` (default: the input's dtype).
+- many rows (prompts): the exact weight, dequantized from the blocks per forward by the kernel's ``ggml_dequantize``
+  (one pass, either form; bitwise the format's :meth:`BlockLinear.dequantize`, tested), and a float GEMM in
+  ``prefill_dtype`` (default: the input's dtype); a weight over :data:`PROMPT_SLICE_BYTES` is formed and multiplied a
+  slice of output rows at a time (:func:`prompt_slices`: bitwise the whole weight's GEMM, as
+  :mod:`anyquant_cpu.kernels.lut` explains and ``tests/test_block_prompt_slices.py`` checks).
 
 By default (``interleave=True`` from the loaders, option ``cpu_fast_interleave``) the blocks are copied once at load
 into the kernel's interleaved form (:mod:`anyquant_cpu.kernels`: ~1.1x faster decode on a 1.1B model, ~0.25 s
@@ -19,6 +21,7 @@ with one pass (about 2e-3 of the largest output on random data; ``core/tests/tes
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -28,7 +31,14 @@ from anyquant_runtime.packing import q8_0_blocks
 
 from . import GGML_TYPES, INTERLEAVED
 
+#: about how many bytes of weight (in the GEMM's dtype) a prompt's GEMM forms at a time (:func:`prompt_slices`)
+PROMPT_SLICE_BYTES = 8 << 20
+#: slices are whole multiples of this many output rows (and never narrower)
+SLICE_ROWS = 64
+
 __all__ = [
+    "PROMPT_SLICE_BYTES",
+    "SLICE_ROWS",
     "BlockLinear",
     "cpu_only_apply",
     "fp16_exact",
@@ -36,7 +46,24 @@ __all__ = [
     "q4_1_from_codes",
     "q8_0_blocks",
     "q8_0_from_codes",
+    "prompt_slices",
 ]
+
+
+def prompt_slices(
+    out_features: int, in_features: int, budget: int = PROMPT_SLICE_BYTES, itemsize: int = 4
+) -> list[tuple[int, int]]:
+    """The output rows ``(r0, r1)`` a prompt's GEMM takes at a time: a multiple of :data:`SLICE_ROWS` rows holding
+    about ``budget`` bytes of weight of ``itemsize`` bytes (at least :data:`SLICE_ROWS` rows); a last slice narrower
+    than :data:`SLICE_ROWS` joins the one before (so no slice is narrower: see the module docstring); one slice where
+    the weight fits the budget."""
+    rows = max(SLICE_ROWS, budget // (itemsize * in_features) // SLICE_ROWS * SLICE_ROWS)
+    if rows >= out_features:
+        return [(0, out_features)]
+    bounds = [*range(0, out_features, rows), out_features]
+    if bounds[-1] - bounds[-2] < SLICE_ROWS:
+        del bounds[-2]
+    return list(itertools.pairwise(bounds))
 
 
 class BlockLinear(nn.Module):
@@ -48,6 +75,8 @@ class BlockLinear(nn.Module):
     bias: torch.Tensor | None
     #: the dtype the format rounds each dequantized weight to (GQ4: its scales'), ``None``: exact in float32
     round_to: torch.dtype | None = None
+    #: the prompt path's slice budget (:func:`prompt_slices`); an instance may set its own
+    prompt_slice_bytes: int = PROMPT_SLICE_BYTES
 
     def __init__(
         self,
@@ -116,8 +145,33 @@ class BlockLinear(nn.Module):
         )
         return raw
 
+    def exact_rows(self, raw: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """The exact weight of ``rows`` rows whose blocks in the stored layout are ``raw`` (flat uint8: a slice of
+        :meth:`raw_blocks`), rounded to ``dtype`` as :meth:`exact_weight` rounds it (bit for bit its rows)."""
+        direct = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+        base = self.ggml_type - INTERLEAVED if self.interleaved else self.ggml_type
+        w: torch.Tensor = torch.ops.anyquant.ggml_dequantize(raw, base, rows, self.in_features, self.round_to or direct)
+        return w if w.dtype == dtype else w.to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernel_forward(self, x, self._few_rows)
+        return kernel_forward(self, x, self._few_rows, self._many_rows)
+
+    def _many_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 @ exact_weight(x2.dtype).T``, bit for bit, with the weight formed a slice of output rows at a time
+        (:func:`prompt_slices`, as :class:`~anyquant_cpu.kernels.lut.Lut4Linear` forms its own): a prompt never
+        holds the whole float weight (a 49152x2048 quantized head's is 400 MB in float32). One slice, or autograd
+        recording: the whole weight."""
+        n, k = self.out_features, self.in_features
+        slices = prompt_slices(n, k, self.prompt_slice_bytes, x2.element_size())
+        if len(slices) == 1 or (x2.requires_grad and torch.is_grad_enabled()):
+            return torch.mm(x2, self.exact_weight(x2.dtype).t())
+        raw = self.raw_blocks().reshape(-1)
+        row_bytes = raw.numel() // n
+        y = torch.empty(x2.shape[0], n, dtype=x2.dtype)
+        for r0, r1 in slices:
+            w = self.exact_rows(raw[r0 * row_bytes : r1 * row_bytes], r1 - r0, x2.dtype)
+            torch.mm(x2, w.t(), out=y[:, r0:r1])
+        return y
 
     def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.anyquant.ggml_gemv(

@@ -19,21 +19,15 @@ scales, kept packed (half a byte a weight, plus a float32 scale per group) inste
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
 from torch import nn
 
-from .linear import cpu_only_apply, kernel_forward
+from .linear import PROMPT_SLICE_BYTES, SLICE_ROWS, cpu_only_apply, kernel_forward, prompt_slices
 
 #: the ops' ``round``: each formed weight rounded to the format's dtype before the multiply-add
 ROUND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-#: about how many bytes of weight (in the GEMM's dtype) a prompt's GEMM forms at a time (:func:`prompt_slices`)
-PROMPT_SLICE_BYTES = 8 << 20
-#: slices are whole multiples of this many output rows (and never narrower)
-SLICE_ROWS = 64
 
 __all__ = [
     "PROMPT_SLICE_BYTES",
@@ -46,22 +40,6 @@ __all__ = [
     "lut4_codes",
     "prompt_slices",
 ]
-
-
-def prompt_slices(
-    out_features: int, in_features: int, budget: int = PROMPT_SLICE_BYTES, itemsize: int = 4
-) -> list[tuple[int, int]]:
-    """The output rows ``(r0, r1)`` a prompt's GEMM takes at a time: a multiple of :data:`SLICE_ROWS` rows holding
-    about ``budget`` bytes of weight of ``itemsize`` bytes (at least :data:`SLICE_ROWS` rows); a last slice narrower
-    than :data:`SLICE_ROWS` joins the one before (so no slice is narrower: see the module docstring); one slice where
-    the weight fits the budget."""
-    rows = max(SLICE_ROWS, budget // (itemsize * in_features) // SLICE_ROWS * SLICE_ROWS)
-    if rows >= out_features:
-        return [(0, out_features)]
-    bounds = [*range(0, out_features, rows), out_features]
-    if bounds[-1] - bounds[-2] < SLICE_ROWS:
-        del bounds[-2]
-    return list(itertools.pairwise(bounds))
 
 
 def _dequant_op() -> bool:
