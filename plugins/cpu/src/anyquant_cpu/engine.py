@@ -2112,6 +2112,30 @@ class FastCPUPlan:
             return None
         return FastHead(table, small_rows=self.small_rows, decode=decode, interleave=self.interleave), True
 
+    def install_embedding_rows(self, module: nn.Module) -> str | None:
+        """An input embedding that keeps its table packed and offers it as layouts (``packed_layouts()``, with a
+        ``decode_rows`` slot: GGUF's) decodes its looked-up rows with the compiled kernel's ``ggml_dequantize`` where
+        it reads the first layout as stored (one call a lookup instead of the format's torch ops; bit for bit); returns
+        the table's type, or ``None`` where nothing changed."""
+        get_in = getattr(module, "get_input_embeddings", None)
+        emb = get_in() if get_in is not None else None
+        offered = getattr(emb, "packed_layouts", None)
+        if emb is None or offered is None or not hasattr(emb, "decode_rows"):
+            return None
+        lay = next(iter(offered()), None)
+        if not isinstance(lay, GGUFBlocks) or not _gguf_on_kernel(lay):
+            return None
+        from .kernels import GGML_TYPES
+
+        code, dim = GGML_TYPES[lay.type_name][0], lay.in_features
+
+        def decode_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
+            out: torch.Tensor = torch.ops.anyquant.ggml_dequantize(rows.reshape(-1), code, n, dim, torch.float32)
+            return out
+
+        emb.decode_rows = decode_rows
+        return lay.type_name
+
     def install_norms(self, module: nn.Module) -> int:
         """The decode path's RMSNorms on the compiled kernel up to :attr:`small_rows` tokens (:func:`kernel_norms`),
         for a format that finishes its model itself; returns (and records) how many."""

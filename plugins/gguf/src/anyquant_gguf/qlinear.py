@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -229,11 +230,21 @@ class GGUFEmbedding(nn.Module):
         self.scale = None if scale is None else float(scale)
         self.qweight: torch.Tensor
         self.register_buffer("qweight", qweight.reshape(num, -1))
+        #: how looked-up rows' blocks become float32 rows (``(blocks [n, bytes_per_row], n) -> [n, dim]``): a fast
+        #: backend may put its own decoder here (bit for bit :func:`dequantize_blocks_torch`'s, which is the default)
+        self.decode_rows: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+
+    def packed_layouts(self) -> list[Layout]:
+        """The table as a backend may read its rows: its blocks as stored (:func:`blocks_layout`)."""
+        return [blocks_layout(self.qtype, (self.num_embeddings, self.embedding_dim), self.qweight)]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         rows = self.qweight.index_select(0, flat)
-        values = dequantize_blocks_torch(rows, self.qtype, (flat.numel(), self.embedding_dim)).to(self.dtype)
+        if self.decode_rows is not None:
+            values = self.decode_rows(rows, flat.numel()).to(self.dtype)
+        else:
+            values = dequantize_blocks_torch(rows, self.qtype, (flat.numel(), self.embedding_dim)).to(self.dtype)
         if self.scale is not None:
             values = values * torch.tensor(self.scale, dtype=self.dtype)
         return values.reshape(*ids.shape, self.embedding_dim)
