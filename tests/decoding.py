@@ -76,3 +76,29 @@ def random_int4_linears(layers: Any, seed: int = 5) -> None:
             b = None if lin.bias is None else lin.bias.detach().clone()
             parent, _, leaf = name.rpartition(".")
             setattr(layer.get_submodule(parent), leaf, FastInt4Linear(codes, zeros, scales, bias=b))
+
+
+#: where each GGML type's float16 scales sit in its block (random bytes elsewhere are valid codes and int8 scales)
+GGML_HALVES = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+}
+
+
+def random_ggml_blocks(type_name: str, rows: int, dim: int, seed: int) -> torch.Tensor:
+    """Flat uint8 GGML blocks of ``type_name`` (:data:`GGML_HALVES`) for a ``[rows, dim]`` weight: random codes and
+    sub-block scales, float16 scales in 2**-10 .. 2**-6 (no NaN, no inf)."""
+    from anyquant_cpu import kernels
+
+    _, size, weights = kernels.GGML_TYPES[type_name]
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows, dim // weights, size), generator=g, dtype=torch.uint8)
+    for at in GGML_HALVES[type_name]:
+        half = (torch.rand(rows, dim // weights, generator=g) * 0.015 + 0.001).to(torch.float16)
+        blocks[..., at : at + 2] = half.view(torch.uint8).reshape(rows, dim // weights, 2)
+    return blocks.reshape(-1)

@@ -13,25 +13,17 @@ import torch
 
 from anyquant_cpu import kernels
 from anyquant_cpu.kernels.linear import SLICE_ROWS, prompt_slices
+from tests.decoding import random_ggml_blocks
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the compiled block kernel is not built")
-
-
-#: where each GGUF type's float16 scales sit in its block (random bytes elsewhere are valid codes and int8 scales)
-_HALVES = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def _gguf(type_name: str, n: int, k: int, interleave: bool, seed: int, **kw: Any) -> Any:
     """Random blocks of ``type_name`` (random codes and sub-block scales, float16 scales in 2**-10 .. 2**-6)."""
     from anyquant_cpu.engine import GGUFBlockLinear
 
-    _, size, weights = kernels.GGML_TYPES[type_name]
-    g = torch.Generator().manual_seed(seed)
-    blocks = torch.randint(0, 256, (n, k // weights, size), generator=g, dtype=torch.uint8)
-    for at in _HALVES[type_name]:
-        half = (torch.rand(n, k // weights, generator=g) * 0.015 + 0.001).to(torch.float16)
-        blocks[..., at : at + 2] = half.view(torch.uint8).reshape(n, k // weights, 2)
-    return GGUFBlockLinear(blocks.reshape(-1), type_name, n, k, None, interleave=interleave, **kw)
+    blocks = random_ggml_blocks(type_name, n, k, seed)
+    return GGUFBlockLinear(blocks, type_name, n, k, None, interleave=interleave, **kw)
 
 
 def _affine4(n: int, k: int, interleave: bool, seed: int, **kw: Any) -> Any:

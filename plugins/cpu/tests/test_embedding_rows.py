@@ -10,11 +10,9 @@ from torch import nn
 
 from anyquant_cpu import kernels
 from anyquant_cpu.engine import FastCPUPlan
+from tests.decoding import GGML_HALVES, random_ggml_blocks
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the compiled block kernel is not built")
-
-#: where each type's float16 scales sit in its block (random bytes elsewhere are valid codes and int8 scales)
-HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,)}
 
 
 class _Model(nn.Module):
@@ -26,17 +24,7 @@ class _Model(nn.Module):
         return self.emb
 
 
-def _table(type_name: str, rows: int, dim: int, seed: int) -> torch.Tensor:
-    _, size, weights = kernels.GGML_TYPES[type_name]
-    g = torch.Generator().manual_seed(seed)
-    blocks = torch.randint(0, 256, (rows, dim // weights, size), generator=g, dtype=torch.uint8)
-    for at in HALVES[type_name]:
-        half = (torch.rand(rows, dim // weights, generator=g) * 0.015 + 0.001).to(torch.float16)
-        blocks[..., at : at + 2] = half.view(torch.uint8).reshape(rows, dim // weights, 2)
-    return blocks.reshape(-1)
-
-
-@pytest.mark.parametrize("type_name", list(HALVES))
+@pytest.mark.parametrize("type_name", list(GGML_HALVES))
 @pytest.mark.parametrize(("dtype", "scale"), [(torch.float32, None), (torch.bfloat16, 24.0)], ids=["f32", "bf16-gemma"])
 def test_kernel_rows_are_the_formats_rows(type_name: str, dtype: torch.dtype, scale: float | None) -> None:
     from gguf import GGMLQuantizationType
@@ -45,7 +33,11 @@ def test_kernel_rows_are_the_formats_rows(type_name: str, dtype: torch.dtype, sc
 
     rows, dim = 300, 512
     emb = GGUFEmbedding(
-        _table(type_name, rows, dim, 3), GGMLQuantizationType[type_name], (rows, dim), dtype=dtype, scale=scale
+        random_ggml_blocks(type_name, rows, dim, 3),
+        GGMLQuantizationType[type_name],
+        (rows, dim),
+        dtype=dtype,
+        scale=scale,
     )
     ids = torch.tensor([[0, 7, 299, 7], [150, 1, 2, 3]])
     want = emb(ids)  # the format's torch decoding
