@@ -100,7 +100,7 @@ class AWQLoader(Int4Loader):
         modules = _modules(ctx.probe, bits)
         src = ctx.source
         state = self.state(ctx)
-        plan, kernel_plan = self.fast_plan(ctx), state.kernel_plan
+        kernel_plan = state.kernel_plan
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             m = modules.get(name)
@@ -126,7 +126,7 @@ class AWQLoader(Int4Loader):
                 mode="dequantized" if ctx.backend == "dequantized" else "reference",
                 compute_dtype=ctx.dtype,
             )
-            return layer if plan is None else plan.convert(name, layer)
+            return self.fast_convert(ctx, name, layer)
 
         return factory
 

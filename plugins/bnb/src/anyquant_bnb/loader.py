@@ -41,7 +41,6 @@ class BnbLoader(PackedFormatLoader):
         from .qlinear import Bnb4bitLinear, Bnb8bitLinear, parse_quant_state
 
         state = self.state(ctx)
-        plan = self.fast_plan(ctx)
         scheme = state.signature if isinstance(state.signature, BnbScheme) else read_scheme(ctx.probe)
         modules = {m.name: m for m in scheme.modules}
         mode = "dequantized" if ctx.backend == "dequantized" else "reference"
@@ -87,7 +86,7 @@ class BnbLoader(PackedFormatLoader):
                     if fmt.numel() != 1 or int(fmt.reshape(-1)[0]) != 0:
                         raise CheckpointError(f"{name}: weight_format {fmt.tolist()} is not 0 (row-major)")
                 layer = Bnb8bitLinear(cb, src.get(f"{name}.SCB"), bias, mode=mode, compute_dtype=ctx.dtype)
-            return layer if plan is None else plan.convert(name, layer)
+            return self.fast_convert(ctx, name, layer)
 
         return factory
 

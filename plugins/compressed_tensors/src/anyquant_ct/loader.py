@@ -149,7 +149,6 @@ class CTLoader(PackedFormatLoader):
         from .qlinear import CTLinear
 
         state = self.state(ctx)
-        plan = self.fast_plan(ctx)
         specs = state.signature if isinstance(state.signature, list) else _read(ctx.probe)[2]
         by_name: dict[str, ModuleSpec] = {s.name: s for s in specs}
         mode = "dequantized" if ctx.backend == "dequantized" else "reference"
@@ -178,12 +177,12 @@ class CTLoader(PackedFormatLoader):
                 mode=mode,
                 compute_dtype=ctx.dtype,
             )
-            return layer if plan is None else plan.convert(name, layer)
+            return self.fast_convert(ctx, name, layer)
 
         return factory
 
     def prepare(self, ctx: LoadContext) -> None:
-        """The backend's plan, and the KV-cache scales of a ``kv_cache_scheme`` (read and checked here)."""
+        """The KV-cache scales of a ``kv_cache_scheme`` (read and checked here)."""
         super().prepare(ctx)
         cfg = _config(ctx.probe)
         ctx.state[KV_KEY] = None

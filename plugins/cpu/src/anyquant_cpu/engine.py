@@ -2153,10 +2153,11 @@ class FastCPUPlan:
                 "; ".join(reasons),
             )
         counts = Counter(form for ref, form in self.forms.values() if ref() is not None)
+        # the one form, or each with its count
+        linears = next(iter(counts)) if len(counts) == 1 else ", ".join(f"{f} x{n}" for f, n in counts.most_common())
         return {
             "fast_layers": self.converted,
-            **({"linears": ", ".join(f"{f} x{n}" for f, n in counts.most_common())} if len(counts) > 1 else {}),
-            **({"linears": next(iter(counts))} if len(counts) == 1 else {}),
+            **({"linears": linears} if counts else {}),
             "weights": self.weights,
             "dequantized_layers": dict(self.fallback),
             "small_rows": self.small_rows,

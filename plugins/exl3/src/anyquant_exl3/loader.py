@@ -197,7 +197,7 @@ class EXL3Source(SafetensorsSource):
         return RingTable(trellis, super().get(info.signs), info.k, self.hidden)
 
 
-class PartsLinears:
+class PartsLinears(TransformersLoader):
     """What the EXL3 and EXL2 loaders share: ``make_linear``'s factory over a linear stored under its own name or as
     parts (:func:`stored_parts`), each layer handed to the load's fast backend where there is one (it decodes the
     layer once and holds it in a layout its engine runs: :func:`anyquant_exl3.qlinear.decoded_layouts`)."""
@@ -207,11 +207,9 @@ class PartsLinears:
     ) -> Callable[[str, nn.Linear], nn.Module | None]:
         """``make_linear``'s factory over ``one(name, in_features, out_features)``: a linear stored under its own
         name (a key of ``stored``), or one the checkpoint stores as parts (:func:`stored_parts`)."""
-        convert = TransformersLoader.fast_plan(ctx)
 
         def built(name: str, in_features: int, out_features: int) -> Any:
-            layer = one(name, in_features, out_features)
-            return layer if convert is None else convert.convert(name, layer)
+            return self.fast_convert(ctx, name, one(name, in_features, out_features))
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             if name in stored:
@@ -222,7 +220,7 @@ class PartsLinears:
         return factory
 
 
-class EXL3Loader(PartsLinears, TransformersLoader):
+class EXL3Loader(PartsLinears):
     format = "exl3"
     backend_order = ("exllamav3", "dequantized", "reference")
     format_options: ClassVar[Mapping[str, str]] = MappingProxyType({**RUNTIME_OPTIONS, **EXLLAMAV3_OPTIONS})

@@ -98,7 +98,7 @@ class FP8Loader(PackedFormatLoader):
             )
 
     def prepare(self, ctx: LoadContext) -> None:
-        """The backend's plan, and ModelOpt's KV-cache scales (read and checked here)."""
+        """ModelOpt's KV-cache scales (read and checked here)."""
         super().prepare(ctx)
         ctx.state[KV_KEY] = None
         state = self.state(ctx)
@@ -142,7 +142,6 @@ class FP8Loader(PackedFormatLoader):
         from .qlinear import FP8Linear, NVFP4Linear
 
         state = self.state(ctx)
-        plan = self.fast_plan(ctx)
         scheme = state.signature if isinstance(state.signature, FP8Scheme) else read_scheme(ctx.probe)
         modules = {m.name: m for m in scheme.modules}
         round_to = getattr(torch, scheme.dtype)
@@ -177,7 +176,7 @@ class FP8Loader(PackedFormatLoader):
                 mode=mode,
                 compute_dtype=ctx.dtype,
             )
-            return layer if plan is None else plan.convert(name, layer)
+            return self.fast_convert(ctx, name, layer)
 
         def factory(name: str, linear: nn.Linear) -> nn.Module | None:
             m = modules.get(name)
@@ -220,7 +219,7 @@ class FP8Loader(PackedFormatLoader):
                 input_scale=input_scale,
                 scale_ub=scale_ub,
             )
-            return layer if plan is None else plan.convert(name, layer)
+            return self.fast_convert(ctx, name, layer)
 
         return factory
 

@@ -287,8 +287,7 @@ class GGUFLoader(TransformersLoader):
         rows = plan.install_embedding_rows(loaded.module)
         if rows is not None:
             record["embedding_rows"] = rows  # the packed embedding's lookups decoded by the backend's kernel
-        loaded.info = {**loaded.info, loaded.backend.replace("-", "_"): record}
-        return loaded
+        return self.record_fast(loaded, record)
 
     @staticmethod
     def _install_packed_embedding(module: Any, src: GGUFSource) -> None:

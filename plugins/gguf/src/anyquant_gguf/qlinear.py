@@ -12,6 +12,7 @@ from torch import nn
 
 from anyquant_runtime.layouts import Decoded, GGUFBlocks, Layout
 from anyquant_runtime.packing import ggml_int4_scales_offsets
+from anyquant_runtime.tensors import PackedRows
 
 from .dequant import (
     _NIBBLE,
@@ -295,7 +296,7 @@ class GGUFTiedHead(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype.name}, tied"
 
 
-class GGUFRows:
+class GGUFRows(PackedRows):
     """A GGUF-packed ``[rows, dim]`` table read as float32 a slice of rows at a time (decoded from its
     blocks on each read; the bytes stay where they are, file-backed): the exact source of a fast backend's
     LM head (the engine's ``RowTable``), over a tied embedding too."""
@@ -304,21 +305,12 @@ class GGUFRows:
 
     def __init__(self, qweight: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, int]) -> None:
         self.qtype = GGMLQuantizationType(qtype)
-        self.shape: tuple[int, int] = (int(shape[0]), int(shape[1]))
+        self.shape = (int(shape[0]), int(shape[1]))
         self.qweight = qweight.reshape(self.shape[0], -1)
 
-    def slice(self, start: int, count: int) -> torch.Tensor:
-        start = max(0, int(start))
-        stop = max(start, min(start + int(count), self.shape[0]))
-        return dequantize_blocks_torch(self.qweight[start:stop], self.qtype, (stop - start, self.shape[1]))
-
-    def read_all(self) -> torch.Tensor:
-        return self.slice(0, self.shape[0])
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        values = dequantize_blocks_torch(self.qweight[flat], self.qtype, (flat.numel(), self.shape[1]))
-        return values.reshape(*ids.shape, self.shape[1])
+    def decode(self, index: slice | torch.Tensor) -> torch.Tensor:
+        blocks = self.qweight[index]
+        return dequantize_blocks_torch(blocks, self.qtype, (blocks.shape[0], self.shape[1]))
 
 
 # --------------------------------------------------------------------------- int4 CPU kernel

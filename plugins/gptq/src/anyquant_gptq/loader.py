@@ -83,7 +83,7 @@ class GPTQLoader(Int4Loader):
         from .qlinear import GPTQLinear
 
         state = self.state(ctx)
-        plan, kernel_plan = self.fast_plan(ctx), state.kernel_plan
+        kernel_plan = state.kernel_plan
         signature = state.signature if isinstance(state.signature, GPTQSignature) else read_signature(ctx.probe)
         sig = {m.name: m for m in signature.modules}
         d = ctx.detection.details
@@ -130,7 +130,7 @@ class GPTQLoader(Int4Loader):
                 mode="dequantized" if ctx.backend == "dequantized" else "reference",
                 compute_dtype=ctx.dtype,
             )
-            return layer if plan is None else plan.convert(name, layer)
+            return self.fast_convert(ctx, name, layer)
 
         return factory
 

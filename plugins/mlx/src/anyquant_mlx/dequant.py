@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from anyquant_runtime.tensors import PackedRows
+
 __all__ = ["E2M1_SIGNED", "MlxRows", "dequantize", "fp4_scales", "unpack"]
 
 #: FP4 E2M1 values by their 4-bit code (bit 3 the sign)
@@ -65,21 +67,18 @@ def dequantize(
     return (v * _per_group(s32, group_size)).to(torch.bfloat16).reshape(*weight.shape[:-1], n)
 
 
-class MlxRows:
+class MlxRows(PackedRows):
     """An mlx-quantized ``[rows, dim]`` table (an embedding, a tied head) kept packed and decoded a few rows at a
     time, each row as :func:`dequantize` gives it for the whole table (the groups are a row's own: bit for bit): the
-    table a fast backend's head and embedding read (anyquant-cpu's ``RowTable``) instead of a decoded copy of it."""
+    table a fast backend's head and embedding read instead of a decoded copy of it."""
 
     def __init__(
         self, weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None, bits: int, group: int, mode: str
     ) -> None:
         self.weight, self.scales, self.biases = weight, scales, biases
         self.bits, self.group, self.mode = bits, group, mode
-        self.shape: tuple[int, int] = (int(weight.shape[0]), int(scales.shape[-1]) * group)
-        self.dtype: torch.dtype = scales.dtype if mode == "affine" else torch.bfloat16
-
-    def __len__(self) -> int:
-        return self.shape[0]
+        self.shape = (int(weight.shape[0]), int(scales.shape[-1]) * group)
+        self.dtype = scales.dtype if mode == "affine" else torch.bfloat16
 
     @property
     def nbytes(self) -> int:
@@ -87,18 +86,6 @@ class MlxRows:
         held = (self.weight, self.scales) if self.biases is None else (self.weight, self.scales, self.biases)
         return sum(t.numel() * t.element_size() for t in held)
 
-    def _decode(self, index: slice | torch.Tensor) -> torch.Tensor:
+    def decode(self, index: slice | torch.Tensor) -> torch.Tensor:
         biases = None if self.biases is None else self.biases[index]
         return dequantize(self.weight[index], self.scales[index], biases, self.bits, self.group, self.mode)
-
-    def slice(self, start: int, count: int) -> torch.Tensor:
-        start = max(0, int(start))
-        stop = max(start, min(start + int(count), self.shape[0]))
-        return self._decode(slice(start, stop))
-
-    def read_all(self) -> torch.Tensor:
-        return self.slice(0, self.shape[0])
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """``table[ids]``, ``[*ids.shape, dim]``."""
-        return self._decode(ids.reshape(-1)).reshape(*ids.shape, self.shape[1])

@@ -89,10 +89,12 @@ class MlxSource:
         from .dequant import dequantize
 
         st = m.settings
-        biases = self.inner.get(f"{m.name}.biases") if st.mode == "affine" else None
-        return dequantize(
-            self.inner.get(name), self.inner.get(f"{m.name}.scales"), biases, st.bits, st.group_size, st.mode
-        )
+        return dequantize(*self._packed(m), st.bits, st.group_size, st.mode)
+
+    def _packed(self, m: MlxModule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Module ``m``'s packed weight, its scales and (affine mode) its biases, read from the checkpoint."""
+        biases = self.inner.get(f"{m.name}.biases") if m.settings.mode == "affine" else None
+        return self.inner.get(f"{m.name}.weight"), self.inner.get(f"{m.name}.scales"), biases
 
     def file_rows(self, name: str) -> Any:
         """A table the build may leave out of memory (a fast backend's embedding and head): a 16-bit one as the file's
@@ -107,10 +109,7 @@ class MlxSource:
         from .dequant import MlxRows
 
         st = m.settings
-        biases = self.inner.get(f"{m.name}.biases") if st.mode == "affine" else None
-        return MlxRows(
-            self.inner.get(name), self.inner.get(f"{m.name}.scales"), biases, st.bits, st.group_size, st.mode
-        )
+        return MlxRows(*self._packed(m), st.bits, st.group_size, st.mode)
 
     def unused(self) -> list[str]:
         return self.inner.unused()
@@ -150,7 +149,6 @@ class MlxLoader(PackedFormatLoader):
         from .qlinear import MlxLinear
 
         state = self.state(ctx)
-        plan = self.fast_plan(ctx)
         scheme = state.signature if isinstance(state.signature, MlxScheme) else read_scheme(ctx.probe)
         modules: dict[str, MlxModule] = {m.name: m for m in scheme.modules}
         for expert, (stacked, _) in expert_views(scheme).items():
@@ -179,7 +177,7 @@ class MlxLoader(PackedFormatLoader):
                 mode=mode,
                 compute_dtype=ctx.dtype,
             )
-            return layer if plan is None else plan.convert(name, layer)
+            return self.fast_convert(ctx, name, layer)
 
         return factory
 

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from anyquant.errors import CheckpointError
 from anyquant.probe import Probe, thaw
@@ -73,6 +73,8 @@ RUNTIME_OPTIONS: Mapping[str, str] = MappingProxyType(
         "runtime": "'auto' (default), 'native' or 'transformers': which module class is built",
     }
 )
+_T = TypeVar("_T")
+
 #: the key of a load's fast-backend plan in ``ctx.state`` (:meth:`TransformersLoader.fast_plan`)
 FAST_PLAN = "fast_plan"
 
@@ -180,19 +182,12 @@ class TransformersLoader:
         return [BackendInfo("reference", True, description="pure torch, runs anywhere")]
 
     def backends(self) -> list[BackendInfo]:
-        from anyquant.backends import EXACT_BACKENDS
-
-        own = self.own_backends()
         fast = [self.fast_backend_info(s) for s in self.fast_backends()]
-        return [b for b in own if b.name not in EXACT_BACKENDS] + fast + [b for b in own if b.name in EXACT_BACKENDS]
+        return _around(self.own_backends(), fast, lambda b: b.name)
 
     def preference(self) -> tuple[str, ...]:
         """``auto``'s order: :attr:`backend_order`'s accelerator backends, the fast backends, its exact backends."""
-        from anyquant.backends import EXACT_BACKENDS
-
-        own = self.backend_order
-        fast = tuple(s.name for s in self.fast_backends())
-        return tuple(n for n in own if n not in EXACT_BACKENDS) + fast + tuple(n for n in own if n in EXACT_BACKENDS)
+        return tuple(_around(list(self.backend_order), [s.name for s in self.fast_backends()], lambda n: n))
 
     def validate(self, probe: Probe, detection: Detection) -> None:
         """Second line of defence: re-check the tensor signature before any weights are read."""
@@ -265,11 +260,14 @@ class TransformersLoader:
         reference linear into the backend's module (:meth:`fast_convert`)."""
         return ctx.state.get(FAST_PLAN)
 
-    def fast_convert(self, ctx: LoadContext, name: str, layer: Any, **kwargs: Any) -> Any:
+    def fast_convert(self, ctx: LoadContext, name: str, layer: nn.Module, **kwargs: Any) -> nn.Module:
         """``layer`` (a reference linear offering its packed layouts) as this load's fast backend runs it; itself
         on the format's own backends."""
         plan = self.fast_plan(ctx)
-        return layer if plan is None else plan.convert(name, layer, **kwargs)
+        if plan is None:
+            return layer
+        fast: nn.Module = plan.convert(name, layer, **kwargs)
+        return fast
 
     def finish_fast(self, loaded: LoadedModel, ctx: LoadContext) -> LoadedModel:
         """After :meth:`finish`: the fast backend completes the model (its head, its decode-path modules) and its
@@ -280,7 +278,12 @@ class TransformersLoader:
         import torch
 
         plan.finish(loaded.module, getattr(torch, loaded.dtype), tables=ctx.file_tables)
-        loaded.info = {**loaded.info, loaded.backend.replace("-", "_"): plan.summary()}
+        return self.record_fast(loaded, plan.summary())
+
+    @staticmethod
+    def record_fast(loaded: LoadedModel, record: Mapping[str, Any]) -> LoadedModel:
+        """``record`` in ``loaded.info`` under the fast backend's name (``cpu-fast``: ``info["cpu_fast"]``)."""
+        loaded.info = {**loaded.info, loaded.backend.replace("-", "_"): record}
         return loaded
 
     def runtime(self, ctx: LoadContext) -> str:
@@ -369,6 +372,15 @@ class TransformersLoader:
             info=info,
         )
         return self.finish_fast(self.finish(loaded, ctx), ctx)
+
+
+def _around(own: list[_T], fast: list[_T], name: Callable[[_T], str]) -> list[_T]:
+    """``fast`` between ``own``'s accelerator backends and its exact ones (:data:`anyquant.backends.EXACT_BACKENDS`),
+    each keeping its order."""
+    from anyquant.backends import EXACT_BACKENDS
+
+    exact = [x for x in own if name(x) in EXACT_BACKENDS]
+    return [x for x in own if name(x) not in EXACT_BACKENDS] + fast + exact
 
 
 _LAYER_INDEX = re.compile(r"^(.*?(?:layers|blk|h))\.(\d+)\.")

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from anyquant.probe import Probe
 
-__all__ = ["DictSource", "FileRows", "SafetensorsSource", "TensorSource", "fill_file_tables"]
+__all__ = ["DictSource", "FileRows", "PackedRows", "SafetensorsSource", "TensorSource", "fill_file_tables"]
 
 
 class TensorSource(Protocol):
@@ -150,6 +150,34 @@ def _pread_into(fh: Any, offset: int, buffer: Any, what: str) -> None:
 
 
 _SEEK_LOCK = threading.Lock()
+
+
+class PackedRows:
+    """A ``[rows, dim]`` table a format keeps packed and decodes a few rows at a time (what a fast backend's head reads
+    as its exact table and a looked-up embedding reads, as it reads a :class:`FileRows`): the format supplies
+    :meth:`decode` of a row range or of row indices, its rows as the whole table's decode gives them."""
+
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+    def decode(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` (a slice, or a 1-D tensor of row numbers) decoded, ``[n, dim]``."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def slice(self, start: int, count: int) -> torch.Tensor:
+        """Rows ``start .. start + count`` (clipped to the table)."""
+        start = max(0, int(start))
+        return self.decode(slice(start, max(start, min(start + int(count), self.shape[0]))))
+
+    def read_all(self) -> torch.Tensor:
+        return self.decode(slice(0, self.shape[0]))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``table[ids]``, ``[*ids.shape, dim]``."""
+        return self.decode(ids.reshape(-1)).reshape(*ids.shape, self.shape[1])
 
 
 class FileRows:

@@ -128,9 +128,14 @@ class BlockLinear(nn.Module):
     def exact_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """:meth:`dequantize` rounded to ``dtype``, bit for bit, in one pass of the compiled kernel over the blocks as
         held (the prompt path's weight; the format's torch code makes several, after copying an interleaved form back)."""
+        return self._dequantize(self.blocks, self.ggml_type, self.out_features, dtype)
+
+    def _dequantize(self, blocks: torch.Tensor, code: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """``rows`` rows of ``blocks`` (GGML type ``code``) by the kernel's ``ggml_dequantize``, rounded to
+        :attr:`round_to` where the format rounds, then to ``dtype`` (straight to it where the op writes it)."""
         direct = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
         w: torch.Tensor = torch.ops.anyquant.ggml_dequantize(
-            self.blocks, self.ggml_type, self.out_features, self.in_features, self.round_to or direct
+            blocks, code, rows, self.in_features, self.round_to or direct
         )
         return w if w.dtype == dtype else w.to(dtype)
 
@@ -148,10 +153,7 @@ class BlockLinear(nn.Module):
     def exact_rows(self, raw: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """The exact weight of ``rows`` rows whose blocks in the stored layout are ``raw`` (flat uint8: a slice of
         :meth:`raw_blocks`), rounded to ``dtype`` as :meth:`exact_weight` rounds it (bit for bit its rows)."""
-        direct = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-        base = self.ggml_type - INTERLEAVED if self.interleaved else self.ggml_type
-        w: torch.Tensor = torch.ops.anyquant.ggml_dequantize(raw, base, rows, self.in_features, self.round_to or direct)
-        return w if w.dtype == dtype else w.to(dtype)
+        return self._dequantize(raw, self.ggml_type - INTERLEAVED if self.interleaved else self.ggml_type, rows, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernel_forward(self, x, self._few_rows, self._many_rows)

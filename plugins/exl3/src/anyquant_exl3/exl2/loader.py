@@ -11,7 +11,6 @@ from anyquant_runtime import (
     FLOAT_SCALE_DTYPES,
     RUNTIME_OPTIONS,
     LoadContext,
-    TransformersLoader,
     require_dtypes,
 )
 from anyquant_runtime.layouts import Decoded, Int8Blocks, Layout
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["EXL2Loader"]
 
 
-class EXL2Loader(PartsLinears, TransformersLoader):
+class EXL2Loader(PartsLinears):
     """EXL2 on CPU: exllamav2 is archived and CUDA-only; this is a maintained way to read it."""
 
     format = "exl2"
