@@ -414,6 +414,12 @@ inline int il_offset(int64_t type, int r, int j) {
 // row's codes did not: the 25 KB of weights a group streams between two uses of the same codes evicted them;
 // 2048x5632 Q4_0 ran at 60 % of 5632x2048's bandwidth). Rows of at most one tile: piece (g, b) at 8 bs (g nb + b).
 constexpr int64_t IL_TILE = 64;
+// How far ahead the 8-row paths prefetch an interleaved weight's stream (a thread's share of a tile is contiguous; past
+// its end the hint reads the next group's pieces, or nothing: a prefetch never faults). The hardware prefetchers alone
+// fell behind two threads' streams: 2 threads, 1.1B shapes, 72-80 GB/s copy bandwidth, 5632x2048 Q4_K 151-156 ->
+// 118-123 us, Q6_K 193-205 -> 168-171 us; at 45 GB/s Q4_0 145-167 -> 128-135 us (bench/kernels.py --shapes kquants).
+constexpr int64_t IL_PREFETCH = 4096;  // bytes ahead, blocks of 32
+constexpr int64_t IL_PREFETCH_K = 4;   // pieces ahead (8 super-blocks of 144 to 210 bytes each), K-quants
 
 // where the piece of group g, block b of a type lies (bytes), for nb blocks per row and G whole groups of 8 rows
 inline int64_t il_piece(int64_t type, int64_t g, int64_t b, int64_t nb, int64_t G) {
@@ -575,6 +581,10 @@ AQ_TARGET_AVX2 inline __m256 e8m0_half8(__m256i e) {
       if (IL) {                                                                                          \
         /* interleaved: the 8 rows' scales side by side, then the chunks as the vectors want them */      \
         const uint8_t* blk = tile_base + b * 8 * bs;                                                     \
+        {                                                                                                \
+          const char* pf = reinterpret_cast<const char*>(blk) + IL_PREFETCH;                              \
+          for (int l = 0; l < 8 * bs; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);                          \
+        }                                                                                                \
         if (TYPE == TYPE_MXFP4) {                                                                        \
           dw = e8m0_half8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk))));  \
         } else {                                                                                         \
@@ -710,6 +720,10 @@ AQ_TARGET_AVX2 inline __m256i sbyte_of(__m256i v, int k) { return _mm256_srai_ep
         const uint8_t* blk = base + b * bs;            /* in place: row 0's super-block b, row r's + r rb */ \
         if (!IL && g + 1 < g1) {                                                                            \
           const char* pf = reinterpret_cast<const char*>(base + 8 * rb + b * 8 * bs);                       \
+          for (int l = 0; l < 8 * bs; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);                           \
+        }                                                                                                   \
+        if (IL) {                                                                                           \
+          const char* pf = reinterpret_cast<const char*>(piece) + IL_PREFETCH_K * 8 * bs;                   \
           for (int l = 0; l < 8 * bs; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);                           \
         }                                                                                                   \
         __m256 dw;                                                                                            \
