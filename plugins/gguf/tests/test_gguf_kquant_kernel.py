@@ -119,6 +119,9 @@ def test_cpu_fast_runs_q4_k_m_on_the_block_kernel(family: str) -> None:
     linears = _block_linears(fast)
     head = fast.module.get_output_embeddings()
     assert type(head).__name__ == "GGUFBlockHead" and head.block_type in {"Q4_K", "Q6_K"}
+    # the exact top rows: decoded from the stored blocks by the kernel, bit for bit the format's rows
+    top = torch.tensor([[0, 5, head.out_features - 1], [7, 7, 1]])
+    assert torch.equal(head._top_rows(top), head.table.rows(top))
     by_type: dict[str, int] = {}
     tied = getattr(head, "tied_to_input_embedding", False)  # over the embedding's table: not one of the linears
     for kind in [m.type_name for m in linears.values()] + ([] if tied else [head.block_type]):

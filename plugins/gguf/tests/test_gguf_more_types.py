@@ -419,7 +419,10 @@ def test_tiny_model_cpu_fast(tiny_new_types: tuple[Path, torch.nn.Module]) -> No
             counts[q.name] = counts.get(q.name, 0) + 1
         assert info.get("block_kernel") == counts, info
         assert "lm_head" not in info and "lm_head" not in {*info["bf16"], *info["dequantized"]}, info
-        assert type(fast.module.get_output_embeddings()).__name__ == "GGUFBlockHead"
+        head_module = fast.module.get_output_embeddings()
+        assert type(head_module).__name__ == "GGUFBlockHead"
+        top = torch.tensor([[0, head_module.out_features - 1, 3]])  # the exact top rows: the format's, bit for bit
+        assert torch.equal(head_module._top_rows(top), head_module.table.rows(top))
     # where the kernel is not built, the MXFP4 head: a FastHead over the file's table where a decode form runs here,
     # else as the linears
     head = info.pop("lm_head", None)

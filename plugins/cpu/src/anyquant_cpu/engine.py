@@ -836,12 +836,15 @@ class FastHead(nn.Module):
         if k == 0:
             return
         top = torch.topk(y, k, dim=-1, sorted=False).indices  # [rows, k]
-        source = self.source
-        weight = source[top] if isinstance(source, torch.Tensor) else source.rows(top)  # [rows, k, in]
-        exact = torch.bmm(weight.to(x2.dtype), x2[:, :, None])[..., 0]
+        exact = torch.bmm(self._top_rows(top).to(x2.dtype), x2[:, :, None])[..., 0]
         if self.bias is not None:
             exact = exact + self.bias.to(x2.dtype)[top]
         y.scatter_(-1, top, exact.to(y.dtype))
+
+    def _top_rows(self, top: torch.Tensor) -> torch.Tensor:
+        """The exact weight's rows ``top`` (``[rows, k]``), ``[rows, k, in]``."""
+        source = self.source
+        return source[top] if isinstance(source, torch.Tensor) else source.rows(top)
 
     @property
     def source(self) -> torch.Tensor | RowTable:
@@ -1258,8 +1261,9 @@ class GGUFBlockLinear(BlockLinear):
 class GGUFBlockHead(FastHead):
     """:class:`FastHead` whose decode product is the GGUF-block kernel on the table's own blocks (read in place, or
     copied once into the kernel's interleaved form when ``interleave``; nothing quantized again); the ``EXACT_TOP``
-    largest logits of each row are computed again from the exact table (``table``: the format's rows, read a slice
-    at a time), as FastHead does, and prompts use its exact path."""
+    largest logits of each row are computed again from the exact rows, decoded from the stored blocks by the kernel's
+    ``ggml_dequantize`` (bit for bit the format's decode: ``table``'s rows), and prompts use the exact path (``table``:
+    the format's rows, read a slice at a time)."""
 
     def __init__(
         self, table: RowTable, blocks: torch.Tensor, type_name: str, *, small_rows: int, interleave: bool = False
@@ -1272,8 +1276,19 @@ class GGUFBlockHead(FastHead):
         self.register_buffer("exact", None)
         self.register_buffer("bias", None)
         self.packed = []
+        #: the blocks as stored, a row each (the format's bytes, not a copy): the exact top rows' source
+        self.stored = blocks.reshape(self.out_features, -1)
         self._set_blocks(blocks, type_name, interleave)
         self.interleaved = interleave
+
+    def _top_rows(self, top: torch.Tensor) -> torch.Tensor:
+        from .kernels import GGML_TYPES
+
+        flat = top.reshape(-1)
+        rows = self.stored.index_select(0, flat).reshape(-1)
+        code = GGML_TYPES[str(self.block_type)][0]
+        out: torch.Tensor = torch.ops.anyquant.ggml_dequantize(rows, code, flat.numel(), self.in_features, torch.float32)
+        return out.reshape(*top.shape, self.in_features)
 
     def packed_bytes(self) -> int:
         copy = self.blocks if self.interleaved else None  # else the table's bytes are the format's (the file's)
