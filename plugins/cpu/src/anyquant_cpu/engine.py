@@ -1287,7 +1287,9 @@ class GGUFBlockHead(FastHead):
         flat = top.reshape(-1)
         rows = self.stored.index_select(0, flat).reshape(-1)
         code = GGML_TYPES[str(self.block_type)][0]
-        out: torch.Tensor = torch.ops.anyquant.ggml_dequantize(rows, code, flat.numel(), self.in_features, torch.float32)
+        out: torch.Tensor = torch.ops.anyquant.ggml_dequantize(
+            rows, code, flat.numel(), self.in_features, torch.float32
+        )
         return out.reshape(*top.shape, self.in_features)
 
     def packed_bytes(self) -> int:
