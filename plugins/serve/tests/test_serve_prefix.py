@@ -155,49 +155,6 @@ def test_score_chunk_reaches_the_scheduler(monkeypatch: pytest.MonkeyPatch) -> N
     assert built.value.args[0]["score_chunk"] == 96
 
 
-def test_the_model_loads_on_a_thread_that_ends(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``anyquant serve`` loads and adapts the model on a thread of its own that has ended before the scheduler
-    starts (the main thread keeps no OpenMP pool of torch's, which made the scheduler thread's parallel regions sleep
-    between regions), and a load's error reaches the command as it is."""
-    import threading
-
-    import anyquant
-    from anyquant_serve import scheduler as scheduler_module
-    from anyquant_serve.plugin import _run, build_parser_for_tests
-
-    threads: list[threading.Thread] = []
-
-    class Built(Exception):
-        pass
-
-    def load(*a: object, **k: object) -> object:
-        threads.append(threading.current_thread())
-        return object()
-
-    def adapt(model: object) -> object:
-        threads.append(threading.current_thread())
-        return model
-
-    def capture(adapter: object, **kwargs: object) -> None:
-        raise Built([t.is_alive() for t in threads])
-
-    pytest.importorskip("uvicorn")
-    monkeypatch.setattr(anyquant, "load", load)
-    monkeypatch.setattr(scheduler_module, "ModelAdapter", adapt)
-    monkeypatch.setattr(scheduler_module, "Scheduler", capture)
-    with pytest.raises(Built) as built:
-        _run(build_parser_for_tests().parse_args([]))
-    assert len(threads) == 2 and threading.main_thread() not in threads and threads[0] is not threads[1]
-    assert built.value.args[0] == [False, False]  # both ended before the scheduler was made
-
-    def refuse(*a: object, **k: object) -> object:
-        raise anyquant.CheckpointError("not a checkpoint")
-
-    monkeypatch.setattr(anyquant, "load", refuse)
-    with pytest.raises(anyquant.CheckpointError, match="not a checkpoint"):
-        _run(build_parser_for_tests().parse_args([]))
-
-
 def test_metrics_expose_the_prefix_cache_counters() -> None:
     pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families

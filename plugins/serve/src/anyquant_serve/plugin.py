@@ -9,11 +9,9 @@ import logging
 import os
 import shlex
 import sys
-import threading
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from anyquant.plugin import (
     CommandRegistrar,
@@ -26,8 +24,6 @@ from anyquant.plugin import (
 )
 
 from .scheduler import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB, DEFAULT_SCORE_CHUNK
-
-T = TypeVar("T")
 
 __all__ = ["anyquant_register_commands", "build_parser_for_tests"]
 
@@ -169,11 +165,9 @@ def _run(args: argparse.Namespace) -> int:
         flags = {"backend": "--backend", "device": "--device", "dtype": "--dtype", "format": "--format"}
         options = options_from(args.option, {**flags, "registry": "the Python API"})
         print(f"anyquant serve: loading {path} ...", file=sys.stderr, flush=True)
-        model = _on_a_thread_that_ends(
-            load, path, format=args.format, backend=args.backend, device=args.device, dtype=args.dtype, **options
-        )
+        model = load(path, format=args.format, backend=args.backend, device=args.device, dtype=args.dtype, **options)
         scheduler = Scheduler(
-            _on_a_thread_that_ends(ModelAdapter, model),
+            ModelAdapter(model),
             max_batch=args.max_batch,
             max_queue=args.max_queue,
             prefill_chunk=args.prefill_chunk,
@@ -184,29 +178,6 @@ def _run(args: argparse.Namespace) -> int:
 
     config = ServerConfig(name, api_key, args.timeout, args.max_body_kb * 1024, args.body_timeout)
     return _serve(build_app(scheduler, config), scheduler, args.host, args.port, args.timeout, limits, name)
-
-
-def _on_a_thread_that_ends(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` on a thread of its own that ends with it (its exception re-raised here). The model's
-    work before serving runs there, not on the main thread: torch's OpenMP keeps a pool of worker threads for each
-    thread that ran a parallel region, and while the main thread's lives, the scheduler thread's parallel regions run
-    with more OpenMP threads than cores and sleep between regions (measured on 2 cores: the bundled model's decode
-    step 3.8 -> 10.1 ms, an 8-row step 18.3 -> 35 ms). A pool goes with the thread that made it."""
-    out: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            out.append(fn(*args, **kwargs))
-        except BaseException as exc:
-            error.append(exc)
-
-    worker = threading.Thread(target=run, name="anyquant-serve-load", daemon=True)
-    worker.start()
-    worker.join()
-    if error:
-        raise error[0]
-    return out[0]
 
 
 def _default_name(path: str) -> str:
