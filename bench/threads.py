@@ -36,10 +36,9 @@ mode, tokens = sys.argv[1], int(sys.argv[2])
 path = str(anyquant.default_model())
 prompt = "Write a long story about the sea, the ships and the sailors who lived there."
 if mode == "async, load on the main thread":
-    defaults = dict(format=None, backend="auto", device="auto", dtype=None, allow_pickle=False,
-                    trust_remote_code=False, revision=None, download=False, registry=None, allow_symlinks=None,
-                    check=False)
-    model = api._load(path, **defaults)
+    import inspect  # load()'s own defaults, handed to the work it runs on its thread
+    params = inspect.signature(anyquant.load).parameters.values()
+    model = api._load(path, **{p.name: p.default for p in params if p.default is not p.empty})
 else:
     model = anyquant.load(path)
 if mode == "sync":

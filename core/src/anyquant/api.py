@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ._memory import collector_paused, release_free_heap
 from .errors import (
@@ -22,7 +23,7 @@ from .errors import (
 )
 from .probe import Probe
 from .protocols import Detection, LoadedModel, Loader, LoadOptions
-from .registry import PluginInfo, Registry, load_spec_object
+from .registry import PluginInfo, Registry, _bounded, load_spec_object
 from .report import Report  # torch-free: imported so that typing.get_type_hints resolves the public API
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["default_model", "default_registry", "detect", "inspect", "list_plugins", "load"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 _default: Registry | None = None
 _lock = threading.Lock()
@@ -118,9 +118,12 @@ def load(
     A load for the CPU runs on a thread of its own that ends with it (its errors raised here): torch's OpenMP keeps
     a pool of worker threads for each thread that has run a parallel region, and while the loading thread's pool
     lived, a second thread that runs the model (an async call's worker, a server's scheduler) ran its parallel
-    regions with more OpenMP threads than cores, sleeping between them (2 cores: 93 against 220-240 tok/s).
+    regions with more OpenMP threads than cores, sleeping between them (2 cores: 90.9 against 233.9 tok/s,
+    ``bench/threads.py``).
     """
-    arguments: dict[str, Any] = dict(
+    work = functools.partial(
+        _load,
+        path,
         format=format,
         backend=backend,
         device=device,
@@ -132,10 +135,10 @@ def load(
         registry=registry,
         allow_symlinks=allow_symlinks,
         check=check,
+        **extra,
     )
-    if _on_a_gpu(device):
-        return _load(path, **arguments, **extra)
-    return on_a_thread_that_ends(_load, path, **arguments, **extra)
+    # on a thread of its own that ends with it (the same helper that bounds a plugin's calls, waiting to the end)
+    return work() if _on_a_gpu(device) else _bounded(work, None, "anyquant-load")
 
 
 def _on_a_gpu(device: str | torch.device) -> bool:
@@ -149,26 +152,6 @@ def _on_a_gpu(device: str | torch.device) -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-def on_a_thread_that_ends(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` on a thread of its own that ends when it returns; its exception is raised here. The
-    torch work of ``fn`` then leaves no OpenMP pool on the calling thread (see :func:`load`)."""
-    out: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            out.append(fn(*args, **kwargs))
-        except BaseException as exc:  # raised on the calling thread
-            error.append(exc)
-
-    worker = threading.Thread(target=run, name="anyquant-load", daemon=True)
-    worker.start()
-    worker.join()
-    if error:
-        raise error[0]
-    return out[0]
 
 
 def _load(
