@@ -119,9 +119,12 @@ def test_cpu_fast_runs_q4_k_m_on_the_block_kernel(family: str) -> None:
     linears = _block_linears(fast)
     head = fast.module.get_output_embeddings()
     assert type(head).__name__ == "GGUFBlockHead" and head.block_type in {"Q4_K", "Q6_K"}
-    # the exact top rows: decoded from the stored blocks by the kernel, bit for bit the format's rows
+    # the exact rows (top logits, prompts): decoded from the stored blocks by the kernel, bit for bit the format's
     top = torch.tensor([[0, 5, head.out_features - 1], [7, 7, 1]])
-    assert torch.equal(head._top_rows(top), head.table.rows(top))
+    table = head.table
+    assert table.decode_rows is not None
+    want = dequantize_blocks_torch(table.qweight[top.reshape(-1)], table.qtype, (6, head.in_features))
+    assert torch.equal(table.rows(top), want.reshape(2, 3, -1))
     by_type: dict[str, int] = {}
     tied = getattr(head, "tied_to_input_embedding", False)  # over the embedding's table: not one of the linears
     for kind in [m.type_name for m in linears.values()] + ([] if tied else [head.block_type]):

@@ -421,8 +421,13 @@ def test_tiny_model_cpu_fast(tiny_new_types: tuple[Path, torch.nn.Module]) -> No
         assert "lm_head" not in info and "lm_head" not in {*info["bf16"], *info["dequantized"]}, info
         head_module = fast.module.get_output_embeddings()
         assert type(head_module).__name__ == "GGUFBlockHead"
-        top = torch.tensor([[0, head_module.out_features - 1, 3]])  # the exact top rows: the format's, bit for bit
-        assert torch.equal(head_module._top_rows(top), head_module.table.rows(top))
+        top = torch.tensor(
+            [0, head_module.out_features - 1, 3]
+        )  # the exact rows, by the kernel: the format's, bit for bit
+        table = head_module.table
+        assert table.decode_rows is not None
+        want = dequantize_blocks_torch(table.qweight[top], table.qtype, (3, head_module.in_features))
+        assert torch.equal(table.rows(top), want)
     # where the kernel is not built, the MXFP4 head: a FastHead over the file's table where a decode form runs here,
     # else as the linears
     head = info.pop("lm_head", None)

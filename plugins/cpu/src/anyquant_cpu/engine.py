@@ -51,7 +51,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, cast
 
 import torch
 import torch.nn.functional as F
@@ -836,15 +836,12 @@ class FastHead(nn.Module):
         if k == 0:
             return
         top = torch.topk(y, k, dim=-1, sorted=False).indices  # [rows, k]
-        exact = torch.bmm(self._top_rows(top).to(x2.dtype), x2[:, :, None])[..., 0]
+        source = self.source
+        weight = source[top] if isinstance(source, torch.Tensor) else source.rows(top)  # [rows, k, in]
+        exact = torch.bmm(weight.to(x2.dtype), x2[:, :, None])[..., 0]
         if self.bias is not None:
             exact = exact + self.bias.to(x2.dtype)[top]
         y.scatter_(-1, top, exact.to(y.dtype))
-
-    def _top_rows(self, top: torch.Tensor) -> torch.Tensor:
-        """The exact weight's rows ``top`` (``[rows, k]``), ``[rows, k, in]``."""
-        source = self.source
-        return source[top] if isinstance(source, torch.Tensor) else source.rows(top)
 
     @property
     def source(self) -> torch.Tensor | RowTable:
@@ -1261,9 +1258,9 @@ class GGUFBlockLinear(BlockLinear):
 class GGUFBlockHead(FastHead):
     """:class:`FastHead` whose decode product is the GGUF-block kernel on the table's own blocks (read in place, or
     copied once into the kernel's interleaved form when ``interleave``; nothing quantized again); the ``EXACT_TOP``
-    largest logits of each row are computed again from the exact rows, decoded from the stored blocks by the kernel's
-    ``ggml_dequantize`` (bit for bit the format's decode: ``table``'s rows), and prompts use the exact path (``table``:
-    the format's rows, read a slice at a time)."""
+    largest logits of each row are computed again from the exact table (``table``: the format's rows, read a slice
+    at a time; :meth:`FastCPUPlan.table_head` gives a table with a ``decode_rows`` slot the kernel's decoder), as
+    FastHead does, and prompts use its exact path."""
 
     def __init__(
         self, table: RowTable, blocks: torch.Tensor, type_name: str, *, small_rows: int, interleave: bool = False
@@ -1276,25 +1273,26 @@ class GGUFBlockHead(FastHead):
         self.register_buffer("exact", None)
         self.register_buffer("bias", None)
         self.packed = []
-        #: the blocks as stored, a row each (the format's bytes, not a copy): the exact top rows' source
-        self.stored = blocks.reshape(self.out_features, -1)
         self._set_blocks(blocks, type_name, interleave)
         self.interleaved = interleave
-
-    def _top_rows(self, top: torch.Tensor) -> torch.Tensor:
-        from .kernels import GGML_TYPES
-
-        flat = top.reshape(-1)
-        rows = self.stored.index_select(0, flat).reshape(-1)
-        code = GGML_TYPES[str(self.block_type)][0]
-        out: torch.Tensor = torch.ops.anyquant.ggml_dequantize(
-            rows, code, flat.numel(), self.in_features, torch.float32
-        )
-        return out.reshape(*top.shape, self.in_features)
 
     def packed_bytes(self) -> int:
         copy = self.blocks if self.interleaved else None  # else the table's bytes are the format's (the file's)
         return 0 if copy is None else int(copy.nbytes)
+
+
+def _kernel_rows(type_name: str, dim: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """A packed GGUF table's ``decode_rows`` (``(blocks [n, bytes_per_row], n) -> [n, dim]`` float32) by the kernel's
+    ``ggml_dequantize``: one call instead of the format's torch ops, bit for bit its rows (tested)."""
+    from .kernels import GGML_TYPES
+
+    code = GGML_TYPES[type_name][0]
+
+    def decode_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.anyquant.ggml_dequantize(rows.reshape(-1), code, n, dim, torch.float32)
+        return out
+
+    return decode_rows
 
 
 def _gguf_on_kernel(lay: GGUFBlocks) -> bool:
@@ -2116,6 +2114,8 @@ class FastCPUPlan:
         ``(head, True)``, a :class:`FastHead` decoding from a copy as :attr:`head_kind` asks; ``None`` where neither
         runs here. Both compute the top logits of each row again exactly."""
         if blocks is not None and _gguf_on_kernel(blocks):
+            if hasattr(table, "decode_rows"):  # the exact rows (top logits, prompts) decoded by the kernel too
+                cast(Any, table).decode_rows = _kernel_rows(blocks.type_name, int(table.shape[1]))
             head = GGUFBlockHead(
                 table,
                 layout_tensor(blocks.blocks),
@@ -2142,15 +2142,7 @@ class FastCPUPlan:
         lay = next(iter(offered()), None)
         if not isinstance(lay, GGUFBlocks) or not _gguf_on_kernel(lay):
             return None
-        from .kernels import GGML_TYPES
-
-        code, dim = GGML_TYPES[lay.type_name][0], lay.in_features
-
-        def decode_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
-            out: torch.Tensor = torch.ops.anyquant.ggml_dequantize(rows.reshape(-1), code, n, dim, torch.float32)
-            return out
-
-        emb.decode_rows = decode_rows
+        emb.decode_rows = _kernel_rows(lay.type_name, lay.in_features)
         return lay.type_name
 
     def install_norms(self, module: nn.Module) -> int:

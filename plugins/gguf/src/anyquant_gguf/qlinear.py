@@ -307,9 +307,14 @@ class GGUFRows(PackedRows):
         self.qtype = GGMLQuantizationType(qtype)
         self.shape = (int(shape[0]), int(shape[1]))
         self.qweight = qweight.reshape(self.shape[0], -1)
+        #: how read rows' blocks become float32 rows, as :attr:`GGUFEmbedding.decode_rows` (a fast backend may put its
+        #: own decoder here, bit for bit :func:`dequantize_blocks_torch`'s, which is the default)
+        self.decode_rows: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
     def decode(self, index: slice | torch.Tensor) -> torch.Tensor:
-        blocks = self.qweight[index]
+        blocks = self.qweight[index] if isinstance(index, slice) else self.qweight.index_select(0, index)
+        if self.decode_rows is not None:
+            return self.decode_rows(blocks, blocks.shape[0])
         return dequantize_blocks_torch(blocks, self.qtype, (blocks.shape[0], self.shape[1]))
 
 
