@@ -1,16 +1,17 @@
 """Decode speed of the bundled model by the thread that runs it: what torch's OpenMP pools cost (issue #43).
 
 libgomp keeps a pool of worker threads for every thread that has run a parallel region; once two are alive they hold
-more threads than cores and each region sleeps and wakes. ``anyquant.load`` therefore loads on a thread that ends.
-Each row is a fresh process (rows alternating, ``--samples`` of each, medians), greedy, ``--tokens`` new tokens after
-a warm-up call of the same kind, 2 threads:
+more threads than cores and each region sleeps and wakes. ``anyquant.load`` and each model call therefore end the
+calling thread's pool when they return (``anyquant._openmp``). Each row is a fresh process (rows alternating,
+``--samples`` of each, medians), greedy, ``--tokens`` new tokens after a warm-up call of the same kind, 2 threads:
 
 - ``sync``: ``model.complete`` on the main thread after ``anyquant.load``;
 - ``async``: ``await model.acomplete`` (a worker thread per call) after ``anyquant.load``;
-- ``async after a sync call``: the same after one ``model.complete`` on the main thread (two pools: the limit that
-  docs/quickstart.md states);
-- ``async, load on the main thread``: the load's work run on the main thread (``anyquant.api._load``, what ``load``
-  did before it moved to a thread of its own).
+- ``async after a sync call``: the same after one ``model.complete`` on the main thread;
+- ``sync, a thread pool``: ``model.complete`` from a pool of 4 long-lived threads, each call on the next (what a web
+  framework's sync endpoints do);
+- ``..., pools kept``: the third and fourth rows with the release turned off (two or more pools alive: what they
+  cost without it).
 
     python bench/threads.py [--samples 3] [--tokens 64]
 """
@@ -27,26 +28,40 @@ import sys
 from _measure import machine
 
 CHILD = r"""
-import asyncio, json, sys, time
+import asyncio, json, queue, sys, threading, time
 import torch
 torch.set_num_threads(2)
 import anyquant
-from anyquant import api
+from anyquant import _openmp
 mode, tokens = sys.argv[1], int(sys.argv[2])
+if mode.endswith("pools kept"):
+    _openmp._find_pause = lambda: None
 path = str(anyquant.default_model())
 prompt = "Write a long story about the sea, the ships and the sailors who lived there."
-if mode == "async, load on the main thread":
-    import inspect  # load()'s own defaults, handed to the work it runs on its thread
-    params = inspect.signature(anyquant.load).parameters.values()
-    model = api._load(path, **{p.name: p.default for p in params if p.default is not p.empty})
-else:
-    model = anyquant.load(path)
+model = anyquant.load(path)
 if mode == "sync":
     model.complete(prompt, max_new_tokens=8)
     t = time.perf_counter()
     r = model.complete(prompt, max_new_tokens=tokens)
+elif mode.startswith("sync, a thread pool"):
+    inboxes = [queue.Queue() for _ in range(4)]
+    def serve(inbox):
+        while (job := inbox.get()) is not None:
+            job[1].append(model.complete(prompt, max_new_tokens=job[0]))
+            job[2].set()
+    workers = [threading.Thread(target=serve, args=(q,)) for q in inboxes]
+    for w in workers: w.start()
+    def call(i, n):
+        box, done = [], threading.Event()
+        inboxes[i % 4].put((n, box, done)); done.wait()
+        return box[0]
+    for i in range(4):  # a warm-up call on each of the pool's threads
+        call(i, 8)
+    t = time.perf_counter()
+    r = call(4, tokens)
+    for q in inboxes: q.put(None)
 else:
-    if mode == "async after a sync call":
+    if mode.startswith("async after a sync call"):
         model.complete(prompt, max_new_tokens=8)
     async def go():
         await model.acomplete(prompt, max_new_tokens=tokens)
@@ -58,7 +73,14 @@ dt = time.perf_counter() - t
 print(json.dumps({"tok_s": r.usage.completion_tokens / dt, "tokens": r.usage.completion_tokens}))
 """
 
-MODES = ["sync", "async", "async after a sync call", "async, load on the main thread"]
+MODES = [
+    "sync",
+    "async",
+    "async after a sync call",
+    "sync, a thread pool",
+    "async after a sync call, pools kept",
+    "sync, a thread pool, pools kept",
+]
 
 
 def main() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._memory import collector_paused, release_free_heap
+from ._openmp import pool_released
 from .errors import (
     AnyquantError,
     CheckpointError,
@@ -23,7 +23,7 @@ from .errors import (
 )
 from .probe import Probe
 from .protocols import Detection, LoadedModel, Loader, LoadOptions
-from .registry import PluginInfo, Registry, _bounded, load_spec_object
+from .registry import PluginInfo, Registry, load_spec_object
 from .report import Report  # torch-free: imported so that typing.get_type_hints resolves the public API
 
 if TYPE_CHECKING:
@@ -115,43 +115,26 @@ def load(
     - ``**extra``: the format's load options (``anyquant backends`` lists them); an unknown one is a
       :class:`~anyquant.errors.ParameterError`.
 
-    A load for the CPU runs on a thread of its own that ends with it (its errors raised here): torch's OpenMP keeps
-    a pool of worker threads for each thread that has run a parallel region, and while the loading thread's pool
-    lived, a second thread that runs the model (an async call's worker, a server's scheduler) ran its parallel
-    regions with more OpenMP threads than cores, sleeping between them (2 cores: 90.9 against 233.9 tok/s,
-    ``bench/threads.py``).
+    The load ends the calling thread's OpenMP worker pool when it returns (:mod:`anyquant._openmp`): while it lived, a
+    second thread that runs the model (an async call's worker, a server's scheduler) ran its parallel regions with
+    more OpenMP threads than cores, sleeping between them (2 cores: 90.9 against 233.9 tok/s, ``bench/threads.py``).
     """
-    work = functools.partial(
-        _load,
-        path,
-        format=format,
-        backend=backend,
-        device=device,
-        dtype=dtype,
-        allow_pickle=allow_pickle,
-        trust_remote_code=trust_remote_code,
-        revision=revision,
-        download=download,
-        registry=registry,
-        allow_symlinks=allow_symlinks,
-        check=check,
-        **extra,
-    )
-    # on a thread of its own that ends with it (the same helper that bounds a plugin's calls, waiting to the end)
-    return work() if _on_a_gpu(device) else _bounded(work, None, "anyquant-load")
-
-
-def _on_a_gpu(device: str | torch.device) -> bool:
-    """Whether a load for ``device`` goes to a GPU (CUDA's current device is the calling thread's: such a load stays
-    on it)."""
-    name = str(device)
-    if name.startswith("cuda"):
-        return True
-    if name != "auto":
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
+    with pool_released():
+        return _load(
+            path,
+            format=format,
+            backend=backend,
+            device=device,
+            dtype=dtype,
+            allow_pickle=allow_pickle,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+            download=download,
+            registry=registry,
+            allow_symlinks=allow_symlinks,
+            check=check,
+            **extra,
+        )
 
 
 def _load(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
+from ._openmp import pool_released, released_after
 from .errors import ModelClosedError, ParameterError, UnsupportedBackendError
 from .params import GenerationKwargs, GenerationParams, Prompt, _is_int
 from .probe import Probe  # torch-free: imported so that typing.get_type_hints resolves the protocols
@@ -310,6 +311,10 @@ class LoadedModel:
     ``stream`` and ``generate_batch`` go through ``generator`` (core's torch generator unless the
     plugin brings its own).
 
+    Each call that runs the model ends the calling thread's OpenMP worker pool when it returns (a stream: when it
+    ends or is closed), so that the next call on another thread (an async call's worker, a web framework's thread
+    pool) runs at full speed (:mod:`anyquant._openmp`); calling ``module`` directly does not.
+
     ``close()`` (or a ``with`` block) releases what it holds now rather than at garbage collection: the
     checkpoint files a backend keeps open to read tables on demand, a GPU backend's memory, the module and
     the tokenizer. A closed model refuses to generate.
@@ -350,10 +355,11 @@ class LoadedModel:
 
     def generate(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> str:
         """Generate text. Keyword arguments are :class:`~anyquant.GenerationParams` fields."""
-        return self._open_generator().generate(_check_prompt(prompt), self.params(**kwargs))
+        with pool_released():
+            return self._open_generator().generate(_check_prompt(prompt), self.params(**kwargs))
 
     def stream(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> Iterator[str]:
-        return self._open_generator().stream(_check_prompt(prompt), self.params(**kwargs))
+        return released_after(self._open_generator().stream(_check_prompt(prompt), self.params(**kwargs)))
 
     def generate_batch(self, prompts: Iterable[Prompt], **kwargs: Unpack[GenerationKwargs]) -> list[str]:
         """One completion per prompt (a list or other iterable of prompts, not one string). With ``seed``
@@ -363,7 +369,8 @@ class LoadedModel:
                 f"generate_batch takes a list of prompts, got {type(prompts).__name__}; "
                 "for one prompt use generate(), or pass [prompt]"
             )
-        return self._open_generator().generate_batch([_check_prompt(p) for p in prompts], self.params(**kwargs))
+        with pool_released():
+            return self._open_generator().generate_batch([_check_prompt(p) for p in prompts], self.params(**kwargs))
 
     # ------------------------------------------------------------ results, scoring, async
     def complete(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> GenerationResult:
@@ -376,7 +383,7 @@ class LoadedModel:
     def complete_stream(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> Iterator[StreamChunk]:
         """:meth:`complete` as it happens: one :class:`~anyquant.results.StreamChunk` per token, the last with
         ``finish_reason``, ``usage`` and ``timings`` (:func:`anyquant.results.collect` joins them)."""
-        return self._result_generator().complete_stream(_check_prompt(prompt), self.params(**kwargs))  # type: ignore[no-any-return]
+        return released_after(self._result_generator().complete_stream(_check_prompt(prompt), self.params(**kwargs)))
 
     def loglikelihood(
         self, requests: Iterable[tuple[str | Sequence[int], str | Sequence[int]]], *, batch_size: int = 8
@@ -388,7 +395,8 @@ class LoadedModel:
         if pairs is None or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
             raise ParameterError("loglikelihood takes a list of (context, continuation) pairs")
         gen = self._result_generator()
-        return gen.loglikelihood(pairs, _check_batch_size(batch_size))  # type: ignore[no-any-return]
+        with pool_released():
+            return gen.loglikelihood(pairs, _check_batch_size(batch_size))  # type: ignore[no-any-return]
 
     def loglikelihood_rolling(
         self, texts: Iterable[str | Sequence[int]], *, window: int | None = None, batch_size: int = 8
@@ -401,7 +409,8 @@ class LoadedModel:
         if window is not None and (not _is_int(window) or window < 1):
             raise ParameterError(f"window={window!r}: expected an integer >= 1 or None (the model's context)")
         gen = self._result_generator()
-        return gen.loglikelihood_rolling(list(texts), window, _check_batch_size(batch_size))  # type: ignore[no-any-return]
+        with pool_released():
+            return gen.loglikelihood_rolling(list(texts), window, _check_batch_size(batch_size))  # type: ignore[no-any-return]
 
     async def agenerate(self, prompt: Prompt, **kwargs: Unpack[GenerationKwargs]) -> str:
         """:meth:`generate` without blocking the event loop (see :meth:`astream`)."""

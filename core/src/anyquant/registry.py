@@ -63,9 +63,8 @@ class _Late(Exception):
     """A third-party plugin's call did not return within its deadline (its thread is left running)."""
 
 
-def _bounded(fn: Callable[[], Any], seconds: float | None, name: str = "anyquant-plugin") -> Any:
-    """``fn()`` in a daemon thread of its own, waited for ``seconds`` (``None``: until it returns): its result or
-    exception, or :class:`_Late`.
+def _bounded(fn: Callable[[], Any], seconds: float) -> Any:
+    """``fn()`` in a daemon thread, waited for ``seconds``: its result or exception, or :class:`_Late`.
 
     A hung plugin cannot be stopped from outside in Python; the daemon thread is left to finish (or not)
     on its own and never holds up the interpreter's exit."""
@@ -77,7 +76,7 @@ def _bounded(fn: Callable[[], Any], seconds: float | None, name: str = "anyquant
         except BaseException as exc:  # handed to the caller's thread, where it is judged
             box.append((False, exc))
 
-    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker = threading.Thread(target=run, name="anyquant-plugin", daemon=True)
     worker.start()
     worker.join(seconds)
     if not box:
