@@ -131,10 +131,56 @@ def test_which_layers_slide() -> None:
         assert layer_windows(ref.to_dict()) == want, overrides  # the config as transformers saves it
 
 
+DEEPSEEK: dict[str, Any] = {
+    "model_type": "deepseek_v3",
+    "num_key_value_heads": 4,
+    "moe_intermediate_size": 48,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 24,
+    "v_head_dim": 20,
+}
+
+
+def test_which_deepseek_configs_run_natively() -> None:
+    """DeepSeek-V3 (latent attention, group-limited routing) runs natively with default or YaRN rotary scaling;
+    sizes that do not fit together, other routing than transformers' class computes, or other scalings stay on
+    transformers' class with the reason."""
+    ds = tiny_llama_config(**DEEPSEEK)
+    assert native_runtime_reason(ds) is None and choose_runtime(ds, "auto") == "native"
+    yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale_all_dim": 1.0}
+    assert native_runtime_reason({**ds, "rope_scaling": yarn, "q_lora_rank": None}) is None
+    assert native_runtime_reason({**ds, "n_routed_experts": None, "num_local_experts": 8}) is None
+    for change, said in (
+        ({"kv_lora_rank": 0}, "kv_lora_rank"),
+        ({"q_lora_rank": 1.5}, "q_lora_rank"),
+        ({"n_group": 3}, "n_group 3"),
+        ({"topk_group": 3}, "topk_group 3"),
+        ({"n_group": 8}, "do not split"),  # one expert a group: no two best to score it by
+        ({"num_experts_per_tok": 5}, "larger"),
+        ({"n_shared_experts": -1}, "n_shared_experts"),
+        ({"qk_rope_head_dim": 15}, "odd"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"routed_scaling_factor": "x"}, "routed_scaling_factor"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+    ):
+        assert said in str(native_runtime_reason({**ds, **change})), change
+
+
 #: the shared pass over these (Qwen3: its q/k head norms, which the pass once left out; sliding windows shorter than
-#: the prompts and steps)
+#: the prompts and steps; DeepSeek-V3's latent attention, whose values are narrower than its keys)
 SHARED = {
     **FAMILIES,
+    "deepseek_v3": DEEPSEEK,
     "qwen3": {"model_type": "qwen3", "head_dim": 32},
     "mistral-window": {"model_type": "mistral", "sliding_window": 5},
     "qwen2-window": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},

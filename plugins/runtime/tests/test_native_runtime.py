@@ -16,7 +16,7 @@ import anyquant
 from anyquant.errors import CheckpointError
 from anyquant.testing.tiny import make_tiny_dense, tiny_llama_config
 from anyquant_runtime.build import choose_runtime
-from anyquant_runtime.native import NativeConfig, native_runtime_reason, rope_inv_freq
+from anyquant_runtime.native import NativeConfig, native_runtime_reason, rope_inv_freq, yarn_rope
 from tests.decoding import logits_after_prompt, random_int4_linears
 
 pytestmark = pytest.mark.slow
@@ -145,6 +145,57 @@ VARIANTS = {
         "rope_local_base_freq": 100.0,
         "tie_word_embeddings": True,
     },
+    # DeepSeek-V3: latent attention (queries through a low-rank q_a/q_b pair, interleaved rotary pairs), layer 0
+    # dense, layer 1 top-2 of 8 experts from 1 of 2 groups chosen by the biased sigmoid scores, a shared expert
+    "deepseek_v3": {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 48,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 24,
+        "v_head_dim": 20,
+        "routed_scaling_factor": 2.5,
+    },
+    # no q_lora_rank (one q_proj), rotary halves (rope_interleave false), YaRN with DeepSeek's mscale_all_dim (the
+    # attention's scale too), top-3 of 8 from 2 of 4 groups not renormalised, two shared experts, every layer sparse
+    "deepseek_v3-yarn": {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 3,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 0,
+        "norm_topk_prob": False,
+        "q_lora_rank": None,
+        "kv_lora_rank": 40,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "rope_interleave": False,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 8,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    },
     "llama3-rope": {
         "num_hidden_layers": 1,
         "rope_parameters": {
@@ -231,6 +282,25 @@ def test_llama3_inv_freq_equals_transformers() -> None:
     cfg = tiny_llama_config(**VARIANTS["llama3-rope"])
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
     torch.testing.assert_close(rope_inv_freq(NativeConfig(cfg)), want, rtol=0, atol=0)
+
+
+def test_yarn_rope_and_deepseeks_scale_equal_transformers() -> None:
+    """DeepSeek-V3's YaRN: the inverse frequencies and cos/sin factor bit for bit transformers' (also with
+    ``attention_factor`` given, and with ``truncate`` off), and the attention's scale its ``yarn_apply_mscale``."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    base = tiny_llama_config(**VARIANTS["deepseek_v3-yarn"])
+    for extra in ({}, {"attention_factor": 1.3}, {"truncate": False, "mscale": None}):
+        cfg = {**base, "rope_parameters": {**base["rope_parameters"], **extra}}
+        ref = DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+        want, factor = ROPE_INIT_FUNCTIONS["yarn"](ref)
+        ours = NativeConfig(cfg)
+        inv, scale = yarn_rope(ours)
+        torch.testing.assert_close(inv, want, rtol=0, atol=0)
+        assert scale == factor != 1.0, extra
+        assert ours.scaling == yarn_apply_mscale(ref.rope_parameters, ref.qk_head_dim**-0.5) != ref.qk_head_dim**-0.5
 
 
 def test_which_configs_run_natively() -> None:
@@ -647,9 +717,14 @@ def test_hooks_on_an_experts_linears_fire_on_the_fused_path(tmp_path: Path) -> N
 #: the newer native families on cpu-fast int4 linears, and how the compiled decode step runs each layer: Mixtral's
 #: sparse blocks by ``int4_moe``; Qwen2-MoE's sparse block (its shared expert) and Phi-3's fused projections and
 #: partial rotary through their modules, its dense layer compiled; Gemma's norms and GELU all through the modules (Gemma
-#: 2's and 3's four norms, soft-capping and two rotary tables too); sliding windows compiled (Mistral's every layer)
+#: 2's and 3's four norms, soft-capping and two rotary tables too); sliding windows compiled (Mistral's every layer);
+#: DeepSeek-V3's latent attention through its modules
 FAMILY_STEPS = {
     "mistral-window": ({**VARIANTS["mistral-window"]}, ["int4", "int4"]),
+    "deepseek_v3": (
+        {**VARIANTS["deepseek_v3"], "q_lora_rank": 64, "moe_intermediate_size": 64, "v_head_dim": 32},
+        [None, None],
+    ),
     "gemma2": ({**VARIANTS["gemma2"]}, [None, None]),
     "gemma3_text": ({**VARIANTS["gemma3_text"], "num_hidden_layers": 2}, [None, None]),
     "mixtral": ({**VARIANTS["mixtral"]}, ["int4_moe", "int4_moe"]),

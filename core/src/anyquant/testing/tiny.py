@@ -62,7 +62,8 @@ def tiny_llama_config(**overrides: Any) -> dict[str, Any]:
 
 
 def make_tiny_dense(path: str | Path, *, seed: int = 0, dtype: str = "float32", **overrides: Any) -> Path:
-    """Save a small random Llama (safetensors + config + tokenizer) at ``path``."""
+    """Save a small random Llama (safetensors + config + tokenizer) at ``path``: every parameter and saved float
+    buffer drawn from N(0, 0.08)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -76,6 +77,10 @@ def make_tiny_dense(path: str | Path, *, seed: int = 0, dtype: str = "float32", 
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.08)
+        for owner in model.modules():  # saved float state too (DeepSeek-V3's router bias, e_score_correction_bias)
+            for name, b in owner.named_buffers(recurse=False):
+                if name not in owner._non_persistent_buffers_set and b is not None and b.is_floating_point():
+                    b.normal_(0.0, 0.08)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(path)
     make_tokenizer().save_pretrained(path)

@@ -1,4 +1,4 @@
-"""anyquant's own Llama-family decoder (and Mixtral, Qwen2-MoE, Phi-3, Gemma 1-3): the same modules and tensor names as
+"""anyquant's own Llama-family decoder (and Mixtral, Qwen2-MoE, Phi-3, Gemma 1-3, DeepSeek-V3): the same modules and tensor names as
 transformers', a leaner forward.
 
 Built instead of transformers' class when ``load(..., runtime="native")`` asks for it (or ``"auto"`` picks
@@ -32,11 +32,15 @@ sin scaled by its attention factor),
 (tanh) gated MLP, ``head_dim`` from the config), ``gemma2`` (Gemma's, with four norms a layer, the attention scaled
 by ``query_pre_attn_scalar``, transformers' eager attention with its scores soft-capped, the logits soft-capped) and
 ``gemma3_text`` (Gemma 2's layers without soft-capped scores, q/k head norms, the sliding layers' own rotary base)
-configs with their activation and default (or ``llama3``; Phi-3: ``longrope``; Gemma 3: ``linear``) rotary scaling.
+and ``deepseek_v3`` (multi-head latent attention, :class:`LatentAttention`; group-limited sigmoid routing with
+its expert bias, a shared expert and dense first layers, :class:`GroupedMoe`)
+configs with their activation and default (or ``llama3``; Phi-3: ``longrope``; Gemma 3: ``linear``; DeepSeek-V3:
+``yarn``) rotary scaling.
 Sliding-window attention is each layer's as transformers' class decides it (:func:`layer_windows`): a sliding
 layer's query at cache position ``p`` attends the keys at ``(p - window, p]``, in prompts (a mask), padded batches
 and cached steps (the cache keeps every position; its :meth:`NativeCache.update` gives a sliding layer only those
-its queries may see). Anything else (other rotary scalings such as YaRN or dynamic NTK, the multimodal Gemma 3 ...)
+its queries may see). Anything else (other rotary scalings such as dynamic NTK, YaRN outside DeepSeek-V3, the multimodal Gemma 3,
+DeepSeek-V2 ...)
 stays on transformers' class, with the reason :func:`native_runtime_reason` gives. The compiled decode step
 (:mod:`anyquant_cpu.step`) computes the layers with separate q/k/v, a full rotary embedding, RMSNorm and SiLU
 (Mixtral's sparse blocks and sliding windows included) from the ``cos``/``sin`` tables the model gives it (LongRoPE's
@@ -57,9 +61,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import RMSNorm, SparseMoe, _joint, _rotary
+from .layers import FusedExperts, RMSNorm, SparseMoe, _joint, _rotary
 
-__all__ = ["LongRope", "NativeCache", "NativeCausalLM", "NativeConfig", "layer_windows", "native_runtime_reason"]
+__all__ = [
+    "GroupedMoe",
+    "LatentAttention",
+    "LongRope",
+    "NativeCache",
+    "NativeCausalLM",
+    "NativeConfig",
+    "layer_windows",
+    "native_runtime_reason",
+    "yarn_rope",
+]
 
 _TYPES = (
     "llama",
@@ -73,6 +87,7 @@ _TYPES = (
     "gemma",
     "gemma2",
     "gemma3_text",
+    "deepseek_v3",
 )
 #: the families whose attention normalises each query and key head (RMSNorm over ``head_dim``) before rotary
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -287,9 +302,11 @@ def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
     if config.get(act_key, acts[0]) not in acts:
         return f"{act_key} {config.get(act_key)!r} is not {' or '.join(acts)}"
     rope_type = _rope_type(_rope(config))
-    allowed = {"phi3": ("default", *_LONGROPE), "gemma3_text": ("default", "linear")}.get(
-        model_type, ("default", "llama3")
-    )
+    allowed = {
+        "phi3": ("default", *_LONGROPE),
+        "gemma3_text": ("default", "linear"),
+        "deepseek_v3": ("default", "yarn"),
+    }.get(model_type, ("default", "llama3"))
     if rope_type not in allowed:
         return f"rotary scaling {rope_type!r} is not supported"
     if model_type == "gemma3_text" and _rope_type(_gemma3_rope(config)["sliding_attention"]) != "default":
@@ -315,6 +332,47 @@ def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
         return "pretraining_tp > 1 is not supported"
     if model_type in _MOE:
         return _moe_reason(config)
+    if model_type == "deepseek_v3":
+        return _deepseek_reason(config)
+    return None
+
+
+def _deepseek_reason(config: Mapping[str, Any]) -> str | None:
+    """Why the native decoder cannot run a DeepSeek-V3 ``config`` (``None``: it can): its latent attention's and
+    group-limited router's sizes must be positive integers that fit together, and the routing transformers' class
+    computes (sigmoid scores, ``noaux_tc``)."""
+    sizes = ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_intermediate_size"]
+    sizes += ["num_experts_per_tok", "n_group", "topk_group"]
+    values = {key: config.get(key) for key in sizes}
+    # transformers' attribute map: num_local_experts is n_routed_experts
+    values["n_routed_experts"] = config.get("n_routed_experts") or config.get("num_local_experts")
+    if config.get("q_lora_rank") is not None:
+        values["q_lora_rank"] = config["q_lora_rank"]
+    for key, value in values.items():
+        if type(value) is not int or value < 1:
+            return f"{key} {value!r} is not one positive integer"
+    sized = cast(dict[str, int], values)
+    shared, first = config.get("n_shared_experts", 0), config.get("first_k_dense_replace", 0)
+    for key, value in (("n_shared_experts", shared), ("first_k_dense_replace", first)):
+        if type(value) is not int or value < 0:
+            return f"{key} {value!r} is not a non-negative integer"
+    experts, groups = sized["n_routed_experts"], sized["n_group"]
+    if experts % groups or sized["topk_group"] > groups or experts // groups < 2:
+        return f"n_group {groups} and topk_group {sized['topk_group']} do not split {experts} routed experts"
+    if sized["num_experts_per_tok"] > sized["topk_group"] * (experts // groups):
+        return "num_experts_per_tok is larger than the experts of the chosen groups"
+    if sized["qk_rope_head_dim"] % 2:
+        return f"qk_rope_head_dim {sized['qk_rope_head_dim']} is odd"
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if config.get(key, want) != want:
+            return f"{key} {config.get(key)!r} is not {want!r} (what transformers' DeepseekV3 class computes)"
+    factor = config.get("routed_scaling_factor", 1.0)
+    if not _number(factor):
+        return f"routed_scaling_factor {factor!r} is not a number"
+    if _rope_type(_rope(config)) == "yarn":
+        rope = _rope(config)
+        if not _number(rope.get("factor")) or not _number(rope.get("original_max_position_embeddings")):
+            return "yarn rotary parameters without a numeric factor and original_max_position_embeddings"
     return None
 
 
@@ -423,9 +481,45 @@ class NativeConfig:
         # Qwen2-MoE: a shared expert (a dense MLP of this size) in every sparse block, gated by a sigmoid
         shared = c.get("shared_expert_intermediate_size") if self.model_type == "qwen2_moe" else None
         self.shared_expert_intermediate_size: int = int(shared or 0)
+        #: DeepSeek-V3: multi-head latent attention and group-limited sigmoid routing (:class:`LatentAttention`,
+        #: :class:`GroupedMoe`)
+        self.mla: bool = self.model_type == "deepseek_v3"
+        self.first_k_dense_replace = 0
+        if self.mla:
+            self._deepseek(c)
+
+    def _deepseek(self, c: dict[str, Any]) -> None:
+        """DeepSeek-V3's sizes: the query and key heads ``qk_nope_head_dim + qk_rope_head_dim`` wide (the rotary
+        embedding turns the last ``qk_rope_head_dim``), the value heads ``v_head_dim``; the attention's scale
+        ``head_dim ** -0.5`` times ``mscale(factor, mscale_all_dim) ** 2`` under YaRN (transformers'
+        ``yarn_apply_mscale``); a MoE block from layer ``first_k_dense_replace`` on."""
+        q_lora = c.get("q_lora_rank")
+        self.q_lora_rank: int | None = None if q_lora is None else int(q_lora)
+        self.kv_lora_rank = int(c["kv_lora_rank"])
+        self.qk_nope_head_dim, self.qk_rope_head_dim = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"])
+        self.v_head_dim = int(c["v_head_dim"])
+        self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.num_key_value_heads = self.num_attention_heads  # the latent expands to every head
+        self.rotary_dim = self.qk_rope_head_dim
+        self.rope_interleave = bool(c.get("rope_interleave", True))
+        self.attention_bias = bool(c.get("attention_bias", False))
+        self.scaling = self.head_dim**-0.5
+        if _rope_type(self.rope) != "default" and self.rope.get("mscale_all_dim"):
+            scale = _yarn_mscale(float(self.rope["factor"]), float(self.rope["mscale_all_dim"]))
+            self.scaling = self.scaling * scale * scale
+        self.num_experts = int(c.get("n_routed_experts") or c["num_local_experts"])
+        self.moe_intermediate_size = int(c["moe_intermediate_size"])
+        self.n_shared_experts = int(c.get("n_shared_experts", 0))
+        self.n_group, self.topk_group = int(c["n_group"]), int(c["topk_group"])
+        self.routed_scaling_factor = float(c.get("routed_scaling_factor", 1.0))
+        self.norm_topk_prob = bool(c.get("norm_topk_prob", True))
+        self.first_k_dense_replace = int(c.get("first_k_dense_replace", 0))
 
     def sparse(self, index: int) -> bool:
-        """Whether layer ``index`` has a MoE block (Qwen3-MoE's rule) rather than a dense MLP."""
+        """Whether layer ``index`` has a MoE block (Qwen3-MoE's rule; DeepSeek's: from ``first_k_dense_replace`` on)
+        rather than a dense MLP."""
+        if self.mla:
+            return index >= self.first_k_dense_replace
         return (
             self.num_experts > 0 and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
         )
@@ -444,6 +538,8 @@ def rope_inv_freq(config: NativeConfig, rope: Mapping[str, Any] | None = None) -
     theta = config.rope_theta if rope is config.rope else float(rope["rope_theta"])
     if rope is config.rope and config.longrope is not None:
         return longrope_inv_freq(config, config.longrope.short_factor)
+    if _rope_type(rope) == "yarn":
+        return yarn_rope(config)[0]
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if _rope_type(rope) == "linear":
         inv /= float(rope["factor"])
@@ -460,6 +556,46 @@ def rope_inv_freq(config: NativeConfig, rope: Mapping[str, Any] | None = None) -
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_rope(config: NativeConfig) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies and the factor cos and sin are scaled by, in transformers' order of ops
+    (``_compute_yarn_parameters``): each frequency blended between ``theta ** -(i / d)`` and that over ``factor`` by
+    a linear ramp over the correction range of ``beta_fast``/``beta_slow`` (32, 1) rotations in
+    ``original_max_position_embeddings`` (the range's ends floored and ceiled unless ``truncate`` is false); the
+    factor ``attention_factor``, else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` where both are
+    given, else ``mscale(factor)``, with ``mscale(s, m) = 0.1 * m * ln(s) + 1`` (1 for ``s <= 1``)."""
+    rope, dim, base = config.rope, config.rotary_dim, config.rope_theta
+    factor = float(rope["factor"])
+    old = float(rope["original_max_position_embeddings"])
+    attention = rope.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all))
+        else:
+            attention = _yarn_mscale(factor)
+    fast, slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction(rotations: float) -> float:
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction(fast), correction(slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers': no division by zero
+    # on the CPU, as rope_inv_freq's: a real tensor also while the skeleton is built on the meta device
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation
+    return inv, float(attention)
 
 
 def longrope_inv_freq(config: NativeConfig, factors: tuple[float, ...]) -> torch.Tensor:
@@ -535,10 +671,18 @@ class NativeCache:
         return sum(int(b.nbytes) for b in (*self.keys, *self.values) if b is not None)
 
     def reserve(
-        self, layer: int, end: int, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor
+        self,
+        layer: int,
+        end: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        like: torch.Tensor,
+        value_dim: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s key and value buffers with room for ``end`` positions (grown, keeping what they hold,
-        when short; new ones take the cache's ``dtype`` (else ``like``'s) and ``like``'s device)."""
+        when short; new ones take the cache's ``dtype`` (else ``like``'s) and ``like``'s device). ``value_dim``: the
+        value heads' width where it is not the keys' (DeepSeek's latent attention)."""
         kb, vb = self.keys[layer], self.values[layer]
         if kb is None or vb is None or kb.shape[2] < end:
             start = self.lengths[layer]
@@ -546,7 +690,7 @@ class NativeCache:
             room = max(end, self.capacity) if self.capacity is not None and held == 0 else max(end, 2 * held, 64)
             dtype = self.dtype or like.dtype
             grown_k = like.new_empty((batch, kv_heads, room, head_dim), dtype=dtype)
-            grown_v = like.new_empty((batch, kv_heads, room, head_dim), dtype=dtype)
+            grown_v = like.new_empty((batch, kv_heads, room, value_dim or head_dim), dtype=dtype)
             if kb is not None and vb is not None and start:
                 grown_k[:, :, :start] = kb[:, :, :start]
                 grown_v[:, :, :start] = vb[:, :, :start]
@@ -556,7 +700,7 @@ class NativeCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start, new = self.lengths[layer], k.shape[2]
         end = start + new
-        kb, vb = self.reserve(layer, end, k.shape[0], k.shape[1], k.shape[3], k)
+        kb, vb = self.reserve(layer, end, k.shape[0], k.shape[1], k.shape[3], k, v.shape[3])
         kb.narrow(2, start, new).copy_(k)  # narrow: cheaper per call than slice assignment
         vb.narrow(2, start, new).copy_(v)
         self.lengths[layer] = end
@@ -757,6 +901,72 @@ class FusedAttention(Attention):
         return [qkv[..., :q], qkv[..., q : q + kv], qkv[..., q + kv :]]
 
 
+class LatentAttention(Attention):
+    """DeepSeek-V3's multi-head latent attention (MLA), transformers' ``DeepseekV3Attention`` arithmetic.
+
+    The queries from ``q_proj`` (or ``q_b_proj(q_a_layernorm(q_a_proj(h)))`` with a ``q_lora_rank``); one
+    ``kv_a_proj_with_mqa`` gives the latent (``kv_lora_rank`` features, normalised by ``kv_a_layernorm``) and one
+    rotary key shared by every head (``qk_rope_head_dim``); ``kv_b_proj`` expands the latent to each head's
+    non-rotary key and its value. The rotary embedding turns the last ``qk_rope_head_dim`` features of the queries
+    and that shared key: with ``rope_interleave`` (the default) as pairs ``(x0, x1), (x2, x3) ...``, their results
+    written as transformers writes them (the pairs' first members, then their second: the same for queries and keys,
+    so the scores are unchanged). The cache holds each head's expanded keys and values (``v_head_dim`` wide), so a
+    decode step expands only its new position (transformers' class caches the latent and expands every cached
+    position again at every step). No ``kv_quant``: a quantized KV-cache scheme is refused for these layers by the
+    loaders that apply one."""
+
+    def __init__(self, c: NativeConfig, index: int) -> None:
+        nn.Module.__init__(self)
+        self.index, self.heads, self.kv_heads, self.head_dim = (
+            index,
+            c.num_attention_heads,
+            c.num_attention_heads,
+            c.head_dim,
+        )
+        self.nope, self.rotary_dim, self.v_head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.kv_lora_rank, self.interleave = c.kv_lora_rank, c.rope_interleave
+        self.scaling = c.scaling
+        self.window, self.softcap, self.eager, self.plain, self.rope_part = None, None, False, True, None
+        heads, bias = c.num_attention_heads, c.attention_bias
+        if c.q_lora_rank is None:
+            self.q_proj: nn.Module = nn.Linear(c.hidden_size, heads * c.head_dim, bias=False)
+        else:
+            self.q_a_proj: nn.Module = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6)  # transformers' default eps, not rms_norm_eps
+            self.q_b_proj: nn.Module = nn.Linear(c.q_lora_rank, heads * c.head_dim, bias=False)
+        self.kv_a_proj_with_mqa: nn.Module = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
+        self.kv_b_proj: nn.Module = nn.Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj: nn.Module = nn.Linear(heads * c.v_head_dim, c.hidden_size, bias=bias)
+
+    def _project(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = h.shape
+        if "q_proj" in self._modules:
+            q = self.q_proj(h)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [self.nope, self.rotary_dim], dim=-1)
+        latent, k_rot = torch.split(self.kv_a_proj_with_mqa(h), [self.kv_lora_rank, self.rotary_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        k_rot = self.rotate(k_rot.view(b, 1, t, self.rotary_dim), cos, sin)
+        q = torch.cat((q_pass, self.rotate(q_rot, cos, sin)), dim=-1)
+        kv = self.kv_b_proj(latent).view(b, t, self.heads, self.nope + self.v_head_dim).transpose(1, 2)
+        k_nope, v = torch.split(kv, [self.nope, self.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(b, self.heads, t, self.rotary_dim)), dim=-1)
+        return q, k, v
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotary embedding of ``x`` (all its features: the rotary part of a head); interleaved pairs taken
+        apart first (``cat(x[0::2], x[1::2])``, then ``rotate_half``'s arithmetic: bitwise transformers'
+        ``apply_rotary_pos_emb_interleave``)."""
+        if self.interleave:
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return _rotary(x, cos, sin)
+
+
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """transformers' ``gelu_pytorch_tanh`` (Gemma's activation)."""
     return F.gelu(x, approximate="tanh")
@@ -811,6 +1021,58 @@ class SharedExpertMoe(SparseMoe):
         return out
 
 
+class GroupedRouter(nn.Module):
+    """DeepSeek-V3's router (``DeepseekV3TopkRouter``): ``weight`` ``[experts, hidden]`` and the expert bias
+    ``e_score_correction_bias`` used only to choose, both read in float32."""
+
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size))
+        self.e_score_correction_bias: torch.Tensor
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
+        self.top_k, self.n_group, self.topk_group = c.num_experts_per_tok, c.n_group, c.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = c.norm_topk_prob, c.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(top_k_weights, top_k_index)`` of rows ``x`` ``[T, hidden]``, transformers' arithmetic: sigmoid scores
+        in float32; each group scored by its two best biased scores; the ``topk_group`` best groups' experts the only
+        candidates; the ``top_k`` best biased candidates chosen, weighted by their unbiased scores (renormalised
+        when ``norm_topk_prob``, plus 1e-20), times ``routed_scaling_factor``; the weights stay float32."""
+        experts = self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = experts // self.n_group
+        groups = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        chosen = torch.topk(groups, k=self.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(groups).scatter_(1, chosen, 1)
+        mask = mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, experts)
+        choice = choice.masked_fill(~mask.bool(), float("-inf"))
+        index = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, index)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return weights * self.routed_scaling_factor, index
+
+
+class GroupedMoe(nn.Module):
+    """DeepSeek-V3's MoE block: :class:`GroupedRouter`'s experts (``experts``, one linear each once loaded) plus
+    ``shared_experts``, a dense MLP of ``n_shared_experts * moe_intermediate_size`` on every token, added after."""
+
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__()
+        self.gate = GroupedRouter(c)
+        self.experts: nn.Module = FusedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.shared_experts = MLP(c, c.moe_intermediate_size * c.n_shared_experts) if c.n_shared_experts else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, h.shape[-1])
+        weights, index = self.gate(x)
+        out: torch.Tensor = self.experts(x, index, weights).view(h.shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(h)
+        return out
+
+
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: in float32, scaled by ``1 + weight`` (its weights are stored as offsets from 1), then back to
     the input's dtype (transformers' order: the product before the cast)."""
@@ -831,6 +1093,8 @@ def _norm(c: NativeConfig, size: int) -> nn.Module:
 
 
 def _mlp(c: NativeConfig, index: int) -> nn.Module:
+    if c.mla:
+        return GroupedMoe(c) if c.sparse(index) else MLP(c)
     if c.sparse(index):
         if c.shared_expert_intermediate_size:
             return SharedExpertMoe(c)
@@ -843,7 +1107,8 @@ def _mlp(c: NativeConfig, index: int) -> nn.Module:
 class DecoderLayer(nn.Module):
     def __init__(self, c: NativeConfig, index: int) -> None:
         super().__init__()
-        self.self_attn: Attention = FusedAttention(c, index) if c.fused_projections else Attention(c, index)
+        kind = LatentAttention if c.mla else FusedAttention if c.fused_projections else Attention
+        self.self_attn: Attention = kind(c, index)
         self.mlp: nn.Module = _mlp(c, index)
         self.input_layernorm = _norm(c, c.hidden_size)
         self.post_attention_layernorm = _norm(c, c.hidden_size)
@@ -920,6 +1185,8 @@ class NativeCausalLM(nn.Module):
         self.lm_head: nn.Module = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(self.config), persistent=False)
+        #: what cos and sin are scaled by (YaRN's attention factor; else 1)
+        self.rope_scale = yarn_rope(self.config)[1] if _rope_type(self.config.rope) == "yarn" else 1.0
         #: Gemma 3: the sliding layers' inverse frequencies (their own rotary base); else ``None``
         self.local_inv_freq: torch.Tensor | None
         local = self.config.local_rope
@@ -968,7 +1235,7 @@ class NativeCausalLM(nn.Module):
         Phi-3's LongRoPE (:class:`LongRope`): each row of ``position_ids`` by the long factors when its largest position
         is at or past ``original_max_position_embeddings``, else by the short ones (transformers' rule, taken row by
         row: what each row gets from transformers' class alone), cos and sin scaled by ``attention_factor``."""
-        inv_freq, scale = self.inv_freq, 1.0
+        inv_freq, scale = self.inv_freq, self.rope_scale
         longrope, long_inv_freq = self.config.longrope, self.long_inv_freq
         if longrope is not None and long_inv_freq is not None and position_ids.numel():
             scale = longrope.attention_factor
