@@ -47,7 +47,9 @@ Rows: decode tokens/s (greedy, ``--decode`` new tokens after a 32-token prompt, 
 on, end of sequence ignored), prefill tokens/s (time to the first new token of a ``--prefill``-token prompt of
 held-out wiki text, after a 16-token warm-up), load seconds (``import torch`` / ``import mlx`` excluded, the
 library's own import included), peak RSS (``VmHWM``) and peak RSS / the checkpoint's weight bytes (the sum of its
-safetensors files). Every engine runs at ``--threads`` (``torch.set_num_threads``; MLX's CPU: the BLAS / OpenMP
+safetensors files), the RSS of each engine's runtime (a process of its own that imports torch, transformers, the
+engine's libraries and, where the engine builds transformers' class, the architecture's modeling code, reading no
+weight) and the peak RSS above it / the weight bytes (the model's own memory). Every engine runs at ``--threads`` (``torch.set_num_threads``; MLX's CPU: the BLAS / OpenMP
 thread variables). Each sample records the share of the machine's CPU time other processes used while it ran
 (``/proc/stat`` minus the sample's own process), as ``bench/llamacpp.py`` does; samples above ``--max-other``
 are left out of the medians unless every sample is (then the least-loaded one, flagged ``*``).
@@ -411,6 +413,41 @@ def _q_proj(model: Any) -> str:
     return f"{type(layer).__name__} {str(getattr(weight, 'dtype', '?')).removeprefix('torch.')}"
 
 
+def runtime_child(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The RSS of "the runtime" for ``cfg``'s engine, before any weight is read: torch, transformers and the engine's
+    libraries imported, and the architecture's transformers modeling code where that engine builds its class (the
+    peer always; anyquant where its native decoder does not run the architecture, gpt-oss's), mlx and mlx-lm."""
+    _unshadow()
+    if cfg["engine"] == "mlx":
+        import mlx.core  # noqa: F401
+        import mlx_lm  # noqa: F401
+    else:
+        import importlib
+
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+
+        config = json.loads((Path(cfg["path"]) / "config.json").read_text())
+        modeling = cfg["engine"] == "transformers"
+        if cfg["engine"] == "anyquant":
+            import anyquant
+            from anyquant_runtime.build import choose_runtime
+
+            anyquant.detect(cfg["path"])  # imports the plugin that owns it
+            modeling = choose_runtime(config, "auto") == "transformers"
+        elif cfg["format"].startswith("ct-"):
+            import compressed_tensors  # noqa: F401
+        elif cfg["format"].startswith("bnb-"):
+            import bitsandbytes  # noqa: F401
+        if modeling:
+            kind = config.get("model_type", "")
+            importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return {"runtime_rss_mib": int(line.split()[1]) / 1024}
+    return {"error": "no VmRSS in /proc/self/status"}
+
+
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
     ids: list[int] = json.loads(Path(cfg["ids"]).read_text())
     threads = int(cfg["threads"])
@@ -507,13 +544,13 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def measure(cfg: dict[str, Any], python: str) -> dict[str, Any]:
+def measure(cfg: dict[str, Any], python: str, runtime: bool = False) -> dict[str, Any]:
     threads = str(cfg["threads"])
     env = {**os.environ, **ENV, "HF_HUB_OFFLINE": "1"}
     env |= {k: threads for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     try:
         proc = subprocess.run(
-            [python, __file__, "--child"],
+            [python, __file__, "--runtime-child" if runtime else "--child"],
             input=json.dumps(cfg),
             capture_output=True,
             text=True,
@@ -613,9 +650,11 @@ def main() -> int:
     ap.add_argument("--model", choices=MODELS, default="smollm2", help="the model every format is made from")
     ap.add_argument("--make-only", action="store_true", help="make the checkpoints and stop")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--runtime-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        print(json.dumps(child(json.loads(sys.stdin.read()))))
+    if args.child or args.runtime_child:
+        run = runtime_child if args.runtime_child else child
+        print(json.dumps(run(json.loads(sys.stdin.read()))))
         return 0
 
     t_start = time.perf_counter()
@@ -684,6 +723,12 @@ def main() -> int:
                 print(f"# {f} / {name} sample {i + 1}: {brief}", file=sys.stderr, flush=True)
                 samples[name].append(r)
         weight_bytes = checkpoint_bytes(path)
+        for name, cfg, python in engines:  # "the runtime" of each, in a process of its own
+            base = measure(cfg, python, runtime=True).get("runtime_rss_mib")
+            for s in samples[name]:
+                if base is not None and "peak_rss_mib" in s:
+                    s["runtime_rss_mib"] = base
+                    s["above_x"] = (s["peak_rss_mib"] - base) * 2**20 / weight_bytes
         backend = next((s["info"] for s in samples["anyquant"] if s.get("info")), "?")
         peer_info = next((s["info"] for s in samples[peer_name] if s.get("info")), "?")
         for s in (*samples["anyquant"], *samples[peer_name]):
@@ -695,6 +740,8 @@ def main() -> int:
             ("load s (lower is better)", "load_s", "{:.2f}"),
             ("peak RSS MiB (VmHWM; lower is better)", "peak_rss_mib", "{:.0f}"),
             (f"peak RSS / weight bytes ({weight_bytes / 2**20:.1f} MiB)", "rss_x", "{:.2f}x"),
+            ("RSS of the runtime MiB (libraries imported, no weight read)", "runtime_rss_mib", "{:.0f}"),
+            ("peak RSS above the runtime / weight bytes", "above_x", "{:.2f}x"),
         ]
         for title, key, fmt in rows:
             pt, pv, po = cell(samples[peer_name], key, fmt, args.max_other)
