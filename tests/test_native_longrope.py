@@ -376,6 +376,69 @@ def test_the_servers_shared_pass_answers_as_transformers_alone(built: tuple[str,
             assert tokens[key][: len(want)] == want, key
 
 
+def test_a_prompt_prefilled_in_chunks_is_turned_as_in_one_forward(
+    built: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 40-token prompt (past the original context) prefilled in chunks of 8, as generate and the server prefill
+    long prompts: every chunk turned by the long factors, as transformers' one forward over the whole prompt turns
+    it (``rope_horizon``), so the last position's logits are transformers' (float rounding: the chunks' attention
+    over a cache) and the greedy tokens its generate's. Without the horizon the first four chunks took the short
+    factors: other logits (the test can fail)."""
+    import anyquant_runtime.generate as generate
+
+    DecodeBatch = pytest.importorskip("anyquant_serve.batch", reason="the server is anyquant-serve's").DecodeBatch
+
+    ours, theirs = _pair(built[1])
+    ids = _ids(1, 40, 77)
+    with torch.no_grad():
+        want = theirs(ids).logits[0, -1]
+
+        def chunked(horizon: int | None) -> torch.Tensor:
+            out = None
+            for start in range(0, 40, 8):
+                kw = {"cache": out.cache} if out is not None else {}
+                out = ours.module(ids[:, start : start + 8], use_cache=True, rope_horizon=horizon, **kw)
+            assert out is not None
+            return out.logits[0, -1]
+
+        torch.testing.assert_close(chunked(40), want, rtol=1e-5, atol=1e-5)
+        assert float((chunked(None) - want).abs().max()) > 1e-5
+        tokens = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    want_tokens = tokens[0, 40:].tolist()
+    monkeypatch.setattr(generate, "PREFILL_CHUNK", 8)
+    ours.generator.eos_ids = set()
+    got = ours.generator.generate_ids(ids[0].tolist(), ours.params(max_new_tokens=8))
+    assert got[: len(want_tokens)] == want_tokens
+    batch = DecodeBatch(ours.module, ours.generator.cache_kw, ours.generator.device, 8)  # serve's chunks of 8
+    logits = batch.prefill("long", ids[0].tolist())
+    assert logits is not None
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_prefix_cache_keeps_the_factors_apart(built: tuple[str, Path]) -> None:
+    """A kept prompt within the original context (its keys turned by the short factors) gives its first chunks to
+    another prompt within it, never to one past it (whose every position the long factors turn), and back."""
+    from anyquant_serve.prefix import PrefixCache
+
+    ours, _ = _pair(built[1])
+    regime = ours.module.rope_regime
+    assert (regime(ORIGINAL), regime(ORIGINAL + 1)) == (False, True)
+    cache = PrefixCache(1 << 30, 8, regime)
+    short, longer = list(range(24)), list(range(40))
+    assert cache.reusable(tuple(short), tuple(range(30))) == 24
+    assert cache.reusable(tuple(short), tuple(longer)) == 0
+    assert cache.reusable(tuple(longer), tuple(range(36))) == 32
+    assert cache.reusable(tuple(longer), tuple(short)) == 0
+    assert PrefixCache(1 << 30, 8).reusable(tuple(short), tuple(longer)) == 24  # one regime: no such bound
+    from anyquant_serve.scheduler import ModelAdapter, Scheduler
+
+    server = Scheduler(ModelAdapter(ours), prefill_chunk=8)  # the server's own cache takes the model's regime
+    try:
+        assert server.prefix.regime == regime
+    finally:
+        server.close()
+
+
 def test_attention_factor_formula() -> None:
     """transformers' default attention factor: 1 when factor <= 1, else sqrt(1 + log(factor) / log(original)),
     factor defaulting to max_position_embeddings / original (Phi-3-mini-128k: 131072 / 4096)."""

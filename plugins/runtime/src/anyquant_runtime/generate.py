@@ -188,6 +188,8 @@ class TorchGenerator:
         self.eos_ids = _eos_ids(module, tokenizer) | set(eos_ids)
         self.cache_kw = _cache_keyword(module)
         self.keeps_logits = _takes(module, "logits_to_keep")
+        #: the native decoder takes each prompt's length with its prefill chunks (LongRoPE's choice of factors)
+        self.takes_horizon = _takes(module, "rope_horizon")
         self.context = context_length(module)
 
     # ------------------------------------------------------------------ prompts
@@ -352,7 +354,9 @@ class TorchGenerator:
         2.7 GB with the whole prompt's logits at once."""
         make_cache = getattr(self.module, "new_cache", None)
         cache = make_cache(capacity) if callable(make_cache) else None
-        keep = {"logits_to_keep": 1} if self.keeps_logits else {}
+        keep: dict[str, Any] = {"logits_to_keep": 1} if self.keeps_logits else {}
+        if self.takes_horizon:  # every chunk turned as one forward over the whole prompt would turn it
+            keep["rope_horizon"] = positions[:, -1] + 1
         width = input_ids.shape[1]
         out: Any = None
         for start in range(0, width, PREFILL_CHUNK):

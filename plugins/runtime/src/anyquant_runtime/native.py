@@ -1227,19 +1227,27 @@ class NativeCausalLM(nn.Module):
             h = h * torch.tensor(self.config.hidden_size**0.5).to(h.dtype)
         return h
 
-    def rotary(self, position_ids: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(
+        self, position_ids: torch.Tensor, h: torch.Tensor, horizon: torch.Tensor | int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[b, 1, t, rotary_dim]`` of ``position_ids`` in ``h``'s dtype, ``sin`` with the sign of its
         first half flipped (see :func:`~anyquant_runtime.layers._rotary`). Gemma 3: ``[b, 1, t, 2 * rotary_dim]``,
         the full layers' tables then the sliding layers' (each layer takes its half: ``Attention.rope_part``).
 
         Phi-3's LongRoPE (:class:`LongRope`): each row of ``position_ids`` by the long factors when its largest position
         is at or past ``original_max_position_embeddings``, else by the short ones (transformers' rule, taken row by
-        row: what each row gets from transformers' class alone), cos and sin scaled by ``attention_factor``."""
+        row: what each row gets from transformers' class alone), cos and sin scaled by ``attention_factor``.
+        ``horizon``: each row's length once this forward's sequence is in (``[b]``, or one number), for a prompt
+        prefilled in several forwards: the choice is then the one a single forward over the whole prompt makes
+        (:meth:`rope_regime`), for every chunk."""
         inv_freq, scale = self.inv_freq, self.rope_scale
         longrope, long_inv_freq = self.config.longrope, self.long_inv_freq
         if longrope is not None and long_inv_freq is not None and position_ids.numel():
             scale = longrope.attention_factor
-            past = position_ids.amax(-1) + 1 > longrope.original_max_position_embeddings  # [b]
+            reach = position_ids.amax(-1) + 1  # [b]
+            if horizon is not None:
+                reach = torch.maximum(reach, torch.as_tensor(horizon, device=reach.device))
+            past = reach > longrope.original_max_position_embeddings
             inv_freq = torch.where(past.to(h.device)[:, None, None], long_inv_freq.to(h.device), inv_freq.to(h.device))
         cos, sin = self._tables(position_ids, inv_freq, h, scale)
         if self.local_inv_freq is not None:
@@ -1278,6 +1286,12 @@ class NativeCausalLM(nn.Module):
             mask = mask & (valid | (key == query)[None, None])
         return mask
 
+    def rope_regime(self, length: int) -> bool:
+        """Whether a sequence of ``length`` positions is turned by LongRoPE's long factors (always ``False`` without
+        LongRoPE): a cache of a prompt's first positions serves another prompt only where the two agree."""
+        longrope = self.config.longrope
+        return longrope is not None and length > longrope.original_max_position_embeddings
+
     def new_cache(self, capacity: int | None = None) -> NativeCache:
         """An empty cache for ``capacity`` positions (prompt plus new tokens; see :class:`NativeCache`), holding
         :attr:`kv_cache_dtype`."""
@@ -1308,11 +1322,13 @@ class NativeCausalLM(nn.Module):
         use_cache: bool = False,
         past_key_values: NativeCache | None = None,
         logits_to_keep: int = 0,
+        rope_horizon: torch.Tensor | int | None = None,
         **_: Any,
     ) -> NativeOutput:
         """``logits_to_keep``: logits for the last that many positions only (0: every position), as
         transformers' models take it: a generator's prefill asks for 1 (an 8,000-token prompt's logits would
-        be 8,000 x the vocabulary in float32, 1.6 GB for SmolLM2)."""
+        be 8,000 x the vocabulary in float32, 1.6 GB for SmolLM2). ``rope_horizon``: the prompt's length (each row's,
+        ``[b]``) when this forward is one chunk of its prefill (see :meth:`rotary`: LongRoPE's choice of factors)."""
         cache = cache if cache is not None else past_key_values
         if cache is None and use_cache:
             cache = self.new_cache()
@@ -1321,7 +1337,7 @@ class NativeCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=input_ids.device)[None].expand(b, t)
         h = self.embed(input_ids)
-        cos, sin = self.rotary(position_ids, h)
+        cos, sin = self.rotary(position_ids, h, rope_horizon)
         mask = self._mask(attention_mask, b, t, past, h.device)
         step = self._decode_step() if t == 1 and isinstance(cache, NativeCache) else None
         if step is not None and step.usable(h):

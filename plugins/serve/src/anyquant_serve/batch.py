@@ -66,6 +66,7 @@ class DecodeBatch:
         self.shared = isinstance(module, NativeCausalLM)
         #: the module computes the last position's logits only when asked (as generate asks it)
         self.keeps_logits = _takes(module, "logits_to_keep")
+        self.takes_horizon = _takes(module, "rope_horizon")  # LongRoPE's factors for the whole prompt, each chunk
         self._partial: dict[int, tuple[object, int, Any]] = {}  # id(key): (key, positions prefilled, cache)
 
     def __len__(self) -> int:
@@ -124,6 +125,8 @@ class DecodeBatch:
         kw: dict[str, Any] = {self.cache_kw: cache} if cache is not None else {}
         if keep:
             kw["logits_to_keep"] = keep
+        if self.takes_horizon:
+            kw["rope_horizon"] = len(ids)
         out = self.module(
             input_ids=torch.tensor([list(ids[done:end])], dtype=torch.long, device=self.device),
             attention_mask=torch.ones((1, end), dtype=torch.long, device=self.device),

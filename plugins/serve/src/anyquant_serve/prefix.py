@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,13 +141,16 @@ def _estimate(cache: Any, length: int) -> int:
 class PrefixCache:
     """Kept prompts' KV caches within ``budget`` bytes (0: nothing kept, every lookup a miss), reused in whole
     chunks of ``chunk`` positions (0: only for an equal prompt). Counts, as vLLM's metrics do, the prompt tokens
-    looked up (:attr:`queries`) and those found cached (:attr:`hits`)."""
+    looked up (:attr:`queries`) and those found cached (:attr:`hits`). ``regime``: a prompt length's rotary regime
+    (the native decoder's ``rope_regime``: LongRoPE's long or short factors, which every position of a prompt is
+    turned by); a kept prompt serves only prompts of its regime (``None``: one regime)."""
 
-    def __init__(self, budget: int, chunk: int) -> None:
+    def __init__(self, budget: int, chunk: int, regime: Callable[[int], object] | None = None) -> None:
         if budget < 0 or chunk < 0:
             raise ValueError(f"budget={budget}, chunk={chunk}: expected >= 0")
         self.budget = budget
         self.chunk = chunk
+        self.regime = regime
         self.entries: collections.OrderedDict[tuple[int, ...], _Entry] = collections.OrderedDict()
         self.bytes = 0  # held by the entries
         self.queries = 0  # prompt tokens looked up
@@ -167,7 +170,7 @@ class PrefixCache:
         n = len(prompt)
         if len(kept) == n and kept == prompt:
             return n
-        if not self.chunk:
+        if not self.chunk or (self.regime is not None and self.regime(len(kept)) != self.regime(n)):
             return 0
         reused = 0
         for end in range(self.chunk, min(len(kept), n - 1) + 1, self.chunk):

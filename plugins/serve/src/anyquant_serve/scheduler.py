@@ -333,7 +333,9 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.score_chunk = score_chunk
         #: owned by the thread below (read, not changed, elsewhere)
-        self.prefix = PrefixCache(int(prefix_cache_mb * 2**20), prefill_chunk)
+        # LongRoPE: a kept prompt's cache serves only prompts turned by the same factors (NativeCausalLM.rope_regime)
+        regime = getattr(getattr(getattr(adapter, "model", None), "module", None), "rope_regime", None)
+        self.prefix = PrefixCache(int(prefix_cache_mb * 2**20), prefill_chunk, regime if callable(regime) else None)
         self._waiting: collections.deque[Request] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
