@@ -6,6 +6,8 @@ tool and cached under ``--cache`` (default ``.cache/bench/formats/``):
 
 - ``ct-w4a16``: compressed-tensors int4 symmetric, group 64 (576 is not a multiple of 128), weights only;
 - ``ct-w8a8``: compressed-tensors ``W8A8`` (int8 per-channel weights, dynamic per-token int8 activations);
+- ``ct-nvfp4a16``, ``ct-nvfp4``: compressed-tensors ``NVFP4A16`` (FP4 weights, an E4M3 scale per 16 and a global
+  scale) and ``NVFP4`` (the same with FP4 activations, their global scales calibrated on 16 random 64-token samples);
 - ``ct-fp8``: compressed-tensors ``FP8_DYNAMIC`` (fp8 per-channel weights, dynamic per-token fp8 activations);
   all three by llm-compressor's ``oneshot`` (round to nearest, no calibration data) in its own Python
   (``--llmcompressor-python``, default ``$ANYQUANT_LLMCOMPRESSOR_PYTHON``, else ``make install``'s
@@ -57,7 +59,7 @@ are left out of the medians unless every sample is (then the least-loaded one, f
 MLX's own CPU path is slow (about 1 token/s for prefill and decode alike on a 2-core AVX512 host, one thread):
 its sample takes ~9 minutes, so a run of every format takes ~14 minutes a sample.
 
-    python bench/formats.py [--samples 3] [--formats ct-w4a16,ct-w8a8,ct-fp8,bnb-nf4,bnb-int8,fp8-b64,fp8-b128,mlx-q4]
+    python bench/formats.py [--samples 3] [--formats ct-w4a16,ct-w8a8,ct-fp8,ct-nvfp4a16,ct-nvfp4,bnb-nf4,bnb-int8,...]
         [--cache DIR] [--llmcompressor-python PATH] [--mlx-python PATH] [--threads 2] [--decode 64]
         [--prefill 512] [--max-other 0.05] [--ct-peer auto|compressed|decompressed] [--model smollm2|1b] [--make-only]
 """
@@ -95,6 +97,11 @@ FORMATS: dict[str, tuple[str, str]] = {
     "ct-w4a16": ("compressed-tensors W4A16 g64 (pack-quantized)", "llm-compressor oneshot"),
     "ct-w8a8": ("compressed-tensors W8A8 int8 (dynamic per-token acts)", "llm-compressor oneshot"),
     "ct-fp8": ("compressed-tensors FP8_DYNAMIC (float-quantized)", "llm-compressor oneshot"),
+    "ct-nvfp4a16": ("compressed-tensors NVFP4A16 (nvfp4-pack-quantized, weights only)", "llm-compressor oneshot"),
+    "ct-nvfp4": (
+        "compressed-tensors NVFP4 (W4A4: FP4 activations, calibrated)",
+        "llm-compressor oneshot + calibration",
+    ),
     "bnb-nf4": ("bitsandbytes NF4, double quant", "transformers + bitsandbytes"),
     "bnb-int8": ("bitsandbytes LLM.int8()", "transformers + bitsandbytes"),
     "fp8-b64": ("quant_method fp8, 64x64 blocks", "transformers Fp8Quantize"),
@@ -119,12 +126,19 @@ if kind == "ct-w4a16":
         config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, targets="Linear", ignore=["lm_head"]
     )
 else:
-    mod = QuantizationModifier(scheme={"ct-w8a8": "W8A8", "ct-fp8": "FP8_DYNAMIC"}[kind], targets="Linear",
-                               ignore=["lm_head"])
+    scheme = {"ct-w8a8": "W8A8", "ct-fp8": "FP8_DYNAMIC", "ct-nvfp4a16": "NVFP4A16", "ct-nvfp4": "NVFP4"}[kind]
+    mod = QuantizationModifier(scheme=scheme, targets="Linear", ignore=["lm_head"])
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
 tok = AutoTokenizer.from_pretrained(src)
 torch.manual_seed(0)
-model = oneshot(model=model, recipe=mod, tokenizer=tok)
+extra = {}
+if kind == "ct-nvfp4":  # its activations' global scales are calibrated: 16 samples of 64 random tokens
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, model.config.vocab_size, (64,), generator=g).tolist() for _ in range(16)]
+    extra = {"dataset": Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 64 for _ in ids]}),
+             "num_calibration_samples": 16, "max_seq_length": 64}
+model = oneshot(model=model, recipe=mod, tokenizer=tok, **extra)
 model.save_pretrained(dst, save_compressed=True)
 tok.save_pretrained(dst)
 """

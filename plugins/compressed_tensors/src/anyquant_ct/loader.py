@@ -82,8 +82,6 @@ def _described(spec: ModuleSpec, probe: Probe) -> list[Layout] | str:
         return [E4M3Groups(k, n, group, None, None, round_to, rows)]
     acts = spec.input_activations
     if spec.storage in ("nvfp4", "mxfp4"):
-        if acts is not None and acts.num_bits == 4:
-            return "FP4 input activations (NVFP4 W4A4) run on the exact path"
         return [Table4(k, n, 32 if spec.storage == "mxfp4" else 16, None, None, None, torch.bfloat16)]
     if spec.storage != "packed-int" or a.num_bits != 4 or acts is not None or a.strategy not in ("group", "channel"):
         return f"{spec.storage} {a.num_bits}-bit weights per {a.strategy} have no packed layout"

@@ -103,9 +103,6 @@ class CTLinear(QuantLinearBase):
         if self.storage == "fp8":
             return self._e4m3_groups()
         if self.storage in ("nvfp4", "mxfp4"):
-            if self.input_args is not None and self.input_args.num_bits == 4:
-                # FP4 activations amplify the kernel's unrounded weights past any tolerance: the exact path
-                return "FP4 input activations (NVFP4 W4A4) run on the exact path"
             return [self._fp4_table()]
         if self.storage != "packed-int" or a.num_bits != 4:
             return f"{self.storage} {a.num_bits}-bit weights have no packed layout yet"
@@ -220,6 +217,7 @@ class CTLinear(QuantLinearBase):
             fast,
             functools.partial(quantize_input, args=self.input_args),
             f"input={self.input_args.describe()}",
+            exact_prompts=self.input_args.num_bits == 4 and self.input_args.type == "float",
             scale=self.input_scale,
             zero=self.input_zero_point,
             global_scale=self.input_global_scale,

@@ -291,5 +291,6 @@ class NVFP4Linear(QuantLinearBase):
             fast,
             functools.partial(quantize_nvfp4_activations, group_size=self.group),
             f"input=nvfp4 per {self.group} (global scale 1 / input_scale)",
+            exact_prompts=True,
             global_scale=self.input_global_scale,
         )

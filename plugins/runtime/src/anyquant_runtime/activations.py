@@ -49,12 +49,29 @@ _FP4_STEPS = (
 def round_fp4(x: torch.Tensor) -> torch.Tensor:
     """The nearest E2M1 value of each element (in ``x``'s dtype, sign kept), ties to the even code as
     compressed-tensors' ``cast_to_fp4`` and vLLM's ``cast_to_fp4`` break them (0.25, 1.25, 2.5, 5 down; 0.75, 1.75,
-    3.5 up); magnitudes above 5 become 6."""
-    a = x.abs()
-    out = torch.full_like(a, FP4_MAX)
-    for value, bound, included in reversed(_FP4_STEPS):  # a magnitude takes the lowest step whose bound holds it
-        out = torch.where(a <= bound if included else a < bound, torch.full_like(a, value), out)
-    return out * torch.sign(x)
+    3.5 up); magnitudes above 5 become 6 (NaN too: times ``sign(NaN)``, 0).
+
+    One ``bucketize`` over the steps' bounds (a magnitude takes the lowest step whose bound holds it), an excluded
+    bound given as the largest value of ``x``'s dtype below it; then the step's value times ``sign(x)``."""
+    bounds, values = _fp4_steps(x.dtype, x.device)
+    index = torch.bucketize(x.abs(), bounds)  # bounds[i - 1] < |x| <= bounds[i]
+    return torch.take(values, index) * torch.sign(x)
+
+
+_STEP_TABLES: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _fp4_steps(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:data:`_FP4_STEPS` for :func:`round_fp4` in ``dtype``: the bounds (``a < b`` as ``a <= nextafter(b, 0)``) and
+    the 8 values (the last, 6, above every bound; NaN's index too)."""
+    key = (dtype, device)
+    if key not in _STEP_TABLES:
+        b = torch.tensor([bound for _, bound, _ in _FP4_STEPS], dtype=dtype, device=device)
+        below = torch.nextafter(b, torch.zeros_like(b))
+        included = torch.tensor([inc for _, _, inc in _FP4_STEPS], device=device)
+        values = torch.tensor([v for v, _, _ in _FP4_STEPS] + [FP4_MAX], dtype=dtype, device=device)
+        _STEP_TABLES[key] = (torch.where(included, b, below), values)
+    return _STEP_TABLES[key]
 
 
 def quantize_fp8_activations(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -97,16 +114,26 @@ def quantize_nvfp4_activations(x: torch.Tensor, global_scale: torch.Tensor, grou
 
 class QuantizedInputs(nn.Module):
     """A fast linear behind its format's input quantization: ``inner(quantize(x, **buffers))``. ``buffers`` (the
-    stored scales, ``None`` where absent) move with the module; ``describe`` is its ``extra_repr``."""
+    stored scales, ``None`` where absent) move with the module; ``describe`` is its ``extra_repr``.
+
+    ``exact_prompts``: the inner layer's prompts (many rows) through its exact weight in float32 (its
+    ``prefill_dtype``), whatever the backend's prompt dtype: FP4 activations (NVFP4 W4A4) turn any rounding of their
+    inputs (a bfloat16 GEMM's) into a step of a third of an input now and then, and the next layer's quantization
+    carries it on. So a prompt's numbers are the exact path's, bit for bit; one token at a time the kernel's sums,
+    each layer within float rounding of the exact one, still part from it at such steps."""
 
     def __init__(
         self,
         inner: nn.Module,
         quantize: Callable[..., torch.Tensor],
         describe: str,
+        *,
+        exact_prompts: bool = False,
         **buffers: torch.Tensor | None,
     ) -> None:
         super().__init__()
+        if exact_prompts and hasattr(inner, "prefill_dtype"):
+            setattr(inner, "prefill_dtype", torch.float32)  # noqa: B010 - an attribute of the engine's layers, not nn.Module's
         self.inner, self.quantize, self.describe = inner, quantize, describe
         self._inputs = tuple(buffers)
         for name, tensor in buffers.items():
