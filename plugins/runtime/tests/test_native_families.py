@@ -176,11 +176,29 @@ def test_which_deepseek_configs_run_natively() -> None:
         assert said in str(native_runtime_reason({**ds, **change})), change
 
 
+def test_which_deepseek_v2_configs_run_natively() -> None:
+    """DeepSeek-V2: softmax routing, greedy or group-limited (its config's own default: greedy, no groups needed)."""
+    v2 = tiny_llama_config(**{**DEEPSEEK, "model_type": "deepseek_v2", "n_group": None, "topk_group": None})
+    assert native_runtime_reason(v2) is None and choose_runtime(v2, "auto") == "native"
+    grouped = {**v2, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 2}  # one expert a group: fine
+    assert native_runtime_reason(grouped) is None
+    assert native_runtime_reason({**v2, "n_routed_experts": None, "num_experts": 8}) is None
+    for change, said in (
+        ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+        ({"topk_method": "group_limited_greedy"}, "n_group None"),
+        ({**grouped, "n_group": 3}, "n_group 3"),
+        ({"num_experts_per_tok": 9}, "larger"),
+        ({"scoring_func": "sigmoid"}, "scoring_func"),
+    ):
+        assert said in str(native_runtime_reason({**v2, **change})), change
+
+
 #: the shared pass over these (Qwen3: its q/k head norms, which the pass once left out; sliding windows shorter than
 #: the prompts and steps; DeepSeek-V3's latent attention, whose values are narrower than its keys)
 SHARED = {
     **FAMILIES,
     "deepseek_v3": DEEPSEEK,
+    "deepseek_v2": {**DEEPSEEK, "model_type": "deepseek_v2", "topk_method": "group_limited_greedy"},
     "qwen3": {"model_type": "qwen3", "head_dim": 32},
     "mistral-window": {"model_type": "mistral", "sliding_window": 5},
     "qwen2-window": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},

@@ -196,6 +196,52 @@ VARIANTS = {
             "beta_slow": 1,
         },
     },
+    # DeepSeek-V2: latent attention with its pairs turned as complex numbers (left interleaved), softmax routing:
+    # the top-2 of 8 (greedy), not renormalised, scaled; two shared experts; layer 0 dense
+    "deepseek_v2": {
+        "model_type": "deepseek_v2",
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 48,
+        "n_routed_experts": 8,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 24,
+        "v_head_dim": 20,
+        "routed_scaling_factor": 1.5,
+    },
+    # group_limited_greedy (2 of 4 groups by their best expert), no q_lora_rank, YaRN with DeepSeek-V2-Lite's mscales
+    "deepseek_v2-grouped-yarn": {
+        "model_type": "deepseek_v2",
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 3,
+        "topk_method": "group_limited_greedy",
+        "n_group": 4,
+        "topk_group": 2,
+        "q_lora_rank": None,
+        "kv_lora_rank": 40,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 8,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    },
     "llama3-rope": {
         "num_hidden_layers": 1,
         "rope_parameters": {
@@ -718,11 +764,15 @@ def test_hooks_on_an_experts_linears_fire_on_the_fused_path(tmp_path: Path) -> N
 #: sparse blocks by ``int4_moe``; Qwen2-MoE's sparse block (its shared expert) and Phi-3's fused projections and
 #: partial rotary through their modules, its dense layer compiled; Gemma's norms and GELU all through the modules (Gemma
 #: 2's and 3's four norms, soft-capping and two rotary tables too); sliding windows compiled (Mistral's every layer);
-#: DeepSeek-V3's latent attention through its modules
+#: DeepSeek-V2's and -V3's latent attention through their modules
 FAMILY_STEPS = {
     "mistral-window": ({**VARIANTS["mistral-window"]}, ["int4", "int4"]),
     "deepseek_v3": (
         {**VARIANTS["deepseek_v3"], "q_lora_rank": 64, "moe_intermediate_size": 64, "v_head_dim": 32},
+        [None, None],
+    ),
+    "deepseek_v2": (
+        {**VARIANTS["deepseek_v2"], "q_lora_rank": 64, "moe_intermediate_size": 64, "v_head_dim": 32},
         [None, None],
     ),
     "gemma2": ({**VARIANTS["gemma2"]}, [None, None]),

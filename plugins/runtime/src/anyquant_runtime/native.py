@@ -1,4 +1,4 @@
-"""anyquant's own Llama-family decoder (and Mixtral, Qwen2-MoE, Phi-3, Gemma 1-3, DeepSeek-V3): the same modules and tensor names as
+"""anyquant's own Llama-family decoder (and Mixtral, Qwen2-MoE, Phi-3, Gemma 1-3, DeepSeek-V2/V3): the same modules and tensor names as
 transformers', a leaner forward.
 
 Built instead of transformers' class when ``load(..., runtime="native")`` asks for it (or ``"auto"`` picks
@@ -33,14 +33,14 @@ sin scaled by its attention factor),
 by ``query_pre_attn_scalar``, transformers' eager attention with its scores soft-capped, the logits soft-capped) and
 ``gemma3_text`` (Gemma 2's layers without soft-capped scores, q/k head norms, the sliding layers' own rotary base)
 and ``deepseek_v3`` (multi-head latent attention, :class:`LatentAttention`; group-limited sigmoid routing with
-its expert bias, a shared expert and dense first layers, :class:`GroupedMoe`)
+its expert bias, a shared expert and dense first layers, :class:`GroupedMoe`) and ``deepseek_v2`` (the same attention
+with its rotary pairs turned as complex numbers, softmax routing, :class:`SoftmaxRouter`)
 configs with their activation and default (or ``llama3``; Phi-3: ``longrope``; Gemma 3: ``linear``; DeepSeek-V3:
 ``yarn``) rotary scaling.
 Sliding-window attention is each layer's as transformers' class decides it (:func:`layer_windows`): a sliding
 layer's query at cache position ``p`` attends the keys at ``(p - window, p]``, in prompts (a mask), padded batches
 and cached steps (the cache keeps every position; its :meth:`NativeCache.update` gives a sliding layer only those
-its queries may see). Anything else (other rotary scalings such as dynamic NTK, YaRN outside DeepSeek-V3, the multimodal Gemma 3,
-DeepSeek-V2 ...)
+its queries may see). Anything else (other rotary scalings such as dynamic NTK, YaRN outside DeepSeek, the multimodal Gemma 3 ...)
 stays on transformers' class, with the reason :func:`native_runtime_reason` gives. The compiled decode step
 (:mod:`anyquant_cpu.step`) computes the layers with separate q/k/v, a full rotary embedding, RMSNorm and SiLU
 (Mixtral's sparse blocks and sliding windows included) from the ``cos``/``sin`` tables the model gives it (LongRoPE's
@@ -87,8 +87,11 @@ _TYPES = (
     "gemma",
     "gemma2",
     "gemma3_text",
+    "deepseek_v2",
     "deepseek_v3",
 )
+#: DeepSeek's latent-attention families
+_MLA = ("deepseek_v2", "deepseek_v3")
 #: the families whose attention normalises each query and key head (RMSNorm over ``head_dim``) before rotary
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
 #: the families with sparse MoE blocks
@@ -305,6 +308,7 @@ def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
     allowed = {
         "phi3": ("default", *_LONGROPE),
         "gemma3_text": ("default", "linear"),
+        "deepseek_v2": ("default", "yarn"),
         "deepseek_v3": ("default", "yarn"),
     }.get(model_type, ("default", "llama3"))
     if rope_type not in allowed:
@@ -332,20 +336,26 @@ def native_runtime_reason(config: Mapping[str, Any]) -> str | None:
         return "pretraining_tp > 1 is not supported"
     if model_type in _MOE:
         return _moe_reason(config)
-    if model_type == "deepseek_v3":
+    if model_type in _MLA:
         return _deepseek_reason(config)
     return None
 
 
 def _deepseek_reason(config: Mapping[str, Any]) -> str | None:
-    """Why the native decoder cannot run a DeepSeek-V3 ``config`` (``None``: it can): its latent attention's and
-    group-limited router's sizes must be positive integers that fit together, and the routing transformers' class
-    computes (sigmoid scores, ``noaux_tc``)."""
+    """Why the native decoder cannot run a DeepSeek-V2 or -V3 ``config`` (``None``: it can): its latent attention's
+    and router's sizes must be positive integers that fit together, and the routing transformers' class computes
+    (V3: sigmoid scores, ``noaux_tc``; V2: softmax scores, ``greedy`` or ``group_limited_greedy``)."""
+    v2 = config.get("model_type") == "deepseek_v2"
+    method = config.get("topk_method", "greedy") if v2 else "noaux_tc"
+    if v2 and method not in ("greedy", "group_limited_greedy"):
+        return f"topk_method {method!r} is not 'greedy' or 'group_limited_greedy' (what transformers' DeepseekV2 class computes)"
     sizes = ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_intermediate_size"]
-    sizes += ["num_experts_per_tok", "n_group", "topk_group"]
+    sizes += ["num_experts_per_tok"] + (["n_group", "topk_group"] if method != "greedy" else [])
     values = {key: config.get(key) for key in sizes}
-    # transformers' attribute map: num_local_experts is n_routed_experts
-    values["n_routed_experts"] = config.get("n_routed_experts") or config.get("num_local_experts")
+    # transformers' attribute maps: num_local_experts (V3) and num_experts (V2) are n_routed_experts
+    values["n_routed_experts"] = config.get("n_routed_experts") or config.get(
+        "num_local_experts" if not v2 else "num_experts"
+    )
     if config.get("q_lora_rank") is not None:
         values["q_lora_rank"] = config["q_lora_rank"]
     for key, value in values.items():
@@ -356,16 +366,25 @@ def _deepseek_reason(config: Mapping[str, Any]) -> str | None:
     for key, value in (("n_shared_experts", shared), ("first_k_dense_replace", first)):
         if type(value) is not int or value < 0:
             return f"{key} {value!r} is not a non-negative integer"
-    experts, groups = sized["n_routed_experts"], sized["n_group"]
-    if experts % groups or sized["topk_group"] > groups or experts // groups < 2:
-        return f"n_group {groups} and topk_group {sized['topk_group']} do not split {experts} routed experts"
-    if sized["num_experts_per_tok"] > sized["topk_group"] * (experts // groups):
-        return "num_experts_per_tok is larger than the experts of the chosen groups"
+    experts = sized["n_routed_experts"]
+    if method == "greedy":
+        if sized["num_experts_per_tok"] > experts:
+            return "num_experts_per_tok is larger than n_routed_experts"
+    else:
+        groups = sized["n_group"]
+        # V3 scores a group by its two best experts, V2 by its best
+        if experts % groups or sized["topk_group"] > groups or experts // groups < (1 if v2 else 2):
+            return f"n_group {groups} and topk_group {sized['topk_group']} do not split {experts} routed experts"
+        if sized["num_experts_per_tok"] > sized["topk_group"] * (experts // groups):
+            return "num_experts_per_tok is larger than the experts of the chosen groups"
     if sized["qk_rope_head_dim"] % 2:
         return f"qk_rope_head_dim {sized['qk_rope_head_dim']} is odd"
-    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+    family = "DeepseekV2" if v2 else "DeepseekV3"
+    for key, want in (("scoring_func", "softmax" if v2 else "sigmoid"),) + (
+        () if v2 else (("topk_method", "noaux_tc"),)
+    ):
         if config.get(key, want) != want:
-            return f"{key} {config.get(key)!r} is not {want!r} (what transformers' DeepseekV3 class computes)"
+            return f"{key} {config.get(key)!r} is not {want!r} (what transformers' {family} class computes)"
     factor = config.get("routed_scaling_factor", 1.0)
     if not _number(factor):
         return f"routed_scaling_factor {factor!r} is not a number"
@@ -483,13 +502,16 @@ class NativeConfig:
         self.shared_expert_intermediate_size: int = int(shared or 0)
         #: DeepSeek-V3: multi-head latent attention and group-limited sigmoid routing (:class:`LatentAttention`,
         #: :class:`GroupedMoe`)
-        self.mla: bool = self.model_type == "deepseek_v3"
+        self.mla: bool = self.model_type in _MLA
+        #: DeepSeek-V2: softmax routing (:class:`SoftmaxRouter`), its rotary embedding as complex products of
+        #: interleaved pairs
+        self.deepseek_v2: bool = self.model_type == "deepseek_v2"
         self.first_k_dense_replace = 0
         if self.mla:
             self._deepseek(c)
 
     def _deepseek(self, c: dict[str, Any]) -> None:
-        """DeepSeek-V3's sizes: the query and key heads ``qk_nope_head_dim + qk_rope_head_dim`` wide (the rotary
+        """DeepSeek-V2's and -V3's sizes: the query and key heads ``qk_nope_head_dim + qk_rope_head_dim`` wide (the rotary
         embedding turns the last ``qk_rope_head_dim``), the value heads ``v_head_dim``; the attention's scale
         ``head_dim ** -0.5`` times ``mscale(factor, mscale_all_dim) ** 2`` under YaRN (transformers'
         ``yarn_apply_mscale``); a MoE block from layer ``first_k_dense_replace`` on."""
@@ -501,18 +523,23 @@ class NativeConfig:
         self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.num_key_value_heads = self.num_attention_heads  # the latent expands to every head
         self.rotary_dim = self.qk_rope_head_dim
-        self.rope_interleave = bool(c.get("rope_interleave", True))
+        self.rope_interleave = bool(c.get("rope_interleave", True))  # V3's switch; V2's pairs are always interleaved
         self.attention_bias = bool(c.get("attention_bias", False))
         self.scaling = self.head_dim**-0.5
         if _rope_type(self.rope) != "default" and self.rope.get("mscale_all_dim"):
             scale = _yarn_mscale(float(self.rope["factor"]), float(self.rope["mscale_all_dim"]))
             self.scaling = self.scaling * scale * scale
-        self.num_experts = int(c.get("n_routed_experts") or c["num_local_experts"])
+        v2 = self.deepseek_v2
+        self.num_experts = int(c.get("n_routed_experts") or c["num_experts" if v2 else "num_local_experts"])
         self.moe_intermediate_size = int(c["moe_intermediate_size"])
-        self.n_shared_experts = int(c.get("n_shared_experts", 0))
-        self.n_group, self.topk_group = int(c["n_group"]), int(c["topk_group"])
+        self.n_shared_experts = int(c.get("n_shared_experts", 2 if v2 else 0))
+        #: V2's ``topk_method`` (``greedy`` or ``group_limited_greedy``); V3's is ``noaux_tc``
+        self.topk_method = str(c.get("topk_method", "greedy")) if v2 else "noaux_tc"
+        grouped = self.topk_method != "greedy"
+        self.n_group = int(c["n_group"]) if grouped else 1
+        self.topk_group = int(c["topk_group"]) if grouped else 1
         self.routed_scaling_factor = float(c.get("routed_scaling_factor", 1.0))
-        self.norm_topk_prob = bool(c.get("norm_topk_prob", True))
+        self.norm_topk_prob = bool(c.get("norm_topk_prob", True)) and not v2  # V2's router never renormalises
         self.first_k_dense_replace = int(c.get("first_k_dense_replace", 0))
 
     def sparse(self, index: int) -> bool:
@@ -925,6 +952,8 @@ class LatentAttention(Attention):
         )
         self.nope, self.rotary_dim, self.v_head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.kv_lora_rank, self.interleave = c.kv_lora_rank, c.rope_interleave
+        #: DeepSeek-V2: its pairs turned as complex numbers (the table a complex ``cos``), left interleaved
+        self.complex_pairs = c.deepseek_v2
         self.scaling = c.scaling
         self.window, self.softcap, self.eager, self.plain, self.rope_part = None, None, False, True, None
         heads, bias = c.num_attention_heads, c.attention_bias
@@ -961,7 +990,11 @@ class LatentAttention(Attention):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The rotary embedding of ``x`` (all its features: the rotary part of a head); interleaved pairs taken
         apart first (``cat(x[0::2], x[1::2])``, then ``rotate_half``'s arithmetic: bitwise transformers'
-        ``apply_rotary_pos_emb_interleave``)."""
+        ``apply_rotary_pos_emb_interleave``). DeepSeek-V2: each pair a complex number times ``cos``, the complex
+        table :meth:`NativeCausalLM.rotary` gives it, the result's pairs in place (transformers' ``apply_rotary_emb``)."""
+        if self.complex_pairs:
+            pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * cos).flatten(-2).type_as(x)
         if self.interleave:
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return _rotary(x, cos, sin)
@@ -1054,13 +1087,40 @@ class GroupedRouter(nn.Module):
         return weights * self.routed_scaling_factor, index
 
 
+class SoftmaxRouter(nn.Module):
+    """DeepSeek-V2's router (``DeepseekV2TopkRouter``): ``weight`` ``[experts, hidden]`` read in float32."""
+
+    def __init__(self, c: NativeConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size))
+        self.top_k, self.n_group, self.topk_group = c.num_experts_per_tok, c.n_group, c.topk_group
+        self.greedy, self.routed_scaling_factor = c.topk_method == "greedy", c.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(top_k_weights, top_k_index)`` of rows ``x`` ``[T, hidden]``, transformers' arithmetic: the softmax of
+        the float32 logits; ``greedy``: the ``top_k`` best; ``group_limited_greedy``: each group scored by its best,
+        the ``topk_group`` best groups' experts the only candidates (the others' scores 0); the chosen scores, not
+        renormalised, times ``routed_scaling_factor``, in float32."""
+        experts = self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1, dtype=torch.float32)
+        if not self.greedy:
+            per_group = experts // self.n_group
+            groups = scores.view(-1, self.n_group, per_group).max(dim=-1).values
+            chosen = torch.topk(groups, k=self.topk_group, dim=-1, sorted=False)[1]
+            mask = torch.zeros_like(groups).scatter_(1, chosen, 1)
+            mask = mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, experts)
+            scores = scores.masked_fill(~mask.bool(), 0.0)
+        weights, index = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        return weights * self.routed_scaling_factor, index
+
+
 class GroupedMoe(nn.Module):
-    """DeepSeek-V3's MoE block: :class:`GroupedRouter`'s experts (``experts``, one linear each once loaded) plus
+    """DeepSeek-V2's and -V3's MoE block: :class:`SoftmaxRouter`'s or :class:`GroupedRouter`'s experts (``experts``, one linear each once loaded) plus
     ``shared_experts``, a dense MLP of ``n_shared_experts * moe_intermediate_size`` on every token, added after."""
 
     def __init__(self, c: NativeConfig) -> None:
         super().__init__()
-        self.gate = GroupedRouter(c)
+        self.gate: nn.Module = SoftmaxRouter(c) if c.deepseek_v2 else GroupedRouter(c)
         self.experts: nn.Module = FusedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
         self.shared_experts = MLP(c, c.moe_intermediate_size * c.n_shared_experts) if c.n_shared_experts else None
 
@@ -1241,6 +1301,10 @@ class NativeCausalLM(nn.Module):
         prefilled in several forwards: the choice is then the one a single forward over the whole prompt makes
         (:meth:`rope_regime`), for every chunk."""
         inv_freq, scale = self.inv_freq, self.rope_scale
+        if self.config.deepseek_v2:  # the complex table, as transformers' DeepseekV2RotaryEmbedding makes it
+            freqs = position_ids[..., None].float() * inv_freq.to(device=h.device, dtype=torch.float)
+            table = (torch.polar(torch.ones_like(freqs), freqs) * scale)[:, None]
+            return table, table
         longrope, long_inv_freq = self.config.longrope, self.long_inv_freq
         if longrope is not None and long_inv_freq is not None and position_ids.numel():
             scale = longrope.attention_factor
