@@ -14,6 +14,7 @@ import anyquant
 from anyquant.testing.tiny import make_tiny_dense, tiny_llama_config
 from anyquant_runtime.build import choose_runtime
 from anyquant_runtime.native import NativeCausalLM, layer_windows, native_runtime_reason
+from plugins.runtime.tests.test_native_runtime import VARIANTS
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": {
@@ -131,22 +132,8 @@ def test_which_layers_slide() -> None:
         assert layer_windows(ref.to_dict()) == want, overrides  # the config as transformers saves it
 
 
-DEEPSEEK: dict[str, Any] = {
-    "model_type": "deepseek_v3",
-    "num_key_value_heads": 4,
-    "moe_intermediate_size": 48,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 2,
-    "topk_group": 1,
-    "first_k_dense_replace": 1,
-    "q_lora_rank": 48,
-    "kv_lora_rank": 32,
-    "qk_rope_head_dim": 16,
-    "qk_nope_head_dim": 24,
-    "v_head_dim": 20,
-}
+#: the native runtime tests' DeepSeek-V3 (its layer count aside)
+DEEPSEEK: dict[str, Any] = {k: v for k, v in VARIANTS["deepseek_v3"].items() if k != "num_hidden_layers"}
 
 
 def test_which_deepseek_configs_run_natively() -> None:

@@ -196,24 +196,6 @@ VARIANTS = {
             "beta_slow": 1,
         },
     },
-    # DeepSeek-V2: latent attention with its pairs turned as complex numbers (left interleaved), softmax routing:
-    # the top-2 of 8 (greedy), not renormalised, scaled; two shared experts; layer 0 dense
-    "deepseek_v2": {
-        "model_type": "deepseek_v2",
-        "num_hidden_layers": 2,
-        "num_key_value_heads": 4,
-        "moe_intermediate_size": 48,
-        "n_routed_experts": 8,
-        "n_shared_experts": 2,
-        "num_experts_per_tok": 2,
-        "first_k_dense_replace": 1,
-        "q_lora_rank": 48,
-        "kv_lora_rank": 32,
-        "qk_rope_head_dim": 16,
-        "qk_nope_head_dim": 24,
-        "v_head_dim": 20,
-        "routed_scaling_factor": 1.5,
-    },
     # group_limited_greedy (2 of 4 groups by their best expert), no q_lora_rank, YaRN with DeepSeek-V2-Lite's mscales
     "deepseek_v2-grouped-yarn": {
         "model_type": "deepseek_v2",
@@ -253,6 +235,16 @@ VARIANTS = {
             "original_max_position_embeddings": 64,
         },
     },
+}
+
+
+# DeepSeek-V2: V3's sizes, the latent attention's pairs turned as complex numbers (left interleaved), softmax routing:
+# the top-2 of 8 (greedy: no groups), not renormalised, scaled; two shared experts; layer 0 dense
+VARIANTS["deepseek_v2"] = {
+    **{k: v for k, v in VARIANTS["deepseek_v3"].items() if k not in ("n_group", "topk_group")},
+    "model_type": "deepseek_v2",
+    "n_shared_experts": 2,
+    "routed_scaling_factor": 1.5,
 }
 
 
