@@ -361,3 +361,34 @@ def test_nvfp4_w4a4_on_the_table_kernel() -> None:
     rows = max(m.inner.small_rows for m in model.module.modules() if isinstance(m, QuantizedInputs))
     prompt = (list(rec["prompt_ids"]) * (rows // len(rec["prompt_ids"]) + 2))[: rows + 8]  # past the kernel's rows
     assert torch.equal(forward_logits(model, prompt), forward_logits(exact, prompt))
+
+
+def test_w4a4_linears_on_one_input_quantize_it_once() -> None:
+    """q/k/v (and gate/up) behind one input quantization with equal scales (llm-compressor gives them one global
+    scale): the native decoder quantizes their input once, and the outputs are bit for bit each layer's own."""
+    from anyquant_runtime.activations import shared_inputs
+
+    model = sdk.load(FIXTURES / "llama_nvfp4")
+    if model.backend != "cpu-fast":
+        pytest.skip(f"cpu-fast unavailable: {model.info}")
+    attn = model.module.model.layers[0].self_attn
+    members = [attn.q_proj, attn.k_proj, attn.v_proj]
+    x = torch.randn(1, 1, members[0].in_features, generator=torch.Generator().manual_seed(3))
+    calls: list[int] = []
+    quantize = members[0].quantize  # the members' are equal (checked below); one counting stand-in for all three
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return quantize(*args, **kwargs)  # type: ignore[no-any-return]
+
+    assert all(members[0].same_inputs(m) for m in members[1:])
+    for m in members:
+        m.quantize = counted
+    with torch.no_grad():
+        alone = [m(x) for m in members]
+        calls.clear()
+        together = shared_inputs(members, x)
+        assert together is not None and len(calls) == 1
+        assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+        attn.k_proj.global_scale = attn.k_proj.global_scale * 2  # another scale: each quantizes its own
+        assert shared_inputs(members, x) is None

@@ -14,6 +14,7 @@ function here states whose arithmetic it is, to the bit:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ __all__ = [
     "quantize_fp8_activations",
     "quantize_nvfp4_activations",
     "round_fp4",
+    "shared_inputs",
 ]
 
 FP8_MAX = 448.0
@@ -149,5 +151,38 @@ class QuantizedInputs(nn.Module):
         out: torch.Tensor = self.inner.dequantize()  # type: ignore[operator]
         return out
 
+    def same_inputs(self, other: QuantizedInputs) -> bool:
+        """Whether ``other`` quantizes an input exactly as this does: the same function with equal arguments and
+        equal scales (llm-compressor's NVFP4 gives q/k/v, and gate/up, one input global scale), so one quantized
+        input serves both (:func:`shared_inputs`)."""
+        mine, theirs = self.quantize, other.quantize
+        if getattr(mine, "func", mine) is not getattr(theirs, "func", theirs):
+            return False
+        if getattr(mine, "args", ()) != getattr(theirs, "args", ()):
+            return False
+        if getattr(mine, "keywords", {}) != getattr(theirs, "keywords", {}) or self._inputs != other._inputs:
+            return False
+        for name in self._inputs:
+            a, b = getattr(self, name), getattr(other, name)
+            if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+                return False
+        return True
+
     def extra_repr(self) -> str:
         return self.describe
+
+
+def shared_inputs(members: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor] | None:
+    """``members`` applied to ``x`` with its quantization done once, when they are :class:`QuantizedInputs` that
+    quantize alike (:meth:`QuantizedInputs.same_inputs`) and carry no hooks; else ``None``. Bit for bit the members
+    called one by one: the same quantized input reaches each inner layer."""
+    first = members[0]
+    if not isinstance(first, QuantizedInputs) or len(members) < 2:
+        return None
+    if any(not isinstance(m, QuantizedInputs) or m._forward_hooks or m._forward_pre_hooks for m in members):
+        return None
+    same = cast(list[QuantizedInputs], members)
+    if not all(first.same_inputs(m) for m in same[1:]):
+        return None
+    q = first.quantize(x, **{name: getattr(first, name) for name in first._inputs})
+    return [cast(torch.Tensor, m.inner(q)) for m in same]

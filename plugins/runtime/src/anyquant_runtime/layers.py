@@ -133,13 +133,22 @@ def _hooked(members: list[FastInt4Linear]) -> bool:
 
 
 def _joint(module: nn.Module, names: tuple[str, ...], h: torch.Tensor) -> list[torch.Tensor]:
-    """``module``'s linears ``names`` applied to ``h``: one fused int4 call where :func:`fusion` gives one,
+    """``module``'s linears ``names`` applied to ``h``: one fused int4 call where :func:`fusion` gives one; linears
+    behind the same input quantization with it done once (:func:`~anyquant_runtime.activations.shared_inputs`);
     else each linear in turn."""
     fused = fusion(module, names)
     outs = fused(h) if fused is not None and not _hooked(fused.members) else None
     if outs is not None:
         return outs
-    return [getattr(module, n)(h) for n in names]
+    members = [getattr(module, n) for n in names]
+    if module.__dict__.get("_shared_inputs", True):
+        from .activations import shared_inputs
+
+        outs = shared_inputs(members, h)
+        if outs is not None:
+            return outs
+        module.__dict__["_shared_inputs"] = False  # never again for this module (its members do not change)
+    return [m(h) for m in members]
 
 
 class Router(nn.Module):
