@@ -35,7 +35,7 @@ by ``query_pre_attn_scalar``, transformers' eager attention with its scores soft
 and ``deepseek_v3`` (multi-head latent attention, :class:`LatentAttention`; group-limited sigmoid routing with
 its expert bias, a shared expert and dense first layers, :class:`GroupedMoe`) and ``deepseek_v2`` (the same attention
 with its rotary pairs turned as complex numbers, softmax routing, :class:`SoftmaxRouter`)
-configs with their activation and default (or ``llama3``; Phi-3: ``longrope``; Gemma 3: ``linear``; DeepSeek-V3:
+configs with their activation and default (or ``llama3``; Phi-3: ``longrope``; Gemma 3: ``linear``; DeepSeek:
 ``yarn``) rotary scaling.
 Sliding-window attention is each layer's as transformers' class decides it (:func:`layer_windows`): a sliding
 layer's query at cache position ``p`` attends the keys at ``(p - window, p]``, in prompts (a mask), padded batches
@@ -929,15 +929,16 @@ class FusedAttention(Attention):
 
 
 class LatentAttention(Attention):
-    """DeepSeek-V3's multi-head latent attention (MLA), transformers' ``DeepseekV3Attention`` arithmetic.
+    """DeepSeek-V2's and -V3's multi-head latent attention (MLA), transformers' ``DeepseekV2Attention`` /
+    ``DeepseekV3Attention`` arithmetic.
 
     The queries from ``q_proj`` (or ``q_b_proj(q_a_layernorm(q_a_proj(h)))`` with a ``q_lora_rank``); one
     ``kv_a_proj_with_mqa`` gives the latent (``kv_lora_rank`` features, normalised by ``kv_a_layernorm``) and one
     rotary key shared by every head (``qk_rope_head_dim``); ``kv_b_proj`` expands the latent to each head's
     non-rotary key and its value. The rotary embedding turns the last ``qk_rope_head_dim`` features of the queries
-    and that shared key: with ``rope_interleave`` (the default) as pairs ``(x0, x1), (x2, x3) ...``, their results
+    and that shared key: with V3's ``rope_interleave`` (the default) as pairs ``(x0, x1), (x2, x3) ...``, their results
     written as transformers writes them (the pairs' first members, then their second: the same for queries and keys,
-    so the scores are unchanged). The cache holds each head's expanded keys and values (``v_head_dim`` wide), so a
+    so the scores are unchanged); V2's pairs as complex numbers, left in place (:meth:`rotate`). The cache holds each head's expanded keys and values (``v_head_dim`` wide), so a
     decode step expands only its new position (transformers' class caches the latent and expands every cached
     position again at every step). No ``kv_quant``: a quantized KV-cache scheme is refused for these layers by the
     loaders that apply one."""
