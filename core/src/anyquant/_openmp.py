@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -32,15 +33,24 @@ _T = TypeVar("_T")
 #: ``omp_pause_soft`` in OpenMP 5's ``omp_pause_resource_t``
 OMP_PAUSE_SOFT = 1
 
-_pause: Any = None  # the loaded libgomp's omp_pause_resource_all, once found
-_lock = threading.Lock()
+#: the loaded libgomp's omp_pause_resource_all once found; ``False`` once none was found with torch imported (the
+#: library that loads it: no later call looks again); ``None`` not looked for yet
+_pause: Any = None
 
 
 def _find_pause() -> Any:
     """``omp_pause_resource_all`` of the libgomp this process has loaded (``None``: none loaded, or too old)."""
     global _pause
-    if _pause is not None:
-        return _pause
+    if _pause is None:
+        found = _scan()
+        if found is not None or "torch" in sys.modules:  # before torch, a later call may find it loaded
+            _pause = found if found is not None else False
+        return found
+    return _pause or None
+
+
+def _scan() -> Any:
+    """Look for it among the process's mapped libraries (``/proc/self/maps``; ``None``: none, or no such file)."""
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             paths = {line.split(None, 5)[-1].strip() for line in maps if "libgomp" in line}
@@ -53,8 +63,6 @@ def _find_pause() -> Any:
         except (OSError, AttributeError):  # gone, or a libgomp before OpenMP 5 (GCC < 9)
             continue
         pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        with _lock:
-            _pause = pause
         return pause
     return None
 
@@ -77,8 +85,8 @@ def pool_released() -> Iterator[None]:
 
 def released_after(items: Iterable[_T]) -> Iterator[_T]:
     """``items`` as an iterator that calls :func:`release_thread_pool` when it ends or is closed, on the thread that
-    made it (a stream finished or dropped on another thread leaves that thread's pool alone); ``close()`` reaches
-    ``items``."""
+    started iterating it (a stream finished or dropped on another thread leaves that thread's pool alone);
+    ``close()`` reaches ``items``."""
     owner = threading.get_ident()
     try:
         yield from items

@@ -25,6 +25,7 @@ __all__ = [
     "MIN_DYNAMIC_SCALE",
     "QuantizedInputs",
     "quantize_fp8_activations",
+    "quantize_alike",
     "quantize_nvfp4_activations",
     "round_fp4",
     "shared_inputs",
@@ -154,7 +155,7 @@ class QuantizedInputs(nn.Module):
     def same_inputs(self, other: QuantizedInputs) -> bool:
         """Whether ``other`` quantizes an input exactly as this does: the same function with equal arguments and
         equal scales (llm-compressor's NVFP4 gives q/k/v, and gate/up, one input global scale), so one quantized
-        input serves both (:func:`shared_inputs`)."""
+        input serves both (:func:`quantize_alike`)."""
         mine, theirs = self.quantize, other.quantize
         if getattr(mine, "func", mine) is not getattr(theirs, "func", theirs):
             return False
@@ -172,17 +173,18 @@ class QuantizedInputs(nn.Module):
         return self.describe
 
 
-def shared_inputs(members: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor] | None:
-    """``members`` applied to ``x`` with its quantization done once, when they are :class:`QuantizedInputs` that
-    quantize alike (:meth:`QuantizedInputs.same_inputs`) and carry no hooks; else ``None``. Bit for bit the members
-    called one by one: the same quantized input reaches each inner layer."""
+def quantize_alike(members: list[nn.Module]) -> bool:
+    """Whether ``members`` are two or more :class:`QuantizedInputs` that quantize an input alike
+    (:meth:`QuantizedInputs.same_inputs`), so that :func:`shared_inputs` may run them."""
     first = members[0]
-    if not isinstance(first, QuantizedInputs) or len(members) < 2:
-        return None
-    if any(not isinstance(m, QuantizedInputs) or m._forward_hooks or m._forward_pre_hooks for m in members):
-        return None
-    same = cast(list[QuantizedInputs], members)
-    if not all(first.same_inputs(m) for m in same[1:]):
-        return None
+    if len(members) < 2 or not all(isinstance(m, QuantizedInputs) for m in members):
+        return False
+    return all(cast(QuantizedInputs, first).same_inputs(cast(QuantizedInputs, m)) for m in members[1:])
+
+
+def shared_inputs(members: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """``members`` (:func:`quantize_alike`) applied to ``x`` with its quantization done once: bit for bit the members
+    called one by one (their hooks aside), the same quantized input reaching each inner layer."""
+    first = cast(QuantizedInputs, members[0])
     q = first.quantize(x, **{name: getattr(first, name) for name in first._inputs})
-    return [cast(torch.Tensor, m.inner(q)) for m in same]
+    return [cast(torch.Tensor, cast(QuantizedInputs, m).inner(q)) for m in members]

@@ -5,11 +5,14 @@ which builds the decode step: an import circle)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .activations import quantize_alike, shared_inputs
 
 if TYPE_CHECKING:
     from anyquant_cpu.engine import FastInt4Linear
@@ -123,7 +126,7 @@ def fusion(module: nn.Module, names: tuple[str, ...]) -> FusedInt4 | None:
     return fused
 
 
-def _hooked(members: list[FastInt4Linear]) -> bool:
+def _hooked(members: Sequence[nn.Module]) -> bool:
     """Hooks on one of ``members`` or global ones: the members then run one by one, so that the hooks fire."""
     from torch.nn.modules import module as module_mod
 
@@ -141,13 +144,11 @@ def _joint(module: nn.Module, names: tuple[str, ...], h: torch.Tensor) -> list[t
     if outs is not None:
         return outs
     members = [getattr(module, n) for n in names]
-    if module.__dict__.get("_shared_inputs", True):
-        from .activations import shared_inputs
-
-        outs = shared_inputs(members, h)
-        if outs is not None:
-            return outs
-        module.__dict__["_shared_inputs"] = False  # never again for this module (its members do not change)
+    alike = module.__dict__.get("_inputs_alike")
+    if alike is None:  # decided once, as fusion() is: the members and their scales do not change
+        alike = module.__dict__["_inputs_alike"] = quantize_alike(members)
+    if alike and not _hooked(members):
+        return shared_inputs(members, h)
     return [m(h) for m in members]
 
 

@@ -352,10 +352,7 @@ def _deepseek_reason(config: Mapping[str, Any]) -> str | None:
     sizes = ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_intermediate_size"]
     sizes += ["num_experts_per_tok"] + (["n_group", "topk_group"] if method != "greedy" else [])
     values = {key: config.get(key) for key in sizes}
-    # transformers' attribute maps: num_local_experts (V3) and num_experts (V2) are n_routed_experts
-    values["n_routed_experts"] = config.get("n_routed_experts") or config.get(
-        "num_local_experts" if not v2 else "num_experts"
-    )
+    values["n_routed_experts"] = _routed_experts(config)
     if config.get("q_lora_rank") is not None:
         values["q_lora_rank"] = config["q_lora_rank"]
     for key, value in values.items():
@@ -393,6 +390,13 @@ def _deepseek_reason(config: Mapping[str, Any]) -> str | None:
         if not _number(rope.get("factor")) or not _number(rope.get("original_max_position_embeddings")):
             return "yarn rotary parameters without a numeric factor and original_max_position_embeddings"
     return None
+
+
+def _routed_experts(config: Mapping[str, Any]) -> Any:
+    """A DeepSeek config's routed expert count: ``n_routed_experts``, else the name transformers' attribute map gives
+    it (V3: ``num_local_experts``, V2: ``num_experts``)."""
+    alias = "num_experts" if config.get("model_type") == "deepseek_v2" else "num_local_experts"
+    return config.get("n_routed_experts") or config.get(alias)
 
 
 def _num_experts(config: Mapping[str, Any]) -> Any:
@@ -530,7 +534,7 @@ class NativeConfig:
             scale = _yarn_mscale(float(self.rope["factor"]), float(self.rope["mscale_all_dim"]))
             self.scaling = self.scaling * scale * scale
         v2 = self.deepseek_v2
-        self.num_experts = int(c.get("n_routed_experts") or c["num_experts" if v2 else "num_local_experts"])
+        self.num_experts = int(_routed_experts(c))
         self.moe_intermediate_size = int(c["moe_intermediate_size"])
         self.n_shared_experts = int(c.get("n_shared_experts", 2 if v2 else 0))
         #: V2's ``topk_method`` (``greedy`` or ``group_limited_greedy``); V3's is ``noaux_tc``
