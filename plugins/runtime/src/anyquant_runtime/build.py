@@ -159,16 +159,6 @@ _SIZE_KEYS = (
 )
 #: what the native decoder cannot do without
 _NATIVE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-#: non-negative finite numbers where present (also inside ``rope_parameters`` / ``rope_scaling``: YaRN's too)
-_NUMBER_KEYS = (
-    "rms_norm_eps",
-    "layer_norm_eps",
-    "layer_norm_epsilon",
-    "rope_theta",
-    "factor",
-    "mscale",
-    "mscale_all_dim",
-)
 #: above zero where present (a log or a division by them in the rotary tables)
 _POSITIVE_KEYS = (
     "rope_theta",
@@ -178,7 +168,8 @@ _POSITIVE_KEYS = (
     "beta_slow",
     "original_max_position_embeddings",
 )
-_NUMBER_KEYS += _POSITIVE_KEYS[2:]
+#: non-negative finite numbers where present (also inside ``rope_parameters`` / ``rope_scaling``: YaRN's too)
+_NUMBER_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "mscale", "mscale_all_dim", *_POSITIVE_KEYS)
 #: the rotary table is a real tensor of head_dim / 2 values, even on the meta device
 _MAX_HEAD_DIM = 1 << 16
 
