@@ -229,8 +229,9 @@ class TorchGenerator:
             raise ParameterError(f"the {what} holds token id {bad[0]}, outside this model's vocabulary (0..{vocab}-1)")
         return out
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+    def decode(self, ids: Sequence[int], special: bool = False) -> str:
+        """The text of ``ids``, without the special tokens' text (with it, ``special``)."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=not special))
 
     # ------------------------------------------------------------------ core loop
     def cap(self, prompt_tokens: int, params: GenerationParams) -> Cap | None:

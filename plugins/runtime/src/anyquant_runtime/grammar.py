@@ -45,7 +45,7 @@ COMPILE_TIMEOUT = 10.0
 #: compiled grammars kept (least recently used dropped first)
 CACHE_SIZE = 64
 
-Kind = Literal["json_object", "json_schema", "regex", "choice", "tool_calls"]
+Kind = Literal["json_object", "json_schema", "regex", "choice", "tool_calls", "tagged"]
 
 
 class GrammarError(ParameterError):
@@ -69,8 +69,8 @@ def unavailable() -> str | None:
 @dataclass(frozen=True)
 class OutputFormat:
     """What the output must be: ``json_object`` (any JSON object), ``json_schema`` (``spec``: the schema as JSON
-    text), ``regex`` (``spec``: the expression) or ``choice`` (``spec``: a JSON list of the strings allowed).
-    Made through the class methods, which bound the size."""
+    text), ``regex`` (``spec``: the expression), ``choice`` (``spec``: a JSON list of the strings allowed),
+    ``tool_calls`` or ``tagged`` (tool calls: :meth:`tool_calls`, :meth:`tagged`). Made through the class methods, which bound the size."""
 
     kind: Kind
     spec: str = ""
@@ -116,6 +116,21 @@ class OutputFormat:
         except (TypeError, ValueError, RecursionError) as exc:
             raise GrammarError(f"the tools' parameters are not JSON: {exc}") from None
         return cls("tool_calls", _bounded(text, "the tools' schema"))
+
+    @classmethod
+    def tagged(cls, options: Sequence[tuple[str, Mapping[str, Any]]]) -> OutputFormat:
+        """One of ``options``: its text, then a JSON value of its schema (a harmony tool call: the header naming
+        the function, then its arguments)."""
+        if not options or not all(isinstance(s, Mapping) and isinstance(t, str) and t for t, s in options):
+            raise GrammarError("each option is a non-empty text and an object schema")
+        for _, schema in options:
+            _check_enforced(schema, "", 0)
+        spec = [{"begin": text, "schema": schema} for text, schema in options]
+        try:
+            text = json.dumps(spec, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise GrammarError(f"the tools' parameters are not JSON: {exc}") from None
+        return cls("tagged", _bounded(text, "the tools' schema"))
 
     @classmethod
     def regex(cls, pattern: str) -> OutputFormat:
@@ -272,6 +287,8 @@ class Grammars:
                 return compiler.compile_regex(fmt.spec)
             if fmt.kind == "tool_calls":
                 return compiler.compile_grammar(_tool_calls_grammar(json.loads(fmt.spec)))
+            if fmt.kind == "tagged":
+                return compiler.compile_grammar(_tagged_grammar(json.loads(fmt.spec)))
             choices = json.loads(fmt.spec)
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
         except Exception as exc:  # xgrammar raises RuntimeError (and ValueError) with its parser's message
@@ -285,21 +302,39 @@ class Grammars:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _literal(text: str) -> Any:
+    import xgrammar as xg
+
+    return xg.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
+
+
+def _value(schema: Any) -> Any:
+    """A JSON value of ``schema``, on one line, strict: no property the schema does not name."""
+    import xgrammar as xg
+
+    return xg.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+
+
+def _tagged_grammar(spec: Sequence[Mapping[str, Any]]) -> Any:
+    """One of the options: its ``begin`` text, then a JSON value of its ``schema``."""
+    import xgrammar as xg
+
+    options = [xg.Grammar.concat(_literal(o["begin"]), _value(o["schema"])) for o in spec]
+    return xg.Grammar.union(*options) if len(options) > 1 else options[0]
+
+
 def _tool_calls_grammar(spec: Mapping[str, Any]) -> Any:
     """``begin schema end`` once, or up to ``max_calls`` times joined by ``sep``, as one xgrammar grammar (the
     JSON on one line, strict: no property the schema does not name)."""
     import xgrammar as xg
 
-    def literal(text: str) -> Any:
-        return xg.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
-
-    value = xg.Grammar.from_json_schema(json.dumps(spec["schema"]), any_whitespace=False, strict_mode=True)
-    one = [literal(spec["begin"])] if spec["begin"] else []
-    one += [value] + ([literal(spec["end"])] if spec["end"] else [])
+    value = _value(spec["schema"])
+    one = [_literal(spec["begin"])] if spec["begin"] else []
+    one += [value] + ([_literal(spec["end"])] if spec["end"] else [])
     call = xg.Grammar.concat(*one) if len(one) > 1 else one[0]
     options, calls = [call], call
     for _ in range(int(spec["max_calls"]) - 1):
-        calls = xg.Grammar.concat(calls, literal(spec["sep"]), call) if spec["sep"] else xg.Grammar.concat(calls, call)
+        calls = xg.Grammar.concat(calls, _literal(spec["sep"]), call) if spec["sep"] else xg.Grammar.concat(calls, call)
         options.append(calls)
     return xg.Grammar.union(*options) if len(options) > 1 else call
 
@@ -310,6 +345,7 @@ def _what(fmt: OutputFormat) -> str:
         "json_schema": "JSON schema",
         "regex": "regular expression",
         "tool_calls": "tools' call schema",
+        "tagged": "tools' call schema",
     }.get(fmt.kind, "list of choices")
 
 

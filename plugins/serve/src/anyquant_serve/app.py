@@ -19,6 +19,7 @@ from typing import Any
 
 from anyquant.plugin import AnyquantError, TokenLogprob
 
+from .harmony import HarmonyStream, parse_harmony
 from .scheduler import Finished, QueueFull, Request
 from .schema import MAX_CHOICES, ChatRequest, CompletionRequest, RequestError, parse_json, validate
 from .tools import ToolStream, parse_tool_calls
@@ -69,6 +70,9 @@ class _Job:
     grammar: Any = None  # the format compiled (off the event loop: :func:`_compiled`)
     #: tool calls: the format the chat template's model writes them in, parsed back from each answer
     tools: Any = None
+    #: the chat template writes OpenAI's harmony format (gpt-oss): answers decoded with their channel markers and
+    #: split into reasoning, content and tool calls (:mod:`.harmony`)
+    harmony: bool = False
     stats: Any = None  # the request's :class:`~.metrics.RequestStats` when the server keeps metrics
 
 
@@ -85,8 +89,10 @@ def _prompt_ids(app: _Server, request: ChatRequest | CompletionRequest) -> list[
     try:
         if isinstance(request, ChatRequest):
             messages = [m.template_dict() for m in request.messages]
-            if request.tool_mode() != "none":
-                return list(app.adapter.encode_chat(messages, _tool_dicts(request)))
+            tools = _tool_dicts(request) if request.tool_mode() != "none" else None
+            if tools is not None or request.reasoning_effort is not None:
+                extra = {"reasoning_effort": request.reasoning_effort} if request.reasoning_effort is not None else {}
+                return list(app.adapter.encode_chat(messages, tools, **extra))
             return list(app.adapter.encode(messages, chat=True))
         if isinstance(request.prompt, list):  # token ids, checked against the vocabulary by the schema
             return list(request.prompt)
@@ -101,10 +107,39 @@ def _tool_dicts(request: ChatRequest) -> list[dict[str, Any]]:
     return [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
 
 
-def _tool_format(app: _Server, request: ChatRequest) -> Any:
-    """The tool-call format of the model's chat template (:mod:`.tools`), or ``None`` when the request offers no
-    tools (or ``tool_choice: "none"``); a 400 when the engine or the template cannot take tools."""
-    from .tools import detect_format, supports_tools
+def _harmony(app: _Server) -> bool:
+    """Whether the model's chat template writes OpenAI's harmony format and this engine decodes the answers with
+    their markers (:mod:`.harmony`)."""
+    from .harmony import is_harmony
+
+    if not getattr(app.scheduler, "special_text", False) or not hasattr(app.adapter, "chat_template"):
+        return False
+    source = app.adapter.chat_template()
+    return source is not None and is_harmony(source)
+
+
+def _template_reads(app: _Server, request: ChatRequest) -> None:
+    """A 400 when the request sets ``reasoning_effort`` and the chat template never reads it (OpenAI answers a
+    model without reasoning the same way)."""
+    from .tools import template_reads
+
+    if request.reasoning_effort is None:
+        return
+    source = app.adapter.chat_template() if hasattr(app.adapter, "encode_chat") else None
+    if source is None or not template_reads(source, "reasoning_effort"):
+        raise ApiError(
+            400,
+            "reasoning_effort is not supported with this model (its chat template does not read it)",
+            "unsupported_parameter",
+            "reasoning_effort",
+        )
+
+
+def _tool_format(app: _Server, request: ChatRequest, harmony: bool = False) -> Any:
+    """The tool-call format of the model's chat template (:mod:`.tools`; :data:`~.tools.HARMONY` for a harmony
+    template), or ``None`` when the request offers no tools (or ``tool_choice: "none"``); a 400 when the engine
+    or the template cannot take tools."""
+    from .tools import HARMONY, detect_format, supports_tools
 
     mode = request.tool_mode()
     if mode == "none":
@@ -114,12 +149,12 @@ def _tool_format(app: _Server, request: ChatRequest) -> Any:
     source = app.adapter.chat_template()
     if source is None or not supports_tools(source):
         raise ApiError(400, "this model's chat template has no tool support", "unsupported_parameter", "tools")
-    fmt = detect_format(source)
+    fmt = HARMONY if harmony else detect_format(source)
     if fmt is None:
         raise ApiError(
             400,
             "this model's chat template writes tool calls in a format anyquant serve does not parse "
-            "(it parses Hermes/Qwen <tool_call>, Llama 3 JSON and Mistral [TOOL_CALLS])",
+            "(it parses Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS] and gpt-oss's harmony)",
             "unsupported_parameter",
             "tools",
         )
@@ -153,6 +188,10 @@ def _tool_constraint(request: ChatRequest, fmt: Any) -> tuple[str, Any] | None:
     name = request.tool_choice.function.name if mode == "function" else None  # type: ignore[union-attr]
     calls = MAX_PARALLEL_CALLS if mode == "required" and request.parallel_tool_calls is not False else 1
     try:
+        if fmt.name == "harmony":  # one call a turn: its header naming the function, then its arguments
+            from .harmony import call_options
+
+            return "tools", OutputFormat.tagged(call_options(_tool_dicts(request), name))
         schema = call_schema(_tool_dicts(request), fmt, name)
         if fmt.array:  # one JSON array of calls after the marker
             schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": calls}
@@ -203,8 +242,11 @@ def _engine_refuses(app: _Server, request: ChatRequest | CompletionRequest) -> N
         )
 
 
-def _params(request: ChatRequest | CompletionRequest) -> Any:
+def _params(request: ChatRequest | CompletionRequest, harmony: bool = False) -> Any:
+    """The request's sampling parameters; ``harmony``: its answer also stops at ``<|call|>`` and ``<|return|>``."""
     from anyquant.plugin import GenerationParams
+
+    from .harmony import ENDS
 
     extras: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias"):
@@ -219,7 +261,7 @@ def _params(request: ChatRequest | CompletionRequest) -> Any:
             top_k=request.top_k or 0,
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
             seed=request.seed,
-            stop=request.stops(),
+            stop=request.stops() + (tuple(s for s in ENDS if s not in request.stops()) if harmony else ()),
             logprobs=top is not None,
             top_logprobs=top or 0,
             **extras,
@@ -277,11 +319,15 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
             "model_not_found",
         )
     _engine_refuses(app, request)
-    tools = _tool_format(app, request) if isinstance(request, ChatRequest) else None
+    harmony = isinstance(request, ChatRequest) and _harmony(app)
+    tools = None
+    if isinstance(request, ChatRequest):
+        _template_reads(app, request)
+        tools = _tool_format(app, request, harmony)
     fmt = _output_format(request)
     if isinstance(request, ChatRequest) and tools is not None:
         fmt = _tool_constraint(request, tools) or fmt
-    params = _params(request)
+    params = _params(request, harmony)
     top = request.top()
     echo = isinstance(request, CompletionRequest) and bool(request.echo)
     ids = _prompt_ids(app, request)
@@ -307,7 +353,7 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
         text = request.prompt if isinstance(request.prompt, str) else app.adapter.decode(ids)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     job = _Job(ids, params, max_tokens, bool(request.stream), include_usage, top is not None, request.n or 1, text)
-    job.format, job.tools = fmt, tools
+    job.format, job.tools, job.harmony = fmt, tools, harmony
     return job
 
 
@@ -481,6 +527,7 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
                     params = replace(params, seed=(params.seed + i) % 2**63)  # past 2**63 - 1: from 0 again
                 work = Request(job.ids, params, job.max_tokens, run.emit, run.finish, deadline)
                 work.grammar = job.grammar  # each choice its own matcher over the one compiled grammar
+                work.special = job.harmony
                 if job.logprobs:
                     work.logprob = run.logprob
                     if job.echo is not None:
@@ -616,14 +663,19 @@ def _choice(shapes: _Shapes, job: _Job, index: int, c: _Choice) -> dict[str, Any
     assert c.done is not None
     text = "".join(c.pieces)
     reason = "length" if c.done.reason == "length" else "stop"
-    if shapes.chat:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+    if shapes.chat and job.harmony:
+        answer = parse_harmony(text, job.tools is not None)
+        message: dict[str, Any] = answer.message()
+        reason = "tool_calls" if answer.calls else reason
+        out: dict[str, Any] = {"index": index, "message": message}
+    elif shapes.chat:
+        message = {"role": "assistant", "content": text}
         if job.tools is not None:
             content, calls = parse_tool_calls(text, job.tools)
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 reason = "tool_calls"
-        out: dict[str, Any] = {"index": index, "message": message}
+        out = {"index": index, "message": message}
     else:
         out = {"index": index, "text": (job.echo or "") + text}
     shape = None
@@ -695,8 +747,12 @@ async def _sse(
     done: list[Finished | None] = [None] * len(works)
     # tool calls: each choice's content sent until a call may start, its calls streamed as they are generated
     calls: list[ToolStream] | None = None
-    if chat and job.tools is not None:
+    if chat and job.tools is not None and not job.harmony:
         calls = [ToolStream(job.tools) for _ in works]
+    # harmony (gpt-oss): each choice's text split into reasoning, content and tool calls as it is generated
+    channels: list[HarmonyStream] | None = None
+    if chat and job.harmony:
+        channels = [HarmonyStream(job.tools is not None) for _ in works]
 
     def tool_chunks(index: int, content: str, deltas: list[dict[str, Any]]) -> Iterator[str]:
         """A choice's content, then its ``delta.tool_calls`` entries as OpenAI streams them, one a chunk: a call's
@@ -705,6 +761,14 @@ async def _sse(
             yield chunk([piece(index, content, None)])
         for delta in deltas:
             yield chunk([{"index": index, "delta": {"tool_calls": [delta]}, "finish_reason": None, "logprobs": None}])
+
+    def channel_chunks(index: int, deltas: list[dict[str, Any]]) -> Iterator[str]:
+        """A harmony choice's deltas (:class:`~.harmony.HarmonyStream`), one a chunk; the log-probabilities of the
+        tokens behind them with the first."""
+        for delta in deltas:
+            first = piece(index, None, None)
+            first["delta"] = delta
+            yield chunk([first])
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return json.dumps({**head, "object": obj, "choices": choices, **extra}, ensure_ascii=False)
@@ -742,6 +806,10 @@ async def _sse(
                     yield json.dumps(bad.body())
                     break
                 reason = "length" if item.reason == "length" else "stop"
+                if channels is not None:
+                    for out in channel_chunks(index, channels[index].finish()):
+                        yield out
+                    reason = channels[index].reason(reason)
                 if calls is not None:
                     for out in tool_chunks(index, *calls[index].finish()):
                         yield out
@@ -760,6 +828,10 @@ async def _sse(
                 continue
             if isinstance(item, TokenLogprob):
                 pending[index].append(item)
+                continue
+            if channels is not None:
+                for out in channel_chunks(index, channels[index].feed(item)):
+                    yield out
                 continue
             if calls is not None:
                 for out in tool_chunks(index, *calls[index].feed(item)):

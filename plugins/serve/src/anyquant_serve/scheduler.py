@@ -112,17 +112,23 @@ class ModelAdapter:
 
         return template_source(self.generator.tokenizer, with_tools)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Chat messages and OpenAI tools rendered by the model's own chat template (``tools=``), as token ids."""
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, **variables: Any
+    ) -> list[int]:
+        """Chat messages and OpenAI tools rendered by the model's own chat template (``tools=``, when not ``None``;
+        ``variables``: more the template reads, such as ``reasoning_effort``), as token ids."""
         from anyquant_runtime.chat import render_chat
         from anyquant_runtime.tokenizer import encode_text
 
         tok = self.generator.tokenizer
-        text = render_chat(tok, list(messages), context_length=self.context, add_generation_prompt=True, tools=tools)
+        if tools is not None:
+            variables["tools"] = tools
+        text = render_chat(tok, list(messages), context_length=self.context, add_generation_prompt=True, **variables)
         return encode_text(tok, text, add_special_tokens=False)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.generator.decode(ids))
+    def decode(self, ids: Sequence[int], special: bool = False) -> str:
+        """The text of ``ids``; ``special``: with the special tokens' text (harmony's markers), else without."""
+        return str(self.generator.decode(ids, special=special))
 
     def stop_ids(self, stops: Sequence[str]) -> frozenset[int]:
         return frozenset(self.generator.stop_ids(tuple(stops)))
@@ -189,6 +195,8 @@ class Request:
     prompt_top: int = 0
     #: structured output: a compiled grammar (:meth:`ModelAdapter.grammars`) the tokens must follow
     grammar: Any = None
+    #: the text keeps the special tokens' text (a harmony answer's channel markers, parsed by the server)
+    special: bool = False
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -233,7 +241,7 @@ class _Live:
             return
         self.last = token
         self.generated.append(token)
-        text = stable(self.adapter.decode(self.generated))
+        text = stable(self.adapter.decode(self.generated, self.request.special))
         cut = find_stop(text, stops)
         if cut is not None:
             self._send(text[:cut])
@@ -245,7 +253,7 @@ class _Live:
             self.end("length")
 
     def _flush(self) -> None:
-        text = self.adapter.decode(self.generated)
+        text = self.adapter.decode(self.generated, self.request.special)
         cut = find_stop(text, self.request.params.stop)
         self._send(text if cut is None else text[:cut])
 
@@ -300,6 +308,8 @@ class Scheduler:
     prompt_only = True
     #: constrains rows to a grammar (``Request.grammar``): ``response_format`` and the ``guided_*`` extensions
     structured_output = True
+    #: decodes with the special tokens' text (``Request.special``): gpt-oss's harmony answers are parsed
+    special_text = True
 
     def __init__(
         self,

@@ -451,7 +451,8 @@ class ChatRequest(_Request):
     modalities: Annotated[Any, AfterValidator(_neutral(["text"]))] = None
     audio: Unsupported = None
     prediction: Unsupported = None
-    reasoning_effort: Unsupported = None
+    #: passed to the chat template, which must read it (gpt-oss's: ``Reasoning: low``)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     verbosity: Unsupported = None
     web_search_options: Unsupported = None
     echo: Annotated[Any, AfterValidator(_neutral(False))] = None  # completions' only

@@ -30,6 +30,7 @@ from typing import Any
 
 __all__ = [
     "FORMATS",
+    "HARMONY",
     "ToolFormat",
     "ToolStream",
     "call_schema",
@@ -37,6 +38,7 @@ __all__ = [
     "new_call_id",
     "parse_tool_calls",
     "supports_tools",
+    "template_reads",
     "template_source",
 ]
 
@@ -59,6 +61,8 @@ HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "argument
 LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters")
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "", "", "arguments", array=True)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+#: gpt-oss's harmony format: a call is a message to ``functions.<name>`` (parsed by :mod:`.harmony`, not here)
+HARMONY = ToolFormat("harmony", "", "", "", "arguments")
 
 #: the most calls one constrained answer may hold when ``parallel_tool_calls`` is on
 MAX_PARALLEL_CALLS = 4
@@ -75,16 +79,21 @@ def template_source(tokenizer: Any, with_tools: bool = True) -> str | None:
     return source if isinstance(source, str) and source else None
 
 
-def supports_tools(source: str) -> bool:
-    """Whether the template reads a ``tools`` variable (jinja2's own analysis; a plain search where it cannot
+def template_reads(source: str, name: str) -> bool:
+    """Whether the template reads the variable ``name`` (jinja2's own analysis; a plain search where it cannot
     parse the template)."""
     try:
         import jinja2
         import jinja2.meta
 
-        return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source))
+        return name in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source))
     except Exception:  # an extension transformers' environment has and a bare one does not: search the text
-        return re.search(r"\btools\b", source) is not None
+        return re.search(rf"\b{re.escape(name)}\b", source) is not None
+
+
+def supports_tools(source: str) -> bool:
+    """Whether the template reads a ``tools`` variable."""
+    return template_reads(source, "tools")
 
 
 def detect_format(source: str) -> ToolFormat | None:
