@@ -81,6 +81,9 @@ class GenerationResult:
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
     logprobs: tuple[TokenLogprob, ...] | None = None
     capped: Cap | None = None
+    #: a reasoning model's reasoning, apart from its answer ``text`` (gpt-oss's ``analysis`` channel, when a chat
+    #: template in OpenAI's harmony format rendered the prompt); ``None`` when there is none
+    reasoning: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -108,16 +111,19 @@ class StreamChunk:
     usage: Usage | None = None
     timings: Timings | None = None
     capped: Cap | None = None
+    reasoning: str = ""  # new reasoning text (GenerationResult.reasoning), apart from the answer's ``text``
 
 
 def collect(chunks: Iterable[StreamChunk]) -> GenerationResult:
     """The :class:`~anyquant.results.GenerationResult` of a ``complete_stream``'s chunks."""
     text: list[str] = []
+    reasoning: list[str] = []
     ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
     cap = None
     for chunk in chunks:
         text.append(chunk.text)
+        reasoning.append(chunk.reasoning)
         ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             logprobs = (logprobs or []) + list(chunk.logprobs)
@@ -133,5 +139,6 @@ def collect(chunks: Iterable[StreamChunk]) -> GenerationResult:
                 stop_string=chunk.stop_string,
                 logprobs=None if logprobs is None else tuple(logprobs),
                 capped=cap,
+                reasoning="".join(reasoning) or None,
             )
     raise RuntimeError("the stream ended without a final chunk")  # a generator's defect, never the user's

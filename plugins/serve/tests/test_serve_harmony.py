@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from anyquant_serve.harmony import HarmonyStream, call_options, is_harmony, parse_harmony
+from anyquant_runtime.harmony import HarmonyStream, call_options, is_harmony, parse_harmony
 from plugins.serve.tests.servers import serving
 from plugins.serve.tests.test_serve_tools import NAME, QWEN25_TEMPLATE, TIME, TOOLS
 
@@ -285,3 +285,48 @@ def test_history_effort_and_refusals(harmony_client: Any) -> None:
         with pytest.raises(openai.BadRequestError, match="reasoning_effort") as info:
             client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=1, reasoning_effort="low")
         assert info.value.body["param"] == "reasoning_effort"
+
+
+# ---------------------------------------------------------------------- the library: complete, stream, generate
+
+SCRIPT = (
+    "<|channel|>analysis<|message|>Think it over.<|end|><|start|>assistant<|channel|>final<|message|>Sunny."
+    "<|return|>never reached"
+)
+
+
+@pytest.mark.model
+def test_library_answers_split_by_channel(harmony_model: Path) -> None:
+    """``complete`` on a chat prompt rendered by a harmony template: ``text`` is the final channel, ``reasoning`` the
+    analysis, the answer ends at ``<|return|>`` (a special token here, as in gpt-oss); ``complete_stream``'s chunks
+    join into the same two texts; ``stream`` and ``generate_batch`` give the final channel. The tokens are
+    scripted through ``token_steps`` (the generator's seam for another token loop): what is tested is the decode
+    and the split, with this tokenizer."""
+    import anyquant
+    from anyquant.params import GenerationParams
+    from anyquant_runtime.generate import TorchGenerator
+
+    model = anyquant.load(str(harmony_model))
+    script = model.tokenizer.encode(SCRIPT, add_special_tokens=False)
+    assert sum(1 for i in script if i < 17) == 7  # the markers are single special tokens
+
+    class Scripted(TorchGenerator):
+        def token_steps(self, batch: Any, params: Any, ends: Any = None) -> Iterator[list[int | None]]:
+            done = [False] * len(batch)
+            for token in script:
+                yield [None if d else token for d in done]
+                done = [d or token in (ends or ()) for d in done]
+
+    gen = Scripted(model.module, model.tokenizer)
+    params = GenerationParams(max_new_tokens=64)
+    result = gen.complete(MESSAGES, params)
+    assert (result.text, result.reasoning) == ("Sunny.", "Think it over.")
+    assert result.finish_reason == "stop" and result.stop_string is None
+    assert list(result.token_ids) == script[: script.index(7) + 1]  # up to <|return|> (id 7), which ends it
+    chunks = list(gen.complete_stream(MESSAGES, params))
+    assert "".join(c.text for c in chunks) == "Sunny." and "".join(c.reasoning for c in chunks) == "Think it over."
+    assert sum(1 for c in chunks if c.reasoning) > 1  # the reasoning streams as it comes
+    assert "".join(gen.stream(MESSAGES, params)) == "Sunny."
+    assert gen.generate_batch([MESSAGES, MESSAGES], params) == ["Sunny.", "Sunny."]
+    plain = gen.complete("Weather?", params)  # no chat template: not split, markers dropped as before
+    assert plain.reasoning is None and plain.text.startswith("analysisThink it over.assistantfinalSunny.")

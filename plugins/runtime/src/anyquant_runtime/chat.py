@@ -37,6 +37,7 @@ __all__ = [
     "CHAT_TEMPLATE_MIN_CHARS",
     "CHAT_TEMPLATE_SECONDS",
     "render_chat",
+    "template_source",
 ]
 
 #: wall-clock seconds a chat template may take to render (real templates take milliseconds).
@@ -144,6 +145,17 @@ def _hook_output(tokenizer: Any, kwargs: Mapping[str, Any]) -> bool:
     if env.concat is not _counting_concat:
         env.concat = _counting_concat
     return True
+
+
+def template_source(tokenizer: Any, with_tools: bool = True) -> str | None:
+    """The chat template's source text transformers would render (the ``tool_use`` one of a set, when there is
+    one and tools are passed), or ``None`` when the tokenizer has none."""
+    source = getattr(tokenizer, "chat_template", None)
+    if isinstance(source, list):  # [{"name": ..., "template": ...}] as tokenizer_config.json stores a set
+        source = {t.get("name"): t.get("template") for t in source if isinstance(t, Mapping)}
+    if isinstance(source, Mapping):
+        source = (source.get("tool_use") if with_tools else None) or source.get("default")
+    return source if isinstance(source, str) and source else None
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Any], context_length: int | None = None, **kwargs: Any) -> str:

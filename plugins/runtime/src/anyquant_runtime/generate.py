@@ -14,6 +14,7 @@ import numbers
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ from anyquant.errors import CheckpointError, ModelClosedError, NumericalError, P
 from anyquant.params import GenerationParams, Prompt
 from anyquant.results import Cap, GenerationResult, StreamChunk, Timings, TokenLogprob, Usage, collect
 
-from .chat import render_chat
+from .chat import render_chat, template_source
+from .harmony import ENDS as HARMONY_ENDS
+from .harmony import HarmonyStream, is_harmony, parse_harmony
 from .stops import find_stop, held_back, stable
 from .tokenizer import encode_text
 
@@ -378,7 +381,25 @@ class TorchGenerator:
     def stream(self, prompt: Prompt, params: GenerationParams) -> Iterator[str]:
         ids = self.encode(prompt, params)  # now: a bad prompt raises here, not at the first next()
         self._check_prompts([ids])
+        if self.harmony(prompt, params):  # the answer's text: its final channel (the reasoning is complete's)
+            chunks = self._complete_stream(ids, replace(params, logprobs=False), self._own(), harmony=True)
+            return (chunk.text for chunk in chunks if chunk.text)
         return self._stream(ids, params)
+
+    def harmony(self, prompt: Prompt, params: GenerationParams) -> bool:
+        """Whether ``prompt`` is rendered by a chat template in OpenAI's harmony format (gpt-oss's): its answer is
+        then decoded with the channel markers and split (:mod:`.harmony`): the ``final`` channel is the text, the
+        ``analysis`` channel the result's ``reasoning``; the answer ends at ``<|call|>`` and ``<|return|>``."""
+        if self.tokenizer is None or _is_token_ids(prompt):
+            return False
+        if not (params.chat if params.chat is not None else not isinstance(prompt, str)):
+            return False
+        source = template_source(self.tokenizer, with_tools=False)
+        return source is not None and is_harmony(source)
+
+    def _own(self) -> bool:
+        """This class's token loop runs (a subclass may replace ``token_steps``)."""
+        return type(self).token_steps is TorchGenerator.token_steps
 
     def _check_prompts(self, batch: Sequence[Sequence[int]]) -> None:
         if min(len(ids) for ids in batch) == 0:
@@ -435,9 +456,13 @@ class TorchGenerator:
             return []
         encoded = [self.encode(p, params) for p in prompts]
         self._check_prompts(encoded)
+        harmony = [self.harmony(p, params) for p in prompts]
         generated: list[list[int]] = [[] for _ in prompts]
         finished = [False] * len(prompts)
         ends = self.eos_ids | self.stop_ids(params.stop)
+        if any(harmony):  # (only chat prompts are harmony's: a plain prompt in the batch ends at eos as before)
+            ends = ends | self.stop_ids(HARMONY_ENDS)
+        stops = [params.stop + HARMONY_ENDS if h else params.stop for h in harmony]
         for tokens in self.token_steps(encoded, params, ends):
             for i, token in enumerate(tokens):
                 if token is None or finished[i]:
@@ -446,15 +471,16 @@ class TorchGenerator:
                     finished[i] = True
                     continue
                 generated[i].append(token)
-                if params.stop and find_stop(stable(self.decode(generated[i])), params.stop) is not None:
+                if stops[i] and find_stop(stable(self.decode(generated[i], harmony[i])), stops[i]) is not None:
                     finished[i] = True
             if all(finished):
                 break
         results = []
-        for ids in generated:
-            text = self.decode(ids)
-            cut = find_stop(text, params.stop)
-            results.append(text if cut is None else text[:cut])
+        for ids, h, stop in zip(generated, harmony, stops, strict=True):
+            text = self.decode(ids, h)
+            cut = find_stop(text, stop)
+            text = text if cut is None else text[:cut]
+            results.append(parse_harmony(text, tools=False).content or "" if h else text)
         return results
 
     # ------------------------------------------------------------------ results
@@ -463,19 +489,29 @@ class TorchGenerator:
         ``usage`` and ``timings``. The prompt is checked now, not at the first ``next()``."""
         ids = self.encode(prompt, params)
         self._check_prompts([ids])
-        own = type(self).token_steps is TorchGenerator.token_steps
+        own = self._own()
         if params.logprobs and not own:
             raise ParameterError(f"logprobs: {type(self).__name__} does not report token log-probabilities")
-        return self._complete_stream(ids, params, own)
+        return self._complete_stream(ids, params, own, self.harmony(prompt, params))
 
     def complete(self, prompt: Prompt, params: GenerationParams) -> GenerationResult:
         return collect(self.complete_stream(prompt, params))
 
-    def _complete_stream(self, ids: list[int], params: GenerationParams, own: bool) -> Iterator[StreamChunk]:
+    def _complete_stream(
+        self, ids: list[int], params: GenerationParams, own: bool, harmony: bool = False
+    ) -> Iterator[StreamChunk]:
+        """The chunks of one completion; ``harmony``: the answer is decoded with its channel markers, ends at
+        ``<|call|>`` and ``<|return|>`` as at an end-of-sequence token, and each piece is split into the chunk's
+        ``text`` (the final channel) and ``reasoning`` (:class:`~.harmony.HarmonyStream`)."""
         cap = self.cap(len(ids), params)  # the first chunk says it (no log warning)
         stop_tokens = self.stop_ids(params.stop)
         token_stop = {i: s for s in params.stop for i in stop_tokens if i == self._added_id(s)}
         ends = self.eos_ids | stop_tokens
+        stops = params.stop
+        split: HarmonyStream | None = None
+        if harmony:
+            ends, stops = ends | self.stop_ids(HARMONY_ENDS), stops + HARMONY_ENDS
+            split = HarmonyStream(tools=False)
         seen: list[torch.Tensor] = []
         observe = seen.append if params.logprobs else None
         steps = (
@@ -502,16 +538,18 @@ class TorchGenerator:
                 if token in ends:
                     finish, stop_string, last = "stop", token_stop.get(token), (token, lp)
                     break
-                text = stable(self.decode(generated))
-                if find_stop(text, params.stop) is not None:
+                text = stable(self.decode(generated, harmony))
+                if find_stop(text, stops) is not None:
                     finish, last = "stop", (token, lp)
                     break
-                safe = len(text) - held_back(text, params.stop)
+                safe = len(text) - held_back(text, stops)
+                piece, reasoning = _split(split, text[emitted:safe] if safe > emitted else "", final=False)
                 chunk = StreamChunk(
-                    text[emitted:safe] if safe > emitted else "",
+                    piece,
                     (token,),
                     None if lp is None else (lp,),
                     capped=cap if not yielded else None,
+                    reasoning=reasoning,
                 )
                 emitted = max(emitted, safe)
                 yielded += 1
@@ -521,11 +559,12 @@ class TorchGenerator:
             if callable(close):
                 close()
         end = time.perf_counter()
-        text = self.decode(generated)
-        hit = _which_stop(text, params.stop)
+        text = self.decode(generated, harmony)
+        hit = _which_stop(text, stops)
         if hit is not None:
-            finish, stop_string = "stop", hit[1]
+            finish, stop_string = "stop", hit[1] if hit[1] in params.stop else None
             text = text[: hit[0]]
+        piece, reasoning = _split(split, text[emitted:] if len(text) > emitted else "", final=True)
         prefill = (first if first is not None else end) - start
         decode = end - first if first is not None else 0.0
         timings = Timings(
@@ -535,7 +574,7 @@ class TorchGenerator:
             decode_tokens_per_second=(len(generated) - 1) / decode if decode > 0 and len(generated) > 1 else None,
         )
         yield StreamChunk(
-            text[emitted:] if len(text) > emitted else "",
+            piece,
             () if last is None else (last[0],),
             None if not params.logprobs else () if last is None or last[1] is None else (last[1],),
             finish_reason="stop" if finish == "stop" else "length",
@@ -543,6 +582,7 @@ class TorchGenerator:
             usage=Usage(len(ids), len(generated)),
             timings=timings,
             capped=cap if not yielded else None,
+            reasoning=reasoning,
         )
 
     def _added_id(self, text: str) -> int | None:
@@ -718,6 +758,18 @@ def _takes(module: Any, name: str) -> bool:
 def _cache_keyword(module: Any) -> str:
     """Recent transformers call the KV cache argument ``cache``; older ones ``past_key_values``."""
     return "cache" if _takes(module, "cache") else "past_key_values"
+
+
+def _split(split: HarmonyStream | None, piece: str, final: bool) -> tuple[str, str]:
+    """A piece of a completion's text as the chunk's ``(text, reasoning)``: as it is without ``split``, else split
+    by harmony channel (everything not reasoning is text: :meth:`HarmonyStream.feed`, then its ``finish``)."""
+    if split is None:
+        return piece, ""
+    deltas = split.feed(piece) if piece else []
+    if final:
+        deltas += split.finish()
+    text = "".join(d.get("content", "") for d in deltas)
+    return text, "".join(d.get("reasoning_content", "") for d in deltas)
 
 
 def _is_token_ids(prompt: Any) -> bool:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from anyquant.plugin import AnyquantError, TokenLogprob
+from anyquant_runtime.harmony import HarmonyStream, parse_harmony
 
-from .harmony import HarmonyStream, parse_harmony
 from .scheduler import Finished, QueueFull, Request
 from .schema import MAX_CHOICES, ChatRequest, CompletionRequest, RequestError, parse_json, validate
 from .tools import ToolStream, parse_tool_calls
@@ -110,7 +110,7 @@ def _tool_dicts(request: ChatRequest) -> list[dict[str, Any]]:
 def _harmony(app: _Server) -> bool:
     """Whether the model's chat template writes OpenAI's harmony format and this engine decodes the answers with
     their markers (:mod:`.harmony`)."""
-    from .harmony import is_harmony
+    from anyquant_runtime.harmony import is_harmony
 
     if not getattr(app.scheduler, "special_text", False) or not hasattr(app.adapter, "chat_template"):
         return False
@@ -189,7 +189,7 @@ def _tool_constraint(request: ChatRequest, fmt: Any) -> tuple[str, Any] | None:
     calls = MAX_PARALLEL_CALLS if mode == "required" and request.parallel_tool_calls is not False else 1
     try:
         if fmt.name == "harmony":  # one call a turn: its header naming the function, then its arguments
-            from .harmony import call_options
+            from anyquant_runtime.harmony import call_options
 
             return "tools", OutputFormat.tagged(call_options(_tool_dicts(request), name))
         schema = call_schema(_tool_dicts(request), fmt, name)
@@ -245,8 +245,7 @@ def _engine_refuses(app: _Server, request: ChatRequest | CompletionRequest) -> N
 def _params(request: ChatRequest | CompletionRequest, harmony: bool = False) -> Any:
     """The request's sampling parameters; ``harmony``: its answer also stops at ``<|call|>`` and ``<|return|>``."""
     from anyquant.plugin import GenerationParams
-
-    from .harmony import ENDS
+    from anyquant_runtime.harmony import ENDS
 
     extras: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias"):

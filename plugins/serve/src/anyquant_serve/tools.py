@@ -16,17 +16,20 @@ and llama.cpp's chat formats do:
 A call's ``arguments`` are the model's own text of its arguments object, as OpenAI's are, so that streamed
 (:class:`ToolStream`: piece by piece as they are generated) they join into the same text as unstreamed.
 
-Standard library only (the grammar itself is :mod:`anyquant_runtime.grammar`'s).
+Standard library only, with :mod:`anyquant_runtime.harmony`'s call ids (the grammar itself is
+:mod:`anyquant_runtime.grammar`'s; gpt-oss's harmony calls are parsed there).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from anyquant_runtime.chat import template_source
+from anyquant_runtime.harmony import new_call_id
 
 __all__ = [
     "FORMATS",
@@ -68,17 +71,6 @@ HARMONY = ToolFormat("harmony", "", "", "", "arguments")
 MAX_PARALLEL_CALLS = 4
 
 
-def template_source(tokenizer: Any, with_tools: bool = True) -> str | None:
-    """The chat template's source text transformers would render (the ``tool_use`` one of a set, when there is
-    one and tools are passed), or ``None`` when the tokenizer has none."""
-    source = getattr(tokenizer, "chat_template", None)
-    if isinstance(source, list):  # [{"name": ..., "template": ...}] as tokenizer_config.json stores a set
-        source = {t.get("name"): t.get("template") for t in source if isinstance(t, Mapping)}
-    if isinstance(source, Mapping):
-        source = (source.get("tool_use") if with_tools else None) or source.get("default")
-    return source if isinstance(source, str) and source else None
-
-
 def template_reads(source: str, name: str) -> bool:
     """Whether the template reads the variable ``name`` (jinja2's own analysis; a plain search where it cannot
     parse the template)."""
@@ -105,10 +97,6 @@ def detect_format(source: str) -> ToolFormat | None:
     if "<|python_tag|>" in source or '"parameters": dictionary' in source or "ipython" in source:
         return LLAMA3_JSON
     return None
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 #: the keys a call object may hold its arguments under (Llama 3's ``parameters``, everyone else's ``arguments``)

@@ -1,5 +1,6 @@
-"""gpt-oss's answers on ``anyquant serve``'s chat route: OpenAI's harmony format (issue #43 §2) parsed into the
-message's ``reasoning_content``, ``content`` and ``tool_calls``.
+"""gpt-oss's answers: OpenAI's harmony format parsed into reasoning, content and tool calls (the generator's
+``complete``, ``stream`` and ``generate`` on chat prompts; ``anyquant serve``'s ``reasoning_content``, ``content`` and
+``tool_calls``).
 
 A harmony chat template ends its prompt with ``<|start|>assistant``; the model then writes one or more messages,
 each a header, ``<|message|>``, a body and an end marker::
@@ -19,19 +20,18 @@ is done); the last two end the generation. What the channels become, as llama-se
   (when the request offers tools; otherwise, like any other message to a recipient, ``reasoning_content``);
 * ``final``, ``commentary`` without a recipient (a preamble meant for the user) and any other channel: ``content``.
 
-The markers are special tokens in gpt-oss's tokenizer: the answer is decoded with them (``Request.special``).
-Text that holds no ``<|message|>`` at all is ``content`` as it is. Standard library only.
+The markers are special tokens in gpt-oss's tokenizer: the answer is decoded with them. Text that holds no
+``<|message|>`` at all is ``content`` as it is. Standard library only.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from .tools import new_call_id
 
 __all__ = [
     "ENDS",
@@ -40,6 +40,7 @@ __all__ = [
     "call_header",
     "call_options",
     "is_harmony",
+    "new_call_id",
     "parse_harmony",
 ]
 
@@ -59,6 +60,11 @@ def is_harmony(source: str) -> bool:
     """Whether a chat template writes OpenAI's harmony format (gpt-oss's: ``<|start|>role<|channel|>...
     <|message|>...``)."""
     return START in source and CHANNEL in source and MESSAGE in source
+
+
+def new_call_id() -> str:
+    """A fresh OpenAI tool-call id."""
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 def call_header(name: str) -> str:
