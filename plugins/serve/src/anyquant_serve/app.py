@@ -20,6 +20,7 @@ from typing import Any
 from anyquant.plugin import AnyquantError, TokenLogprob
 from anyquant_runtime.harmony import HarmonyStream, parse_harmony
 
+from .reasoning import ThinkStream, split_thinking
 from .scheduler import Finished, QueueFull, Request
 from .schema import MAX_CHOICES, ChatRequest, CompletionRequest, RequestError, parse_json, validate
 from .tools import ToolStream, parse_tool_calls
@@ -37,6 +38,8 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     body_timeout: float = 30.0  # seconds a request's body may take to arrive after its headers
     metrics: bool = True  # GET /metrics (Prometheus), open like /health: the key does not guard it
+    #: a thinking model's ``<think>`` block as ``reasoning_content`` (``--reasoning-format auto``), else in content
+    reasoning: bool = True
 
 
 class ApiError(Exception):
@@ -73,6 +76,8 @@ class _Job:
     #: the chat template writes OpenAI's harmony format (gpt-oss): answers decoded with their channel markers and
     #: split into reasoning, content and tool calls (:mod:`.harmony`)
     harmony: bool = False
+    #: a thinking model's answer (:mod:`.reasoning`): ``None``, not split; else whether it begins inside ``<think>``
+    thinking: bool | None = None
     stats: Any = None  # the request's :class:`~.metrics.RequestStats` when the server keeps metrics
 
 
@@ -353,7 +358,20 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     job = _Job(ids, params, max_tokens, bool(request.stream), include_usage, top is not None, request.n or 1, text)
     job.format, job.tools, job.harmony = fmt, tools, harmony
+    if isinstance(request, ChatRequest) and not harmony and fmt is None and app.config.reasoning:
+        job.thinking = _thinking(app, ids)
     return job
+
+
+def _thinking(app: _Server, ids: Sequence[int]) -> bool | None:
+    """``None`` unless the chat template is a thinking model's (:mod:`.reasoning`); else whether the rendered prompt
+    (its last tokens) leaves a ``<think>`` block open."""
+    from .reasoning import begins_thinking, thinks
+
+    source = app.adapter.chat_template() if hasattr(app.adapter, "chat_template") else None
+    if source is None or not thinks(source):
+        return None
+    return begins_thinking(app.adapter.decode(ids[-16:]))
 
 
 # ---------------------------------------------------------------------- the app
@@ -668,12 +686,17 @@ def _choice(shapes: _Shapes, job: _Job, index: int, c: _Choice) -> dict[str, Any
         reason = "tool_calls" if answer.calls else reason
         out: dict[str, Any] = {"index": index, "message": message}
     elif shapes.chat:
+        reasoning = None
+        if job.thinking is not None:
+            reasoning, text = split_thinking(text, job.thinking)
         message = {"role": "assistant", "content": text}
         if job.tools is not None:
             content, calls = parse_tool_calls(text, job.tools)
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 reason = "tool_calls"
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         out = {"index": index, "message": message}
     else:
         out = {"index": index, "text": (job.echo or "") + text}
@@ -752,6 +775,10 @@ async def _sse(
     channels: list[HarmonyStream] | None = None
     if chat and job.harmony:
         channels = [HarmonyStream(job.tools is not None) for _ in works]
+    # a thinking model: each choice's <think> block sent as reasoning_content, the rest as content (or tool calls)
+    thoughts: list[ThinkStream] | None = None
+    if chat and job.thinking is not None:
+        thoughts = [ThinkStream(job.thinking) for _ in works]
 
     def tool_chunks(index: int, content: str, deltas: list[dict[str, Any]]) -> Iterator[str]:
         """A choice's content, then its ``delta.tool_calls`` entries as OpenAI streams them, one a chunk: a call's
@@ -760,6 +787,21 @@ async def _sse(
             yield chunk([piece(index, content, None)])
         for delta in deltas:
             yield chunk([{"index": index, "delta": {"tool_calls": [delta]}, "finish_reason": None, "logprobs": None}])
+
+    def text_chunks(index: int, text: str, final: bool = False) -> Iterator[str]:
+        """A chat choice's next text (``final``: its end): its reasoning, then its content or tool calls."""
+        if thoughts is not None:
+            step = thoughts[index].finish() if final else thoughts[index].feed(text)
+            if step[0]:
+                yield from channel_chunks(index, [{"reasoning_content": step[0]}])
+            text = step[1]
+        if calls is not None:
+            if text:
+                yield from tool_chunks(index, *calls[index].feed(text))
+            if final:
+                yield from tool_chunks(index, *calls[index].finish())
+        elif text:
+            yield chunk([piece(index, text, None)])
 
     def channel_chunks(index: int, deltas: list[dict[str, Any]]) -> Iterator[str]:
         """A harmony choice's deltas (:class:`~.harmony.HarmonyStream`), one a chunk; the log-probabilities of the
@@ -809,9 +851,10 @@ async def _sse(
                     for out in channel_chunks(index, channels[index].finish()):
                         yield out
                     reason = channels[index].reason(reason)
-                if calls is not None:
-                    for out in tool_chunks(index, *calls[index].finish()):
+                if calls is not None or thoughts is not None:
+                    for out in text_chunks(index, "", final=True):
                         yield out
+                if calls is not None:
                     reason = calls[index].reason(reason)
                 if job.stats is not None:
                     job.stats.outcome(index, reason)
@@ -832,8 +875,8 @@ async def _sse(
                 for out in channel_chunks(index, channels[index].feed(item)):
                     yield out
                 continue
-            if calls is not None:
-                for out in tool_chunks(index, *calls[index].feed(item)):
+            if calls is not None or thoughts is not None:
+                for out in text_chunks(index, item):
                     yield out
                 continue
             yield chunk([piece(index, item, None)])

@@ -99,6 +99,13 @@ def _configure(p: argparse.ArgumentParser) -> None:
         "--max-header-kb", type=int, default=16, help="largest request line and headers; more is a 431 (default 16)"
     )
     p.add_argument(
+        "--reasoning-format",
+        choices=("auto", "none"),
+        default="auto",
+        help="a thinking model's <think> block: auto (default) returns it as message.reasoning_content, none leaves "
+        "it in content (gpt-oss's harmony channels are always split)",
+    )
+    p.add_argument(
         "--engine",
         choices=("anyquant", "vllm", "exllamav3"),
         default="anyquant",
@@ -176,7 +183,14 @@ def _run(args: argparse.Namespace) -> int:
         )
     from .app import ServerConfig, build_app
 
-    config = ServerConfig(name, api_key, args.timeout, args.max_body_kb * 1024, args.body_timeout)
+    config = ServerConfig(
+        name,
+        api_key,
+        args.timeout,
+        args.max_body_kb * 1024,
+        args.body_timeout,
+        reasoning=args.reasoning_format == "auto",
+    )
     return _serve(build_app(scheduler, config), scheduler, args.host, args.port, args.timeout, limits, name)
 
 
