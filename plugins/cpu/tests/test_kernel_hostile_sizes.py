@@ -334,7 +334,30 @@ def _lut_cases() -> list[Case]:
         a = {"weight": weight, "scales": scales, "group": 32, "round": 0, "out": out, **kw}
         return lambda: torch.ops.anyquant.fp8_dequant_out(a["weight"], a["scales"], a["group"], a["round"], a["out"])
 
+    tab = torch.cat((table, scales.reshape(-1)))
+
+    def l4c(**kw: Any) -> Callable[[], Any]:
+        a = {"x": x, "codes": [codes, codes], "tables": [tab, tab], "groups": [32, 32], "round": 0, "isa": -1, **kw}
+        return lambda: torch.ops.anyquant.lut4_gemv_cat(
+            a["x"], a["codes"], a["tables"], a["groups"], a["round"], a["isa"]
+        )
+
     return [
+        ("lut4_gemv_cat", "fits", l4c(), False),
+        ("lut4_gemv_cat", "no weight", l4c(codes=[], tables=[], groups=[]), True),
+        ("lut4_gemv_cat", "a table short", l4c(tables=[tab, tab[:-1]]), True),
+        ("lut4_gemv_cat", "a table long", l4c(tables=[tab, torch.cat((tab, tab))]), True),
+        ("lut4_gemv_cat", "a 2-D table", l4c(tables=[tab, tab.view(2, -1)]), True),
+        ("lut4_gemv_cat", "float64 table", l4c(tables=[tab, tab.double()]), True),
+        ("lut4_gemv_cat", "groups shorter", l4c(groups=[32]), True),
+        ("lut4_gemv_cat", "group 2**62", l4c(groups=[32, 2**62]), True),
+        ("lut4_gemv_cat", "group 0", l4c(groups=[0, 32]), True),
+        ("lut4_gemv_cat", "codes of another width", l4c(codes=[codes, _u8(4 * 16).reshape(4, 16)]), True),
+        ("lut4_gemv_cat", "1-D codes", l4c(codes=[codes, _u8(128)]), True),
+        ("lut4_gemv_cat", "int8 codes", l4c(codes=[codes, codes.view(torch.int8)]), True),
+        ("lut4_gemv_cat", "float64 x", l4c(x=x.double()), True),
+        ("lut4_gemv_cat", "round 3", l4c(round=3), True),
+        ("lut4_gemv_cat", "isa 2**40", l4c(isa=2**40), True),
         # the buffer-writing forms: a bad ``out`` (shape, layout, dtype, device) and the inputs' own checks
         ("lut4_dequant_out", "fits", l4o(), False),
         ("lut4_dequant_out", "out rows not the codes'", l4o(out=torch.zeros(5, 64)), True),

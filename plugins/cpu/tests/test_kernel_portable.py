@@ -62,6 +62,8 @@ def _outputs() -> dict[str, torch.Tensor]:
     for rnd in (0, 1, 2):
         got[f"lut4.r{rnd}"] = torch.ops.anyquant.lut4_gemv(x, codes, scales, lut, 32, rnd, 0)
         got[f"lut4_dequant.r{rnd}"] = torch.ops.anyquant.lut4_dequant(codes, scales, lut, 32, rnd)
+        table = torch.cat((lut, scales.reshape(-1)))
+        got[f"lut4_cat.r{rnd}"] = torch.ops.anyquant.lut4_gemv_cat(x, [codes, codes], [table, table], [32, 32], rnd, 0)
     fp8 = torch.randint(0, 256, (24, 256), dtype=torch.uint8, generator=gen)
     fp8[(fp8 & 0x7F) == 0x7F] = 0  # no NaN codes
     got["fp8"] = torch.ops.anyquant.fp8_gemv(x, fp8, scales, 32, 0, 0)

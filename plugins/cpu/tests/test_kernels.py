@@ -647,3 +647,35 @@ def test_exact_weight_ops_are_the_torch_decode(group: int) -> None:
         got = torch.ops.anyquant.fp8_dequant(fp, scales, group, rnd)
         assert torch.equal(got.to(dtype), want), (dtype, "fp8")
         assert torch.equal(e4m3.dequantize(), want)
+
+
+@pytest.mark.skipif(not kernels.lut_available(), reason="lut4_gemv not built")
+@pytest.mark.parametrize(
+    "isa",
+    [i for i in range(3) if i <= max(kernels.lut_isa(), 0)],
+    ids=["scalar", "avx2", "avx512"][: max(kernels.lut_isa(), 0) + 1],
+)
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_lut4_gemv_cat_is_each_weight_side_by_side(isa: int, m: int) -> None:
+    """lut4_gemv_cat (the decode step's q/k/v and gate/up of a 4-bit table format): bit for bit each weight's
+    lut4_gemv, side by side, with each weight's own table, group and row count (tasks of 16 rows crossing weights)."""
+    from anyquant_cpu.kernels.lut import lut4_codes
+
+    g = torch.Generator().manual_seed(m)
+    k = 192
+    shapes = [(37, 16), (8, 64), (21, 32), (16, 192)]  # rows, group
+    codes = [lut4_codes(torch.randint(0, 16, (n, k), generator=g)) for n, _ in shapes]
+    tables = [
+        torch.cat((torch.randn(16, generator=g), torch.rand(n * k // grp, generator=g) + 0.1)) for n, grp in shapes
+    ]
+    x = torch.randn(m, k, generator=g)
+    for rnd in (0, 1, 2):
+        want = torch.cat(
+            [
+                torch.ops.anyquant.lut4_gemv(x, c, t[16:].view(c.shape[0], -1), t[:16], grp, rnd, isa)
+                for c, t, (_, grp) in zip(codes, tables, shapes, strict=True)
+            ],
+            1,
+        )
+        got = torch.ops.anyquant.lut4_gemv_cat(x, codes, tables, [grp for _, grp in shapes], rnd, isa)
+        assert got.shape == (m, sum(n for n, _ in shapes)) and torch.equal(got, want), rnd

@@ -389,6 +389,19 @@ def _lut4(x: torch.Tensor, codes: torch.Tensor, table: torch.Tensor, group: int,
     return y
 
 
+def _lut4_cat(
+    x: torch.Tensor,
+    codes: List[torch.Tensor],  # noqa: UP006
+    tables: List[torch.Tensor],  # noqa: UP006
+    groups: List[int],  # noqa: UP006
+    rnd: int,
+) -> torch.Tensor:
+    """:func:`_lut4` of several weights on the same rows ``x`` (q, k, v; gate, up), their outputs side by side: one
+    kernel call (one parallel region, no concatenation), each output as :func:`_lut4` computes it."""
+    y: torch.Tensor = torch.ops.anyquant.lut4_gemv_cat(x, codes, tables, groups, rnd)
+    return y
+
+
 def _fp8(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, group: int, rnd: int) -> torch.Tensor:
     """:class:`~anyquant_cpu.kernels.lut.E4M3Linear`'s decode path on float32 rows ``x``."""
     y: torch.Tensor = torch.ops.anyquant.fp8_gemv(x, bits, scales, group, rnd)
@@ -416,6 +429,7 @@ _ggml_in_python = _in_python(_ggml)
 _ggml_cat_in_python = _in_python(_ggml_cat)
 _experts_in_python = _in_python(_experts)
 _lut4_in_python = _in_python(_lut4)
+_lut4_cat_in_python = _in_python(_lut4_cat)
 _fp8_in_python = _in_python(_fp8)
 
 
@@ -485,6 +499,8 @@ def _joint(x: torch.Tensor, parts: List[Linear]) -> torch.Tensor:  # noqa: UP006
     if len(parts) == 1:
         return _linear(x, parts[0])
     joint = _block_cat(x, parts)
+    if joint is None:
+        joint = _table_cat(x, parts)
     if joint is not None:
         return joint
     return torch.cat([_linear(x, p) for p in parts], 1)
@@ -503,6 +519,21 @@ def _block_cat(x: torch.Tensor, parts: List[Linear]) -> Optional[torch.Tensor]: 
         kinds.append(p[3])
         rows.append(p[4])
     return _ggml_cat(x, blocks, kinds, rows, parts[0][5])
+
+
+def _table_cat(x: torch.Tensor, parts: List[Linear]) -> Optional[torch.Tensor]:  # noqa: UP006, UP045
+    """``parts``' outputs on ``x`` side by side from one :func:`_lut4_cat` call where every one is a 4-bit table
+    linear of the first one's rounding; else ``None``."""
+    codes: List[torch.Tensor] = []  # noqa: UP006
+    tables: List[torch.Tensor] = []  # noqa: UP006
+    groups: List[int] = []  # noqa: UP006
+    for p in parts:
+        if p[0] != 3 or p[5] != parts[0][5]:
+            return None
+        codes.append(p[1])
+        tables.append(p[2])
+        groups.append(p[3])
+    return _lut4_cat(x, codes, tables, groups, parts[0][5])
 
 
 def _mlp(x: torch.Tensor, gate_up: List[Linear], down: Linear, intermediate: int) -> torch.Tensor:  # noqa: UP006
@@ -666,16 +697,16 @@ def _scripting(kinds: Collection[str]) -> Iterator[None]:
     """While TorchScript compiles functions of ``kinds``: where the kernel op is not loaded, the ``mixed``
     functions' block branch is compiled as a call back into Python (no GGUF-block linear can exist without
     the op, which TorchScript must resolve)."""
-    global _ggml, _ggml_cat, _experts, _rms, _lut4, _fp8
+    global _ggml, _ggml_cat, _experts, _rms, _lut4, _lut4_cat, _fp8
     from . import kernels
 
-    compiled = _ggml, _ggml_cat, _experts, _rms, _lut4, _fp8
+    compiled = _ggml, _ggml_cat, _experts, _rms, _lut4, _lut4_cat, _fp8
     if not kernels.available():
         _rms = _rms_torch
         if any(kind.startswith("mixed") for kind in kinds):
             _ggml, _ggml_cat, _experts = _ggml_in_python, _ggml_cat_in_python, _experts_in_python
     if not kernels.lut_available() and any(kind.startswith("mixed") for kind in kinds):
-        _lut4, _fp8 = _lut4_in_python, _fp8_in_python
+        _lut4, _lut4_cat, _fp8 = _lut4_in_python, _lut4_cat_in_python, _fp8_in_python
     try:
         with warnings.catch_warnings():
             # torch 2.9+ marks torch.jit.script deprecated; it is what runs a fixed op sequence
@@ -684,7 +715,7 @@ def _scripting(kinds: Collection[str]) -> Iterator[None]:
             warnings.simplefilter("ignore", FutureWarning)
             yield
     finally:
-        _ggml, _ggml_cat, _experts, _rms, _lut4, _fp8 = compiled
+        _ggml, _ggml_cat, _experts, _rms, _lut4, _lut4_cat, _fp8 = compiled
 
 
 def compiled_layer(kind: str) -> Callable[..., torch.Tensor]:

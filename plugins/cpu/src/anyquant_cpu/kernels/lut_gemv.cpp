@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 // The vector paths are x86-64's; elsewhere (ARM, POWER, ...) the scalar paths alone compile and run, as they do on
 // x86-64 with -DANYQUANT_PORTABLE (how the tests build and check the portable kernel here).
@@ -535,60 +536,132 @@ int64_t lut_isa_here() {
 // Both ops check every argument before reading anything (a failed check is a TORCH_CHECK naming the op: a RuntimeError
 // in Python): dtypes, dimensions, contiguity, the CPU, every size against the others (all of them sizes of real
 // tensors, so no product below can overflow), group, round and isa.
-at::Tensor lut4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut,
-                     int64_t group, int64_t round, int64_t isa) {
-  TORCH_CHECK(round >= 0 && round <= 2, "anyquant::lut4_gemv: round is 0 (float32), 1 (bfloat16) or 2 (float16), not ",
-              round);
-  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu() && lut.device().is_cpu(),
-              "anyquant::lut4_gemv runs on the CPU");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "anyquant::lut4_gemv: x: contiguous float32 [M, K]");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "anyquant::lut4_gemv: codes: contiguous uint8 [N, K/2]");
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "anyquant::lut4_gemv: scales: contiguous float32 [N, K/group]");
-  TORCH_CHECK(lut.numel() == 16 && lut.scalar_type() == at::kFloat && lut.is_contiguous(),
-              "anyquant::lut4_gemv: lut: 16 float32 values");
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(k > 0 && k % 32 == 0, "anyquant::lut4_gemv: K must be a positive multiple of 32, not ", k);
-  TORCH_CHECK(codes.size(1) == k / 2, "anyquant::lut4_gemv: codes hold ", codes.size(1) * 2, " values a row, x has ", k);
-  TORCH_CHECK(group >= 16 && group % 16 == 0 && k % group == 0, "anyquant::lut4_gemv: group ", group,
+void check_x(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cpu(), "anyquant::", op, " runs on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "anyquant::", op,
+              ": x: contiguous float32 [M, K]");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) % 32 == 0, "anyquant::", op, ": K must be a positive multiple of 32, not ",
+              x.size(1));
+}
+
+void check_weight(int64_t k, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut, int64_t group,
+                  const char* op) {
+  TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu() && lut.device().is_cpu(), "anyquant::", op,
+              " runs on the CPU");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "anyquant::", op,
+              ": codes: contiguous uint8 [N, K/2]");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous(), "anyquant::", op,
+              ": scales: contiguous float32 [N, K/group]");
+  TORCH_CHECK(lut.numel() == 16 && lut.scalar_type() == at::kFloat && lut.is_contiguous(), "anyquant::", op,
+              ": lut: 16 float32 values");
+  TORCH_CHECK(codes.size(1) == k / 2, "anyquant::", op, ": codes hold ", codes.size(1) * 2, " values a row, x has ", k);
+  TORCH_CHECK(group >= 16 && group % 16 == 0 && k % group == 0, "anyquant::", op, ": group ", group,
               " must be a multiple of 16 dividing ", k);
-  TORCH_CHECK(scales.size(0) == n && scales.size(1) == k / group, "anyquant::lut4_gemv: scales must be [", n, ", ",
-              k / group, "]");
+  TORCH_CHECK(scales.size(0) == codes.size(0) && scales.size(1) == k / group, "anyquant::", op, ": scales must be [",
+              codes.size(0), ", ", k / group, "]");
+}
+
+int64_t check_path(int64_t round, int64_t isa, const char* op) {
+  TORCH_CHECK(round >= 0 && round <= 2, "anyquant::", op, ": round is 0 (float32), 1 (bfloat16) or 2 (float16), not ",
+              round);
   const int64_t here = lut_isa_here();
-  TORCH_CHECK(isa >= -1, "anyquant::lut4_gemv: isa is -1 (the best path here) or 0..2, not ", isa);
+  TORCH_CHECK(isa >= -1, "anyquant::", op, ": isa is -1 (the best path here) or 0..2, not ", isa);
   const int64_t path = isa < 0 ? here : isa;
-  TORCH_CHECK(path <= here, "anyquant::lut4_gemv: isa ", isa, " does not run on this CPU (best: ", here, ")");
-  [[maybe_unused]] const bool vbmi = lut_vbmi_here();
-  [[maybe_unused]] const float bf16_least = lut_bf16_least(lut.data_ptr<float>());
-  auto y = at::empty({m, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* lp = lut.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t sk = k / group;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    float out[MAX_ROWS];
-    for (int64_t row = begin; row < end; ++row) {
-      for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
-        const int64_t rows = std::min<int64_t>(MAX_ROWS, m - r0);
-        const uint8_t* c = cp + row * (k / 2);
-        const float* s = sp + row * sk;
-        const float* xr = xp + r0 * k;
+  TORCH_CHECK(path <= here, "anyquant::", op, ": isa ", isa, " does not run on this CPU (best: ", here, ")");
+  return path;
+}
+
+// One weight's rows as the kernel reads them: codes, scales and table, its group, and where its outputs go.
+struct LutPart {
+  const uint8_t* codes;
+  const float* scales;
+  const float* lut;
+  int64_t group, rows, col0;
+  float bf16_least;
+};
+
+LutPart lut_part(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut, int64_t group, int64_t col0) {
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), lut.data_ptr<float>(), group, codes.size(0), col0,
+          lut_bf16_least(lut.data_ptr<float>())};
+}
+
+// Output row ``row`` of part ``p`` for every row of x [m, k]: y[r, p.col0 + row] (y's rows ``ldy`` apart).
+inline void lut4_row(const LutPart& p, int64_t row, const float* xp, int64_t m, int64_t k, int64_t round, int64_t path,
+                     [[maybe_unused]] bool vbmi, float* yp, int64_t ldy) {
+  float out[MAX_ROWS];
+  const uint8_t* c = p.codes + row * (k / 2);
+  const float* s = p.scales + row * (k / p.group);
+  for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
+    const int64_t rows = std::min<int64_t>(MAX_ROWS, m - r0);
+    const float* xr = xp + r0 * k;
 #ifdef AQ_LUT_X86
-        if (path == 2 && vbmi) il_row512(c, s, xr, k, rows, k, group, lp, round, bf16_least, out);
-        else if (path == 2) row_avx512(c, s, xr, k, rows, k, group, lp, round, out);
-        else if (path == 1) row_avx2(c, s, xr, k, rows, k, group, lp, round, out);
-        else
+    if (path == 2 && vbmi) il_row512(c, s, xr, k, rows, k, p.group, p.lut, round, p.bf16_least, out);
+    else if (path == 2) row_avx512(c, s, xr, k, rows, k, p.group, p.lut, round, out);
+    else if (path == 1) row_avx2(c, s, xr, k, rows, k, p.group, p.lut, round, out);
+    else
 #endif
-          row_scalar(c, s, xr, k, rows, k, group, lp, round, out);
-        for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * n + row] = out[r];
-      }
+      row_scalar(c, s, xr, k, rows, k, p.group, p.lut, round, out);
+    for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * ldy + p.col0 + row] = out[r];
+  }
+}
+
+// The parts' rows in one parallel region (16 rows a task), their outputs side by side in y [m, total].
+at::Tensor lut4_parts(const at::Tensor& x, const std::vector<LutPart>& parts, int64_t total, int64_t round,
+                      int64_t path) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const bool vbmi = lut_vbmi_here();
+  auto y = at::empty({m, total}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
+    size_t j = 0;
+    for (int64_t row = begin; row < end; ++row) {
+      while (row >= parts[j].col0 + parts[j].rows) ++j;
+      lut4_row(parts[j], row - parts[j].col0, xp, m, k, round, path, vbmi, yp, total);
     }
   });
   return y;
+}
+
+at::Tensor lut4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& lut,
+                     int64_t group, int64_t round, int64_t isa) {
+  const int64_t path = check_path(round, isa, "lut4_gemv");
+  check_x(x, "lut4_gemv");
+  check_weight(x.size(1), codes, scales, lut, group, "lut4_gemv");
+  return lut4_parts(x, {lut_part(codes, scales, lut, group, 0)}, codes.size(0), round, path);
+}
+
+// anyquant::lut4_gemv_cat: lut4_gemv of several weights on the same rows x (q, k, v; gate, up), their outputs side by
+// side in one tensor, from one parallel region; each output bit for bit lut4_gemv's. tables[j]: weight j's 16 values,
+// then its scales [N_j, K/groups[j]] (the one storage Lut4Linear keeps them in).
+at::Tensor lut4_gemv_cat(const at::Tensor& x, at::TensorList codes, at::TensorList tables, at::IntArrayRef groups,
+                         int64_t round, int64_t isa) {
+  const int64_t path = check_path(round, isa, "lut4_gemv_cat");
+  check_x(x, "lut4_gemv_cat");
+  TORCH_CHECK(!codes.empty() && codes.size() == tables.size() && codes.size() == groups.size(),
+              "anyquant::lut4_gemv_cat: ", codes.size(), " codes, ", tables.size(), " tables and ", groups.size(),
+              " groups (one each, at least one)");
+  const int64_t k = x.size(1);
+  std::vector<LutPart> parts;
+  std::vector<at::Tensor> views;  // the tables' lut and scales views, alive while the parts point into them
+  int64_t total = 0;
+  for (size_t j = 0; j < codes.size(); ++j) {
+    const at::Tensor& table = tables[j];
+    const int64_t group = groups[j];
+    TORCH_CHECK(codes[j].dim() == 2 && group >= 16 && k % group == 0, "anyquant::lut4_gemv_cat: weight ", j,
+                ": codes [N, K/2] and a group dividing K");
+    const int64_t n = codes[j].size(0);
+    TORCH_CHECK(table.dim() == 1 && table.scalar_type() == at::kFloat && table.is_contiguous() &&
+                    table.numel() == 16 + n * (k / group),
+                "anyquant::lut4_gemv_cat: table ", j, ": contiguous float32, 16 values then [", n, ", ", k / group,
+                "] scales");
+    views.push_back(table.narrow(0, 0, 16));
+    views.push_back(table.narrow(0, 16, n * (k / group)).view({n, k / group}));
+    check_weight(k, codes[j], views[views.size() - 1], views[views.size() - 2], group, "lut4_gemv_cat");
+    parts.push_back(lut_part(codes[j], views[views.size() - 1], views[views.size() - 2], group, total));
+    total += n;
+  }
+  return lut4_parts(x, parts, total, round, path);
 }
 
 at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t group,
@@ -813,6 +886,7 @@ int64_t lut_isa() { return lut_isa_here(); }
 
 TORCH_LIBRARY_FRAGMENT(anyquant, m) {
   m.def("lut4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor lut, int group, int round=0, int isa=-1) -> Tensor");
+  m.def("lut4_gemv_cat(Tensor x, Tensor[] codes, Tensor[] tables, int[] groups, int round=0, int isa=-1) -> Tensor");
   m.def("fp8_gemv(Tensor x, Tensor weight, Tensor scales, int group, int round=0, int isa=-1) -> Tensor");
   m.def("lut_isa() -> int", &lut_isa);
   m.def("lut4_dequant(Tensor codes, Tensor scales, Tensor lut, int group, int round=0) -> Tensor");
@@ -823,6 +897,7 @@ TORCH_LIBRARY_FRAGMENT(anyquant, m) {
 
 TORCH_LIBRARY_IMPL(anyquant, CPU, m) {
   m.impl("lut4_gemv", &lut4_gemv);
+  m.impl("lut4_gemv_cat", &lut4_gemv_cat);
   m.impl("fp8_gemv", &fp8_gemv);
   m.impl("lut4_dequant", &lut4_dequant);
   m.impl("fp8_dequant", &fp8_dequant);
