@@ -24,6 +24,7 @@ from anyquant_serve.tools import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    QWEN3_XML,
     ToolStream,
     call_schema,
     detect_format,
@@ -74,6 +75,25 @@ LLAMA3_SNIPPET = (
     "argument name and its value}.' }}{%- endif %}{{- '<|python_tag|>' }}"
 )
 MISTRAL_SNIPPET = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{%- endif %}[TOOL_CALLS]"
+#: Qwen3-Coder's chat template, abridged: tools listed as XML, calls written and rendered as <function=...> blocks
+QWEN3_CODER_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\nYou are Qwen, a helpful assistant.\\n\\n# Tools\\n\\nYou have access to"
+    " the following functions:\\n\\n<tools>' }}{%- for tool in tools %}{%- set f = tool.function %}"
+    "{{- '\\n<function>\\n<name>' + f.name + '</name>\\n<description>' + f.description + '</description>\\n"
+    "<parameters>' + (f.parameters | tojson) + '</parameters>\\n</function>' }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format with NO suffix:\\n\\n"
+    "<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n"
+    "</function>\\n</tool_call><|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' + (m.content or '') }}{%- for call in m.tool_calls %}"
+    "{{- '\\n<tool_call>\\n<function=' + call.function.name + '>\\n' }}"
+    "{%- for k, v in call.function.arguments | items %}{{- '<parameter=' + k + '>\\n' }}"
+    "{{- v if v is string else v | tojson }}{{- '\\n</parameter>\\n' }}{%- endfor %}"
+    "{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response>"
+    "<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 
 WEATHER: dict[str, Any] = {
@@ -158,6 +178,62 @@ def test_mistral_parser() -> None:
         assert parse_tool_calls(plain, MISTRAL) == (plain, [])
 
 
+XML_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Jose\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>"
+TYPED: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "typed",
+        "description": "Every JSON type",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "n": {"type": "integer"},
+                "x": {"type": "number"},
+                "flag": {"type": "boolean"},
+                "code": {"type": "string"},
+                "opts": {"type": "object"},
+                "ids": {"type": "array", "items": {"type": "integer"}},
+                "maybe": {"type": ["integer", "null"]},
+            },
+        },
+    },
+}
+
+
+def test_qwen3_xml_parser() -> None:
+    """Qwen3-Coder's XML calls: each value read by its parameter's type (a string as written, even when it looks
+    like a number; JSON for the others; what does not parse as the type stays text), arguments as JSON text."""
+    assert detect_format(QWEN3_CODER_TEMPLATE) is QWEN3_XML and supports_tools(QWEN3_CODER_TEMPLATE)
+    content, calls = parse_tool_calls("I will look.\n" + XML_CALL + "\n" + XML_CALL, QWEN3_XML, TOOLS)
+    assert content == "I will look." and _calls(calls) == [("get_weather", {"city": "San Jose", "unit": "celsius"})] * 2
+    body = "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n"
+        for k, v in [("n", "42"), ("x", "2.5"), ("flag", "true"), ("code", "007"), ("opts", '{"a": [1]}'),
+                     ("ids", "[1, 2]"), ("maybe", "null"), ("extra", "3")]
+    )  # fmt: skip
+    typed = parse_tool_calls(f"<tool_call>\n<function=typed>\n{body}</function>\n</tool_call>", QWEN3_XML, [TYPED])
+    assert _calls(typed[1]) == [
+        ("typed", {"n": 42, "x": 2.5, "flag": True, "code": "007", "opts": {"a": [1]}, "ids": [1, 2], "maybe": None,
+                   "extra": "3"})
+    ]  # fmt: skip
+    wrong = "<tool_call>\n<function=typed>\n<parameter=n>\nmany\n</parameter>\n<parameter=flag>\n1\n</parameter>\n"
+    assert _calls(parse_tool_calls(wrong + "</function>", QWEN3_XML, [TYPED])[1]) == [
+        ("typed", {"n": "many", "flag": "1"})
+    ]  # cut off before </tool_call>: the call as far as it was closed
+    multiline = "<tool_call>\n<function=typed>\n<parameter=code>\ndef f():\n    return 1\n\n</parameter>\n</function>"
+    assert _calls(parse_tool_calls(multiline, QWEN3_XML, [TYPED])[1]) == [
+        ("typed", {"code": "def f():\n    return 1\n"})
+    ]
+    for plain in ("No call.", "<tool_call>\n{not xml}\n</tool_call>", "<tool_call>\n<function=f>\n"):
+        assert parse_tool_calls(plain, QWEN3_XML, TOOLS) == (plain, [])
+    # streamed: the content as it comes, the calls whole at the end
+    sent, deltas, reason = _streamed("Sure. " + XML_CALL, QWEN3_XML, 3)
+    assert sent == "Sure. " and reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in _joined(deltas)] == [
+        ("get_weather", {"city": "San Jose", "unit": "celsius"})
+    ]
+
+
 def test_arguments_are_the_model_text() -> None:
     """The arguments are the model's own text of the arguments object (OpenAI's are), as they stream."""
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Zürich" ,  "unit": "celsius"}}\n</tool_call>'
@@ -179,7 +255,7 @@ def test_arguments_are_the_model_text() -> None:
 def _streamed(text: str, fmt: Any, size: int, reason: str = "stop") -> tuple[str, list[dict[str, Any]], str]:
     """``text`` fed to a :class:`ToolStream` ``size`` characters at a time: the content sent, the
     ``delta.tool_calls`` entries sent, and the finish reason."""
-    stream = ToolStream(fmt)
+    stream = ToolStream(fmt, TOOLS)
     content, deltas = "", list[dict[str, Any]]()
     for i in range(0, len(text), size):
         sent, more = stream.feed(text[i : i + size])
@@ -555,3 +631,29 @@ def test_refusals(qwen_client: Any) -> None:
         assert info.value.body["param"] == "tools"
         r = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=4)
         assert r.choices[0].message.tool_calls is None
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_qwen3_xml_required_and_named_calls(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Qwen3-Coder's template on the bundled model: ``required`` and a named function constrain the answer to XML
+    calls whose values follow each parameter's schema (enum, string lengths), so they parse and validate; the
+    tools render through the template; streamed, the calls arrive whole at the end, equal to the unstreamed ones."""
+    path = _with_template(tmp_path_factory.mktemp("coder") / "smol-coder.gguf", QWEN3_CODER_TEMPLATE)
+    openai = pytest.importorskip("openai")
+    for base in _serve(str(path)):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice, extra in ((named, {"temperature": 0}), ("required", {"temperature": 0.8, "seed": 2})):
+            request = {"model": NAME, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "max_tokens": 160}
+            whole = client.chat.completions.create(**request, **extra).choices[0]
+            assert whole.finish_reason == "tool_calls", whole
+            names = _valid_calls(whole.message.tool_calls, TOOLS)
+            assert names and (choice != named or set(names) == {"get_weather"})
+            deltas = []
+            for event in client.chat.completions.create(**request, **extra, stream=True):
+                deltas += [d.model_dump(exclude_none=True) for d in event.choices[0].delta.tool_calls or ()]
+            streamed = _joined(deltas)
+            assert [(c["name"], c["arguments"]) for c in streamed] == [
+                (c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()
+            ]

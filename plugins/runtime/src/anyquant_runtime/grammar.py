@@ -45,7 +45,7 @@ COMPILE_TIMEOUT = 10.0
 #: compiled grammars kept (least recently used dropped first)
 CACHE_SIZE = 64
 
-Kind = Literal["json_object", "json_schema", "regex", "choice", "tool_calls", "tagged"]
+Kind = Literal["json_object", "json_schema", "regex", "choice", "tool_calls", "tagged", "xml_calls"]
 
 
 class GrammarError(ParameterError):
@@ -131,6 +131,32 @@ class OutputFormat:
         except (TypeError, ValueError, RecursionError) as exc:
             raise GrammarError(f"the tools' parameters are not JSON: {exc}") from None
         return cls("tagged", _bounded(text, "the tools' schema"))
+
+    @classmethod
+    def xml_calls(cls, tools: Sequence[Mapping[str, Any]], sep: str = "\n", max_calls: int = 1) -> OutputFormat:
+        """Tool calls in Qwen3-Coder's XML (``<tool_call>\\n<function=NAME>\\n`` then ``<parameter=KEY>\\nVALUE\\n
+        </parameter>\\n`` for each given parameter, then ``</function>\\n</tool_call>``), one to ``max_calls`` joined
+        by ``sep``. ``tools``: ``{"name": ..., "parameters": [[key, schema], ...]}`` each. A value of a string schema
+        is text without ``<`` (its enum, ``minLength``/``maxLength`` or ``pattern`` enforced); of any other schema, its
+        JSON (as ``json_schema`` enforces it)."""
+        if not tools or max_calls < 1:
+            raise GrammarError("at least one tool, and at least one call allowed")
+        for tool in tools:
+            name = tool.get("name")
+            if not isinstance(name, str) or not _XML_NAME.fullmatch(name):
+                raise GrammarError(f"tool name {name!r} cannot be written as <function=...>")
+            for key, schema in tool.get("parameters", ()):
+                if not isinstance(key, str) or not _XML_NAME.fullmatch(key):
+                    raise GrammarError(f"parameter {key!r} of {name} cannot be written as <parameter=...>")
+                if isinstance(schema, Mapping) and schema.get("format") is not None and _xml_text(schema):
+                    raise GrammarError(f"parameter {key!r} of {name}: 'format' is not supported (not enforced)")
+                _check_enforced(schema, key, 0)
+        spec = {"tools": [dict(t) for t in tools], "sep": sep, "max_calls": int(max_calls)}
+        try:
+            text = json.dumps(spec, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise GrammarError(f"the tools' parameters are not JSON: {exc}") from None
+        return cls("xml_calls", _bounded(text, "the tools' schema"))
 
     @classmethod
     def regex(cls, pattern: str) -> OutputFormat:
@@ -289,6 +315,8 @@ class Grammars:
                 return compiler.compile_grammar(_tool_calls_grammar(json.loads(fmt.spec)))
             if fmt.kind == "tagged":
                 return compiler.compile_grammar(_tagged_grammar(json.loads(fmt.spec)))
+            if fmt.kind == "xml_calls":
+                return compiler.compile_grammar(_xml_calls_grammar(json.loads(fmt.spec)))
             choices = json.loads(fmt.spec)
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
         except Exception as exc:  # xgrammar raises RuntimeError (and ValueError) with its parser's message
@@ -323,6 +351,53 @@ def _tagged_grammar(spec: Sequence[Mapping[str, Any]]) -> Any:
     return xg.Grammar.union(*options) if len(options) > 1 else options[0]
 
 
+_XML_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _xml_text(schema: Any) -> bool:
+    """Whether a parameter's value is written as text (a string schema, or one without a type)."""
+    if not isinstance(schema, Mapping):
+        return True
+    kind = schema.get("type")
+    return kind is None or kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+def _xml_value(schema: Any) -> Any:
+    """A ``<parameter=...>`` value's grammar (:meth:`OutputFormat.xml_calls`)."""
+    import xgrammar as xg
+
+    if isinstance(schema, Mapping) and isinstance(schema.get("enum"), list) and schema["enum"]:
+        texts = [v if isinstance(v, str) else json.dumps(v) for v in schema["enum"]]
+        return xg.Grammar.union(*[_literal(t) for t in texts]) if len(texts) > 1 else _literal(texts[0])
+    if not _xml_text(schema):
+        return _value(schema)
+    s = schema if isinstance(schema, Mapping) else {}
+    if isinstance(s.get("pattern"), str):
+        return xg.Grammar.from_regex(s["pattern"])
+    low, high = int(s.get("minLength", 0) or 0), s.get("maxLength")
+    bounds = f"{{{low},{int(high)}}}" if isinstance(high, int) else f"{{{low},}}"
+    return xg.Grammar.from_regex("[^<]" + bounds)
+
+
+def _xml_calls_grammar(spec: Mapping[str, Any]) -> Any:
+    """``<tool_call>`` blocks of one of the tools, one to ``max_calls`` joined by ``sep``."""
+    import xgrammar as xg
+
+    options = []
+    for tool in spec["tools"]:
+        parts = [_literal(f"<tool_call>\n<function={tool['name']}>\n")]
+        for key, schema in tool["parameters"]:
+            parts += [_literal(f"<parameter={key}>\n"), _xml_value(schema), _literal("\n</parameter>\n")]
+        parts.append(_literal("</function>\n</tool_call>"))
+        options.append(xg.Grammar.concat(*parts))
+    call = xg.Grammar.union(*options) if len(options) > 1 else options[0]
+    answers, calls = [call], call
+    for _ in range(int(spec["max_calls"]) - 1):
+        calls = xg.Grammar.concat(calls, _literal(spec["sep"]), call)
+        answers.append(calls)
+    return xg.Grammar.union(*answers) if len(answers) > 1 else call
+
+
 def _tool_calls_grammar(spec: Mapping[str, Any]) -> Any:
     """``begin schema end`` once, or up to ``max_calls`` times joined by ``sep``, as one xgrammar grammar (the
     JSON on one line, strict: no property the schema does not name)."""
@@ -346,6 +421,7 @@ def _what(fmt: OutputFormat) -> str:
         "regex": "regular expression",
         "tool_calls": "tools' call schema",
         "tagged": "tools' call schema",
+        "xml_calls": "tools' call schema",
     }.get(fmt.kind, "list of choices")
 
 

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from anyquant.plugin import AnyquantError, TokenLogprob
@@ -76,6 +76,7 @@ class _Job:
     #: the chat template writes OpenAI's harmony format (gpt-oss): answers decoded with their channel markers and
     #: split into reasoning, content and tool calls (:mod:`.harmony`)
     harmony: bool = False
+    tool_list: list[dict[str, Any]] = field(default_factory=list)  # the request's tools (qwen3_xml reads their types)
     #: a thinking model's answer (:mod:`.reasoning`): ``None``, not split; else whether it begins inside ``<think>``
     thinking: bool | None = None
     stats: Any = None  # the request's :class:`~.metrics.RequestStats` when the server keeps metrics
@@ -197,6 +198,10 @@ def _tool_constraint(request: ChatRequest, fmt: Any) -> tuple[str, Any] | None:
             from anyquant_runtime.harmony import call_options
 
             return "tools", OutputFormat.tagged(call_options(_tool_dicts(request), name))
+        if fmt.name == "qwen3_xml":  # <function=name> and a <parameter=key> block a required parameter
+            from .tools import xml_calls
+
+            return "tools", OutputFormat.xml_calls(xml_calls(_tool_dicts(request), name), fmt.sep, calls)
         schema = call_schema(_tool_dicts(request), fmt, name)
         if fmt.array:  # one JSON array of calls after the marker
             schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": calls}
@@ -358,6 +363,8 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     job = _Job(ids, params, max_tokens, bool(request.stream), include_usage, top is not None, request.n or 1, text)
     job.format, job.tools, job.harmony = fmt, tools, harmony
+    if isinstance(request, ChatRequest) and tools is not None:
+        job.tool_list = _tool_dicts(request)
     if isinstance(request, ChatRequest) and not harmony and fmt is None and app.config.reasoning:
         job.thinking = _thinking(app, ids)
     return job
@@ -691,7 +698,7 @@ def _choice(shapes: _Shapes, job: _Job, index: int, c: _Choice) -> dict[str, Any
             reasoning, text = split_thinking(text, job.thinking)
         message = {"role": "assistant", "content": text}
         if job.tools is not None:
-            content, calls = parse_tool_calls(text, job.tools)
+            content, calls = parse_tool_calls(text, job.tools, job.tool_list)
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 reason = "tool_calls"
@@ -770,7 +777,7 @@ async def _sse(
     # tool calls: each choice's content sent until a call may start, its calls streamed as they are generated
     calls: list[ToolStream] | None = None
     if chat and job.tools is not None and not job.harmony:
-        calls = [ToolStream(job.tools) for _ in works]
+        calls = [ToolStream(job.tools, job.tool_list) for _ in works]
     # harmony (gpt-oss): each choice's text split into reasoning, content and tool calls as it is generated
     channels: list[HarmonyStream] | None = None
     if chat and job.harmony:

@@ -11,7 +11,10 @@ and llama.cpp's chat formats do:
 * ``llama3_json``: the answer is ``{"name": ..., "parameters": {...}}`` (calls separated by ``;``, optionally after
   ``<|python_tag|>``) — Llama 3.1/3.2/3.3;
 * ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (and the newer
-  ``[TOOL_CALLS]name[ARGS]{...}``).
+  ``[TOOL_CALLS]name[ARGS]{...}``);
+* ``qwen3_xml``: ``<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n...</function>\n</tool_call>``
+  (Qwen3-Coder and the Qwen templates after it): each value text, read as its parameter's schema type says (a
+  string as written; a number, boolean, object or array as JSON), so that ``arguments`` is JSON text serialized here.
 
 A call's ``arguments`` are the model's own text of its arguments object, as OpenAI's are, so that streamed
 (:class:`ToolStream`: piece by piece as they are generated) they join into the same text as unstreamed.
@@ -34,6 +37,7 @@ from anyquant_runtime.harmony import new_call_id
 __all__ = [
     "FORMATS",
     "HARMONY",
+    "QWEN3_XML",
     "ToolFormat",
     "ToolStream",
     "call_schema",
@@ -43,6 +47,7 @@ __all__ = [
     "supports_tools",
     "template_reads",
     "template_source",
+    "xml_calls",
 ]
 
 
@@ -66,6 +71,8 @@ MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "", "", "arguments", array=True)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 #: gpt-oss's harmony format: a call is a message to ``functions.<name>`` (parsed by :mod:`.harmony`, not here)
 HARMONY = ToolFormat("harmony", "", "", "", "arguments")
+QWEN3_XML = ToolFormat("qwen3_xml", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
+FORMATS[QWEN3_XML.name] = QWEN3_XML
 
 #: the most calls one constrained answer may hold when ``parallel_tool_calls`` is on
 MAX_PARALLEL_CALLS = 4
@@ -90,6 +97,8 @@ def supports_tools(source: str) -> bool:
 
 def detect_format(source: str) -> ToolFormat | None:
     """The tool-call format the template teaches its model, from its text; ``None`` when none is recognised."""
+    if "<function=" in source and "<parameter=" in source:
+        return QWEN3_XML
     if "<tool_call>" in source:
         return HERMES
     if "[TOOL_CALLS]" in source:
@@ -257,15 +266,91 @@ def _mistral(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return content, calls
 
 
+_XML_CALL = re.compile(
+    r"<tool_call>\s*<function=([^>\n]{1,64})>(.*?)</function>\s*(?:</tool_call>|\Z)|<tool_call>", re.DOTALL
+)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]{1,256})>(.*?)</parameter>", re.DOTALL)
+_XML_TYPES: dict[str, tuple[type, ...]] = {
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
+}
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """A ``<parameter=...>`` value: the text between the newlines around it, read as the parameter's schema type
+    says (vLLM's and llama.cpp's reading): a string (or no type, or an unknown parameter) as written; ``null`` as
+    JSON's null where the schema allows it; another type as JSON when the text parses to it, else as written."""
+    if text.startswith("\n"):
+        text = text[1:]
+    if text.endswith("\n"):
+        text = text[:-1]
+    kinds = schema.get("type") if isinstance(schema, Mapping) else None
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds) if isinstance(kinds, list) else []
+    if "null" in kinds and text.strip() == "null":
+        return None
+    wanted = tuple(t for k in kinds for t in _XML_TYPES.get(k, ()))
+    if not wanted or "string" in kinds:
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(value, bool) and bool not in wanted:
+        return text
+    return value if isinstance(value, wanted) else text
+
+
+def _qwen3_xml(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str | None, list[dict[str, Any]]]:
+    params: dict[str, Any] = {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(function.get("parameters"), Mapping):
+            params[str(function.get("name"))] = function["parameters"].get("properties") or {}
+    calls: list[dict[str, Any]] = []
+    for match in _XML_CALL.finditer(text):
+        if match.group(1) is None:  # <tool_call> not followed by a well-formed <function=...>...</function>
+            return text, []
+        name, body = match.group(1).strip(), match.group(2)
+        properties = params.get(name, {})
+        arguments = {key.strip(): _xml_value(v, properties.get(key.strip())) for key, v in _XML_PARAMETER.findall(body)}
+        function = {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+        calls.append({"id": new_call_id(), "type": "function", "function": function})
+    content = _XML_CALL.sub("", text).strip() if calls else text
+    return content or None, calls
+
+
 _PARSERS = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral}
 
 
-def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(
+    text: str, fmt: ToolFormat, tools: Sequence[Mapping[str, Any]] = ()
+) -> tuple[str | None, list[dict[str, Any]]]:
     """``(content, tool_calls)`` from a model's answer: the OpenAI tool calls it writes in ``fmt`` (each with a
-    fresh ``call_...`` id and its arguments as the model wrote them: :func:`_call`) and the text outside them
-    (``None`` when empty). Text
-    that does not hold well-formed calls comes back whole, with no calls."""
+    fresh ``call_...`` id and its arguments as the model wrote them: :func:`_call`; ``qwen3_xml``'s serialized
+    from its values, read by the types of ``tools``' parameters) and the text outside them (``None`` when empty).
+    Text that does not hold well-formed calls comes back whole, with no calls."""
+    if fmt.name == "qwen3_xml":
+        return _qwen3_xml(text, tools)
     return _PARSERS[fmt.name](text)
+
+
+def xml_calls(tools: Sequence[Mapping[str, Any]], name: str | None = None) -> list[dict[str, Any]]:
+    """``tool_choice: "required"`` (or the function ``name``) in ``qwen3_xml``: for each tool (the named one), its
+    name and its required parameters in the schema's order, each with its schema
+    (:meth:`~anyquant_runtime.grammar.OutputFormat.xml_calls`)."""
+    out = []
+    for tool in tools:
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        params = function.get("parameters") if isinstance(function.get("parameters"), Mapping) else {}
+        properties = params.get("properties") or {}
+        required = [k for k in properties if k in (params.get("required") or ())]
+        out.append({"name": function["name"], "parameters": [[k, properties[k]] for k in required]})
+    return out
 
 
 def call_schema(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat, name: str | None = None) -> dict[str, Any]:
@@ -391,8 +476,9 @@ class ToolStream:
     call in ``auto``), what was sent stands, as in vLLM: nothing more goes out, and the answer ends ``tool_calls``
     (``length`` when cut off)."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         self.fmt = fmt
+        self.tools = tools  # the request's tools (qwen3_xml reads its values by their parameters' types)
         self.marker = fmt.begin.strip()
         self.text = ""
         self.sent = 0  # characters of text already sent as content
@@ -442,7 +528,7 @@ class ToolStream:
         does not parse (what was sent stands)."""
         rest = self.text[self.sent :]
         self.sent = len(self.text)
-        content, calls = parse_tool_calls(rest, self.fmt)
+        content, calls = parse_tool_calls(rest, self.fmt, self.tools)
         if calls and self._agrees(calls):
             self.called, self.calls = True, calls
             deltas: list[dict[str, Any]] = []
