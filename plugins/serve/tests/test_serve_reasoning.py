@@ -147,3 +147,24 @@ def test_no_open_block_is_content(models: dict[str, Path]) -> None:
         assert whole.content and "reasoning_content" not in (whole.model_extra or {})
         reason = client.chat.completions.create(model=NAME, messages=MESSAGES, **request).choices[0].finish_reason
         assert _streamed(client, **request) == ("", whole.content, reason)
+
+
+def test_reasoning_sent_back_reaches_the_template() -> None:
+    """A client sends the assistant message back as the server returned it, ``reasoning_content`` and all (or
+    vLLM's newer ``reasoning``): accepted, and passed to the template under the names Qwen3's and gpt-oss's read."""
+    from anyquant_serve.schema import validate
+
+    for key in ("reasoning_content", "reasoning"):
+        body = {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "content": "4", key: "Two and two.", "refusal": None},
+                {"role": "user", "content": "And 3 + 3?"},
+            ],
+        }
+        request = validate(body, chat=True)
+        answer = request.messages[1].template_dict()  # type: ignore[union-attr]
+        assert answer == {"role": "assistant", "content": "4", "reasoning_content": "Two and two.",
+                          "thinking": "Two and two."}  # fmt: skip
+        assert "reasoning_content" not in request.messages[0].template_dict()  # type: ignore[union-attr]

@@ -276,13 +276,17 @@ class Message(_Strict):
     #: an assistant message's calls, and a ``tool`` message's answer to one (both passed to the chat template)
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_unicode)] | None = None
+    #: an assistant message's reasoning, sent back as the server returned it (``reasoning``: vLLM's newer name);
+    #: passed to the chat template as ``reasoning_content`` (Qwen3's templates read it) and ``thinking`` (gpt-oss's)
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
     function_call: Unsupported = None
     audio: Unsupported = None
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it: role and content; an assistant's ``tool_calls`` with their
-        arguments as a mapping where the JSON text is one (what Hugging Face's templates expect); a tool message's
-        ``tool_call_id`` (and ``name``)."""
+        arguments as a mapping where the JSON text is one (what Hugging Face's templates expect), and its reasoning
+        (``reasoning_content`` and ``thinking``); a tool message's ``tool_call_id`` (and ``name``)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
             calls = []
@@ -296,6 +300,9 @@ class Message(_Strict):
                 function = {"name": call.function.name, "arguments": arguments}
                 calls.append({"id": call.id, "type": "function", "function": function})
             out["tool_calls"] = calls
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning:
+            out["reasoning_content"] = out["thinking"] = reasoning
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
             if self.name is not None:
