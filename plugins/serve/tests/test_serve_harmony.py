@@ -335,3 +335,16 @@ def test_library_answers_split_by_channel(harmony_model: Path) -> None:
     assert gen.generate_batch([MESSAGES, MESSAGES], params) == ["Sunny.", "Sunny."]
     plain = gen.complete("Weather?", params)  # no chat template: not split, markers dropped as before
     assert plain.reasoning is None and plain.text.startswith("analysisThink it over.assistantfinalSunny.")
+
+
+def test_long_answers_parse_in_one_pass() -> None:
+    """An answer of 20,000 messages (and a stream of a 400,000-character header that never closes) is read in one
+    pass: each marker's next place is remembered instead of searched for again from every message (before: 9 s for
+    the first, minutes for the second at a token a piece). The results are the short answers' repeated."""
+    many = "<|channel|>analysis<|message|>x<|end|><|start|>assistant" * 20_000 + "<|channel|>final<|message|>y"
+    answer = parse_harmony(many, tools=True)
+    assert (answer.reasoning, answer.content, answer.calls) == ("x" * 20_000, "y", [])
+    stream = HarmonyStream(tools=False)
+    for _ in range(100_000):
+        assert stream.feed("abcd") == []
+    assert stream.finish() == [{"content": "abcd" * 100_000}]

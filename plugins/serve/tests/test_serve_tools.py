@@ -226,6 +226,10 @@ def test_qwen3_xml_parser() -> None:
     ]
     for plain in ("No call.", "<tool_call>\n{not xml}\n</tool_call>", "<tool_call>\n<function=f>\n"):
         assert parse_tool_calls(plain, QWEN3_XML, TOOLS) == (plain, [])
+    # read in one pass (a parameter without its closing tag ends the list): 20,000 unclosed parameters take
+    # milliseconds (a regular expression took a minute)
+    unclosed = "<tool_call>\n<function=get_time>\n" + "<parameter=zone>\nx\n" * 20_000 + "</function>"
+    assert _calls(parse_tool_calls(unclosed, QWEN3_XML, TOOLS)[1]) == [("get_time", {})]
     # streamed: the content as it comes, the calls whole at the end
     sent, deltas, reason = _streamed("Sure. " + XML_CALL, QWEN3_XML, 3)
     assert sent == "Sure. " and reason == "tool_calls"

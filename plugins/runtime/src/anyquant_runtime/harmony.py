@@ -145,6 +145,7 @@ def _messages(text: str) -> list[tuple[str, str, bool]] | None:
         return None
     out: list[tuple[str, str, bool]] = []
     at = 0
+    ahead = _Ahead(text)
     while at < len(text):
         if text.startswith(START, at):
             at += len(START)
@@ -152,14 +153,32 @@ def _messages(text: str) -> list[tuple[str, str, bool]] | None:
         if opened < 0:  # a header the generation cut off: it holds nothing to report
             break
         header, body_at = text[at:opened], opened + len(MESSAGE)
-        ends = [(i, m) for m in _BODY_ENDS for i in (text.find(m, body_at),) if i >= 0]
-        if not ends:
+        stop, marker = ahead.first(body_at)
+        if stop < 0:
             out.append((header, text[body_at:], False))
             break
-        stop, marker = min(ends)
         out.append((header, text[body_at:stop], marker != START))
         at = stop + (0 if marker == START else len(marker))
     return out
+
+
+class _Ahead:
+    """The first body end at or after a position, each marker's next place remembered (found again only once the
+    reading passes it), so that reading a whole answer is linear in its length."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.next = {m: -2 for m in _BODY_ENDS}  # -2: not searched yet; -1: none ahead
+
+    def first(self, at: int) -> tuple[int, str]:
+        best, which = -1, ""
+        for m in _BODY_ENDS:
+            i = self.next[m]
+            if i == -2 or (i != -1 and i < at):
+                i = self.next[m] = self.text.find(m, at)
+            if i >= 0 and (best < 0 or i < best):
+                best, which = i, m
+        return best, which
 
 
 def parse_harmony(text: str, tools: bool) -> HarmonyAnswer:
@@ -198,6 +217,7 @@ class HarmonyStream:
         self.at = 0  # where the reading stands
         self.kind: str | None = None  # the current body's kind; None: reading a header
         self.calls = 0  # calls begun
+        self.seen = 0  # a header's <|message|> is not before this
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
         self.text += piece
@@ -229,8 +249,9 @@ class HarmonyStream:
         while self.at < len(text):
             if self.kind is None:  # a header: wait for its <|message|>
                 at = self.at + (len(START) if text.startswith(START, self.at) else 0)
-                opened = text.find(MESSAGE, at)
+                opened = text.find(MESSAGE, max(at, self.seen))
                 if opened < 0:  # (text with no <|message|> at all is content: finish sends it)
+                    self.seen = max(at, len(text) - len(MESSAGE) + 1)  # not searched again: linear in the text
                     break
                 header = _Header.parse(text[at:opened])
                 self.kind = header.kind(self.tools)

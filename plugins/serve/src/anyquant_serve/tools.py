@@ -266,10 +266,8 @@ def _mistral(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return content, calls
 
 
-_XML_CALL = re.compile(
-    r"<tool_call>\s*<function=([^>\n]{1,64})>(.*?)</function>\s*(?:</tool_call>|\Z)|<tool_call>", re.DOTALL
-)
-_XML_PARAMETER = re.compile(r"<parameter=([^>\n]{1,256})>(.*?)</parameter>", re.DOTALL)
+_XML_HEAD = re.compile(r"<tool_call>\s*<function=([^>\n]{1,64})>")
+_XML_KEY = re.compile(r"<parameter=([^>\n]{1,256})>")
 _XML_TYPES: dict[str, tuple[type, ...]] = {
     "integer": (int,),
     "number": (int, float),
@@ -310,16 +308,40 @@ def _qwen3_xml(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str 
         if isinstance(function, Mapping) and isinstance(function.get("parameters"), Mapping):
             params[str(function.get("name"))] = function["parameters"].get("properties") or {}
     calls: list[dict[str, Any]] = []
-    for match in _XML_CALL.finditer(text):
-        if match.group(1) is None:  # <tool_call> not followed by a well-formed <function=...>...</function>
+    outside: list[str] = []
+    at = 0
+    while (start := text.find("<tool_call>", at)) >= 0:  # each search goes on from the last: linear in the text
+        head = _XML_HEAD.match(text, start)
+        end = text.find("</function>", head.end()) if head is not None else -1
+        if head is None or end < 0:  # <tool_call> not followed by a well-formed <function=...>...</function>
             return text, []
-        name, body = match.group(1).strip(), match.group(2)
+        name = head.group(1).strip()
         properties = params.get(name, {})
-        arguments = {key.strip(): _xml_value(v, properties.get(key.strip())) for key, v in _XML_PARAMETER.findall(body)}
+        arguments = {key: _xml_value(v, properties.get(key)) for key, v in _xml_parameters(text[head.end() : end])}
         function = {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
         calls.append({"id": new_call_id(), "type": "function", "function": function})
-    content = _XML_CALL.sub("", text).strip() if calls else text
+        outside.append(text[at:start])
+        at = _skip(text, end + len("</function>"))
+        if text.startswith("</tool_call>", at):
+            at += len("</tool_call>")
+    if not calls:
+        return text, []
+    content = ("".join(outside) + text[at:]).strip()
     return content or None, calls
+
+
+def _xml_parameters(body: str) -> list[tuple[str, str]]:
+    """The ``<parameter=key>value</parameter>`` pairs of a call's body, in order (a key without its closing tag
+    ends the list); linear in the body."""
+    out: list[tuple[str, str]] = []
+    at = 0
+    while (key := _XML_KEY.search(body, at)) is not None:
+        close = body.find("</parameter>", key.end())
+        if close < 0:
+            break
+        out.append((key.group(1).strip(), body[key.end() : close]))
+        at = close + len("</parameter>")
+    return out
 
 
 _PARSERS = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral}
