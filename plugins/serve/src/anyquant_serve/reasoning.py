@@ -51,6 +51,7 @@ class ThinkStream:
         self.at = 0  # what has been sent (or skipped) of self.text
         self.state = "reasoning" if thinking else "start"  # start: an opening <think> may come first
         self.stripping = False  # content's leading whitespace after </think> is being skipped
+        self.lead = 0  # start: the answer's leading whitespace ends here (or later)
 
     def feed(self, piece: str) -> tuple[str, str]:
         self.text += piece
@@ -63,9 +64,11 @@ class ThinkStream:
         text = self.text
         reasoning = content = ""
         if self.state == "start":
-            head = text[self.at :].lstrip()
-            if head.startswith(THINK):
-                self.at, self.state = len(text) - len(head) + len(THINK), "reasoning"
+            while self.lead < len(text) and text[self.lead].isspace():  # the leading whitespace, read once
+                self.lead += 1
+            head = text[self.lead : self.lead + len(THINK)]
+            if head == THINK:
+                self.at, self.state = self.lead + len(THINK), "reasoning"
             elif not final and THINK.startswith(head):  # (empty, or a start of <think>): not known yet
                 return "", ""
             else:
@@ -79,11 +82,11 @@ class ThinkStream:
             reasoning = text[self.at : end]
             self.at, self.state, self.stripping = end + len(THINK_END), "content", True
         if self.stripping:
-            rest = text[self.at :]
-            if not rest.strip():
-                self.at = len(text)
+            while self.at < len(text) and text[self.at].isspace():
+                self.at += 1
+            if self.at == len(text):
                 return reasoning, ""
-            self.at, self.stripping = len(text) - len(rest.lstrip()), False
+            self.stripping = False
         content, self.at = text[self.at :], len(text)
         return reasoning, content
 
