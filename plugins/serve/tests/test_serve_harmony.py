@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from anyquant_runtime.harmony import HarmonyStream, call_options, is_harmony, parse_harmony
+from anyquant_serve.tools import functions
 from plugins.serve.tests.servers import serving
 from plugins.serve.tests.test_serve_tools import NAME, QWEN25_TEMPLATE, TIME, TOOLS
 
@@ -117,11 +118,11 @@ def test_stream_joins_into_the_whole_answer(text: str, tools: bool, size: int) -
 
 
 def test_call_options() -> None:
-    options = call_options(TOOLS, "get_time")
+    options = call_options(functions(TOOLS, "get_time"))
     assert options == [
         ("<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>", TIME["function"]["parameters"])
     ]
-    assert [header for header, _ in call_options(TOOLS)] == [
+    assert [header for header, _ in call_options(functions(TOOLS))] == [
         "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
         "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>",
     ]

@@ -111,11 +111,7 @@ class OutputFormat:
             raise GrammarError("a tool call's schema is an object, and at least one call is allowed")
         _check_enforced(schema, "", 0)
         spec = {"schema": schema, "begin": begin, "end": end, "sep": sep, "max_calls": int(max_calls)}
-        try:
-            text = json.dumps(spec, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise GrammarError(f"the tools' parameters are not JSON: {exc}") from None
-        return cls("tool_calls", _bounded(text, "the tools' schema"))
+        return cls("tool_calls", _tools_spec(spec))
 
     @classmethod
     def tagged(cls, options: Sequence[tuple[str, Mapping[str, Any]]]) -> OutputFormat:
@@ -126,11 +122,7 @@ class OutputFormat:
         for _, schema in options:
             _check_enforced(schema, "", 0)
         spec = [{"begin": text, "schema": schema} for text, schema in options]
-        try:
-            text = json.dumps(spec, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise GrammarError(f"the tools' parameters are not JSON: {exc}") from None
-        return cls("tagged", _bounded(text, "the tools' schema"))
+        return cls("tagged", _tools_spec(spec))
 
     @classmethod
     def xml_calls(cls, tools: Sequence[Mapping[str, Any]], sep: str = "\n", max_calls: int = 1) -> OutputFormat:
@@ -152,11 +144,7 @@ class OutputFormat:
                     raise GrammarError(f"parameter {key!r} of {name}: 'format' is not supported (not enforced)")
                 _check_enforced(schema, key, 0)
         spec = {"tools": [dict(t) for t in tools], "sep": sep, "max_calls": int(max_calls)}
-        try:
-            text = json.dumps(spec, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise GrammarError(f"the tools' parameters are not JSON: {exc}") from None
-        return cls("xml_calls", _bounded(text, "the tools' schema"))
+        return cls("xml_calls", _tools_spec(spec))
 
     @classmethod
     def regex(cls, pattern: str) -> OutputFormat:
@@ -204,6 +192,15 @@ def _check_enforced(schema: Any, where: str, depth: int) -> None:
         if isinstance(value, Mapping):
             for name, sub in value.items():
                 _check_enforced(sub, f"{where}.{key}.{name}" if where else f"{key}.{name}", depth + 1)
+
+
+def _tools_spec(spec: Any) -> str:
+    """A tool-call format's spec as its JSON text (bounded), or a :class:`GrammarError` when it holds no JSON."""
+    try:
+        text = json.dumps(spec, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise GrammarError(f"the tools' parameters are not JSON: {exc}") from None
+    return _bounded(text, "the tools' schema")
 
 
 def _bounded(text: str, what: str) -> str:

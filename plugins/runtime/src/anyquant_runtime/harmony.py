@@ -72,20 +72,12 @@ def call_header(name: str) -> str:
     return f"{CHANNEL}commentary to={_FUNCTIONS}{name} {CONSTRAIN}json{MESSAGE}"
 
 
-def call_options(tools: Sequence[Mapping[str, Any]], name: str | None = None) -> list[tuple[str, Mapping[str, Any]]]:
-    """``tool_choice: "required"`` (or the function ``name``) as a harmony answer: for each tool (the named one),
-    its call's header and the JSON schema of its arguments (:meth:`~anyquant_runtime.grammar.OutputFormat.tagged`).
-    The call comes first: the constrained answer has no analysis message before it."""
-    options: list[tuple[str, Mapping[str, Any]]] = []
-    for tool in tools:
-        function = tool["function"]
-        if name is not None and function["name"] != name:
-            continue
-        params = function.get("parameters")
-        if not isinstance(params, Mapping) or not params:
-            params = {"type": "object", "properties": {}}
-        options.append((call_header(function["name"]), params))
-    return options
+def call_options(functions: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, Mapping[str, Any]]]:
+    """``tool_choice: "required"`` (or a named function) as a harmony answer: for each function offered (``(name,
+    parameters schema)``), its call's header and the schema of its arguments
+    (:meth:`~anyquant_runtime.grammar.OutputFormat.tagged`). The call comes first: the constrained answer has no
+    analysis message before it."""
+    return [(call_header(name), params) for name, params in functions]
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,9 @@ def _tool_constraint(request: ChatRequest, fmt: Any) -> tuple[str, Any] | None:
         if fmt.name == "harmony":  # one call a turn: its header naming the function, then its arguments
             from anyquant_runtime.harmony import call_options
 
-            return "tools", OutputFormat.tagged(call_options(_tool_dicts(request), name))
+            from .tools import functions
+
+            return "tools", OutputFormat.tagged(call_options(functions(_tool_dicts(request), name)))
         if fmt.name == "qwen3_xml":  # <function=name> and a <parameter=key> block a required parameter
             from .tools import xml_calls
 

@@ -42,6 +42,7 @@ __all__ = [
     "ToolStream",
     "call_schema",
     "detect_format",
+    "functions",
     "new_call_id",
     "parse_tool_calls",
     "supports_tools",
@@ -359,26 +360,10 @@ def parse_tool_calls(
     return _PARSERS[fmt.name](text)
 
 
-def xml_calls(tools: Sequence[Mapping[str, Any]], name: str | None = None) -> list[dict[str, Any]]:
-    """``tool_choice: "required"`` (or the function ``name``) in ``qwen3_xml``: for each tool (the named one), its
-    name and its required parameters in the schema's order, each with its schema
-    (:meth:`~anyquant_runtime.grammar.OutputFormat.xml_calls`)."""
-    out = []
-    for tool in tools:
-        function = tool["function"]
-        if name is not None and function["name"] != name:
-            continue
-        params = function.get("parameters") if isinstance(function.get("parameters"), Mapping) else {}
-        properties = params.get("properties") or {}
-        required = [k for k in properties if k in (params.get("required") or ())]
-        out.append({"name": function["name"], "parameters": [[k, properties[k]] for k in required]})
-    return out
-
-
-def call_schema(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat, name: str | None = None) -> dict[str, Any]:
-    """The JSON schema of one call in ``fmt``: ``{"name": <a tool's name>, <arguments key>: <its parameters>}``
-    over ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``), or over the one named ``name``."""
-    options = []
+def functions(tools: Sequence[Mapping[str, Any]], name: str | None = None) -> list[tuple[str, Mapping[str, Any]]]:
+    """``(name, parameters schema)`` of each of ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``), or
+    of the one named ``name``; a tool without ``parameters`` takes ``{}``'s schema."""
+    out: list[tuple[str, Mapping[str, Any]]] = []
     for tool in tools:
         function = tool["function"]
         if name is not None and function["name"] != name:
@@ -386,14 +371,34 @@ def call_schema(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat, name: str |
         params = function.get("parameters")
         if not isinstance(params, Mapping) or not params:
             params = {"type": "object", "properties": {}}
-        options.append(
-            {
-                "type": "object",
-                "properties": {"name": {"enum": [function["name"]]}, fmt.arguments: params},
-                "required": ["name", fmt.arguments],
-                "additionalProperties": False,
-            }
-        )
+        out.append((function["name"], params))
+    return out
+
+
+def xml_calls(tools: Sequence[Mapping[str, Any]], name: str | None = None) -> list[dict[str, Any]]:
+    """``tool_choice: "required"`` (or the function ``name``) in ``qwen3_xml``: for each tool (the named one), its
+    name and its required parameters in the schema's order, each with its schema
+    (:meth:`~anyquant_runtime.grammar.OutputFormat.xml_calls`)."""
+    out = []
+    for function, params in functions(tools, name):
+        properties = params.get("properties") or {}
+        required = [k for k in properties if k in (params.get("required") or ())]
+        out.append({"name": function, "parameters": [[k, properties[k]] for k in required]})
+    return out
+
+
+def call_schema(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat, name: str | None = None) -> dict[str, Any]:
+    """The JSON schema of one call in ``fmt``: ``{"name": <a tool's name>, <arguments key>: <its parameters>}``
+    over ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``), or over the one named ``name``."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"enum": [function]}, fmt.arguments: params},
+            "required": ["name", fmt.arguments],
+            "additionalProperties": False,
+        }
+        for function, params in functions(tools, name)
+    ]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
