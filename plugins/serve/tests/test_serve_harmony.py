@@ -20,7 +20,7 @@ import pytest
 from anyquant_runtime.harmony import HarmonyStream, call_options, is_harmony, parse_harmony
 from anyquant_serve.tools import functions
 from plugins.serve.tests.servers import serving
-from plugins.serve.tests.test_serve_tools import NAME, QWEN25_TEMPLATE, TIME, TOOLS
+from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, QWEN25_TEMPLATE, TIME, TOOLS
 
 #: gpt-oss's chat template, abridged: its markers, channels, tool namespace, call and tool-result rendering, and
 #: the ``reasoning_effort`` it reads
@@ -265,22 +265,8 @@ def test_history_effort_and_refusals(harmony_client: Any) -> None:
     does not read it."""
     import openai
 
-    history = [
-        *MESSAGES,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_abc",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
-                }
-            ],
-            "reasoning_content": "The user wants the weather.",  # sent back as the server returned it
-        },
-        {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21}'},
-    ]
+    # the call sent back as the server returned it, reasoning and all
+    history = [*MESSAGES, {**CALLED, "reasoning_content": "The user wants the weather."}, ANSWERED]
     r = harmony_client.chat.completions.create(model=NAME, messages=history, tools=TOOLS, max_tokens=8)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     for effort in ("low", "high"):

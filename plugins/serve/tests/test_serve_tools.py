@@ -589,24 +589,25 @@ def test_streamed_calls_as_openai_streams_them(qwen_client: Any) -> None:
             assert [c.function.name for c in calls] == ["get_weather"]
 
 
+#: a tool round trip as a client sends it back: the assistant's call, then the tool's answer
+CALLED: dict[str, Any] = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "call_abc",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+        }
+    ],
+}
+ANSWERED: dict[str, Any] = {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21}'}
+
+
 @pytest.mark.model
 @pytest.mark.slow
 def test_auto_none_and_a_tool_round_trip(qwen_client: Any) -> None:
-    history = [
-        *MESSAGES,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_abc",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21}'},
-    ]
+    history = [*MESSAGES, CALLED, ANSWERED]
     for choice in ("auto", "none"):
         r = qwen_client.chat.completions.create(
             model=NAME, messages=history, tools=TOOLS, tool_choice=choice, max_tokens=16, temperature=0

@@ -21,7 +21,7 @@ is done); the last two end the generation. What the channels become, as llama-se
 * ``final``, ``commentary`` without a recipient (a preamble meant for the user) and any other channel: ``content``.
 
 The markers are special tokens in gpt-oss's tokenizer: the answer is decoded with them. Text that holds no
-``<|message|>`` at all is ``content`` as it is. Standard library only.
+``<|message|>`` at all is ``content`` as it is. Standard library only (and :mod:`.stops`, itself torch-free).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .stops import held_back
 
 __all__ = [
     "ENDS",
@@ -50,7 +52,6 @@ END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 _BODY_ENDS = (END, CALL, RETURN, START)
 #: the markers that end the generation: stop strings of every harmony request
 ENDS = (CALL, RETURN)
-_LONGEST_END = max(len(m) for m in _BODY_ENDS)
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z0-9_.-]+)")
 _RECIPIENT = re.compile(r"(?:^|\s)to=([^\s<]+)")
 _FUNCTIONS = "functions."
@@ -130,12 +131,12 @@ def _arguments_ok(text: str) -> bool:
         return False
 
 
-def _messages(text: str) -> list[tuple[str, str, bool]] | None:
-    """Each complete-headed message of ``text``: its header, its body and whether its end marker was written;
-    ``None`` when the text holds no ``<|message|>`` (no harmony at all)."""
+def _messages(text: str) -> list[tuple[str, str]] | None:
+    """Each complete-headed message of ``text``: its header and its body; ``None`` when the text holds no
+    ``<|message|>`` (no harmony at all)."""
     if MESSAGE not in text:
         return None
-    out: list[tuple[str, str, bool]] = []
+    out: list[tuple[str, str]] = []
     at = 0
     ahead = _Ahead(text)
     while at < len(text):
@@ -147,9 +148,9 @@ def _messages(text: str) -> list[tuple[str, str, bool]] | None:
         header, body_at = text[at:opened], opened + len(MESSAGE)
         stop, marker = ahead.first(body_at)
         if stop < 0:
-            out.append((header, text[body_at:], False))
+            out.append((header, text[body_at:]))
             break
-        out.append((header, text[body_at:stop], marker != START))
+        out.append((header, text[body_at:stop]))
         at = stop + (0 if marker == START else len(marker))
     return out
 
@@ -182,7 +183,7 @@ def parse_harmony(text: str, tools: bool) -> HarmonyAnswer:
     reasoning: list[str] = []
     content: list[str] = []
     calls: list[dict[str, Any]] = []
-    for raw, body, _ in messages:
+    for raw, body in messages:
         header = _Header.parse(raw)
         kind = header.kind(tools)
         if kind == "call" and _arguments_ok(body):
@@ -203,9 +204,9 @@ class HarmonyStream:
     :func:`parse_harmony` makes of the whole text, except that a call's arguments are sent before they are known
     to be a JSON object: what was sent stands (as in vLLM)."""
 
-    def __init__(self, tools: bool, prefix: str = "") -> None:
+    def __init__(self, tools: bool) -> None:
         self.tools = tools
-        self.text = prefix  # a header the server wrote into the prompt (a forced call) counts as generated
+        self.text = ""
         self.at = 0  # where the reading stands
         self.kind: str | None = None  # the current body's kind; None: reading a header
         self.calls = 0  # calls begun
@@ -225,15 +226,6 @@ class HarmonyStream:
     def reason(self, reason: str) -> str:
         """The choice's ``finish_reason``: ``tool_calls`` once a call was sent and the model stopped."""
         return "tool_calls" if self.calls and reason == "stop" else reason
-
-    def _hold(self, end: int) -> int:
-        """Where the text up to ``end`` is safe to send: before a suffix that may begin a marker."""
-        text = self.text
-        for k in range(min(_LONGEST_END - 1, end - self.at), 0, -1):
-            tail = text[end - k : end]
-            if any(m.startswith(tail) for m in _BODY_ENDS):
-                return end - k
-        return end
 
     def _advance(self, final: bool) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -256,7 +248,8 @@ class HarmonyStream:
                 continue
             ends = [(i, m) for m in _BODY_ENDS for i in (text.find(m, self.at),) if i >= 0]
             stop, marker = min(ends) if ends else (len(text), "")
-            upto = stop if ends or final else self._hold(stop)
+            # (what could begin an end marker waits until it is known)
+            upto = stop if ends or final else stop - held_back(text[self.at : stop], _BODY_ENDS)
             if upto > self.at:
                 out.append(self._delta(text[self.at : upto]))
                 self.at = upto

@@ -91,11 +91,13 @@ def _validated(app: _Server, body: Mapping[str, Any], chat: bool) -> ChatRequest
         raise ApiError(400, exc.message, exc.code, exc.param) from None
 
 
-def _prompt_ids(app: _Server, request: ChatRequest | CompletionRequest) -> list[int]:
+def _prompt_ids(
+    app: _Server, request: ChatRequest | CompletionRequest, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """The prompt's token ids; ``tools``: a chat request's tools to render (``None``: none offered)."""
     try:
         if isinstance(request, ChatRequest):
             messages = [m.template_dict() for m in request.messages]
-            tools = _tool_dicts(request) if request.tool_mode() != "none" else None
             if tools is not None or request.reasoning_effort is not None:
                 extra = {"reasoning_effort": request.reasoning_effort} if request.reasoning_effort is not None else {}
                 return list(app.adapter.encode_chat(messages, tools, **extra))
@@ -181,7 +183,7 @@ def _tool_format(app: _Server, request: ChatRequest, harmony: bool = False) -> A
     return fmt
 
 
-def _tool_constraint(request: ChatRequest, fmt: Any) -> tuple[str, Any] | None:
+def _tool_constraint(request: ChatRequest, fmt: Any, tools: list[dict[str, Any]]) -> tuple[str, Any] | None:
     """``tool_choice: "required"`` or a named function as a grammar: the template's call markers around a JSON
     call of one of the tools (the named one), so the answer always parses as calls; ``None`` for ``auto``."""
     from anyquant_runtime.grammar import GrammarError, OutputFormat
@@ -199,12 +201,12 @@ def _tool_constraint(request: ChatRequest, fmt: Any) -> tuple[str, Any] | None:
 
             from .tools import functions
 
-            return "tools", OutputFormat.tagged(call_options(functions(_tool_dicts(request), name)))
+            return "tools", OutputFormat.tagged(call_options(functions(tools, name)))
         if fmt.name == "qwen3_xml":  # <function=name> and a <parameter=key> block a required parameter
             from .tools import xml_calls
 
-            return "tools", OutputFormat.xml_calls(xml_calls(_tool_dicts(request), name), fmt.sep, calls)
-        schema = call_schema(_tool_dicts(request), fmt, name)
+            return "tools", OutputFormat.xml_calls(xml_calls(tools, name), fmt.sep, calls)
+        schema = call_schema(tools, fmt, name)
         if fmt.array:  # one JSON array of calls after the marker
             schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": calls}
             grammar = OutputFormat.tool_calls(schema, fmt.begin, fmt.end)
@@ -265,6 +267,7 @@ def _params(request: ChatRequest | CompletionRequest, harmony: bool = False) -> 
         if value:
             extras[name] = value
     top = request.top()
+    stops = request.stops()
     try:
         return GenerationParams(
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -272,7 +275,7 @@ def _params(request: ChatRequest | CompletionRequest, harmony: bool = False) -> 
             top_k=request.top_k or 0,
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
             seed=request.seed,
-            stop=request.stops() + (tuple(s for s in ENDS if s not in request.stops()) if harmony else ()),
+            stop=stops + (tuple(s for s in ENDS if s not in stops) if harmony else ()),
             logprobs=top is not None,
             top_logprobs=top or 0,
             **extras,
@@ -331,17 +334,18 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
         )
     _engine_refuses(app, request)
     harmony = isinstance(request, ChatRequest) and _harmony(app)
-    tools = None
+    tools = tool_list = None  # the template's tool-call format, and the request's tools as the template reads them
     if isinstance(request, ChatRequest):
         _template_reads(app, request)
         tools = _tool_format(app, request, harmony)
     fmt = _output_format(request)
     if isinstance(request, ChatRequest) and tools is not None:
-        fmt = _tool_constraint(request, tools) or fmt
+        tool_list = _tool_dicts(request)
+        fmt = _tool_constraint(request, tools, tool_list) or fmt
     params = _params(request, harmony)
     top = request.top()
     echo = isinstance(request, CompletionRequest) and bool(request.echo)
-    ids = _prompt_ids(app, request)
+    ids = _prompt_ids(app, request, tool_list)
     context = app.adapter.context
     if context is not None and len(ids) > context:
         raise ApiError(
@@ -364,9 +368,7 @@ def _job(app: _Server, body: Mapping[str, Any], chat: bool) -> _Job:
         text = request.prompt if isinstance(request.prompt, str) else app.adapter.decode(ids)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     job = _Job(ids, params, max_tokens, bool(request.stream), include_usage, top is not None, request.n or 1, text)
-    job.format, job.tools, job.harmony = fmt, tools, harmony
-    if isinstance(request, ChatRequest) and tools is not None:
-        job.tool_list = _tool_dicts(request)
+    job.format, job.tools, job.harmony, job.tool_list = fmt, tools, harmony, tool_list or []
     if isinstance(request, ChatRequest) and not harmony and fmt is None and app.config.reasoning:
         job.thinking = _thinking(app, ids)
     return job

@@ -7,10 +7,13 @@ Thinking-2507's and V3.1's (thinking) end with ``<think>`` open, and the model w
 then the answer; Qwen3's hybrid template leaves the model to open the block itself (or, with thinking off, closes an
 empty one in the prompt). The reasoning is the block's text as written; the content is what follows
 ``</think>``, without the whitespace that separates them. An answer that never closes the block (cut off by
-``max_tokens``) is all reasoning. Standard library only.
+``max_tokens``) is all reasoning. Standard library only, with the generator's stop-string holding back
+(:func:`anyquant_runtime.stops.held_back`).
 """
 
 from __future__ import annotations
+
+from anyquant_runtime.stops import held_back
 
 __all__ = ["THINK", "THINK_END", "ThinkStream", "begins_thinking", "split_thinking", "thinks"]
 
@@ -76,7 +79,7 @@ class ThinkStream:
         if self.state == "reasoning":
             end = text.find(THINK_END, self.at)
             if end < 0:
-                upto = len(text) if final else _held(text, self.at, THINK_END)
+                upto = len(text) if final else len(text) - held_back(text[self.at :], (THINK_END,))
                 reasoning, self.at = text[self.at : upto], upto
                 return reasoning, ""
             reasoning = text[self.at : end]
@@ -89,11 +92,3 @@ class ThinkStream:
             self.stripping = False
         content, self.at = text[self.at :], len(text)
         return reasoning, content
-
-
-def _held(text: str, at: int, marker: str) -> int:
-    """Where ``text[at:]`` is safe to send: before a suffix that may begin ``marker``."""
-    for k in range(min(len(marker) - 1, len(text) - at), 0, -1):
-        if marker.startswith(text[len(text) - k :]):
-            return len(text) - k
-    return len(text)

@@ -25,6 +25,7 @@ Standard library only, with :mod:`anyquant_runtime.harmony`'s call ids (the gram
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,7 @@ from typing import Any
 
 from anyquant_runtime.chat import template_source
 from anyquant_runtime.harmony import new_call_id
+from anyquant_runtime.stops import held_back
 
 __all__ = [
     "FORMATS",
@@ -79,9 +81,11 @@ FORMATS[QWEN3_XML.name] = QWEN3_XML
 MAX_PARALLEL_CALLS = 4
 
 
+@functools.lru_cache(maxsize=32)
 def template_reads(source: str, name: str) -> bool:
     """Whether the template reads the variable ``name`` (jinja2's own analysis; a plain search where it cannot
-    parse the template)."""
+    parse the template). Remembered per template and name: parsing a real template takes milliseconds, and every
+    request with tools or ``reasoning_effort`` asks about the same one."""
     try:
         import jinja2
         import jinja2.meta
@@ -303,11 +307,7 @@ def _xml_value(text: str, schema: Any) -> Any:
 
 
 def _qwen3_xml(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str | None, list[dict[str, Any]]]:
-    params: dict[str, Any] = {}
-    for tool in tools:
-        function = tool.get("function") if isinstance(tool, Mapping) else None
-        if isinstance(function, Mapping) and isinstance(function.get("parameters"), Mapping):
-            params[str(function.get("name"))] = function["parameters"].get("properties") or {}
+    params = {name: schema.get("properties") or {} for name, schema in functions(tools)}
     calls: list[dict[str, Any]] = []
     outside: list[str] = []
     at = 0
@@ -539,11 +539,7 @@ class ToolStream:
             out = self.text[self.sent : at]
             self.sent = at
             return out, self._hold(at, "seek")
-        keep = 0  # the longest end of the text that could begin the marker: held back until it is known
-        for k in range(min(len(self.marker) - 1, len(self.text) - self.sent), 0, -1):
-            if self.marker.startswith(self.text[len(self.text) - k :]):
-                keep = k
-                break
+        keep = held_back(self.text[self.sent :], (self.marker,))  # what could begin the marker waits until known
         out = self.text[self.sent : len(self.text) - keep]
         self.sent = len(self.text) - keep
         return out, []
