@@ -16,9 +16,13 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 HERE = Path(__file__).resolve().parent
 KERNELS = Path("src/anyquant_cpu/kernels")
-SOURCES = [str(KERNELS / "ggml_gemv.cpp"), str(KERNELS / "lut_gemv.cpp")]
+SOURCES = [str(KERNELS / "ggml_gemv.cpp"), str(KERNELS / "lut_gemv.cpp"), str(KERNELS / "attention.cpp")]
 #: the portable library's sources: each of the above with ANYQUANT_PORTABLE defined (own objects, own flags)
-PORTABLE = [str(KERNELS / "ggml_gemv_portable.cpp"), str(KERNELS / "lut_gemv_portable.cpp")]
+PORTABLE = [
+    str(KERNELS / "ggml_gemv_portable.cpp"),
+    str(KERNELS / "lut_gemv_portable.cpp"),
+    str(KERNELS / "attention_portable.cpp"),
+]
 # -fopenmp: at::parallel_for splits rows over threads only when the extension itself is compiled with OpenMP (the
 # library then needs libgomp.so.1, which resolves to the copy torch has loaded: one thread pool)
 CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]

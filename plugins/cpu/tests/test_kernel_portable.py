@@ -68,6 +68,14 @@ def _outputs() -> dict[str, torch.Tensor]:
     fp8[(fp8 & 0x7F) == 0x7F] = 0  # no NaN codes
     got["fp8"] = torch.ops.anyquant.fp8_gemv(x, fp8, scales, 32, 0, 0)
     got["fp8_dequant"] = torch.ops.anyquant.fp8_dequant(fp8, scales, 32, 0)
+    keys, values = torch.randn(2, 2, 40, 16, generator=gen).half(), torch.randn(2, 2, 40, 16, generator=gen).half()
+    q, k, v = (
+        torch.randn(2, 4, 16, generator=gen),
+        torch.randn(2, 2, 16, generator=gen),
+        torch.randn(2, 2, 16, generator=gen),
+    )
+    got["decode_attention"] = torch.ops.anyquant.decode_attention(q, k, v, [keys], [values], [30], 0, 0.25, 0)
+    got["decode_attention.keys"] = keys
     return got
 
 
@@ -78,7 +86,7 @@ def _child(out: str) -> None:
     assert kernels.portable()
     lib = kernels.library()
     assert lib is not None and lib.name == "_kernels_portable.so", lib
-    assert kernels.available() and kernels.lut_available()
+    assert kernels.available() and kernels.lut_available() and kernels.attention_available()
     got = _outputs()
     got["isa"] = torch.tensor([kernels.isa(), kernels.lut_isa()])
     save_file({k: v.contiguous() for k, v in got.items()}, out)
@@ -98,7 +106,8 @@ def test_the_portable_build_runs_every_op_as_the_scalar_path(tmp_path: Path) -> 
     assert set(portable) == set(here)
     for name, value in here.items():
         assert bool(torch.isfinite(value).all()), name
-        assert torch.equal(portable[name].view(torch.int32), value.view(torch.int32)), name  # bit for bit
+        bits = torch.int16 if value.dtype == torch.float16 else torch.int32
+        assert torch.equal(portable[name].view(bits), value.view(bits)), name  # bit for bit
     # and the outputs are real numbers of the right scale (not zeros): the scalar path against the exact weights
     x = _cases()["Q8_0"][1]
     exact = here["Q8_0.deq"].double()

@@ -381,7 +381,8 @@ def _int4_model(
     bfloat16 prepacked and GGUF Q8_0 blocks (:class:`_Q8Blocks`) per linear as :data:`MIXED` lays them out;
     ``kind="gq4"``: int4, then repacked for the compiled block kernel as GPTQ's and AWQ's cpu-fast build does
     with ``cpu_fast_kernel="gq4"`` (the MoE layers' experts too), the hidden-state norms on the kernel's
-    ``rms_norm`` as its cpu-fast build sets them (:func:`~anyquant_cpu.engine.kernel_norms`)."""
+    ``rms_norm`` and the decode steps' attention on its ``decode_attention`` as its cpu-fast build sets them
+    (:func:`~anyquant_cpu.engine.kernel_norms`, :func:`~anyquant_cpu.engine.kernel_attention`)."""
     from anyquant_cpu import kernels
     from anyquant_cpu.engine import FastInt4Linear, PrepackedBf16Linear, bf16_head_status, int4pack_status
 
@@ -416,7 +417,7 @@ def _int4_model(
                 else:
                     setattr(parent, name, linear)
     if kind == "gq4":
-        from anyquant_cpu.engine import kernel_norms, to_block_kernel
+        from anyquant_cpu.engine import kernel_attention, kernel_norms, to_block_kernel
 
         if not kernels.available():
             pytest.skip("anyquant kernels not built")
@@ -428,6 +429,9 @@ def _int4_model(
         for layer in layers if qk else ():
             attn = layer.self_attn
             assert (attn.q_norm.kernel_rows, attn.k_norm.kernel_rows) == (64 * attn.heads, 64 * attn.kv_heads)
+        # and the decode steps' attention on the kernel's decode_attention, as FastCPUPlan.finish sets it
+        assert kernel_attention(model.module) == len(layers)
+        assert all(layer.self_attn.decode_kernel for layer in layers)
     return model
 
 
@@ -844,3 +848,63 @@ def test_compiled_decode_step_with_sliding_windows(
         assert torch.equal(logits_after_prompt(model, ids, 8), fast)
         assert model.generate_batch(prompts, max_new_tokens=12) == fast_batch
         assert calls.take() == 2 * (1 + 22) + 2 * (1 + 11)
+
+
+@pytest.mark.parametrize(
+    "window", [{}, {"model_type": "mistral", "sliding_window": 5}], ids=["llama", "mistral-window"]
+)
+def test_decode_rows_compiled_is_bitwise_each_request_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: dict[str, object]
+) -> None:
+    """A server's shared step (:meth:`NativeCausalLM.decode_rows`) on cpu-fast layers with the kernel's attention: the
+    whole step one compiled call (no layer through its module), each row's logits bitwise those of its request
+    decoded alone (the compiled step's one-row call) and of the module path's rows, past the window and past the
+    caches' first 64 positions; a float16 cache too."""
+    from anyquant_cpu.step import DecodeStep
+
+    model = _int4_model(tmp_path / "m", bias=False, kind="gq4", **window)
+    module = model.module
+    # the final norm's rows as the "logits": this tiny model's float32 head is a matmul whose kernel changes with
+    # the rows (cpu-fast's heads compute each row alone: the bundled model's test in anyquant-gguf)
+    module.lm_head = torch.nn.Identity()
+    calls = _LayerCalls(monkeypatch)
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, 200, (1, n), generator=gen) for n in (3, 40, 61)]
+    for dtype in (None, torch.float16):
+        module.kv_cache_dtype = dtype
+        module.__dict__.pop("_step", None)
+        runs: dict[str, list[torch.Tensor]] = {}
+        for how in ("rows", "alone", "module rows"):
+            if how == "module rows":
+                module.__dict__["_step"] = None
+            with torch.inference_mode():
+                caches, tokens, got = [], [], []
+                for ids in prompts:
+                    out = module(ids, use_cache=True)
+                    caches.append(out.cache)
+                    tokens.append(int(out.logits[0, -1].argmax()))
+                positions = [ids.shape[1] for ids in prompts]
+                calls.take()
+                for _ in range(12):
+                    ids_t = torch.tensor([[t] for t in tokens])
+                    pos_t = torch.tensor([[p] for p in positions])
+                    if how == "alone":
+                        logits = torch.cat(
+                            [
+                                module(ids_t[i : i + 1], position_ids=pos_t[i : i + 1], cache=c, use_cache=True).logits[
+                                    :, -1
+                                ]
+                                for i, c in enumerate(caches)
+                            ]
+                        )
+                    else:
+                        logits = module.decode_rows(ids_t, pos_t, caches)
+                    got.append(logits)
+                    tokens = [int(t) for t in logits.argmax(-1)]
+                    positions = [p + 1 for p in positions]
+                if how == "rows":
+                    assert isinstance(module.__dict__["_step"], DecodeStep) and module.__dict__["_step"].rows_ready
+                    assert calls.take() == 0  # every step one compiled call
+                runs[how] = got
+        assert all(torch.equal(a, b) for a, b in zip(runs["rows"], runs["alone"], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(runs["rows"], runs["module rows"], strict=True))

@@ -12,7 +12,10 @@ RMSNorm, gate/up, SiLU, down" with cpu-fast linears runs here as one TorchScript
 a token's experts one ``anyquant::ggml_experts`` call where they are all GGUF blocks), called with the layer's tensors:
 the same arithmetic in the same order on the same tensors, so the logits are bitwise those of the module path (tests
 compare them), with the Python between the ops gone. Where every layer is planned, one
-scripted module (:class:`_Stack`) runs them all in a single call per step.
+scripted module (:class:`_Stack`) runs them all in a single call per step. A layer's KV write and attention run on
+the kernel's ``anyquant::decode_attention`` where its module does (``decode_kernel``), over a list of caches: a
+server's rows, each with a cache of its own, then take the same single call (:meth:`DecodeStep.run_rows`), each row
+bitwise what it gets alone.
 
 :class:`DecodeStep` decides per call whether the fast path applies and falls back to the modules
 otherwise: prompts (more than one new token), activations other than float32, and any forward hook or
@@ -69,6 +72,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Opt = Optional[Tensor]  # noqa: UP045 - the layer modules' mask argument (TorchScript reads Optional)
+Tensors = List[Tensor]  # noqa: UP006 - their caches' buffers (TorchScript reads List)
+Ints = List[int]  # noqa: UP006 - and where each writes
 
 
 def _attention(
@@ -76,9 +81,9 @@ def _attention(
     v: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
+    keys: List[torch.Tensor],  # noqa: UP006 - the caches' key buffers, each of its rows (one: a padded batch's)
+    values: List[torch.Tensor],  # noqa: UP006
+    starts: List[int],  # noqa: UP006 - where each writes its new position
     mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
     heads: int,
     kv_heads: int,
@@ -90,7 +95,10 @@ def _attention(
 ) -> torch.Tensor:
     """Rotary embedding of the queries and keys ``qk`` (``[b, (heads + kv_heads) * head_dim]``: rotated
     together, elementwise, so bitwise the module path's separate q and k; first each head normalised by
-    ``q_norm``/``k_norm`` where given, Qwen3's), the KV write at ``start``, and attention: ``[b, heads * head_dim]``."""
+    ``q_norm``/``k_norm`` where given, Qwen3's), the KV write at ``starts``, and attention: ``[b, heads * head_dim]``.
+    ``scaling < 0`` (the planner's mark for attention with ``decode_kernel``): without a mask, the write and the
+    attention by ``anyquant::decode_attention`` with scaling ``-scaling``, as the module computes them, over each
+    cache's rows (one cache a lone request's, one each for a server's rows); else torch's, over one cache."""
     b = qk.shape[0]
     rotated = heads + kv_heads
     if q_norm is not None and k_norm is not None:
@@ -101,6 +109,61 @@ def _attention(
         qk = qk.view(b, 1, rotated, head_dim).transpose(1, 2)
     qk = _rotary(qk, cos, sin)
     v = v.view(b, 1, kv_heads, head_dim).transpose(1, 2)
+    if scaling < 0.0 and mask is None:  # the planner's mark: the module's attention on the kernel (decode_kernel)
+        return _kernel_attention(qk, v, keys, values, starts, heads, kv_heads, head_dim, -scaling)
+    # torch's: one cache (a padded batch's rows: the mask)
+    return _attention_torch(qk, v, keys[0], values[0], starts[0], mask, heads, kv_heads, head_dim, abs(scaling))
+
+
+def _kernel_attention(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    keys: List[torch.Tensor],  # noqa: UP006 - the caches' key buffers, each of its rows (one: a padded batch's)
+    values: List[torch.Tensor],  # noqa: UP006
+    starts: List[int],  # noqa: UP006 - where each writes its new position
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+) -> torch.Tensor:
+    """:func:`_attention`'s write and attention by ``anyquant::decode_attention`` (rotated ``qk``, ``v``: ``[b,
+    heads, 1, head_dim]``), as :meth:`~anyquant_runtime.native.Attention.decode` calls it."""
+    out: torch.Tensor = torch.ops.anyquant.decode_attention(
+        qk[:, :heads, 0], qk[:, heads:, 0], v[:, :, 0], keys, values, starts, 0, scaling
+    )
+    return out.view(qk.shape[0], heads * head_dim)
+
+
+def _kernel_attention_missing(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    keys: List[torch.Tensor],  # noqa: UP006 - the caches' key buffers, each of its rows (one: a padded batch's)
+    values: List[torch.Tensor],  # noqa: UP006
+    starts: List[int],  # noqa: UP006 - where each writes its new position
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+) -> torch.Tensor:
+    """:func:`_kernel_attention` for compiling where the op is not loaded (no attention is marked then)."""
+    return _attention_torch(qk, v, keys[0], values[0], starts[0], None, heads, kv_heads, head_dim, scaling)
+
+
+def _attention_torch(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float,
+) -> torch.Tensor:
+    """The KV write and torch's attention of :func:`_attention`'s rotated ``qk`` and ``v`` (``[b, heads, 1,
+    head_dim]``)."""
+    b = qk.shape[0]
     keys.narrow(2, start, 1).copy_(qk[:, heads:])
     values.narrow(2, start, 1).copy_(v)
     k_all, v_all = keys.narrow(2, 0, start + 1), values.narrow(2, 0, start + 1)
@@ -143,9 +206,9 @@ def int4_attention(
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
+    keys: List[torch.Tensor],  # noqa: UP006 - the caches' key buffers, each of its rows (one: a padded batch's)
+    values: List[torch.Tensor],  # noqa: UP006
+    starts: List[int],  # noqa: UP006 - where each writes its new position
     mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
     norm1: torch.Tensor,
     eps: float,
@@ -173,7 +236,7 @@ def int4_attention(
         sin,
         keys,
         values,
-        start,
+        starts,
         mask,
         heads,
         kv_heads,
@@ -190,9 +253,9 @@ def int4_layer(
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
+    keys: List[torch.Tensor],  # noqa: UP006 - the caches' key buffers, each of its rows (one: a padded batch's)
+    values: List[torch.Tensor],  # noqa: UP006
+    starts: List[int],  # noqa: UP006 - where each writes its new position
     mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
     norm1: torch.Tensor,
     norm2: torch.Tensor,
@@ -218,14 +281,15 @@ def int4_layer(
     intermediate: int,
 ) -> torch.Tensor:
     """One decoder layer of cpu-fast int4 linears for one new token per sequence (``h`` ``[b, 1, hidden]``
-    float32), writing its key and value at position ``start`` of ``keys``/``values`` (``[b, kv_heads,
-    room, head_dim]``); ``mask``: the native model's boolean ``[b, 1, 1, start + 1]`` for padded batches,
-    else ``None``; ``q_norm``/``k_norm``: Qwen3's per-head norms, else ``None``. The ops and their order are
+    float32), writing its key and value at position ``starts[i]`` of ``keys[i]``/``values[i]`` (``[b_i, kv_heads,
+    room, head_dim]``: cache ``i``'s buffers, its ``b_i`` rows the next of ``h``'s; several caches only where the
+    attention is the kernel's, :func:`_attention`); ``mask``: the native model's boolean ``[b, 1, 1, start + 1]``
+    for a padded batch (one cache), else ``None``; ``q_norm``/``k_norm``: Qwen3's per-head norms, else ``None``. The ops and their order are
     :class:`~anyquant_runtime.native.DecoderLayer`'s with :class:`~anyquant_runtime.layers.FusedInt4` q/k/v and
     gate/up (``sin`` signed as for :func:`~anyquant_runtime.layers._rotary`)."""
     b, hidden = h.shape[0], h.shape[-1]
     h = int4_attention(
-        h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling,
+        h, cos, sin, keys, values, starts, mask, norm1, eps, heads, kv_heads, head_dim, scaling,
         qkv, qkv_scales, qkv_group, o, o_scales, o_group, q_norm, k_norm,
     )  # fmt: skip
     gu = _int4(_rms(h, norm2, eps).view(b, hidden), gate_up, gate_up_group, gate_up_scales)
@@ -237,9 +301,9 @@ def int4_moe_layer(
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
+    keys: List[torch.Tensor],  # noqa: UP006 - the caches' key buffers, each of its rows (one: a padded batch's)
+    values: List[torch.Tensor],  # noqa: UP006
+    starts: List[int],  # noqa: UP006 - where each writes its new position
     mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
     norm1: torch.Tensor,
     norm2: torch.Tensor,
@@ -273,7 +337,7 @@ def int4_moe_layer(
     on the rows that chose it, gathered and added back)."""
     b, hidden = h.shape[0], h.shape[-1]
     h = int4_attention(
-        h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling,
+        h, cos, sin, keys, values, starts, mask, norm1, eps, heads, kv_heads, head_dim, scaling,
         qkv, qkv_scales, qkv_group, o, o_scales, o_group, q_norm, k_norm,
     )  # fmt: skip
     x = _rms(h, norm2, eps).view(b, hidden)
@@ -314,9 +378,9 @@ def bf16_layer(
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
+    keys: List[torch.Tensor],  # noqa: UP006 - the caches' key buffers, each of its rows (one: a padded batch's)
+    values: List[torch.Tensor],  # noqa: UP006
+    starts: List[int],  # noqa: UP006 - where each writes its new position
     mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
     norm1: torch.Tensor,
     norm2: torch.Tensor,
@@ -340,7 +404,7 @@ def bf16_layer(
     x = _rms(h, norm1, eps).view(b, hidden)
     qk = torch.cat([_bf16(x, q), _bf16(x, k)], 1)
     a = _attention(
-        qk, _bf16(x, v), cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps
+        qk, _bf16(x, v), cos, sin, keys, values, starts, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps
     )
     h = h + _bf16(a, o).view(b, 1, hidden)
     x = _rms(h, norm2, eps).view(b, hidden)
@@ -437,9 +501,9 @@ def ggml_layer(
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
+    keys: List[torch.Tensor],  # noqa: UP006 - the caches' key buffers, each of its rows (one: a padded batch's)
+    values: List[torch.Tensor],  # noqa: UP006
+    starts: List[int],  # noqa: UP006 - where each writes its new position
     mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
     norm1: torch.Tensor,
     norm2: torch.Tensor,
@@ -461,7 +525,7 @@ def ggml_layer(
     x = _rms(h, norm1, eps).view(b, hidden)
     y = _ggml_cat(x, blocks[0:3], kinds[0:3], rows[0:3], passes)
     qk, v = y[:, : rows[0] + rows[1]], y[:, rows[0] + rows[1] :]
-    a = _attention(qk, v, cos, sin, keys, values, start, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps)
+    a = _attention(qk, v, cos, sin, keys, values, starts, mask, heads, kv_heads, head_dim, scaling, q_norm, k_norm, eps)
     h = h + _ggml(a, blocks[3], kinds[3], rows[3], passes).view(b, 1, hidden)
     x = _rms(h, norm2, eps).view(b, hidden)
     gu = _ggml_cat(x, blocks[4:6], kinds[4:6], rows[4:6], passes)
@@ -546,9 +610,9 @@ def mixed_attention(
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
+    keys: List[torch.Tensor],  # noqa: UP006 - the caches' key buffers, each of its rows (one: a padded batch's)
+    values: List[torch.Tensor],  # noqa: UP006
+    starts: List[int],  # noqa: UP006 - where each writes its new position
     mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
     norm1: torch.Tensor,
     eps: float,
@@ -572,7 +636,7 @@ def mixed_attention(
         sin,
         keys,
         values,
-        start,
+        starts,
         mask,
         heads,
         kv_heads,
@@ -589,9 +653,9 @@ def mixed_layer(
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
+    keys: List[torch.Tensor],  # noqa: UP006 - the caches' key buffers, each of its rows (one: a padded batch's)
+    values: List[torch.Tensor],  # noqa: UP006
+    starts: List[int],  # noqa: UP006 - where each writes its new position
     mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
     norm1: torch.Tensor,
     norm2: torch.Tensor,
@@ -613,7 +677,7 @@ def mixed_layer(
     (:data:`Linear`), the int4 q/k/v or gate/up one fused call where the module path fuses them."""
     b, hidden = h.shape[0], h.shape[-1]
     h = mixed_attention(
-        h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling, qkv, o, q_norm, k_norm
+        h, cos, sin, keys, values, starts, mask, norm1, eps, heads, kv_heads, head_dim, scaling, qkv, o, q_norm, k_norm
     )
     x = _rms(h, norm2, eps).view(b, hidden)
     return h + _mlp(x, gate_up, down, intermediate).view(b, 1, hidden)
@@ -623,9 +687,9 @@ def mixed_moe_layer(
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
+    keys: List[torch.Tensor],  # noqa: UP006 - the caches' key buffers, each of its rows (one: a padded batch's)
+    values: List[torch.Tensor],  # noqa: UP006
+    starts: List[int],  # noqa: UP006 - where each writes its new position
     mask: Optional[torch.Tensor],  # noqa: UP045 - TorchScript reads the annotation
     norm1: torch.Tensor,
     norm2: torch.Tensor,
@@ -653,7 +717,7 @@ def mixed_moe_layer(
     GGUF-block linears of one activation passes count."""
     b, hidden = h.shape[0], h.shape[-1]
     h = mixed_attention(
-        h, cos, sin, keys, values, start, mask, norm1, eps, heads, kv_heads, head_dim, scaling, qkv, o, q_norm, k_norm
+        h, cos, sin, keys, values, starts, mask, norm1, eps, heads, kv_heads, head_dim, scaling, qkv, o, q_norm, k_norm
     )
     x = _rms(h, norm2, eps).view(b, hidden)
     logits = F.linear(x, router)
@@ -697,12 +761,14 @@ def _scripting(kinds: Collection[str]) -> Iterator[None]:
     """While TorchScript compiles functions of ``kinds``: where the kernel op is not loaded, the ``mixed``
     functions' block branch is compiled as a call back into Python (no GGUF-block linear can exist without
     the op, which TorchScript must resolve)."""
-    global _ggml, _ggml_cat, _experts, _rms, _lut4, _lut4_cat, _fp8
+    global _ggml, _ggml_cat, _experts, _rms, _lut4, _lut4_cat, _fp8, _kernel_attention
     from . import kernels
 
-    compiled = _ggml, _ggml_cat, _experts, _rms, _lut4, _lut4_cat, _fp8
+    compiled = _ggml, _ggml_cat, _experts, _rms, _lut4, _lut4_cat, _fp8, _kernel_attention
     if not kernels.available():
         _rms = _rms_torch
+    if not kernels.attention_available():
+        _kernel_attention = _kernel_attention_missing
         if any(kind.startswith("mixed") for kind in kinds):
             _ggml, _ggml_cat, _experts = _ggml_in_python, _ggml_cat_in_python, _experts_in_python
     if not kernels.lut_available() and any(kind.startswith("mixed") for kind in kinds):
@@ -715,7 +781,7 @@ def _scripting(kinds: Collection[str]) -> Iterator[None]:
             warnings.simplefilter("ignore", FutureWarning)
             yield
     finally:
-        _ggml, _ggml_cat, _experts, _rms, _lut4, _lut4_cat, _fp8 = compiled
+        _ggml, _ggml_cat, _experts, _rms, _lut4, _lut4_cat, _fp8, _kernel_attention = compiled
 
 
 def compiled_layer(kind: str) -> Callable[..., torch.Tensor]:
@@ -743,32 +809,32 @@ class _Planned(nn.Module):
 
 
 class _Int4Layer(_Planned):
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensors, v: Tensors, start: Ints, mask: Opt) -> Tensor:
         return int4_layer(h, cos, sin, k, v, start, mask, *self.args)
 
 
 class _Int4MoeLayer(_Planned):
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensors, v: Tensors, start: Ints, mask: Opt) -> Tensor:
         return int4_moe_layer(h, cos, sin, k, v, start, mask, *self.args)
 
 
 class _Bf16Layer(_Planned):
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensors, v: Tensors, start: Ints, mask: Opt) -> Tensor:
         return bf16_layer(h, cos, sin, k, v, start, mask, *self.args)
 
 
 class _GgmlLayer(_Planned):
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensors, v: Tensors, start: Ints, mask: Opt) -> Tensor:
         return ggml_layer(h, cos, sin, k, v, start, mask, *self.args)
 
 
 class _MixedLayer(_Planned):
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensors, v: Tensors, start: Ints, mask: Opt) -> Tensor:
         return mixed_layer(h, cos, sin, k, v, start, mask, *self.args)
 
 
 class _MixedMoeLayer(_Planned):
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, start: int, mask: Opt) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, k: Tensors, v: Tensors, start: Ints, mask: Opt) -> Tensor:
         return mixed_moe_layer(h, cos, sin, k, v, start, mask, *self.args)
 
 
@@ -796,9 +862,9 @@ class _Stack(nn.Module):
         cos: Tensor,
         sin: Tensor,
         mask: Opt,
-        keys: List[Tensor],  # noqa: UP006
-        values: List[Tensor],  # noqa: UP006
-        starts: List[int],  # noqa: UP006
+        keys: List[Tensors],  # noqa: UP006 - per layer, each cache's buffers
+        values: List[Tensors],  # noqa: UP006
+        starts: List[Ints],  # noqa: UP006
     ) -> Tensor:
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, keys[i], values[i], starts[i], mask)
@@ -871,6 +937,8 @@ class DecodeStep:
         self._names = [name for _, name, _ in watched]
         self._children = [child for _, _, child in watched]
         self.small_rows = min(layer.small_rows for layer in layers if layer is not None)
+        #: every layer in the one call, each attending by the kernel (scaling < 0: the planner's mark)
+        self.rows_ready = self.stack is not None and all(layer is not None and layer.args[6] < 0 for layer in layers)
 
     @staticmethod
     def build(model: Any, uniform: bool = True) -> DecodeStep | None:
@@ -924,9 +992,9 @@ class DecodeStep:
                 start = cache.lengths[i]
                 k, v = cache.reserve(i, start + 1, h.shape[0], kv_heads, head_dim, h)
                 first = _first(start, self._stack_windows[i])
-                keys.append(k.narrow(2, first, k.shape[2] - first) if first else k)
-                values.append(v.narrow(2, first, v.shape[2] - first) if first else v)
-                starts.append(start - first)
+                keys.append([k.narrow(2, first, k.shape[2] - first) if first else k])
+                values.append([v.narrow(2, first, v.shape[2] - first) if first else v])
+                starts.append([start - first])
                 ends.append(start + 1)
             h = self.stack(h, cos, sin, mask, keys, values, starts)
             cache.lengths[:] = ends
@@ -945,8 +1013,36 @@ class DecodeStep:
                     values.narrow(2, first, values.shape[2] - first),
                 )
                 layer_mask = None if mask is None else mask[..., first:]
-            h = function(h, cos, sin, keys, values, start - first, layer_mask, *args)
+            h = function(h, cos, sin, [keys], [values], [start - first], layer_mask, *args)
             cache.lengths[i] = start + 1
+        return h
+
+    def rows_usable(self, h: torch.Tensor) -> bool:
+        """Whether :meth:`run_rows` may step ``h``'s rows: :meth:`usable`, every layer planned into the one
+        compiled call, each with the kernel's attention (one call over every row's own cache)."""
+        return self.rows_ready and self.layers is self._stacked and self.usable(h)
+
+    def run_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[Any]) -> torch.Tensor:
+        """All layers for one new token in each row of ``h`` (``[rows, 1, hidden]``), row ``i`` attending over its
+        own ``caches[i]`` (written): :meth:`~anyquant_runtime.native.NativeCausalLM.decode_rows` in one compiled
+        call, each row's numbers those of the module path's rows."""
+        keys, values, starts = [], [], []
+        for i, (kv_heads, head_dim) in enumerate(self._kv_shapes):
+            window = self._stack_windows[i]
+            layer_k, layer_v, layer_s = [], [], []
+            for cache in caches:
+                start = cache.lengths[i]
+                k, v = cache.reserve(i, start + 1, 1, kv_heads, head_dim, h)
+                first = _first(start, window)
+                layer_k.append(k.narrow(2, first, k.shape[2] - first) if first else k)
+                layer_v.append(v.narrow(2, first, v.shape[2] - first) if first else v)
+                layer_s.append(start - first)
+            keys.append(layer_k)
+            values.append(layer_v)
+            starts.append(layer_s)
+        h = self.stack(h, cos, sin, None, keys, values, starts)  # type: ignore[misc] # rows_ready: compiled
+        for cache in caches:
+            cache.lengths[:] = [n + 1 for n in cache.lengths]
         return h
 
 
@@ -1065,7 +1161,9 @@ def _plan_layer(layer: Any, uniform: bool = True) -> _Layer | None:
     # the kernel's norm (eps < 0: _rms), which the modules take up to kernel_rows rows: the step no further
     kernel_rows = int(norm1.kernel_rows)
     common: tuple[Any, ...] = (norm1.weight, norm2.weight, -eps if kernel_rows > 0 else eps)
-    common += (attn.heads, attn.kv_heads, attn.head_dim, float(attn.scaling))
+    # the kernel's attention (scaling < 0: _attention) where the module decodes on it
+    scaling = float(attn.scaling)
+    common += (attn.heads, attn.kv_heads, attn.head_dim, -scaling if getattr(attn, "decode_kernel", False) else scaling)
     sparse = _sparse(mlp)
     if sparse is None and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         return None  # an MLP of another make

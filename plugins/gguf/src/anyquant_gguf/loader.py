@@ -284,6 +284,8 @@ class GGUFLoader(TransformersLoader):
         norms = plan.install_norms(loaded.module) if record["converted"] + len(record["bf16"]) else 0
         if norms:
             record["kernel_norms"] = norms
+        if norms and plan.attention:
+            record["kernel_attention"] = plan.attention  # decode steps' attention on the kernel, layers
         rows = plan.install_embedding_rows(loaded.module)
         if rows is not None:
             record["embedding_rows"] = rows  # the packed embedding's lookups decoded by the backend's kernel

@@ -760,6 +760,12 @@ class NativeOutput:
 
 
 class Attention(nn.Module):
+    #: a decode step's attention (one new position per row, no padding mask) by the compiled kernel's
+    #: ``anyquant::decode_attention``, which also writes the new keys and values into the cache: set by cpu-fast
+    #: where the kernel is loaded (:func:`anyquant_cpu.engine.kernel_attention`); the compiled decode step does the
+    #: same, so a row's numbers are the same on either path and whatever other rows share the step
+    decode_kernel = False
+
     def __init__(self, c: NativeConfig, index: int) -> None:
         super().__init__()
         self.index, self.heads, self.kv_heads, self.head_dim = (
@@ -854,10 +860,38 @@ class Attention(nn.Module):
         """``sin``: with the sign of its first half flipped (see :func:`_rotary`)."""
         b, t, _ = h.shape
         q, k, v = self._project(h, cos, sin)
+        if t == 1 and mask is None and isinstance(cache, NativeCache) and self.kernel_decodes(q):
+            return self.o_proj(self.decode(q, k, v, [cache]).view(b, 1, -1))  # type: ignore[no-any-return]
         if cache is not None:
             k, v = cache.update(self.index, k, v)
         y: torch.Tensor = self.o_proj(self.attend(q, k, v, mask).transpose(1, 2).reshape(b, t, -1))
         return y
+
+    def kernel_decodes(self, q: torch.Tensor) -> bool:
+        """Whether a decode step's queries ``q`` attend by :meth:`decode` (the kernel marked, float32 on the CPU,
+        no soft-capping)."""
+        return self.decode_kernel and not self.eager and q.dtype == torch.float32 and q.device.type == "cpu"
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[NativeCache]) -> torch.Tensor:
+        """One new position per row (``q`` ``[rows, heads, 1, head_dim]``, ``k``/``v`` its keys and values), the rows
+        taken by ``caches`` in order (each cache its batch's rows): the keys and values written at each cache's next
+        position and the attention over its positions (a sliding layer's window), ``[rows, heads, v_head_dim]``,
+        by one ``anyquant::decode_attention`` call."""
+        keys, values, starts = [], [], []
+        index, kv_heads, dk, dv = self.index, k.shape[1], k.shape[-1], v.shape[-1]
+        for cache in caches:
+            start, held = cache.lengths[index], cache.keys[index]
+            rows = held.shape[0] if held is not None else k.shape[0] // len(caches)
+            kb, vb = cache.reserve(index, start + 1, rows, kv_heads, dk, k, dv)
+            keys.append(kb)
+            values.append(vb)
+            starts.append(start)
+        out: torch.Tensor = torch.ops.anyquant.decode_attention(
+            q.squeeze(2), k.squeeze(2), v.squeeze(2), keys, values, starts, self.window or 0, self.scaling
+        )
+        for cache, start in zip(caches, starts, strict=True):
+            cache.lengths[index] = start + 1
+        return out
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Attention ``[b, heads, t, head_dim]`` of the queries ``q`` (the last ``t`` positions) over the keys and
@@ -1207,9 +1241,12 @@ class DecoderLayer(nn.Module):
 
     def rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[NativeCache]) -> torch.Tensor:
         """The layer for one new token in each row of ``h`` ``[rows, 1, hidden]``, row ``i`` attending over its own
-        ``caches[i]`` (no padding, no mask): the projections, norms and MLP of all rows in one pass."""
+        ``caches[i]`` (no padding, no mask): the projections, norms and MLP of all rows in one pass, the attention
+        one :meth:`Attention.decode` call (``decode_kernel``) or torch's row by row."""
         attn = self.self_attn
         q, k, v = attn._project(self.input_layernorm(h), cos, sin)
+        if attn.kernel_decodes(q):
+            return self.finish(h, attn.o_proj(attn.decode(q, k, v, caches).view(h.shape[0], 1, -1)))
         out = []
         for i, cache in enumerate(caches):
             keys, values = cache.update(attn.index, k[i : i + 1], v[i : i + 1])
@@ -1434,13 +1471,20 @@ class NativeCausalLM(nn.Module):
         """One new token for each of several requests, each with its own cache: ``input_ids`` and ``position_ids``
         ``[rows, 1]``, ``caches[i]`` row ``i``'s (written). The next-token logits ``[rows, vocab]``.
 
-        The linears, norms and MLP or MoE blocks run once over all rows (their weights read once); attention runs
-        row by row over each row's own cache, with no padding and no mask (:meth:`DecoderLayer.rows`): a row's
-        numbers do not depend on the others. What a server's shared decode step calls."""
+        The linears, norms and MLP or MoE blocks run once over all rows (their weights read once); each row attends
+        over its own cache, with no padding and no mask (:meth:`DecoderLayer.rows`; with ``decode_kernel``, one
+        kernel call a layer for every row): a row's numbers do not depend on the others. Where the compiled decode
+        step plans every layer and they attend on the kernel, the whole step is its one call
+        (:meth:`~anyquant_cpu.step.DecodeStep.run_rows`), bitwise the modules' rows. What a server's shared decode
+        step calls."""
         h = self.embed(input_ids)
         cos, sin = self.rotary(position_ids, h)
-        for layer in self.model.layers:
-            h = cast(DecoderLayer, layer).rows(h, cos, sin, caches)
+        step = self._decode_step()
+        if step is not None and step.rows_usable(h):
+            h = step.run_rows(h, cos, sin, caches)
+        else:
+            for layer in self.model.layers:
+                h = cast(DecoderLayer, layer).rows(h, cos, sin, caches)
         return self.logits(h)[:, -1]
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> None:

@@ -10,10 +10,11 @@ forwards a cold prefill makes. A prompt is scored (``echo`` with ``logprobs``: :
 same call in chunks of the scorer's size, one chunk at a time, every position's logits kept for that chunk only.
 Each request keeps its own KV cache (requests admitted together with the same prompt, such as the ``n`` choices of
 one HTTP request, prefill it once and copy the cache). A decode step then runs every request of the batch through
-one pass of the linears (the weights are read once for all rows), while attention runs row by row over each
-request's own cache, with no padding and no mask: a request's tokens do not depend on which others share its steps
-(padding shifts the summation order inside attention, and this model's bfloat16 activations turn such last-bit
-differences into different greedy tokens). Requests join and leave between steps (continuous batching).
+one pass of the linears (the weights are read once for all rows), while each request attends over its own cache,
+with no padding and no mask (on cpu-fast one kernel call a layer for every row, the whole step one compiled call): a
+request's logits do not depend on which others share its steps (padding shifts the summation order inside
+attention, and last-bit differences turn into different greedy tokens). Requests join and leave between steps
+(continuous batching).
 
 The shared pass needs anyquant's native decoder (:class:`~anyquant_runtime.native.NativeCausalLM`: the Llama family,
 Mixtral, Qwen2-MoE, Phi-3, Gemma 1-3, sliding windows included; its own ``decode_rows``);

@@ -186,6 +186,12 @@ def lut_available() -> bool:
     return available() and has_op("lut4_gemv")
 
 
+def attention_available() -> bool:
+    """Whether ``anyquant::decode_attention`` (a decode step's attention, every row over its own cache) is loaded
+    with the library."""
+    return available() and has_op("decode_attention")
+
+
 def lut_isa() -> int:
     """The vector path ``lut4_gemv`` takes here: 0 scalar, 1 AVX2+FMA, 2 AVX512F; -1 when not available."""
     import torch
