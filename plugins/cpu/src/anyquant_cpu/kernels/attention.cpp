@@ -138,7 +138,7 @@ AQ_AVX2 inline __m256 exp8(__m256 x) {
 
 // q . k over D (a multiple of 8) in two chains of 8 lanes
 template <typename T>
-AQ_AVX2 inline float dot8(const float* q, const T* k, int64_t D) {
+AQ_AVX2 inline __m256 dot_lanes(const float* q, const T* k, int64_t D) {
   __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) {
@@ -146,14 +146,32 @@ AQ_AVX2 inline float dot8(const float* q, const T* k, int64_t D) {
     b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k + d + 8), b);
   }
   if (d < D) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), a);
-  return hsum8(_mm256_add_ps(a, b));
+  return _mm256_add_ps(a, b);
 }
 
-// out[0 .. Dv) += p * v (Dv a multiple of 8, at most 512)
-template <typename T>
-AQ_AVX2 inline void axpy8(float* out, float p, const T* v, int64_t Dv) {
-  const __m256 pp = _mm256_set1_ps(p);
-  for (int64_t d = 0; d < Dv; d += 8) _mm256_storeu_ps(out + d, _mm256_fmadd_ps(pp, load8(v + d), _mm256_loadu_ps(out + d)));
+// the lane sums of 8 vectors as one vector (lane i: the sum of a[i]'s lanes), three rounds of pairwise adds
+AQ_AVX2 inline __m256 sums8(const __m256* a) {
+  const __m256 h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);
+  // g0's 128-bit halves: vectors 0-3's low and high lane sums; g1's the same for 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+}
+
+// out[c .. c + 8 W) = sum_j p_j v_j[c .. c + 8 W) over n rows of v (and the new row), W vectors held in registers
+template <typename T, int W>
+AQ_AVX2 inline void weighted_rows(float* out, const float* p, const T* v, int64_t vp, int64_t n, const float* vnew,
+                                  int64_t c) {
+  __m256 acc[W];
+  for (int w = 0; w < W; ++w) acc[w] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const T* row = v + j * vp + c;
+    for (int w = 0; w < W; ++w) acc[w] = _mm256_fmadd_ps(pj, load8(row + 8 * w), acc[w]);
+  }
+  const __m256 pn = _mm256_set1_ps(p[n]);
+  for (int w = 0; w < W; ++w) acc[w] = _mm256_fmadd_ps(pn, _mm256_loadu_ps(vnew + c + 8 * w), acc[w]);
+  for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + c + 8 * w, acc[w]);
 }
 
 template <typename T>
@@ -161,25 +179,39 @@ AQ_AVX2 void head_avx2(const float* q, const float* knew, const float* vnew, con
                        int64_t vp, int64_t first, int64_t start, int64_t D, int64_t Dv, float scaling, float* scores,
                        float* out) {
   const int64_t n = start - first;
-  float top = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
-    const float s = dot8(q, kc + (first + j) * kp, D) * scaling;
-    scores[j] = s;
-    top = std::max(top, s);
+  const T* k0 = kc + first * kp;
+  const __m256 sc = _mm256_set1_ps(scaling);
+  // the scores, 8 positions at a time (their dot products' lanes summed together), then the rest one by one
+  int64_t j = 0;
+  __m256 top8 = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= n; j += 8) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = dot_lanes(q, k0 + (j + i) * kp, D);
+    const __m256 s8 = _mm256_mul_ps(sums8(a), sc);
+    _mm256_storeu_ps(scores + j, s8);
+    top8 = _mm256_max_ps(top8, s8);
   }
-  scores[n] = dot8(q, knew, D) * scaling;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  float top = lanes[0];
+  for (int i = 1; i < 8; ++i) top = std::max(top, lanes[i]);
+  for (; j < n; ++j) {
+    scores[j] = hsum8(dot_lanes(q, k0 + j * kp, D)) * scaling;
+    top = std::max(top, scores[j]);
+  }
+  scores[n] = hsum8(dot_lanes(q, knew, D)) * scaling;
   top = std::max(top, scores[n]);
   // the weights p_j = e^(s_j - top), 8 at a time, and their sum in 8 lanes
   const __m256 t8 = _mm256_set1_ps(top);
   __m256 sum = _mm256_setzero_ps();
-  int64_t j = 0;
+  j = 0;
   for (; j + 8 <= n + 1; j += 8) {
     const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), t8));
     _mm256_storeu_ps(scores + j, p);
     sum = _mm256_add_ps(sum, p);
   }
   if (j <= n) {
-    alignas(32) float tail[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    alignas(32) float tail[8];
     const int64_t left = n + 1 - j;
     for (int64_t i = 0; i < 8; ++i) tail[i] = i < left ? scores[j + i] - top : -INFINITY;
     const __m256 p = exp8(_mm256_load_ps(tail));
@@ -188,9 +220,19 @@ AQ_AVX2 void head_avx2(const float* q, const float* knew, const float* vnew, con
     sum = _mm256_add_ps(sum, p);
   }
   const float total = hsum8(sum);
-  for (int64_t d = 0; d < Dv; d += 8) _mm256_storeu_ps(out + d, _mm256_setzero_ps());
-  for (int64_t i = 0; i < n; ++i) axpy8(out, scores[i], vc + (first + i) * vp, Dv);
-  axpy8(out, scores[n], vnew, Dv);
+  // the values' weighted sum, 64 features at a time held in registers (then 32, 16, 8)
+  const T* v0 = vc + first * vp;
+  int64_t c = 0;
+  for (; c + 64 <= Dv; c += 64) weighted_rows<T, 8>(out, scores, v0, vp, n, vnew, c);
+  if (c + 32 <= Dv) {
+    weighted_rows<T, 4>(out, scores, v0, vp, n, vnew, c);
+    c += 32;
+  }
+  if (c + 16 <= Dv) {
+    weighted_rows<T, 2>(out, scores, v0, vp, n, vnew, c);
+    c += 16;
+  }
+  if (c + 8 <= Dv) weighted_rows<T, 1>(out, scores, v0, vp, n, vnew, c);
   const __m256 inv = _mm256_set1_ps(1.f / total);
   for (int64_t d = 0; d < Dv; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(out + d), inv));
 }
