@@ -201,12 +201,13 @@ def test_split_regexes_match_transformers() -> None:
 # --------------------------------------------------------------------------- synthetic files
 
 
-def _byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
-    """A small byte-level BPE: 4 control tokens (one mis-spelled), the 256 byte characters,
-    merged tokens, a user-defined ``<think>`` and a token spelled outside the byte alphabet."""
+def _byte_level_vocab(plain_control: bool = False) -> tuple[list[str], list[int], list[str]]:
+    """A small byte-level BPE: 3 control tokens and a token spelled in plain Unicode (DeepSeek's BOS: a control
+    token with ``plain_control``, else a normal one), the 256 byte characters, merged tokens, a user-defined
+    ``<think>`` and a token spelled outside the byte alphabet."""
     alphabet = byte_alphabet()
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<\uff5cbegin\u2581of\u2581sentence\uff5c>"]
-    types = [3, 3, 3, 3]
+    types = [3, 3, 3, 3 if plain_control else 1]
     tokens += list(alphabet)
     types += [1] * 256
     merges = ["Ġ t", "h e", "Ġt he", "l l", "e ll", "h ell", "o r", "Ġ w", "Ġw or", "Ġwor l", "Ġworl d", "Ã ©"]
@@ -327,6 +328,31 @@ def test_byte_level_tokenizer_matches_transformers(tmp_path: Path, pre: str | No
         [{"role": "user", "content": "the world"}], tokenize=False, add_generation_prompt=True
     )
     assert ours(text)["input_ids"] == ref(text)["input_ids"]
+
+
+def test_a_control_token_in_plain_unicode_is_matched_as_llama_cpp_matches_it(tmp_path: Path) -> None:
+    """A control token written in plain Unicode, as llama.cpp's converter copies DeepSeek's added tokens
+    (``<｜begin▁of▁sentence｜>``, ``<｜tool▁calls▁begin｜>``, ...): text holding it encodes to its id and decoding
+    drops it, as llama.cpp does (llama-cpp-python 0.3.36 on this file: ``tokenize(special=True)`` gave [3, 270] for
+    the text below and ``detokenize`` ``b' world'``); transformers' GGUF tokenizer splits it into bytes. Every other
+    text encodes as with the token a normal one (transformers agrees there)."""
+    tokens, types, merges = _byte_level_vocab(plain_control=True)
+    path = _write_tokenizer_gguf(
+        tmp_path / "ds.gguf", model="gpt2", pre="smollm", tokens=tokens, types=types, merges=merges
+    )
+    ours = tokenizer_from_reader(open_gguf(path))
+    bos = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
+    ids = ours(bos + " world", add_special_tokens=False)["input_ids"]
+    assert ids == [3, 270]
+    assert ours.decode(ids, skip_special_tokens=True) == " world" and ours.decode(ids) == bos + " world"
+    assert ours.added_tokens_decoder[3].content == bos and ours.added_tokens_decoder[3].special
+    plain = tokenizer_from_reader(
+        open_gguf(_write_tokenizer_gguf(tmp_path / "n.gguf", model="gpt2", pre="smollm", tokens=tokens,
+                                        types=_byte_level_vocab()[1], merges=merges))
+    )  # fmt: skip
+    for text in SYNTH_TEXTS:
+        if bos not in text:
+            assert ours(text)["input_ids"] == plain(text)["input_ids"], text
 
 
 def test_byte_level_with_bos(tmp_path: Path) -> None:

@@ -1,4 +1,3 @@
-# ruff: noqa: RUF001  (DeepSeek's markers are written with the fullwidth bar, as its tokenizer has them)
 """A thinking model's ``<think>`` block as ``reasoning_content`` on ``anyquant serve`` (issue #43): where the answer
 begins (inside a block the prompt left open, as DeepSeek-R1's, QwQ's and Qwen3-Thinking's templates leave it, or
 outside, as Qwen3's hybrid one), the split of a whole answer and of a streamed one (the same two texts at every

@@ -216,10 +216,19 @@ def _byte_level_backend(meta: Mapping[str, Any]) -> Any:
             if not spelled.issuperset(token):
                 token = "".join(alphabet[b] for b in token.encode("utf-8"))
             vocab[token] = index
+    types = meta.get("tokenizer.ggml.token_type") or ()
+    # a control token written in plain Unicode (DeepSeek's <｜begin▁of▁sentence｜>, <｜tool▁calls▁begin｜>, ...: what
+    # the converter copies from the model's added tokens): matched in text by that spelling, as llama.cpp matches it,
+    # at its own id (its plain spelling joins the vocabulary beside its byte spelling; the merges never reach it)
+    plain = {
+        token: index
+        for index, (token, kind) in enumerate(zip(tokens, types, strict=False))
+        if kind == CONTROL and not spelled.issuperset(token) and token not in vocab
+    }
     merges = _merge_pairs(meta["tokenizer.ggml.merges"])
     backend = Tokenizer(
         BPE(
-            vocab=vocab,
+            vocab={**vocab, **plain} if plain else vocab,
             merges=merges,
             dropout=None,
             continuing_subword_prefix="",
@@ -238,12 +247,12 @@ def _byte_level_backend(meta: Mapping[str, Any]) -> Any:
             ]
         )
     backend.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or ()
     control = [
         AddedToken(token, normalized=False, special=True)
         for token, kind in zip(tokens, types, strict=False)
         if kind == CONTROL and spelled.issuperset(token)
     ]
+    control += [AddedToken(token, normalized=False, special=True) for token in plain]
     if control:
         backend.add_special_tokens(control)
     # what backend.get_vocab() would give (the control tokens added above are spelled as in the vocabulary),

@@ -45,7 +45,7 @@ COMPILE_TIMEOUT = 10.0
 #: compiled grammars kept (least recently used dropped first)
 CACHE_SIZE = 64
 
-Kind = Literal["json_object", "json_schema", "regex", "choice", "tool_calls", "tagged", "xml_calls"]
+Kind = Literal["json_object", "json_schema", "regex", "choice", "tool_calls", "tagged", "xml_calls", "named_calls"]
 
 
 class GrammarError(ParameterError):
@@ -123,6 +123,22 @@ class OutputFormat:
             _check_enforced(schema, "", 0)
         spec = [{"begin": text, "schema": schema} for text, schema in options]
         return cls("tagged", _tools_spec(spec))
+
+    @classmethod
+    def named_calls(
+        cls, options: Sequence[tuple[str, Mapping[str, Any], str]], begin: str = "", end: str = "", max_calls: int = 1
+    ) -> OutputFormat:
+        """Tool calls whose name is outside their JSON (DeepSeek's): ``begin``, then one to ``max_calls`` calls, each
+        one of ``options`` (the text before a tool's arguments, their schema, the text after them), then ``end``."""
+        if not options or max_calls < 1:
+            raise GrammarError("at least one tool, and at least one call allowed")
+        if not all(isinstance(a, str) and a and isinstance(s, Mapping) and isinstance(b, str) for a, s, b in options):
+            raise GrammarError("each option is a non-empty text, an object schema and a text")
+        for _, schema, _ in options:
+            _check_enforced(schema, "", 0)
+        calls = [{"begin": a, "schema": schema, "end": b} for a, schema, b in options]
+        spec = {"calls": calls, "begin": begin, "end": end, "max_calls": int(max_calls)}
+        return cls("named_calls", _tools_spec(spec))
 
     @classmethod
     def xml_calls(cls, tools: Sequence[Mapping[str, Any]], sep: str = "\n", max_calls: int = 1) -> OutputFormat:
@@ -314,6 +330,8 @@ class Grammars:
                 return compiler.compile_grammar(_tagged_grammar(json.loads(fmt.spec)))
             if fmt.kind == "xml_calls":
                 return compiler.compile_grammar(_xml_calls_grammar(json.loads(fmt.spec)))
+            if fmt.kind == "named_calls":
+                return compiler.compile_grammar(_named_calls_grammar(json.loads(fmt.spec)))
             choices = json.loads(fmt.spec)
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
         except Exception as exc:  # xgrammar raises RuntimeError (and ValueError) with its parser's message
@@ -395,6 +413,28 @@ def _xml_calls_grammar(spec: Mapping[str, Any]) -> Any:
     return xg.Grammar.union(*answers) if len(answers) > 1 else call
 
 
+def _named_calls_grammar(spec: Mapping[str, Any]) -> Any:
+    """``begin``, one to ``max_calls`` of the calls (each its text, a JSON value of its schema, its end), ``end``."""
+    import xgrammar as xg
+
+    options = [
+        xg.Grammar.concat(_literal(c["begin"]), _value(c["schema"]), _literal(c["end"]))
+        if c["end"]
+        else xg.Grammar.concat(_literal(c["begin"]), _value(c["schema"]))
+        for c in spec["calls"]
+    ]
+    call = xg.Grammar.union(*options) if len(options) > 1 else options[0]
+    answers, calls = [call], call
+    for _ in range(int(spec["max_calls"]) - 1):
+        calls = xg.Grammar.concat(calls, call)
+        answers.append(calls)
+    body = xg.Grammar.union(*answers) if len(answers) > 1 else call
+    parts = (
+        ([_literal(spec["begin"])] if spec["begin"] else []) + [body] + ([_literal(spec["end"])] if spec["end"] else [])
+    )
+    return xg.Grammar.concat(*parts) if len(parts) > 1 else body
+
+
 def _tool_calls_grammar(spec: Mapping[str, Any]) -> Any:
     """``begin schema end`` once, or up to ``max_calls`` times joined by ``sep``, as one xgrammar grammar (the
     JSON on one line, strict: no property the schema does not name)."""
@@ -419,6 +459,7 @@ def _what(fmt: OutputFormat) -> str:
         "tool_calls": "tools' call schema",
         "tagged": "tools' call schema",
         "xml_calls": "tools' call schema",
+        "named_calls": "tools' call schema",
     }.get(fmt.kind, "list of choices")
 
 

@@ -162,7 +162,8 @@ def _tool_format(app: _Server, request: ChatRequest, harmony: bool = False) -> A
         raise ApiError(
             400,
             "this model's chat template writes tool calls in a format anyquant serve does not parse "
-            "(it parses Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS] and gpt-oss's harmony)",
+            "(it parses Hermes/Qwen <tool_call>, Qwen3-Coder's XML, Llama 3 JSON, Mistral [TOOL_CALLS], DeepSeek's "
+            "<｜tool▁calls▁begin｜> and gpt-oss's harmony)",
             "unsupported_parameter",
             "tools",
         )
@@ -206,6 +207,10 @@ def _tool_constraint(request: ChatRequest, fmt: Any, tools: list[dict[str, Any]]
             from .tools import xml_calls
 
             return "tools", OutputFormat.xml_calls(xml_calls(tools, name), fmt.sep, calls)
+        if fmt.name.startswith("deepseek"):  # the name outside the arguments' JSON, between DeepSeek's markers
+            from .tools import deepseek_calls
+
+            return "tools", OutputFormat.named_calls(deepseek_calls(tools, fmt, name), fmt.begin, fmt.end, calls)
         schema = call_schema(tools, fmt, name)
         if fmt.array:  # one JSON array of calls after the marker
             schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": calls}
@@ -555,7 +560,8 @@ def build_app(scheduler: Any, config: ServerConfig) -> Any:
                     params = replace(params, seed=(params.seed + i) % 2**63)  # past 2**63 - 1: from 0 again
                 work = Request(job.ids, params, job.max_tokens, run.emit, run.finish, deadline)
                 work.grammar = job.grammar  # each choice its own matcher over the one compiled grammar
-                work.special = job.harmony
+                # harmony's channels, and a tool format whose markers are special tokens (DeepSeek's), need their text
+                work.special = job.harmony or bool(job.tools is not None and job.tools.special)
                 if job.logprobs:
                     work.logprob = run.logprob
                     if job.echo is not None:

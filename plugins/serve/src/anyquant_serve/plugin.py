@@ -99,6 +99,13 @@ def _configure(p: argparse.ArgumentParser) -> None:
         "--max-header-kb", type=int, default=16, help="largest request line and headers; more is a 431 (default 16)"
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="render chats with this Jinja template file instead of the checkpoint's (e.g. one that describes "
+        "tools to a model whose own template does not; at most 1 MiB) (default: the checkpoint's)",
+    )
+    p.add_argument(
         "--reasoning-format",
         choices=("auto", "none"),
         default="auto",
@@ -135,6 +142,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.engine != "anyquant":
         given = [f for f, v in (("--backend", args.backend), ("--device", args.device)) if v != "auto"]
         given += ["-o"] if args.option else []
+        given += ["--chat-template"] if args.chat_template else []
         if given:
             raise ParameterError(f"--engine {args.engine} does not take {', '.join(given)} (the built-in server's)")
     if args.engine == "vllm":
@@ -172,9 +180,13 @@ def _run(args: argparse.Namespace) -> int:
         flags = {"backend": "--backend", "device": "--device", "dtype": "--dtype", "format": "--format"}
         options = options_from(args.option, {**flags, "registry": "the Python API"})
         print(f"anyquant serve: loading {path} ...", file=sys.stderr, flush=True)
+        template = _chat_template_file(args.chat_template)
         model = load(path, format=args.format, backend=args.backend, device=args.device, dtype=args.dtype, **options)
+        adapter = ModelAdapter(model)
+        if template is not None:
+            adapter.use_chat_template(template)
         scheduler = Scheduler(
-            ModelAdapter(model),
+            adapter,
             max_batch=args.max_batch,
             max_queue=args.max_queue,
             prefill_chunk=args.prefill_chunk,
@@ -192,6 +204,30 @@ def _run(args: argparse.Namespace) -> int:
         reasoning=args.reasoning_format == "auto",
     )
     return _serve(build_app(scheduler, config), scheduler, args.host, args.port, args.timeout, limits, name)
+
+
+#: the largest ``--chat-template`` file read (real templates are 2-20 KB)
+CHAT_TEMPLATE_MAX_BYTES = 1 << 20
+
+
+def _chat_template_file(path: str | None) -> str | None:
+    """``--chat-template``'s text (read before the model loads, so a bad path fails at once), or ``None``."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read(CHAT_TEMPLATE_MAX_BYTES + 1)
+    except OSError as exc:
+        raise ParameterError(f"--chat-template {path}: {exc.strerror or exc}") from None
+    if len(data) > CHAT_TEMPLATE_MAX_BYTES:
+        raise ParameterError(f"--chat-template {path}: larger than {CHAT_TEMPLATE_MAX_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ParameterError(f"--chat-template {path}: not UTF-8 text") from None
+    if not text.strip():
+        raise ParameterError(f"--chat-template {path}: the file is empty")
+    return text
 
 
 def _default_name(path: str) -> str:

@@ -112,6 +112,19 @@ class ModelAdapter:
 
         return template_source(self.generator.tokenizer, with_tools)
 
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with the Jinja template ``source`` instead of the checkpoint's (``--chat-template``): a
+        :class:`ParameterError` when it does not compile (a sandboxed Jinja environment, as transformers renders)."""
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+        except Exception as exc:  # jinja2's TemplateSyntaxError, or an unusable extension
+            raise ParameterError(f"--chat-template: the template does not compile: {exc}") from None
+        if self.generator.tokenizer is None:
+            raise ParameterError("--chat-template: this model has no tokenizer to render chats with")
+        self.generator.tokenizer.chat_template = source
+
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, **variables: Any
     ) -> list[int]:

@@ -14,7 +14,11 @@ and llama.cpp's chat formats do:
   ``[TOOL_CALLS]name[ARGS]{...}``);
 * ``qwen3_xml``: ``<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n...</function>\n</tool_call>``
   (Qwen3-Coder and the Qwen templates after it): each value text, read as its parameter's schema type says (a
-  string as written; a number, boolean, object or array as JSON), so that ``arguments`` is JSON text serialized here.
+  string as written; a number, boolean, object or array as JSON), so that ``arguments`` is JSON text serialized here;
+* ``deepseek_v31``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
+  <｜tool▁calls▁end｜>`` (DeepSeek-V3.1 and later), and ``deepseek_v3``, its calls written
+  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name\n```json\n{...}\n```<｜tool▁call▁end｜>`` (DeepSeek-V3, R1 and
+  its distills): the markers are special tokens of DeepSeek's tokenizer, so such answers are decoded with them.
 
 A call's ``arguments`` are the model's own text of its arguments object, as OpenAI's are, so that streamed
 (:class:`ToolStream`: piece by piece as they are generated) they join into the same text as unstreamed.
@@ -37,12 +41,15 @@ from anyquant_runtime.harmony import new_call_id
 from anyquant_runtime.stops import held_back
 
 __all__ = [
+    "DEEPSEEK_V3",
+    "DEEPSEEK_V31",
     "FORMATS",
     "HARMONY",
     "QWEN3_XML",
     "ToolFormat",
     "ToolStream",
     "call_schema",
+    "deepseek_calls",
     "detect_format",
     "functions",
     "new_call_id",
@@ -66,6 +73,8 @@ class ToolFormat:
     sep: str
     arguments: str
     array: bool = False
+    #: its markers are special tokens (DeepSeek's): answers are decoded with the special tokens' text
+    special: bool = False
 
 
 HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
@@ -76,6 +85,12 @@ FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 HARMONY = ToolFormat("harmony", "", "", "", "arguments")
 QWEN3_XML = ToolFormat("qwen3_xml", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
 FORMATS[QWEN3_XML.name] = QWEN3_XML
+#: DeepSeek's markers (fullwidth bars and U+2581 as in its tokenizer)
+DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DEEPSEEK_V31 = ToolFormat("deepseek_v31", DS_CALLS, DS_CALLS_END, "", "arguments", special=True)
+DEEPSEEK_V3 = ToolFormat("deepseek_v3", DS_CALLS, DS_CALLS_END, "", "arguments", special=True)
+FORMATS.update({f.name: f for f in (DEEPSEEK_V31, DEEPSEEK_V3)})
 
 #: the most calls one constrained answer may hold when ``parallel_tool_calls`` is on
 MAX_PARALLEL_CALLS = 4
@@ -102,6 +117,8 @@ def supports_tools(source: str) -> bool:
 
 def detect_format(source: str) -> ToolFormat | None:
     """The tool-call format the template teaches its model, from its text; ``None`` when none is recognised."""
+    if DS_CALL in source and DS_SEP in source:  # V3 and R1 write each call's type and a ```json fence
+        return DEEPSEEK_V3 if "```json" in source else DEEPSEEK_V31
     if "<function=" in source and "<parameter=" in source:
         return QWEN3_XML
     if "<tool_call>" in source:
@@ -345,7 +362,53 @@ def _xml_parameters(body: str) -> list[tuple[str, str]]:
     return out
 
 
+def _deepseek_call(body: str) -> dict[str, Any] | None:
+    """One call from the text between ``<｜tool▁call▁begin｜>`` and ``<｜tool▁call▁end｜>``: V3.1's ``name<｜tool▁sep｜>
+    {...}`` or V3's ``function<｜tool▁sep｜>name\n```json\n{...}\n```` (either is read whichever the template
+    writes, as vLLM's two parsers read them); ``None`` when it is neither."""
+    left, sep, right = body.partition(DS_SEP)
+    if not sep:
+        return None
+    name, raw = left.strip(), right.strip()
+    if name == "function" and "\n```json" in right:  # V3: the call's type, then the name and a fenced object
+        head, _, fenced = right.partition("\n```json")
+        name, raw = head.strip(), fenced.strip()
+        if raw.endswith("```"):
+            raw = raw[:-3].rstrip()
+    if not _NAME.fullmatch(name):
+        return None
+    try:
+        value, end = _DECODER.raw_decode(raw)
+    except ValueError:
+        return None
+    return _call(name, value, raw) if end == len(raw) and isinstance(value, Mapping) else None
+
+
+def _deepseek(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    start = text.find(DS_CALLS)
+    first = text.find(DS_CALL)
+    if first < 0:
+        return text, []
+    start = first if start < 0 or start > first else start
+    calls: list[dict[str, Any]] = []
+    at = first
+    while (begin := text.find(DS_CALL, at)) >= 0:  # each search goes on from the last: linear in the text
+        close = text.find(DS_CALL_END, begin)
+        if close < 0:  # a call cut off
+            return text, []
+        call = _deepseek_call(text[begin + len(DS_CALL) : close])
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = close + len(DS_CALL_END)
+    rest = text[at:]
+    rest = rest.split(DS_CALLS_END, 1)[1] if DS_CALLS_END in rest else rest
+    content = (text[:start] + rest).strip()
+    return content or None, calls
+
+
 _PARSERS = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral}
+_PARSERS.update({"deepseek_v31": _deepseek, "deepseek_v3": _deepseek})
 
 
 def parse_tool_calls(
@@ -385,6 +448,19 @@ def xml_calls(tools: Sequence[Mapping[str, Any]], name: str | None = None) -> li
         required = [k for k in properties if k in (params.get("required") or ())]
         out.append({"name": function, "parameters": [[k, properties[k]] for k in required]})
     return out
+
+
+def deepseek_calls(
+    tools: Sequence[Mapping[str, Any]], fmt: ToolFormat, name: str | None = None
+) -> list[tuple[str, Mapping[str, Any], str]]:
+    """``tool_choice: "required"`` (or the function ``name``) in DeepSeek's format ``fmt``: for each tool (the named
+    one), the text before its arguments, their schema and the text after them
+    (:meth:`~anyquant_runtime.grammar.OutputFormat.named_calls`)."""
+    if fmt.name == "deepseek_v3":
+        return [
+            (f"{DS_CALL}function{DS_SEP}{n}\n```json\n", p, f"\n```{DS_CALL_END}") for n, p in functions(tools, name)
+        ]
+    return [(f"{DS_CALL}{n}{DS_SEP}", p, DS_CALL_END) for n, p in functions(tools, name)]
 
 
 def call_schema(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat, name: str | None = None) -> dict[str, Any]:
