@@ -98,3 +98,30 @@ def in_thread(app: Any, limits: Any = None) -> Iterator[tuple[int, Any]]:
         for name in RATE_LIMITED:
             for f in [f for f in logging.getLogger(name).filters if isinstance(f, RateLimitFilter)]:
                 logging.getLogger(name).removeFilter(f)
+
+
+def with_special_tokens(dest: Path, markers: list[str], template: str | None = None) -> Path:
+    """A copy of the bundled GGUF whose unused special tokens 3.. are renamed to ``markers`` (control tokens, so a
+    plain decode drops them, as in gpt-oss's and DeepSeek's tokenizers), with ``template`` as its chat template when
+    given."""
+    import pytest
+
+    gguf = pytest.importorskip("gguf")
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    import anyquant
+
+    reader = gguf.GGUFReader(str(anyquant.default_model()))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    tokens = reader.fields[gguf.Keys.Tokenizer.LIST].contents()
+    types = reader.fields[gguf.Keys.Tokenizer.TOKEN_TYPE].contents()
+    assert all(types[3 + i] == gguf.TokenType.CONTROL for i in range(len(markers)))
+    tokens[3 : 3 + len(markers)] = markers
+    writer = gguf.GGUFWriter(str(dest), arch=arch, endianess=reader.endianess)
+    writer.data_alignment = reader.alignment
+    array = gguf.GGUFValueType.ARRAY
+    new = {gguf.Keys.Tokenizer.LIST: MetadataDetails(array, tokens, sub_type=gguf.GGUFValueType.STRING)}
+    if template is not None:
+        new[gguf.Keys.Tokenizer.CHAT_TEMPLATE] = MetadataDetails(gguf.GGUFValueType.STRING, template)
+    copy_with_new_metadata(reader, writer, new, [])
+    return dest

@@ -31,7 +31,7 @@ from anyquant_serve.tools import (
     detect_format,
     parse_tool_calls,
 )
-from plugins.serve.tests.servers import serving
+from plugins.serve.tests.servers import serving, with_special_tokens
 from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, TIME, TOOLS
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -164,34 +164,12 @@ def test_the_constraint_writes_the_templates_shape() -> None:
 # ---------------------------------------------------------------------- real servers
 
 
-def _deepseek_gguf(dest: Path) -> Path:
-    """A copy of the bundled GGUF whose special tokens 3.. are renamed to DeepSeek's markers (its template kept)."""
-    gguf = pytest.importorskip("gguf")
-    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-
-    import anyquant
-
-    reader = gguf.GGUFReader(str(anyquant.default_model()))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    tokens = reader.fields[gguf.Keys.Tokenizer.LIST].contents()
-    types = reader.fields[gguf.Keys.Tokenizer.TOKEN_TYPE].contents()
-    assert all(types[3 + i] == gguf.TokenType.CONTROL for i in range(len(MARKERS)))
-    tokens[3 : 3 + len(MARKERS)] = MARKERS
-    writer = gguf.GGUFWriter(str(dest), arch=arch, endianess=reader.endianess)
-    writer.data_alignment = reader.alignment
-    new = {
-        gguf.Keys.Tokenizer.LIST: MetadataDetails(gguf.GGUFValueType.ARRAY, tokens, sub_type=gguf.GGUFValueType.STRING)
-    }
-    copy_with_new_metadata(reader, writer, new, [])
-    return dest
-
-
 @pytest.fixture(scope="module")
 def deepseek_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("deepseek")
     template = folder / "deepseek-v31.jinja"
     template.write_text(V31_TEMPLATE, encoding="utf-8")
-    return _deepseek_gguf(folder / "smol-deepseek.gguf"), template
+    return with_special_tokens(folder / "smol-deepseek.gguf", MARKERS), template
 
 
 @pytest.fixture(scope="module")

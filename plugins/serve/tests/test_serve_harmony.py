@@ -19,7 +19,7 @@ import pytest
 
 from anyquant_runtime.harmony import HarmonyStream, call_options, is_harmony, parse_harmony
 from anyquant_serve.tools import functions
-from plugins.serve.tests.servers import serving
+from plugins.serve.tests.servers import serving, with_special_tokens
 from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, QWEN25_TEMPLATE, TIME, TOOLS
 
 #: gpt-oss's chat template, abridged: its markers, channels, tool namespace, call and tool-result rendering, and
@@ -131,32 +131,9 @@ def test_call_options() -> None:
 # ---------------------------------------------------------------------- real servers
 
 
-def _harmony_gguf(dest: Path) -> Path:
-    """A copy of the bundled GGUF with harmony's template, its special tokens 3..9 renamed to harmony's markers."""
-    gguf = pytest.importorskip("gguf")
-    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-
-    import anyquant
-
-    reader = gguf.GGUFReader(str(anyquant.default_model()))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    tokens = reader.fields[gguf.Keys.Tokenizer.LIST].contents()
-    types = reader.fields[gguf.Keys.Tokenizer.TOKEN_TYPE].contents()
-    assert all(types[3 + i] == gguf.TokenType.CONTROL for i in range(len(MARKERS)))
-    tokens[3 : 3 + len(MARKERS)] = MARKERS
-    writer = gguf.GGUFWriter(str(dest), arch=arch, endianess=reader.endianess)
-    writer.data_alignment = reader.alignment
-    new = {
-        gguf.Keys.Tokenizer.CHAT_TEMPLATE: MetadataDetails(gguf.GGUFValueType.STRING, HARMONY_TEMPLATE),
-        gguf.Keys.Tokenizer.LIST: MetadataDetails(gguf.GGUFValueType.ARRAY, tokens, sub_type=gguf.GGUFValueType.STRING),
-    }
-    copy_with_new_metadata(reader, writer, new, [])
-    return dest
-
-
 @pytest.fixture(scope="module")
 def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _harmony_gguf(tmp_path_factory.mktemp("harmony") / "smol-harmony.gguf")
+    return with_special_tokens(tmp_path_factory.mktemp("harmony") / "smol-harmony.gguf", MARKERS, HARMONY_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
