@@ -126,7 +126,7 @@ def _integer_reference(
 
 @pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 8, 13])  # the vector paths take 8 (AVX512-VL) or 4 rows a pass
 @pytest.mark.parametrize("cols", [320, 352])  # an even and an odd number of blocks per row
 @pytest.mark.parametrize("passes", [1, 2])
 def test_exact_against_integer_reference(type_name: str, isa: int, m: int, cols: int, passes: int) -> None:
@@ -140,6 +140,23 @@ def test_exact_against_integer_reference(type_name: str, isa: int, m: int, cols:
     want = _integer_reference(type_name, raw, x, rows, cols, passes)
     # float32 accumulation of exact integer block sums: rounding only
     assert torch.allclose(got.double(), want, rtol=0, atol=2e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[kernels.ISA_NAMES[i] for i in ISAS])
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("interleave", [False, True])
+def test_each_row_is_what_it_is_alone(type_name: str, isa: int, interleave: bool) -> None:
+    """Activation rows multiplied together (8 a pass, then 4, then the rest) give bit for bit what each gives alone:
+    what keeps a server's batched step each request's own numbers."""
+    rows, cols, m = 40, 320, 13
+    raw, _ = _blocks(type_name, rows, cols, seed=3)
+    code = kernels.GGML_TYPES[type_name][0]
+    blocks = torch.ops.anyquant.ggml_interleave(raw, code, rows, cols, True) if interleave else raw
+    code += 1000 if interleave else 0
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(5))
+    together = torch.ops.anyquant.ggml_gemv(x, blocks, code, rows, cols, isa, 2)
+    alone = torch.cat([torch.ops.anyquant.ggml_gemv(x[i : i + 1], blocks, code, rows, cols, isa, 2) for i in range(m)])
+    assert torch.equal(together, alone)
 
 
 @pytest.mark.parametrize("type_name", TYPES)

@@ -905,11 +905,15 @@ void run_rows(int64_t isa, const uint8_t* w, const QX& qx, int64_t mb, int64_t m
 #ifdef AQ_X86
   if (isa != ISA_SCALAR) {
     const int64_t full = std::min(g1, n_rows / 8);
+    // up to 8 activation rows a pass over the weights where the vector registers hold them (AVX512-VL's 32: the
+    // 8-row path's accumulators and a block's 8 chunks), else 4; a row's sums are the same either way
+    const int widest = isa == ISA_VNNI && !is_k(TYPE) ? 8 : 4;
     for (int64_t m0 = mb; m0 < me && full > g0;) {
       const int64_t left = me - m0;
-      const int step = left >= 4 ? 4 : static_cast<int>(left);
+      const int step = left >= widest ? widest : left >= 4 ? 4 : static_cast<int>(left);
 #define AQ_CALL(FN)                                               \
   switch (step) {                                                 \
+    case 8: FN<TYPE, 8, IL>(w, qx, m0, y, ld, g0, full, n_rows / 8); break;   \
     case 4: FN<TYPE, 4, IL>(w, qx, m0, y, ld, g0, full, n_rows / 8); break;   \
     case 3: FN<TYPE, 3, IL>(w, qx, m0, y, ld, g0, full, n_rows / 8); break;   \
     case 2: FN<TYPE, 2, IL>(w, qx, m0, y, ld, g0, full, n_rows / 8); break;   \
