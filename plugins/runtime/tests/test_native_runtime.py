@@ -805,6 +805,22 @@ def test_compiled_decode_step_of_the_newer_families(
     assert calls.take() == 2 + kinds.count(None) * (ids.shape[1] - 8)  # the prompt's, then the modules' layers
     model.module.__dict__["_step"] = None  # the module path
     assert torch.equal(logits_after_prompt(model, ids, 8), fast)
+    from anyquant_cpu import kernels
+    from anyquant_cpu.engine import kernel_attention
+
+    if kernels.attention_available():
+        # the decode steps' attention on the kernel (cpu-fast's; Gemma 2's soft-capped keeps torch's): torch's
+        # numbers to float rounding, which the int4 kernel's bfloat16 activations turn into up to ~2.5e-5 of the
+        # largest logit (DeepSeek-V2, Phi-3), with no bias (the fitted gain within 1e-5 of 1): DeepSeek's wider keys
+        # than values, Phi-3's partial rotary, windows, experts; and the module path bitwise the compiled one
+        assert kernel_attention(model.module) == 2
+        model.module.__dict__.pop("_step", None)
+        kernel = logits_after_prompt(model, ids, 8)
+        torch.testing.assert_close(kernel, fast, rtol=0, atol=1e-4 * float(fast.abs().max()))
+        gain = float((kernel.double() * fast.double()).sum() / (fast.double() ** 2).sum())
+        assert abs(gain - 1) < 1e-5, gain
+        model.module.__dict__["_step"] = None
+        assert torch.equal(logits_after_prompt(model, ids, 8), kernel)
 
 
 @pytest.mark.parametrize("kind", ["int4", "bf16", "gq4"])
