@@ -25,6 +25,7 @@ VLLM_0_11_DOCUMENTED = {
     "--quantization", "--tensor-parallel-size", "--pipeline-parallel-size", "--gpu-memory-utilization",
     "--max-num-seqs", "--kv-cache-dtype", "--distributed-executor-backend", "--trust-remote-code", "--revision",
     "--enable-prefix-caching", "--max-num-batched-tokens", "--data-parallel-size", "--seed", "--load-format",
+    "--chat-template",  # the "Chat Template" section of its OpenAI-compatible server's page: a file or the text
 }  # fmt: skip
 VLLM_QUANTIZATION_CHOICES = {"awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "fp8"}
 
@@ -169,9 +170,15 @@ def test_serve_print_command(tmp_path: Path) -> None:
     argv = shlex.split(run.stdout.strip())
     flags = _flags(argv)
     assert flags["--quantization"] == "awq_marlin" and flags["--tensor-parallel-size"] == "4"
-    assert flags["--host"] == "127.0.0.1"
+    assert flags["--host"] == "127.0.0.1" and "--chat-template" not in flags
     refused = _cli("serve", str(_fixture(tmp_path, "exl3_mul1")), "--engine", "vllm", "--print-command")
     assert refused.returncode != 0 and "--engine exllamav3" in refused.stderr and "Traceback" not in refused.stderr
+    # --chat-template goes to vLLM's own flag; the exllamav3 engine refuses it
+    run = _cli("serve", str(path), "--engine", "vllm", "--chat-template", "tools.jinja", "--print-command")
+    assert run.returncode == 0, run.stderr
+    assert _flags(shlex.split(run.stdout.strip()))["--chat-template"] == "tools.jinja"
+    refused = _cli("serve", str(path), "--engine", "exllamav3", "--chat-template", "tools.jinja")
+    assert refused.returncode != 0 and "does not take --chat-template" in refused.stderr
 
 
 def test_exllamav3_engine_refuses_without_cuda(tmp_path: Path) -> None:

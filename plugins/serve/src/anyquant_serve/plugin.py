@@ -103,7 +103,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="render chats with this Jinja template file instead of the checkpoint's (e.g. one that describes "
-        "tools to a model whose own template does not; at most 1 MiB) (default: the checkpoint's)",
+        "tools to a model whose own template does not; at most 1 MiB; --engine vllm: passed as vLLM's "
+        "--chat-template) (default: the checkpoint's)",
     )
     p.add_argument(
         "--reasoning-format",
@@ -142,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.engine != "anyquant":
         given = [f for f, v in (("--backend", args.backend), ("--device", args.device)) if v != "auto"]
         given += ["-o"] if args.option else []
-        given += ["--chat-template"] if args.chat_template else []
+        given += ["--chat-template"] if args.chat_template and args.engine != "vllm" else []
         if given:
             raise ParameterError(f"--engine {args.engine} does not take {', '.join(given)} (the built-in server's)")
     if args.engine == "vllm":
@@ -298,6 +299,7 @@ def _run_vllm(args: argparse.Namespace, path: str, name: str, api_key: str | Non
         port=args.port,
         api_key=api_key,
         served_model_name=name,
+        chat_template=args.chat_template,
     )
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)

@@ -56,6 +56,7 @@ VLLM_FLAGS = frozenset(
         "--max-num-seqs",
         "--kv-cache-dtype",
         "--distributed-executor-backend",
+        "--chat-template",
     }
 )
 
@@ -138,9 +139,11 @@ def vllm_plan(
     kv_cache_dtype: str | None = None,
     ampere_or_newer: bool = True,
     revision: str | None = None,
+    chat_template: str | None = None,
 ) -> VllmPlan:
     """The ``vllm serve`` invocation for a checkpoint of format ``fmt`` (``config``: its ``config.json``;
-    ``revision``: a Hub model id's branch, tag or commit, passed as ``--revision``). A tensor-parallel size the model's
+    ``revision``: a Hub model id's branch, tag or commit, passed as ``--revision``; ``chat_template``: a Jinja
+    template file vLLM renders chats with instead of the checkpoint's). A tensor-parallel size the model's
     heads, KV heads or MLP widths do not divide over is a :class:`ParameterError` (vLLM would refuse it)."""
     path = str(path)
     if fmt not in VLLM_QUANTIZATION:
@@ -198,6 +201,8 @@ def vllm_plan(
         flags.append(("--max-num-seqs", str(max_num_seqs)))
     if kv_cache_dtype is not None:
         flags.append(("--kv-cache-dtype", kv_cache_dtype))
+    if chat_template is not None:
+        flags.append(("--chat-template", chat_template))
     if served_model_name is not None:
         flags.append(("--served-model-name", served_model_name))
     if host is not None:
