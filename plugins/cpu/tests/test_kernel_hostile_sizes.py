@@ -170,8 +170,8 @@ def _cases() -> list[Case]:
 
 
 def _attention_cases() -> list[Case]:
-    """``decode_attention``: starts past the buffer (2**62, negative), head sizes past its 512, rows the buffers do not
-    hold, zero key heads, tensors on the meta device, a window of -1; and a call that fits."""
+    """``decode_attention``: starts past the buffer (2**62, negative), empty heads, rows the buffers do not hold, zero
+    key heads, tensors on the meta device, a window of -1; and calls that fit (value heads of 1,024)."""
     if not kernels.attention_available():
         return []
     op = torch.ops.anyquant.decode_attention
@@ -182,14 +182,15 @@ def _attention_cases() -> list[Case]:
         a |= kw
         return lambda: op(a["q"], a["k"], a["v"], a["keys"], a["values"], a["starts"], a["window"], 0.125)
 
-    wide = torch.zeros(1, 2, 8, 1024)
+    wide, meta = torch.zeros(1, 2, 8, 1024), torch.zeros(1, 2, 8, 64, device="meta")
     return [
         ("decode_attention", "start 2**62", att(starts=[2**62]), True),
         ("decode_attention", "start -2**62", att(starts=[-(2**62)]), True),
-        ("decode_attention", "value heads of 1024", att(v=_x(1024, 2).view(1, 2, 1024), values=[wide]), True),
+        ("decode_attention", "value heads of 1024", att(v=_x(1024, 2).view(1, 2, 1024), values=[wide]), False),
+        ("decode_attention", "empty value heads", att(v=torch.zeros(1, 2, 0), values=[torch.zeros(1, 2, 8, 0)]), True),
         ("decode_attention", "rows the buffers do not hold", att(q=_x(64, 8).view(2, 4, 64)), True),
         ("decode_attention", "zero key heads", att(k=torch.zeros(1, 0, 64), v=torch.zeros(1, 0, 64)), True),
-        ("decode_attention", "buffers on meta", att(keys=[wide.to("meta")], values=[wide.to("meta")]), True),
+        ("decode_attention", "buffers on meta", att(keys=[meta], values=[meta]), True),
         ("decode_attention", "window -1", att(window=-1), True),
         ("decode_attention", "no buffers", att(keys=[], values=[], starts=[]), True),
         ("decode_attention", "fits", att(), False),

@@ -275,7 +275,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.size(0) == R && v.size(0) == R && v.size(1) == KVH && k.size(2) == D,
               "anyquant::decode_attention: k [", R, ", kv_heads, ", D, "] and v [", R, ", kv_heads, dv]");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "anyquant::decode_attention: heads ", H, " not a multiple of kv_heads ", KVH);
-  TORCH_CHECK(Dv <= 512 && D > 0 && Dv > 0, "anyquant::decode_attention: head sizes 1 .. 512");
+  TORCH_CHECK(D > 0 && Dv > 0, "anyquant::decode_attention: head sizes of at least 1");
   TORCH_CHECK(keys.size() == values.size() && keys.size() == starts.size(),
               "anyquant::decode_attention: one start per cache buffer");
   TORCH_CHECK(window >= 0 && std::isfinite(scaling), "anyquant::decode_attention: window >= 0, finite scaling");
