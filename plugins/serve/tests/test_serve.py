@@ -598,3 +598,27 @@ def test_serve_says_what_it_loads_and_the_name_clients_send() -> None:
     assert "anyquant serve: loading " in err
     assert f"model '{NAME}' (what clients send as `model`)" in err
     assert err.index("loading") < err.index("/v1")
+
+
+def test_plain_greedy_rows_take_one_argmax() -> None:
+    """The shared step's greedy rows (no grammar, bias, penalty or log-probabilities) are sampled by one argmax over
+    them: each the token :func:`~anyquant_runtime.generate.sample_next` gives it (the first largest logit); the other
+    rows, and a row whose logits are not all finite, are left to the per-row sampler."""
+    import torch
+
+    from anyquant.plugin import GenerationParams
+    from anyquant_runtime.generate import sample_next
+    from anyquant_serve.scheduler import Scheduler
+
+    def row(greedy: bool) -> Any:
+        return type("Row", (), {"plain_greedy": greedy})()
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
+    logits[0, [7, 9]] = 50.0  # a tie: the first index, as argmax gives it
+    logits[3, 4] = float("nan")
+    live = [row(True), row(False), row(True), row(True), row(True)]
+    got = Scheduler._greedy(live, logits)
+    empty = torch.empty((1, 0), dtype=torch.long)
+    want = {i: int(sample_next(logits[i : i + 1], GenerationParams(temperature=0), empty, None)[0]) for i in (0, 2, 4)}
+    assert got == want and got[0] == 7
+    assert Scheduler._greedy([row(True), row(False)], logits[:2]) == {}  # one greedy row: the per-row sampler

@@ -236,6 +236,17 @@ class _Live:
             from anyquant_runtime.generate import row_generators
 
             self.rng = row_generators(request.params.seed, 1, adapter.generator.device)
+        p = request.params
+        #: its next token is the argmax of its logits as they are (:meth:`Scheduler._greedy`)
+        self.plain_greedy = (
+            p.temperature <= 0
+            and self.constraint is None
+            and not p.logit_bias
+            and p.repetition_penalty == 1.0
+            and not p.presence_penalty
+            and not p.frequency_penalty
+            and not p.logprobs
+        )
 
     def end(self, reason: str, error: BaseException | None = None) -> None:
         if self.done is None:
@@ -437,8 +448,10 @@ class Scheduler:
                 continue
             try:
                 logits = batch.step([row.last for row in live])
+                greedy = self._greedy(live, logits)
                 for i, row in enumerate(live):
-                    row.take(*self._sample(row, logits[i : i + 1]))
+                    token = greedy.get(i)
+                    row.take(*((token, None) if token is not None else self._sample(row, logits[i : i + 1])))
             except Exception as exc:
                 log.exception("decode step failed")
                 for row in live:
@@ -653,6 +666,20 @@ class Scheduler:
                 except Exception:  # the client's side failed: nothing left to tell it
                     log.exception("finishing a request failed")
         return [row for row in live if row.done is None]
+
+    @staticmethod
+    def _greedy(live: list[_Live], logits: Any) -> dict[int, int]:
+        """The next tokens of the rows that take the plain argmax (greedy, no grammar, bias, penalty or
+        log-probabilities), by row, in one argmax over those rows: what :meth:`_sample` gives each (the first
+        largest logit), without its per-row calls (~30 us a row). A row whose logits are not all finite is left
+        to :meth:`_sample`, which says so."""
+        rows = [i for i, row in enumerate(live) if row.plain_greedy]
+        if len(rows) < 2:
+            return {}
+        chosen = logits if len(rows) == len(live) else logits[rows]
+        finite = chosen.amax(dim=-1).isfinite().tolist()
+        tokens = chosen.argmax(dim=-1).tolist()
+        return {i: int(t) for i, t, ok in zip(rows, tokens, finite, strict=True) if ok}
 
     def _sample(self, row: _Live, logits: Any) -> tuple[int, Any]:
         """The row's next token from its logits ``[1, vocab]`` (masked by its grammar first, when it has one)
