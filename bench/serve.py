@@ -2,7 +2,8 @@
 llama.cpp's server (llama-cpp-python's ``llama_cpp.server``) on the same GGUF file, in the same run; and the cost
 of structured output (issue #43: a ``json_schema`` ``response_format``) on ``anyquant serve``'s decode.
 
-    python bench/serve.py [--clients 1,4,8] [--max-tokens 48] [--rounds 2] [--llama-python /root/llvenv/bin/python]
+    python bench/serve.py [--clients 1,4,8] [--max-tokens 48] [--rounds 2] [--repeats 1]
+                          [--llama-python /root/llvenv/bin/python]
                           [--schema-clients 1,8] [--schema-rounds 6] [--skip-schema]
                           [--prefix-chunks 512,256] [--prefix-rounds 3] [--skip-prefix] [--prefix-only]
 
@@ -262,6 +263,13 @@ def main() -> int:
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure the levels this many times, interleaved (1, 4, 8, 1, 4, 8, ...), and report each level's median: "
+        "a spell of other load on a shared host then hits every level alike",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     ap.add_argument("--llama-python", default="/root/llvenv/bin/python", help="a Python with llama-cpp-python[server]")
     ap.add_argument("--skip-llama", action="store_true")
@@ -296,10 +304,15 @@ def main() -> int:
         try:
             base = f"http://127.0.0.1:{port}"
             level(base, 1, 1, 4)  # warm-up: first-call costs out of the table
-            for n in levels if not args.skip_levels else ():
-                rate, tokens, wall = level(base, n, args.rounds, args.max_tokens)
-                rows.append((name, n, rate, tokens, wall))
-                print(f"  {name}: {n} clients: {rate:.1f} tok/s", file=sys.stderr, flush=True)
+            samples: dict[int, list[tuple[float, int, float]]] = {n: [] for n in levels}
+            for _ in range(args.repeats if not args.skip_levels else 0):
+                for n in levels:
+                    rate, tokens, wall = level(base, n, args.rounds, args.max_tokens)
+                    samples[n].append((rate, tokens, wall))
+                    print(f"  {name}: {n} clients: {rate:.1f} tok/s", file=sys.stderr, flush=True)
+            for n, got in samples.items():
+                if got:  # the median sample (the lower middle one of an even count)
+                    rows.append((name, n, *sorted(got)[(len(got) - 1) // 2]))
             if name == "anyquant serve" and not args.skip_schema:
                 decode_level(base, 1, 1, 8, True)  # warm-up: the tokenizer's vocabulary read, the schema compiled
                 for n in (int(c) for c in args.schema_clients.split(",")):
@@ -332,7 +345,10 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(60)
-    print(f"bundled model {Path(model).name}, greedy, max_tokens {args.max_tokens}, {args.rounds} requests per client")
+    print(
+        f"bundled model {Path(model).name}, greedy, max_tokens {args.max_tokens}, {args.rounds} requests per client"
+        + (f", each level's median of {args.repeats} interleaved runs" if args.repeats > 1 else "")
+    )
     if rows:
         print(f"{'server':<18} {'clients':>7} {'tok/s':>8} {'tokens':>7} {'wall s':>7} {'x 1 client':>10}")
     for name, n, rate, tokens, wall in rows:
