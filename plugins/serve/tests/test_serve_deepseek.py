@@ -32,7 +32,7 @@ from anyquant_serve.tools import (
     parse_tool_calls,
 )
 from plugins.serve.tests.servers import serving, with_special_tokens
-from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, TIME, TOOLS
+from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, TIME, TOOLS, valid_calls
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -204,16 +204,6 @@ def test_the_template_file_renders_tools_and_history(deepseek_files: tuple[Path,
         adapter.use_chat_template("{% if %}")
 
 
-def _valid(calls: Any) -> list[str]:
-    import jsonschema
-
-    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    for call in calls:
-        assert call.id.startswith("call_") and call.function.name in by_name
-        jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
-    return [c.function.name for c in calls]
-
-
 @pytest.mark.model
 @pytest.mark.slow
 def test_required_and_named_calls(deepseek_client: Any) -> None:
@@ -224,7 +214,7 @@ def test_required_and_named_calls(deepseek_client: Any) -> None:
         request = {"model": NAME, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "max_tokens": 400}
         whole = deepseek_client.chat.completions.create(**request, **extra).choices[0]
         assert whole.finish_reason == "tool_calls" and not whole.message.content, whole
-        names = _valid(whole.message.tool_calls)
+        names = valid_calls(whole.message.tool_calls, TOOLS)
         assert names and (choice != named or names == ["get_time"])
         heads, pieces, reasons = [], [], []
         for event in deepseek_client.chat.completions.create(**request, **extra, stream=True):
@@ -254,7 +244,7 @@ def test_auto_and_a_round_trip(deepseek_client: Any) -> None:
         c = r.choices[0]
         if c.message.tool_calls:
             assert choice == "auto" and c.finish_reason == "tool_calls"
-            _valid(c.message.tool_calls)
+            valid_calls(c.message.tool_calls, TOOLS)
         else:
             assert c.finish_reason in ("stop", "length") and isinstance(c.message.content, str)
 

@@ -10,7 +10,6 @@ that, as in gpt-oss's tokenizer, the markers are special tokens a plain decode d
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import pytest
 from anyquant_runtime.harmony import HarmonyStream, call_options, is_harmony, parse_harmony
 from anyquant_serve.tools import functions
 from plugins.serve.tests.servers import serving, with_special_tokens
-from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, QWEN25_TEMPLATE, TIME, TOOLS
+from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, QWEN25_TEMPLATE, TIME, TOOLS, valid_calls
 
 #: gpt-oss's chat template, abridged: its markers, channels, tool namespace, call and tool-result rendering, and
 #: the ``reasoning_effort`` it reads
@@ -201,16 +200,6 @@ def test_reasoning_and_content(harmony_client: Any) -> None:
     assert len(parts["reasoning_content"]) > 1 and reasons[-1] == "stop"
 
 
-def _valid(calls: Any, allowed: list[dict[str, Any]]) -> list[str]:
-    import jsonschema
-
-    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in allowed}
-    for call in calls:
-        assert call.id.startswith("call_") and call.function.name in by_name
-        jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
-    return [c.function.name for c in calls]
-
-
 @pytest.mark.model
 @pytest.mark.slow
 def test_required_and_named_calls(harmony_client: Any) -> None:
@@ -221,7 +210,7 @@ def test_required_and_named_calls(harmony_client: Any) -> None:
         request = {"model": NAME, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "max_tokens": 80}
         whole = harmony_client.chat.completions.create(**request, **extra).choices[0]
         assert whole.finish_reason == "tool_calls" and whole.message.content is None
-        names = _valid(whole.message.tool_calls, TOOLS)
+        names = valid_calls(whole.message.tool_calls, TOOLS)
         assert len(names) == 1 and (choice != named or names == ["get_weather"])
         heads, pieces, reasons = [], [], []
         for event in harmony_client.chat.completions.create(**request, **extra, stream=True):

@@ -527,7 +527,9 @@ def qwen_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
-def _valid_calls(calls: Any, allowed: list[dict[str, Any]]) -> list[str]:
+def valid_calls(calls: Any, allowed: list[dict[str, Any]]) -> list[str]:
+    """The names of ``calls`` (the ``openai`` client's), each checked: a function call with a ``call_`` id naming one
+    of ``allowed``, its arguments valid against that tool's ``parameters`` (``jsonschema``)."""
     jsonschema = pytest.importorskip("jsonschema")
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in allowed}
     names = []
@@ -552,13 +554,13 @@ def test_required_and_named_calls_are_well_formed(qwen_client: Any) -> None:
         )  # fmt: skip
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls", choice
-        assert _valid_calls(choice.message.tool_calls, TOOLS)
+        assert valid_calls(choice.message.tool_calls, TOOLS)
     named = {"type": "function", "function": {"name": "get_time"}}
     r = qwen_client.chat.completions.create(
         model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=80, parallel_tool_calls=False
     )
     calls = r.choices[0].message.tool_calls
-    assert r.choices[0].finish_reason == "tool_calls" and _valid_calls(calls, [TIME]) == ["get_time"]
+    assert r.choices[0].finish_reason == "tool_calls" and valid_calls(calls, [TIME]) == ["get_time"]
 
 
 @pytest.mark.model
@@ -583,7 +585,7 @@ def test_streamed_calls_as_openai_streams_them(qwen_client: Any) -> None:
         assert got == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
         assert list(pieces) == list(range(len(calls))) and all(len(p) > 1 for p in pieces.values()), pieces
         assert ["".join(p) for p in pieces.values()] == [c.function.arguments for c in calls]
-        assert _valid_calls(calls, TOOLS) and len({c.id for c in calls}) == len(calls)
+        assert valid_calls(calls, TOOLS) and len({c.id for c in calls}) == len(calls)
         assert [c.function.parsed_arguments for c in calls] == [json.loads(c.function.arguments) for c in calls]
         if choice is named:
             assert [c.function.name for c in calls] == ["get_weather"]
@@ -653,7 +655,7 @@ def test_qwen3_xml_required_and_named_calls(tmp_path_factory: pytest.TempPathFac
             request = {"model": NAME, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "max_tokens": 160}
             whole = client.chat.completions.create(**request, **extra).choices[0]
             assert whole.finish_reason == "tool_calls", whole
-            names = _valid_calls(whole.message.tool_calls, TOOLS)
+            names = valid_calls(whole.message.tool_calls, TOOLS)
             assert names and (choice != named or set(names) == {"get_weather"})
             deltas = []
             for event in client.chat.completions.create(**request, **extra, stream=True):

@@ -987,18 +987,7 @@ class DecodeStep:
         """All layers for one new token per row, writing the cache (``h`` ``[b, 1, hidden]``)."""
         # a padding mask with sliding layers: each layer its own columns (one call per layer)
         if self.stack is not None and self.layers is self._stacked and not (self.windowed and mask is not None):
-            keys, values, starts, ends = [], [], [], []
-            for i, (kv_heads, head_dim) in enumerate(self._kv_shapes):
-                start = cache.lengths[i]
-                k, v = cache.reserve(i, start + 1, h.shape[0], kv_heads, head_dim, h)
-                first = _first(start, self._stack_windows[i])
-                keys.append([k.narrow(2, first, k.shape[2] - first) if first else k])
-                values.append([v.narrow(2, first, v.shape[2] - first) if first else v])
-                starts.append([start - first])
-                ends.append(start + 1)
-            h = self.stack(h, cos, sin, mask, keys, values, starts)
-            cache.lengths[:] = ends
-            return h
+            return self._stacked_call(h, cos, sin, mask, [cache], h.shape[0])
         for i, (module, planned) in enumerate(zip(self.modules, self.layers, strict=True)):
             if planned is None:
                 h = module(h, cos, sin, mask, cache)
@@ -1026,13 +1015,27 @@ class DecodeStep:
         """All layers for one new token in each row of ``h`` (``[rows, 1, hidden]``), row ``i`` attending over its
         own ``caches[i]`` (written): :meth:`~anyquant_runtime.native.NativeCausalLM.decode_rows` in one compiled
         call, each row's numbers those of the module path's rows."""
+        return self._stacked_call(h, cos, sin, None, caches, 1)
+
+    def _stacked_call(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        caches: list[Any],
+        rows: int,
+    ) -> torch.Tensor:
+        """Every layer in the one compiled call, ``h``'s rows taken by ``caches`` in order (``rows`` each): per layer,
+        each cache's buffers from the first position its window holds and where the new position goes; then each
+        cache one position longer in every layer."""
         keys, values, starts = [], [], []
         for i, (kv_heads, head_dim) in enumerate(self._kv_shapes):
             window = self._stack_windows[i]
             layer_k, layer_v, layer_s = [], [], []
             for cache in caches:
                 start = cache.lengths[i]
-                k, v = cache.reserve(i, start + 1, 1, kv_heads, head_dim, h)
+                k, v = cache.reserve(i, start + 1, rows, kv_heads, head_dim, h)
                 first = _first(start, window)
                 layer_k.append(k.narrow(2, first, k.shape[2] - first) if first else k)
                 layer_v.append(v.narrow(2, first, v.shape[2] - first) if first else v)
@@ -1040,7 +1043,7 @@ class DecodeStep:
             keys.append(layer_k)
             values.append(layer_v)
             starts.append(layer_s)
-        h = self.stack(h, cos, sin, None, keys, values, starts)  # type: ignore[misc] # rows_ready: compiled
+        h = self.stack(h, cos, sin, mask, keys, values, starts)  # type: ignore[misc] # called where it is compiled
         for cache in caches:
             cache.lengths[:] = [n + 1 for n in cache.lengths]
         return h
