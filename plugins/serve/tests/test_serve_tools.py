@@ -13,6 +13,7 @@ named function constrain the answer so that even this tiny model's call parses a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -527,14 +528,15 @@ def qwen_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
-def valid_calls(calls: Any, allowed: list[dict[str, Any]]) -> list[str]:
-    """The names of ``calls`` (the ``openai`` client's), each checked: a function call with a ``call_`` id naming one
-    of ``allowed``, its arguments valid against that tool's ``parameters`` (``jsonschema``)."""
+def valid_calls(calls: Any, allowed: list[dict[str, Any]], ids: str = r"call_[0-9a-f]{24}") -> list[str]:
+    """The names of ``calls`` (the ``openai`` client's), each checked: a function call whose id matches ``ids``
+    (``{name}``: the call's name) naming one of ``allowed``, its arguments valid against that tool's ``parameters``
+    (``jsonschema``)."""
     jsonschema = pytest.importorskip("jsonschema")
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in allowed}
     names = []
     for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
+        assert call.type == "function" and re.fullmatch(ids.replace("{name}", call.function.name), call.id), call.id
         assert call.function.name in by_name, call.function.name
         jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
         names.append(call.function.name)

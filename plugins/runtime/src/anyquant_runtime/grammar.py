@@ -126,29 +126,48 @@ class OutputFormat:
 
     @classmethod
     def named_calls(
-        cls, options: Sequence[tuple[str, Mapping[str, Any], str]], begin: str = "", end: str = "", max_calls: int = 1
+        cls,
+        options: Sequence[tuple[str, Mapping[str, Any], str]],
+        begin: str = "",
+        end: str = "",
+        max_calls: int = 1,
+        sep: str = "",
+        first_index: int | None = None,
     ) -> OutputFormat:
-        """Tool calls whose name is outside their JSON (DeepSeek's): ``begin``, then one to ``max_calls`` calls, each
-        one of ``options`` (the text before a tool's arguments, their schema, the text after them), then ``end``."""
+        """Tool calls whose name is outside their JSON (DeepSeek's, Kimi's, Functionary's): ``begin``, then one to
+        ``max_calls`` calls joined by ``sep``, each one of ``options`` (the text before a tool's arguments, their
+        schema, the text after them), then ``end``. With ``first_index``, ``{index}`` in an option's texts is the
+        call's number: ``first_index`` for the first call, one more for each after it (Kimi's ids)."""
         if not options or max_calls < 1:
             raise GrammarError("at least one tool, and at least one call allowed")
         if not all(isinstance(a, str) and a and isinstance(s, Mapping) and isinstance(b, str) for a, s, b in options):
             raise GrammarError("each option is a non-empty text, an object schema and a text")
+        if first_index is not None and (isinstance(first_index, bool) or not 0 <= int(first_index) < 10**9):
+            raise GrammarError("the first call's index is a number from 0 to 999999999")
         for _, schema, _ in options:
             _check_enforced(schema, "", 0)
         calls = [{"begin": a, "schema": schema, "end": b} for a, schema, b in options]
-        spec = {"calls": calls, "begin": begin, "end": end, "max_calls": int(max_calls)}
+        spec = {"calls": calls, "begin": begin, "end": end, "max_calls": int(max_calls), "sep": sep}
+        spec["index"] = None if first_index is None else int(first_index)
         return cls("named_calls", _tools_spec(spec))
 
     @classmethod
-    def xml_calls(cls, tools: Sequence[Mapping[str, Any]], sep: str = "\n", max_calls: int = 1) -> OutputFormat:
-        """Tool calls in Qwen3-Coder's XML (``<tool_call>\\n<function=NAME>\\n`` then ``<parameter=KEY>\\nVALUE\\n
-        </parameter>\\n`` for each given parameter, then ``</function>\\n</tool_call>``), one to ``max_calls`` joined
-        by ``sep``. ``tools``: ``{"name": ..., "parameters": [[key, schema], ...]}`` each. A value of a string schema
-        is text without ``<`` (its enum, ``minLength``/``maxLength`` or ``pattern`` enforced); of any other schema, its
-        JSON (as ``json_schema`` enforces it)."""
+    def xml_calls(
+        cls, tools: Sequence[Mapping[str, Any]], sep: str = "\n", max_calls: int = 1, style: str = "qwen3"
+    ) -> OutputFormat:
+        """Tool calls with a tag around each argument, one to ``max_calls`` joined by ``sep``; ``style`` ``qwen3``:
+        Qwen3-Coder's XML (``<tool_call>\\n<function=NAME>\\n`` then ``<parameter=KEY>\\nVALUE\\n</parameter>\\n``
+        for each given parameter, then ``</function>\\n</tool_call>``); ``glm``: GLM-4.5's (``<tool_call>NAME\\n``, then
+        ``<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n`` each, then ``</tool_call>``); ``dsml``:
+        DeepSeek-V3.2's (``<｜DSML｜function_calls>\\n`` around the calls, each ``<｜DSML｜invoke name="NAME">\\n``, its
+        ``<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>`` joined by newlines, then
+        ``\\n</｜DSML｜invoke>``; ``string="true"`` for a text value). ``tools``: ``{"name": ..., "parameters": [[key,
+        schema], ...]}`` each. A value of a string schema is text without ``<`` (its enum, ``minLength``/
+        ``maxLength`` or ``pattern`` enforced); of any other schema, its JSON (as ``json_schema`` enforces it)."""
         if not tools or max_calls < 1:
             raise GrammarError("at least one tool, and at least one call allowed")
+        if style not in XML_STYLES:
+            raise GrammarError(f"xml_calls style {style!r} is not one of {list(XML_STYLES)}")
         for tool in tools:
             name = tool.get("name")
             if not isinstance(name, str) or not _XML_NAME.fullmatch(name):
@@ -159,7 +178,7 @@ class OutputFormat:
                 if isinstance(schema, Mapping) and schema.get("format") is not None and _xml_text(schema):
                     raise GrammarError(f"parameter {key!r} of {name}: 'format' is not supported (not enforced)")
                 _check_enforced(schema, key, 0)
-        spec = {"tools": [dict(t) for t in tools], "sep": sep, "max_calls": int(max_calls)}
+        spec = {"tools": [dict(t) for t in tools], "sep": sep, "max_calls": int(max_calls), "style": style}
         return cls("xml_calls", _tools_spec(spec))
 
     @classmethod
@@ -367,6 +386,8 @@ def _tagged_grammar(spec: Sequence[Mapping[str, Any]]) -> Any:
 
 
 _XML_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+#: :meth:`OutputFormat.xml_calls`' styles
+XML_STYLES = ("qwen3", "glm", "dsml")
 
 
 def _xml_text(schema: Any) -> bool:
@@ -394,39 +415,78 @@ def _xml_value(schema: Any) -> Any:
     return xg.Grammar.from_regex("[^<]" + bounds)
 
 
+def _xml_call(name: str, parameters: Sequence[Sequence[Any]], style: str) -> list[Any]:
+    """One call's grammar parts in ``style`` (:meth:`OutputFormat.xml_calls`)."""
+    if style == "glm":
+        parts = [_literal(f"<tool_call>{name}\n")]
+        for key, schema in parameters:
+            parts += [
+                _literal(f"<arg_key>{key}</arg_key>\n<arg_value>"),
+                _xml_value(schema),
+                _literal("</arg_value>\n"),
+            ]
+        return [*parts, _literal("</tool_call>")]
+    if style == "dsml":
+        parts = [_literal(f'<｜DSML｜invoke name="{name}">\n')]
+        for i, (key, schema) in enumerate(parameters):
+            text = "true" if _xml_text(schema) and not _enum_of_others(schema) else "false"
+            head = ("\n" if i else "") + f'<｜DSML｜parameter name="{key}" string="{text}">'
+            parts += [_literal(head), _xml_value(schema), _literal("</｜DSML｜parameter>")]
+        return [*parts, _literal("\n</｜DSML｜invoke>")]
+    parts = [_literal(f"<tool_call>\n<function={name}>\n")]
+    for key, schema in parameters:
+        parts += [_literal(f"<parameter={key}>\n"), _xml_value(schema), _literal("\n</parameter>\n")]
+    return [*parts, _literal("</function>\n</tool_call>")]
+
+
+def _enum_of_others(schema: Any) -> bool:
+    """An ``enum`` with a value that is no string (written as JSON, so ``string="false"`` in DSML)."""
+    enum = schema.get("enum") if isinstance(schema, Mapping) else None
+    return isinstance(enum, list) and any(not isinstance(v, str) for v in enum)
+
+
 def _xml_calls_grammar(spec: Mapping[str, Any]) -> Any:
-    """``<tool_call>`` blocks of one of the tools, one to ``max_calls`` joined by ``sep``."""
+    """Calls of one of the tools in the spec's style, one to ``max_calls`` joined by ``sep``."""
     import xgrammar as xg
 
-    options = []
-    for tool in spec["tools"]:
-        parts = [_literal(f"<tool_call>\n<function={tool['name']}>\n")]
-        for key, schema in tool["parameters"]:
-            parts += [_literal(f"<parameter={key}>\n"), _xml_value(schema), _literal("\n</parameter>\n")]
-        parts.append(_literal("</function>\n</tool_call>"))
-        options.append(xg.Grammar.concat(*parts))
+    style = spec.get("style", "qwen3")
+    options = [xg.Grammar.concat(*_xml_call(t["name"], t["parameters"], style)) for t in spec["tools"]]
     call = xg.Grammar.union(*options) if len(options) > 1 else options[0]
     answers, calls = [call], call
     for _ in range(int(spec["max_calls"]) - 1):
         calls = xg.Grammar.concat(calls, _literal(spec["sep"]), call)
         answers.append(calls)
-    return xg.Grammar.union(*answers) if len(answers) > 1 else call
+    body = xg.Grammar.union(*answers) if len(answers) > 1 else call
+    if style == "dsml":
+        return xg.Grammar.concat(_literal("<｜DSML｜function_calls>\n"), body, _literal("\n</｜DSML｜function_calls>"))
+    return body
 
 
 def _named_calls_grammar(spec: Mapping[str, Any]) -> Any:
-    """``begin``, one to ``max_calls`` of the calls (each its text, a JSON value of its schema, its end), ``end``."""
+    """``begin``, one to ``max_calls`` of the calls (each its text, a JSON value of its schema, its end) joined by
+    ``sep``, ``end``; ``{index}`` in a call's texts its number from ``index`` on, where that is given."""
     import xgrammar as xg
 
-    options = [
-        xg.Grammar.concat(_literal(c["begin"]), _value(c["schema"]), _literal(c["end"]))
-        if c["end"]
-        else xg.Grammar.concat(_literal(c["begin"]), _value(c["schema"]))
-        for c in spec["calls"]
-    ]
-    call = xg.Grammar.union(*options) if len(options) > 1 else options[0]
+    def call_at(k: int) -> Any:
+        index = spec.get("index")
+        number = "" if index is None else str(int(index) + k)
+
+        def text(t: str) -> str:
+            return t if index is None else t.replace("{index}", number)
+
+        options = [
+            xg.Grammar.concat(_literal(text(c["begin"])), _value(c["schema"]), _literal(text(c["end"])))
+            if c["end"]
+            else xg.Grammar.concat(_literal(text(c["begin"])), _value(c["schema"]))
+            for c in spec["calls"]
+        ]
+        return xg.Grammar.union(*options) if len(options) > 1 else options[0]
+
+    sep = spec.get("sep") or ""
+    call = call_at(0)
     answers, calls = [call], call
-    for _ in range(int(spec["max_calls"]) - 1):
-        calls = xg.Grammar.concat(calls, call)
+    for k in range(1, int(spec["max_calls"])):
+        calls = xg.Grammar.concat(calls, _literal(sep), call_at(k)) if sep else xg.Grammar.concat(calls, call_at(k))
         answers.append(calls)
     body = xg.Grammar.union(*answers) if len(answers) > 1 else call
     parts = (

@@ -163,7 +163,8 @@ def _tool_format(app: _Server, request: ChatRequest, harmony: bool = False) -> A
             400,
             "this model's chat template writes tool calls in a format anyquant serve does not parse "
             "(it parses Hermes/Qwen <tool_call>, Qwen3-Coder's XML, Llama 3 JSON, Mistral [TOOL_CALLS], DeepSeek's "
-            "<｜tool▁calls▁begin｜> and gpt-oss's harmony)",
+            "<｜tool▁calls▁begin｜> and DSML, Kimi K2's, GLM-4.5's, Granite's <|tool_call|>, functools[...], "
+            "Functionary v3.1/v3.2's and gpt-oss's harmony)",
             "unsupported_parameter",
             "tools",
         )
@@ -203,14 +204,16 @@ def _tool_constraint(request: ChatRequest, fmt: Any, tools: list[dict[str, Any]]
             from .tools import functions
 
             return "tools", OutputFormat.tagged(call_options(functions(tools, name)))
-        if fmt.name == "qwen3_xml":  # <function=name> and a <parameter=key> block a required parameter
+        from .tools import XML_STYLES, named_calls
+
+        if fmt.name in XML_STYLES:  # a tag around each required parameter (Qwen3-Coder's, GLM's, DeepSeek's DSML)
             from .tools import xml_calls
 
-            return "tools", OutputFormat.xml_calls(xml_calls(tools, name), fmt.sep, calls)
-        if fmt.name.startswith("deepseek"):  # the name outside the arguments' JSON, between DeepSeek's markers
-            from .tools import deepseek_calls
-
-            return "tools", OutputFormat.named_calls(deepseek_calls(tools, fmt, name), fmt.begin, fmt.end, calls)
+            return "tools", OutputFormat.xml_calls(xml_calls(tools, name), fmt.sep, calls, XML_STYLES[fmt.name])
+        named = named_calls(tools, fmt, name, request.history_calls())
+        if named is not None:  # the name outside the arguments' JSON (DeepSeek's, Kimi's, Functionary's)
+            n = named
+            return "tools", OutputFormat.named_calls(n.options, n.begin, n.end, calls, n.sep, n.first)
         schema = call_schema(tools, fmt, name)
         if fmt.array:  # one JSON array of calls after the marker
             schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": calls}
@@ -712,6 +715,8 @@ def _choice(shapes: _Shapes, job: _Job, index: int, c: _Choice) -> dict[str, Any
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 reason = "tool_calls"
+            elif job.tools.lead:  # Functionary v3.2's "all\n" before content, dropped as its stream drops it
+                message["content"] = content or ""
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         out = {"index": index, "message": message}

@@ -501,6 +501,10 @@ class ChatRequest(_Request):
             return "function"
         return self.tool_choice or "auto"
 
+    def history_calls(self) -> int:
+        """The tool calls the conversation's assistant messages hold (Kimi K2's call ids count them)."""
+        return sum(len(m.tool_calls or ()) for m in self.messages if m.role == "assistant")
+
     def asked_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 

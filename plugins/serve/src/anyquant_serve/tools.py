@@ -18,7 +18,20 @@ and llama.cpp's chat formats do:
 * ``deepseek_v31``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
   <｜tool▁calls▁end｜>`` (DeepSeek-V3.1 and later), and ``deepseek_v3``, its calls written
   ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name\n```json\n{...}\n```<｜tool▁call▁end｜>`` (DeepSeek-V3, R1 and
-  its distills): the markers are special tokens of DeepSeek's tokenizer, so such answers are decoded with them.
+  its distills): the markers are special tokens of DeepSeek's tokenizer, so such answers are decoded with them;
+* ``deepseek_v32``: DeepSeek-V3.2's DSML, ``<｜DSML｜function_calls>`` around ``<｜DSML｜invoke name="...">`` blocks
+  of ``<｜DSML｜parameter name="key" string="true|false">value</｜DSML｜parameter>`` (a ``string="true"`` value is text;
+  ``"false"``, JSON: DeepSeek's own ``encoding_dsv32.py``);
+* ``kimi_k2``: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}
+  <|tool_call_end|>...<|tool_calls_section_end|>`` (Kimi K2); a call's id is the model's own ``functions.name:N``
+  (vLLM's reading: Kimi's template writes the ids of the history back into the prompt);
+* ``glm45``: ``<tool_call>name\n<arg_key>key</arg_key>\n<arg_value>value</arg_value>\n...</tool_call>`` (GLM-4.5,
+  4.6), each value read as ``qwen3_xml``'s are;
+* ``granite``: ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`` (Granite 3.x); ``phi4_mini_json``:
+  ``functools[{...}, ...]`` (Phi-4-mini's tool template in vLLM, Firefunction v2);
+* ``functionary_v31``: ``<function=name>{...}</function>`` (Functionary v3.1, on Llama 3.1's template); and
+  ``functionary_v32``: after the generation prompt's ``>>>``, ``all\ntext`` for content or ``name\n{...}`` for a
+  call, the next recipient after another ``>>>`` (Functionary v3.2; llama.cpp's reading).
 
 A call's ``arguments`` are the model's own text of its arguments object, as OpenAI's are, so that streamed
 (:class:`ToolStream`: piece by piece as they are generated) they join into the same text as unstreamed.
@@ -32,7 +45,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,15 +56,25 @@ from anyquant_runtime.stops import held_back
 __all__ = [
     "DEEPSEEK_V3",
     "DEEPSEEK_V31",
+    "DEEPSEEK_V32",
     "FORMATS",
+    "FUNCTIONARY_V31",
+    "FUNCTIONARY_V32",
+    "FUNCTOOLS",
+    "GLM45",
+    "GRANITE",
+    "KIMI_K2",
+    "NamedCalls",
     "HARMONY",
     "QWEN3_XML",
     "ToolFormat",
     "ToolStream",
+    "XML_STYLES",
     "call_schema",
     "deepseek_calls",
     "detect_format",
     "functions",
+    "named_calls",
     "new_call_id",
     "parse_tool_calls",
     "supports_tools",
@@ -75,6 +98,8 @@ class ToolFormat:
     array: bool = False
     #: its markers are special tokens (DeepSeek's): answers are decoded with the special tokens' text
     special: bool = False
+    #: what an answer that is content begins with, dropped (Functionary v3.2's ``all\n``; ``""``: nothing)
+    lead: str = ""
 
 
 HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
@@ -91,9 +116,32 @@ DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call�
 DEEPSEEK_V31 = ToolFormat("deepseek_v31", DS_CALLS, DS_CALLS_END, "", "arguments", special=True)
 DEEPSEEK_V3 = ToolFormat("deepseek_v3", DS_CALLS, DS_CALLS_END, "", "arguments", special=True)
 FORMATS.update({f.name: f for f in (DEEPSEEK_V31, DEEPSEEK_V3)})
+#: DeepSeek-V3.2's DSML tags (fullwidth bars, as its encoder writes them)
+DSML = "｜DSML｜"
+DSML_CALLS, DSML_CALLS_END = f"<{DSML}function_calls>", f"</{DSML}function_calls>"
+DSML_INVOKE, DSML_INVOKE_END = f"<{DSML}invoke", f"</{DSML}invoke>"
+DSML_PARAM, DSML_PARAM_END = f"<{DSML}parameter", f"</{DSML}parameter>"
+DEEPSEEK_V32 = ToolFormat("deepseek_v32", DSML_CALLS, DSML_CALLS_END, "\n", "arguments", special=True)
+#: Kimi K2's markers (special tokens of its tokenizer)
+KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+KIMI_K2 = ToolFormat("kimi_k2", KIMI_CALLS, KIMI_CALLS_END, "", "arguments", special=True)
+GLM45 = ToolFormat("glm45", "<tool_call>", "</tool_call>", "\n", "arguments", special=True)
+GRANITE = ToolFormat("granite", "<|tool_call|>", "", "", "arguments", array=True, special=True)
+FUNCTOOLS = ToolFormat("phi4_mini_json", "functools", "", "", "arguments", array=True)
+FUNCTIONARY_V31 = ToolFormat("functionary_v31", "<function=", "</function>", "", "arguments")
+FUNCTIONARY_V32 = ToolFormat("functionary_v32", ">>>", "", "", "arguments", lead="all\n")
+FORMATS.update(
+    {f.name: f for f in (DEEPSEEK_V32, KIMI_K2, GLM45, GRANITE, FUNCTOOLS, FUNCTIONARY_V31, FUNCTIONARY_V32)}
+)
+#: the formats whose calls are XML-like tags around each argument, and the shape of their grammar
+#: (:meth:`~anyquant_runtime.grammar.OutputFormat.xml_calls`)
+XML_STYLES = {"qwen3_xml": "qwen3", "glm45": "glm", "deepseek_v32": "dsml"}
 
 #: the most calls one constrained answer may hold when ``parallel_tool_calls`` is on
 MAX_PARALLEL_CALLS = 4
+#: where a call's index goes in a constrained call's text (:func:`named_calls`; the grammar's ``{index}``)
+INDEX = "{index}"
 
 
 @functools.lru_cache(maxsize=32)
@@ -119,12 +167,26 @@ def detect_format(source: str) -> ToolFormat | None:
     """The tool-call format the template teaches its model, from its text; ``None`` when none is recognised."""
     if DS_CALL in source and DS_SEP in source:  # V3 and R1 write each call's type and a ```json fence
         return DEEPSEEK_V3 if "```json" in source else DEEPSEEK_V31
+    if DSML in source:
+        return DEEPSEEK_V32
+    if KIMI_CALL in source and KIMI_ARGS in source:
+        return KIMI_K2
+    if "<arg_key>" in source and "<arg_value>" in source:  # before Hermes: GLM's calls open with <tool_call> too
+        return GLM45
     if "<function=" in source and "<parameter=" in source:
         return QWEN3_XML
+    if "<|tool_call|>" in source and "<|start_of_role|>" in source:
+        return GRANITE
+    if ">>>all" in source:
+        return FUNCTIONARY_V32
+    if "<function=" in source and "<|start_header_id|>" in source:  # before Llama 3's <|python_tag|>
+        return FUNCTIONARY_V31
     if "<tool_call>" in source:
         return HERMES
     if "[TOOL_CALLS]" in source:
         return MISTRAL
+    if "functools[" in source:
+        return FUNCTOOLS
     if "<|python_tag|>" in source or '"parameters": dictionary' in source or "ipython" in source:
         return LLAMA3_JSON
     return None
@@ -271,13 +333,15 @@ def _mistral_part(part: str) -> list[dict[str, Any] | None]:
         at = _skip(part, at + 1)
 
 
-def _mistral(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    start = text.find("[TOOL_CALLS]")
+def _mistral(text: str, marker: str = "[TOOL_CALLS]") -> tuple[str | None, list[dict[str, Any]]]:
+    """Calls after ``marker``, each a JSON array of call objects (or one object, or Mistral's ``name[ARGS]{...}``):
+    Mistral's ``[TOOL_CALLS]``, Granite's ``<|tool_call|>``, Phi-4-mini's ``functools``."""
+    start = text.find(marker)
     if start < 0:
         return text, []
     content = text[:start].strip() or None
     calls: list[dict[str, Any]] = []
-    for part in text[start:].split("[TOOL_CALLS]")[1:]:
+    for part in text[start:].split(marker)[1:]:
         try:
             objs = _mistral_part(part)
         except ValueError:
@@ -384,31 +448,212 @@ def _deepseek_call(body: str) -> dict[str, Any] | None:
     return _call(name, value, raw) if end == len(raw) and isinstance(value, Mapping) else None
 
 
-def _deepseek(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    start = text.find(DS_CALLS)
-    first = text.find(DS_CALL)
+def _sectioned(
+    text: str, section: tuple[str, str], call: tuple[str, str], read: Callable[[str], dict[str, Any] | None]
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """Calls each between ``call``'s two markers (read by ``read`` from the text between them), after ``section``'s
+    first marker (or the first call's, where the model left it out) and up to its second; the text outside is the
+    content. A call cut off or not read gives the whole text back, with no calls. Linear in the text."""
+    (section_begin, section_end), (call_begin, call_end) = section, call
+    first = text.find(call_begin)
     if first < 0:
         return text, []
+    start = text.find(section_begin)
     start = first if start < 0 or start > first else start
     calls: list[dict[str, Any]] = []
     at = first
-    while (begin := text.find(DS_CALL, at)) >= 0:  # each search goes on from the last: linear in the text
-        close = text.find(DS_CALL_END, begin)
+    while (begin := text.find(call_begin, at)) >= 0:  # each search goes on from the last: linear in the text
+        close = text.find(call_end, begin)
         if close < 0:  # a call cut off
             return text, []
-        call = _deepseek_call(text[begin + len(DS_CALL) : close])
-        if call is None:
+        found = read(text[begin + len(call_begin) : close])
+        if found is None:
             return text, []
-        calls.append(call)
-        at = close + len(DS_CALL_END)
+        calls.append(found)
+        at = close + len(call_end)
     rest = text[at:]
-    rest = rest.split(DS_CALLS_END, 1)[1] if DS_CALLS_END in rest else rest
+    rest = rest.split(section_end, 1)[1] if section_end in rest else rest
     content = (text[:start] + rest).strip()
     return content or None, calls
 
 
-_PARSERS = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral}
-_PARSERS.update({"deepseek_v31": _deepseek, "deepseek_v3": _deepseek})
+def _deepseek(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    return _sectioned(text, (DS_CALLS, DS_CALLS_END), (DS_CALL, DS_CALL_END), _deepseek_call)
+
+
+def _kimi_call(body: str) -> dict[str, Any] | None:
+    """Kimi K2's ``ID<|tool_call_argument_begin|>{...}``, ID the model's ``functions.name:N``: the call with that id
+    (the name without ``functions.`` and ``:N``, as llama.cpp reads it)."""
+    ident, sep, raw = body.partition(KIMI_ARGS)
+    ident, raw = ident.strip(), raw.strip()
+    named = _KIMI_ID.fullmatch(ident)
+    if not sep or named is None:
+        return None
+    try:
+        value, end = _DECODER.raw_decode(raw)
+    except ValueError:
+        return None
+    call = _call(named.group(1), value, raw) if end == len(raw) and isinstance(value, Mapping) else None
+    if call is not None:
+        call["id"] = ident
+    return call
+
+
+def _kimi(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    return _sectioned(text, (KIMI_CALLS, KIMI_CALLS_END), (KIMI_CALL, KIMI_CALL_END), _kimi_call)
+
+
+_KIMI_ID = re.compile(r"(?:functions\.)?([A-Za-z0-9_.-]{1,64}):[0-9]{1,9}")
+
+
+def _tagged_calls(
+    text: str, open_tag: str, close_tag: str, read: Any, tools: Sequence[Mapping[str, Any]]
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """Calls each between ``open_tag`` and ``close_tag``, the text between read by ``read(body, properties)`` into
+    ``(name, arguments)`` (``None``: not a call); the text outside them is the content. Any call that does not read
+    gives the whole text back, with no calls. Linear in the text."""
+    params = {name: schema.get("properties") or {} for name, schema in functions(tools)}
+    calls: list[dict[str, Any]] = []
+    outside: list[str] = []
+    at = 0
+    while (start := text.find(open_tag, at)) >= 0:
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:
+            return text, []
+        read_call = read(text[start + len(open_tag) : end], params)
+        if read_call is None:
+            return text, []
+        name, arguments = read_call
+        function = {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+        calls.append({"id": new_call_id(), "type": "function", "function": function})
+        outside.append(text[at:start])
+        at = end + len(close_tag)
+    if not calls:
+        return text, []
+    content = ("".join(outside) + text[at:]).strip()
+    return content or None, calls
+
+
+def _pairs(body: str, key_open: str, key_close: str, value_open: str, value_close: str) -> list[tuple[str, str]] | None:
+    """GLM's ``<arg_key>k</arg_key>`` + ``<arg_value>v</arg_value>`` pairs of a call's body, in order; ``None`` when
+    the body holds anything else. Linear in the body."""
+    out: list[tuple[str, str]] = []
+    at = _skip(body, 0)
+    while at < len(body):
+        if not body.startswith(key_open, at):
+            return None
+        key_end = body.find(key_close, at)
+        value_at = _skip(body, key_end + len(key_close)) if key_end >= 0 else -1
+        if value_at < 0 or not body.startswith(value_open, value_at):
+            return None
+        value_end = body.find(value_close, value_at)
+        if value_end < 0:
+            return None
+        out.append((body[at + len(key_open) : key_end].strip(), body[value_at + len(value_open) : value_end]))
+        at = _skip(body, value_end + len(value_close))
+    return out
+
+
+def _glm_call(body: str, params: Mapping[str, Mapping[str, Any]]) -> tuple[str, dict[str, Any]] | None:
+    """``name\n<arg_key>...`` (GLM-4.5's): the name to the first newline or tag, then the pairs; each value
+    stripped and read by its parameter's schema type as ``qwen3_xml``'s are."""
+    cut = min((i for i in (body.find("\n"), body.find("<")) if i >= 0), default=len(body))
+    name = body[:cut].strip()
+    pairs = _pairs(body[cut:], "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+    if not _NAME.fullmatch(name) or pairs is None:
+        return None
+    properties = params.get(name, {})
+    return name, {key: _xml_value(value.strip(), properties.get(key)) for key, value in pairs}
+
+
+_DSML_NAME = re.compile(r'\s+name="([^"\n]{1,64})">\n?')
+_DSML_PARAM = re.compile(r'\s+name="([^"\n]{1,256})"\s+string="(true|false)">')
+
+
+def _dsml_call(body: str, params: Mapping[str, Mapping[str, Any]]) -> tuple[str, dict[str, Any]] | None:
+    """`` name="NAME">`` then ``<｜DSML｜parameter name="key" string="true|false">value</｜DSML｜parameter>`` blocks
+    (DeepSeek-V3.2's ``decode_dsml_to_arguments``: ``string="true"`` the value as text; ``"false"``, its JSON, or
+    the text where it is none)."""
+    head = _DSML_NAME.match(body)
+    if head is None:
+        return None
+    arguments: dict[str, Any] = {}
+    at = _skip(body, head.end())
+    while at < len(body):
+        if not body.startswith(DSML_PARAM, at):
+            return None
+        attrs = _DSML_PARAM.match(body, at + len(DSML_PARAM))
+        end = body.find(DSML_PARAM_END, attrs.end()) if attrs is not None else -1
+        if attrs is None or end < 0:
+            return None
+        raw = body[attrs.end() : end]
+        value: Any = raw
+        if attrs.group(2) == "false":
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = raw
+        arguments[attrs.group(1)] = value
+        at = _skip(body, end + len(DSML_PARAM_END))
+    return head.group(1), arguments
+
+
+def _dsml(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str | None, list[dict[str, Any]]]:
+    start = text.find(DSML_CALLS)
+    if start < 0:
+        return text, []
+    end = text.find(DSML_CALLS_END, start)
+    block = text[start + len(DSML_CALLS) : end if end >= 0 else len(text)]
+    if end < 0 or block.strip() == "":
+        return text, []
+    inner, calls = _tagged_calls(block, DSML_INVOKE, DSML_INVOKE_END, _dsml_call, tools)
+    if not calls or (inner or "").strip():
+        return text, []
+    content = (text[:start] + text[end + len(DSML_CALLS_END) :]).strip()
+    return content or None, calls
+
+
+def _function_call(body: str, params: Mapping[str, Mapping[str, Any]]) -> tuple[str, dict[str, Any]] | None:
+    """Functionary v3.1's ``NAME>{...}`` (the text after ``<function=``): the name and its JSON object."""
+    name, sep, raw = body.partition(">")
+    try:
+        value = json.loads(raw) if sep else None
+    except ValueError:
+        return None
+    if not _NAME.fullmatch(name.strip()) or not isinstance(value, dict):
+        return None
+    return name.strip(), value
+
+
+def _functionary_v32(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Functionary v3.2's answer (its generation prompt ends with ``>>>``): segments ``recipient\nbody`` after each
+    ``>>>``; ``all``'s body is content, any other recipient a call with its body's JSON object."""
+    segments = (text if text.startswith(">>>") else ">>>" + text).split(">>>")[1:]
+    content: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for segment in segments:
+        recipient, sep, body = segment.partition("\n")
+        if recipient.strip() == "all" and sep:
+            content.append(body)
+            continue
+        raw = body.strip()
+        try:
+            value, end = _DECODER.raw_decode(raw) if sep and _NAME.fullmatch(recipient.strip()) else (None, 0)
+        except ValueError:
+            value = None
+        call = _call(recipient.strip(), value, raw[:end]) if isinstance(value, Mapping) and end == len(raw) else None
+        if call is None:
+            return text, []
+        calls.append(call)
+    joined = "".join(content).strip()
+    return joined or None, calls
+
+
+_Parser = Callable[[str], tuple[str | None, list[dict[str, Any]]]]
+_PARSERS: dict[str, _Parser] = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral}
+_PARSERS.update({"deepseek_v31": _deepseek, "deepseek_v3": _deepseek, "kimi_k2": _kimi})
+_PARSERS.update({"granite": lambda t: _mistral(t, GRANITE.begin), "phi4_mini_json": lambda t: _mistral(t, "functools")})
+_PARSERS["functionary_v32"] = _functionary_v32
 
 
 def parse_tool_calls(
@@ -420,6 +665,12 @@ def parse_tool_calls(
     Text that does not hold well-formed calls comes back whole, with no calls."""
     if fmt.name == "qwen3_xml":
         return _qwen3_xml(text, tools)
+    if fmt.name == "glm45":
+        return _tagged_calls(text, "<tool_call>", "</tool_call>", _glm_call, tools)
+    if fmt.name == "deepseek_v32":
+        return _dsml(text, tools)
+    if fmt.name == "functionary_v31":
+        return _tagged_calls(text, "<function=", "</function>", _function_call, tools)
     return _PARSERS[fmt.name](text)
 
 
@@ -461,6 +712,45 @@ def deepseek_calls(
             (f"{DS_CALL}function{DS_SEP}{n}\n```json\n", p, f"\n```{DS_CALL_END}") for n, p in functions(tools, name)
         ]
     return [(f"{DS_CALL}{n}{DS_SEP}", p, DS_CALL_END) for n, p in functions(tools, name)]
+
+
+#: the text before each call's arguments in the formats that write the name outside them, and the text after
+_NAMED = {
+    "kimi_k2": (KIMI_CALL + "functions.{name}:" + INDEX + KIMI_ARGS, KIMI_CALL_END),
+    "functionary_v31": ("<function={name}>", "</function>"),
+    "functionary_v32": ("{name}\n", ""),
+}
+
+
+@dataclass(frozen=True)
+class NamedCalls:
+    """``tool_choice: "required"`` (or a named function) in a format whose calls write the name outside their JSON
+    arguments (:meth:`~anyquant_runtime.grammar.OutputFormat.named_calls`' arguments): each tool's text before its
+    arguments, their schema and the text after them; the text before the calls and after them; the text between
+    two calls; the index of the first call where the texts hold :data:`INDEX` (else ``None``)."""
+
+    options: list[tuple[str, Mapping[str, Any], str]]
+    begin: str
+    end: str
+    sep: str
+    first: int | None
+
+
+def named_calls(
+    tools: Sequence[Mapping[str, Any]], fmt: ToolFormat, name: str | None = None, history: int = 0
+) -> NamedCalls | None:
+    """:class:`NamedCalls` for ``tools`` (the one named ``name``) in ``fmt``, ``None`` for a format that writes the name
+    inside the JSON. Kimi's ids ``functions.name:N`` count the calls of the whole conversation: ``history`` of them
+    came before this answer."""
+    if fmt.name.startswith("deepseek_v3") and fmt.name != "deepseek_v32":
+        return NamedCalls(deepseek_calls(tools, fmt, name), fmt.begin, fmt.end, "", None)
+    if fmt.name not in _NAMED:
+        return None
+    before, after = _NAMED[fmt.name]
+    options = [(before.replace("{name}", n), p, after) for n, p in functions(tools, name)]
+    if fmt.name == "kimi_k2":
+        return NamedCalls(options, fmt.begin, fmt.end, "", history)
+    return NamedCalls(options, "", "", ">>>" if fmt.name == "functionary_v32" else "", None)
 
 
 def call_schema(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat, name: str | None = None) -> dict[str, Any]:
@@ -595,11 +885,20 @@ class ToolStream:
         self.obj: _Object | None = None  # the call object being read
         self.named: str | None = None  # Mistral's name[ARGS]: the object read is the arguments of this name
         self.count = 0  # call objects begun
+        self.led = not fmt.lead  # the format's lead is settled (dropped, or the answer does not begin with it)
 
     def feed(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
         self.text += piece
         if self.holding:
             return "", self._advance()
+        if not self.led:  # Functionary v3.2: "all\n" begins content (dropped); a name, a call (held to the end)
+            lead = self.fmt.lead
+            if len(self.text) < len(lead) and lead.startswith(self.text):
+                return "", []
+            self.led = True
+            if not self.text.startswith(lead):
+                return "", self._hold(0, "stop")
+            self.sent = len(lead)
         if not self.marker:  # llama3_json: a call is the whole answer, from its start
             if self.sent == 0:
                 head = self.text.lstrip()
