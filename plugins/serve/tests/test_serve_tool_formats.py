@@ -1,6 +1,7 @@
 """The tool-call formats of the families beyond Hermes, Llama 3, Mistral, Qwen3-Coder and DeepSeek V3/V3.1 (issue #43
 §2): DeepSeek-V3.2's DSML, Kimi K2's sections, GLM-4.5's ``<arg_key>``/``<arg_value>``, Granite's ``<|tool_call|>``,
-``functools[...]`` (Phi-4-mini's tool template), Functionary v3.1's ``<function=name>`` and v3.2's ``>>>name``.
+``functools[...]`` (Phi-4-mini's tool template), Functionary v3.1's ``<function=name>`` and v3.2's ``>>>name``, and
+pythonic ``[name(key=value)]`` lists (Llama 3.2's and Llama 4's pythonic templates).
 
 Each format's answers are written as the family's own code writes them (DeepSeek's ``encoding_dsv32.py``, the
 templates llama.cpp keeps in ``models/templates``, vLLM's parsers), parsed, streamed and constrained here. Real
@@ -26,6 +27,7 @@ from anyquant_serve.tools import (
     GLM45,
     GRANITE,
     KIMI_K2,
+    PYTHONIC,
     XML_STYLES,
     ToolFormat,
     ToolStream,
@@ -133,6 +135,22 @@ FUNCTOOLS_SNIPPET = (
     "{{ tools | tojson }}{% endif %}"
 )
 
+#: vLLM's tool_chat_template_llama3.2_pythonic.jinja's instruction (Llama 4's says the same)
+PYTHONIC_SNIPPET = (
+    "{%- if tools %}If you decide to invoke any of the function(s), you MUST put it in the format of "
+    "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]\n"
+    "{{ tools | tojson }}{% endif %}"
+)
+
+#: a whole pythonic template (Llama 3.2's roles) for a server
+PYTHONIC_TEMPLATE = (
+    PYTHONIC_SNIPPET + "{%- for m in messages -%}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}"
+    "<|end_header_id|>\n\n{%- if m.tool_calls -%}[{%- for t in m.tool_calls -%}{{ t.function.name }}("
+    "{%- for k, v in t.function.arguments.items() -%}{{ k }}={{ v | tojson }}{{ ', ' if not loop.last }}{%- endfor -%})"
+    "{{ ', ' if not loop.last }}{%- endfor -%}]{%- else -%}{{ m.content }}{%- endif -%}<|eot_id|>{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif -%}"
+)
+
 TEMPLATES: list[tuple[str, ToolFormat]] = [
     (KIMI_TEMPLATE, KIMI_K2),
     (GLM_TEMPLATE, GLM45),
@@ -141,6 +159,7 @@ TEMPLATES: list[tuple[str, ToolFormat]] = [
     (FUNCTIONARY_V32_TEMPLATE, FUNCTIONARY_V32),
     (FUNCTIONARY_V31_SNIPPET, FUNCTIONARY_V31),
     (FUNCTOOLS_SNIPPET, FUNCTOOLS),
+    (PYTHONIC_TEMPLATE, PYTHONIC),
 ]
 
 # ---------------------------------------------------------------------- answers as each family writes them
@@ -203,6 +222,19 @@ ANSWERS: list[tuple[ToolFormat, str, str | None, list[tuple[str, dict[str, Any]]
         [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)],
     ),
     (FUNCTIONARY_V32, 'get_time\n{"zone": "JST"}', None, [("get_time", TIME_ARGS)]),  # a call from the first word
+    (
+        PYTHONIC,
+        "[get_weather(city='Paris', unit=\"celsius\"), get_time(zone='JST')]",
+        None,
+        [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)],
+    ),
+    (  # Llama 4's tags around it; Python's literals and JSON's alike
+        PYTHONIC,
+        "<|python_start|>[get_weather(city='Paris', unit='celsius', days=-2, hourly=True, extra={'a': [1, null]})]"
+        "<|python_end|>",
+        None,
+        [("get_weather", {**WEATHER_ARGS, "days": -2, "hourly": True, "extra": {"a": [1, None]}})],
+    ),
 ]
 
 
@@ -265,6 +297,11 @@ def test_values_are_read_by_their_types() -> None:
         (FUNCTOOLS, "functools[oops]"),
         (FUNCTIONARY_V31, "<function=get_time>{not json}</function>"),
         (FUNCTIONARY_V32, "get_time\n{not json"),
+        (PYTHONIC, "[get_time(zone=JST)]"),  # a name, not a literal: nothing is evaluated
+        (PYTHONIC, "[__import__('os').system('true')]"),
+        (PYTHONIC, "[get_time('JST')]"),  # positional
+        (PYTHONIC, "[get_time(zone='JST')] and more"),
+        (PYTHONIC, "[get_time(zone=" + "1+" * 100_000 + "1)]"),  # past the parser's depth: no crash
     ],
 )
 def test_a_broken_answer_is_content(fmt: ToolFormat, broken: str) -> None:
@@ -288,6 +325,7 @@ def test_hostile_answers_parse_in_linear_time() -> None:
         (DEEPSEEK_V32, '<｜DSML｜function_calls><｜DSML｜invoke name="f">\n<｜DSML｜parameter name="k" string="true">'),
         (FUNCTIONARY_V31, "<function=f>{"),
         (FUNCTIONARY_V32, ">>>f\n{"),
+        (PYTHONIC, "[f(a=["),
     ):
         text = unit * 20_000
         assert parse_tool_calls(text, fmt, TOOLS) == (text, []), fmt.name
@@ -329,6 +367,7 @@ def _matches(grammar: Any, text: str) -> bool:
 
 
 CONSTRAINED = {  # two calls as each grammar writes them (JSON on one line, no property the schema does not name)
+    "pythonic": '[get_time(zone="JST"), get_weather(city="Paris", unit="celsius")]',
     "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:3<|tool_call_argument_begin|>"
     '{"zone": "JST"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:4<|tool_call_argument_begin|>'
     '{"city": "Paris", "unit": "celsius"}<|tool_call_end|><|tool_calls_section_end|>',
@@ -345,7 +384,9 @@ CONSTRAINED = {  # two calls as each grammar writes them (JSON on one line, no p
 }
 
 
-@pytest.mark.parametrize("fmt", [KIMI_K2, FUNCTIONARY_V31, FUNCTIONARY_V32, GLM45, DEEPSEEK_V32], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt", [KIMI_K2, FUNCTIONARY_V31, FUNCTIONARY_V32, GLM45, DEEPSEEK_V32, PYTHONIC], ids=lambda f: f.name
+)
 def test_the_constraint_writes_the_templates_shape(fmt: ToolFormat) -> None:
     """``required``'s grammar accepts two calls in the family's shape (Kimi's ids numbered on from the 3 calls of the
     history) and nothing else: an unknown tool, a third call, a wrong index; what it writes parses back."""
@@ -392,6 +433,7 @@ SERVED = {
     "deepseek_v32": (DSML_TEMPLATE, [], r"call_[0-9a-f]{24}"),
     "granite": (GRANITE_TEMPLATE, GRANITE_MARKERS, r"call_[0-9a-f]{24}"),
     "functionary_v32": (FUNCTIONARY_V32_TEMPLATE, [], r"call_[0-9a-f]{24}"),
+    "pythonic": (PYTHONIC_TEMPLATE, [], r"call_[0-9a-f]{24}"),
 }
 
 

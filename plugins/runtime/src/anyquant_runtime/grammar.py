@@ -161,7 +161,8 @@ class OutputFormat:
         ``<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n`` each, then ``</tool_call>``); ``dsml``:
         DeepSeek-V3.2's (``<｜DSML｜function_calls>\\n`` around the calls, each ``<｜DSML｜invoke name="NAME">\\n``, its
         ``<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>`` joined by newlines, then
-        ``\\n</｜DSML｜invoke>``; ``string="true"`` for a text value). ``tools``: ``{"name": ..., "parameters": [[key,
+        ``\\n</｜DSML｜invoke>``; ``string="true"`` for a text value); ``pythonic``: ``[NAME(KEY=VALUE, ...), ...]``
+        (each value its JSON; ``sep`` ``", "``). ``tools``: ``{"name": ..., "parameters": [[key,
         schema], ...]}`` each. A value of a string schema is text without ``<`` (its enum, ``minLength``/
         ``maxLength`` or ``pattern`` enforced); of any other schema, its JSON (as ``json_schema`` enforces it)."""
         if not tools or max_calls < 1:
@@ -387,7 +388,7 @@ def _tagged_grammar(spec: Sequence[Mapping[str, Any]]) -> Any:
 
 _XML_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 #: :meth:`OutputFormat.xml_calls`' styles
-XML_STYLES = ("qwen3", "glm", "dsml")
+XML_STYLES = ("qwen3", "glm", "dsml", "pythonic")
 
 
 def _xml_text(schema: Any) -> bool:
@@ -433,6 +434,11 @@ def _xml_call(name: str, parameters: Sequence[Sequence[Any]], style: str) -> lis
             head = ("\n" if i else "") + f'<｜DSML｜parameter name="{key}" string="{text}">'
             parts += [_literal(head), _xml_value(schema), _literal("</｜DSML｜parameter>")]
         return [*parts, _literal("\n</｜DSML｜invoke>")]
+    if style == "pythonic":  # each value its JSON (a JSON string, number, list or object is Python's literal too)
+        parts = [_literal(f"{name}(")]
+        for i, (key, schema) in enumerate(parameters):
+            parts += [_literal((", " if i else "") + f"{key}="), _value(schema)]
+        return [*parts, _literal(")")]
     parts = [_literal(f"<tool_call>\n<function={name}>\n")]
     for key, schema in parameters:
         parts += [_literal(f"<parameter={key}>\n"), _xml_value(schema), _literal("\n</parameter>\n")]
@@ -459,6 +465,8 @@ def _xml_calls_grammar(spec: Mapping[str, Any]) -> Any:
     body = xg.Grammar.union(*answers) if len(answers) > 1 else call
     if style == "dsml":
         return xg.Grammar.concat(_literal("<｜DSML｜function_calls>\n"), body, _literal("\n</｜DSML｜function_calls>"))
+    if style == "pythonic":
+        return xg.Grammar.concat(_literal("["), body, _literal("]"))
     return body
 
 

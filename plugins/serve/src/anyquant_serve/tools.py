@@ -31,7 +31,9 @@ and llama.cpp's chat formats do:
   ``functools[{...}, ...]`` (Phi-4-mini's tool template in vLLM, Firefunction v2);
 * ``functionary_v31``: ``<function=name>{...}</function>`` (Functionary v3.1, on Llama 3.1's template); and
   ``functionary_v32``: after the generation prompt's ``>>>``, ``all\ntext`` for content or ``name\n{...}`` for a
-  call, the next recipient after another ``>>>`` (Functionary v3.2; llama.cpp's reading).
+  call, the next recipient after another ``>>>`` (Functionary v3.2; llama.cpp's reading);
+* ``pythonic``: the answer is ``[name(key=value, ...), ...]`` (Llama 3.2's and Llama 4's pythonic templates, vLLM's
+  ``pythonic`` parser), read with :mod:`ast` (literals only: nothing is evaluated).
 
 A call's ``arguments`` are the model's own text of its arguments object, as OpenAI's are, so that streamed
 (:class:`ToolStream`: piece by piece as they are generated) they join into the same text as unstreamed.
@@ -65,6 +67,7 @@ __all__ = [
     "GRANITE",
     "KIMI_K2",
     "NamedCalls",
+    "PYTHONIC",
     "HARMONY",
     "QWEN3_XML",
     "ToolFormat",
@@ -131,12 +134,16 @@ GRANITE = ToolFormat("granite", "<|tool_call|>", "", "", "arguments", array=True
 FUNCTOOLS = ToolFormat("phi4_mini_json", "functools", "", "", "arguments", array=True)
 FUNCTIONARY_V31 = ToolFormat("functionary_v31", "<function=", "</function>", "", "arguments")
 FUNCTIONARY_V32 = ToolFormat("functionary_v32", ">>>", "", "", "arguments", lead="all\n")
+#: the answer is a Python list of calls, ``[name(key=value, ...), ...]`` (Llama 3.2's and Llama 4's pythonic
+#: templates; Llama 4 may wrap it in ``<|python_start|>`` and ``<|python_end|>``)
+PYTHONIC = ToolFormat("pythonic", "", "", ", ", "arguments")
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 FORMATS.update(
-    {f.name: f for f in (DEEPSEEK_V32, KIMI_K2, GLM45, GRANITE, FUNCTOOLS, FUNCTIONARY_V31, FUNCTIONARY_V32)}
+    {f.name: f for f in (DEEPSEEK_V32, KIMI_K2, GLM45, GRANITE, FUNCTOOLS, FUNCTIONARY_V31, FUNCTIONARY_V32, PYTHONIC)}
 )
 #: the formats whose calls are XML-like tags around each argument, and the shape of their grammar
 #: (:meth:`~anyquant_runtime.grammar.OutputFormat.xml_calls`)
-XML_STYLES = {"qwen3_xml": "qwen3", "glm45": "glm", "deepseek_v32": "dsml"}
+XML_STYLES = {"qwen3_xml": "qwen3", "glm45": "glm", "deepseek_v32": "dsml", "pythonic": "pythonic"}
 
 #: the most calls one constrained answer may hold when ``parallel_tool_calls`` is on
 MAX_PARALLEL_CALLS = 4
@@ -187,6 +194,8 @@ def detect_format(source: str) -> ToolFormat | None:
         return MISTRAL
     if "functools[" in source:
         return FUNCTOOLS
+    if "[func_name1(" in source:  # the pythonic templates' instruction: [func_name1(params_name1=params_value1, ...)]
+        return PYTHONIC
     if "<|python_tag|>" in source or '"parameters": dictionary' in source or "ipython" in source:
         return LLAMA3_JSON
     return None
@@ -656,6 +665,64 @@ _PARSERS.update({"granite": lambda t: _mistral(t, GRANITE.begin), "phi4_mini_jso
 _PARSERS["functionary_v32"] = _functionary_v32
 
 
+def _python_value(node: Any) -> Any:
+    """A pythonic call's argument: a literal (numbers, strings, booleans, ``None``, lists, tuples, dicts with string
+    keys, a negated number), JSON's ``true``/``false``/``null`` read as Python's; a ``ValueError`` for anything else
+    (a name, a call, an expression)."""
+    import ast
+
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (bool, int, float, str))):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        value = _python_value(node.operand)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return -value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_python_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
+        keys = [_python_value(k) for k in node.keys]
+        if all(isinstance(k, str) for k in keys):
+            return dict(zip(keys, [_python_value(v) for v in node.values], strict=True))
+    raise ValueError("not a literal")
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _pythonic(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """The whole answer a Python list of calls with keyword arguments (vLLM's ``pythonic`` parser's reading; Llama 4's
+    ``<|python_start|>``/``<|python_end|>`` around it dropped), read with :mod:`ast` (literals only, nothing
+    evaluated): each call's arguments serialized as JSON."""
+    import ast
+
+    body = text.strip()
+    if body.startswith(PYTHON_START):
+        body = body[len(PYTHON_START) :].replace(PYTHON_END, "").strip()
+    if not body.startswith("["):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return text, []
+            if not _NAME.fullmatch(node.func.id) or any(k.arg is None for k in node.keywords):
+                return text, []
+            arguments = {k.arg: _python_value(k.value) for k in node.keywords}
+            function = {"name": node.func.id, "arguments": json.dumps(arguments, ensure_ascii=False)}
+            calls.append({"id": new_call_id(), "type": "function", "function": function})
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # not Python, or nested past the parser's limit
+        return text, []
+    return None, calls
+
+
+_PARSERS["pythonic"] = _pythonic
+
+
 def parse_tool_calls(
     text: str, fmt: ToolFormat, tools: Sequence[Mapping[str, Any]] = ()
 ) -> tuple[str | None, list[dict[str, Any]]]:
@@ -899,12 +966,13 @@ class ToolStream:
             if not self.text.startswith(lead):
                 return "", self._hold(0, "stop")
             self.sent = len(lead)
-        if not self.marker:  # llama3_json: a call is the whole answer, from its start
+        if not self.marker:  # llama3_json, pythonic: the calls are the whole answer, from its start
             if self.sent == 0:
                 head = self.text.lstrip()
-                if head.startswith(("{", "<|python_tag|>")):
-                    return "", self._hold(0, "first")
-                if not head or "<|python_tag|>".startswith(head):  # not known yet
+                opening, tag = ("[", PYTHON_START) if self.fmt.name == "pythonic" else ("{", "<|python_tag|>")
+                if head.startswith((opening, tag)):
+                    return "", self._hold(0, "stop" if self.fmt.name == "pythonic" else "first")
+                if not head or tag.startswith(head):  # not known yet
                     return "", []
             out = self.text[self.sent :]
             self.sent = len(self.text)
