@@ -529,3 +529,57 @@ def test_prepacked_bf16_linear() -> None:
     assert layer.packed_bytes() == 96 * 64 * 2
     with pytest.raises(RuntimeError, match="CPU only"):
         layer.to("meta")
+
+
+def test_block_kernel_conversion_drops_each_layers_int4_forms_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``to_block_kernel`` converts a decoder layer at a time and lets go of its torch-int4 linears before the next
+    layer's blocks are made (they are gone, not kept in a list to the end: a 1.1B W4A16 load peaked with the whole
+    model in both forms), and every few layers hands the heap's free pages back; the converted layers hold the
+    torch-int4 ones' weights bit for bit."""
+    import gc
+    import weakref
+
+    from anyquant_cpu import kernels
+    from anyquant_cpu.kernels.linear import GroupInt4BlockLinear
+
+    if not kernels.available():
+        pytest.skip("anyquant kernels not built")
+    gen = torch.Generator().manual_seed(3)
+
+    def int4(k: int, n: int) -> FastInt4Linear:
+        codes = torch.randint(0, 16, (k, n), generator=gen)
+        zeros = torch.randint(0, 16, (k // 32, n), generator=gen)
+        return FastInt4Linear(codes, zeros, (torch.rand(k // 32, n, generator=gen) * 0.02).half())
+
+    layers = torch.nn.ModuleList()
+    for _ in range(6):
+        layer = torch.nn.Module()
+        layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
+        layer.self_attn.q_proj, layer.mlp.down_proj = int4(64, 32), int4(64, 64)
+        layers.append(layer)
+    model = torch.nn.Module()
+    model.layers = layers
+    before = [(layer.self_attn.q_proj.dequantize(), layer.mlp.down_proj.dequantize()) for layer in layers]
+    seen: list[tuple[int, weakref.ref[Any]]] = []
+    alive_at_each: list[int] = []
+    trims: list[int] = []
+    made = GroupInt4BlockLinear.from_fast.__func__  # type: ignore[attr-defined]
+
+    def from_fast(cls: Any, layer: Any, interleave: bool = True) -> Any:
+        index = next(i for i, lay in enumerate(layers) if layer in (lay.self_attn.q_proj, lay.mlp.down_proj))
+        gc.collect()
+        alive_at_each.append(sum(1 for i, ref in seen if i < index and ref() is not None))
+        seen.append((index, weakref.ref(layer)))
+        return made(cls, layer, interleave)
+
+    monkeypatch.setattr(GroupInt4BlockLinear, "from_fast", classmethod(from_fast))
+    monkeypatch.setattr("anyquant.plugin.release_free_heap", lambda: trims.append(len(seen)) or True)
+    assert fastcpu.to_block_kernel(model)["gq4_layers"] == 12
+    assert alive_at_each == [0] * 12  # no earlier layer's torch-int4 linear outlives its conversion
+    from anyquant_runtime.build import TRIM_LAYERS
+
+    assert trims == [2 * TRIM_LAYERS * (i + 1) for i in range(6 // TRIM_LAYERS)]
+    for layer, (q, down) in zip(layers, before, strict=True):  # the same weights, bit for bit
+        assert isinstance(layer.self_attn.q_proj, GroupInt4BlockLinear)
+        assert torch.equal(layer.self_attn.q_proj.dequantize(), q)
+        assert torch.equal(layer.mlp.down_proj.dequantize(), down)

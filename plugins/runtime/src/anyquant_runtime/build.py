@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -289,6 +290,12 @@ def _tied_head(model: Any) -> tuple[str, str] | None:
     return names.get(id(out), "lm_head") + ".weight", names.get(id(inp), "") + ".weight"
 
 
+#: decoder layers read and repacked between two hand-backs of the heap's free pages during a load
+TRIM_LAYERS = 4
+#: a module name's part up to its first number (``model.layers.3.``): one decoder layer
+_NUMBERED = re.compile(r"^.*?\.\d+\.")
+
+
 def build_model(
     config: Mapping[str, Any],
     source: TensorSource,
@@ -330,7 +337,19 @@ def build_model(
     # replace it; rotary tables are not persistent and never read
     kept = [n for n, b in model.named_buffers() if not b.is_meta and _persistent(model, n)]
     layers = _Layers(make_linear, source, src, stored, config, dtype, device)
+    from anyquant._memory import release_free_heap
+
+    block, blocks = None, 0
     for name, lin in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        # every few decoder layers read and repacked, the heap's freed pages (their reads, unpacking temporaries)
+        # handed back to the system, not left to pile up under the load's peak (a 1.1B W4A16 load peaked at 1,474
+        # MiB for 800 kept; after every layer the page faults cost a tenth of the load)
+        numbered = _NUMBERED.match(name)
+        if numbered is not None and numbered.group(0) != block:
+            blocks += 1
+            if blocks % TRIM_LAYERS == 0:
+                release_free_heap()
+            block = numbered.group(0)
         replacement = layers.linear(name, lin)
         if replacement is not None:
             bias = getattr(replacement, "bias", None)
