@@ -164,7 +164,7 @@ def _tool_format(app: _Server, request: ChatRequest, harmony: bool = False) -> A
             "this model's chat template writes tool calls in a format anyquant serve does not parse "
             "(it parses Hermes/Qwen <tool_call>, Qwen3-Coder's XML, Llama 3 JSON, Mistral [TOOL_CALLS], DeepSeek's "
             "<｜tool▁calls▁begin｜> and DSML, Kimi K2's, GLM-4.5's, Granite's <|tool_call|>, functools[...], "
-            "Functionary v3.1/v3.2's and gpt-oss's harmony)",
+            "Functionary v3.1/v3.2's, pythonic [f(x=1)] lists and gpt-oss's harmony)",
             "unsupported_parameter",
             "tools",
         )
@@ -212,8 +212,8 @@ def _tool_constraint(request: ChatRequest, fmt: Any, tools: list[dict[str, Any]]
             return "tools", OutputFormat.xml_calls(xml_calls(tools, name), fmt.sep, calls, XML_STYLES[fmt.name])
         named = named_calls(tools, fmt, name, request.history_calls())
         if named is not None:  # the name outside the arguments' JSON (DeepSeek's, Kimi's, Functionary's)
-            n = named
-            return "tools", OutputFormat.named_calls(n.options, n.begin, n.end, calls, n.sep, n.first)
+            grammar = OutputFormat.named_calls(named.options, named.begin, named.end, calls, named.sep, named.first)
+            return "tools", grammar
         schema = call_schema(tools, fmt, name)
         if fmt.array:  # one JSON array of calls after the marker
             schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": calls}
