@@ -1,4 +1,4 @@
-"""``round_fp4`` (one ``bucketize``) against the tie rule written out step by step (compressed-tensors' and vLLM's
+"""``round_fp4`` (its step grid rounded half to even) against the tie rule written out step by step (compressed-tensors' and vLLM's
 ``cast_to_fp4``: 0.25, 1.25, 2.5, 5 round down; 0.75, 1.75, 3.5 up), element for element in every float dtype, at
 each bound and its neighbours, signs, zeros, infinities and NaN."""
 

@@ -37,16 +37,6 @@ MIN_DYNAMIC_SCALE = 1.0 / (FP8_MAX * 512.0)
 #: FP4 E2M1 magnitudes by their 3-bit code (bit 3 is the sign)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_MAX = 6.0
-#: the FP4 rounding of a magnitude: (value, upper bound, bound included) in ascending order; above the last, 6
-_FP4_STEPS = (
-    (0.0, 0.25, True),
-    (0.5, 0.75, False),
-    (1.0, 1.25, True),
-    (1.5, 1.75, False),
-    (2.0, 2.5, True),
-    (3.0, 3.5, False),
-    (4.0, 5.0, True),
-)
 
 
 def round_fp4(x: torch.Tensor) -> torch.Tensor:
@@ -54,27 +44,16 @@ def round_fp4(x: torch.Tensor) -> torch.Tensor:
     compressed-tensors' ``cast_to_fp4`` and vLLM's ``cast_to_fp4`` break them (0.25, 1.25, 2.5, 5 down; 0.75, 1.75,
     3.5 up); magnitudes above 5 become 6 (NaN too: times ``sign(NaN)``, 0).
 
-    One ``bucketize`` over the steps' bounds (a magnitude takes the lowest step whose bound holds it), an excluded
-    bound given as the largest value of ``x``'s dtype below it; then the step's value times ``sign(x)``."""
-    bounds, values = _fp4_steps(x.dtype, x.device)
-    index = torch.bucketize(x.abs(), bounds)  # bounds[i - 1] < |x| <= bounds[i]
-    return torch.take(values, index) * torch.sign(x)
-
-
-_STEP_TABLES: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _fp4_steps(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """:data:`_FP4_STEPS` for :func:`round_fp4` in ``dtype``: the bounds (``a < b`` as ``a <= nextafter(b, 0)``) and
-    the 8 values (the last, 6, above every bound; NaN's index too)."""
-    key = (dtype, device)
-    if key not in _STEP_TABLES:
-        b = torch.tensor([bound for _, bound, _ in _FP4_STEPS], dtype=dtype, device=device)
-        below = torch.nextafter(b, torch.zeros_like(b))
-        included = torch.tensor([inc for _, _, inc in _FP4_STEPS], device=device)
-        values = torch.tensor([v for v, _, _ in _FP4_STEPS] + [FP4_MAX], dtype=dtype, device=device)
-        _STEP_TABLES[key] = (torch.where(included, b, below), values)
-    return _STEP_TABLES[key]
+    E2M1's magnitudes are a grid of step 0.5 below 2, 1 below 4 and 2 above, and the even code is the even multiple
+    of the step at every tie, so the magnitude divided by its step (exact: a power of two), rounded half to even and
+    multiplied back is the rounding; ``fmin`` caps it at 6 (a NaN too). Bit for bit the steps' table (every float32 of
+    both signs below 8 checked against it once; the tests check the bounds, their neighbours and the special values
+    in every float dtype), in a quarter of ``bucketize``'s time and without its int64 index."""
+    a = x.abs()
+    step = (a >= 2.0).to(x.dtype).add_((a >= 4.0).to(x.dtype)).exp2_().mul_(0.5)  # 0.5, 1 or 2, exactly
+    q = a.div_(step).round_().mul_(step)
+    q = torch.fmin(q, torch.tensor(FP4_MAX, dtype=x.dtype, device=x.device), out=q)
+    return q.mul_(torch.sign(x))
 
 
 def quantize_fp8_activations(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
