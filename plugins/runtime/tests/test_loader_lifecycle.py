@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from anyquant import Probe, Registry, TransformersLoader
 from anyquant.protocols import Detection, LoadOptions
 from anyquant.testing.tiny import make_tiny_dense
@@ -108,3 +110,24 @@ def test_a_loader_without_the_new_steps_loads_as_before(tmp_path: Path) -> None:
     loaded = loader.load(probe, Registry(entry_points=False).detect(probe), LoadOptions(device="cpu"))
     assert loader.chosen == ["auto"] and loaded.backend == "reference"
     assert loaded.generate("a", max_new_tokens=2)
+
+
+def test_the_build_hands_freed_heap_pages_back_every_few_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build returns the heap's freed pages (its reads and repacking temporaries) every ``TRIM_LAYERS`` decoder
+    layers, so a large model's load does not pile them up under its peak: a model with twice the layers asks for it
+    once more."""
+    import anyquant._memory
+    from anyquant_runtime.build import TRIM_LAYERS
+
+    calls: list[int] = []
+    real = anyquant._memory.release_free_heap
+    monkeypatch.setattr(anyquant._memory, "release_free_heap", lambda: calls.append(1) or real())
+
+    def trims(layers: int) -> int:
+        calls.clear()
+        anyquant.load(make_tiny_dense(tmp_path / f"l{layers}", num_hidden_layers=layers), backend="reference")
+        return len(calls)
+
+    assert trims(2 * TRIM_LAYERS) - trims(TRIM_LAYERS) == 1
