@@ -32,7 +32,7 @@ from anyquant_serve.tools import (
     parse_tool_calls,
 )
 from plugins.serve.tests.servers import serving, with_special_tokens
-from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, TIME, TOOLS, valid_calls
+from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, TIME, TOOLS, streams_as_whole, valid_calls
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -216,19 +216,7 @@ def test_required_and_named_calls(deepseek_client: Any) -> None:
         assert whole.finish_reason == "tool_calls" and not whole.message.content, whole
         names = valid_calls(whole.message.tool_calls, TOOLS)
         assert names and (choice != named or names == ["get_time"])
-        heads, pieces, reasons = [], [], []
-        for event in deepseek_client.chat.completions.create(**request, **extra, stream=True):
-            assert not event.choices[0].delta.content
-            for entry in event.choices[0].delta.tool_calls or ():
-                if entry.id is not None:
-                    heads.append((entry.index, entry.function.name))
-                if entry.function.arguments:
-                    pieces.append((entry.index, entry.function.arguments))
-            reasons.append(event.choices[0].finish_reason)
-        assert heads == [(i, n) for i, n in enumerate(names)] and reasons[-1] == "tool_calls"
-        assert ["".join(p for i, p in pieces if i == k) for k in range(len(names))] == [
-            c.function.arguments for c in whole.message.tool_calls
-        ]
+        streams_as_whole(deepseek_client, {**request, **extra}, whole)
 
 
 @pytest.mark.model

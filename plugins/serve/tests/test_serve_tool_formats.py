@@ -38,7 +38,7 @@ from anyquant_serve.tools import (
     xml_calls,
 )
 from plugins.serve.tests.servers import serving, with_special_tokens
-from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, TOOLS, valid_calls
+from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, TOOLS, streams_as_whole, valid_calls
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -477,15 +477,4 @@ def test_required_named_and_streamed_calls(served: tuple[str, Any]) -> None:
             assert [c.id.rsplit(":", 1)[1] for c in whole.message.tool_calls] == [
                 str(i + first) for i in range(len(names))
             ]
-        heads, pieces = [], []
-        for event in client.chat.completions.create(**request, **extra, stream=True):
-            assert not event.choices[0].delta.content
-            for entry in event.choices[0].delta.tool_calls or ():
-                if entry.id is not None:
-                    heads.append((entry.index, entry.function.name))
-                if entry.function.arguments:
-                    pieces.append((entry.index, entry.function.arguments))
-        assert heads == [(i, n) for i, n in enumerate(names)]
-        assert ["".join(p for i, p in pieces if i == k) for k in range(len(names))] == [
-            c.function.arguments for c in whole.message.tool_calls
-        ]
+        streams_as_whole(client, {**request, **extra}, whole)

@@ -528,6 +528,24 @@ def qwen_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
+def streams_as_whole(client: Any, request: dict[str, Any], whole: Any) -> None:
+    """``request`` streamed gives the unstreamed answer ``whole``'s calls (the ``openai`` client's choice) as OpenAI
+    streams them: no content, each call's head (index, id, name) once and in order, its arguments' pieces joining
+    into ``whole``'s, the last ``finish_reason`` ``tool_calls``."""
+    heads, pieces, reasons = [], [], []
+    for event in client.chat.completions.create(**request, stream=True):
+        assert not event.choices[0].delta.content
+        for entry in event.choices[0].delta.tool_calls or ():
+            if entry.id is not None:
+                heads.append((entry.index, entry.function.name))
+            if entry.function.arguments:
+                pieces.append((entry.index, entry.function.arguments))
+        reasons.append(event.choices[0].finish_reason)
+    calls = whole.message.tool_calls
+    assert heads == [(i, c.function.name) for i, c in enumerate(calls)] and reasons[-1] == "tool_calls"
+    assert ["".join(p for i, p in pieces if i == k) for k in range(len(calls))] == [c.function.arguments for c in calls]
+
+
 def valid_calls(calls: Any, allowed: list[dict[str, Any]], ids: str = r"call_[0-9a-f]{24}") -> list[str]:
     """The names of ``calls`` (the ``openai`` client's), each checked: a function call whose id matches ``ids``
     (``{name}``: the call's name) naming one of ``allowed``, its arguments valid against that tool's ``parameters``
