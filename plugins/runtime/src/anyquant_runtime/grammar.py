@@ -18,7 +18,7 @@ import concurrent.futures
 import json
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -378,6 +378,26 @@ def _value(schema: Any) -> Any:
     return xg.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
 
 
+def _joined(call_at: Callable[[int], Any], max_calls: int, sep: str) -> Any:
+    """One to ``max_calls`` calls joined by ``sep`` (``call_at(k)``: the grammar of the ``k``-th, from 0)."""
+    import xgrammar as xg
+
+    first = call_at(0)
+    answers, calls = [first], first
+    for k in range(1, max_calls):
+        calls = xg.Grammar.concat(calls, _literal(sep), call_at(k)) if sep else xg.Grammar.concat(calls, call_at(k))
+        answers.append(calls)
+    return xg.Grammar.union(*answers) if len(answers) > 1 else first
+
+
+def _around(begin: str, body: Any, end: str) -> Any:
+    """``body`` between the texts ``begin`` and ``end`` (either may be empty)."""
+    import xgrammar as xg
+
+    parts = ([_literal(begin)] if begin else []) + [body] + ([_literal(end)] if end else [])
+    return xg.Grammar.concat(*parts) if len(parts) > 1 else body
+
+
 def _tagged_grammar(spec: Sequence[Mapping[str, Any]]) -> Any:
     """One of the options: its ``begin`` text, then a JSON value of its ``schema``."""
     import xgrammar as xg
@@ -389,6 +409,8 @@ def _tagged_grammar(spec: Sequence[Mapping[str, Any]]) -> Any:
 _XML_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 #: :meth:`OutputFormat.xml_calls`' styles
 XML_STYLES = ("qwen3", "glm", "dsml", "pythonic")
+#: where :meth:`OutputFormat.named_calls`' texts take a call's number
+INDEX = "{index}"
 
 
 def _xml_text(schema: Any) -> bool:
@@ -458,15 +480,11 @@ def _xml_calls_grammar(spec: Mapping[str, Any]) -> Any:
     style = spec.get("style", "qwen3")
     options = [xg.Grammar.concat(*_xml_call(t["name"], t["parameters"], style)) for t in spec["tools"]]
     call = xg.Grammar.union(*options) if len(options) > 1 else options[0]
-    answers, calls = [call], call
-    for _ in range(int(spec["max_calls"]) - 1):
-        calls = xg.Grammar.concat(calls, _literal(spec["sep"]), call)
-        answers.append(calls)
-    body = xg.Grammar.union(*answers) if len(answers) > 1 else call
+    body = _joined(lambda _: call, int(spec["max_calls"]), spec["sep"])
     if style == "dsml":
-        return xg.Grammar.concat(_literal("<｜DSML｜function_calls>\n"), body, _literal("\n</｜DSML｜function_calls>"))
+        return _around("<｜DSML｜function_calls>\n", body, "\n</｜DSML｜function_calls>")
     if style == "pythonic":
-        return xg.Grammar.concat(_literal("["), body, _literal("]"))
+        return _around("[", body, "]")
     return body
 
 
@@ -475,48 +493,25 @@ def _named_calls_grammar(spec: Mapping[str, Any]) -> Any:
     ``sep``, ``end``; ``{index}`` in a call's texts its number from ``index`` on, where that is given."""
     import xgrammar as xg
 
+    index = spec.get("index")
+
     def call_at(k: int) -> Any:
-        index = spec.get("index")
-        number = "" if index is None else str(int(index) + k)
-
         def text(t: str) -> str:
-            return t if index is None else t.replace("{index}", number)
+            return t if index is None else t.replace(INDEX, str(int(index) + k))
 
-        options = [
-            xg.Grammar.concat(_literal(text(c["begin"])), _value(c["schema"]), _literal(text(c["end"])))
-            if c["end"]
-            else xg.Grammar.concat(_literal(text(c["begin"])), _value(c["schema"]))
-            for c in spec["calls"]
-        ]
+        options = [_around(text(c["begin"]), _value(c["schema"]), text(c["end"])) for c in spec["calls"]]
         return xg.Grammar.union(*options) if len(options) > 1 else options[0]
 
-    sep = spec.get("sep") or ""
-    call = call_at(0)
-    answers, calls = [call], call
-    for k in range(1, int(spec["max_calls"])):
-        calls = xg.Grammar.concat(calls, _literal(sep), call_at(k)) if sep else xg.Grammar.concat(calls, call_at(k))
-        answers.append(calls)
-    body = xg.Grammar.union(*answers) if len(answers) > 1 else call
-    parts = (
-        ([_literal(spec["begin"])] if spec["begin"] else []) + [body] + ([_literal(spec["end"])] if spec["end"] else [])
-    )
-    return xg.Grammar.concat(*parts) if len(parts) > 1 else body
+    body = _joined(call_at, int(spec["max_calls"]), spec.get("sep") or "")
+    return _around(spec["begin"], body, spec["end"])
 
 
 def _tool_calls_grammar(spec: Mapping[str, Any]) -> Any:
     """``begin schema end`` once, or up to ``max_calls`` times joined by ``sep``, as one xgrammar grammar (the
     JSON on one line, strict: no property the schema does not name)."""
-    import xgrammar as xg
 
-    value = _value(spec["schema"])
-    one = [_literal(spec["begin"])] if spec["begin"] else []
-    one += [value] + ([_literal(spec["end"])] if spec["end"] else [])
-    call = xg.Grammar.concat(*one) if len(one) > 1 else one[0]
-    options, calls = [call], call
-    for _ in range(int(spec["max_calls"]) - 1):
-        calls = xg.Grammar.concat(calls, _literal(spec["sep"]), call) if spec["sep"] else xg.Grammar.concat(calls, call)
-        options.append(calls)
-    return xg.Grammar.union(*options) if len(options) > 1 else call
+    call = _around(spec["begin"], _value(spec["schema"]), spec["end"])
+    return _joined(lambda _: call, int(spec["max_calls"]), spec["sep"])
 
 
 def _what(fmt: OutputFormat) -> str:

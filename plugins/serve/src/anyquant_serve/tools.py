@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from anyquant_runtime.chat import template_source
+from anyquant_runtime.grammar import INDEX
 from anyquant_runtime.harmony import new_call_id
 from anyquant_runtime.stops import held_back
 
@@ -147,8 +148,6 @@ XML_STYLES = {"qwen3_xml": "qwen3", "glm45": "glm", "deepseek_v32": "dsml", "pyt
 
 #: the most calls one constrained answer may hold when ``parallel_tool_calls`` is on
 MAX_PARALLEL_CALLS = 4
-#: where a call's index goes in a constrained call's text (:func:`named_calls`; the grammar's ``{index}``)
-INDEX = "{index}"
 
 
 @functools.lru_cache(maxsize=32)
@@ -435,6 +434,16 @@ def _xml_parameters(body: str) -> list[tuple[str, str]]:
     return out
 
 
+def _json_call(name: str, raw: str) -> dict[str, Any] | None:
+    """The call named ``name`` whose arguments are ``raw``, where ``raw`` is one JSON object and nothing else (the
+    formats that write the name outside the arguments); else ``None``."""
+    try:
+        value, end = _DECODER.raw_decode(raw)
+    except ValueError:
+        return None
+    return _call(name, value, raw) if end == len(raw) and isinstance(value, Mapping) else None
+
+
 def _deepseek_call(body: str) -> dict[str, Any] | None:
     """One call from the text between ``<｜tool▁call▁begin｜>`` and ``<｜tool▁call▁end｜>``: V3.1's ``name<｜tool▁sep｜>
     {...}`` or V3's ``function<｜tool▁sep｜>name\n```json\n{...}\n```` (either is read whichever the template
@@ -448,13 +457,7 @@ def _deepseek_call(body: str) -> dict[str, Any] | None:
         name, raw = head.strip(), fenced.strip()
         if raw.endswith("```"):
             raw = raw[:-3].rstrip()
-    if not _NAME.fullmatch(name):
-        return None
-    try:
-        value, end = _DECODER.raw_decode(raw)
-    except ValueError:
-        return None
-    return _call(name, value, raw) if end == len(raw) and isinstance(value, Mapping) else None
+    return _json_call(name, raw) if _NAME.fullmatch(name) else None
 
 
 def _sectioned(
@@ -496,13 +499,7 @@ def _kimi_call(body: str) -> dict[str, Any] | None:
     ident, sep, raw = body.partition(KIMI_ARGS)
     ident, raw = ident.strip(), raw.strip()
     named = _KIMI_ID.fullmatch(ident)
-    if not sep or named is None:
-        return None
-    try:
-        value, end = _DECODER.raw_decode(raw)
-    except ValueError:
-        return None
-    call = _call(named.group(1), value, raw) if end == len(raw) and isinstance(value, Mapping) else None
+    call = _json_call(named.group(1), raw) if sep and named is not None else None
     if call is not None:
         call["id"] = ident
     return call
@@ -515,8 +512,12 @@ def _kimi(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 _KIMI_ID = re.compile(r"(?:functions\.)?([A-Za-z0-9_.-]{1,64}):[0-9]{1,9}")
 
 
+#: a tagged call's reader: ``(its body, each tool's parameter schemas)`` -> ``(name, arguments)``, ``None``: no call
+_Read = Callable[[str, Mapping[str, Mapping[str, Any]]], tuple[str, dict[str, Any]] | None]
+
+
 def _tagged_calls(
-    text: str, open_tag: str, close_tag: str, read: Any, tools: Sequence[Mapping[str, Any]]
+    text: str, tools: Sequence[Mapping[str, Any]], open_tag: str, close_tag: str, read: _Read
 ) -> tuple[str | None, list[dict[str, Any]]]:
     """Calls each between ``open_tag`` and ``close_tag``, the text between read by ``read(body, properties)`` into
     ``(name, arguments)`` (``None``: not a call); the text outside them is the content. Any call that does not read
@@ -543,9 +544,10 @@ def _tagged_calls(
     return content or None, calls
 
 
-def _pairs(body: str, key_open: str, key_close: str, value_open: str, value_close: str) -> list[tuple[str, str]] | None:
+def _glm_pairs(body: str) -> list[tuple[str, str]] | None:
     """GLM's ``<arg_key>k</arg_key>`` + ``<arg_value>v</arg_value>`` pairs of a call's body, in order; ``None`` when
     the body holds anything else. Linear in the body."""
+    key_open, key_close, value_open, value_close = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
     out: list[tuple[str, str]] = []
     at = _skip(body, 0)
     while at < len(body):
@@ -568,7 +570,7 @@ def _glm_call(body: str, params: Mapping[str, Mapping[str, Any]]) -> tuple[str, 
     stripped and read by its parameter's schema type as ``qwen3_xml``'s are."""
     cut = min((i for i in (body.find("\n"), body.find("<")) if i >= 0), default=len(body))
     name = body[:cut].strip()
-    pairs = _pairs(body[cut:], "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+    pairs = _glm_pairs(body[cut:])
     if not _NAME.fullmatch(name) or pairs is None:
         return None
     properties = params.get(name, {})
@@ -615,7 +617,7 @@ def _dsml(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str | Non
     block = text[start + len(DSML_CALLS) : end if end >= 0 else len(text)]
     if end < 0 or block.strip() == "":
         return text, []
-    inner, calls = _tagged_calls(block, DSML_INVOKE, DSML_INVOKE_END, _dsml_call, tools)
+    inner, calls = _tagged_calls(block, tools, DSML_INVOKE, DSML_INVOKE_END, _dsml_call)
     if not calls or (inner or "").strip():
         return text, []
     content = (text[:start] + text[end + len(DSML_CALLS_END) :]).strip()
@@ -645,24 +647,13 @@ def _functionary_v32(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if recipient.strip() == "all" and sep:
             content.append(body)
             continue
-        raw = body.strip()
-        try:
-            value, end = _DECODER.raw_decode(raw) if sep and _NAME.fullmatch(recipient.strip()) else (None, 0)
-        except ValueError:
-            value = None
-        call = _call(recipient.strip(), value, raw[:end]) if isinstance(value, Mapping) and end == len(raw) else None
+        name = recipient.strip()
+        call = _json_call(name, body.strip()) if sep and _NAME.fullmatch(name) else None
         if call is None:
             return text, []
         calls.append(call)
     joined = "".join(content).strip()
     return joined or None, calls
-
-
-_Parser = Callable[[str], tuple[str | None, list[dict[str, Any]]]]
-_PARSERS: dict[str, _Parser] = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral}
-_PARSERS.update({"deepseek_v31": _deepseek, "deepseek_v3": _deepseek, "kimi_k2": _kimi})
-_PARSERS.update({"granite": lambda t: _mistral(t, GRANITE.begin), "phi4_mini_json": lambda t: _mistral(t, "functools")})
-_PARSERS["functionary_v32"] = _functionary_v32
 
 
 def _python_value(node: Any) -> Any:
@@ -720,7 +711,24 @@ def _pythonic(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return None, calls
 
 
-_PARSERS["pythonic"] = _pythonic
+#: each format's parser of an answer; its arguments: the text, and the request's tools (the formats that read their
+#: values by the parameters' types take them)
+_PARSERS: dict[str, Callable[[str, Sequence[Mapping[str, Any]]], tuple[str | None, list[dict[str, Any]]]]] = {
+    "hermes": lambda text, _: _hermes(text),
+    "llama3_json": lambda text, _: _llama3(text),
+    "mistral": lambda text, _: _mistral(text),
+    "granite": lambda text, _: _mistral(text, GRANITE.begin),
+    "phi4_mini_json": lambda text, _: _mistral(text, FUNCTOOLS.begin),
+    "qwen3_xml": _qwen3_xml,
+    "glm45": lambda text, tools: _tagged_calls(text, tools, "<tool_call>", "</tool_call>", _glm_call),
+    "functionary_v31": lambda text, tools: _tagged_calls(text, tools, "<function=", "</function>", _function_call),
+    "functionary_v32": lambda text, _: _functionary_v32(text),
+    "deepseek_v31": lambda text, _: _deepseek(text),
+    "deepseek_v3": lambda text, _: _deepseek(text),
+    "deepseek_v32": _dsml,
+    "kimi_k2": lambda text, _: _kimi(text),
+    "pythonic": lambda text, _: _pythonic(text),
+}
 
 
 def parse_tool_calls(
@@ -730,15 +738,7 @@ def parse_tool_calls(
     fresh ``call_...`` id and its arguments as the model wrote them: :func:`_call`; ``qwen3_xml``'s serialized
     from its values, read by the types of ``tools``' parameters) and the text outside them (``None`` when empty).
     Text that does not hold well-formed calls comes back whole, with no calls."""
-    if fmt.name == "qwen3_xml":
-        return _qwen3_xml(text, tools)
-    if fmt.name == "glm45":
-        return _tagged_calls(text, "<tool_call>", "</tool_call>", _glm_call, tools)
-    if fmt.name == "deepseek_v32":
-        return _dsml(text, tools)
-    if fmt.name == "functionary_v31":
-        return _tagged_calls(text, "<function=", "</function>", _function_call, tools)
-    return _PARSERS[fmt.name](text)
+    return _PARSERS[fmt.name](text, tools)
 
 
 def functions(tools: Sequence[Mapping[str, Any]], name: str | None = None) -> list[tuple[str, Mapping[str, Any]]]:
@@ -809,7 +809,7 @@ def named_calls(
     """:class:`NamedCalls` for ``tools`` (the one named ``name``) in ``fmt``, ``None`` for a format that writes the name
     inside the JSON. Kimi's ids ``functions.name:N`` count the calls of the whole conversation: ``history`` of them
     came before this answer."""
-    if fmt.name.startswith("deepseek_v3") and fmt.name != "deepseek_v32":
+    if fmt in (DEEPSEEK_V3, DEEPSEEK_V31):
         return NamedCalls(deepseek_calls(tools, fmt, name), fmt.begin, fmt.end, "", None)
     if fmt.name not in _NAMED:
         return None
