@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,7 +17,7 @@ from torch import nn
 from anyquant.errors import CheckpointError, ConfigError, MissingTensorError, ParameterError
 
 from .finite import check_finite
-from .tensors import FileRows, TensorSource, fill_file_tables
+from .tensors import LAYER_PREFIX, FileRows, TensorSource, fill_file_tables
 
 __all__ = [
     "RUNTIMES",
@@ -292,8 +291,6 @@ def _tied_head(model: Any) -> tuple[str, str] | None:
 
 #: decoder layers read and repacked between two hand-backs of the heap's free pages during a load
 TRIM_LAYERS = 4
-#: a module name's part up to its first number (``model.layers.3.``): one decoder layer
-_NUMBERED = re.compile(r"^.*?\.\d+\.")
 
 
 def build_model(
@@ -344,7 +341,7 @@ def build_model(
         # every few decoder layers read and repacked, the heap's freed pages (their reads, unpacking temporaries)
         # handed back to the system, not left to pile up under the load's peak (a 1.1B W4A16 load peaked at 1,474
         # MiB for 800 kept; after every layer the page faults cost a tenth of the load)
-        numbered = _NUMBERED.match(name)
+        numbered = LAYER_PREFIX.match(name)
         if numbered is not None and numbered.group(0) != block:
             blocks += 1
             if blocks % TRIM_LAYERS == 0:

@@ -13,7 +13,6 @@ reads what the backend choice needs, :meth:`~TransformersLoader.prepare` makes w
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -29,7 +28,7 @@ from anyquant.protocols import (
     LoadOptions,
 )
 
-from .tensors import TensorSource
+from .tensors import LAYER_PREFIX, TensorSource
 
 if TYPE_CHECKING:
     import torch
@@ -383,9 +382,6 @@ def _around(own: list[_T], fast: list[_T], name: Callable[[_T], str]) -> list[_T
     return [x for x in own if name(x) not in EXACT_BACKENDS] + fast + exact
 
 
-_LAYER_INDEX = re.compile(r"^(.*?(?:layers|blk|h))\.(\d+)\.")
-
-
 def _check_unused_layers(unused: Sequence[str], names: Sequence[str], config: Mapping[str, Any]) -> None:
     """Tensors of decoder layers past ``num_hidden_layers`` (plus DeepSeek/GLM's multi-token-prediction
     layers, ``num_nextn_predict_layers``) left unused, under the same prefix as layers that were used:
@@ -396,12 +392,12 @@ def _check_unused_layers(unused: Sequence[str], names: Sequence[str], config: Ma
     if not isinstance(layers, int) or not isinstance(extra, int):
         return
     skipped = set(unused)
-    used_stacks = {m.group(1) for n in names if n not in skipped and (m := _LAYER_INDEX.match(n))}
+    used_stacks = {m.group(1) for n in names if n not in skipped and (m := LAYER_PREFIX.match(n))}
     beyond = sorted(
         {
             int(m.group(2))
             for n in unused
-            if (m := _LAYER_INDEX.match(n)) and m.group(1) in used_stacks and int(m.group(2)) >= layers + extra
+            if (m := LAYER_PREFIX.match(n)) and m.group(1) in used_stacks and int(m.group(2)) >= layers + extra
         }
     )
     if beyond:

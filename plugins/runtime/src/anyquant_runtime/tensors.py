@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -20,7 +21,19 @@ if TYPE_CHECKING:
 
     from anyquant.probe import Probe
 
-__all__ = ["DictSource", "FileRows", "PackedRows", "SafetensorsSource", "TensorSource", "fill_file_tables"]
+__all__ = [
+    "LAYER_PREFIX",
+    "DictSource",
+    "FileRows",
+    "PackedRows",
+    "SafetensorsSource",
+    "TensorSource",
+    "fill_file_tables",
+]
+
+#: a tensor's or module's decoder layer: the stack's prefix (``model.layers``, GGUF's ``blk``, GPT-2's ``h``) and the
+#: layer's number; the whole match (``model.layers.3.``) names the layer
+LAYER_PREFIX = re.compile(r"^(.*?(?:layers|blk|h))\.(\d+)\.")
 
 
 class TensorSource(Protocol):
