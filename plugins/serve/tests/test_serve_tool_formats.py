@@ -38,7 +38,16 @@ from anyquant_serve.tools import (
     xml_calls,
 )
 from plugins.serve.tests.servers import serving, with_special_tokens
-from plugins.serve.tests.test_serve_tools import ANSWERED, CALLED, NAME, TOOLS, streams_as_whole, valid_calls
+from plugins.serve.tests.test_serve_tools import (
+    ANSWERED,
+    CALLED,
+    NAME,
+    TOOLS,
+    grammar_accepts,
+    streamed_answer,
+    streams_as_whole,
+    valid_calls,
+)
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -338,13 +347,7 @@ def test_stream_joins_into_the_whole_answer(fmt: ToolFormat, text: str, size: in
     """Content goes out until the calls' marker (its whitespace before the marker too, which the unstreamed answer
     strips); the calls (Granite's and functools' arguments piece by piece, the others whole at the end) equal the
     unstreamed ones."""
-    stream = ToolStream(fmt, TOOLS)
-    sent, entries = "", []
-    for at in range(0, len(text), size):
-        content, deltas = stream.feed(text[at : at + size])
-        sent, entries = sent + content, entries + deltas
-    content, deltas = stream.finish()
-    sent, entries = sent + content, entries + deltas
+    sent, entries, reason = streamed_answer(text, fmt, size)
     whole_content, calls = parse_tool_calls(text, fmt, TOOLS)
     assert sent.strip() == (whole_content or "")
     heads = [(e["index"], e["function"]["name"]) for e in entries if "id" in e]
@@ -353,17 +356,10 @@ def test_stream_joins_into_the_whole_answer(fmt: ToolFormat, text: str, size: in
         assert "".join(e["function"]["arguments"] for e in entries if e["index"] == i) == call["function"]["arguments"]
     if fmt.array and size == 1:  # streamed piece by piece
         assert sum(1 for e in entries if e["function"]["arguments"]) > len(calls)
-    assert stream.reason("stop") == "tool_calls"
+    assert reason == "tool_calls"
 
 
 # ---------------------------------------------------------------------- the constraint of required / named
-
-
-def _matches(grammar: Any, text: str) -> bool:
-    xgrammar = pytest.importorskip("xgrammar")
-    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo([])).compile_grammar(grammar)
-    matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
-    return bool(matcher.accept_string(text) and matcher.is_terminated())
 
 
 CONSTRAINED = {  # two calls as each grammar writes them (JSON on one line, no property the schema does not name)
@@ -402,10 +398,10 @@ def test_the_constraint_writes_the_templates_shape(fmt: ToolFormat) -> None:
         assert named is not None and (named.first == 3) == (fmt is KIMI_K2)
         spec = OutputFormat.named_calls(named.options, named.begin, named.end, 2, named.sep, named.first).spec
         grammar = _named_calls_grammar(json.loads(spec))
-    assert _matches(grammar, text)
-    assert not _matches(grammar, text.replace("get_time", "get_news"))
+    assert grammar_accepts(grammar, text)
+    assert not grammar_accepts(grammar, text.replace("get_time", "get_news"))
     if fmt is KIMI_K2:
-        assert not _matches(grammar, text.replace("get_weather:4", "get_weather:3"))
+        assert not grammar_accepts(grammar, text.replace("get_weather:4", "get_weather:3"))
     _, calls = parse_tool_calls(text, fmt, TOOLS)
     assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
 
@@ -420,7 +416,9 @@ def test_granite_and_functools_take_the_json_array_grammar() -> None:
         schema = {"type": "array", "items": call_schema(TOOLS, fmt), "minItems": 1, "maxItems": 2}
         grammar = _tool_calls_grammar(json.loads(OutputFormat.tool_calls(schema, fmt.begin, fmt.end).spec))
         text = fmt.begin + '[{"name": "get_time", "arguments": {"zone": "JST"}}]'
-        assert _matches(grammar, text) and not _matches(grammar, text.replace("JST", "far too long a zone"))
+        assert grammar_accepts(grammar, text) and not grammar_accepts(
+            grammar, text.replace("JST", "far too long a zone")
+        )
         assert parse_tool_calls(text, fmt)[1][0]["function"]["name"] == "get_time"
 
 

@@ -232,7 +232,7 @@ def test_qwen3_xml_parser() -> None:
     unclosed = "<tool_call>\n<function=get_time>\n" + "<parameter=zone>\nx\n" * 20_000 + "</function>"
     assert _calls(parse_tool_calls(unclosed, QWEN3_XML, TOOLS)[1]) == [("get_time", {})]
     # streamed: the content as it comes, the calls whole at the end
-    sent, deltas, reason = _streamed("Sure. " + XML_CALL, QWEN3_XML, 3)
+    sent, deltas, reason = streamed_answer("Sure. " + XML_CALL, QWEN3_XML, 3)
     assert sent == "Sure. " and reason == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in _joined(deltas)] == [
         ("get_weather", {"city": "San Jose", "unit": "celsius"})
@@ -257,8 +257,16 @@ def test_arguments_are_the_model_text() -> None:
         assert parse_tool_calls(bad, MISTRAL) == (bad, [])
 
 
-def _streamed(text: str, fmt: Any, size: int, reason: str = "stop") -> tuple[str, list[dict[str, Any]], str]:
-    """``text`` fed to a :class:`ToolStream` ``size`` characters at a time: the content sent, the
+def grammar_accepts(grammar: Any, text: str) -> bool:
+    """Whether the xgrammar ``grammar`` accepts ``text`` whole (and then ends): xgrammar's own matcher, no tokenizer."""
+    xgrammar = pytest.importorskip("xgrammar")
+    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo([])).compile_grammar(grammar)
+    matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return bool(matcher.accept_string(text) and matcher.is_terminated())
+
+
+def streamed_answer(text: str, fmt: Any, size: int, reason: str = "stop") -> tuple[str, list[dict[str, Any]], str]:
+    """``text`` fed to a :class:`ToolStream` (of :data:`TOOLS`) ``size`` characters at a time: the content sent, the
     ``delta.tool_calls`` entries sent, and the finish reason."""
     stream = ToolStream(fmt, TOOLS)
     content, deltas = "", list[dict[str, Any]]()
@@ -315,7 +323,7 @@ def test_stream_sends_content_then_arguments_piece_by_piece(fmt: Any, text: str,
     jsonschema = pytest.importorskip("jsonschema")
     content, calls = parse_tool_calls(text, fmt)
     assert calls
-    sent, deltas, reason = _streamed(text, fmt, size)
+    sent, deltas, reason = streamed_answer(text, fmt, size)
     assert reason == "tool_calls" and sent.strip() == (content or "")
     streamed = _joined(deltas)
     assert [(c["name"], c["arguments"]) for c in streamed] == [
@@ -350,9 +358,9 @@ def test_stream_holds_what_may_be_a_call() -> None:
     assert llama.feed('"parameters": {}}') == ("", [{"index": 0, "function": {"arguments": "{}"}}])
     assert llama.finish() == ("", []) and _calls(llama.calls) == [("a", {})]
     # arguments as JSON text in a string go out whole once read; none at all: {} at the end
-    sent, deltas, _ = _streamed('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', HERMES, 1)
+    sent, deltas, _ = streamed_answer('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', HERMES, 1)
     assert [c["arguments"] for c in _joined(deltas)] == ['{"a": 1}'] and len(deltas) == 2
-    assert _joined(_streamed('{"name": "f"}', LLAMA3_JSON, 1)[1])[0]["arguments"] == "{}"
+    assert _joined(streamed_answer('{"name": "f"}', LLAMA3_JSON, 1)[1])[0]["arguments"] == "{}"
 
 
 @pytest.mark.parametrize(
@@ -376,7 +384,7 @@ def test_stream_of_calls_that_do_not_parse(
     when no call was streamed (``content`` ``None``); else what was sent, and nothing more."""
     assert parse_tool_calls(text, fmt) == (text, [])
     for size in (1, 4, 1000):
-        sent, deltas, why = _streamed(text, fmt, size, reason)
+        sent, deltas, why = streamed_answer(text, fmt, size, reason)
         expected = (text if content is None else content, arguments, finish)
         assert (sent, [c["arguments"] for c in _joined(deltas)], why) == expected
 
